@@ -1,0 +1,91 @@
+"""Alert vocabulary shared by the engine (which decides) and the outputs (API, store, notifiers).
+
+The engine owns the lifecycle (pending -> firing -> resolved) so that the live server and offline
+replay produce identical alerts; everything downstream only records and forwards Alert values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping
+
+
+class AlertKind(str, Enum):
+    THERMAL_THROTTLE = "thermal_throttle"
+    STRAGGLER = "straggler"
+    COMM_BOUND = "comm_bound"
+    INPUT_BOUND = "input_bound"
+    NODE_UNREACHABLE = "node_unreachable"
+    GPU_LOST = "gpu_lost"
+    XID = "xid"
+    ECC = "ecc"
+
+
+class Severity(str, Enum):
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+class AlertState(str, Enum):
+    PENDING = "pending"
+    FIRING = "firing"
+    RESOLVED = "resolved"
+
+
+def fingerprint(kind: AlertKind, node: str | None, gpu: int | None, hpc_job: str | None,
+                extra: str = "") -> str:
+    """Stable identity of an alert subject: the same problem on the same GPU/job keeps one id."""
+    key = f"{kind.value}|{node or ''}|{'' if gpu is None else gpu}|{hpc_job or ''}|{extra}"
+    return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """One alert occurrence. `started` is the sample time it began firing (None while pending)."""
+
+    id: str                      # fingerprint + pending_since: unique per occurrence
+    fingerprint: str
+    kind: AlertKind
+    severity: Severity
+    state: AlertState
+    node: str | None
+    gpu: int | None
+    uuid: str | None
+    hpc_job: str | None
+    pending_since: float
+    started: float | None
+    resolved: float | None
+    updated: float
+    summary: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The replay / REST shape of an alert."""
+        return {
+            "id": self.id,
+            "fingerprint": self.fingerprint,
+            "kind": self.kind.value,
+            "severity": self.severity.value,
+            "state": self.state.value,
+            "node": self.node,
+            "gpu": self.gpu,
+            "uuid": self.uuid,
+            "hpc_job": self.hpc_job,
+            "pending_since": self.pending_since,
+            "started": self.started,
+            "resolved": self.resolved,
+            "updated": self.updated,
+            "summary": self.summary,
+            "evidence": dict(self.evidence),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """An alert that changed state (or was refreshed while firing) during one engine step."""
+
+    alert: Alert
+    previous: AlertState | None
