@@ -1,0 +1,26 @@
+"""`gpufleet-server` entry point: `serve` (default), `replay TRACE...`, `demo`."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to the subcommand's own main; each parses its own flags."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    command = args[0] if args and not args[0].startswith("-") else "serve"
+    rest = args[1:] if args and args[0] == command else args
+    if command == "replay":
+        from server.replay import main as run
+    elif command == "demo":
+        from server.demo import main as run
+    elif command == "serve":
+        from server.serve import main as run
+    else:
+        print(f"gpufleet-server: unknown command {command!r} (use serve, replay or demo)", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
