@@ -1,0 +1,163 @@
+"""Which HPC job uses each GPU: a dcgm-exporter style mapping directory, or the GPU's processes in procfs."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+# Slurm's cgroup layouts, v1 (/slurm/uid_0/job_42/step_0) and v2 (.../slurmstepd.scope/job_42/step_0).
+_CGROUP_JOB = re.compile(r"/job_(\d+)(?:/|$)")
+_ENV_KEY = b"SLURM_JOB_ID="
+# A job id is what Slurm prints; anything else in a mapping file is ignored rather than exported.
+_JOB_ID = re.compile(r"^[0-9A-Za-z_.+-]{1,64}$")
+# environ can be large (module systems); a job id is near the start, and the read stays bounded.
+_MAX_READ = 1 << 20
+_REWARN_SECONDS = 600.0
+
+
+class WarnOnce:
+    """Logs a warning the first time a cause appears, then at most every ten minutes with a count."""
+
+    def __init__(self, logger: logging.Logger, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._monotonic = monotonic
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def __call__(self, cause: str, message: str, **context: object) -> None:
+        now = self._monotonic()
+        last = self._last.get(cause)
+        if last is not None and now - last < _REWARN_SECONDS:
+            self._suppressed[cause] += 1
+            return
+        self._last[cause] = now
+        repeats = self._suppressed.pop(cause, 0)
+        self._log.warning(message, extra={"cause": cause, "repeats_since_last": repeats, **context})
+
+    @property
+    def causes(self) -> frozenset[str]:
+        """Every cause warned about so far."""
+        return frozenset(self._last)
+
+
+class JobAttributor:
+    """Maps a GPU to the Slurm job of its compute processes; the mapping directory, when set, wins."""
+
+    def __init__(
+        self,
+        procfs: str | os.PathLike[str] = "/proc",
+        mapping_dir: str | os.PathLike[str] | None = None,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._procfs = Path(procfs)
+        self._mapping_dir = Path(mapping_dir) if mapping_dir is not None else None
+        self._cache: dict[int, str | None] = {}
+        self._seen: set[int] = set()
+        self.warn = WarnOnce(log, monotonic)
+        self.errors: Counter[str] = Counter()
+
+    @property
+    def uses_mapping_dir(self) -> bool:
+        """True when jobs come from the mapping directory rather than procfs."""
+        return self._mapping_dir is not None
+
+    def job_for(self, index: int, uuid: str, pids: Iterable[int]) -> str | None:
+        """The job using GPU `index`; None when no process on it belongs to a job we can see."""
+        if self._mapping_dir is not None:
+            return self._from_mapping(index, uuid)
+        jobs = [job for job in (self._pid_job(pid) for pid in pids) if job is not None]
+        return _pick(jobs)
+
+    def end_cycle(self) -> None:
+        """Forget pids that no GPU reported this cycle: their ids may be reused by unrelated processes."""
+        for pid in self._cache.keys() - self._seen:
+            del self._cache[pid]
+        self._seen.clear()
+
+    def _pid_job(self, pid: int) -> str | None:
+        self._seen.add(pid)
+        if pid in self._cache:
+            return self._cache[pid]
+        job = self._job_from_environ(pid)
+        if job is None:
+            job = self._job_from_cgroup(pid)
+        self._cache[pid] = job
+        return job
+
+    def _job_from_environ(self, pid: int) -> str | None:
+        data = self._read(self._procfs / str(pid) / "environ", "environ")
+        if data is None:
+            return None
+        for entry in data.split(b"\0"):
+            if entry.startswith(_ENV_KEY):
+                return _valid_job(entry[len(_ENV_KEY):].decode("ascii", "replace"))
+        return None
+
+    def _job_from_cgroup(self, pid: int) -> str | None:
+        data = self._read(self._procfs / str(pid) / "cgroup", "cgroup")
+        if data is None:
+            return None
+        for line in data.decode("utf-8", "replace").splitlines():
+            match = _CGROUP_JOB.search(line)
+            if match:
+                return match.group(1)
+        return None
+
+    def _from_mapping(self, index: int, uuid: str) -> str | None:
+        assert self._mapping_dir is not None
+        for name in (str(index), uuid):
+            data = self._read(self._mapping_dir / name, "mapping", missing_ok=True)
+            if data is not None:
+                # Prologs append; the last id listed is the job that got the GPU most recently.
+                ids = [_valid_job(line) for line in data.decode("utf-8", "replace").splitlines()]
+                ids = [i for i in ids if i is not None]
+                return ids[-1] if ids else None
+        if not self._mapping_dir.is_dir():
+            self._note("mapping", "ENOENT", "hpc job mapping directory is missing", path=str(self._mapping_dir))
+        return None
+
+    def _read(self, path: Path, what: str, *, missing_ok: bool = False) -> bytes | None:
+        try:
+            with open(path, "rb") as fh:
+                return fh.read(_MAX_READ)
+        except FileNotFoundError:
+            # A process that exited between NVML's answer and our read is normal, not a warning;
+            # a procfs root that is not there at all (container without hostPID, wrong --path.procfs) is.
+            if not missing_ok and not self._procfs.is_dir():
+                self._note("procfs", "ENOENT", "procfs root is missing", path=str(self._procfs))
+            return None
+        except OSError as exc:
+            code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+            self._note(what, code, "cannot read for job attribution", path=str(path), error=exc.strerror)
+            return None
+
+    def _note(self, what: str, code: str, message: str, **context: object) -> None:
+        self.errors[f"{what}:{code}"] += 1
+        self.warn(f"{what}:{code}", message, **context)
+
+
+def _valid_job(text: str) -> str | None:
+    text = text.strip()
+    return text if _JOB_ID.match(text) else None
+
+
+def _pick(jobs: list[str]) -> str | None:
+    """The job with the most processes on the GPU; ties go to the newest (highest numeric) id."""
+    if not jobs:
+        return None
+    counts = Counter(jobs)
+    return max(counts, key=lambda job: (counts[job], _numeric(job), job))
+
+
+def _numeric(job: str) -> int:
+    head = job.split("_", 1)[0]
+    return int(head) if head.isdigit() else -1

@@ -1,0 +1,193 @@
+"""gpufleet-agent: wires config, NVML (real or simulated), sampler, store, recorder and HTTP together."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import orjson
+
+from agent import __version__
+from agent.attribution import JobAttributor
+from agent.config import PROG, AgentConfig, ConfigError, default_node, load_config
+from agent.logs import configure_logging
+from agent.nvml_reader import NvmlReader
+from agent.record import Recorder
+from agent.sampler import Sampler
+from agent.store import SnapshotStore
+from agent.webserver import AgentHttpServer
+
+log = logging.getLogger(__name__)
+
+
+class SettableClock:
+    """Wall clock for --once on the simulator: starts at now and moves only when told."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        """Move forward without sleeping."""
+        self.now += seconds
+
+
+@dataclass
+class Runtime:
+    """What main() built from the config; `cleanup` runs at exit."""
+
+    node: str
+    reader: NvmlReader
+    attributor: JobAttributor
+    clock: Callable[[], float]
+    wait: Callable[[float], None]
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the gpufleet-agent console script; returns the exit code."""
+    try:
+        config = load_config(argv)
+        configure_logging(config.log_level, config.log_format)
+        runtime = build_runtime(config)
+    except ConfigError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return 2
+    except SystemExit as exc:  # --help and --version print and exit through argparse
+        return int(exc.code or 0)
+    try:
+        return run_once(config, runtime) if config.once else serve(config, runtime)
+    finally:
+        for step in reversed(runtime.cleanup):
+            step()
+
+
+def build_runtime(config: AgentConfig) -> Runtime:
+    """The NVML object (pynvml or the simulator), the reader around it and job attribution."""
+    procfs = config.procfs
+    cleanup: list[Callable[[], None]] = []
+    if config.simulate:
+        nvml, node, clock = _simulator(config)
+        if not config.hpc_job_mapping_dir:
+            # The simulator writes a fake procfs so attribution runs exactly the code it runs on a real node.
+            root = Path(tempfile.mkdtemp(prefix="gpufleet-sim-proc-"))
+            cleanup.append(lambda: shutil.rmtree(root, ignore_errors=True))
+            nvml.materialize_procfs(root)
+            procfs = str(root)
+        wait = clock.advance if isinstance(clock, SettableClock) else _sleep
+    else:
+        nvml, node, clock, wait = _pynvml(), config.node or default_node(), time.time, _sleep
+    reader = NvmlReader(nvml, per_link_nvlink=config.nvlink_per_link)
+    attributor = JobAttributor(procfs, config.hpc_job_mapping_dir)
+    return Runtime(node=node, reader=reader, attributor=attributor, clock=clock, wait=wait, cleanup=cleanup)
+
+
+def _simulator(config: AgentConfig) -> tuple[Any, str, Callable[[], float]]:
+    from agent.sim import ScenarioError, SimNvml, load_scenario
+
+    try:
+        scenario = load_scenario(config.simulate)
+    except ScenarioError as exc:
+        raise ConfigError(f"--simulate: {exc}") from None
+    node = config.node or scenario.nodes[0]
+    if node not in scenario.nodes:
+        raise ConfigError(f"--node: {node!r} is not a node of scenario {config.simulate!r} "
+                          f"(nodes: {', '.join(scenario.nodes)})")
+    # --once samples twice an interval apart (GPM needs two samples); the simulator need not really wait.
+    # Starting one interval in the past makes the printed (second) sample's time "now".
+    clock: Callable[[], float] = SettableClock(time.time() - config.sample_interval) if config.once else time.time
+    # block_on_events: the XID thread's event wait must block as the driver's does, even on the settable clock.
+    nvml = SimNvml(scenario, node=node, clock=clock, epoch=config.simulate_epoch, seed=config.simulate_seed,
+                   block_on_events=True)
+    return nvml, node, clock
+
+
+def _pynvml() -> Any:
+    try:
+        import pynvml
+    except ImportError:
+        raise ConfigError("nvidia-ml-py is not installed: pip install 'gpufleet[agent]' "
+                          "(or use --simulate SCENARIO)") from None
+    return pynvml
+
+
+def _sleep(seconds: float) -> None:
+    threading.Event().wait(seconds)
+
+
+def run_once(config: AgentConfig, runtime: Runtime) -> int:
+    """Sample twice an interval apart (so GPM SM activity has a value), print the second snapshot."""
+    store = SnapshotStore(config.snapshots_retention)
+    sampler = Sampler(runtime.reader, store, node=runtime.node, interval=config.sample_interval,
+                      attributor=runtime.attributor, clock=runtime.clock)
+    try:
+        if sampler.run_once() is None:
+            return _once_failed(sampler)
+        runtime.wait(config.sample_interval)
+        snapshot = sampler.run_once()
+        if snapshot is None:
+            return _once_failed(sampler)
+    finally:
+        sampler.stop()
+    sys.stdout.buffer.write(orjson.dumps(snapshot.to_dict(), option=orjson.OPT_INDENT_2) + b"\n")
+    sys.stdout.flush()
+    if config.record:
+        recorder = Recorder(config.record)
+        recorder.write(orjson.dumps(snapshot.to_dict()))
+        recorder.close()
+    return 0
+
+
+def _once_failed(sampler: Sampler) -> int:
+    health = sampler.health()
+    sys.stderr.write(f"{PROG}: error: no sample: NVML {health.nvml_error or 'read failed'}\n")
+    return 1
+
+
+def serve(config: AgentConfig, runtime: Runtime) -> int:
+    """Run until SIGTERM/SIGINT: HTTP first (so health answers while NVML comes up), then sampling."""
+    store = SnapshotStore(config.snapshots_retention)
+    try:
+        server = AgentHttpServer(store, host=config.listen_host, port=config.listen_port,
+                                 interval=config.sample_interval, clock=runtime.clock)
+    except OSError as exc:
+        sys.stderr.write(f"{PROG}: error: --web.listen-address: cannot listen on "
+                         f"{config.listen_host}:{config.listen_port}: {exc.strerror or exc}\n")
+        return 1
+    recorder = Recorder(config.record) if config.record else None
+    stop = threading.Event()
+    sampler = Sampler(runtime.reader, store, node=runtime.node, interval=config.sample_interval,
+                      attributor=runtime.attributor, recorder=recorder, clock=runtime.clock, stop=stop)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    server.start()
+    sampler.start()
+    log.info("agent started", extra={"node": runtime.node, "version": __version__, "port": server.port,
+                                     "address": server.host, "interval_seconds": config.sample_interval,
+                                     "simulate": config.simulate, "record": config.record})
+    try:
+        # Short waits keep the main thread responsive to signals.
+        while not stop.wait(0.5):
+            pass
+    finally:
+        sampler.stop()
+        if recorder is not None:
+            recorder.close()
+        server.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        log.info("agent stopped", extra={"node": runtime.node})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Agent configuration: dotted flags, GPUFLEET_AGENT_* environment and a YAML file, in that precedence."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import yaml
+
+from agent import __version__
+
+PROG = "gpufleet-agent"
+ENV_PREFIX = "GPUFLEET_AGENT_"
+DEFAULT_PORT = 9471  # 9400 is dcgm-exporter, 9835 nvidia_gpu_exporter
+MIN_RETENTION_SECONDS = 120.0
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("json", "text")
+
+
+class ConfigError(ValueError):
+    """A bad flag, environment variable or config file entry; str() is the one-line message to print."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Everything the agent is told, validated."""
+
+    listen_host: str = ""
+    listen_port: int = DEFAULT_PORT
+    sample_interval: float = 1.0
+    # None until resolved: the hostname, or with --simulate the scenario's first node.
+    node: str | None = None
+    simulate: str | None = None
+    simulate_epoch: float | None = None
+    simulate_seed: int = 0
+    snapshots_retention: float = 300.0
+    record: str | None = None
+    once: bool = False
+    hpc_job_mapping_dir: str | None = None
+    procfs: str = "/proc"
+    nvlink_per_link: bool = False
+    log_level: str = "info"
+    log_format: str = "json"
+    config_file: str | None = None
+
+
+# --- value parsers: each takes a flag string, env string or YAML value, returns the typed value ----------
+
+
+def parse_listen_address(value: Any) -> tuple[str, int]:
+    """'HOST:PORT', ':PORT' or '[v6]:PORT' -> (host, port); empty host means every interface."""
+    text = _text(value)
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ValueError(f"want HOST:PORT (e.g. :{DEFAULT_PORT}), got {text!r}")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"port must be 0-65535, got {port}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"write IPv6 hosts in brackets, e.g. [::1]:{port}, got {text!r}")
+    return host, port
+
+
+def _interval(value: Any) -> float:
+    seconds = _number(value)
+    if not 0.1 <= seconds <= 3600:
+        raise ValueError(f"must be between 0.1 and 3600 seconds, got {value!r}")
+    return seconds
+
+
+def _retention(value: Any) -> float:
+    seconds = _number(value)
+    if not MIN_RETENTION_SECONDS <= seconds <= 86400:
+        raise ValueError(f"must be between {MIN_RETENTION_SECONDS:g} and 86400 seconds, got {value!r}")
+    return seconds
+
+
+def _epoch(value: Any) -> float:
+    seconds = _number(value)
+    if seconds < 0:
+        raise ValueError(f"must be unix seconds >= 0, got {value!r}")
+    return seconds
+
+
+def _seed(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"must be an integer, got {value!r}")
+    try:
+        return int(str(value).strip(), 10)
+    except ValueError:
+        raise ValueError(f"must be an integer, got {value!r}") from None
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    lowered = _text(value).lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"must be true or false, got {value!r}")
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = _text(value).lower()
+        if text not in options:
+            raise ValueError(f"must be one of {', '.join(options)}, got {value!r}")
+        return text
+
+    return parse
+
+
+def _path(value: Any) -> str:
+    text = _text(value)
+    if "\0" in text:
+        raise ValueError("must not contain NUL")
+    return text
+
+
+def _node(value: Any) -> str:
+    text = _text(value)
+    if any(c.isspace() for c in text) or len(text) > 253:
+        raise ValueError(f"must be a host-like name without spaces (at most 253 characters), got {value!r}")
+    return text
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, got {value!r}")
+    try:
+        number = float(str(value).strip().removesuffix("s"))
+    except ValueError:
+        raise ValueError(f"must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"must be finite, got {value!r}")
+    return number
+
+
+def _text(value: Any) -> str:
+    if value is None or isinstance(value, (dict, list)):
+        raise ValueError(f"must be a string, got {value!r}")
+    text = str(value).strip()
+    if not text:
+        raise ValueError("must not be empty")
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    key: str  # the flag name without dashes, also the YAML key
+    field: str  # AgentConfig attribute
+    parse: Callable[[Any], Any]
+    help: str
+    metavar: str | None = None  # None means a boolean switch
+
+
+OPTIONS: tuple[_Option, ...] = (
+    _Option("web.listen-address", "listen_host", parse_listen_address,
+            f"address to serve /metrics and the snapshot API on (default :{DEFAULT_PORT})", "HOST:PORT"),
+    _Option("sample.interval", "sample_interval", _interval, "seconds between NVML samples (default 1)", "SECONDS"),
+    _Option("node", "node", _node, "node name on every series and snapshot (default: hostname)", "NAME"),
+    _Option("simulate", "simulate", _path,
+            "use the NVML simulator: built-in scenario (hgx-h100, a100, pcie, demo) or a YAML/JSON file", "SCENARIO"),
+    _Option("simulate.epoch", "simulate_epoch", _epoch, "scenario time zero, unix seconds (default: agent start)",
+            "UNIX_SECONDS"),
+    _Option("simulate.seed", "simulate_seed", _seed, "simulator random seed (default 0)", "N"),
+    _Option("snapshots.retention", "snapshots_retention", _retention,
+            "seconds of snapshots kept for /snapshots?since= (default 300, at least 120)", "SECONDS"),
+    _Option("record", "record", _path, "append every snapshot as one JSON line to FILE", "FILE"),
+    _Option("once", "once", _bool, "print one snapshot as JSON and exit"),
+    _Option("hpc-job-mapping-dir", "hpc_job_mapping_dir", _path,
+            "dcgm-exporter style directory: one file per GPU index listing job ids (wins over /proc)", "DIR"),
+    _Option("path.procfs", "procfs", _path, "procfs mount point for job attribution (default /proc)", "DIR"),
+    _Option("nvlink.per-link", "nvlink_per_link", _bool, "also export NVLink byte counters per link"),
+    _Option("log.level", "log_level", _choice(LOG_LEVELS), "debug, info, warning or error (default info)", "LEVEL"),
+    _Option("log.format", "log_format", _choice(LOG_FORMATS), "json or text (default json)", "FORMAT"),
+)
+_BY_KEY = {o.key: o for o in OPTIONS}
+CONFIG_FILE_KEY = "config.file"
+
+
+def env_name(key: str) -> str:
+    """GPUFLEET_AGENT_ + the flag name upper-cased with dots and dashes as underscores."""
+    return ENV_PREFIX + key.upper().replace(".", "_").replace("-", "_")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flag parser; flags absent from argv are absent from the namespace (so env and file can fill in)."""
+    parser = _Parser(prog=PROG, description="gpufleet node agent: NVML sampling, /metrics and snapshots.",
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    parser.add_argument("--config.file", dest=CONFIG_FILE_KEY, metavar="FILE",
+                        help="YAML file whose keys are flag names without dashes")
+    for opt in OPTIONS:
+        if opt.metavar is None:
+            parser.add_argument(f"--{opt.key}", dest=opt.key, action="store_const", const=True, help=opt.help)
+        else:
+            parser.add_argument(f"--{opt.key}", dest=opt.key, metavar=opt.metavar, help=opt.help)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    return parser
+
+
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> AgentConfig:
+    """Flags > environment > config file > defaults, validated; ConfigError names the offending source."""
+    environ = os.environ if environ is None else environ
+    flags = vars(build_parser().parse_args(list(argv) if argv is not None else None))
+    config_file = flags.pop(CONFIG_FILE_KEY, None) or environ.get(env_name(CONFIG_FILE_KEY)) or None
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if config_file:
+        layers.append((f"config file {config_file}: key", _read_file(config_file)))
+    layers.append(("environment", {k: environ[env_name(k)] for k in _BY_KEY if env_name(k) in environ}))
+    layers.append(("flag", flags))
+    values: dict[str, Any] = {}
+    for source, layer in layers:
+        for key, raw in layer.items():
+            values.update(_parse_one(source, key, raw))
+    return AgentConfig(config_file=config_file, **values)
+
+
+def default_node(hostname: Callable[[], str] = socket.gethostname) -> str:
+    """The short hostname, as node_exporter users see it in their dashboards."""
+    name = (hostname() or "localhost").split(".", 1)[0]
+    return name or "localhost"
+
+
+def _parse_one(source: str, key: str, raw: Any) -> dict[str, Any]:
+    opt = _BY_KEY[key]
+    try:
+        value = opt.parse(raw)
+    except ValueError as exc:
+        name = {"flag": f"--{key}", "environment": env_name(key)}.get(source, f"{source} '{key}'")
+        raise ConfigError(f"{name}: {exc}") from None
+    if opt.field == "listen_host":
+        return {"listen_host": value[0], "listen_port": value[1]}
+    return {opt.field: value}
+
+
+def _read_file(path: str) -> Mapping[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"--config.file: cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"--config.file: {path}{where} is not valid YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config.file: {path} must hold a mapping of flag names to values")
+    for key in data:
+        if key not in _BY_KEY:
+            raise ConfigError(f"config file {path}: unknown key {key!r} (keys are flag names without dashes)")
+    return data

@@ -1,0 +1,146 @@
+"""The per-poll nvmlDeviceGetFieldValues batch: which field ids, which scopes, and each entry's own result.
+
+One call per GPU fetches power, energy, HBM temperature, PCIe and NVLink counters and the cumulative
+throttle durations. Every entry carries its own nvmlReturn, so one unsupported field never hides the
+others; entries found unsupported are dropped so later polls stop asking for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from agent.model import ThrottleReason
+from agent.nvml_errors import SUCCESS
+
+ALL_LINKS = 0xFFFFFFFF  # scope id that asks NVLink fields for the sum over all links
+
+_SCALARS = (
+    ("power_watts", "NVML_FI_DEV_POWER_INSTANT", 0),
+    ("energy_joules_total", "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 0),
+    ("memory_temperature_celsius", "NVML_FI_DEV_MEMORY_TEMP", 0),
+    ("pcie_tx_bytes_total", "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", 0),
+    ("pcie_rx_bytes_total", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", 0),
+    ("nvlink_tx_bytes_total", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", ALL_LINKS),
+    ("nvlink_rx_bytes_total", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", ALL_LINKS),
+)
+
+_THROTTLE_FIELDS = (
+    (ThrottleReason.SW_POWER_CAP, "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP"),
+    (ThrottleReason.SW_THERMAL_SLOWDOWN, "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN"),
+    (ThrottleReason.HW_THERMAL_SLOWDOWN, "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN"),
+    (ThrottleReason.HW_POWER_BRAKE_SLOWDOWN, "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN"),
+    (ThrottleReason.SYNC_BOOST, "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST"),
+)
+
+_PER_LINK = (
+    ("nvlink_link_tx_bytes_total", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"),
+    ("nvlink_link_rx_bytes_total", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"),
+)
+
+# nvmlValueType_t -> the c_nvmlValue_t union member holding the number.
+_VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+
+@dataclass(frozen=True, slots=True)
+class FieldEntry:
+    """One (field id, scope) the batch asks for, and the reading it feeds."""
+
+    reading: str
+    field_id: int
+    scope: int
+
+
+@dataclass(frozen=True, slots=True)
+class FieldResult:
+    """One entry's outcome: its own return code (None: NVML left it out) and the raw number on success."""
+
+    entry: FieldEntry
+    code: int | None
+    raw: int | float | None
+
+
+def throttle_reading(reason: ThrottleReason) -> str:
+    """Reading name of one reason's cumulative throttle duration."""
+    return f"throttle_seconds_total.{reason.label}"
+
+
+def link_reading(base: str, link: int) -> str:
+    """Reading name of one NVLink link's counter, e.g. 'nvlink_link_tx_bytes_total.3'."""
+    return f"{base}.{link}"
+
+
+def batch_entries(nvml: Any, *, link_count: int, per_link: bool) -> tuple[FieldEntry, ...]:
+    """Every entry worth asking this GPU for; field ids this pynvml does not define are skipped."""
+    wanted: list[tuple[str, str, int]] = list(_SCALARS)
+    wanted += [(throttle_reading(reason), name, 0) for reason, name in _THROTTLE_FIELDS]
+    if per_link:
+        wanted += [(link_reading(base, i), name, i) for i in range(link_count) for base, name in _PER_LINK]
+    return tuple(
+        FieldEntry(reading, getattr(nvml, name), scope)
+        for reading, name, scope in wanted
+        if isinstance(getattr(nvml, name, None), int)
+    )
+
+
+def decode(value: Any) -> int | float | None:
+    """The number in a c_nvmlFieldValue_t, per its valueType; None for a type we cannot read."""
+    member = _VALUE_MEMBERS.get(int(value.valueType))
+    return None if member is None else getattr(value.value, member)
+
+
+def fetch(nvml: Any, handle: Any, entries: Sequence[FieldEntry], request: list | None = None) -> list[FieldResult]:
+    """One nvmlDeviceGetFieldValues call; raises only when the call as a whole fails."""
+    if not entries:
+        return []
+    if request is None:
+        request = [(e.field_id, e.scope) for e in entries]
+    values = nvml.nvmlDeviceGetFieldValues(handle, request)
+    results = [_result(entry, value) for entry, value in zip(entries, values)]
+    # An entry NVML did not answer at all is a failure of that entry, not of the batch.
+    results += [FieldResult(entry, None, None) for entry in entries[len(results):]]
+    return results
+
+
+def read_link_count(nvml: Any, handle: Any) -> int | None:
+    """The GPU's NVLink link count, or None when the field is unsupported or unreadable."""
+    field_id = getattr(nvml, "NVML_FI_DEV_NVLINK_LINK_COUNT", None)
+    if not isinstance(field_id, int):
+        return None
+    (result,) = fetch(nvml, handle, [FieldEntry("nvlink_link_count", field_id, 0)])
+    raw = result.raw
+    return int(raw) if isinstance(raw, (int, float)) and 0 <= raw <= 64 else None
+
+
+def _result(entry: FieldEntry, value: Any) -> FieldResult:
+    """Pair an entry with its returned struct, checking the entry's own return code."""
+    code = int(value.nvmlReturn)
+    return FieldResult(entry, code, decode(value) if code == SUCCESS else None)
+
+
+class FieldBatch:
+    """The entries still worth polling on one GPU, with the request list built once, not per poll."""
+
+    def __init__(self, entries: Iterable[FieldEntry]) -> None:
+        self._entries: tuple[FieldEntry, ...] = ()
+        self._request: list[tuple[int, int]] = []
+        self._set(entries)
+
+    def _set(self, entries: Iterable[FieldEntry]) -> None:
+        self._entries = tuple(entries)
+        self._request = [(e.field_id, e.scope) for e in self._entries]
+
+    @property
+    def entries(self) -> tuple[FieldEntry, ...]:
+        """The entries polled now."""
+        return self._entries
+
+    def drop(self, readings: Iterable[str]) -> None:
+        """Stop asking for these readings (found unsupported)."""
+        gone = set(readings)
+        if any(e.reading in gone for e in self._entries):
+            self._set(e for e in self._entries if e.reading not in gone)
+
+    def fetch(self, nvml: Any, handle: Any) -> list[FieldResult]:
+        """Poll every remaining entry in one call."""
+        return fetch(nvml, handle, self._entries, self._request)

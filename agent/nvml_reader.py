@@ -1,0 +1,455 @@
+"""The thin NVML layer: the only code that knows NVML's calls, quirks and failure modes.
+
+open() initialises NVML and probes every GPU once (identity, static limits, which readings exist);
+read() polls the cheapest current call for each supported reading and returns immutable GpuSamples.
+A failure stays as small as it can: one reading (absent this poll and counted, or unsupported from then
+on), one GPU (lost: reported down and never called again), or the library (NvmlUnavailable: the
+sampler closes and re-opens with backoff). Used from one sampler thread; XID events arrive on another.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping
+
+from agent.gpm import GPM_READINGS, GpmSampler
+from agent.model import GpuSample
+from agent.nvml_calls import IDENTITY, POLLED, STATIC, cuda_version_text, text
+from agent.nvml_errors import (
+    GPU_IS_LOST,
+    INVALID_VALUE,
+    NOT_SUPPORTED,
+    SUCCESS,
+    ErrorCounts,
+    error_code,
+    error_name,
+    is_library_fatal,
+)
+from agent.nvml_fields import FieldBatch, batch_entries, read_link_count
+from agent.nvml_values import INVALID, CounterTracker, base_name, convert
+from agent.xid import XID_READING, XidStore, XidWatcher
+
+log = logging.getLogger(__name__)
+
+_MISSING: Any = object()  # a guarded call that failed
+_NVLINK_READINGS = ("nvlink_tx_bytes_total", "nvlink_rx_bytes_total")
+_LINK_FIELDS = ("nvlink_link_tx_bytes_total", "nvlink_link_rx_bytes_total")
+_THROTTLE_PREFIX = "throttle_seconds_total."
+
+
+class NvmlUnavailable(Exception):
+    """NVML as a whole is not usable (init failed, driver gone); retry open() later."""
+
+
+@dataclass(eq=False)
+class _Gpu:
+    """What the reader knows about one GPU between open() and close()."""
+
+    index: int
+    handle: Any
+    up: bool = True
+    identity: dict[str, Any] = field(default_factory=dict)
+    static: dict[str, Any] = field(default_factory=dict)
+    supported: dict[str, bool] = field(default_factory=dict)
+    fields: FieldBatch = field(default_factory=lambda: FieldBatch(()))
+    gpm: GpmSampler | None = None
+    link_count: int | None = None
+
+    @property
+    def uuid(self) -> str:
+        return self.identity.get("uuid") or ""
+
+    @property
+    def key(self) -> str:
+        """Stable identity across re-opens: the UUID, or the index when the UUID is unreadable."""
+        return self.uuid or f"index:{self.index}"
+
+    def wants(self, readings: Iterable[str]) -> bool:
+        return self.up and all(self.supported.get(r, True) for r in readings)
+
+
+class NvmlReader:
+    """Reads every GPU of this node through a pynvml-compatible object (pynvml itself, or SimNvml)."""
+
+    def __init__(self, nvml: Any, *, per_link_nvlink: bool = False, xid_wait_ms: int = 500) -> None:
+        if isinstance(xid_wait_ms, bool) or not isinstance(xid_wait_ms, int) or xid_wait_ms <= 0:
+            raise ValueError(f"xid_wait_ms must be a positive integer, got {xid_wait_ms!r}")
+        self._nvml = nvml
+        self._per_link = per_link_nvlink
+        self._xid_wait_ms = xid_wait_ms
+        self._errors = ErrorCounts()
+        self._xid_store = XidStore()
+        self._counters = CounterTracker()
+        self._logged: set[tuple[str, str, str]] = set()
+        self._gpus: list[_Gpu] = []
+        self._xid: XidWatcher | None = None
+        self._versions: dict[str, str | None] = {}
+        self._initialized = False
+        self._is_open = False
+        self._probing = False
+
+    # -- public surface ------------------------------------------------------------------------
+
+    @property
+    def driver_version(self) -> str | None:
+        return self._versions.get("driver_version")
+
+    @property
+    def nvml_version(self) -> str | None:
+        return self._versions.get("nvml_version")
+
+    @property
+    def cuda_driver_version(self) -> str | None:
+        return self._versions.get("cuda_driver_version")
+
+    @property
+    def capabilities(self) -> Mapping[int, Mapping[str, bool]]:
+        """GPU index -> reading name -> supported, as probed at open() and learned since."""
+        return MappingProxyType({g.index: _public_capabilities(g.supported) for g in self._gpus})
+
+    @property
+    def errors(self) -> Mapping[tuple[str, str], int]:
+        """(reading, error name) -> cumulative count since the reader was created."""
+        return self._errors.snapshot()
+
+    def open(self) -> None:
+        """Initialise NVML, enumerate and probe every GPU once, start the XID watcher."""
+        if self._is_open:
+            return
+        self._init_library()
+        try:
+            self._versions = self._read_versions()
+            count = self._library_call("device_count", self._nvml.nvmlDeviceGetCount)
+            self._probing = True
+            self._xid = XidWatcher(self._nvml, self._xid_store, self._errors, wait_ms=self._xid_wait_ms)
+            self._gpus = [self._open_gpu(i) for i in range(int(count))]
+            self._xid.start()
+        except BaseException:  # leave nothing half-open behind: no thread, no initialised library
+            self._teardown()
+            raise
+        finally:
+            self._probing = False
+        self._is_open = True
+        log.info("nvml opened", extra={"gpus": len(self._gpus), "driver_version": self.driver_version})
+
+    def read(self) -> tuple[GpuSample, ...]:
+        """One sample per GPU. Raises NvmlUnavailable (and closes) only when NVML as a whole is gone."""
+        if not self._is_open:
+            raise NvmlUnavailable("NVML reader is not open")
+        try:
+            return tuple(self._read_gpu(gpu) for gpu in self._gpus)
+        except NvmlUnavailable:
+            self.close()
+            raise
+
+    def compute_pids(self, index: int) -> tuple[int, ...]:
+        """PIDs of the compute processes on GPU `index`; () on any error."""
+        gpu = next((g for g in self._gpus if g.index == index), None)
+        if gpu is None or not gpu.up or not self._is_open:
+            return ()
+        try:
+            processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(gpu.handle)
+            return tuple(int(p.pid) for p in processes)
+        except Exception as exc:  # noqa: BLE001 - attribution is best effort
+            name = error_name(error_code(exc))
+            self._errors.add("compute_processes", name)
+            if name == GPU_IS_LOST:
+                self._mark_lost(gpu)
+            return ()
+
+    def close(self) -> None:
+        """Stop the XID thread, free GPM buffers, shut NVML down. Safe to call twice."""
+        self._is_open = False
+        self._teardown()
+
+    # -- open ----------------------------------------------------------------------------------
+
+    def _init_library(self) -> None:
+        try:
+            self._nvml.nvmlInit()
+        except Exception as exc:  # noqa: BLE001 - any init failure means "not now"
+            self._errors.add("nvml_init", error_name(error_code(exc)))
+            raise NvmlUnavailable(f"nvmlInit failed: {exc}") from exc
+        self._initialized = True
+
+    def _library_call(self, reading: str, fn: Callable[[], Any]) -> Any:
+        """A call without which the reader cannot work at all."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001
+            self._errors.add(reading, error_name(error_code(exc)))
+            raise NvmlUnavailable(f"{reading}: {exc}") from exc
+
+    def _optional_library_call(self, reading: str, fn: Callable[[], Any]) -> Any:
+        """A library-level call whose failure costs one value, unless the library itself is gone."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001
+            code = error_code(exc)
+            self._errors.add(reading, error_name(code))
+            if is_library_fatal(code):
+                raise NvmlUnavailable(f"{reading}: {exc}") from exc
+            return None
+
+    def _read_versions(self) -> dict[str, str | None]:
+        nvml = self._nvml
+        driver = self._optional_library_call("driver_version", nvml.nvmlSystemGetDriverVersion)
+        version = self._optional_library_call("nvml_version", nvml.nvmlSystemGetNVMLVersion)
+        cuda = self._optional_library_call("cuda_driver_version", nvml.nvmlSystemGetCudaDriverVersion)
+        return {
+            "driver_version": None if driver is None else text(driver),
+            "nvml_version": None if version is None else text(version),
+            "cuda_driver_version": cuda_version_text(cuda),
+        }
+
+    def _open_gpu(self, index: int) -> _Gpu:
+        """Get the handle and probe everything about one GPU once."""
+        gpu = _Gpu(index=index, handle=None)
+        gpu.handle = self._guard(gpu, ("device",), self._nvml.nvmlDeviceGetHandleByIndex, index)
+        if gpu.handle is _MISSING:
+            self._mark_lost(gpu)
+            return gpu
+        self._probe_identity(gpu)
+        self._probe_static(gpu)
+        self._probe_fields(gpu)
+        self._probe_gpm(gpu)
+        for call in POLLED:
+            gpu.supported.update(dict.fromkeys(call.readings, True))
+        self._poll_calls(gpu, {})  # a dry poll: learns which per-poll calls answer NotSupported
+        self._register_xid(gpu)
+        self._log_unsupported(gpu)
+        return gpu
+
+    def _probe_identity(self, gpu: _Gpu) -> None:
+        for call in IDENTITY:
+            gpu.supported.update(dict.fromkeys(call.readings, True))
+            raw = self._guard(gpu, call.readings, call.fetch, self._nvml, gpu.handle)
+            if raw is not _MISSING:
+                gpu.identity.update(zip(call.readings, raw))
+
+    def _probe_static(self, gpu: _Gpu) -> None:
+        for call in STATIC:
+            gpu.supported.update(dict.fromkeys(call.readings, True))
+            raw = self._guard(gpu, call.readings, call.fetch, self._nvml, gpu.handle)
+            if raw is not _MISSING:
+                self._convert_into(gpu, zip(call.readings, raw), gpu.static)
+
+    def _probe_fields(self, gpu: _Gpu) -> None:
+        """Learn the link count, then ask the whole batch once and drop what is unsupported."""
+        links = self._guard(gpu, ("nvlink_link_count",), read_link_count, self._nvml, gpu.handle)
+        gpu.link_count = None if links is _MISSING else links
+        gpu.fields = FieldBatch(batch_entries(self._nvml, link_count=gpu.link_count or 0, per_link=self._per_link))
+        gpu.supported.update(dict.fromkeys((e.reading for e in gpu.fields.entries), True))
+        if gpu.link_count == 0:  # a card without NVLink: absent, not a stream of zeros
+            self._mark_unsupported(gpu, _NVLINK_READINGS)
+        self._poll_fields(gpu, {})
+
+    def _probe_gpm(self, gpu: _Gpu) -> None:
+        gpu.supported.update(dict.fromkeys(GPM_READINGS, True))
+        support = self._guard(gpu, GPM_READINGS, self._nvml.nvmlGpmQueryDeviceSupport, gpu.handle)
+        if support is not _MISSING and int(getattr(support, "isSupportedDevice", 0)):
+            sampler = self._guard(gpu, GPM_READINGS, GpmSampler, self._nvml, gpu.handle)
+            gpu.gpm = None if sampler is _MISSING else sampler
+        if gpu.gpm is None and gpu.up:
+            self._mark_unsupported(gpu, GPM_READINGS)
+
+    def _register_xid(self, gpu: _Gpu) -> None:
+        """Ask for this GPU's XID events; where that is unsupported the GPU has no XID reading."""
+        if self._xid is not None and gpu.up:
+            gpu.supported[XID_READING] = True
+            self._guard(gpu, (XID_READING,), self._xid.register, gpu.handle, gpu.key)
+
+    def _log_unsupported(self, gpu: _Gpu) -> None:
+        """One info line per GPU naming readings it lacks that were not reported before."""
+        lacking = _public_capabilities(gpu.supported)
+        fresh = [r for r, ok in lacking.items() if not ok and self._first(gpu, r, NOT_SUPPORTED)]
+        if fresh:
+            log.info(
+                "gpu readings unsupported",
+                extra={"gpu": gpu.index, "uuid": gpu.uuid, "unsupported": sorted(fresh)},
+            )
+
+    # -- poll ----------------------------------------------------------------------------------
+
+    def _read_gpu(self, gpu: _Gpu) -> GpuSample:
+        if not gpu.up:
+            return self._down_sample(gpu)
+        values: dict[str, Any] = {}
+        self._poll_calls(gpu, values)
+        self._poll_fields(gpu, values)
+        self._poll_gpm(gpu, values)
+        if not gpu.up:
+            return self._down_sample(gpu)
+        return self._build(gpu, values)
+
+    def _poll_calls(self, gpu: _Gpu, values: dict[str, Any]) -> None:
+        for call in POLLED:
+            if gpu.wants(call.readings):
+                raw = self._guard(gpu, call.readings, call.fetch, self._nvml, gpu.handle)
+                if raw is not _MISSING:
+                    self._convert_into(gpu, zip(call.readings, raw), values)
+
+    def _poll_fields(self, gpu: _Gpu, values: dict[str, Any]) -> None:
+        readings = tuple(e.reading for e in gpu.fields.entries)
+        if not readings or not gpu.up:
+            return
+        results = self._guard(gpu, readings, gpu.fields.fetch, self._nvml, gpu.handle)
+        if results is not _MISSING:
+            self._apply(gpu, ((r.entry.reading, r.code, r.raw) for r in results), values)
+
+    def _poll_gpm(self, gpu: _Gpu, values: dict[str, Any]) -> None:
+        readings = tuple(r for r in GPM_READINGS if gpu.supported.get(r))
+        if gpu.gpm is None or not readings or not gpu.up:
+            return
+        result = self._guard(gpu, readings, gpu.gpm.sample)
+        if result is not _MISSING and result is not None:
+            self._apply(gpu, ((r, code, raw) for r, (code, raw) in result.items()), values)
+
+    def _apply(self, gpu: _Gpu, results: Iterable[tuple[str, int | None, Any]], values: dict[str, Any]) -> None:
+        """Per-entry results: convert the successes, handle each failure code once for its readings."""
+        failed: dict[int | None, list[str]] = {}
+        for reading, code, raw in results:
+            if code == SUCCESS:
+                self._convert_into(gpu, [(reading, raw)], values)
+            else:
+                failed.setdefault(code, []).append(reading)
+        for code, readings in failed.items():
+            self._on_failure(gpu, tuple(readings), code, f"entry return code {code}")
+
+    def _convert_into(self, gpu: _Gpu, pairs: Iterable[tuple[str, Any]], out: dict[str, Any]) -> None:
+        for reading, raw in pairs:
+            value = convert(reading, raw)
+            if value is INVALID:
+                self._count(gpu, (reading,), INVALID_VALUE, f"value {raw!r}")
+            else:
+                out[reading] = value
+
+    # -- assembling samples --------------------------------------------------------------------
+
+    def _identity(self, gpu: _Gpu) -> dict[str, Any]:
+        ident = gpu.identity
+        return {
+            "index": gpu.index,
+            "uuid": gpu.uuid,
+            "model": ident.get("model") or "",
+            "pci_bus_id": ident.get("pci_bus_id"),
+            "serial": ident.get("serial"),
+            "vbios_version": ident.get("vbios_version"),
+        }
+
+    def _down_sample(self, gpu: _Gpu) -> GpuSample:
+        return GpuSample(up=False, **self._identity(gpu))
+
+    def _build(self, gpu: _Gpu, values: dict[str, Any]) -> GpuSample:
+        fields = {k: v for k, v in values.items() if "." not in k}
+        fields.update(gpu.static)
+        throttle = {k[len(_THROTTLE_PREFIX):]: v for k, v in values.items() if k.startswith(_THROTTLE_PREFIX)}
+        fields["throttle_seconds_total"] = MappingProxyType(throttle)
+        for name in _LINK_FIELDS:
+            fields[name] = self._links(gpu, name, values)
+        fields.update(self._xid_fields(gpu))
+        resets = self._counters.check(gpu.key, fields)
+        return GpuSample(**self._identity(gpu), counter_resets=resets, **fields)
+
+    def _links(self, gpu: _Gpu, name: str, values: Mapping[str, Any]) -> tuple[int | None, ...]:
+        """Per-link counters in link order; () when disabled or no link is supported."""
+        readings = [f"{name}.{i}" for i in range(gpu.link_count or 0)]
+        if not self._per_link or not any(gpu.supported.get(r) for r in readings):
+            return ()
+        return tuple(values.get(r) for r in readings)
+
+    def _xid_fields(self, gpu: _Gpu) -> dict[str, Any]:
+        if self._xid is None or gpu.key not in self._xid.watched:
+            return {}
+        counts = self._xid_store.get(gpu.key)
+        return {"xid_errors_total": counts.total, "xid_errors_by_code": counts.by_code, "last_xid": counts.last}
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _guard(self, gpu: _Gpu, readings: tuple[str, ...], fn: Callable[..., Any], *args: Any) -> Any:
+        """Call fn, turning any failure into _MISSING after handling it for these readings."""
+        if not gpu.up:
+            return _MISSING
+        try:
+            return fn(*args)
+        except NvmlUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one reading must never take the agent down
+            code = error_code(exc)
+            self._on_failure(gpu, readings, code, str(exc) if code is not None else repr(exc))
+            return _MISSING
+
+    def _on_failure(self, gpu: _Gpu, readings: tuple[str, ...], code: int | None, detail: str) -> None:
+        if is_library_fatal(code):
+            raise NvmlUnavailable(f"NVML unusable ({detail}) while reading {readings[0]} on GPU {gpu.index}")
+        name = error_name(code)
+        if name == NOT_SUPPORTED:
+            self._mark_unsupported(gpu, readings)
+            if self._probing:
+                return  # discovering what a GPU lacks at open is not an error
+        self._count(gpu, readings, name, detail)
+        if name == GPU_IS_LOST:
+            self._mark_lost(gpu)
+
+    def _count(self, gpu: _Gpu, readings: tuple[str, ...], name: str, detail: str) -> None:
+        for base in dict.fromkeys(base_name(r) for r in readings):
+            self._errors.add(base, name)
+            if name not in (NOT_SUPPORTED, GPU_IS_LOST):
+                level = logging.WARNING if self._first(gpu, base, name) else logging.DEBUG
+                log.log(level, "nvml reading failed", extra=_context(gpu, base, name, detail))
+
+    def _mark_unsupported(self, gpu: _Gpu, readings: Iterable[str]) -> None:
+        readings = tuple(readings)
+        newly = [r for r in readings if gpu.supported.get(r, True)]
+        gpu.supported.update(dict.fromkeys(readings, False))
+        gpu.fields.drop(readings)
+        if gpu.gpm is not None:
+            gpu.gpm.drop(frozenset(readings))
+        if newly and not self._probing:
+            self._log_unsupported(gpu)
+
+    def _mark_lost(self, gpu: _Gpu) -> None:
+        gpu.up = False
+        if self._first(gpu, "gpu", GPU_IS_LOST):
+            log.warning("gpu lost; no further NVML calls on it", extra={"gpu": gpu.index, "uuid": gpu.uuid})
+
+    def _first(self, gpu: _Gpu, reading: str, name: str) -> bool:
+        """True the first time (GPU, reading, error) is seen since the reader was created."""
+        slot = (gpu.key, reading, name)
+        if slot in self._logged:
+            return False
+        self._logged.add(slot)
+        return True
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def _teardown(self) -> None:
+        if self._xid is not None:
+            self._xid.stop()
+            self._xid = None
+        for gpu in self._gpus:
+            if gpu.gpm is not None:
+                gpu.gpm.free()
+                gpu.gpm = None
+        self._gpus = []
+        if self._initialized:
+            self._initialized = False
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001 - the library may already be gone
+                log.debug("nvmlShutdown failed", exc_info=True)
+
+
+def _public_capabilities(supported: Mapping[str, bool]) -> Mapping[str, bool]:
+    """Capabilities as exported: per-link NVLink readings folded into one (supported if any link is)."""
+    out: dict[str, bool] = {}
+    for reading, ok in supported.items():
+        name = base_name(reading) if base_name(reading) in _LINK_FIELDS else reading
+        out[name] = out.get(name, False) or ok
+    return MappingProxyType(out)
+
+
+def _context(gpu: _Gpu, reading: str, error: str, detail: str) -> dict[str, Any]:
+    return {"gpu": gpu.index, "uuid": gpu.uuid, "reading": reading, "error": error, "detail": detail}

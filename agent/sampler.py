@@ -1,0 +1,257 @@
+"""The sampling loop: reader -> job attribution -> immutable snapshot -> rendered once -> store (and record)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable, Mapping, Protocol
+
+import orjson
+
+from agent import __version__, exposition
+from agent.attribution import JobAttributor
+from agent.health import AgentHealth
+from agent.model import GpuSample, NodeSnapshot
+from agent.nvml_reader import NvmlUnavailable
+from agent.record import Recorder
+from agent.store import Publication, SnapshotStore
+
+log = logging.getLogger(__name__)
+
+
+class Reader(Protocol):
+    """What the sampler needs from agent.nvml_reader.NvmlReader (tests pass small fakes)."""
+
+    capabilities: Mapping[int, Mapping[str, bool]]
+    errors: Mapping[tuple[str, str], int]
+    driver_version: str | None
+    nvml_version: str | None
+    cuda_driver_version: str | None
+
+    def open(self) -> None: ...
+    def read(self) -> tuple[GpuSample, ...]: ...
+    def compute_pids(self, index: int) -> tuple[int, ...]: ...
+    def close(self) -> None: ...
+
+
+class Waiter(Protocol):
+    """threading.Event's waiting half; tests pass one that advances a fake clock instead of blocking."""
+
+    def is_set(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+class Sampler:
+    """Samples on its own drift-free timer; NVML trouble shows as nvml_up 0 or a growing age, never a crash."""
+
+    def __init__(
+        self,
+        reader: Reader,
+        store: SnapshotStore,
+        *,
+        node: str,
+        interval: float = 1.0,
+        attributor: JobAttributor | None = None,
+        recorder: Recorder | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        stop: Waiter | None = None,
+        jitter: Callable[[], float] = random.random,
+        backoff_initial: float = 1.0,
+        backoff_max: float = 60.0,
+        version: str = __version__,
+    ) -> None:
+        self._reader = reader
+        self._store = store
+        self._node = node
+        self._interval = interval
+        self._attributor = attributor
+        self._recorder = recorder
+        self._clock = clock
+        self._monotonic = monotonic
+        self._stop: Waiter = stop if stop is not None else threading.Event()
+        self._jitter = jitter
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._version = version
+        self._open = False
+        self._nvml_error: str | None = None
+        self._open_failures = 0
+        self._next_open = float("-inf")
+        self._errors: Counter[tuple[str, str]] = Counter()
+        self._cycles = 0
+        self._last: NodeSnapshot | None = None
+        self._last_json: bytes | None = None
+        self._thread: threading.Thread | None = None
+        self._renderer = exposition.Renderer()
+
+    @property
+    def nvml_up(self) -> bool:
+        """True while the reader is open and its last read did not find NVML gone."""
+        return self._open
+
+    @property
+    def next_open_delay(self) -> float:
+        """Seconds until the next NVML open attempt (0 when due or open); for logs and tests."""
+        return 0.0 if self._open else max(0.0, self._next_open - self._monotonic())
+
+    def run_once(self) -> NodeSnapshot | None:
+        """One cycle: (re)open NVML when due, read, attribute, publish; returns the new snapshot or None."""
+        self._cycles += 1
+        snapshot = None
+        if self._open or self._try_open():
+            snapshot = self._sample()
+        self._publish(snapshot)
+        return snapshot
+
+    def _sample(self) -> NodeSnapshot | None:
+        taken_at = self._clock()
+        started = self._monotonic()
+        try:
+            gpus = self._reader.read()
+            gpus = self._attribute(gpus)
+        except NvmlUnavailable as exc:
+            self._mark_down(exc, "nvml_read")
+            return None
+        except Exception as exc:  # one bad cycle must not end sampling
+            self._errors[("cycle", type(exc).__name__)] += 1
+            log.exception("sampling cycle failed", extra={"node": self._node})
+            return None
+        return NodeSnapshot(
+            node=self._node,
+            time=taken_at,
+            gpus=gpus,
+            driver_version=self._reader.driver_version,
+            nvml_version=self._reader.nvml_version,
+            cuda_driver_version=self._reader.cuda_driver_version,
+            sample_duration_seconds=max(0.0, self._monotonic() - started),
+        )
+
+    def _attribute(self, gpus: tuple[GpuSample, ...]) -> tuple[GpuSample, ...]:
+        attributor = self._attributor
+        if attributor is None:
+            return tuple(gpus)
+        out = []
+        for gpu in gpus:
+            pids: tuple[int, ...] = ()
+            if gpu.up and not attributor.uses_mapping_dir:
+                try:
+                    pids = self._reader.compute_pids(gpu.index)
+                except NvmlUnavailable:
+                    raise
+                except Exception as exc:
+                    self._errors[("compute_pids", type(exc).__name__)] += 1
+            job = attributor.job_for(gpu.index, gpu.uuid, pids)
+            out.append(dataclasses.replace(gpu, hpc_job=job) if job != gpu.hpc_job else gpu)
+        attributor.end_cycle()
+        return tuple(out)
+
+    def _try_open(self) -> bool:
+        if self._monotonic() < self._next_open:
+            return False
+        try:
+            self._reader.open()
+        except Exception as exc:  # NvmlUnavailable, or anything a broken driver throws at init
+            self._open_failures += 1
+            self._mark_down(exc, "nvml_open")
+            return False
+        self._open, self._nvml_error, self._open_failures = True, None, 0
+        log.debug("NVML opened", extra={"node": self._node, "driver_version": self._reader.driver_version,
+                                       "gpus": len(self._reader.capabilities)})
+        return True
+
+    def _mark_down(self, exc: BaseException, reading: str) -> None:
+        was_open = self._open
+        self._open, self._nvml_error = False, type(exc).__name__
+        self._errors[(reading, self._nvml_error)] += 1
+        self._close_reader()
+        delay = 0.0 if was_open else self._backoff_delay()
+        self._next_open = self._monotonic() + delay
+        log.warning("NVML unavailable; serving health metrics only",
+                    extra={"node": self._node, "error": repr(exc), "retry_in_seconds": round(delay, 2)})
+
+    def _backoff_delay(self) -> float:
+        """1 s doubling to the cap, +-25 % jitter so a rack of agents does not retry in lockstep."""
+        base = min(self._backoff_max, self._backoff_initial * 2 ** max(0, self._open_failures - 1))
+        return min(self._backoff_max, base * (0.75 + 0.5 * self._jitter()))
+
+    def _publish(self, snapshot: NodeSnapshot | None) -> None:
+        if snapshot is not None:
+            self._last, self._last_json = snapshot, orjson.dumps(snapshot.to_dict())
+            if self._recorder is not None and not self._recorder.write(self._last_json):
+                self._errors[("record", "write_failed")] += 1
+        health = self.health()
+        try:
+            metrics = self._renderer.render(self._last, health)
+        except Exception as exc:  # a render bug must not stop sampling; the old body stays served
+            self._errors[("render", type(exc).__name__)] += 1
+            log.exception("exposition render failed", extra={"node": self._node})
+            return
+        self._store.publish(Publication(self._last, health, metrics, self._last_json))
+
+    def health(self) -> AgentHealth:
+        """The agent's current view of itself."""
+        errors: Counter[tuple[str, str]] = Counter(self._errors)
+        # Always merged, open or not: the reader's counts are cumulative and a counter must not shrink.
+        errors.update(_copy(self._reader.errors))
+        if self._attributor is not None:
+            errors.update({("attribution", cause): n for cause, n in self._attributor.errors.items()})
+        capabilities = _copy(self._reader.capabilities) if self._open else {}
+        return AgentHealth(node=self._node, version=self._version, nvml_up=self._open,
+                           nvml_error=self._nvml_error, errors=dict(errors), capabilities=capabilities,
+                           cycles_total=self._cycles)
+
+    def run(self) -> None:
+        """Sample every interval on a drift-free schedule until stop is set; a slow cycle skips ticks."""
+        due = self._monotonic()
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception:  # belt and braces: run_once already contains its own failures
+                log.exception("sampler cycle escaped", extra={"node": self._node})
+            due += self._interval
+            now = self._monotonic()
+            if due <= now:
+                skipped = math.floor((now - due) / self._interval) + 1
+                self._errors[("cycle", "overrun")] += skipped
+                due += skipped * self._interval
+            self._stop.wait(due - now)
+
+    def start(self) -> None:
+        """Run in a daemon thread, so a call hung inside the driver cannot keep the process alive."""
+        self._thread = threading.Thread(target=self.run, name="gpufleet-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop sampling and close NVML; a cycle stuck in the driver is abandoned after `timeout`."""
+        set_stop = getattr(self._stop, "set", None)
+        if set_stop is not None:
+            set_stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("sampler did not stop in time; NVML call hung", extra={"timeout_seconds": timeout})
+                return
+        self._close_reader()
+        self._open = False
+
+    def _close_reader(self) -> None:
+        try:
+            self._reader.close()
+        except Exception as exc:  # closing a broken library may fail too; nothing more to do about it
+            log.debug("reader close failed", extra={"error": repr(exc)})
+
+
+def _copy(mapping: Mapping[Any, Any]) -> dict[Any, Any]:
+    """A shallow copy of a mapping another thread (the XID watcher) may be updating."""
+    for _ in range(3):
+        try:
+            return dict(mapping)
+        except RuntimeError:  # changed size during iteration; try again
+            continue
+    return {}

@@ -1,0 +1,83 @@
+"""Thread-safe holder of the latest publication and a time-bounded ring of recent snapshots."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from agent.health import AgentHealth
+from agent.model import NodeSnapshot
+
+MIN_RETENTION_SECONDS = 120.0
+# A hard cap on buffered snapshots whatever the interval, so memory stays bounded (10 Hz for an hour).
+MAX_BUFFERED = 36_000
+
+
+@dataclass(frozen=True, slots=True)
+class Publication:
+    """What a reader of the store gets: the snapshot, the agent's health, and bytes rendered once from them."""
+
+    snapshot: NodeSnapshot | None
+    health: AgentHealth
+    # Prometheus text for everything but the per-scrape sample age.
+    metrics: bytes
+    # orjson of snapshot.to_dict(), None when there is no snapshot yet.
+    snapshot_json: bytes | None
+
+
+class SnapshotStore:
+    """Latest publication plus recent snapshot JSON for /snapshots?since=; a read costs a lock and a copy."""
+
+    def __init__(self, retention_seconds: float = 300.0) -> None:
+        if not retention_seconds >= MIN_RETENTION_SECONDS:
+            raise ValueError(f"retention must be at least {MIN_RETENTION_SECONDS:g} s, got {retention_seconds!r}")
+        self._retention = float(retention_seconds)
+        self._lock = threading.Lock()
+        self._latest: Publication | None = None
+        self._times: deque[float] = deque()
+        self._bodies: deque[bytes] = deque()
+
+    @property
+    def retention_seconds(self) -> float:
+        """How far back /snapshots can reach."""
+        return self._retention
+
+    def publish(self, publication: Publication) -> None:
+        """Swap in a new publication; a new snapshot also joins the ring (older ones past retention leave)."""
+        snap = publication.snapshot
+        with self._lock:
+            previous = self._latest.snapshot if self._latest else None
+            self._latest = publication
+            if snap is None or snap is previous or publication.snapshot_json is None:
+                return
+            if self._times and snap.time <= self._times[-1]:
+                # The wall clock stepped back: the ring must stay ordered for bisect, so start it afresh.
+                self._times.clear()
+                self._bodies.clear()
+            self._times.append(snap.time)
+            self._bodies.append(publication.snapshot_json)
+            self._evict(snap.time - self._retention)
+
+    def _evict(self, horizon: float) -> None:
+        while self._times and (self._times[0] < horizon or len(self._times) > MAX_BUFFERED):
+            self._times.popleft()
+            self._bodies.popleft()
+
+    def latest(self) -> Publication | None:
+        """The newest publication, or None before the first."""
+        with self._lock:
+            return self._latest
+
+    def since(self, since: float | None) -> list[bytes]:
+        """JSON of every buffered snapshot with time > since (all when None), oldest first."""
+        with self._lock:
+            if since is None:
+                return list(self._bodies)
+            start = bisect.bisect_right(self._times, since)
+            return [self._bodies[i] for i in range(start, len(self._bodies))]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._times)

@@ -1,0 +1,133 @@
+"""Job attribution from a fixture procfs (environ, cgroup, unreadable entries) and a mapping directory."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from agent.attribution import JobAttributor
+
+
+def proc(root, pid, environ: bytes | None = None, cgroup: str | None = None):
+    d = root / str(pid)
+    d.mkdir()
+    if environ is not None:
+        (d / "environ").write_bytes(environ)
+    if cgroup is not None:
+        (d / "cgroup").write_text(cgroup)
+    return d
+
+
+def test_environ_slurm_job_id(tmp_path):
+    proc(tmp_path, 10, b"PATH=/bin\0SLURM_JOB_ID=4242\0SLURM_STEP_ID=0\0")
+    att = JobAttributor(tmp_path)
+    assert att.job_for(0, "GPU-a", (10,)) == "4242"
+
+
+def test_cgroup_v1_and_v2_paths(tmp_path):
+    proc(tmp_path, 11, b"PATH=/bin\0", "4:memory:/slurm/uid_1000/job_777/step_0/task_0\n")
+    proc(tmp_path, 12, None, "0::/system.slice/slurmstepd.scope/job_888/step_batch/user/task_0\n")
+    att = JobAttributor(tmp_path)
+    assert att.job_for(0, "GPU-a", (11,)) == "777"
+    assert att.job_for(1, "GPU-b", (12,)) == "888"
+
+
+def test_no_job_anywhere_is_none(tmp_path):
+    proc(tmp_path, 13, b"PATH=/bin\0", "0::/user.slice/user-1000.slice/session-2.scope\n")
+    att = JobAttributor(tmp_path)
+    assert att.job_for(0, "GPU-a", (13,)) is None
+    assert att.job_for(0, "GPU-a", ()) is None
+
+
+def test_majority_job_wins_ties_go_to_newest(tmp_path):
+    for pid, job in ((20, b"100"), (21, b"100"), (22, b"205")):
+        proc(tmp_path, pid, b"SLURM_JOB_ID=" + job + b"\0")
+    att = JobAttributor(tmp_path)
+    assert att.job_for(0, "GPU-a", (20, 21, 22)) == "100"
+    assert att.job_for(0, "GPU-a", (20, 22)) == "205"
+
+
+def test_exited_process_is_quietly_absent(tmp_path, caplog):
+    att = JobAttributor(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert att.job_for(0, "GPU-a", (99999,)) is None
+    assert not caplog.records and not att.errors
+
+
+def test_unreadable_environ_warns_once_and_falls_back_to_cgroup(tmp_path, caplog, monkeypatch):
+    for pid in (30, 31):
+        d = proc(tmp_path, pid, b"SLURM_JOB_ID=1\0", f"0::/slurmstepd.scope/job_{pid}/step_0\n")
+        (d / "environ").chmod(0)
+    if os.geteuid() == 0:
+        # root reads mode-0 files anyway; make environ fail the way it does for an unprivileged agent.
+        real_open = open
+
+        def denying_open(path, *args, **kwargs):
+            if str(path).endswith("environ"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr("builtins.open", denying_open)
+    att = JobAttributor(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert att.job_for(0, "GPU-a", (30,)) == "30"
+        assert att.job_for(1, "GPU-b", (31,)) == "31"
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].cause == "environ:EACCES"
+    assert att.errors["environ:EACCES"] == 2
+
+
+def test_unreadable_entry_that_is_a_directory_is_a_warning_not_a_crash(tmp_path, caplog):
+    d = tmp_path / "40"
+    d.mkdir()
+    (d / "environ").mkdir()  # reading it raises IsADirectoryError
+    with caplog.at_level(logging.WARNING):
+        assert JobAttributor(tmp_path).job_for(0, "GPU-a", (40,)) is None
+    assert any(r.levelname == "WARNING" for r in caplog.records)
+
+
+def test_missing_procfs_root_warns(tmp_path, caplog):
+    att = JobAttributor(tmp_path / "nope")
+    with caplog.at_level(logging.WARNING):
+        assert att.job_for(0, "GPU-a", (1,)) is None
+    assert att.errors["procfs:ENOENT"] >= 1
+
+
+def test_cache_per_pid_is_evicted_when_the_pid_is_gone(tmp_path):
+    d = proc(tmp_path, 50, b"SLURM_JOB_ID=1\0")
+    att = JobAttributor(tmp_path)
+    assert att.job_for(0, "GPU-a", (50,)) == "1"
+    att.end_cycle()
+    (d / "environ").write_bytes(b"SLURM_JOB_ID=2\0")
+    assert att.job_for(0, "GPU-a", (50,)) == "1"  # cached while the pid lives
+    att.end_cycle()
+    att.end_cycle()  # a cycle without pid 50: forgotten (its number may be reused)
+    assert att.job_for(0, "GPU-a", (50,)) == "2"
+
+
+def test_mapping_dir_wins_and_takes_the_last_listed_job(tmp_path):
+    procfs = tmp_path / "proc"
+    procfs.mkdir()
+    proc(procfs, 60, b"SLURM_JOB_ID=1\0")
+    mapping = tmp_path / "map"
+    mapping.mkdir()
+    (mapping / "0").write_text("311\n\n312\n")
+    (mapping / "GPU-b").write_text("999\n")
+    (mapping / "2").write_text("not a job id!\n")
+    att = JobAttributor(procfs, mapping)
+    assert att.uses_mapping_dir
+    assert att.job_for(0, "GPU-a", (60,)) == "312"
+    assert att.job_for(1, "GPU-b", ()) == "999"  # files named by UUID work too
+    assert att.job_for(2, "GPU-c", ()) is None
+    assert att.job_for(3, "GPU-d", (60,)) is None  # no file: idle GPU, procfs not consulted
+
+
+def test_missing_mapping_dir_warns_once(tmp_path, caplog):
+    att = JobAttributor(tmp_path, tmp_path / "absent")
+    with caplog.at_level(logging.WARNING):
+        for i in range(5):
+            assert att.job_for(i, f"GPU-{i}", ()) is None
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    assert att.errors["mapping:ENOENT"] == 5

@@ -1,0 +1,70 @@
+"""GpmSampler: two reused buffers, first poll None, per-metric codes, failures."""
+
+from __future__ import annotations
+
+import pynvml
+import pytest
+
+from agent.gpm import GpmSampler
+from tests.agent.fake_nvml import FakeNvml, h100
+
+
+@pytest.fixture
+def fake():
+    nvml = FakeNvml([h100(0)])
+    nvml.initialized = True
+    return nvml
+
+
+def test_first_sample_none_then_metrics(fake):
+    sampler = GpmSampler(fake, fake.handle(0))
+    assert sampler.sample() is None
+    assert sampler.sample() == {"sm_active_ratio": (0, 81.0), "sm_occupancy_ratio": (0, 40.5)}
+    assert sampler.sample() == {"sm_active_ratio": (0, 81.0), "sm_occupancy_ratio": (0, 40.5)}
+    assert fake.called("nvmlGpmSampleAlloc") == 2
+    sampler.free()
+    sampler.free()
+    assert len(fake.freed_gpm_samples) == 2
+
+
+def test_failed_sample_means_no_metric_next_poll(fake):
+    sampler = GpmSampler(fake, fake.handle(0))
+    sampler.sample()
+    fake.inject("nvmlGpmSampleGet", pynvml.NVML_ERROR_TIMEOUT, index=0, times=1)
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        sampler.sample()
+    assert sampler.sample() is None
+    assert sampler.sample() is not None
+
+
+def test_failed_metrics_call_keeps_the_new_sample(fake):
+    sampler = GpmSampler(fake, fake.handle(0))
+    sampler.sample()
+    fake.inject("nvmlGpmMetricsGet", pynvml.NVML_ERROR_UNKNOWN, times=1)
+    with pytest.raises(pynvml.NVMLError_Unknown):
+        sampler.sample()
+    assert sampler.sample() is not None
+
+
+def test_drop_metric(fake):
+    sampler = GpmSampler(fake, fake.handle(0))
+    sampler.drop(frozenset({"sm_occupancy_ratio"}))
+    sampler.sample()
+    assert sampler.sample() == {"sm_active_ratio": (0, 81.0)}
+
+
+def test_alloc_failure_frees_what_was_allocated(fake):
+    class SecondAllocFails(FakeNvml):
+        allocs = 0
+
+        def nvmlGpmSampleAlloc(self):
+            self.allocs += 1
+            if self.allocs == 2:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_MEMORY)
+            return super().nvmlGpmSampleAlloc()
+
+    nvml = SecondAllocFails([h100(0)])
+    nvml.initialized = True
+    with pytest.raises(pynvml.NVMLError_Memory):
+        GpmSampler(nvml, nvml.handle(0))
+    assert len(nvml.freed_gpm_samples) == 1

@@ -1,0 +1,214 @@
+"""The simulated physics: phases, heat, throttling and counters, as pure functions of scenario time."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from agent.sim import load_scenario
+from agent.sim import physics as ph
+from agent.sim.hardware import A100_SXM4, H100_SXM
+from agent.sim.physics import Thermal, Timeline, build_world, related_gpus, step, thermal_clock
+
+
+def _timeline(scenario: str, node: str, seed: int = 0) -> Timeline:
+    return Timeline(build_world(load_scenario(scenario), node, seed))
+
+
+def _avg(tl: Timeline, index: int, slot: int, t0: float, t1: float) -> float:
+    return tl.mean(index, t0, t1)[slot]
+
+
+@pytest.fixture(scope="module")
+def demo01() -> Timeline:
+    return _timeline("demo", "dgx-01")
+
+
+@pytest.fixture(scope="module")
+def demo02() -> Timeline:
+    return _timeline("demo", "dgx-02")
+
+
+@pytest.fixture(scope="module")
+def demo03() -> Timeline:
+    return _timeline("demo", "dgx-03")
+
+
+def test_query_order_does_not_matter():
+    forward = _timeline("demo", "dgx-02")
+    backward = _timeline("demo", "dgx-02")
+    times = [3.5, 61.2, 150.0, 201.7, 299.9]
+    a = [(forward.state(5, t), forward.integral(5, t), forward.temperature(5, t)) for t in times]
+    b = [(backward.state(5, t), backward.integral(5, t), backward.temperature(5, t)) for t in reversed(times)]
+    assert a == list(reversed(b))
+
+
+def test_rewinding_past_the_window_recomputes_identically(monkeypatch):
+    monkeypatch.setattr(ph, "WINDOW_BUCKETS", 20)
+    monkeypatch.setattr(ph, "CHECKPOINT_EVERY", 50)
+    tl = _timeline("hgx-h100", "hgx-h100-01")
+    early = tl.integral(3, 70.25)
+    tl.integral(3, 400.0)
+    assert tl.integral(3, 70.25) == early
+
+
+def test_seed_changes_noise_not_structure():
+    a = _timeline("hgx-h100", "hgx-h100-01", seed=0)
+    b = _timeline("hgx-h100", "hgx-h100-01", seed=1)
+    assert a.state(0, 200).rates != b.state(0, 200).rates
+    assert a.state(0, 200).job == b.state(0, 200).job == "70001"
+
+
+def test_related_gpus_follow_jobs_across_nodes():
+    demo = load_scenario("demo")
+    refs = related_gpus(demo, "dgx-01")
+    assert {n for n, _ in refs} == {"dgx-01", "dgx-02"}
+    assert len(refs) == 16
+
+
+def test_nodes_agree_on_shared_job_state():
+    """dgx-01's world and dgx-02's world compute identical states for every GPU of job 71001."""
+    demo = load_scenario("demo")
+    w1, w2 = build_world(demo, "dgx-01", 7), build_world(demo, "dgx-02", 7)
+    th1, th2 = ph.initial_thermal(w1), ph.initial_thermal(w2)
+    for k in range(0, 260):
+        s1, th1 = step(w1, k, th1)
+        s2, th2 = step(w2, k, th2)
+    for ref, p1 in w1.position.items():
+        assert s1[p1] == s2[w2.position[ref]]
+
+
+def test_thermal_clock_bands_and_hysteresis():
+    slowdown = H100_SXM.slowdown_celsius
+    assert thermal_clock(H100_SXM, Thermal(70.0, False)) == (1.0, 0, False)
+    ratio, bits, latched = thermal_clock(H100_SXM, Thermal(slowdown - 1.0, False))
+    assert bits == ph.SW_THERMAL and 0.9 < ratio < 1.0 and not latched
+    ratio, bits, latched = thermal_clock(H100_SXM, Thermal(slowdown + 0.5, False))
+    assert bits & ph.HW_THERMAL and ratio == ph.HW_THERMAL_CLOCK and latched
+    # Once latched, HW slowdown holds until the GPU has cooled a little below the threshold.
+    assert thermal_clock(H100_SXM, Thermal(slowdown - 1.0, True))[1] & ph.HW_THERMAL
+    assert not thermal_clock(H100_SXM, Thermal(slowdown - 3.0, True))[1] & ph.HW_THERMAL
+
+
+def test_temperature_lags_power():
+    tl = _timeline("hgx-h100", "hgx-h100-01")
+    start, settled = tl.temperature(0, 60.0), tl.temperature(0, 600.0)
+    one_tau = tl.temperature(0, 60.0 + H100_SXM.thermal_tau_s)
+    # First-order response: about 63 % of the way after one time constant.
+    share = (one_tau - start) / (settled - start)
+    assert 0.5 < share < 0.75
+    assert abs(tl.temperature(0, 600.0) - tl.temperature(0, 599.0)) < 0.2
+    assert 55.0 < settled < 80.0
+
+
+def test_idle_gpu_reads_idle():
+    tl = _timeline("cluster-incidents", "node-c")
+    state = tl.state(6, 400.0)  # GPU 6 of node-c runs no job
+    assert state.job is None and state.reasons & ph.IDLE
+    assert state.rates[ph.UTIL] == 0.0
+    assert state.rates[ph.POWER_W] == pytest.approx(A100_SXM4.idle_watts, rel=0.06)
+
+
+def test_startup_is_low_and_irregular():
+    tl = _timeline("hgx-h100", "hgx-h100-01")
+    utils = [tl.state(0, t).rates[ph.UTIL] for t in range(5, 55)]
+    assert max(utils) < 0.5 and statistics.pstdev(utils) > 0.03
+    assert tl.state(0, 10).memory_used_bytes < tl.state(0, 200).memory_used_bytes
+
+
+def test_structural_offsets_are_there_all_along():
+    tl = _timeline("hgx-h100", "hgx-h100-01")
+    temps = [tl.temperature(i, 500.0) for i in range(8)]
+    powers = [_avg(tl, i, ph.POWER_W, 400, 500) for i in range(8)]
+    assert max(temps) - min(temps) > 1.0
+    assert max(temps) - min(temps) < 12.0
+    assert max(powers) / min(powers) < 1.08
+    utils = [_avg(tl, i, ph.UTIL, 400, 500) for i in range(8)]
+    assert min(utils) > 0.98
+
+
+def test_cooling_failure_throttles_and_holds_the_job_back(demo01, demo02):
+    hot = [demo02.temperature(5, t) for t in range(200, 300, 5)]
+    assert min(hot) > 83.0
+    bits = 0
+    for t in range(150, 300):
+        bits |= demo02.state(5, t).reasons
+    assert bits & ph.HW_THERMAL and bits & ph.SW_THERMAL
+    sm_clock = _avg(demo02, 5, ph.SM_CLOCK_MHZ, 200, 290)
+    assert sm_clock < 0.9 * H100_SXM.sm_clock_max_mhz
+    # Peers on the other node wait for it: lower SM activity and power, utilization stays high.
+    before = _avg(demo01, 0, ph.SM, 80, 115), _avg(demo01, 0, ph.POWER_W, 80, 115)
+    during = _avg(demo01, 0, ph.SM, 180, 290), _avg(demo01, 0, ph.POWER_W, 180, 290)
+    assert during[0] < 0.85 * before[0] and during[1] < 0.9 * before[1]
+    assert _avg(demo01, 0, ph.UTIL, 180, 290) > 0.98
+    # The straggler itself stays busy.
+    assert _avg(demo02, 5, ph.SM, 180, 290) > 1.3 * during[0]
+    # After the incident it cools and the job recovers.
+    assert demo02.temperature(5, 420.0) < 75.0
+    assert _avg(demo01, 0, ph.SM, 400, 450) > 0.95 * before[0]
+
+
+def test_silent_slow_gpu_has_no_bits(demo03):
+    reasons = {demo03.state(2, t).reasons for t in range(160, 300, 7)}
+    assert reasons == {0}
+    peer_sm = _avg(demo03, 0, ph.SM, 170, 290)
+    assert _avg(demo03, 2, ph.SM, 170, 290) > 1.2 * peer_sm
+    assert _avg(demo03, 2, ph.SM_CLOCK_MHZ, 170, 290) == pytest.approx(H100_SXM.sm_clock_max_mhz)
+
+
+def test_comm_slowdown_lowers_sm_job_wide_with_utilization_high(demo03):
+    before = [_avg(demo03, i, ph.SM, 320, 355) for i in range(8)]
+    during = [_avg(demo03, i, ph.SM, 380, 470) for i in range(8)]
+    assert all(d < 0.8 * b for b, d in zip(before, during))
+    assert max(during) - min(during) < 0.05  # nobody stands out
+    assert min(_avg(demo03, i, ph.UTIL, 380, 470) for i in range(8)) > 0.98
+    assert _avg(demo03, 0, ph.NVLINK_TX_KIB, 380, 470) < _avg(demo03, 0, ph.NVLINK_TX_KIB, 320, 355)
+
+
+def test_input_wait_vs_collective_wait():
+    starved = _timeline("cluster-incidents", "node-b")
+    peer = _timeline("cluster-incidents", "node-a")
+    # node-b starves its GPUs (300-400 s): their utilization itself falls.
+    assert _avg(starved, 0, ph.UTIL, 310, 390) < 0.7
+    # node-a's GPUs spin in the collective waiting for node-b: utilization high, SM activity low.
+    assert _avg(peer, 0, ph.UTIL, 310, 390) > 0.98
+    assert _avg(peer, 0, ph.SM, 310, 390) < 0.7 * _avg(peer, 0, ph.SM, 260, 295)
+
+
+def test_power_brake_slow_gpu_sets_bits_and_cuts_clock():
+    tl = _timeline("cluster-incidents", "node-b")
+    state = tl.state(3, 150.0)
+    assert state.reasons & ph.HW_POWER_BRAKE and state.reasons & ph.HW_SLOWDOWN
+    assert state.rates[ph.SM_CLOCK_MHZ] == pytest.approx(0.7 * H100_SXM.sm_clock_max_mhz)
+
+
+def test_power_cap_is_uniform_and_respected():
+    tl = _timeline("cluster-incidents", "node-a")
+    clocks = {round(tl.state(i, 600.0).rates[ph.SM_CLOCK_MHZ]) for i in range(0, 7)}
+    assert len(clocks) == 1 and clocks.pop() < H100_SXM.sm_clock_max_mhz
+    for i in range(7):
+        state = tl.state(i, 600.0)
+        assert state.reasons & ph.SW_POWER_CAP
+        assert state.rates[ph.POWER_W] <= 450.0
+
+
+def test_counters_integrate_rates():
+    tl = _timeline("hgx-h100", "hgx-h100-01")
+    energy = tl.integral(2, 300.0)[ph.POWER_W] - tl.integral(2, 200.0)[ph.POWER_W]
+    assert energy == pytest.approx(100.0 * _avg(tl, 2, ph.POWER_W, 200.0, 300.0))
+    a, b = tl.integral(2, 250.0), tl.integral(2, 250.5)
+    assert all(y >= x for x, y in zip(a, b))
+
+
+def test_counter_reset_base():
+    tl = _timeline("cluster-incidents", "node-a")
+    assert tl.counter_base(0, 699.0) == (0.0,) * ph.N_RATES
+    base = tl.counter_base(0, 710.0)
+    assert base[ph.POWER_W] == pytest.approx(tl.integral(0, 700.0)[ph.POWER_W])
+
+
+def test_lost_gpu_hangs_its_job():
+    tl = _timeline("cluster-incidents", "node-b")  # node-a GPU 7 falls off the bus at 750 s
+    assert _avg(tl, 0, ph.UTIL, 760, 790) > 0.98
+    assert _avg(tl, 0, ph.SM, 760, 790) < 0.1
