@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(BIN)/gpufleet-server demo
 
 agent-demo: $(STAMP)
-	$(BIN)/gpufleet-agent --simulate hgx-h100 --node demo-node --once
+	$(BIN)/gpufleet-agent --simulate hgx-h100 --once
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

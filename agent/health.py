@@ -18,6 +18,8 @@ class AgentHealth:
     nvml_up: bool
     # Why NVML is down (exception class name), None while it is up or before the first attempt.
     nvml_error: str | None = None
+    # The exception's message, for /healthz and --once ("nvmlInit failed: Driver Not Loaded").
+    nvml_error_detail: str | None = None
     # (reading, error) -> cumulative count: the reader's own plus the agent's (cycle, record, attribution).
     errors: Mapping[tuple[str, str], int] = field(default_factory=lambda: _EMPTY)
     # GPU index -> reading name -> supported, probed once when NVML opens.

@@ -23,6 +23,8 @@ from agent.store import Publication, SnapshotStore
 
 log = logging.getLogger(__name__)
 
+FAILURE_LOG_EVERY_SECONDS = 60.0
+
 
 class Reader(Protocol):
     """What the sampler needs from agent.nvml_reader.NvmlReader (tests pass small fakes)."""
@@ -81,6 +83,7 @@ class Sampler:
         self._version = version
         self._open = False
         self._nvml_error: str | None = None
+        self._nvml_error_detail: str | None = None
         self._open_failures = 0
         self._next_open = float("-inf")
         self._errors: Counter[tuple[str, str]] = Counter()
@@ -89,6 +92,7 @@ class Sampler:
         self._last_json: bytes | None = None
         self._thread: threading.Thread | None = None
         self._renderer = exposition.Renderer()
+        self._logged_at: dict[tuple[str, str], float] = {}
 
     @property
     def nvml_up(self) -> bool:
@@ -120,7 +124,7 @@ class Sampler:
             return None
         except Exception as exc:  # one bad cycle must not end sampling
             self._errors[("cycle", type(exc).__name__)] += 1
-            log.exception("sampling cycle failed", extra={"node": self._node})
+            self._log_failure("sampling cycle failed", exc)
             return None
         return NodeSnapshot(
             node=self._node,
@@ -145,11 +149,19 @@ class Sampler:
                 except NvmlUnavailable:
                     raise
                 except Exception as exc:
-                    self._errors[("compute_pids", type(exc).__name__)] += 1
+                    self._errors[("compute_processes", type(exc).__name__)] += 1
             job = attributor.job_for(gpu.index, gpu.uuid, pids)
             out.append(dataclasses.replace(gpu, hpc_job=job) if job != gpu.hpc_job else gpu)
         attributor.end_cycle()
         return tuple(out)
+
+    def _log_failure(self, message: str, exc: Exception) -> None:
+        """With traceback, but once a minute per kind: a bug that repeats every cycle must not flood."""
+        key = (message, type(exc).__name__)
+        now = self._monotonic()
+        if now - self._logged_at.get(key, float("-inf")) >= FAILURE_LOG_EVERY_SECONDS:
+            self._logged_at[key] = now
+            log.error(message, exc_info=exc, extra={"node": self._node, "count": self._errors.total()})
 
     def _try_open(self) -> bool:
         if self._monotonic() < self._next_open:
@@ -160,14 +172,14 @@ class Sampler:
             self._open_failures += 1
             self._mark_down(exc, "nvml_open")
             return False
-        self._open, self._nvml_error, self._open_failures = True, None, 0
+        self._open, self._nvml_error, self._nvml_error_detail, self._open_failures = True, None, None, 0
         log.debug("NVML opened", extra={"node": self._node, "driver_version": self._reader.driver_version,
                                        "gpus": len(self._reader.capabilities)})
         return True
 
     def _mark_down(self, exc: BaseException, reading: str) -> None:
         was_open = self._open
-        self._open, self._nvml_error = False, type(exc).__name__
+        self._open, self._nvml_error, self._nvml_error_detail = False, type(exc).__name__, str(exc)[:200]
         self._errors[(reading, self._nvml_error)] += 1
         self._close_reader()
         delay = 0.0 if was_open else self._backoff_delay()
@@ -190,7 +202,7 @@ class Sampler:
             metrics = self._renderer.render(self._last, health)
         except Exception as exc:  # a render bug must not stop sampling; the old body stays served
             self._errors[("render", type(exc).__name__)] += 1
-            log.exception("exposition render failed", extra={"node": self._node})
+            self._log_failure("exposition render failed", exc)
             return
         self._store.publish(Publication(self._last, health, metrics, self._last_json))
 
@@ -203,7 +215,8 @@ class Sampler:
             errors.update({("attribution", cause): n for cause, n in self._attributor.errors.items()})
         capabilities = _copy(self._reader.capabilities) if self._open else {}
         return AgentHealth(node=self._node, version=self._version, nvml_up=self._open,
-                           nvml_error=self._nvml_error, errors=dict(errors), capabilities=capabilities,
+                           nvml_error=self._nvml_error, nvml_error_detail=self._nvml_error_detail,
+                           errors=dict(errors), capabilities=capabilities,
                            cycles_total=self._cycles)
 
     def run(self) -> None:

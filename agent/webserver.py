@@ -122,6 +122,7 @@ class AgentHttpServer:
             detail["gpus"] = len(pub.snapshot.gpus)
         if not pub.health.nvml_up:
             detail["error"] = pub.health.nvml_error
+            detail["detail"] = pub.health.nvml_error_detail
             return ("nvml_down" if pub.health.nvml_error else "starting"), detail
         if pub.snapshot is None:
             return "starting", detail
@@ -134,6 +135,9 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "gpufleet-agent"
     timeout = IDLE_TIMEOUT_SECONDS
+    # Headers and body go out as separate writes; with Nagle on, a keep-alive client's delayed ACK
+    # would hold the body back ~40 ms.
+    disable_nagle_algorithm = True
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         self._answer(send_body=True)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @contextlib.contextmanager
 def agent_process(*args: str, timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen, int]]:
-    """Run the agent on 127.0.0.1:0 with JSON logs; yields (process, bound port); SIGTERMs it at the end."""
+    """Run the agent on 127.0.0.1:0 with JSON logs (info level or lower: the start line carries the port)."""
     cmd = [sys.executable, "-m", "agent.cli", "--web.listen-address", "127.0.0.1:0", "--log.format", "json", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

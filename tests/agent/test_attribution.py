@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 
-import pytest
 
 from agent.attribution import JobAttributor
 

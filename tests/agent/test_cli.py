@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes.util
 import http.client
+import logging
 import math
 import signal
 import threading
@@ -24,6 +26,16 @@ GPU_FIELDS = {
     "nvlink_rx_bytes_total": int, "pcie_tx_bytes_total": int, "pcie_rx_bytes_total": int,
     "xid_errors_total": int,
 }
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    """main() points the root logger at stderr with its own level; put the test harness's back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def once(capsys, *args: str) -> dict:
@@ -119,3 +131,31 @@ def test_serves_and_exits_0_on_sigterm(tmp_path):
         assert proc.wait(timeout=20) == 0
     lines = trace.read_bytes().splitlines()
     assert lines and all(orjson.loads(line)["schema"] == 1 for line in lines)
+
+
+NO_DRIVER = ctypes.util.find_library("nvidia-ml") is None
+needs_no_driver = pytest.mark.skipif(not NO_DRIVER, reason="an NVIDIA driver is installed: NVML would open")
+
+
+@needs_no_driver
+def test_once_without_a_driver_exits_1_with_the_reason(capsys):
+    assert main(["--once", "--log.level", "error"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gpufleet-agent: error: no sample: nvmlInit failed") and err.count("\n") == 1
+
+
+@needs_no_driver
+def test_serving_without_a_driver_answers_with_health_only():
+    with agent_process() as (proc, port):
+        waiter = threading.Event()
+        status, body = get(port, "/metrics")
+        for _ in range(100):  # the first cycle publishes within moments of startup
+            if status == 200:
+                break
+            waiter.wait(0.1)
+            status, body = get(port, "/metrics")
+        assert status == 200 and b"gpufleet_agent_nvml_up{" in body and b"} 0.0" in body
+        assert b"gpufleet_gpu_" not in body
+        status, health = get(port, "/healthz")
+        assert status == 503 and orjson.loads(health)["status"] == "nvml_down"
+        assert proc.poll() is None  # still running, retrying with backoff

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from agent.cli import main
 from agent.config import AgentConfig, ConfigError, default_node, env_name, load_config
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    """main() points the root logger at stderr with its own level; put the test harness's back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def test_defaults():

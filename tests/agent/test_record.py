@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from agent.record import Recorder
 
 
@@ -19,8 +21,9 @@ def test_appends_one_line_per_write(tmp_path):
 
 def test_unwritable_path_is_counted_not_raised(tmp_path, caplog):
     rec = Recorder(tmp_path / "missing-dir" / "trace.jsonl")
-    assert not rec.write(b"{}")
-    assert not rec.write(b"{}")
+    with caplog.at_level(logging.WARNING):
+        assert not rec.write(b"{}")
+        assert not rec.write(b"{}")
     assert rec.errors == 2
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1  # rate-limited

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import orjson
 
 from agent.attribution import JobAttributor
@@ -96,6 +98,7 @@ def test_nvml_vanishing_mid_run_reopens_next_cycle():
 
 
 def test_unexpected_exception_is_counted_and_sampling_continues(caplog):
+    caplog.set_level(logging.WARNING)
     sampler, reader, store, clock = make()
 
     def boom():
@@ -107,7 +110,22 @@ def test_unexpected_exception_is_counted_and_sampling_continues(caplog):
     assert store.latest().health.errors[("cycle", "KeyError")] == 1
     assert b'gpufleet_agent_errors_total{error="KeyError",node="dgx-017",reading="cycle"} 1.0' in store.latest().metrics
     assert sampler.run_once() is not None
-    assert any("sampling cycle failed" in r.getMessage() for r in caplog.records)
+    assert any("sampling cycle failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_a_repeating_failure_is_logged_once_a_minute(caplog):
+    caplog.set_level(logging.WARNING)
+    sampler, reader, store, clock = make()
+
+    def boom():
+        raise KeyError("bug")
+
+    reader.read_effects = [boom] * 70
+    for _ in range(70):
+        sampler.run_once()
+        clock.advance(1)
+    assert store.latest().health.errors[("cycle", "KeyError")] == 70
+    assert len([r for r in caplog.records if "sampling cycle failed" in r.getMessage()]) == 2
 
 
 def test_run_loop_keeps_a_drift_free_schedule():

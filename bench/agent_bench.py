@@ -1,0 +1,264 @@
+"""Agent cost on one simulated 8-GPU HGX H100 node with 18 NVLink links per GPU (per-link export on).
+
+    python -m bench.agent_bench [--cycles 300] [--requests 2000] [--duration 60] [--no-per-link]
+
+Measures, in this process: CPU per sampling cycle (our code apart from the simulator's share, timed
+through a wrapper around every SimNvml call), the render done once per snapshot, and /metrics and
+/snapshots latency over real HTTP on loopback. Then runs the real agent as a subprocess for --duration
+seconds while scraping it every 15 s and pulling every 5 s, and reads its CPU time and RSS from /proc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from agent.attribution import JobAttributor
+from agent.exposition import Renderer, render_age
+from agent.nvml_reader import NvmlReader
+from agent.sampler import Sampler
+from agent.sim import SimNvml, load_scenario
+from agent.store import SnapshotStore
+from agent.webserver import AgentHttpServer
+
+SCENARIO = "hgx-h100"
+SCRAPE_EVERY_S = 15.0
+PULL_EVERY_S = 5.0
+TICKS = os.sysconf("SC_CLK_TCK")
+LIVE_SCRAPES = 600
+LIVE_SCRAPE_GAP_S = 0.037  # not a divisor of the 1 s interval, so scrapes walk across the cycle
+
+
+class Clock:
+    """Fake wall clock so a cycle costs only its CPU, not a real second."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedNvml:
+    """Forwards to SimNvml, adding the sampler thread's CPU time spent inside each call to `spent`."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.spent = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        if not callable(value) or not name.startswith("nvml") or isinstance(value, type):
+            return value
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return value(*args, **kwargs)
+            finally:
+                if threading.current_thread() is threading.main_thread():
+                    self.spent += time.thread_time() - start
+
+        return timed
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench_cycles(cycles: int, procfs: Path, per_link: bool) -> tuple[dict[str, float], SnapshotStore, Clock]:
+    clock = Clock()
+    scenario = load_scenario(SCENARIO)
+    node = scenario.nodes[0]
+    sim = SimNvml(scenario, node=node, clock=clock, epoch=clock.now - 300, block_on_events=True)
+    sim.materialize_procfs(procfs)
+    nvml = TimedNvml(sim)
+    store = SnapshotStore(300)
+    sampler = Sampler(NvmlReader(nvml, per_link_nvlink=per_link), store, node=node,
+                      attributor=JobAttributor(procfs), clock=clock)
+    for _ in range(5):  # open, probe, GPM warm-up
+        sampler.run_once()
+        clock.now += 1.0
+    nvml.spent = 0.0
+    totals = []
+    for _ in range(cycles):
+        start = time.thread_time()
+        sampler.run_once()
+        totals.append(time.thread_time() - start)
+        clock.now += 1.0
+    sim_share = nvml.spent / cycles
+    pub = store.latest()
+    renders, reads = [], []
+    renderer = Renderer()
+    renderer.render(pub.snapshot, pub.health)
+    for _ in range(cycles):
+        start = time.thread_time()
+        renderer.render(pub.snapshot, pub.health)
+        orjson.dumps(pub.snapshot.to_dict())
+        renders.append(time.thread_time() - start)
+    reader = sampler._reader
+    nvml.spent = 0.0
+    for _ in range(cycles):
+        start = time.thread_time()
+        reader.read()
+        reads.append(time.thread_time() - start)
+        clock.now += 1.0
+    read_sim = nvml.spent / cycles
+    sampler.stop()
+    mean = statistics.fmean(totals)
+    return {
+        "cycle_total_ms": mean * 1e3,
+        "cycle_simulator_ms": sim_share * 1e3,
+        "cycle_ours_ms": (mean - sim_share) * 1e3,
+        "of_which_reader_ms": (statistics.fmean(reads) - read_sim) * 1e3,
+        "of_which_render_and_json_ms": statistics.fmean(renders) * 1e3,
+        "exposition_bytes": len(pub.metrics + render_age(clock.now, pub.snapshot, node)),
+        "exposition_samples": sum(1 for line in pub.metrics.splitlines() if not line.startswith(b"#")) + 1,
+        "snapshot_json_bytes": len(pub.snapshot_json or b""),
+    }, store, clock
+
+
+def bench_http(store: SnapshotStore, clock: Clock, requests: int) -> dict[str, float]:
+    server = AgentHttpServer(store, host="127.0.0.1", port=0, clock=clock)
+    server.start()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    since = store.latest().snapshot.time - PULL_EVERY_S
+    out: dict[str, float] = {}
+    try:
+        for name, path in (("metrics", "/metrics"), ("pull", f"/snapshots?since={since}")):
+            lat = []
+            for _ in range(50):  # warm-up
+                conn.request("GET", path)
+                conn.getresponse().read()
+            process_cpu, client_cpu = time.process_time(), time.thread_time()
+            for _ in range(requests):
+                start = time.perf_counter()
+                conn.request("GET", path)
+                body = conn.getresponse().read()
+                lat.append(time.perf_counter() - start)
+            # CPU the server threads spent (the whole process minus this client thread): immune to how
+            # long the scheduler kept the server waiting for a core on a busy machine.
+            server_cpu = (time.process_time() - process_cpu) - (time.thread_time() - client_cpu)
+            out[f"{name}_server_cpu_ms"] = server_cpu / requests * 1e3
+            out[f"{name}_p50_ms"] = pct(lat, 0.50) * 1e3
+            out[f"{name}_p99_ms"] = pct(lat, 0.99) * 1e3
+            out[f"{name}_bytes"] = len(body)
+        conn.request("GET", "/snapshots")
+        out["snapshots_full_bytes"] = len(conn.getresponse().read())
+    finally:
+        conn.close()
+        server.close()
+    return out
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def _status(pid: int, key: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024  # kB -> MiB
+    return float("nan")
+
+
+def bench_process(duration: float, per_link: bool) -> dict[str, float]:
+    """The real agent process (simulated node, per-link on) scraped every 15 s and pulled every 5 s."""
+    cmd = [sys.executable, "-m", "agent.cli", "--simulate", SCENARIO, "--web.listen-address", "127.0.0.1:0",
+           "--log.level", "info"] + (["--nvlink.per-link"] if per_link else [])
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        port = None
+        for line in proc.stderr:  # type: ignore[union-attr]
+            record = orjson.loads(line)
+            if record.get("msg") == "agent started":
+                port = int(record["port"])
+                break
+        assert port, "agent did not start"
+        threading.Thread(target=lambda: proc.stderr.read(), daemon=True).start()  # type: ignore[union-attr]
+        waiter = threading.Event()
+        waiter.wait(3.0)  # let startup (imports, NVML probe) settle before the window opens
+        start_cpu, start = _cpu_seconds(proc.pid), time.monotonic()
+        next_scrape = next_pull = start
+        last_time = time.time() - PULL_EVERY_S
+        while (now := time.monotonic()) < start + duration:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            if now >= next_scrape:
+                conn.request("GET", "/metrics")
+                conn.getresponse().read()
+                next_scrape += SCRAPE_EVERY_S
+            if now >= next_pull:
+                conn.request("GET", f"/snapshots?since={last_time}")
+                snaps = orjson.loads(conn.getresponse().read())["snapshots"]
+                last_time = snaps[-1]["time"] if snaps else last_time
+                next_pull += PULL_EVERY_S
+            conn.close()
+            waiter.wait(max(0.0, min(next_scrape, next_pull) - time.monotonic()))
+        cpu = _cpu_seconds(proc.pid) - start_cpu
+        elapsed = time.monotonic() - start
+        out = {"process_cpu_percent": 100 * cpu / elapsed, "process_rss_mib": _status(proc.pid, "VmRSS"),
+               "process_peak_rss_mib": _status(proc.pid, "VmHWM"), "process_window_s": elapsed}
+        # Scrapes of the live agent, spread over many sampling cycles: a scrape that lands mid-cycle
+        # waits for the GIL, which in-process loopback numbers do not show.
+        lat = []
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        for _ in range(LIVE_SCRAPES):
+            begin = time.perf_counter()
+            conn.request("GET", "/metrics")
+            conn.getresponse().read()
+            lat.append(time.perf_counter() - begin)
+            waiter.wait(LIVE_SCRAPE_GAP_S)
+        conn.close()
+        out["live_metrics_p50_ms"] = pct(lat, 0.50) * 1e3
+        out["live_metrics_p99_ms"] = pct(lat, 0.99) * 1e3
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.agent_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cycles", type=int, default=300)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of the subprocess run (0: skip)")
+    parser.add_argument("--no-per-link", dest="per_link", action="store_false",
+                        help="export NVLink totals only (the agent's default) instead of 18 links per GPU")
+    args = parser.parse_args(argv)
+    procfs = Path(tempfile.mkdtemp(prefix="gpufleet-bench-proc-"))
+    try:
+        results, store, clock = bench_cycles(args.cycles, procfs, args.per_link)
+    finally:
+        shutil.rmtree(procfs, ignore_errors=True)
+    results.update(bench_http(store, clock, args.requests))
+    # Projected whole-agent CPU with the simulator's share taken out: a cycle per second (render included),
+    # a scrape every 15 s and a pull every 5 s (server-side CPU per request).
+    projected_ms = (results["cycle_ours_ms"] + results["metrics_server_cpu_ms"] / SCRAPE_EVERY_S
+                    + results["pull_server_cpu_ms"] / PULL_EVERY_S)
+    results["projected_cpu_percent"] = projected_ms / 1000 * 100
+    if args.duration > 0:
+        results.update(bench_process(args.duration, args.per_link))
+    sys.stdout.write(f"# {SCENARIO}, 8 GPUs x 18 NVLink links, per-link export {'on' if args.per_link else 'off'}\n")
+    width = max(map(len, results))
+    for key, value in results.items():
+        shown = f"{value:,.3f}" if isinstance(value, float) else f"{value:,}"
+        sys.stdout.write(f"{key:<{width}}  {shown}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
