@@ -1,0 +1,222 @@
+"""Replay throughput: GPU-samples per second through `gpufleet-server replay`, start-up included.
+
+    python -m bench.replay_bench [--nodes 64] [--minutes 30] [--fast-minutes 10] [--repeat 3] [--no-write]
+
+Generates two large traces with tests/server/tracegen.py (N nodes x 8 GPUs at 5 s sampling, and a 1 s
+variant), then times (a) the CLI as a subprocess end to end (interpreter start, imports, parsing, engine,
+JSON out) and (b) server.replay.run_replay in-process, each pinned to one CPU core. Writes the figures
+under `## Server: replay` in docs/benchmarks.md (other sections are left alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tests.server.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSpec, Trace, write_trace
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+HEADING = "## Server: replay"
+GOAL, FLOOR = 500_000, 200_000
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One configuration's result (seconds are the median over repeats)."""
+
+    label: str
+    gpu_samples: int
+    lines: int
+    trace_bytes: int
+    cli_wall_s: float
+    cli_cpu_s: float
+    inproc_wall_s: float
+    alerts: int
+
+    @property
+    def cli_rate(self) -> float:
+        return self.gpu_samples / self.cli_wall_s
+
+    @property
+    def inproc_rate(self) -> float:
+        return self.gpu_samples / self.inproc_wall_s
+
+
+def bench_spec(nodes: int, minutes: float, interval_s: float, seed: int = 7) -> ClusterSpec:
+    """A production-like cluster: 8-node jobs, half H100 / half A100, a few incidents and decoys."""
+    rng = np.random.default_rng(seed)
+    specs = tuple(NodeSpec(f"gpu-{i:04d}", H100 if i < nodes // 2 else A100, 8, float(rng.uniform(20, 32)),
+                           float(rng.uniform(-0.5, 0.5))) for i in range(nodes))
+    jobs, incidents = [], []
+    for k in range(0, nodes - 7, 8):
+        group = specs[k:k + 8]
+        if group[0].model is not group[-1].model:
+            continue
+        jobs.append(Job(f"j{k}", str(80000 + k), tuple((n.name, tuple(range(8))) for n in group),
+                        step_s=float(rng.uniform(0.4, 1.2)), comm_ratio=float(rng.uniform(0.12, 0.3))))
+    duration = minutes * 60.0
+    for job, kind in zip(jobs, ("slow_gpu", "comm_slowdown", "cooling_failure", "input_starved", "power_brake")):
+        node, _ = job.placement[1]
+        start = duration * 0.3
+        sev = {"slow_gpu": 0.7, "comm_slowdown": 3.0, "cooling_failure": 2.2, "input_starved": 0.8,
+               "power_brake": 0.6}[kind]
+        incidents.append(Incident(kind, start, duration * 0.8, node, 3, job=job.key, severity=sev, count=120))
+    incidents.append(Incident("agent_down", duration * 0.5, duration * 0.5 + 180, specs[-1].name))
+    return ClusterSpec(specs, tuple(jobs), tuple(incidents), duration, interval_s, seed=seed,
+                       drop_ratio=0.005, order="time")
+
+
+def _cli() -> list[str]:
+    exe = Path(sys.executable).with_name("gpufleet-server")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "server.cli"]
+
+
+def _pin() -> None:
+    """Run on a single core so that 'per core' means what it says."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def time_cli(path: Path) -> tuple[float, float, int]:
+    """(wall s, child CPU s, alerts printed) for one end-to-end CLI replay."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    proc = subprocess.run([*_cli(), "replay", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          preexec_fn=_pin, check=False)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise RuntimeError(f"replay exited {proc.returncode}: {proc.stderr.decode()[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, len([line for line in proc.stdout.splitlines() if line.strip()])
+
+
+def time_inproc(path: Path) -> float:
+    """Wall seconds for reading the file and run_replay over its lines, on one core."""
+    from server.replay import run_replay
+
+    saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    _pin()
+    try:
+        started = time.perf_counter()
+        with open(path, "rb") as fh:
+            run_replay(fh)
+        return time.perf_counter() - started
+    finally:
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
+
+
+def run_one(label: str, spec: ClusterSpec, repeat: int, path: Path) -> Timing:
+    """Write the trace to `path`, then time both ways `repeat` times."""
+    trace: Trace = write_trace(spec, path)
+    lines, samples = len(trace.lines), trace.gpu_samples
+    del trace
+    cli = [time_cli(path) for _ in range(repeat)]
+    inproc = [time_inproc(path) for _ in range(repeat)]
+    return Timing(label, samples, lines, path.stat().st_size, statistics.median(c[0] for c in cli),
+                  statistics.median(c[1] for c in cli), statistics.median(inproc), cli[0][2])
+
+
+def render(results: list[Timing], repeat: int) -> str:
+    cpu = _cpu_model()
+    out = [
+        HEADING, "",
+        f"`python -m bench.replay_bench` on {cpu} ({os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f} when it finished: with other work running, wall time exceeds CPU time), "
+        f"Python {platform.python_version()}, each run pinned to one core; median of {repeat} runs. Traces from `tests/server/tracegen.py` (a time-sorted cat of "
+        "every node's snapshot lines, a few incidents, 0.5 % dropped lines). *CLI* is "
+        "`gpufleet-server replay TRACE` as a subprocess, end to end: interpreter start-up, imports, "
+        "parsing, engine, alert JSON on stdout. *In-process* is `run_replay(open(TRACE, 'rb'))`.",
+        f"Goal ≥ {GOAL:,} GPU-samples/s, floor {FLOOR:,}.", "",
+        "| trace | lines | GPU-samples | size | CLI wall (s) | CLI CPU (s) | CLI GPU-samples/s | "
+        "in-process (s) | in-process GPU-samples/s | alerts |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        out.append(f"| {r.label} | {r.lines:,} | {r.gpu_samples:,} | {r.trace_bytes / 2**20:.0f} MiB | "
+                   f"{r.cli_wall_s:.2f} | {r.cli_cpu_s:.2f} | **{r.cli_rate:,.0f}** | {r.inproc_wall_s:.2f} | "
+                   f"{r.inproc_rate:,.0f} | {r.alerts} |")
+    worst = min(r.cli_rate for r in results)
+    verdict = "meets the goal" if worst >= GOAL else "meets the floor, not the goal" if worst >= FLOOR \
+        else "is BELOW the floor"
+    out += ["", f"Slowest CLI configuration: {worst:,.0f} GPU-samples/s — {verdict}.", ""]
+    return "\n".join(out)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def write_section(doc: Path, section: str) -> None:
+    """Replace the `## Server: replay` section (up to the next `## ` heading), or append it."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    lines = text.splitlines()
+    try:
+        start = lines.index(HEADING)
+    except ValueError:
+        new = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        new = "\n".join(lines[:start] + section.rstrip("\n").splitlines() + [""] + lines[end:]).rstrip("\n") + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.replay_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=64)
+    ap.add_argument("--minutes", type=float, default=30.0, help="length of the 5 s trace")
+    ap.add_argument("--fast-minutes", type=float, default=10.0, help="length of the 1 s trace (0: skip)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--doc", type=Path, default=DOC)
+    args = ap.parse_args(argv)
+    if args.nodes < 8 or args.minutes <= 0 or args.repeat < 1:
+        ap.error("need --nodes >= 8, --minutes > 0, --repeat >= 1")
+    try:
+        import server.replay  # noqa: F401
+    except ModuleNotFoundError as exc:
+        print(f"replay_bench: the engine is not available ({exc})", file=sys.stderr)
+        return 1
+    configs = [(f"{args.nodes} nodes × 8 GPUs, {args.minutes:g} min @ 5 s", bench_spec(args.nodes, args.minutes, 5.0))]
+    if args.fast_minutes > 0:
+        configs.append((f"{args.nodes} nodes × 8 GPUs, {args.fast_minutes:g} min @ 1 s",
+                        bench_spec(args.nodes, args.fast_minutes, 1.0)))
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        results = []
+        for k, (label, spec) in enumerate(configs):
+            try:
+                results.append(run_one(label, spec, args.repeat, Path(tmp) / f"trace{k}.jsonl"))
+            except RuntimeError as exc:   # a crashing replay is a finding, not a figure
+                print(f"{label}: {exc}", file=sys.stderr)
+                return 1
+            print(f"{label}: CLI {results[-1].cli_rate:,.0f} GPU-samples/s, in-process "
+                  f"{results[-1].inproc_rate:,.0f}", file=sys.stderr)
+    section = render(results, args.repeat)
+    print(section)
+    if not args.no_write:
+        write_section(args.doc, section)
+        print(f"wrote {args.doc}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The FastAPI app factory: routers, /metrics, and the runtime's lifespan."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from server.api import alerts, fleet, health
+from server.metrics import build_registry
+from server.runtime import Runtime
+from server.settings import ServerSettings
+
+
+def create_app(settings: ServerSettings, *, runtime: Runtime, run_pipeline: bool = True) -> FastAPI:
+    """An app serving `runtime`; with run_pipeline the lifespan starts and stops its pull loop."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if run_pipeline:
+            await runtime.start()
+        try:
+            yield
+        finally:
+            if run_pipeline:
+                await runtime.stop()
+
+    app = FastAPI(
+        title="gpufleet server",
+        summary="Stragglers, thermal throttling and communication-bound drops in GPU training clusters.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.runtime = runtime
+    app.state.settings = settings
+    registry = build_registry(runtime)
+    app.include_router(alerts.router)
+    app.include_router(fleet.router)
+    app.include_router(health.router)
+
+    @app.get("/metrics", tags=["metrics"], summary="Prometheus exposition",
+             response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    async def metrics() -> Response:
+        """Active alerts, job health and the server's own ingest and engine health."""
+        body = await run_in_threadpool(generate_latest, registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    return app

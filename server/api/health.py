@@ -1,0 +1,29 @@
+"""`/healthz`: is the pipeline running, and how many agents answer."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from server.api.deps import RuntimeDep
+from server.api.models import HealthModel
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=HealthModel, summary="Liveness and pipeline summary",
+            responses={503: {"model": HealthModel}})
+async def healthz(runtime: RuntimeDep) -> JSONResponse:
+    """200 while cycles complete; 503 before the first cycle or when cycles stopped completing."""
+    health = runtime.puller.health()
+    stats = runtime.stats
+    last = stats.last_tick
+    if last is None:
+        status = "starting"
+    elif runtime.clock() - last > max(3 * runtime.pull_interval_seconds, 30.0):
+        status = "degraded"
+    else:
+        status = "ok"
+    body = HealthModel(status=status, targets=len(health), targets_up=sum(1 for h in health if h.up),
+                       cycles=stats.cycles_total, last_tick=last, open_alerts=len(runtime.view.alerts))
+    return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)

@@ -1,0 +1,129 @@
+"""Response models: the OpenAPI schema documents the API through these."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.alerts import Alert, AlertKind, AlertState, Severity
+
+
+class AlertModel(BaseModel):
+    """One alert occurrence (times are Unix seconds of sample time)."""
+
+    id: str = Field(description="Unique per occurrence: fingerprint + when it went pending.")
+    fingerprint: str = Field(description="Stable identity of the subject; repeats across occurrences.")
+    kind: AlertKind
+    severity: Severity
+    state: AlertState
+    node: str | None = Field(description="Node name; null for job-level alerts.")
+    gpu: int | None = Field(description="GPU index on the node; null for node- and job-level alerts.")
+    uuid: str | None = Field(description="GPU UUID when the alert is about one GPU.")
+    hpc_job: str | None = Field(description="Scheduler job id the subject belongs to, if known.")
+    pending_since: float
+    started: float | None = Field(description="When it began firing; null while pending.")
+    resolved: float | None
+    updated: float
+    summary: str
+    evidence: dict[str, Any] = Field(description="The numbers that triggered it, against peers or baseline.")
+
+    @classmethod
+    def of(cls, alert: Alert) -> "AlertModel":
+        """From the engine's Alert value."""
+        return cls.model_validate(alert.to_dict())
+
+
+class AlertPageModel(BaseModel):
+    """A page of alerts, newest first."""
+
+    alerts: list[AlertModel]
+    total: int = Field(description="Alerts matching the filters, over all pages.")
+    limit: int
+    offset: int
+    next_offset: int | None = Field(description="Offset of the next page; null on the last page.")
+
+
+class StragglerRef(BaseModel):
+    """A GPU (or a whole node: gpu null) holding its job back."""
+
+    node: str | None = None
+    gpu: int | None = None
+
+
+class JobModel(BaseModel):
+    """Health of one job as of the engine's latest evaluation (ratios 0-1; null = unknown)."""
+
+    model_config = ConfigDict(extra="allow")
+    hpc_job: str | None = None
+    gpus: int | None = None
+    nodes: list[str] = Field(default_factory=list)
+    utilization_ratio: float | None = None
+    sm_active_ratio: float | None = None
+    baseline_sm_active_ratio: float | None = Field(None, description="The job's own recent SM activity baseline.")
+    power_watts: float | None = None
+    estimated_slowdown_ratio: float | None = Field(None, description="Slowdown against the job's own baseline.")
+    stragglers: list[StragglerRef] = Field(default_factory=list)
+    comm_bound: bool | None = None
+    input_bound: bool | None = None
+    comm_bound_share: float | None = Field(None, description="Share of evaluated ticks spent communication-bound.")
+    evaluated_ticks: int | None = None
+
+
+class NodeModel(BaseModel):
+    """One node as of the engine's latest evaluation."""
+
+    model_config = ConfigDict(extra="allow")
+    node: str | None = None
+    gpus: int | None = None
+    reachable: bool | None = None
+    last_sample_time: float | None = None
+    lag_seconds: float | None = Field(None, description="How far its newest sample trails the evaluation time.")
+    hpc_jobs: list[str] = Field(default_factory=list)
+    open_alerts: int | None = None
+
+
+class TargetModel(BaseModel):
+    """One agent the server pulls, and how that is going."""
+
+    target: str = Field(description="HOST:PORT of the agent.")
+    node: str | None = Field(description="Node name the agent reported.")
+    up: bool = Field(description="The last pull succeeded.")
+    stale: bool = Field(description="The agent answers but has sent no new sample for a while.")
+    last_attempt: float | None
+    last_success: float | None
+    last_sample_time: float | None = Field(description="Sample time of the newest snapshot received.")
+    consecutive_failures: int
+    last_error: str | None
+
+
+class JobsModel(BaseModel):
+    """Every job the engine currently tracks."""
+
+    jobs: list[JobModel]
+    evaluated_at: float | None = Field(description="Time of the engine evaluation these figures come from.")
+
+
+class NodesModel(BaseModel):
+    """Every node the engine tracks, and every configured agent target."""
+
+    nodes: list[NodeModel]
+    targets: list[TargetModel]
+    evaluated_at: float | None
+
+
+class HealthModel(BaseModel):
+    """Liveness and a short summary of the pipeline."""
+
+    status: Literal["ok", "starting", "degraded"]
+    targets: int
+    targets_up: int
+    cycles: int
+    last_tick: float | None
+    open_alerts: int
+
+
+class ErrorModel(BaseModel):
+    """An error answer."""
+
+    detail: str

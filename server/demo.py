@@ -1,0 +1,233 @@
+"""`gpufleet-server demo`: simulated agents in separate processes, the server pulling them, alerts on screen.
+
+The agents run the simulator's built-in `demo` scenario (two jobs; a cooling failure, a straggler
+and a communication slowdown on a timetable) on real loopback HTTP, all sharing one scenario
+epoch so their incidents line up; the server is the real one, in this process, with a temporary
+SQLite file. Each alert is printed as it starts firing and as it resolves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Sequence, TextIO
+
+import httpx
+
+from agent.logs import configure_logging
+from server.alerts import Alert, AlertState, Transition
+from server.settings import ServerSettings, parse_duration
+
+log = logging.getLogger(__name__)
+
+SCENARIO = "demo"
+FALLBACK_NODES = ("dgx-01", "dgx-02", "dgx-03", "dgx-04")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    """Whether 127.0.0.1:port can be bound."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def scenario_nodes() -> tuple[str, ...]:
+    """The demo scenario's node names (a fixed list if the simulator is not importable)."""
+    try:
+        from agent.sim import load_scenario
+
+        return tuple(load_scenario(SCENARIO).nodes)
+    except Exception:  # noqa: BLE001 - the agents will report a broken simulator themselves
+        return FALLBACK_NODES
+
+
+@dataclass
+class Agent:
+    """One simulated agent process."""
+
+    node: str
+    address: str
+    process: subprocess.Popen[bytes]
+
+
+def start_agents(nodes: Sequence[str], epoch: float) -> list[Agent]:
+    """Launch one `gpufleet-agent --simulate demo` process per node on free loopback ports."""
+    agents = []
+    for node in nodes:
+        address = f"127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "agent.cli", "--simulate", SCENARIO, "--node", node,
+               "--simulate.epoch", repr(epoch), "--web.listen-address", address, "--log.level", "warning"]
+        # own session: a terminal Ctrl-C reaches the demo, which then stops the agents in order
+        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        agents.append(Agent(node, address, process))
+    return agents
+
+
+def wait_for_agents(agents: Sequence[Agent], timeout_seconds: float = 30.0) -> None:
+    """Block until every agent answers /healthz with 200; RuntimeError if one exits or time runs out."""
+    deadline = time.monotonic() + timeout_seconds
+    pending = list(agents)
+    with httpx.Client(timeout=1.0) as client:
+        while pending:
+            for agent in list(pending):
+                code = agent.process.poll()
+                if code is not None:
+                    raise RuntimeError(f"agent {agent.node} exited with code {code}")
+                try:
+                    if client.get(f"http://{agent.address}/healthz").status_code == 200:
+                        pending.remove(agent)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"agents not ready after {timeout_seconds:.0f}s: "
+                                   + ", ".join(a.node for a in pending))
+            if pending:
+                time.sleep(0.2)
+
+
+def stop_agents(agents: Sequence[Agent], timeout_seconds: float = 5.0) -> None:
+    """SIGTERM every agent, then SIGKILL whoever has not exited in time."""
+    for agent in agents:
+        if agent.process.poll() is None:
+            agent.process.terminate()
+    for agent in agents:
+        try:
+            agent.process.wait(timeout=timeout_seconds)
+        except subprocess.TimeoutExpired:
+            agent.process.kill()
+            agent.process.wait()
+
+
+def subject(alert: Alert) -> str:
+    """"dgx-03 GPU 5 (job 71001)", "dgx-02 (job 7)" or "job 71001"."""
+    parts = []
+    if alert.node:
+        parts.append(alert.node + ("" if alert.gpu is None else f" GPU {alert.gpu}"))
+    if alert.hpc_job:
+        parts.append(f"(job {alert.hpc_job})" if parts else f"job {alert.hpc_job}")
+    return " ".join(parts) or "-"
+
+
+class TerminalPrinter:
+    """A notifier that prints a line when an alert starts firing and when it resolves."""
+
+    name = "terminal"
+
+    def __init__(self, epoch: float, out: TextIO = sys.stdout) -> None:
+        self.epoch = epoch
+        self.out = out
+        self.sent_total = self.failed_total = self.dropped_total = 0
+
+    def line(self, alert: Alert) -> str:
+        """One readable line for an alert's current state."""
+        at = alert.resolved if alert.state is AlertState.RESOLVED else alert.started
+        at = at if at is not None else alert.updated
+        clock = time.strftime("%H:%M:%S", time.localtime(at))
+        verb = "FIRING  " if alert.state is AlertState.FIRING else "RESOLVED"
+        return (f"{clock} (+{at - self.epoch:5.0f}s) {verb} {alert.kind.value:16s} {alert.severity.value:8s} "
+                f"{subject(alert)}: {alert.summary}")
+
+    def submit(self, transitions: Sequence[Transition]) -> None:
+        """Print state changes into firing or resolved."""
+        for t in transitions:
+            if t.previous is not t.alert.state and t.alert.state is not AlertState.PENDING:
+                if t.alert.state is AlertState.RESOLVED and t.previous is AlertState.PENDING:
+                    continue  # never fired: not news
+                print(self.line(t.alert), file=self.out, flush=True)
+                self.sent_total += 1
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Nothing to deliver in the background."""
+        await stop.wait()
+
+    async def aclose(self) -> None:
+        """Nothing to close."""
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The demo's few options."""
+    parser = argparse.ArgumentParser(prog="gpufleet-server demo",
+                                     description="Simulated GPU cluster with incidents, and the server watching it.")
+    parser.add_argument("--duration", type=parse_duration, default=None, metavar="SECONDS",
+                        help="exit by itself after this long (default: run until Ctrl-C)")
+    parser.add_argument("--web.listen-address", dest="listen", default=None, metavar="HOST:PORT",
+                        help="server address (default 127.0.0.1:9472, or a free port if taken)")
+    parser.add_argument("--pull.interval", dest="pull_interval", type=parse_duration, default=2.0, metavar="SECONDS",
+                        help="how often the server pulls the agents (default 2s)")
+    parser.add_argument("--log.level", dest="log_level", default="warning",
+                        choices=("debug", "info", "warning", "error"))
+    return parser.parse_args(list(argv))
+
+
+async def _serve(server: "object", duration: float | None) -> None:
+    """Run uvicorn until Ctrl-C, SIGTERM or the duration elapses."""
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        server.should_exit = True  # type: ignore[attr-defined]
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    if duration is not None:
+        loop.call_later(duration, stop)
+    await server.serve()  # type: ignore[attr-defined]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; 0 on a clean stop, 1 when the agents could not be started."""
+    from server.api import create_app
+    from server.serve import build_runtime, uvicorn_server
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(args.log_level, "text")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    epoch = time.time()
+    nodes = scenario_nodes()
+    workdir = tempfile.mkdtemp(prefix="gpufleet-demo-")
+    agents = start_agents(nodes, epoch)
+    try:
+        try:
+            wait_for_agents(agents)
+        except RuntimeError as exc:
+            print(f"gpufleet-server demo: {exc}", file=sys.stderr)
+            return 1
+        listen = args.listen or ("127.0.0.1:9472" if port_is_free(9472) else f"127.0.0.1:{free_port()}")
+        if listen.endswith(":0"):
+            listen = f"{listen.rpartition(':')[0]}:{free_port()}"  # so the printed URLs are real
+        settings = ServerSettings(listen_address=listen, targets=tuple(a.address for a in agents),
+                                  storage_path=os.path.join(workdir, "alerts.db"),
+                                  pull_interval_seconds=args.pull_interval, log_level=args.log_level, log_format="text")
+        printer = TerminalPrinter(epoch)
+        runtime = build_runtime(settings, extra_notifiers=[printer])
+        base = f"http://{listen}"
+        print(f"gpufleet demo: {len(agents)} simulated nodes ({', '.join(nodes)}), scenario {SCENARIO!r}, "
+              f"pulled every {args.pull_interval:g}s", flush=True)
+        print(f"  alerts:  {base}/alerts\n  docs:    {base}/docs\n  metrics: {base}/metrics\n"
+              f"  jobs:    {base}/jobs\n"
+              "Incidents fire and resolve over the next few minutes. Ctrl-C stops everything.", flush=True)
+        asyncio.run(_serve(uvicorn_server(settings, create_app(settings, runtime=runtime)), args.duration))
+        print("gpufleet demo: stopped", flush=True)
+        return 0
+    finally:
+        stop_agents(agents)
+        shutil.rmtree(workdir, ignore_errors=True)

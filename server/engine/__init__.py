@@ -1,0 +1,254 @@
+"""The detection engine: a pure function of the samples fed to it and the `now` passed to advance().
+
+Flow per closed tick bin: windows -> smoothed per-GPU readings -> peer groups and their baselines ->
+detectors (thermal, straggler, workload, health) -> lifecycle -> transitions. No wall clock, no
+randomness, no I/O: the live server and offline replay produce identical alerts from identical samples.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import numpy as np
+
+from server.alerts import Alert, AlertKind, AlertState, Transition
+from server.contract import NodeSample
+from server.engine.config import EngineConfig
+from server.engine.detectors import FingerprintIndex, Outcome
+from server.engine.detectors import health, straggler, thermal, workload
+from server.engine.groups import JOB, GroupHistory, GroupRegistry, group_stats
+from server.engine.lifecycle import Lifecycle
+from server.engine.tick import Tick, smoothed
+from server.engine.views import EngineStats, JobHealth, NodeHealth
+from server.engine.windows import Windows
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "JobHealth", "NodeHealth"]
+
+_BASELINE_REFRESH_TICKS = 3
+_SUPPRESSING = (AlertKind.STRAGGLER, AlertKind.THERMAL_THROTTLE)
+
+
+class Engine:
+    """Feed samples with ingest(), evaluate with advance(now), read alerts() / jobs() / nodes()."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        cfg = self.config = config or EngineConfig()
+        cfg.validate()
+        self.windows = Windows(cfg.tick_seconds, cfg.bins(cfg.window_seconds))
+        self.registry = GroupRegistry()
+        self.history = GroupHistory(cfg.bins(cfg.baseline_seconds), cfg.baseline_percentile,
+                                    cfg.bins(cfg.min_history_seconds))
+        self.lifecycle = Lifecycle({
+            AlertKind.THERMAL_THROTTLE: (cfg.thermal_for_seconds, cfg.thermal_clear_seconds),
+            AlertKind.STRAGGLER: (cfg.straggler_for_seconds, cfg.straggler_clear_seconds),
+            AlertKind.COMM_BOUND: (cfg.comm_for_seconds, cfg.workload_clear_seconds),
+            AlertKind.INPUT_BOUND: (cfg.input_for_seconds, cfg.workload_clear_seconds),
+            AlertKind.NODE_UNREACHABLE: (0.0, 0.0),
+            AlertKind.GPU_LOST: (0.0, 0.0),
+            AlertKind.XID: (0.0, 0.0),
+            AlertKind.ECC: (0.0, 0.0),
+        }, cfg.pending_grace_seconds)
+        self._straggler = straggler.StragglerState()
+        self._workload = workload.WorkloadState()
+        self._health = health.HealthState()
+        self._thermal_index = FingerprintIndex(AlertKind.THERMAL_THROTTLE)
+        self._straggler_index = FingerprintIndex(AlertKind.STRAGGLER)
+        self._next_bin: int | None = None
+        self._first: float | None = None
+        self._ticks = 0
+        self._last_t: float | None = None
+        self._last_tick: Tick | None = None
+        self._job_ticks: dict[str, list[int]] = {}
+        self._regime_ticks = np.zeros(0, dtype=np.int64)
+
+    # -- input ------------------------------------------------------------------------------
+    def ingest(self, sample: NodeSample) -> None:
+        """Queue one validated snapshot (any order; late and duplicate samples tolerated)."""
+        if self._next_bin is None:
+            self._first = sample.time if self._first is None else min(self._first, sample.time)
+        self.windows.add(sample)
+
+    def advance(self, now: float) -> list[Transition]:
+        """Evaluate every bin that closed by `now` (sample-time seconds); returns the transitions."""
+        cfg = self.config
+        last_closed = math.floor((now - cfg.settle_seconds) / cfg.tick_seconds) - 1
+        if self._next_bin is None:
+            if not self.windows.pending():
+                return []
+            self._next_bin = math.floor((self._first or 0.0) / cfg.tick_seconds)
+        before = math.floor(self.windows.newest_time / cfg.tick_seconds) if self.windows.samples else None
+        self.windows.flush(min_bin=self._next_bin - self.windows.ring + 1)
+        out: list[Transition] = []
+        k = self._next_bin
+        # After a long silence of the whole cluster the windows hold nothing for those bins: skip to
+        # just before the data that ended it (or to now) instead of evaluating empty ticks one by one.
+        skip_from = math.inf if before is None else before + self.windows.ring
+        skip_to = min(math.floor(self.windows.resumed_time / cfg.tick_seconds) - 1, last_closed)
+        while k <= last_closed:
+            if skip_from < k < skip_to:
+                k = skip_to
+            out.extend(self._evaluate(k))
+            k += 1
+        self._next_bin = max(self._next_bin, last_closed + 1)
+        return out
+
+    def restore(self, alerts: Iterable[Alert]) -> int:
+        """Re-seed open alerts after a restart; ids and start times are kept."""
+        return self.lifecycle.restore(alerts)
+
+    # -- one tick -----------------------------------------------------------------------------
+    def _evaluate(self, k: int) -> list[Transition]:
+        """Run every detector on closed bin k."""
+        cfg = self.config
+        w = self.windows
+        t = (k + 1) * cfg.tick_seconds
+        window = w.window(k, cfg.bins(cfg.smooth_seconds))
+        med = smoothed(window)
+        n = w.n
+        has_data = w.has_data(k, cfg.bins(cfg.smooth_seconds))
+        with np.errstate(invalid="ignore"):
+            busy = med["util"] >= cfg.busy_utilization
+        gid, ngid = self.registry.build(t, w.slot_job[:n], w.slot_node_id[:n], w.slot_model_id[:n],
+                                        w.job_names, has_data, busy)
+        n_groups = len(self.registry.keys)
+        groups = group_stats(gid, ngid, n_groups, med)
+        if self._ticks % _BASELINE_REFRESH_TICKS == 0 or self.history.base.shape[1] < n_groups:
+            self.history.refresh(k, n_groups)
+        self._regime(groups)
+        drop, source = workload.job_drop(groups, self.history, cfg.workload_clock_ratio)
+        tick = Tick(k, t, cfg, w, window[:, 0], med, has_data, groups, self.registry, drop, source,
+                    (self.history.baseline("sm"), self.history.baseline("power")))
+        outcomes: dict[AlertKind, Outcome] = {}
+        outcomes[AlertKind.THERMAL_THROTTLE] = thermal.detect(tick, self._thermal_index)
+        strag = straggler.detect(tick, self._straggler, self._straggler_index)
+        outcomes[AlertKind.STRAGGLER] = strag.outcome
+        explained = self._suppressed(tick, set(), outcomes)
+        suppressed = explained | strag.standout_groups
+        work = workload.detect(tick, self.history, suppressed, self._workload)
+        outcomes[AlertKind.COMM_BOUND] = _only(work, AlertKind.COMM_BOUND)
+        outcomes[AlertKind.INPUT_BOUND] = _only(work, AlertKind.INPUT_BOUND)
+        outcomes.update(health.detect(tick, self._health, w.drain_events()))
+        transitions = self.lifecycle.step(t, outcomes)
+        self._record_history(tick, explained, outcomes)
+        self._ticks += 1
+        self._last_t = t
+        self._last_tick = tick
+        return transitions
+
+    def _regime(self, groups) -> None:
+        """A group whose clocks moved away from their baseline for a minute (a power cap set or lifted,
+        application clocks changed) starts a new baseline instead of reading the change as a slowdown."""
+        cfg = self.config
+        n = groups.n_groups
+        if len(self._regime_ticks) < n:
+            self._regime_ticks = np.concatenate([self._regime_ticks, np.zeros(n - len(self._regime_ticks), dtype=np.int64)])
+        base_clk = self.history.baseline("clock")[:n]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            moved = np.abs(groups.clock / base_clk - 1.0) > 1.0 - cfg.workload_clock_ratio
+        ticks = np.where(moved, self._regime_ticks[:n] + 1, 0)
+        changed = ticks >= cfg.bins(60.0)
+        if changed.any():
+            self.history.reset(np.flatnonzero(changed))
+            ticks[changed] = 0
+        self._regime_ticks[:n] = ticks
+
+    def _suppressed(self, tick: Tick, standout: set[int], outcomes: dict[AlertKind, Outcome]) -> set[int]:
+        """Groups whose drop is explained by a straggler or thermal throttling."""
+        sup = set(standout)
+        gid = tick.groups.gid
+        for f in outcomes[AlertKind.THERMAL_THROTTLE].findings.values():
+            slot = self.windows.slot_of.get((f.node, f.gpu))
+            if slot is not None and gid[slot] >= 0:
+                sup.add(int(gid[slot]))
+        for f in outcomes[AlertKind.STRAGGLER].findings.values():
+            if f.hpc_job is not None and (JOB, f.hpc_job) in self.registry.ids:
+                sup.add(self.registry.ids[(JOB, f.hpc_job)])
+        for job in self.lifecycle.open_jobs(_SUPPRESSING):
+            g = self.registry.ids.get((JOB, job))
+            if g is not None:
+                sup.add(g)
+        return sup
+
+    def _record_history(self, tick: Tick, suppressed: set[int], outcomes: dict[AlertKind, Outcome]) -> None:
+        """Store this tick in the group history; only healthy ticks feed baselines."""
+        cfg = self.config
+        grp = tick.groups
+        with np.errstate(invalid="ignore"):
+            threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
+            healthy = ((grp.util >= cfg.job_active_utilization) & ~(tick.slowdown >= threshold / 2)
+                       & (tick.t - self.registry.first_seen[:grp.n_groups] >= cfg.startup_grace_seconds / 2))
+        for g in suppressed:
+            healthy[g] = False
+        self.history.record(tick.k, grp, healthy)
+        comm = {f.hpc_job for f in outcomes[AlertKind.COMM_BOUND].findings.values()}
+        for gid in np.flatnonzero(grp.size > 0).tolist():
+            job = self.registry.job(gid)
+            if job is not None:
+                counts = self._job_ticks.setdefault(job, [0, 0])
+                counts[0] += 1
+                counts[1] += job in comm
+
+    # -- views --------------------------------------------------------------------------------
+    def alerts(self) -> list[Alert]:
+        """Pending and firing alerts."""
+        return self.lifecycle.alerts()
+
+    def jobs(self) -> list[JobHealth]:
+        """Per-job health at the latest evaluation."""
+        tick = self._last_tick
+        if tick is None:
+            return []
+        w, grp = self.windows, tick.groups
+        open_alerts = self.lifecycle.alerts()
+        out = []
+        base_sm = self.history.baseline("sm")
+        for gid in np.flatnonzero(grp.size > 0).tolist():
+            job = self.registry.job(gid)
+            if job is None:
+                continue
+            members = np.flatnonzero(grp.gid == gid)
+            mine = [a for a in open_alerts if a.hpc_job == job and a.state is AlertState.FIRING]
+            counts = self._job_ticks.get(job, [0, 0])
+            out.append(JobHealth(
+                job, int(grp.size[gid]), tuple(sorted({w.slot_node[s] for s in members.tolist()})),
+                _f(grp.util[gid]), _f(grp.sm[gid]), _f(base_sm[gid]) if gid < len(base_sm) else None,
+                _f(grp.power[gid]), _f(tick.slowdown[gid]),
+                tuple({"node": a.node, "gpu": a.gpu} for a in mine if a.kind is AlertKind.STRAGGLER),
+                any(a.kind is AlertKind.COMM_BOUND for a in mine), any(a.kind is AlertKind.INPUT_BOUND for a in mine),
+                counts[1] / counts[0] if counts[0] else 0.0, counts[0]))
+        return sorted(out, key=lambda j: j.hpc_job)
+
+    def nodes(self) -> list[NodeHealth]:
+        """Per-node health at the latest evaluation."""
+        w = self.windows
+        open_alerts = self.lifecycle.alerts()
+        unreachable = {a.node for a in open_alerts if a.kind is AlertKind.NODE_UNREACHABLE}
+        out = []
+        node_ids = w.slot_node_id[:w.n]
+        for nid, node in enumerate(w.node_names):
+            slots = np.flatnonzero(node_ids == nid)
+            last = w.node_last_time[nid]
+            jobs = sorted({w.job_names[c] for c in w.slot_job[slots].tolist() if c >= 0})
+            out.append(NodeHealth(node, len(slots), node not in unreachable, _f(last),
+                                  None if self._last_t is None or last != last else max(0.0, self._last_t - float(last)),
+                                  tuple(jobs), sum(1 for a in open_alerts if a.node == node)))
+        return out
+
+    def stats(self) -> EngineStats:
+        """Counters about the engine itself."""
+        alerts = self.lifecycle.alerts()
+        return EngineStats(self.windows.samples, self.windows.late_dropped, self.windows.pending(), self._ticks,
+                           self._last_t, self.windows.n, len(self.windows.node_names),
+                           sum(1 for j in self.windows.job_names), len(alerts),
+                           sum(1 for a in alerts if a.state is AlertState.FIRING))
+
+
+def _only(outcome: Outcome, kind: AlertKind) -> Outcome:
+    """The part of a shared outcome that belongs to one kind."""
+    return Outcome({fp: f for fp, f in outcome.findings.items() if f.kind is kind}, outcome.clear)
+
+
+def _f(x: float) -> float | None:
+    """Plain float or None for NaN."""
+    return None if x != x else round(float(x), 4)

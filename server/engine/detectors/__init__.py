@@ -1,0 +1,103 @@
+"""Detectors: each turns one tick's windows into findings (subjects whose alert condition holds now)
+and a clear test for subjects that had an alert open. The lifecycle decides what that means over time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from server.alerts import AlertKind, Severity, fingerprint
+
+
+@dataclass(slots=True)
+class Finding:
+    """A subject whose condition holds at this tick, with the numbers that say so."""
+
+    kind: AlertKind
+    node: str | None
+    gpu: int | None
+    uuid: str | None
+    hpc_job: str | None
+    severity: Severity
+    summary: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    extra: str = ""
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable identity of the subject."""
+        return subject_fingerprint(self.kind, self.node, self.gpu, self.hpc_job, self.extra)
+
+
+# Job-scoped kinds: the same GPU in a new job is a new problem; a hot GPU is the same problem.
+_JOB_KEYED = frozenset((AlertKind.STRAGGLER, AlertKind.COMM_BOUND, AlertKind.INPUT_BOUND))
+
+
+def subject_fingerprint(kind: AlertKind, node: str | None, gpu: int | None, hpc_job: str | None,
+                        extra: str = "") -> str:
+    """Fingerprint of an alert subject; hpc_job only counts for job-scoped kinds."""
+    return fingerprint(kind, node, gpu, hpc_job if kind in _JOB_KEYED else None, extra)
+
+
+# Given an open alert's fingerprint: True = clear now, False = not clear (hold), None = no data to say.
+ClearTest = Callable[[str], "bool | None"]
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one detector says at one tick."""
+
+    findings: dict[str, Finding] = field(default_factory=dict)
+    clear: ClearTest = lambda fp: None
+
+    def add(self, finding: Finding) -> None:
+        """Record a finding under its fingerprint (evidence made JSON-plain: no numpy scalars)."""
+        finding.evidence = plain(finding.evidence)
+        self.findings[finding.fingerprint] = finding
+
+
+def plain(value: Any) -> Any:
+    """Evidence as plain Python values: numpy scalars to int/float/bool, NaN to None."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and value != value:
+        return None
+    return value
+
+
+def r3(x: float) -> float | None:
+    """Round for evidence; NaN becomes None (unsupported, not 0)."""
+    return None if x != x else round(float(x), 3)
+
+
+class FingerprintIndex:
+    """fingerprint -> (slot, job code) for per-GPU alerts, kept across ticks and updated incrementally."""
+
+    def __init__(self, kind: AlertKind) -> None:
+        self.kind = kind
+        self._keyed = kind in _JOB_KEYED
+        self._map: dict[str, tuple[int, int]] = {}
+        self._done = np.full(0, -2, dtype=np.int64)
+
+    def get(self, windows: Any, fp: str) -> tuple[int, int] | None:
+        """(slot, job code at the time) an open alert refers to, or None."""
+        self._sync(windows)
+        return self._map.get(fp)
+
+    def _sync(self, w: Any) -> None:
+        """Add fingerprints for new slots and slots that changed job."""
+        n = w.n
+        if len(self._done) < n:
+            self._done = np.concatenate([self._done, np.full(n - len(self._done), -2, dtype=np.int64)])
+        jobs = w.slot_job[:n] if self._keyed else np.full(n, -1, dtype=np.int64)
+        for s in np.flatnonzero(self._done[:n] != jobs).tolist():
+            code = int(jobs[s])
+            job = w.job_names[code] if code >= 0 else None
+            self._map[subject_fingerprint(self.kind, w.slot_node[s], w.slot_index[s], job)] = (s, code)
+            self._done[s] = code

@@ -1,0 +1,226 @@
+"""Health: node_unreachable, gpu_lost, xid and ecc.
+
+node_unreachable: the node's newest sample lags the evaluation time by more than unreachable_seconds
+beyond its usual lag (a node whose clock runs behind keeps its usual lag and is not flagged).
+gpu_lost: a GPU reports up=false, or vanished from snapshots its node still sends.
+xid / ecc: increases of cumulative counters (reset-safe, from the windows) fire at once and clear after
+a quiet period; pending or failed row remapping keeps ecc open.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.alerts import AlertKind, Severity
+from server.engine.detectors import FingerprintIndex, Finding, Outcome, subject_fingerprint
+from server.engine.tick import Tick
+from server.engine.windows import B_REMAP_FAILURE, B_REMAP_PENDING, B_UP, CounterEvent
+
+XID_MEANINGS = {
+    8: "GPU stopped processing (timeout)",
+    13: "graphics engine exception (illegal address, out-of-range access: usually the application)",
+    31: "GPU memory page fault (usually an application bug)",
+    32: "invalid or corrupted push buffer stream",
+    38: "driver firmware error",
+    43: "GPU stopped processing (reset channel; user application fault)",
+    45: "preemptive cleanup after a fatal error (process killed)",
+    48: "double-bit ECC error (uncorrectable memory error)",
+    56: "display engine error",
+    57: "error programming video memory interface",
+    61: "internal micro-controller breakpoint/warning",
+    62: "internal micro-controller halt",
+    63: "ECC page retirement or row remapping recorded",
+    64: "ECC page retirement or row remapping failure",
+    68: "NVDEC0 exception",
+    69: "graphics engine class error",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error (application affected)",
+    95: "uncontained ECC error (GPU reset required)",
+    109: "context switch timeout",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+    121: "C2C link error",
+    140: "unrecovered ECC error",
+}
+_XID_CRITICAL = frozenset((48, 62, 64, 74, 79, 92, 94, 95, 119, 120, 121, 140))
+
+
+class HealthState:
+    """Per-node usual lag, recent counter events, and fingerprint lookups."""
+
+    def __init__(self) -> None:
+        self.lag_base = np.full(0, np.nan)
+        self.node_fp_list: list[str] = []
+        self.events: list[CounterEvent] = []
+        self.xid_last: dict[tuple[int, int], tuple[float, int]] = {}
+        self.ecc_last: dict[int, tuple[float, int]] = {}
+        self.node_fps: dict[str, int] = {}
+        self.lost_index = FingerprintIndex(AlertKind.GPU_LOST)
+        self.ecc_index = FingerprintIndex(AlertKind.ECC)
+        self.xid_fps: dict[str, tuple[int, int]] = {}
+
+
+def detect(tick: Tick, state: HealthState, events: list[CounterEvent]) -> dict[AlertKind, Outcome]:
+    """All health outcomes for this tick."""
+    state.events.extend(events)
+    due = [e for e in state.events if e.time < tick.t]
+    state.events = [e for e in state.events if e.time >= tick.t]
+    return {
+        AlertKind.NODE_UNREACHABLE: _unreachable(tick, state),
+        AlertKind.GPU_LOST: _gpu_lost(tick, state),
+        AlertKind.XID: _xid(tick, state, [e for e in due if e.kind == "xid"]),
+        AlertKind.ECC: _ecc(tick, state, [e for e in due if e.kind == "ecc"]),
+    }
+
+
+def _unreachable(tick: Tick, state: HealthState) -> Outcome:
+    """Nodes whose newest sample is too old relative to their usual lag (vectorised over nodes)."""
+    cfg = tick.config
+    w = tick.windows
+    last = w.node_last_time
+    n_nodes = len(last)
+    if len(state.lag_base) < n_nodes:
+        state.lag_base = np.concatenate([state.lag_base, np.full(n_nodes - len(state.lag_base), np.nan)])
+        for nid in range(len(state.node_fp_list), n_nodes):
+            fp = subject_fingerprint(AlertKind.NODE_UNREACHABLE, w.node_names[nid], None, None)
+            state.node_fp_list.append(fp)
+            state.node_fps[fp] = nid
+    with np.errstate(invalid="ignore"):
+        lag = np.maximum(tick.t - last, 0.0)
+        base = np.where(np.isnan(state.lag_base), lag, state.lag_base)
+        late = lag - base > cfg.unreachable_seconds
+        known = ~np.isnan(lag)
+        update = known & ~late
+        state.lag_base[update] = np.minimum(lag[update], base[update] + 0.02 * cfg.tick_seconds)
+    out = Outcome()
+    for nid in np.flatnonzero(late & known).tolist():
+        node = w.node_names[nid]
+        out.add(Finding(AlertKind.NODE_UNREACHABLE, node, None, None, None, Severity.CRITICAL,
+                        f"node {node} sent no sample for {lag[nid]:.0f} s",
+                        {"last_sample_time": float(last[nid]), "silent_seconds": round(float(lag[nid]), 1),
+                         "usual_lag_seconds": round(float(base[nid]), 1),
+                         "threshold_seconds": cfg.unreachable_seconds, "gpus": _gpus_on(w, nid)}))
+
+    def test(fp: str) -> bool | None:
+        nid = state.node_fps.get(fp)
+        return None if nid is None or not known[nid] else not bool(late[nid])
+
+    out.clear = test
+    return out
+
+
+def _gpus_on(w, nid: int) -> int:
+    """How many GPUs the node had."""
+    return int(np.count_nonzero(w.slot_node_id[:w.n] == nid))
+
+
+def _gpu_lost(tick: Tick, state: HealthState) -> Outcome:
+    """GPUs reporting up=false, or missing from snapshots their node still sends."""
+    cfg = tick.config
+    w = tick.windows
+    n = w.n
+    up = tick.latest[B_UP]
+    present = w.has_data(tick.k, cfg.bins(cfg.gpu_lost_seconds))
+    node_now = np.zeros(len(w.node_names), dtype=bool)
+    node_now[w.slot_node_id[:n][w.has_data(tick.k, 1)]] = True
+    vanished = ~present & node_now[w.slot_node_id[:n]]
+    with np.errstate(invalid="ignore"):
+        down = up < 0.5
+        back = up >= 0.5
+    out = Outcome()
+    for slot in np.flatnonzero(down | vanished).tolist():
+        why = "reports up=false" if down[slot] else f"missing from its node's snapshots for {cfg.gpu_lost_seconds:.0f} s"
+        job_code = w.slot_job[slot]
+        out.add(Finding(AlertKind.GPU_LOST, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot],
+                        w.job_names[job_code] if job_code >= 0 else None, Severity.CRITICAL,
+                        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} lost: {why}",
+                        {"up": None if up[slot] != up[slot] else bool(up[slot] >= 0.5), "missing": bool(vanished[slot])}))
+
+    def test(fp: str) -> bool | None:
+        hit = state.lost_index.get(w, fp)
+        if hit is None:
+            return None
+        slot = hit[0]
+        return True if back[slot] else None
+
+    out.clear = test
+    return out
+
+
+
+def _xid(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
+    """One alert per GPU and XID code; open while events keep coming, clear after a quiet period."""
+    cfg = tick.config
+    w = tick.windows
+    for e in events:
+        for code in e.codes or (-1,):
+            prev = state.xid_last.get((e.slot, code), (0.0, 0))[1]
+            state.xid_last[(e.slot, code)] = (e.time, prev + (e.delta if len(e.codes) <= 1 else 1))
+    out = Outcome()
+    fresh = {(e.slot, c) for e in events for c in (e.codes or (-1,))}
+    for slot, code in sorted(fresh):
+        when, count = state.xid_last[(slot, code)]
+        job_code = w.slot_job[slot]
+        meaning = XID_MEANINGS.get(code, "unknown XID code" if code >= 0 else "XID code not reported")
+        f = Finding(AlertKind.XID, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot],
+                    w.job_names[job_code] if job_code >= 0 else None,
+                    Severity.CRITICAL if code in _XID_CRITICAL else Severity.WARNING,
+                    f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} XID {code if code >= 0 else '?'}: {meaning}",
+                    {"code": code if code >= 0 else None, "meaning": meaning, "count": count,
+                     "last_event_time": when}, extra=str(code))
+        state.xid_fps[f.fingerprint] = (slot, code)
+        out.add(f)
+
+    def test(fp: str) -> bool | None:
+        hit = state.xid_fps.get(fp)
+        if hit is None:
+            return None
+        when = state.xid_last.get(hit, (tick.t, 0))[0]
+        return tick.t - when >= cfg.xid_clear_seconds
+
+    out.clear = test
+    return out
+
+
+def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
+    """Uncorrected ECC errors increasing, or row remapping pending / failed."""
+    cfg = tick.config
+    w = tick.windows
+    for e in events:
+        prev = state.ecc_last.get(e.slot, (0.0, 0))[1]
+        state.ecc_last[e.slot] = (e.time, prev + e.delta)
+    with np.errstate(invalid="ignore"):
+        pending = tick.latest[B_REMAP_PENDING] > 0
+        failure = tick.latest[B_REMAP_FAILURE] > 0
+    out = Outcome()
+    fresh = {e.slot for e in events}
+    for slot in sorted(fresh | set(np.flatnonzero(pending | failure).tolist())):
+        when, count = state.ecc_last.get(slot, (None, 0))
+        job_code = w.slot_job[slot]
+        why = []
+        if slot in fresh:
+            why.append(f"{count} uncorrected ECC errors")
+        if pending[slot]:
+            why.append("row remapping pending (reset needed)")
+        if failure[slot]:
+            why.append("row remapping failed")
+        out.add(Finding(AlertKind.ECC, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot],
+                        w.job_names[job_code] if job_code >= 0 else None,
+                        Severity.CRITICAL, f"GPU {w.slot_index[slot]} on {w.slot_node[slot]}: " + ", ".join(why),
+                        {"uncorrected_errors_new": count, "last_error_time": when,
+                         "remapped_rows_pending": bool(pending[slot]), "remapped_rows_failure": bool(failure[slot])}))
+
+    def test(fp: str) -> bool | None:
+        hit = state.ecc_index.get(w, fp)
+        if hit is None:
+            return None
+        slot = hit[0]
+        if pending[slot] or failure[slot]:
+            return False
+        when = state.ecc_last.get(slot, (None, 0))[0]
+        return when is None or tick.t - when >= cfg.ecc_clear_seconds
+
+    out.clear = test
+    return out

@@ -1,0 +1,86 @@
+"""thermal_throttle: a GPU at or above the temperature threshold, or with thermal throttle bits set.
+
+The condition is read per bin (not smoothed) and must hold for thermal_for_seconds in the lifecycle, so a
+few seconds' spike never fires. Critical when clocks are cut (HW thermal slowdown bit, or SM clock well
+below max while thermally throttled) or the GPU is within a margin of its own slowdown temperature.
+Clears below threshold - margin with no thermal bits (hysteresis), held for thermal_clear_seconds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.alerts import AlertKind, Severity
+from server.engine.detectors import Finding, Outcome, FingerprintIndex, r3
+from server.engine.tick import Tick
+from server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_SLOWDOWN, B_TEMP, B_THERMAL, B_UTIL)
+
+
+def detect(tick: Tick, index: FingerprintIndex) -> Outcome:
+    """Findings for every GPU whose newest bin is hot or thermally throttled."""
+    cfg = tick.config
+    temp = tick.latest[B_TEMP]
+    bits = tick.latest[B_THERMAL]
+    with np.errstate(invalid="ignore"):
+        on = (temp >= cfg.thermal_temperature_celsius) | (bits > 0)
+        clear = (~(temp >= cfg.thermal_temperature_celsius - cfg.thermal_clear_margin_celsius)
+                 & ~(bits > 0) & ~(np.isnan(temp) & np.isnan(bits)))
+    unknown = np.isnan(temp) & np.isnan(bits)
+    out = Outcome()
+    for slot in np.flatnonzero(on).tolist():
+        out.add(_finding(tick, slot))
+
+    def clear_test(fp: str) -> bool | None:
+        hit = index.get(tick.windows, fp)
+        if hit is None or hit[0] >= len(clear) or unknown[hit[0]]:
+            return None
+        return bool(clear[hit[0]])
+
+    out.clear = clear_test
+    return out
+
+
+def _finding(tick: Tick, slot: int) -> Finding:
+    """Evidence and severity for one hot GPU."""
+    cfg = tick.config
+    w = tick.windows
+    latest = tick.latest
+    temp = float(latest[B_TEMP, slot])
+    slowdown = float(latest[B_SLOWDOWN, slot])
+    clock = float(latest[B_CLOCK_RATIO, slot])
+    util = float(latest[B_UTIL, slot])
+    hw = float(latest[B_HW_THERMAL, slot])
+    thermal_bits = float(latest[B_THERMAL, slot])
+    cut_by_bits = hw > 0
+    cut_clock = thermal_bits > 0 and clock < cfg.thermal_clock_cut_ratio and util >= cfg.busy_utilization
+    near_limit = slowdown == slowdown and temp >= slowdown - cfg.thermal_slowdown_margin_celsius
+    critical = cut_by_bits or cut_clock or near_limit
+    reasons = [r for r, hit in (("hw_thermal_slowdown", hw > 0),
+                                ("sw_thermal_slowdown", thermal_bits > 0 and not hw > 0)) if hit]
+    peers = tick.med["temp"]
+    gid = tick.groups.gid[slot]
+    peer_temp = float(np.nanmedian(peers[tick.groups.gid == gid])) if gid >= 0 else float("nan")
+    job_code = w.slot_job[slot]
+    job = w.job_names[job_code] if job_code >= 0 else None
+    why = []
+    if temp == temp:
+        why.append(f"{temp:.0f} °C (threshold {cfg.thermal_temperature_celsius:.0f} °C)")
+    if reasons:
+        why.append("throttle " + "+".join(reasons))
+    if clock == clock and clock < 1.0:
+        why.append(f"SM clock at {clock * 100:.0f} % of max")
+    evidence = {
+        "temperature_celsius": r3(temp),
+        "threshold_celsius": cfg.thermal_temperature_celsius,
+        "slowdown_temperature_celsius": r3(slowdown),
+        "peer_median_temperature_celsius": r3(peer_temp),
+        "throttle_reasons": reasons,
+        "sm_clock_ratio": r3(clock),
+        "utilization_ratio": r3(util),
+        "clocks_cut": bool(cut_by_bits or cut_clock),
+        "near_slowdown_limit": bool(near_limit),
+        "estimated_clock_loss_ratio": r3(1.0 - clock) if clock == clock and clock < 1.0 else 0.0,
+    }
+    return Finding(AlertKind.THERMAL_THROTTLE, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], job,
+                   Severity.CRITICAL if critical else Severity.WARNING,
+                   f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} thermal: " + ", ".join(why), evidence)

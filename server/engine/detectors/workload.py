@@ -1,0 +1,125 @@
+"""comm_bound / input_bound: a job whose GPUs lose activity together against the job's own baseline.
+
+The job's median SM activity (power where SM activity is unsupported) is compared with a high
+percentile of its own healthy history. Utilization still high -> the GPUs spin in collectives:
+comm_bound. Utilization itself fell job-wide -> the GPUs idle waiting for data: input_bound. A power
+drop only counts while clocks hold and no power-cap bits dominate (a uniform operator power cap lowers
+power too, but by cutting clocks). Suppressed while anyone stands out or a straggler / thermal alert
+is open in the job: then that is the explanation, not the workload.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.alerts import AlertKind, Severity
+from server.engine.detectors import Finding, Outcome, r3, subject_fingerprint
+from server.engine.groups import GroupHistory, Groups
+from server.engine.tick import Tick
+
+
+def job_drop(groups: Groups, history: GroupHistory, clock_ratio: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per group: relative activity drop vs baseline, and its source (0 none, 1 SM activity, 2 power)."""
+    base_sm, base_pw, base_clk = history.baseline("sm"), history.baseline("power"), history.baseline("clock")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        drop_sm = 1.0 - groups.sm / base_sm
+        drop_pw = 1.0 - groups.power / base_pw
+        # A lower power is only "waiting" while clocks hold; a power cap lowers power by cutting clocks
+        # (and after a minute of new clocks the group's history restarts, see Engine._regime).
+        clocks_hold = ~(groups.clock < clock_ratio * base_clk)
+    use_sm = ~np.isnan(drop_sm)
+    use_pw = ~use_sm & ~np.isnan(drop_pw) & clocks_hold
+    drop = np.where(use_sm, drop_sm, np.where(use_pw, drop_pw, np.nan))
+    source = np.where(use_sm, 1, np.where(use_pw, 2, 0))
+    return drop, source
+
+
+class WorkloadState:
+    """GPU-hours tallies for open job-level findings."""
+
+    def __init__(self) -> None:
+        self.cost: dict[str, float] = {}
+        self._fps: dict[str, tuple[int, bool]] = {}
+        self._known = 0
+
+    def fingerprints(self, reg, is_job: np.ndarray) -> dict[str, tuple[int, bool]]:
+        """comm/input fingerprint -> (group, is_comm), extended as new job groups appear."""
+        for gid in range(self._known, len(is_job)):
+            if is_job[gid]:
+                job = reg.job(gid)
+                self._fps[subject_fingerprint(AlertKind.COMM_BOUND, None, None, job)] = (gid, True)
+                self._fps[subject_fingerprint(AlertKind.INPUT_BOUND, None, None, job)] = (gid, False)
+        self._known = len(is_job)
+        return self._fps
+
+
+def detect(tick: Tick, history: GroupHistory, suppressed: set[int], state: WorkloadState) -> Outcome:
+    """Job-level comm_bound / input_bound findings."""
+    cfg = tick.config
+    grp = tick.groups
+    reg = tick.registry
+    G = grp.n_groups
+    is_job = reg.is_job[:G]
+    drop = tick.slowdown
+    base_u = history.baseline("util")
+    sup = np.zeros(G, dtype=bool)
+    if suppressed:
+        sup[list(suppressed)] = True
+    with np.errstate(invalid="ignore"):
+        aged = tick.t - reg.first_seen[:G] >= cfg.startup_grace_seconds + cfg.min_history_seconds
+        ok = is_job & (grp.size >= 2) & aged & ~sup
+        threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
+        dropped = drop >= threshold
+        comm = ok & dropped & (grp.util >= cfg.comm_min_utilization)
+        inp = (ok & dropped & ~comm & (base_u - grp.util >= cfg.input_utilization_drop)
+               & (grp.util >= cfg.job_active_utilization))
+        recovered = drop < threshold / 2
+        comm_clear = recovered | (grp.util < cfg.comm_min_utilization - 0.1) | sup
+        inp_clear = recovered | (base_u - grp.util < cfg.input_utilization_drop / 2) | sup
+    out = Outcome()
+    by_fp = state.fingerprints(reg, is_job)
+    for gid in np.flatnonzero(comm | inp).tolist():
+        out.add(_finding(tick, state, gid, AlertKind.COMM_BOUND if comm[gid] else AlertKind.INPUT_BOUND,
+                         base_u[gid], history))
+
+    def clear_test(fp: str) -> bool | None:
+        hit = by_fp.get(fp)
+        if hit is None:
+            return None
+        gid, is_comm = hit
+        if grp.size[gid] == 0 or np.isnan(drop[gid]):
+            return None if grp.size[gid] else True
+        return bool(comm_clear[gid] if is_comm else inp_clear[gid])
+
+    out.clear = clear_test
+    return out
+
+
+def _finding(tick: Tick, state: WorkloadState, gid: int, kind: AlertKind, base_util: float,
+             history: GroupHistory) -> Finding:
+    """Evidence and cost for one job-level drop."""
+    cfg = tick.config
+    grp = tick.groups
+    job = tick.registry.job(gid)
+    drop = float(tick.slowdown[gid])
+    by_sm = tick.slowdown_source[gid] == 1
+    fp = subject_fingerprint(kind, None, None, job)
+    lost = state.cost.get(fp, 0.0) + drop * int(grp.size[gid]) * cfg.tick_seconds / 3600.0
+    state.cost[fp] = lost
+    signal = "sm_active_ratio" if by_sm else "power_watts"
+    base = history.baseline("sm" if by_sm else "power")[gid]
+    cur = grp.sm[gid] if by_sm else grp.power[gid]
+    evidence = {
+        "signal": signal, "baseline": r3(base), "current": r3(cur), "drop_ratio": r3(drop),
+        "utilization_ratio": r3(grp.util[gid]), "baseline_utilization_ratio": r3(base_util),
+        "sm_clock_ratio": r3(grp.clock[gid]), "gpus": int(grp.size[gid]),
+        "estimated_job_slowdown_ratio": r3(drop), "gpu_hours_lost": round(lost, 4),
+    }
+    if kind is AlertKind.COMM_BOUND:
+        summary = (f"job {job} is communication-bound: {signal} {cur:.2f} vs baseline {base:.2f} "
+                   f"(-{drop * 100:.0f} %) with utilization {grp.util[gid]:.2f} and no GPU standing out")
+    else:
+        summary = (f"job {job} is input-bound: {signal} -{drop * 100:.0f} % and utilization "
+                   f"{grp.util[gid]:.2f} vs {base_util:.2f} job-wide")
+    sev = Severity.WARNING if drop < 0.3 else Severity.CRITICAL
+    return Finding(kind, None, None, None, job, sev, summary, evidence)

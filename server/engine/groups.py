@@ -1,0 +1,187 @@
+"""Peer groups and their history: which GPUs are compared with which, and each group's own baseline.
+
+A GPU's peers are the GPUs of its hpc_job. Without attribution the fallback is the busy GPUs of the
+same model on the same node (GPU-level comparisons) and, for whole-node comparisons, all unattributed
+GPUs of the same model across nodes. Group ids are interned so a group's history survives across ticks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from server.engine.windows import NO_JOB
+
+JOB = "hpc_job"
+NODE_MODEL = "node_model"
+CLUSTER_MODEL = "cluster_model"
+
+
+def group_median(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
+    """NaN-aware median of values per group id (ids < 0 ignored); NaN for empty groups."""
+    ok = (gid >= 0) & ~np.isnan(values)
+    g, x = gid[ok], values[ok]
+    out = np.full(n_groups, np.nan)
+    if not len(g):
+        return out
+    order = np.lexsort((x, g))
+    xs = x[order]
+    counts = np.bincount(g, minlength=n_groups)
+    starts = np.cumsum(counts) - counts
+    has = counts > 0
+    lo = (starts + (counts - 1) // 2)[has]
+    hi = (starts + counts // 2)[has]
+    out[has] = (xs[lo] + xs[hi]) / 2.0
+    return out
+
+
+def group_mean(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
+    """NaN-aware mean per group id; NaN for empty groups."""
+    ok = (gid >= 0) & ~np.isnan(values)
+    counts = np.bincount(gid[ok], minlength=n_groups)
+    sums = np.bincount(gid[ok], weights=values[ok], minlength=n_groups)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+@dataclass(slots=True)
+class Groups:
+    """One tick's grouping: GPU-level group id and node-level group id per slot, plus group stats."""
+
+    gid: np.ndarray          # per slot, GPU-level peer group (-1: none)
+    ngid: np.ndarray         # per slot, node-level group (-1: none)
+    n_groups: int
+    size: np.ndarray         # per group, members with data
+    util: np.ndarray         # per group medians of the smoothed per-GPU values
+    sm: np.ndarray
+    power: np.ndarray
+    clock: np.ndarray
+    slow: np.ndarray
+    power_cap: np.ndarray
+
+
+class GroupRegistry:
+    """Interns group keys to ids and remembers when each group was first seen."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple, int] = {}
+        self.keys: list[tuple] = []
+        self.first_seen = np.full(0, np.nan)
+        self.is_job = np.zeros(0, dtype=bool)
+
+    def intern(self, key: tuple, t: float) -> int:
+        """Id for a group key, registering it (first seen at t) when new."""
+        gid = self.ids.get(key)
+        if gid is None:
+            gid = self.ids[key] = len(self.keys)
+            self.keys.append(key)
+            self.first_seen = np.append(self.first_seen, t)
+            self.is_job = np.append(self.is_job, key[0] == JOB)
+        return gid
+
+    def job(self, gid: int) -> str | None:
+        """The hpc_job of a job group, None for fallback groups."""
+        key = self.keys[gid]
+        return key[1] if key[0] == JOB else None
+
+    def kind(self, gid: int) -> str:
+        """JOB, NODE_MODEL or CLUSTER_MODEL."""
+        return self.keys[gid][0]
+
+    def build(self, t: float, slot_job: np.ndarray, slot_node: np.ndarray, slot_model: np.ndarray,
+              job_names: list[str], has_data: np.ndarray, busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per-slot GPU-level and node-level group ids for this tick."""
+        n = len(slot_job)
+        gid = np.full(n, -1, dtype=np.int64)
+        ngid = np.full(n, -1, dtype=np.int64)
+        attributed = (slot_job >= 0) & has_data
+        if attributed.any():
+            codes = np.unique(slot_job[attributed])
+            table = np.full(int(codes.max()) + 1, -1, dtype=np.int64)
+            for c in codes:
+                table[c] = self.intern((JOB, job_names[c]), t)
+            gid[attributed] = table[slot_job[attributed]]
+            ngid[attributed] = gid[attributed]
+        loose = (slot_job == NO_JOB) & has_data
+        if loose.any():
+            for node, model in set(zip(slot_node[loose & busy].tolist(), slot_model[loose & busy].tolist())):
+                sel = loose & busy & (slot_node == node) & (slot_model == model)
+                gid[sel] = self.intern((NODE_MODEL, node, model), t)
+            for model in set(slot_model[loose].tolist()):
+                sel = loose & (slot_model == model)
+                ngid[sel] = self.intern((CLUSTER_MODEL, model), t)
+        return gid, ngid
+
+
+def group_stats(gid: np.ndarray, ngid: np.ndarray, n_groups: int, med: dict[str, np.ndarray]) -> Groups:
+    """Group medians over GPU-level members, plus cluster-model groups over their node-level members."""
+    member_slot = np.flatnonzero(gid >= 0)
+    extra = np.flatnonzero((ngid >= 0) & (ngid != gid))
+    slots = np.concatenate([member_slot, extra])
+    ids = np.concatenate([gid[member_slot], ngid[extra]])
+    has = ~np.isnan(med["util"][slots])
+    size = np.bincount(ids[has], minlength=n_groups)
+
+    def gm(name: str) -> np.ndarray:
+        return group_median(med[name][slots], ids, n_groups)
+
+    return Groups(gid, ngid, n_groups, size, gm("util"), gm("sm"), gm("power"), gm("clock"),
+                  group_mean(med["slow"][slots], ids, n_groups), group_mean(med["power_cap"][slots], ids, n_groups))
+
+
+class GroupHistory:
+    """Ring of per-group medians per tick; the baseline is a high percentile over healthy ticks."""
+
+    SERIES = ("sm", "power", "util", "clock")
+
+    def __init__(self, ring_ticks: int, percentile: float, min_ticks: int) -> None:
+        self.ring = ring_ticks
+        self.percentile = percentile
+        self.min_ticks = min_ticks
+        self.values = np.full((len(self.SERIES), 0, ring_ticks), np.nan)
+        self.tick_of = np.full(ring_ticks, -1, dtype=np.int64)
+        self.base = np.full((len(self.SERIES), 0), np.nan)
+        self.count = np.zeros(0, dtype=np.int64)
+
+    def _fit(self, n_groups: int) -> None:
+        """Grow per-group arrays to n_groups."""
+        have = self.values.shape[1]
+        if n_groups <= have:
+            return
+        pad = n_groups - have
+        self.values = np.concatenate([self.values, np.full((len(self.SERIES), pad, self.ring), np.nan)], axis=1)
+        self.base = np.concatenate([self.base, np.full((len(self.SERIES), pad), np.nan)], axis=1)
+        self.count = np.concatenate([self.count, np.zeros(pad, dtype=np.int64)])
+
+    def record(self, k: int, groups: Groups, healthy: np.ndarray) -> None:
+        """Store this tick's group medians; unhealthy ticks are stored as gaps."""
+        self._fit(groups.n_groups)
+        pos = k % self.ring
+        self.tick_of[pos] = k
+        for i, name in enumerate(self.SERIES):
+            col = np.where(healthy, getattr(groups, name), np.nan)
+            self.values[i, :, pos] = col
+
+    def refresh(self, k: int, n_groups: int) -> None:
+        """Recompute baselines from the ring (cheap enough every few ticks)."""
+        self._fit(n_groups)
+        live = (self.tick_of > k - self.ring) & (self.tick_of >= 0)
+        vals = np.where(live[None, None, :], self.values, np.nan)
+        srt = np.sort(vals, axis=2)
+        cnt = (~np.isnan(srt)).sum(axis=2)
+        idx = np.clip(np.floor((cnt - 1) * self.percentile / 100.0).astype(np.int64), 0, self.ring - 1)
+        pct = np.take_along_axis(srt, idx[..., None], axis=2)[..., 0]
+        enough = cnt >= self.min_ticks
+        # Keep the last good baseline while a long incident leaves too few healthy ticks.
+        self.base = np.where(enough, pct, self.base)
+        self.count = cnt.max(axis=0)
+
+    def reset(self, gids: np.ndarray) -> None:
+        """Forget the history of groups whose operating regime changed (e.g. a new power cap)."""
+        self.values[:, gids, :] = np.nan
+        self.base[:, gids] = np.nan
+
+    def baseline(self, name: str) -> np.ndarray:
+        """Per-group baseline of one series (NaN until enough healthy history)."""
+        return self.base[self.SERIES.index(name)]

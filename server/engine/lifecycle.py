@@ -1,0 +1,140 @@
+"""Alert lifecycle: pending -> firing -> resolved, one open alert per fingerprint.
+
+A finding opens a pending alert; it fires once the condition has held for the kind's `for` duration
+(`started` is that sample time). A pending alert whose condition stops holding is dropped. A firing
+alert resolves only after its detector's clear condition (stricter than "not on": hysteresis) has held
+for the kind's clear duration; "no data" neither advances nor resets that clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from server.alerts import Alert, AlertKind, AlertState, Severity, Transition
+from server.engine.detectors import Finding, Outcome
+
+_LIVE_KEYS = frozenset(("gpu_hours_lost", "silent_seconds", "count", "last_event_time", "uncorrected_errors_new",
+                        "remapped_rows_pending", "remapped_rows_failure"))
+_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2}
+
+
+@dataclass(slots=True)
+class _Record:
+    """Mutable state of one open alert."""
+
+    id: str
+    fingerprint: str
+    kind: AlertKind
+    node: str | None
+    gpu: int | None
+    uuid: str | None
+    hpc_job: str | None
+    pending_since: float
+    severity: Severity
+    summary: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    state: AlertState = AlertState.PENDING
+    started: float | None = None
+    updated: float = 0.0
+    clear_since: float | None = None
+    off_since: float | None = None
+
+    def alert(self, resolved: float | None = None, state: AlertState | None = None) -> Alert:
+        """Immutable snapshot of this record."""
+        return Alert(self.id, self.fingerprint, self.kind, self.severity, state or self.state, self.node,
+                     self.gpu, self.uuid, self.hpc_job, self.pending_since, self.started, resolved,
+                     self.updated, self.summary, dict(self.evidence))
+
+
+class Lifecycle:
+    """Open alerts keyed by fingerprint, stepped once per tick."""
+
+    def __init__(self, durations: Mapping[AlertKind, tuple[float, float]], pending_grace: float = 0.0) -> None:
+        self.durations = dict(durations)
+        self.pending_grace = pending_grace
+        self.records: dict[str, _Record] = {}
+
+    def step(self, t: float, outcomes: Mapping[AlertKind, Outcome]) -> list[Transition]:
+        """Apply one tick of findings; returns every state change (and severity escalations)."""
+        out: list[Transition] = []
+        for kind, outcome in outcomes.items():
+            for_s, clear_s = self.durations[kind]
+            for fp, finding in outcome.findings.items():
+                self._on(t, fp, finding, for_s, out)
+            for fp in [fp for fp, r in self.records.items() if r.kind is kind and fp not in outcome.findings]:
+                self._off(t, self.records[fp], outcome.clear(fp), clear_s, out)
+        return out
+
+    def _on(self, t: float, fp: str, f: Finding, for_s: float, out: list[Transition]) -> None:
+        """The condition holds: open, keep pending, fire, or refresh."""
+        rec = self.records.get(fp)
+        if rec is None:
+            rec = self.records[fp] = _Record(f"{fp}-{int(t)}", fp, f.kind, f.node, f.gpu, f.uuid, f.hpc_job, t,
+                                             f.severity, f.summary, f.evidence, updated=t)
+            if for_s > 0:
+                out.append(Transition(rec.alert(), None))
+        rec.clear_since = None
+        rec.off_since = None
+        rec.updated = t
+        rec.uuid = f.uuid or rec.uuid
+        escalated = _RANK[f.severity] > _RANK[rec.severity]
+        if rec.state is AlertState.PENDING or escalated:
+            rec.summary, rec.evidence = f.summary, f.evidence
+        else:
+            # Once firing, the evidence that fired it stays; only running tallies keep counting.
+            rec.evidence = {**rec.evidence, **{k: v for k, v in f.evidence.items() if k in _LIVE_KEYS}}
+        if escalated:
+            rec.severity = f.severity
+        if rec.state is AlertState.PENDING and t - rec.pending_since >= for_s:
+            previous = AlertState.PENDING if for_s > 0 else None
+            rec.state, rec.started = AlertState.FIRING, t
+            out.append(Transition(rec.alert(), previous))
+        elif rec.state is AlertState.FIRING and escalated:
+            out.append(Transition(rec.alert(), AlertState.FIRING))
+
+    def _off(self, t: float, rec: _Record, clear: bool | None, clear_s: float, out: list[Transition]) -> None:
+        """The condition does not hold: drop a pending alert, or count towards resolving a firing one."""
+        if rec.state is AlertState.PENDING:
+            if clear is None:
+                return
+            if rec.off_since is None:
+                rec.off_since = t
+            if not clear and t - rec.off_since < self.pending_grace:
+                return
+            del self.records[rec.fingerprint]
+            rec.updated = t
+            out.append(Transition(rec.alert(state=AlertState.RESOLVED), AlertState.PENDING))
+            return
+        if clear is None:
+            return
+        if not clear:
+            rec.clear_since = None
+            return
+        if rec.clear_since is None:
+            rec.clear_since = t
+        if t - rec.clear_since >= clear_s:
+            del self.records[rec.fingerprint]
+            rec.updated = t
+            out.append(Transition(rec.alert(resolved=t, state=AlertState.RESOLVED), AlertState.FIRING))
+
+    def alerts(self) -> list[Alert]:
+        """Pending and firing alerts, oldest first."""
+        return sorted((r.alert() for r in self.records.values()), key=lambda a: (a.pending_since, a.id))
+
+    def open_jobs(self, kinds: Iterable[AlertKind]) -> set[str]:
+        """hpc_jobs with an open alert of the given kinds."""
+        wanted = set(kinds)
+        return {r.hpc_job for r in self.records.values() if r.kind in wanted and r.hpc_job is not None}
+
+    def restore(self, alerts: Iterable[Alert]) -> int:
+        """Re-seed open alerts (ids, pending_since, started kept); returns how many were taken."""
+        taken = 0
+        for a in alerts:
+            if a.state not in (AlertState.PENDING, AlertState.FIRING) or a.fingerprint in self.records:
+                continue
+            self.records[a.fingerprint] = _Record(a.id, a.fingerprint, a.kind, a.node, a.gpu, a.uuid, a.hpc_job,
+                                                  a.pending_since, a.severity, a.summary, dict(a.evidence),
+                                                  a.state, a.started, a.updated)
+            taken += 1
+        return taken

@@ -1,0 +1,374 @@
+"""Per-GPU time windows: samples averaged into fixed tick bins held in preallocated numpy rings.
+
+Ingest only appends to an inbox; `flush()` moves every pending sample into the rings in one
+vectorised pass (per-sample Python work is a couple of dict lookups per node snapshot). Cumulative
+counters (energy, XID, ECC) are differenced per GPU in time order, robust to resets (a counter that went
+backwards restarts from zero), wraps, gaps and late samples (older than the GPU's newest: ignored for
+rates, still binned). Bins are keyed by sample time, so a node's clock skew only shifts its own bins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from server.contract import (CLOCK, CLOCK_MAX, ECC_UNCORRECTED, ENERGY, LAST_XID, POWER, POWER_LIMIT,
+                             REMAP_FAILURE, REMAP_PENDING, SLOWDOWN_TEMP, SM, TEMP, THROTTLE, UP, UTIL,
+                             XID_TOTAL, NodeSample)
+
+# Binned quantities (rows of the rings).
+(B_UTIL, B_SM, B_TEMP, B_SLOWDOWN, B_POWER, B_POWER_LIMIT, B_CLOCK_RATIO, B_UP, B_THERMAL, B_HW_THERMAL,
+ B_SLOW, B_POWER_CAP, B_REMAP_PENDING, B_REMAP_FAILURE) = range(14)
+N_BINNED = 14
+_DIRECT = ((B_UTIL, UTIL), (B_SM, SM), (B_TEMP, TEMP), (B_SLOWDOWN, SLOWDOWN_TEMP), (B_POWER, POWER),
+           (B_POWER_LIMIT, POWER_LIMIT), (B_UP, UP), (B_REMAP_PENDING, REMAP_PENDING),
+           (B_REMAP_FAILURE, REMAP_FAILURE))
+THERMAL_BITS = 0x20 | 0x40
+HW_THERMAL_BIT = 0x40
+SLOW_BITS = 0x08 | 0x20 | 0x40 | 0x80
+POWER_CAP_BIT = 0x04
+NO_JOB = -1
+
+
+@dataclass(frozen=True, slots=True)
+class CounterEvent:
+    """A cumulative health counter that increased on one GPU."""
+
+    slot: int
+    time: float
+    kind: str            # "xid" or "ecc"
+    delta: int
+    codes: tuple[int, ...]
+
+
+class _NodeCache:
+    """What a node's previous snapshot resolved to, reused while its GPU list is unchanged."""
+
+    __slots__ = ("indices", "uuids", "slots", "jobs", "job_codes")
+
+    def __init__(self) -> None:
+        self.indices: tuple = ()
+        self.uuids: tuple = ()
+        self.slots = np.empty(0, dtype=np.int64)
+        self.jobs: tuple = ()
+        self.job_codes = np.empty(0, dtype=np.int64)
+
+
+class Windows:
+    """Slot registry (one slot per node/GPU index) plus binned rings and counter state."""
+
+    def __init__(self, tick_seconds: float, ring_bins: int) -> None:
+        self.tick = float(tick_seconds)
+        self.ring = int(ring_bins)
+        self.n = 0
+        self._cap = 0
+        self.slot_of: dict[tuple[str, int], int] = {}
+        self.slot_node: list[str] = []
+        self.slot_index: list[int] = []
+        self.slot_uuid: list[str] = []
+        self.slot_model: list[str] = []
+        self.node_ids: dict[str, int] = {}
+        self.node_names: list[str] = []
+        self.model_ids: dict[str, int] = {}
+        self.job_codes: dict[str, int] = {}
+        self.job_names: list[str] = []
+        self.node_last_time = np.full(0, np.nan)
+        self._nodes: dict[str, _NodeCache] = {}
+        self._inbox: list[NodeSample] = []
+        self.events: list[CounterEvent] = []
+        self._xid_maps: dict[int, dict[int, int]] = {}
+        self.samples = 0
+        self.late_dropped = 0
+        self.newest_time = -np.inf
+        self.resumed_time = -np.inf
+        self._grow(64)
+
+    # -- registry -----------------------------------------------------------------------------
+    def _grow(self, need: int) -> None:
+        """Double capacity until `need` slots fit, keeping contents."""
+        cap = max(self._cap, 64)
+        while cap < need:
+            cap *= 2
+        if cap == self._cap:
+            return
+        old = self._cap
+
+        def grow(arr: np.ndarray | None, fill: float, shape_prefix: tuple = (), dtype=np.float64) -> np.ndarray:
+            new = np.full(shape_prefix + (cap,), fill, dtype=dtype)
+            if arr is not None and old:
+                new[..., :old] = arr
+            return new
+
+        first = old == 0
+        self.sums = grow(None if first else self.sums, 0.0, (N_BINNED, self.ring))
+        self.cnts = grow(None if first else self.cnts, 0.0, (N_BINNED, self.ring))
+        self.bin_id = grow(None if first else self.bin_id, -1, (self.ring,), np.int64)
+        self.slot_job = grow(None if first else self.slot_job, NO_JOB, (), np.int64)
+        self.slot_job_since = grow(None if first else self.slot_job_since, np.nan)
+        self.slot_last_time = grow(None if first else self.slot_last_time, -np.inf)
+        self.slot_node_id = grow(None if first else self.slot_node_id, -1, (), np.int64)
+        self.slot_model_id = grow(None if first else self.slot_model_id, -1, (), np.int64)
+        self._counter_val = grow(None if first else self._counter_val, np.nan, (3,))
+        self._counter_time = grow(None if first else self._counter_time, -np.inf, (3,))
+        self._cap = cap
+
+    def _new_slot(self, node: str, index: int, uuid: str, model: str) -> int:
+        """Register a GPU; slots are never reused so history stays attached to its GPU."""
+        slot = self.n
+        self._grow(slot + 1)
+        self.n += 1
+        self.slot_of[(node, index)] = slot
+        self.slot_node.append(node)
+        self.slot_index.append(index)
+        self.slot_uuid.append(uuid)
+        self.slot_model.append(model)
+        node_id = self.node_ids.get(node)
+        if node_id is None:
+            node_id = self.node_ids[node] = len(self.node_names)
+            self.node_names.append(node)
+            self.node_last_time = np.append(self.node_last_time, np.nan)
+        self.slot_node_id[slot] = node_id
+        self.slot_model_id[slot] = self.model_ids.setdefault(model, len(self.model_ids))
+        return slot
+
+    def job_code(self, job: str | None) -> int:
+        """Small integer for a job name (NO_JOB for None)."""
+        if job is None:
+            return NO_JOB
+        code = self.job_codes.get(job)
+        if code is None:
+            code = self.job_codes[job] = len(self.job_names)
+            self.job_names.append(job)
+        return code
+
+    def _resolve(self, sample: NodeSample) -> tuple[np.ndarray, np.ndarray]:
+        """Slots and job codes for a snapshot's rows, cached per node."""
+        cache = self._nodes.get(sample.node)
+        if cache is None:
+            cache = self._nodes[sample.node] = _NodeCache()
+        if sample.indices != cache.indices or sample.uuids != cache.uuids:
+            slots = []
+            for index, uuid, model in zip(sample.indices, sample.uuids, sample.models):
+                slot = self.slot_of.get((sample.node, index))
+                if slot is None:
+                    slot = self._new_slot(sample.node, index, uuid, model)
+                else:
+                    self.slot_uuid[slot] = uuid
+                slots.append(slot)
+            cache.indices, cache.uuids = sample.indices, sample.uuids
+            cache.slots = np.array(slots, dtype=np.int64)
+            cache.jobs = ()
+        if sample.jobs != cache.jobs:
+            cache.jobs = sample.jobs
+            cache.job_codes = np.array([self.job_code(j) for j in sample.jobs], dtype=np.int64)
+        return cache.slots, cache.job_codes
+
+    # -- ingest -------------------------------------------------------------------------------
+    def add(self, sample: NodeSample) -> None:
+        """Queue a sample; it reaches the rings at the next flush."""
+        self._inbox.append(sample)
+
+    def pending(self) -> int:
+        """Samples queued since the last flush."""
+        return len(self._inbox)
+
+    def flush(self, min_bin: int) -> None:
+        """Move queued samples into the rings; bins older than min_bin are gone and dropped."""
+        if not self._inbox:
+            return
+        inbox = sorted(self._inbox, key=lambda s: (s.time, s.node))
+        self._inbox = []
+        resolved = [self._resolve(s) for s in inbox]
+        inbox_nonempty = [(s, r) for s, r in zip(inbox, resolved) if len(s)]
+        if not inbox_nonempty:
+            return
+        slots = np.concatenate([r[0] for _, r in inbox_nonempty])
+        codes = np.concatenate([r[1] for _, r in inbox_nonempty])
+        values = np.concatenate([s.values for s, _ in inbox_nonempty])
+        times = np.repeat([s.time for s, _ in inbox_nonempty], [len(s) for s, _ in inbox_nonempty])
+        self.samples += len(slots)
+        self.newest_time = max(self.newest_time, inbox_nonempty[-1][0].time)
+        self.resumed_time = inbox_nonempty[0][0].time
+        for s, _ in inbox_nonempty:
+            node_id = self.node_ids[s.node]
+            last = self.node_last_time[node_id]
+            if not last >= s.time:
+                self.node_last_time[node_id] = s.time
+        in_order = times >= self.slot_last_time[slots]
+        self._update_jobs(slots, codes, times, in_order)
+        power_from_energy = self._counters(slots, times, values, in_order, inbox_nonempty)
+        self._bin(slots, times, self._derive(values, power_from_energy), min_bin)
+
+    def _update_jobs(self, slots: np.ndarray, codes: np.ndarray, times: np.ndarray,
+                     in_order: np.ndarray) -> None:
+        """Current job of each GPU follows its newest sample; a change restarts its job clock."""
+        s, c, t = slots[in_order], codes[in_order], times[in_order]
+        order = np.argsort(s, kind="stable")                  # per slot, still in time order
+        s, c, t = s[order], c[order], t[order]
+        prev = np.empty_like(c)
+        prev[1:] = c[:-1]
+        first = np.ones(len(s), dtype=bool)
+        first[1:] = s[1:] != s[:-1]
+        prev[first] = self.slot_job[s[first]]
+        changed = c != prev
+        if changed.any():
+            # Assignment keeps the last write per slot: the latest change wins.
+            self.slot_job_since[s[changed]] = t[changed]
+        self.slot_job[s] = c
+        self.slot_last_time[s] = t
+
+    def _counters(self, slots: np.ndarray, times: np.ndarray, values: np.ndarray, in_order: np.ndarray,
+                  inbox: list) -> np.ndarray:
+        """Difference energy/XID/ECC counters per GPU; returns average power from energy per row (NaN where
+        there is no previous reading, time did not advance, or the counter was reset)."""
+        order = np.argsort(slots, kind="stable")
+        s, t = slots[order], times[order]
+        power = np.full(len(slots), np.nan)
+        for i, col in enumerate((ENERGY, XID_TOTAL, ECC_UNCORRECTED)):
+            v = values[order, col]
+            ok = in_order[order] & ~np.isnan(v)
+            if not ok.any():
+                continue
+            if i and np.array_equal(v[ok], self._counter_val[i, s[ok]]):
+                self._counter_time[i, s[ok]] = t[ok]
+                continue            # no counter moved: nothing to difference
+            delta, dt, reset = self._diff(i, s[ok], t[ok], v[ok])
+            if i == 0:
+                # Energy across a reset has no known rate; everything else counts from zero.
+                rate = np.where((dt > 0) & ~reset, delta / np.where(dt > 0, dt, 1.0), np.nan)
+                power[order[ok]] = rate
+            else:
+                self._record_events(i, order[ok], s[ok], t[ok], delta, values, inbox)
+        return power
+
+    def _diff(self, i: int, s: np.ndarray, t: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-row increase and elapsed time against the same GPU's previous reading."""
+        prev_v = np.empty_like(v)
+        prev_t = np.empty_like(t)
+        first = np.ones(len(s), dtype=bool)
+        first[1:] = s[1:] != s[:-1]
+        prev_v[1:], prev_t[1:] = v[:-1], t[:-1]
+        prev_v[first] = self._counter_val[i, s[first]]
+        prev_t[first] = self._counter_time[i, s[first]]
+        last = np.ones(len(s), dtype=bool)
+        last[:-1] = s[:-1] != s[1:]
+        self._counter_val[i, s[last]] = v[last]
+        self._counter_time[i, s[last]] = t[last]
+        # A counter that went backwards was reset (driver reload, agent restart, wrap): count from 0.
+        reset = v < prev_v
+        delta = np.where(np.isnan(prev_v), 0.0, np.where(reset, v, v - prev_v))
+        dt = np.where(np.isfinite(prev_t), t - prev_t, np.nan)
+        return delta, dt, reset
+
+    def _record_events(self, i: int, rows: np.ndarray, s: np.ndarray, t: np.ndarray, delta: np.ndarray,
+                       values: np.ndarray, inbox: list) -> None:
+        """Turn XID/ECC counter increases into events (rare; plain Python is fine)."""
+        hit = np.flatnonzero(delta > 0)
+        if not len(hit):
+            return
+        row_xids = _row_xid_maps(inbox) if i == 1 else None
+        for h in hit:
+            slot, row = int(s[h]), int(rows[h])
+            codes: tuple[int, ...] = ()
+            if i == 1:
+                codes = self._xid_codes(slot, row_xids[row] if row_xids else None, values[row, LAST_XID])
+            self.events.append(CounterEvent(slot, float(t[h]), "xid" if i == 1 else "ecc",
+                                            int(delta[h]), codes))
+
+    def _xid_codes(self, slot: int, by_code: dict[int, int] | None, last_xid: float) -> tuple[int, ...]:
+        """Which XID codes increased: from the per-code map when present, else the last XID."""
+        if by_code:
+            before = self._xid_maps.get(slot, {})
+            self._xid_maps[slot] = dict(by_code)
+            grown = tuple(sorted(c for c, n in by_code.items() if n > before.get(c, 0)))
+            if grown:
+                return grown
+        return () if np.isnan(last_xid) else (int(last_xid),)
+
+    def _derive(self, values: np.ndarray, power_from_energy: np.ndarray) -> np.ndarray:
+        """Rows of binned quantities: direct readings, clock ratio and throttle-bit indicators."""
+        out = np.empty((N_BINNED, len(values)))
+        for b, col in _DIRECT:
+            out[b] = values[:, col]
+        # Average power over the sampling interval (from the energy counter) beats the instantaneous
+        # reading: a synchronous job's GPUs all sit in the same step phase at a sample instant, so
+        # instantaneous power aliases with the step cycle at 5-10 s sampling.
+        from_energy = ~np.isnan(power_from_energy)
+        out[B_POWER][from_energy] = power_from_energy[from_energy]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = values[:, CLOCK] / values[:, CLOCK_MAX]
+        out[B_CLOCK_RATIO] = np.where(values[:, CLOCK_MAX] > 0, ratio, np.nan)
+        throttle = values[:, THROTTLE]
+        known = ~np.isnan(throttle)
+        bits = np.where(known, throttle, 0).astype(np.int64)
+        for b, mask in ((B_THERMAL, THERMAL_BITS), (B_HW_THERMAL, HW_THERMAL_BIT), (B_SLOW, SLOW_BITS),
+                        (B_POWER_CAP, POWER_CAP_BIT)):
+            out[b] = np.where(known, (bits & mask) != 0, np.nan)
+        return out
+
+    def _bin(self, slots: np.ndarray, times: np.ndarray, derived: np.ndarray, min_bin: int) -> None:
+        """Accumulate rows into their (bin, GPU) cells, resetting cells that held an older bin."""
+        bins = np.floor(times / self.tick).astype(np.int64)
+        pos = bins % self.ring
+        held = self.bin_id[pos, slots]
+        keep = (bins >= min_bin) & (bins >= held)
+        if not keep.all():
+            self.late_dropped += int(np.count_nonzero(~keep))
+            slots, bins, pos, held, derived = slots[keep], bins[keep], pos[keep], held[keep], derived[:, keep]
+        fresh = bins > held
+        if fresh.any():
+            self.sums[:, pos[fresh], slots[fresh]] = 0.0
+            self.cnts[:, pos[fresh], slots[fresh]] = 0.0
+            self.bin_id[pos[fresh], slots[fresh]] = bins[fresh]
+        valid = ~np.isnan(derived)
+        values = np.where(valid, derived, 0.0)
+        counts = valid.astype(np.float64)
+        cell = pos * self._cap + slots
+        order = np.argsort(cell, kind="stable")
+        cell = cell[order]
+        first = np.ones(len(cell), dtype=bool)
+        first[1:] = cell[1:] != cell[:-1]
+        if not first.all():
+            # Several samples of one GPU in one bin (sub-tick sampling): sum them before scattering.
+            starts = np.flatnonzero(first)
+            values = np.add.reduceat(values[:, order], starts, axis=1)
+            counts = np.add.reduceat(counts[:, order], starts, axis=1)
+            order = order[starts]
+        else:
+            values, counts = values[:, order], counts[:, order]
+        p, sl = pos[order], slots[order]
+        self.sums[:, p, sl] += values
+        self.cnts[:, p, sl] += counts
+
+    # -- reading ------------------------------------------------------------------------------
+    def window(self, last_bin: int, n_bins: int) -> np.ndarray:
+        """Bin means, shape (N_BINNED, n_bins, n) newest first; NaN where no sample or unsupported."""
+        ks = last_bin - np.arange(n_bins)
+        pos = ks % self.ring
+        n = self.n
+        valid = self.bin_id[pos, :n] == ks[:, None]
+        sums = self.sums[:, pos, :n]
+        cnts = self.cnts[:, pos, :n]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means = sums / cnts
+        means[:, ~valid] = np.nan
+        return means
+
+    def has_data(self, last_bin: int, n_bins: int) -> np.ndarray:
+        """Per slot: whether any sample fell into the last n_bins bins."""
+        ks = last_bin - np.arange(n_bins)
+        return (self.bin_id[ks % self.ring, :self.n] == ks[:, None]).any(axis=0)
+
+    def drain_events(self) -> list[CounterEvent]:
+        """Counter events since the last call."""
+        events, self.events = self.events, []
+        return events
+
+
+def _row_xid_maps(inbox: list) -> list:
+    """Per-row XID-by-code maps across the flushed batch (None where absent)."""
+    out: list = []
+    for s, _ in inbox:
+        out.extend(s.xid_by_code if s.xid_by_code is not None else (None,) * len(s))
+    return out

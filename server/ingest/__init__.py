@@ -1,0 +1,1 @@
+"""Ingest: where the agents are (targets) and pulling their snapshots (puller)."""

@@ -1,0 +1,253 @@
+"""Pulls every agent's `/snapshots?since=` concurrently and turns the answers into validated samples.
+
+Each target remembers the newest sample time it has delivered and asks only for what came after it,
+so nothing is lost or duplicated between pulls however late a cycle runs. A bad answer (timeout,
+HTTP error, oversized, malformed or schema-violating payload) is counted by target and reason and
+logged; it never raises out of a cycle and never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
+
+import httpx
+import orjson
+
+from server.ingest.targets import TargetSource
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
+
+
+class PullError(Exception):
+    """A pull that produced nothing usable; `reason` is a short label for metrics."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class TargetHealth:
+    """What the server knows about one agent's reachability and freshness."""
+
+    target: str
+    node: str | None = None
+    up: bool = False
+    stale: bool = False
+    last_attempt: float | None = None
+    last_success: float | None = None
+    last_new_data: float | None = None
+    last_sample_time: float | None = None
+    consecutive_failures: int = 0
+    last_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    """One cycle over every target: the accepted samples, in no particular order."""
+
+    samples: list[Any]
+    started: float
+    duration_seconds: float
+    targets: int
+    failed_targets: int
+    rejected_snapshots: int
+
+
+def _default_parse() -> Callable[[Mapping[str, Any]], Any]:
+    """The engine's contract parser, imported late so the puller does not pull numpy in at import."""
+    from server.contract import parse_snapshot
+
+    return parse_snapshot
+
+
+class Puller:
+    """Concurrent `/snapshots?since=` client over a changing set of targets, with per-target health."""
+
+    def __init__(
+        self,
+        source: TargetSource,
+        *,
+        timeout_seconds: float = 4.0,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        concurrency: int = 256,
+        stale_after_seconds: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.time,
+        parse: Callable[[Mapping[str, Any]], Any] | None = None,
+        scheme: str = "http",
+    ) -> None:
+        self.source = source
+        self.max_payload_bytes = max_payload_bytes
+        self.stale_after_seconds = stale_after_seconds
+        self._clock = clock
+        self._parse = parse or _default_parse()
+        self._scheme = scheme
+        self._semaphore = asyncio.Semaphore(concurrency)
+        self._transport = transport
+        self._timeout = httpx.Timeout(timeout_seconds)
+        # One small client per target: httpcore's pool scans every connection on each request, so a
+        # single pool over a thousand agents costs O(n^2) per cycle; per-target pools stay O(1).
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._ssl: ssl.SSLContext | None = None
+        self._health: dict[str, TargetHealth] = {}
+        self.errors: Counter[tuple[str, str]] = Counter()   # (target, reason) -> count
+        self.pulls_total = 0
+        self.samples_total = 0
+        self.cycles_total = 0
+        self.last_cycle: PullResult | None = None
+
+    async def aclose(self) -> None:
+        """Close every target's connection."""
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(c.aclose() for c in clients))
+
+    def _client(self, target: str) -> httpx.AsyncClient:
+        """The target's keep-alive client, created on first use."""
+        client = self._clients.get(target)
+        if client is None:
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()  # building one per client would load the CA store 1000 times
+            client = httpx.AsyncClient(
+                transport=self._transport, timeout=self._timeout, follow_redirects=False, verify=self._ssl,
+                limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=300),
+                headers={"accept": "application/json"},
+            )
+            self._clients[target] = client
+        return client
+
+    def health(self) -> list[TargetHealth]:
+        """Every current target's health, sorted by target."""
+        return [self._health[t] for t in sorted(self._health)]
+
+    async def pull_once(self) -> PullResult:
+        """Pull every target once, concurrently; returns the accepted samples."""
+        started = self._clock()
+        t0 = time.perf_counter()
+        targets = await asyncio.to_thread(self._list_targets)
+        for gone in set(self._health) - set(targets):
+            del self._health[gone]
+        for gone in set(self._clients) - set(targets):
+            await self._clients.pop(gone).aclose()
+        outcomes = await asyncio.gather(*(self._pull_target(t) for t in targets))
+        samples = [s for ok, batch, _ in outcomes for s in batch]
+        result = PullResult(
+            samples=samples,
+            started=started,
+            duration_seconds=time.perf_counter() - t0,
+            targets=len(targets),
+            failed_targets=sum(1 for ok, _, _ in outcomes if not ok),
+            rejected_snapshots=sum(r for _, _, r in outcomes),
+        )
+        self.cycles_total += 1
+        self.samples_total += len(samples)
+        self.last_cycle = result
+        return result
+
+    def _list_targets(self) -> list[str]:
+        """The sources' current targets; a failing source yields the previous set rather than none."""
+        try:
+            return self.source.targets()
+        except Exception:  # a discovery bug must not stop ingest from the targets we already know
+            log.exception("target discovery failed, keeping last targets")
+            return sorted(self._health)
+
+    async def _pull_target(self, target: str) -> tuple[bool, list[Any], int]:
+        """Fetch, validate and account one target; never raises."""
+        previous = self._health.get(target) or TargetHealth(target=target)
+        now = self._clock()
+        self.pulls_total += 1
+        try:
+            async with self._semaphore:
+                body = await self._fetch(target, previous.last_sample_time)
+            node, samples, rejected, newest = self._decode(target, body, previous.last_sample_time)
+        except PullError as exc:
+            self._record_error(target, exc.reason, exc.detail)
+            self._health[target] = replace(
+                previous, up=False, last_attempt=now, last_error=str(exc),
+                consecutive_failures=previous.consecutive_failures + 1,
+            )
+            return False, [], 0
+        self._health[target] = self._healthy(previous, node, now, newest, bool(samples))
+        return True, samples, rejected
+
+    def _healthy(self, previous: TargetHealth, node: str | None, now: float, newest: float | None,
+                 got_new: bool) -> TargetHealth:
+        """Health after a successful answer; stale when no new sample has arrived for too long."""
+        last_new = now if got_new or previous.last_new_data is None else previous.last_new_data
+        stale = now - last_new > self.stale_after_seconds
+        if stale and not previous.stale:
+            log.warning("agent serves stale samples", extra={"target": previous.target, "node": node})
+        return replace(
+            previous, node=node or previous.node, up=True, stale=stale, last_attempt=now, last_success=now,
+            last_new_data=last_new, last_sample_time=newest, consecutive_failures=0, last_error=None,
+        )
+
+    async def _fetch(self, target: str, since: float | None) -> bytearray:
+        """GET the target's snapshots newer than `since`, refusing bodies over the size limit."""
+        url = f"{self._scheme}://{target}/snapshots"
+        params = {"since": repr(since)} if since is not None else None
+        try:
+            async with self._client(target).stream("GET", url, params=params) as response:
+                if response.status_code != 200:
+                    raise PullError("http_status", str(response.status_code))
+                declared = response.headers.get("content-length")
+                if declared and declared.isdigit() and int(declared) > self.max_payload_bytes:
+                    raise PullError("oversized", f"content-length {declared}")
+                buf = bytearray()
+                async for chunk in response.aiter_bytes():
+                    buf += chunk
+                    if len(buf) > self.max_payload_bytes:
+                        raise PullError("oversized", f"over {self.max_payload_bytes} bytes")
+                return buf  # orjson reads a bytearray as is: no second copy of a large body
+        except httpx.TimeoutException:
+            raise PullError("timeout") from None
+        except httpx.ConnectError as exc:
+            raise PullError("connect", str(exc)) from None
+        except httpx.HTTPError as exc:
+            raise PullError("http_error", exc.__class__.__name__) from None
+
+    def _decode(self, target: str, body: bytes | bytearray, since: float | None
+                ) -> tuple[str | None, list[Any], int, float | None]:
+        """Validate the envelope and each snapshot; returns (node, samples, rejected count, newest time)."""
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise PullError("malformed_json") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("snapshots"), list):
+            raise PullError("schema", "envelope without a 'snapshots' list")
+        if doc.get("schema") != 1:
+            raise PullError("schema", f"unsupported schema {doc.get('schema')!r}")
+        node = doc.get("node") if isinstance(doc.get("node"), str) else None
+        samples: list[Any] = []
+        rejected = 0
+        newest = since
+        for raw in doc["snapshots"]:
+            raw_time = raw.get("time") if isinstance(raw, dict) else None
+            if isinstance(raw_time, (int, float)) and not isinstance(raw_time, bool):
+                if since is not None and raw_time <= since:
+                    continue  # an agent that ignores `since` must not make us ingest twice
+                newest = raw_time if newest is None else max(newest, raw_time)
+            try:
+                samples.append(self._parse(raw))
+            except Exception as exc:  # noqa: BLE001 - any parser failure is a rejected snapshot, not a crash
+                rejected += 1
+                self._record_error(target, "schema", str(exc) or exc.__class__.__name__)
+        return node, samples, rejected, newest
+
+    def _record_error(self, target: str, reason: str, detail: str) -> None:
+        """Count one rejected pull or snapshot; log the 1st, 2nd, 4th, 8th... of each kind to bound noise."""
+        self.errors[(target, reason)] += 1
+        count = self.errors[(target, reason)]
+        if count & (count - 1):
+            return
+        log.warning("pull rejected", extra={"target": target, "reason": reason, "detail": detail[:300], "count": count})

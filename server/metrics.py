@@ -1,0 +1,198 @@
+"""The server's Prometheus collector: active alerts, job health, and ingest/engine health.
+
+Families are built fresh on every scrape from the runtime's published view and counters, so an
+alert that resolves or a job that ends simply stops being exported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from server.alerts import AlertState
+from server.runtime import Runtime
+
+# (metric suffix, JobHealth key, help) for per-job gauges; a key the engine does not report is skipped,
+# and a list (the job's nodes, its stragglers) is exported as its length.
+_JOB_GAUGES = (
+    ("gpus", "gpus", "GPUs attributed to the job."),
+    ("nodes", "nodes", "Nodes the job runs on."),
+    ("stragglers", "stragglers", "GPUs or nodes currently flagged as stragglers holding the job back."),
+    ("comm_bound", "comm_bound", "1 while the job is communication-bound, else 0."),
+    ("input_bound", "input_bound", "1 while the job is input/host-bound, else 0."),
+    ("comm_bound_ratio", "comm_bound_share", "Share of evaluated ticks the job was communication-bound (0-1)."),
+    ("slowdown_ratio", "estimated_slowdown_ratio", "Estimated slowdown of the job against its own baseline (0-1)."),
+    ("sm_active_ratio", "sm_active_ratio", "Mean SM activity of the job's GPUs (0-1)."),
+    ("baseline_sm_active_ratio", "baseline_sm_active_ratio", "The job's own recent SM activity baseline (0-1)."),
+    ("utilization_ratio", "utilization_ratio", "Mean NVML utilization of the job's GPUs (0-1)."),
+    ("power_watts", "power_watts", "Mean power draw of the job's GPUs."),
+)
+# (metric name, NodeHealth key, help)
+_NODE_GAUGES = (
+    ("gpufleet_node_gpus", "gpus", "GPUs the engine tracks on the node."),
+    ("gpufleet_node_reachable", "reachable", "1 while the node's samples keep arriving, else 0."),
+    ("gpufleet_node_last_sample_timestamp_seconds", "last_sample_time",
+     "Sample time of the newest snapshot the engine has from the node."),
+    ("gpufleet_node_lag_seconds", "lag_seconds", "How far the node's newest sample trails the evaluation time."),
+    ("gpufleet_node_open_alerts", "open_alerts", "Pending or firing alerts about the node."),
+)
+
+
+class ServerCollector(Collector):
+    """Reads a Runtime on every scrape; holds no metric state of its own."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        """Every server family, freshly built."""
+        yield from self._alerts()
+        yield from self._jobs()
+        yield from self._nodes()
+        yield from self._ingest()
+        yield from self._pipeline()
+        yield from self._notifiers()
+
+    def _alerts(self) -> Iterator[Metric]:
+        """Counts of open alerts and one series per firing alert."""
+        alerts = self.runtime.view.alerts
+        counts = GaugeMetricFamily("gpufleet_alerts", "Open (pending or firing) alerts.",
+                                   labels=["kind", "severity", "state"])
+        for (kind, severity, state), n in sorted(Counter(
+                (a.kind.value, a.severity.value, a.state.value) for a in alerts).items()):
+            counts.add_metric([kind, severity, state], n)
+        yield counts
+        active = GaugeMetricFamily("gpufleet_alert_active", "1 for each firing alert, labelled by its subject.",
+                                   labels=["kind", "severity", "node", "gpu", "hpc_job", "alert_id"])
+        for a in alerts:
+            if a.state is AlertState.FIRING:
+                active.add_metric([a.kind.value, a.severity.value, a.node or "",
+                                   "" if a.gpu is None else str(a.gpu), a.hpc_job or "", a.id], 1)
+        yield active
+
+    def _jobs(self) -> Iterator[Metric]:
+        """Per-job health gauges from the engine's JobHealth."""
+        jobs = self.runtime.view.jobs
+        for suffix, key, doc in _JOB_GAUGES:
+            family = GaugeMetricFamily(f"gpufleet_job_{suffix}", doc, labels=["hpc_job"])
+            for job in jobs:
+                value = _number(job.get(key))
+                if value is not None and job.get("hpc_job") is not None:
+                    family.add_metric([str(job["hpc_job"])], value)
+            yield family
+
+    def _nodes(self) -> Iterator[Metric]:
+        """Per-node gauges from the engine's NodeHealth."""
+        nodes = self.runtime.view.nodes
+        for name, key, doc in _NODE_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["node"])
+            for node in nodes:
+                value = _number(node.get(key))
+                if value is not None and node.get("node") is not None:
+                    family.add_metric([str(node["node"])], value)
+            yield family
+
+    def _ingest(self) -> Iterator[Metric]:
+        """Per-target reachability and pull error counters."""
+        puller = self.runtime.puller
+        up = GaugeMetricFamily("gpufleet_server_target_up", "1 if the last pull of the agent succeeded.",
+                               labels=["target"])
+        stale = GaugeMetricFamily("gpufleet_server_target_stale", "1 if the agent answers but sends no new samples.",
+                                  labels=["target"])
+        failures = GaugeMetricFamily("gpufleet_server_target_consecutive_failures",
+                                     "Failed pulls in a row for the agent.", labels=["target"])
+        last_ok = GaugeMetricFamily("gpufleet_server_target_last_success_timestamp_seconds",
+                                    "Wall-clock time of the last successful pull.", labels=["target"])
+        last_sample = GaugeMetricFamily("gpufleet_server_target_last_sample_timestamp_seconds",
+                                        "Sample time of the newest snapshot pulled from the agent.", labels=["target"])
+        for h in puller.health():
+            up.add_metric([h.target], 1 if h.up else 0)
+            stale.add_metric([h.target], 1 if h.stale else 0)
+            failures.add_metric([h.target], h.consecutive_failures)
+            if h.last_success is not None:
+                last_ok.add_metric([h.target], h.last_success)
+            if h.last_sample_time is not None:
+                last_sample.add_metric([h.target], h.last_sample_time)
+        yield from (up, stale, failures, last_ok, last_sample)
+        errors = CounterMetricFamily("gpufleet_server_pull_errors", "Rejected pulls and snapshots by target and reason.",
+                                     labels=["target", "reason"])
+        by_reason: Counter[str] = Counter()
+        for (target, reason), n in sorted(puller.errors.items()):
+            errors.add_metric([target, reason], n)
+            by_reason[reason] += n
+        yield errors
+        rejected = CounterMetricFamily("gpufleet_server_rejected", "Rejected pulls and snapshots by reason.",
+                                       labels=["reason"])
+        for reason, n in sorted(by_reason.items()):
+            rejected.add_metric([reason], n)
+        yield rejected
+        yield CounterMetricFamily("gpufleet_server_pulls", "Pull attempts over all targets.", value=puller.pulls_total)
+        yield CounterMetricFamily("gpufleet_server_samples_ingested", "Node snapshots accepted and fed to the engine.",
+                                  value=puller.samples_total)
+        if puller.last_cycle is not None:
+            yield GaugeMetricFamily("gpufleet_server_pull_cycle_duration_seconds",
+                                    "Wall time of the last pull cycle over every target.",
+                                    value=puller.last_cycle.duration_seconds)
+            yield GaugeMetricFamily("gpufleet_server_targets", "Targets in the last pull cycle.",
+                                    value=puller.last_cycle.targets)
+
+    def _pipeline(self) -> Iterator[Metric]:
+        """Engine cycle timing and counters, plus the engine's own numeric stats."""
+        s = self.runtime.stats
+        yield CounterMetricFamily("gpufleet_server_cycles", "Completed pull+engine cycles.", value=s.cycles_total)
+        yield CounterMetricFamily("gpufleet_server_cycle_failures", "Cycles that raised.", value=s.cycle_failures_total)
+        yield CounterMetricFamily("gpufleet_server_cycle_overruns", "Cycles that took longer than the pull interval.",
+                                  value=s.overruns_total)
+        yield CounterMetricFamily("gpufleet_server_alert_transitions", "Alert transitions from the engine.",
+                                  value=s.transitions_total)
+        yield CounterMetricFamily("gpufleet_server_store_errors", "Failed alert store writes.",
+                                  value=s.store_errors_total)
+        if s.tick_duration_seconds is not None:
+            yield GaugeMetricFamily("gpufleet_server_engine_tick_duration_seconds",
+                                    "Wall time of the last engine ingest+advance.", value=s.tick_duration_seconds)
+        if s.last_tick is not None:
+            yield GaugeMetricFamily("gpufleet_server_engine_last_tick_timestamp_seconds",
+                                    "Evaluation time of the last engine tick.", value=s.last_tick)
+        stats = GaugeMetricFamily("gpufleet_server_engine_stat", "Numeric statistics the engine reports, by name.",
+                                  labels=["name"])
+        for name, value in sorted(self.runtime.view.stats.items()):
+            number = _number(value)
+            if number is not None:
+                stats.add_metric([name], number)
+        yield stats
+
+    def _notifiers(self) -> Iterator[Metric]:
+        """Delivery counters per notifier."""
+        sent = CounterMetricFamily("gpufleet_server_notifications_sent", "Alerts delivered.", labels=["notifier"])
+        failed = CounterMetricFamily("gpufleet_server_notifications_failed", "Alerts not delivered after retries.",
+                                     labels=["notifier"])
+        dropped = CounterMetricFamily("gpufleet_server_notifications_dropped", "Alerts dropped from a full queue.",
+                                      labels=["notifier"])
+        for n in self.runtime.notifiers:
+            sent.add_metric([n.name], n.sent_total)
+            failed.add_metric([n.name], n.failed_total)
+            dropped.add_metric([n.name], n.dropped_total)
+        yield from (sent, failed, dropped)
+
+
+def _number(value: Any) -> float | None:
+    """A finite number (bools as 0/1, lists as their length), or None for anything else."""
+    if isinstance(value, (list, tuple)):
+        return float(len(value))
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def build_registry(runtime: Runtime) -> CollectorRegistry:
+    """A fresh registry holding only the server collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerCollector(runtime))
+    return registry

@@ -1,0 +1,141 @@
+"""Pushes firing and resolved alerts to Alertmanager's v2 API (`POST /api/v2/alerts`).
+
+Alertmanager forgets an alert that is not re-sent, so every firing alert is re-sent each resend
+interval with an `endsAt` a few intervals ahead (if gpufleet dies, its alerts expire on their own),
+and a resolved alert is sent once more with `endsAt` set to when it resolved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable, Sequence
+
+import httpx
+import orjson
+
+from server.alerts import Alert, AlertState, Transition
+from server.notify import Sleep, post_with_retry
+
+log = logging.getLogger(__name__)
+
+
+def rfc3339(ts: float) -> str:
+    """Unix seconds as an RFC 3339 UTC timestamp with milliseconds."""
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def alertname(alert: Alert) -> str:
+    """The `alertname` label: Gpufleet + the kind in CamelCase, e.g. GpufleetThermalThrottle."""
+    return "Gpufleet" + "".join(part.capitalize() for part in alert.kind.value.split("_"))
+
+
+def to_alertmanager(alert: Alert, *, now: float, resend_interval_seconds: float, external_url: str) -> dict[str, Any]:
+    """One alert in Alertmanager's postable shape; null subjects are left out of the labels."""
+    labels = {"alertname": alertname(alert), "kind": alert.kind.value, "severity": alert.severity.value,
+              "node": alert.node, "gpu": None if alert.gpu is None else str(alert.gpu), "hpc_job": alert.hpc_job,
+              "source": "gpufleet"}
+    body: dict[str, Any] = {
+        "labels": {k: v for k, v in labels.items() if v is not None},
+        "annotations": {
+            "summary": alert.summary,
+            "evidence": orjson.dumps(dict(alert.evidence), option=orjson.OPT_NON_STR_KEYS, default=str).decode(),
+        },
+        "startsAt": rfc3339(alert.started if alert.started is not None else alert.pending_since),
+        "generatorURL": f"{external_url.rstrip('/')}/alerts/{alert.id}",
+    }
+    if alert.uuid:
+        body["annotations"]["uuid"] = alert.uuid
+    if alert.state is AlertState.RESOLVED:
+        body["endsAt"] = rfc3339(alert.resolved if alert.resolved is not None else now)
+    else:
+        body["endsAt"] = rfc3339(now + 4 * resend_interval_seconds)
+    return body
+
+
+class AlertmanagerNotifier:
+    """Batches transitions and delivers them from its own task, so a slow Alertmanager never stalls the engine."""
+
+    name = "alertmanager"
+
+    def __init__(self, url: str, *, resend_interval_seconds: float = 60.0, external_url: str = "http://localhost:9472",
+                 timeout_seconds: float = 10.0, attempts: int = 4, backoff_seconds: float = 1.0,
+                 transport: httpx.AsyncBaseTransport | None = None, clock: Callable[[], float] = time.time,
+                 sleep: Sleep = asyncio.sleep, tick_seconds: float = 1.0) -> None:
+        self.url = url.rstrip("/") + "/api/v2/alerts"
+        self.resend_interval_seconds = resend_interval_seconds
+        self.external_url = external_url
+        self.attempts = attempts
+        self.backoff_seconds = backoff_seconds
+        self.tick_seconds = tick_seconds
+        self._clock = clock
+        self._sleep = sleep
+        self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds))
+        self._firing: dict[str, Alert] = {}     # alert id -> latest firing state
+        self._outbox: dict[str, Alert] = {}     # alert id -> state to send on the next step
+        self._last_resend: float | None = None
+        self.sent_total = 0
+        self.failed_total = 0
+        self.dropped_total = 0
+
+    def submit(self, transitions: Sequence[Transition]) -> None:
+        """Queue firing and resolved alerts (pending ones are not Alertmanager's business); never blocks."""
+        for t in transitions:
+            alert = t.alert
+            if alert.state is AlertState.FIRING:
+                self._firing[alert.id] = alert
+                if t.previous is not AlertState.FIRING:
+                    self._outbox[alert.id] = alert
+            elif alert.state is AlertState.RESOLVED and (alert.id in self._firing or t.previous is AlertState.FIRING):
+                self._firing.pop(alert.id, None)
+                self._outbox[alert.id] = alert
+
+    async def step(self) -> bool:
+        """Send what is queued, plus every firing alert when the resend interval has passed; True if sent."""
+        now = self._clock()
+        due = self._last_resend is None or now - self._last_resend >= self.resend_interval_seconds
+        batch = dict(self._firing) if due else {}
+        batch.update(self._outbox)
+        self._outbox.clear()
+        if due:
+            self._last_resend = now
+        if not batch:
+            return True
+        payload = [to_alertmanager(a, now=now, resend_interval_seconds=self.resend_interval_seconds,
+                                   external_url=self.external_url) for a in batch.values()]
+        ok = await post_with_retry(self._client, self.url, orjson.dumps(payload), attempts=self.attempts,
+                                   backoff_seconds=self.backoff_seconds, sleep=self._sleep, what=self.name)
+        if ok:
+            self.sent_total += len(payload)
+        else:
+            self.failed_total += len(payload)
+            self._requeue_resolved(batch)
+        return ok
+
+    def _requeue_resolved(self, batch: dict[str, Alert]) -> None:
+        """Keep undelivered resolutions for the next step (firing ones go out with the next resend anyway)."""
+        for alert_id, alert in batch.items():
+            if alert.state is AlertState.RESOLVED and alert_id not in self._outbox:
+                self._outbox[alert_id] = alert
+        if len(self._outbox) > 10_000:
+            self.dropped_total += len(self._outbox) - 10_000
+            for alert_id in list(self._outbox)[: len(self._outbox) - 10_000]:
+                del self._outbox[alert_id]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Deliver every tick until stopped; errors are counted and logged, never raised."""
+        while not stop.is_set():
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 - delivery must outlive a bug in one batch
+                log.exception("alertmanager delivery step failed")
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.tick_seconds)
+            except asyncio.TimeoutError:
+                pass
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self._client.aclose()

@@ -1,0 +1,188 @@
+"""The live pipeline, one cycle per pull interval: puller -> engine -> store -> notifiers, and a view.
+
+The engine runs in a worker thread, one cycle at a time, and only this module touches it; request
+handlers read the immutable FleetView published after each cycle and the store, never the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from server.alerts import Alert, AlertState, Transition
+from server.ingest.puller import Puller
+from server.notify import Notifier
+from server.store import AlertStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """What the engine reported after the latest cycle, as plain values."""
+
+    alerts: tuple[Alert, ...] = ()
+    jobs: tuple[dict[str, Any], ...] = ()
+    nodes: tuple[dict[str, Any], ...] = ()
+    stats: dict[str, Any] = field(default_factory=dict)
+    evaluated_at: float | None = None
+
+
+@dataclass(slots=True)
+class CycleStats:
+    """Counters about the pipeline itself, for /metrics and /healthz."""
+
+    cycles_total: int = 0
+    cycle_failures_total: int = 0
+    tick_duration_seconds: float | None = None
+    last_tick: float | None = None
+    transitions_total: int = 0
+    store_errors_total: int = 0
+    overruns_total: int = 0
+
+
+class Runtime:
+    """Owns the engine and drives it from the puller on a fixed interval."""
+
+    def __init__(self, *, engine: Any, puller: Puller, store: AlertStore, notifiers: Sequence[Notifier] = (),
+                 pull_interval_seconds: float = 5.0, clock: Callable[[], float] = time.time,
+                 prune_interval_seconds: float = 3600.0) -> None:
+        self.engine = engine
+        self.puller = puller
+        self.store = store
+        self.notifiers = tuple(notifiers)
+        self.pull_interval_seconds = pull_interval_seconds
+        self.prune_interval_seconds = prune_interval_seconds
+        self.clock = clock
+        self.view = FleetView()
+        self.stats = CycleStats()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_prune: float | None = None
+        self._cycled = threading.Condition()
+        # One dedicated thread: the engine is not thread-safe, and a single thread keeps its large
+        # allocations in one malloc arena instead of spreading them over the default pool's threads.
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufleet-engine")
+
+    def wait_for_cycles(self, count: int, timeout: float) -> bool:
+        """Block until `count` cycles have completed (for callers on other threads); False on timeout."""
+        with self._cycled:
+            return self._cycled.wait_for(lambda: self.stats.cycles_total >= count, timeout)
+
+    def restore(self) -> int:
+        """Hand the store's open alerts back to the engine after a restart; returns how many."""
+        alerts = self.store.open_alerts()
+        if alerts:
+            self.engine.restore(alerts)
+            log.info("open alerts restored", extra={"alerts": len(alerts)})
+        # Notifiers start empty: tell them what is already firing (as refreshes, so nothing is re-announced)
+        # and Alertmanager keeps receiving it until it resolves.
+        still_firing = [Transition(a, AlertState.FIRING) for a in alerts if a.state is AlertState.FIRING]
+        for notifier in self.notifiers:
+            notifier.submit(still_firing)
+        self.view = self._snapshot_view(None)
+        return len(alerts)
+
+    async def start(self) -> None:
+        """Restore state and launch the pull loop and the notifiers' delivery tasks."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.restore)
+        self._stop.clear()
+        self._tasks = [asyncio.create_task(self._loop(), name="gpufleet-pipeline")]
+        self._tasks += [asyncio.create_task(n.run(self._stop), name=f"gpufleet-notify-{n.name}")
+                        for n in self.notifiers]
+
+    async def stop(self) -> None:
+        """Stop the loop and notifiers, then close connections and the database."""
+        self._stop.set()
+        for task in self._tasks:
+            try:
+                await asyncio.wait_for(task, timeout=10)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                task.cancel()
+        self._tasks = []
+        self._executor.shutdown(wait=True)
+        await self.puller.aclose()
+        for notifier in self.notifiers:
+            await notifier.aclose()
+        self.store.close()
+
+    async def cycle(self) -> list[Transition]:
+        """One pull, engine step, store write and notification; returns the engine's transitions."""
+        result = await self.puller.pull_once()
+        now = self.clock()
+        loop = asyncio.get_running_loop()
+        transitions = await loop.run_in_executor(self._executor, self._step, result.samples, now)
+        for notifier in self.notifiers:
+            notifier.submit(transitions)
+        return transitions
+
+    def _step(self, samples: list[Any], now: float) -> list[Transition]:
+        """Engine ingest + advance, then persistence; runs on the engine thread."""
+        t0 = time.perf_counter()
+        for sample in samples:
+            self.engine.ingest(sample)
+        transitions = list(self.engine.advance(now))
+        view = self._snapshot_view(now)
+        self.stats.tick_duration_seconds = time.perf_counter() - t0
+        self.stats.last_tick = now
+        self.stats.cycles_total += 1
+        self.stats.transitions_total += len(transitions)
+        self.view = view
+        self._persist(transitions, now)
+        with self._cycled:
+            self._cycled.notify_all()
+        for t in transitions:
+            if t.previous != t.alert.state:
+                a = t.alert
+                log.info("alert " + a.state.value, extra={"alert_id": a.id, "kind": a.kind.value,
+                                                          "severity": a.severity.value, "node": a.node,
+                                                          "gpu": a.gpu, "hpc_job": a.hpc_job})
+        return transitions
+
+    def _snapshot_view(self, now: float | None) -> FleetView:
+        """Copy what handlers may read out of the engine."""
+        return FleetView(
+            alerts=tuple(self.engine.alerts()),
+            jobs=tuple(j.to_dict() for j in self.engine.jobs()),
+            nodes=tuple(n.to_dict() for n in self.engine.nodes()),
+            stats=dict(self.engine.stats().to_dict()),
+            evaluated_at=now,
+        )
+
+    def _persist(self, transitions: list[Transition], now: float) -> None:
+        """Upsert changed alerts and prune history now and then; a storage error is logged, not fatal."""
+        try:
+            self.store.upsert(t.alert for t in transitions)
+            if self._last_prune is None or now - self._last_prune >= self.prune_interval_seconds:
+                self._last_prune = now
+                self.store.prune(now)
+        except Exception:  # noqa: BLE001 - a full disk must not stop detection
+            self.stats.store_errors_total += 1
+            log.exception("alert store write failed")
+
+    async def _loop(self) -> None:
+        """Run cycles every pull interval until stopped; a failing cycle is logged and retried next time."""
+        interval = self.pull_interval_seconds
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                await self.cycle()
+            except Exception:  # noqa: BLE001 - the loop must outlive any single bad cycle
+                self.stats.cycle_failures_total += 1
+                log.exception("pipeline cycle failed")
+            next_at += interval
+            delay = next_at - time.monotonic()
+            if delay < 0:
+                self.stats.overruns_total += 1
+                log.warning("pull cycle overran the interval", extra={"behind_seconds": round(-delay, 3)})
+                next_at = time.monotonic()
+                delay = 0
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass

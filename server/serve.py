@@ -1,0 +1,122 @@
+"""`gpufleet-server serve`: wire settings into puller -> engine -> store -> notifiers, and serve the API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import uvicorn
+
+from agent.logs import configure_logging
+from server.ingest.puller import Puller
+from server.ingest.targets import CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError, TargetSource
+from server.notify import Notifier
+from server.runtime import Runtime
+from server.settings import ConfigError, ServerSettings, load_settings
+from server.store import AlertStore, StoreError
+
+log = logging.getLogger(__name__)
+
+
+def build_targets(settings: ServerSettings) -> TargetSource:
+    """Every target source the settings name."""
+    sources: list[TargetSource] = []
+    if settings.targets:
+        sources.append(StaticTargets(settings.targets))
+    if settings.targets_file_sd:
+        sources.append(FileSdTargets(settings.targets_file_sd))
+    if settings.targets_dns:
+        sources.append(DnsTargets(settings.targets_dns))
+    return CombinedTargets(sources)
+
+
+def build_engine(settings: ServerSettings) -> Any:
+    """The detection engine, configured from the config file's `engine:` mapping."""
+    from server.engine import Engine, EngineConfig
+
+    mapping = dict(settings.engine)
+    # Live samples reach the engine up to one pull interval (plus a slow pull) after they were taken;
+    # a time bin is only evaluated once that lag has passed, unless the config file says otherwise.
+    mapping.setdefault("settle_seconds", settings.pull_interval_seconds + settings.pull_timeout_seconds)
+    return Engine(EngineConfig.from_mapping(mapping))
+
+
+def build_notifiers(settings: ServerSettings, *, transport: Any = None) -> list[Notifier]:
+    """Alertmanager and webhook notifiers, where configured."""
+    from server.notify.alertmanager import AlertmanagerNotifier
+    from server.notify.webhook import WebhookNotifier
+
+    out: list[Notifier] = []
+    if settings.alertmanager_url:
+        out.append(AlertmanagerNotifier(settings.alertmanager_url, external_url=settings.public_url(),
+                                        resend_interval_seconds=settings.alertmanager_resend_interval_seconds,
+                                        transport=transport))
+    if settings.webhook_url:
+        out.append(WebhookNotifier(settings.webhook_url, transport=transport))
+    return out
+
+
+def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callable[[], float] = time.time,
+                  transport: Any = None, parse: Callable[[Any], Any] | None = None,
+                  extra_notifiers: Sequence[Notifier] = ()) -> Runtime:
+    """The whole pipeline; engine, clock, HTTP transport and snapshot parser are injectable for tests."""
+    puller = Puller(build_targets(settings), timeout_seconds=settings.pull_timeout_seconds,
+                    max_payload_bytes=settings.pull_max_bytes, concurrency=settings.pull_concurrency,
+                    stale_after_seconds=settings.pull_stale_after_seconds, transport=transport, clock=clock,
+                    parse=parse)
+    store = AlertStore(settings.storage_path, retention_seconds=settings.storage_retention_seconds)
+    notifiers = build_notifiers(settings, transport=transport) + list(extra_notifiers)
+    return Runtime(engine=engine if engine is not None else build_engine(settings), puller=puller, store=store,
+                   notifiers=notifiers, pull_interval_seconds=settings.pull_interval_seconds, clock=clock)
+
+
+def uvicorn_server(settings: ServerSettings, app: Any) -> uvicorn.Server:
+    """A uvicorn server for the app that leaves logging and signals to us."""
+    host, _, port = settings.listen_address.rpartition(":")
+    config = uvicorn.Config(app, host=host or "0.0.0.0", port=int(port), log_config=None, access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    return server
+
+
+async def serve_until_signalled(server: uvicorn.Server) -> None:
+    """Run uvicorn until SIGINT/SIGTERM, then shut down gracefully."""
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        log.info("shutting down")
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    try:
+        await server.serve()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse settings, build the pipeline and serve until SIGTERM; exit 2 on bad configuration."""
+    from server.api import create_app
+
+    try:
+        settings = load_settings(sys.argv[1:] if argv is None else argv)
+        configure_logging(settings.log_level, settings.log_format)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pull would drown the log
+        runtime = build_runtime(settings)
+    except (ConfigError, TargetError, StoreError, ValueError) as exc:
+        print(f"gpufleet-server: {exc}", file=sys.stderr)
+        return 2
+    if not runtime.puller.source.sources:  # type: ignore[attr-defined]
+        log.warning("no targets configured: use --targets, --targets.file-sd or --targets.dns")
+    app = create_app(settings, runtime=runtime)
+    log.info("gpufleet-server listening", extra={"address": settings.listen_address,
+                                                 "storage": settings.storage_path})
+    asyncio.run(serve_until_signalled(uvicorn_server(settings, app)))
+    return 0

@@ -1,0 +1,202 @@
+"""Server settings from flags, environment and a YAML file (precedence: flag > env > file > default).
+
+Flag names are dotted like Prometheus exporters' (`--pull.interval`); the same names without the
+dashes are the config file's keys, and GPUFLEET_SERVER_PULL_INTERVAL style names the environment's.
+The config file may also hold an `engine:` mapping handed to EngineConfig.from_mapping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import yaml
+
+ENV_PREFIX = "GPUFLEET_SERVER_"
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message names it and is fit for a one-line error."""
+
+
+def parse_duration(text: Any) -> float:
+    """Seconds from a number or a string like "500ms", "5s", "1m", "2h", "1d"; must be positive."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d)?\s*", str(text))
+        if not match:
+            raise ValueError("expected a duration such as 5s, 1m or 30")
+        scale = {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+        value = float(match.group(1)) * scale
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError("expected a positive duration")
+    return value
+
+
+def parse_size(text: Any) -> int:
+    """Bytes from a number or "512KiB", "32MiB", "1GiB"; must be positive."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*", str(text))
+    if not match or int(match.group(1)) <= 0:
+        raise ValueError("expected a positive size such as 32MiB")
+    scale = {None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "KB": 1000, "MB": 1000**2,
+             "GB": 1000**3}[match.group(2)]
+    return int(match.group(1)) * scale
+
+
+def parse_listen(text: Any) -> str:
+    """"HOST:PORT" or ":PORT" (all interfaces)."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError("expected HOST:PORT or :PORT")
+    return f"{host}:{int(port)}"
+
+
+def parse_url(text: Any) -> str:
+    """An http(s) URL."""
+    value = str(text).strip()
+    if not re.match(r"^https?://[^/\s]+", value):
+        raise ValueError("expected an http:// or https:// URL")
+    return value.rstrip("/")
+
+
+def parse_targets(text: Any) -> tuple[str, ...]:
+    """A comma-separated string or a list of HOST:PORT."""
+    from server.ingest.targets import StaticTargets, TargetError
+
+    try:
+        return StaticTargets.parse(text if isinstance(text, str) else [str(t) for t in text]).addresses
+    except TargetError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def parse_positive_int(text: Any) -> int:
+    """A positive integer."""
+    value = int(str(text))
+    if value <= 0:
+        raise ValueError("expected a positive integer")
+    return value
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    """A parser accepting one of `options`."""
+    def parse(text: Any) -> str:
+        if str(text) not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return str(text)
+    return parse
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything `gpufleet-server serve` can be told."""
+
+    listen_address: str = ":9472"
+    targets: tuple[str, ...] = ()
+    targets_file_sd: str | None = None
+    targets_dns: str | None = None
+    pull_interval_seconds: float = 5.0
+    pull_timeout_seconds: float = 4.0
+    pull_max_bytes: int = 32 * 1024 * 1024
+    pull_concurrency: int = 256
+    pull_stale_after_seconds: float = 30.0
+    storage_path: str = "gpufleet.db"
+    storage_retention_seconds: float = 7 * 86400.0
+    alertmanager_url: str | None = None
+    alertmanager_resend_interval_seconds: float = 60.0
+    webhook_url: str | None = None
+    external_url: str | None = None
+    log_level: str = "info"
+    log_format: str = "json"
+    engine: Mapping[str, Any] = field(default_factory=dict)
+
+    def public_url(self) -> str:
+        """The URL people and Alertmanager links use to reach this server."""
+        if self.external_url:
+            return self.external_url
+        host, _, port = self.listen_address.rpartition(":")
+        return f"http://{host if host not in ('', '0.0.0.0', '::') else 'localhost'}:{port}"
+
+
+# flag name -> (settings field, parser, help)
+FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
+    "web.listen-address": ("listen_address", parse_listen, "address for the API and /metrics (default :9472)"),
+    "web.external-url": ("external_url", parse_url, "URL this server is reached at, for links in notifications"),
+    "targets": ("targets", parse_targets, "comma-separated agent addresses HOST:PORT"),
+    "targets.file-sd": ("targets_file_sd", str, "Prometheus file_sd JSON/YAML file of agents, reloaded on change"),
+    "targets.dns": ("targets_dns", str, "NAME:PORT resolving to every agent (e.g. a headless Service)"),
+    "pull.interval": ("pull_interval_seconds", parse_duration, "how often to pull every agent (default 5s)"),
+    "pull.timeout": ("pull_timeout_seconds", parse_duration, "timeout of one pull (default 4s)"),
+    "pull.max-bytes": ("pull_max_bytes", parse_size, "largest accepted /snapshots answer (default 32MiB)"),
+    "pull.concurrency": ("pull_concurrency", parse_positive_int, "pulls in flight at once (default 256)"),
+    "pull.stale-after": ("pull_stale_after_seconds", parse_duration,
+                         "mark an agent stale when it sends no new sample for this long (default 30s)"),
+    "storage.path": ("storage_path", str, "SQLite file for alerts (default gpufleet.db)"),
+    "storage.retention": ("storage_retention_seconds", parse_duration, "keep resolved alerts this long (default 7d)"),
+    "alertmanager.url": ("alertmanager_url", parse_url, "Alertmanager base URL, e.g. http://alertmanager:9093"),
+    "alertmanager.resend-interval": ("alertmanager_resend_interval_seconds", parse_duration,
+                                     "re-send firing alerts this often (default 1m)"),
+    "webhook.url": ("webhook_url", parse_url, "URL receiving a JSON POST per alert state change"),
+    "log.level": ("log_level", _choice("debug", "info", "warning", "error"), "debug|info|warning|error"),
+    "log.format": ("log_format", _choice("json", "text"), "json|text"),
+}
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line instead of the whole usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def build_parser(prog: str = "gpufleet-server serve") -> argparse.ArgumentParser:
+    """The serve command's flags; every value is a raw string, validated in load_settings."""
+    parser = _OneLineParser(prog=prog, description="Pull gpufleet agents, detect stragglers, serve alerts.")
+    parser.add_argument("--config.file", dest="config_file", metavar="FILE", help="YAML config file")
+    for flag, (dest, _, doc) in FLAGS.items():
+        parser.add_argument(f"--{flag}", dest=dest, metavar="VALUE", help=doc)
+    return parser
+
+
+def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ServerSettings:
+    """Merge flags, environment and config file; raises ConfigError naming the first bad setting."""
+    env = os.environ if env is None else env
+    args = vars(build_parser().parse_args(list(argv)))
+    config_file = args.pop("config_file") or env.get(ENV_PREFIX + "CONFIG_FILE")
+    file_values, engine = _read_config_file(config_file) if config_file else ({}, {})
+    values: dict[str, Any] = {"engine": engine}
+    for flag, (dest, parse, _) in FLAGS.items():
+        env_name = ENV_PREFIX + re.sub(r"[.-]", "_", flag).upper()
+        for origin, raw in ((f"--{flag}", args.get(dest)), (env_name, env.get(env_name)),
+                            (f"{flag} in {config_file}", file_values.get(flag))):
+            if raw is not None:
+                try:
+                    values[dest] = parse(raw)
+                except (ValueError, TypeError) as exc:
+                    raise ConfigError(f"bad value for {origin}: {raw!r} ({exc})") from None
+                break
+    return ServerSettings(**values)
+
+
+def _read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The file's flag settings and its `engine:` mapping; unknown keys are an error."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read --config.file {path!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config.file {path!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--config.file {path!r} must be a mapping of setting: value")
+    engine = doc.pop("engine", None) or {}
+    if not isinstance(engine, dict):
+        raise ConfigError(f"'engine' in {path!r} must be a mapping")
+    unknown = sorted(set(doc) - set(FLAGS))
+    if unknown:
+        raise ConfigError(f"unknown setting {unknown[0]!r} in {path!r}")
+    return doc, engine

@@ -1,0 +1,197 @@
+"""SQLite persistence of alerts: the open ones (restored into the engine on restart) and their history.
+
+The engine decides; the store only records the latest state of every alert occurrence (one row per
+alert id, upserted on each transition) and answers filtered, paginated queries for the API.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import orjson
+
+from server.alerts import Alert, AlertKind, AlertState, Severity
+
+log = logging.getLogger(__name__)
+
+MAX_PAGE = 1000
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS alerts (
+    id TEXT PRIMARY KEY,
+    fingerprint TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    severity TEXT NOT NULL,
+    state TEXT NOT NULL,
+    node TEXT,
+    gpu INTEGER,
+    uuid TEXT,
+    hpc_job TEXT,
+    pending_since REAL NOT NULL,
+    started REAL,
+    resolved REAL,
+    updated REAL NOT NULL,
+    summary TEXT NOT NULL,
+    evidence BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS alerts_state ON alerts(state);
+CREATE INDEX IF NOT EXISTS alerts_order ON alerts(pending_since DESC, id);
+CREATE INDEX IF NOT EXISTS alerts_resolved ON alerts(resolved);
+"""
+
+_COLUMNS = ("id, fingerprint, kind, severity, state, node, gpu, uuid, hpc_job, pending_since, started, "
+            "resolved, updated, summary, evidence")
+
+
+class StoreError(RuntimeError):
+    """The database file cannot be opened or has an incompatible layout."""
+
+
+@dataclass(frozen=True, slots=True)
+class AlertQuery:
+    """Filters and a page; `since` keeps alerts still open or resolved at or after that time."""
+
+    state: AlertState | None = None
+    kind: AlertKind | None = None
+    severity: Severity | None = None
+    node: str | None = None
+    gpu: int | None = None
+    hpc_job: str | None = None
+    since: float | None = None
+    limit: int = 100
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AlertPage:
+    """One page of alerts, newest first, and how many match in all."""
+
+    alerts: list[Alert]
+    total: int
+
+
+class AlertStore:
+    """Alert rows in one SQLite file (WAL mode), safe to use from the engine task and API threads."""
+
+    def __init__(self, path: str | Path, *, retention_seconds: float = 7 * 86400.0,
+                 max_resolved: int = 100_000) -> None:
+        self.path = str(path)
+        self.retention_seconds = retention_seconds
+        self.max_resolved = max_resolved
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open alert store {self.path!r}: {exc}") from None
+
+    def close(self) -> None:
+        """Close the database (idempotent)."""
+        with self._lock:
+            self._db.close()
+
+    def upsert(self, alerts: Iterable[Alert]) -> int:
+        """Write the latest state of each alert in one transaction; returns rows written."""
+        rows = [_to_row(a) for a in alerts]
+        if not rows:
+            return 0
+        placeholders = ", ".join("?" * len(rows[0]))
+        with self._lock:
+            with self._transaction():
+                self._db.executemany(f"INSERT OR REPLACE INTO alerts ({_COLUMNS}) VALUES ({placeholders})", rows)
+        return len(rows)
+
+    def open_alerts(self) -> list[Alert]:
+        """Pending and firing alerts, oldest first: what the engine restores after a restart."""
+        sql = f"SELECT {_COLUMNS} FROM alerts WHERE state IN ('pending', 'firing') ORDER BY pending_since, id"
+        with self._lock:
+            return [_from_row(r) for r in self._db.execute(sql)]
+
+    def get(self, alert_id: str) -> Alert | None:
+        """One alert occurrence by id."""
+        with self._lock:
+            row = self._db.execute(f"SELECT {_COLUMNS} FROM alerts WHERE id = ?", (alert_id,)).fetchone()
+        return _from_row(row) if row else None
+
+    def query(self, q: AlertQuery) -> AlertPage:
+        """Filtered alerts, newest first, with the total count for pagination."""
+        where, args = _where(q)
+        limit = max(0, min(q.limit, MAX_PAGE))
+        with self._lock:
+            total = self._db.execute(f"SELECT COUNT(*) FROM alerts {where}", args).fetchone()[0]
+            rows = self._db.execute(
+                f"SELECT {_COLUMNS} FROM alerts {where} ORDER BY pending_since DESC, id LIMIT ? OFFSET ?",
+                (*args, limit, max(0, q.offset)),
+            ).fetchall()
+        return AlertPage([_from_row(r) for r in rows], total)
+
+    def prune(self, now: float) -> int:
+        """Drop resolved alerts past the retention age or beyond the row cap; returns rows deleted."""
+        with self._lock:
+            with self._transaction():
+                old = self._db.execute("DELETE FROM alerts WHERE state = 'resolved' AND resolved < ?",
+                                       (now - self.retention_seconds,)).rowcount
+                extra = self._db.execute(
+                    "DELETE FROM alerts WHERE id IN (SELECT id FROM alerts WHERE state = 'resolved' "
+                    "ORDER BY resolved DESC LIMIT -1 OFFSET ?)", (self.max_resolved,)).rowcount
+        if old or extra:
+            log.info("alert history pruned", extra={"deleted": old + extra})
+        return old + extra
+
+    def _transaction(self) -> "_Tx":
+        """BEGIN/COMMIT around a block (the connection is in autocommit mode)."""
+        return _Tx(self._db)
+
+
+class _Tx:
+    """Minimal transaction context for an autocommit connection."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN")
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _where(q: AlertQuery) -> tuple[str, list[object]]:
+    """SQL WHERE clause and arguments for a query's filters."""
+    clauses: list[str] = []
+    args: list[object] = []
+    for column, value in (("state", q.state), ("kind", q.kind), ("severity", q.severity)):
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            args.append(value.value)
+    for column, value in (("node", q.node), ("gpu", q.gpu), ("hpc_job", q.hpc_job)):
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            args.append(value)
+    if q.since is not None:
+        clauses.append("(resolved IS NULL OR resolved >= ?)")
+        args.append(q.since)
+    return ("WHERE " + " AND ".join(clauses) if clauses else ""), args
+
+
+def _to_row(a: Alert) -> Sequence[object]:
+    """An alert as a table row."""
+    return (a.id, a.fingerprint, a.kind.value, a.severity.value, a.state.value, a.node, a.gpu, a.uuid,
+            a.hpc_job, a.pending_since, a.started, a.resolved, a.updated, a.summary,
+            orjson.dumps(dict(a.evidence), option=orjson.OPT_NON_STR_KEYS, default=str))
+
+
+def _from_row(r: Sequence[object]) -> Alert:
+    """A table row as an alert."""
+    return Alert(
+        id=r[0], fingerprint=r[1], kind=AlertKind(r[2]), severity=Severity(r[3]), state=AlertState(r[4]),
+        node=r[5], gpu=r[6], uuid=r[7], hpc_job=r[8], pending_since=r[9], started=r[10], resolved=r[11],
+        updated=r[12], summary=r[13], evidence=orjson.loads(r[14]),
+    )

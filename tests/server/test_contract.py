@@ -1,0 +1,104 @@
+"""The snapshot-contract parser: fast path, absent/null readings, and every rejection."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+
+from server.contract import ContractError, parse_line, parse_lines, parse_snapshot
+from tests.server.engine_samples import T0, healthy, snapshot_line
+
+
+def _payload(**gpu_kw) -> dict:
+    return orjson.loads(snapshot_line("n0", T0, [healthy(0, **gpu_kw), healthy(1)]))
+
+
+def test_parses_agent_line_into_columns():
+    s = parse_line(snapshot_line("n0", T0, [healthy(0), healthy(1, job="77")]))
+    assert (s.node, s.time, s.indices, s.jobs) == ("n0", T0, (0, 1), ("j1", "77"))
+    assert s.value(0, "utilization_ratio") == pytest.approx(0.98)
+    assert s.value(1, "power_watts") == 500.0
+
+
+def test_null_and_absent_readings_are_unsupported_not_zero():
+    payload = _payload(sm_active_ratio=None)
+    del payload["gpus"][1]["power_watts"]
+    s = parse_snapshot(payload)
+    assert s.value(0, "sm_active_ratio") is None
+    assert s.value(1, "power_watts") is None
+    assert s.value(1, "temperature_celsius") == 60.0
+
+
+def test_unknown_fields_are_ignored_and_integer_job_becomes_text():
+    payload = _payload()
+    payload["future_field"] = {"x": 1}
+    payload["gpus"][0]["brand_new_reading"] = 3
+    payload["gpus"][0]["hpc_job"] = 4242
+    assert parse_snapshot(payload).jobs[0] == "4242"
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda p: p.pop("node"), "node"),
+    (lambda p: p.pop("time"), "time"),
+    (lambda p: p.pop("gpus"), "gpus"),
+    (lambda p: p.update(schema=2), "schema"),
+    (lambda p: p.update(time="yesterday"), "time"),
+    (lambda p: p["gpus"][0].update(utilization_ratio="0.5"), "utilization_ratio"),
+    (lambda p: p["gpus"][0].update(power_watts=True), "power_watts"),
+    (lambda p: p["gpus"][0].update(up=1), "up"),
+    (lambda p: p["gpus"][0].update(temperature_celsius=900.0), "temperature_celsius"),
+    (lambda p: p["gpus"][0].update(utilization_ratio=42.0), "utilization_ratio"),
+    (lambda p: p["gpus"][0].update(power_watts=-5.0), "power_watts"),
+    (lambda p: p["gpus"][1].update(index=0), "duplicate"),
+    (lambda p: p["gpus"][0].update(uuid=7), "uuid"),
+    (lambda p: p["gpus"][0].update(xid_errors_by_code=[1]), "xid"),
+])
+def test_schema_violations_are_rejected_with_a_reason(mutate, reason):
+    payload = _payload()
+    mutate(payload)
+    with pytest.raises(ContractError, match=reason):
+        parse_snapshot(payload)
+    with pytest.raises(ContractError):
+        parse_line(orjson.dumps(payload))
+
+
+def test_nan_in_a_decoded_payload_is_rejected():
+    payload = _payload()
+    payload["gpus"][0]["power_watts"] = math.nan
+    with pytest.raises(ContractError, match="NaN"):
+        parse_snapshot(payload)
+
+
+def test_non_finite_json_and_garbage_are_rejected():
+    for line in (b'{"schema":1,"node":"a","time":1e999,"gpus":[]}', b"{not json", b"[1,2]", b'"text"'):
+        with pytest.raises(ContractError):
+            parse_line(line)
+
+
+def test_oversized_line_is_rejected():
+    with pytest.raises(ContractError, match="exceeds"):
+        parse_line(b" " * (5 * 1024 * 1024))
+
+
+def test_parse_lines_reports_bad_lines_by_number_and_keeps_going():
+    good = snapshot_line("n0", T0, [healthy(0)])
+    bad_type = orjson.dumps(_payload(sm_active_ratio="high"))
+    results = list(parse_lines([good, b"", b"garbage", bad_type, good]))
+    assert [n for n, _ in results] == [1, 3, 4, 5]
+    kinds = [type(r).__name__ for _, r in results]
+    assert kinds == ["NodeSample", "ContractError", "ContractError", "NodeSample"]
+
+
+def test_batched_and_single_parsing_agree():
+    lines = [snapshot_line(f"n{i}", T0 + i, [healthy(0, power_watts=100.0 + i), healthy(1)]) for i in range(5)]
+    batched = [s for _, s in parse_lines(lines)]
+    for line, b in zip(lines, batched):
+        one = parse_line(line)
+        assert (one.node, one.time) == (b.node, b.time)
+        assert (one.values == b.values)[~(one.values != one.values)].all()
+
+
+def test_ratio_slightly_above_one_is_clipped():
+    assert parse_snapshot(_payload(utilization_ratio=1.02)).value(0, "utilization_ratio") == 1.0

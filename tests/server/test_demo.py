@@ -1,0 +1,51 @@
+"""The demo: readable alert lines, and one short end-to-end run with real agent processes."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from server.alerts import AlertKind, AlertState, Transition
+from server.demo import TerminalPrinter, subject
+from tests.server.live_fakes import make_alert
+
+
+def test_subject_names_gpu_node_or_job() -> None:
+    assert subject(make_alert(1, node="dgx-03", gpu=5, hpc_job="71001")) == "dgx-03 GPU 5 (job 71001)"
+    assert subject(make_alert(1, node="dgx-02", gpu=None, hpc_job=None)) == "dgx-02"
+    assert subject(make_alert(1, kind=AlertKind.COMM_BOUND, node=None, gpu=None, hpc_job="7")) == "job 7"
+
+
+def test_printer_shows_firing_and_resolved_only() -> None:
+    out = io.StringIO()
+    printer = TerminalPrinter(epoch=1000.0, out=out)
+    alert = make_alert(1, kind=AlertKind.THERMAL_THROTTLE, node="dgx-03", gpu=5, hpc_job="71001")  # started 1011
+    printer.submit([
+        Transition(replace(alert, state=AlertState.PENDING, started=None), None),
+        Transition(alert, AlertState.PENDING),
+        Transition(alert, AlertState.FIRING),                     # refresh: no line
+        Transition(replace(alert, state=AlertState.RESOLVED, resolved=1100.0), AlertState.FIRING),
+        Transition(replace(make_alert(2), state=AlertState.RESOLVED, started=None), AlertState.PENDING),  # never fired
+    ])
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert "(+   11s) FIRING   thermal_throttle" in lines[0] and "dgx-03 GPU 5 (job 71001): alert 1" in lines[0]
+    assert "(+  100s) RESOLVED thermal_throttle" in lines[1]
+
+
+def test_demo_runs_and_stops_by_itself() -> None:
+    """Real agent processes and the real server for a few seconds; --duration makes it exit 0 by itself."""
+    pytest.importorskip("agent.sim", reason="simulator not available")
+    engine = pytest.importorskip("server.engine", reason="engine not available")
+    if not hasattr(engine, "Engine"):
+        pytest.skip("engine not available")
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "demo", "--duration", "6",
+                           "--web.listen-address", "127.0.0.1:0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "/alerts" in proc.stdout and "/docs" in proc.stdout and "/metrics" in proc.stdout
+    assert "gpufleet demo: stopped" in proc.stdout

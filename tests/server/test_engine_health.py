@@ -1,0 +1,72 @@
+"""Health kinds through the engine: node_unreachable, gpu_lost, xid, ecc."""
+
+from __future__ import annotations
+
+from server.engine.detectors.health import XID_MEANINGS
+from server.replay import run_replay
+from tests.server.engine_samples import T0, cluster_lines
+
+
+def _of(kind, override, seconds=900.0, nodes=2):
+    return [a for a in run_replay(cluster_lines(seconds, nodes=nodes, override=override)) if a.kind.value == kind]
+
+
+def test_silent_node_is_unreachable_and_resolves_when_samples_resume():
+    def down(t, node, gpu):
+        return {"_absent": True} if node == "n1" and 300 <= t < 480 else {}
+
+    (a,) = _of("node_unreachable", down)
+    assert a.node == "n1" and a.gpu is None and a.severity.value == "critical"
+    assert T0 + 325 <= a.started <= T0 + 345
+    assert T0 + 480 <= a.resolved <= T0 + 500
+
+
+def test_brief_gap_is_not_unreachable():
+    def gap(t, node, gpu):
+        return {"_absent": True} if node == "n1" and 300 <= t < 315 else {}
+
+    assert _of("node_unreachable", gap) == []
+
+
+def test_gpu_reporting_down_is_lost():
+    def lost(t, node, gpu):
+        return {"up": False, "utilization_ratio": None, "sm_active_ratio": None} if (node, gpu) == ("n0", 5) and t >= 400 else {}
+
+    (a,) = _of("gpu_lost", lost)
+    assert (a.node, a.gpu, a.resolved) == ("n0", 5, None)
+
+
+def test_gpu_vanishing_from_its_node_is_lost():
+    def gone(t, node, gpu):
+        return {"_absent": True} if (node, gpu) == ("n1", 2) and t >= 400 else {}
+
+    (a,) = _of("gpu_lost", gone)
+    assert (a.node, a.gpu) == ("n1", 2) and a.evidence["missing"] is True
+
+
+def test_xid_increase_fires_with_code_and_meaning_and_survives_counter_reset():
+    def xid(t, node, gpu):
+        if (node, gpu) != ("n0", 1):
+            return {}
+        if t < 300:
+            return {"xid_errors_total": 5, "last_xid": 13}
+        if t < 400:
+            return {"xid_errors_total": 0, "last_xid": None}        # agent restart: counter reset
+        return {"xid_errors_total": 2, "last_xid": 79, "xid_errors_by_code": {79: 2}}
+
+    alerts = _of("xid", xid)
+    assert [(a.gpu, a.evidence["code"]) for a in alerts] == [(1, 79)]
+    assert alerts[0].evidence["meaning"] == XID_MEANINGS[79]
+    assert alerts[0].severity.value == "critical"
+    assert T0 + 400 <= alerts[0].started <= T0 + 410
+
+
+def test_uncorrected_ecc_and_pending_remap_fire_ecc():
+    def ecc(t, node, gpu):
+        if (node, gpu) == ("n1", 7) and t >= 300:
+            return {"ecc_uncorrected_errors_total": 3, "remapped_rows_pending": True}
+        return {}
+
+    (a,) = _of("ecc", ecc)
+    assert (a.node, a.gpu, a.resolved) == ("n1", 7, None)
+    assert a.evidence["remapped_rows_pending"] is True

@@ -1,0 +1,72 @@
+"""Lifecycle rules with hand-made findings: for-durations, grace, hysteresis hold, restore."""
+
+from __future__ import annotations
+
+from server.alerts import AlertKind, AlertState, Severity
+from server.engine.detectors import Finding, Outcome
+from server.engine.lifecycle import Lifecycle
+
+K = AlertKind.THERMAL_THROTTLE
+
+
+def _f(severity=Severity.WARNING, **ev) -> Finding:
+    return Finding(K, "n0", 1, "GPU-1", None, severity, "hot", {"temperature_celsius": 90, **ev})
+
+
+def _step(lc, t, on, clear=None, severity=Severity.WARNING, **ev):
+    out = Outcome(clear=lambda fp: clear)
+    if on:
+        out.add(_f(severity, **ev))
+    return lc.step(t, {K: out})
+
+
+def test_pending_then_firing_after_for_then_resolved_after_clear_hold():
+    lc = Lifecycle({K: (30.0, 20.0)})
+    (tr,) = _step(lc, 0, True)
+    assert tr.previous is None and tr.alert.state is AlertState.PENDING
+    assert _step(lc, 25, True) == []
+    (tr,) = _step(lc, 30, True)
+    assert (tr.previous, tr.alert.state, tr.alert.started) == (AlertState.PENDING, AlertState.FIRING, 30)
+    assert _step(lc, 35, False, clear=True) == []
+    assert _step(lc, 40, False, clear=False) == []          # in the hysteresis band: the hold restarts
+    assert _step(lc, 45, False, clear=True) == []
+    (tr,) = _step(lc, 65, False, clear=True)
+    assert tr.alert.state is AlertState.RESOLVED and tr.alert.resolved == 65 and tr.alert.started == 30
+    assert lc.alerts() == []
+
+
+def test_pending_is_dropped_when_clear_and_kept_without_data():
+    lc = Lifecycle({K: (30.0, 0.0)}, pending_grace=10.0)
+    _step(lc, 0, True)
+    assert _step(lc, 5, False, clear=None) == []            # no data: keep
+    assert _step(lc, 10, False, clear=False) == []          # within grace
+    (tr,) = _step(lc, 20, False, clear=False)               # grace exceeded
+    assert tr.previous is AlertState.PENDING and tr.alert.started is None
+
+
+def test_zero_for_fires_at_once_and_severity_escalation_is_reported():
+    lc = Lifecycle({K: (0.0, 0.0)})
+    (tr,) = _step(lc, 0, True)
+    assert tr.previous is None and tr.alert.state is AlertState.FIRING
+    (tr,) = _step(lc, 5, True, severity=Severity.CRITICAL)
+    assert tr.previous is AlertState.FIRING and tr.alert.severity is Severity.CRITICAL
+
+
+def test_firing_evidence_is_kept_but_running_tallies_update():
+    lc = Lifecycle({K: (0.0, 0.0)})
+    _step(lc, 0, True, gpu_hours_lost=1.0)
+    _step(lc, 5, True, gpu_hours_lost=2.0, temperature_celsius=84)
+    (a,) = lc.alerts()
+    assert a.evidence["temperature_celsius"] == 90 and a.evidence["gpu_hours_lost"] == 2.0
+
+
+def test_restore_keeps_id_and_started_and_dedups():
+    lc = Lifecycle({K: (30.0, 0.0)})
+    _step(lc, 0, True)
+    _step(lc, 30, True)
+    (open_alert,) = lc.alerts()
+    fresh = Lifecycle({K: (30.0, 0.0)})
+    assert fresh.restore([open_alert, open_alert]) == 1
+    assert _step(fresh, 100, True) == []                     # same fingerprint: no new alert
+    (a,) = fresh.alerts()
+    assert (a.id, a.started, a.state) == (open_alert.id, 30, AlertState.FIRING)

@@ -1,0 +1,106 @@
+"""straggler through the engine: the culprit is named, never its waiting peers; decoys stay quiet."""
+
+from __future__ import annotations
+
+from server.replay import run_replay
+from tests.server.engine_samples import T0, cluster_lines
+
+
+def _by_kind(lines):
+    out: dict[str, list] = {}
+    for a in run_replay(lines):
+        out.setdefault(a.kind.value, []).append(a)
+    return out
+
+
+def _slow_gpu(t, node, gpu):
+    """From 400 s GPU n1/3 runs 25 % slower clocks; everyone else waits for it."""
+    if t < 400 or t >= 800:
+        return {}
+    if node == "n1" and gpu == 3:
+        return {"sm_clock_hertz": 1.48e9, "sm_active_ratio": 0.80, "power_watts": 430.0}
+    return {"sm_active_ratio": 0.62, "power_watts": 410.0}
+
+
+def test_slow_gpu_is_named_and_peers_are_not():
+    alerts = _by_kind(cluster_lines(1000, override=_slow_gpu))
+    (s,) = alerts["straggler"]
+    assert (s.node, s.gpu, s.hpc_job) == ("n1", 3, "j1")
+    assert T0 + 400 < s.started <= T0 + 460
+    assert s.resolved is not None
+    ev = s.evidence
+    assert ev["sm_clock_ratio"] < ev["peer_median_sm_clock_ratio"]
+    assert 0.15 < ev["estimated_job_slowdown_ratio"] < 0.35
+    assert ev["gpu_hours_lost"] > 0
+    assert "comm_bound" not in alerts and "input_bound" not in alerts
+
+
+def test_pre_hopper_without_sm_activity_falls_back_to_power_and_clocks():
+    def no_sm(t, node, gpu):
+        kw = _slow_gpu(t, node, gpu)
+        kw["sm_active_ratio"] = None
+        return kw
+
+    (s,) = _by_kind(cluster_lines(1000, override=no_sm))["straggler"]
+    assert (s.node, s.gpu) == ("n1", 3)
+    assert s.evidence["slowdown_measured_by"] == "power"
+
+
+def test_host_bound_node_is_a_node_level_straggler():
+    def starved(t, node, gpu):
+        if t < 400:
+            return {}
+        if node == "n1":
+            return {"utilization_ratio": 0.70, "sm_active_ratio": 0.55, "power_watts": 380.0}
+        return {"sm_active_ratio": 0.60, "power_watts": 400.0}
+
+    lines = cluster_lines(900, nodes=3, override=starved)
+    (s,) = _by_kind(lines)["straggler"]
+    assert (s.node, s.gpu) == ("n1", None)
+    assert s.evidence["pattern"] == "host_idle"
+
+
+def test_structural_offsets_present_all_along_are_ignored():
+    def structural(t, node, gpu):
+        kw = {"sm_clock_hertz": 1.75e9, "temperature_celsius": 75.0} if (node, gpu) == ("n0", 2) else {}
+        if 400 <= t < 700:   # a job-wide comm slowdown later must not blame the odd GPU
+            kw.update(sm_active_ratio=0.6, power_watts=420.0)
+        return kw
+
+    alerts = _by_kind(cluster_lines(900, override=structural))
+    assert "straggler" not in alerts
+
+
+def test_brief_jitter_is_ignored():
+    def jitter(t, node, gpu):
+        if 400 <= t < 420:
+            return {"sm_clock_hertz": 1.4e9} if (node, gpu) == ("n0", 6) else {"sm_active_ratio": 0.6}
+        return {}
+
+    assert "straggler" not in _by_kind(cluster_lines(700, override=jitter))
+
+
+def test_uniform_power_cap_makes_nobody_stand_out():
+    def capped(t, node, gpu):
+        if t >= 400:
+            return {"power_watts": 380.0, "power_limit_watts": 400.0, "sm_clock_hertz": 1.6e9,
+                    "throttle_reasons": 0x4, "sm_active_ratio": None}
+        return {"sm_active_ratio": None}
+
+    assert _by_kind(cluster_lines(900, override=capped)) == {}
+
+
+def test_gpus_of_another_job_are_not_peers():
+    def two_jobs(t, node, gpu):
+        kw = {"hpc_job": "a" if gpu < 4 else "b"}
+        if gpu >= 4:
+            kw.update(sm_active_ratio=0.35, power_watts=250.0, utilization_ratio=0.7)
+        return kw
+
+    assert _by_kind(cluster_lines(900, override=two_jobs)) == {}
+
+
+def test_unattributed_gpus_fall_back_to_node_peers_and_say_so():
+    (s,) = _by_kind(cluster_lines(1000, override=_slow_gpu, job=None))["straggler"]
+    assert (s.node, s.gpu, s.hpc_job) == ("n1", 3, None)
+    assert s.evidence["peer_group"] == "node_model" and "attribution" in s.evidence["note"]

@@ -1,0 +1,80 @@
+"""Windows: binning, counters (resets, late samples), energy-derived power."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.engine.windows import B_POWER, B_THERMAL, B_UTIL, Windows
+from tests.server.engine_samples import T0, healthy, sample
+
+
+def _w() -> Windows:
+    return Windows(5.0, 12)
+
+
+def test_samples_in_one_bin_are_averaged_and_bits_become_fractions():
+    w = _w()
+    for i, (u, bits) in enumerate([(0.2, 0), (0.4, 0x20), (0.6, 0x20)]):
+        w.add(sample("n0", T0 + i, [healthy(0, utilization_ratio=u, throttle_reasons=bits)]))
+    w.flush(min_bin=0)
+    k = int(T0 // 5)
+    win = w.window(k, 2)
+    assert win[B_UTIL, 0, 0] == np.float64(0.4).item() or abs(win[B_UTIL, 0, 0] - 0.4) < 1e-12
+    assert abs(win[B_THERMAL, 0, 0] - 2 / 3) < 1e-12
+    assert np.isnan(win[B_UTIL, 1, 0])                        # previous bin: no data
+
+
+def test_ingest_order_and_chunking_do_not_change_the_bins():
+    samples = [sample(f"n{n}", T0 + t, [healthy(0, power_watts=100.0 + t + n)]) for t in range(0, 20) for n in range(2)]
+    a, b = _w(), _w()
+    for s in samples:
+        a.add(s)
+    a.flush(0)
+    for s in reversed(samples[::2]):
+        b.add(s)
+    b.flush(0)
+    for s in samples[1::2]:
+        b.add(s)
+    b.flush(0)
+    k = int((T0 + 19) // 5)
+    assert np.allclose(a.window(k, 4), b.window(k, 4), equal_nan=True)
+
+
+def test_power_comes_from_energy_when_power_is_unsupported_and_resets_are_skipped():
+    w = _w()
+    energy = [0.0, 1000.0, 2000.0, 50.0, 1050.0]                 # reset between the 3rd and 4th sample
+    for i, e in enumerate(energy):
+        w.add(sample("n0", T0 + 5 * i, [healthy(0, power_watts=None, energy_joules_total=e)]))
+    w.flush(0)
+    k0 = int(T0 // 5)
+    powers = [w.window(k0 + i, 1)[B_POWER, 0, 0] for i in range(5)]
+    assert np.isnan(powers[0])
+    assert powers[1] == 200.0 and powers[2] == 200.0
+    assert np.isnan(powers[3])                                    # went backwards: no rate
+    assert powers[4] == 200.0
+
+
+def test_xid_counter_reset_is_not_an_event_but_new_errors_after_it_are():
+    w = _w()
+    for i, (total, last) in enumerate([(3, 13), (0, None), (1, 43)]):
+        w.add(sample("n0", T0 + 5 * i, [healthy(0, xid_errors_total=total, last_xid=last)]))
+    w.flush(0)
+    events = w.drain_events()
+    assert [(e.kind, e.delta, e.codes) for e in events] == [("xid", 1, (43,))]
+
+
+def test_samples_older_than_the_ring_are_dropped_and_counted():
+    w = _w()
+    w.add(sample("n0", T0 + 100, [healthy(0)]))
+    w.flush(0)
+    w.add(sample("n0", T0, [healthy(0)]))
+    w.flush(min_bin=int((T0 + 100) // 5) - 11)
+    assert w.late_dropped == 1
+
+
+def test_job_change_restarts_the_gpu_job_clock():
+    w = _w()
+    w.add(sample("n0", T0, [healthy(0, job="a")]))
+    w.add(sample("n0", T0 + 50, [healthy(0, job="b")]))
+    w.flush(0)
+    assert w.job_names[w.slot_job[0]] == "b" and w.slot_job_since[0] == T0 + 50

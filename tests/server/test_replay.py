@@ -1,0 +1,83 @@
+"""Replay: run_replay semantics and the `gpufleet-server replay` command line."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+
+from server.replay import alert_json, main, run_replay
+from tests.server.engine_samples import T0, cluster_lines
+
+
+def _hot(t, node, gpu):
+    return {"temperature_celsius": 86.0} if (node, gpu) == ("n0", 6) and t >= 200 else {}
+
+
+def test_line_order_does_not_matter_and_open_alerts_have_no_resolved():
+    lines = cluster_lines(400, override=_hot)
+    shuffled = lines[:]
+    random.Random(3).shuffle(shuffled)
+    a, b = run_replay(lines), run_replay(shuffled)
+    assert [x.to_dict() for x in a] == [x.to_dict() for x in b]
+    (alert,) = a
+    assert alert.kind.value == "thermal_throttle" and alert.resolved is None and alert.started >= T0 + 230
+
+
+def test_str_lines_and_blank_lines_are_accepted():
+    lines = [line.decode() for line in cluster_lines(400, override=_hot)] + ["", "\n"]
+    assert len(run_replay(lines)) == 1
+
+
+def test_cli_prints_one_json_object_per_alert_and_skips_bad_lines(tmp_path, capsys):
+    lines = cluster_lines(400, override=_hot)
+    f1, f2 = tmp_path / "n0.jsonl", tmp_path / "n1.jsonl"
+    f1.write_bytes(b"\n".join(line for line in lines if b'"node":"n0"' in line) + b"\n{broken\n")
+    f2.write_bytes(b"\n".join(line for line in lines if b'"node":"n1"' in line) + b"\n")
+    assert main([str(f2), str(f1)]) == 0
+    out, err = capsys.readouterr()
+    (line,) = out.splitlines()
+    obj = orjson.loads(line)
+    assert {"kind", "severity", "node", "gpu", "uuid", "hpc_job", "started", "resolved", "summary",
+            "evidence"} <= obj.keys()
+    assert (obj["kind"], obj["node"], obj["gpu"], obj["resolved"]) == ("thermal_throttle", "n0", 6, None)
+    assert "n0.jsonl" in err and "line" in err
+
+
+def test_cli_missing_file_and_bad_config_exit_2(tmp_path, capsys):
+    assert main([str(tmp_path / "nope.jsonl")]) == 2
+    assert "not found" in capsys.readouterr().err
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(b"")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("engine:\n  thermal_for_secondz: 10\n")
+    assert main([str(trace), "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "thermal_for_secondz" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_config_changes_thresholds(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(b"\n".join(cluster_lines(400, override=_hot)))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("thermal_temperature_celsius: 90\n")
+    assert main([str(trace), "--config", str(cfg)]) == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_every_alert_kind_serialises_to_plain_json():
+    def busy(t, node, gpu):
+        kw = {}
+        if t >= 300:
+            kw = {"sm_active_ratio": 0.6, "power_watts": 410.0}
+            if (node, gpu) == ("n1", 3):
+                kw = {"sm_clock_hertz": 1.4e9, "throttle_reasons": 0x40, "temperature_celsius": 88.0}
+            if (node, gpu) == ("n0", 0):
+                kw.update(xid_errors_total=1, last_xid=48, ecc_uncorrected_errors_total=2)
+        return kw
+
+    alerts = run_replay(cluster_lines(700, override=busy))
+    assert {a.kind.value for a in alerts} >= {"straggler", "thermal_throttle", "xid", "ecc"}
+    for a in alerts:
+        obj = orjson.loads(alert_json(a))
+        assert obj["kind"] == a.kind.value and isinstance(obj["evidence"], dict)

@@ -1,0 +1,210 @@
+"""`gpufleet-server serve`: settings precedence, config errors (exit 2), and the wired pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+
+from server.serve import build_runtime, main
+from server.settings import ConfigError, ServerSettings, load_settings, parse_duration
+from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
+
+
+def test_defaults() -> None:
+    s = load_settings([], env={})
+    assert (s.listen_address, s.pull_interval_seconds, s.storage_path) == (":9472", 5.0, "gpufleet.db")
+    assert s.alertmanager_resend_interval_seconds == 60.0 and s.targets == ()
+
+
+def test_precedence_flag_over_env_over_file(tmp_path) -> None:
+    config = tmp_path / "server.yaml"
+    config.write_text("pull.interval: 30s\npull.timeout: 7\ntargets: [a:1, b:2]\nengine: {x: 1}\n")
+    env = {"GPUFLEET_SERVER_PULL_INTERVAL": "10s", "GPUFLEET_SERVER_WEB_LISTEN_ADDRESS": "127.0.0.1:1"}
+    s = load_settings(["--config.file", str(config), "--pull.interval", "2s"], env=env)
+    assert s.pull_interval_seconds == 2.0 and s.pull_timeout_seconds == 7.0
+    assert s.listen_address == "127.0.0.1:1" and s.targets == ("a:1", "b:2") and s.engine == {"x": 1}
+    assert load_settings(["--config.file", str(config)], env=env).pull_interval_seconds == 10.0
+    assert load_settings(["--config.file", str(config)], env={}).pull_interval_seconds == 30.0
+
+
+@pytest.mark.parametrize("text,seconds", [("5s", 5), ("1m", 60), ("250ms", 0.25), ("2", 2), (1.5, 1.5), ("1d", 86400)])
+def test_durations(text, seconds) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("argv,env,needle", [
+    (["--pull.interval", "soon"], {}, "--pull.interval"),
+    (["--pull.interval", "0s"], {}, "--pull.interval"),
+    (["--web.listen-address", "nowhere"], {}, "--web.listen-address"),
+    (["--targets", "a:1,b"], {}, "--targets"),
+    (["--alertmanager.url", "am:9093"], {}, "--alertmanager.url"),
+    (["--log.level", "loud"], {}, "--log.level"),
+    (["--pull.max-bytes", "lots"], {}, "--pull.max-bytes"),
+    ([], {"GPUFLEET_SERVER_PULL_TIMEOUT": "-1"}, "GPUFLEET_SERVER_PULL_TIMEOUT"),
+    (["--no-such-flag"], {}, "--no-such-flag"),
+])
+def test_bad_values_name_the_setting(argv, env, needle) -> None:
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_settings(argv, env=env)
+
+
+def test_bad_config_file_entries(tmp_path) -> None:
+    bad_key = tmp_path / "a.yaml"
+    bad_key.write_text("pull.intervall: 5s\n")
+    with pytest.raises(ConfigError, match="unknown setting 'pull.intervall'"):
+        load_settings(["--config.file", str(bad_key)], env={})
+    bad_value = tmp_path / "b.yaml"
+    bad_value.write_text("pull.interval: never\n")
+    with pytest.raises(ConfigError, match="pull.interval in"):
+        load_settings(["--config.file", str(bad_value)], env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(["--config.file", str(tmp_path / "missing.yaml")], env={})
+    broken = tmp_path / "c.yaml"
+    broken.write_text("a: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(["--config.file", str(broken)], env={})
+
+
+def test_main_exits_2_with_one_line(capsys, tmp_path) -> None:
+    assert main(["--pull.interval", "soon"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--pull.interval" in err and err.startswith("gpufleet-server:")
+    assert main(["--frobnicate"]) == 2
+    assert "--frobnicate" in capsys.readouterr().err
+    assert main(["--storage.path", str(tmp_path / "no" / "dir" / "x.db"), "--targets", "a:1"]) == 2
+    assert "cannot open alert store" in capsys.readouterr().err
+
+
+def test_bad_engine_section_exits_2(capsys, tmp_path) -> None:
+    engine = pytest.importorskip("server.engine", reason="engine not written yet")
+    if not hasattr(engine, "EngineConfig"):
+        pytest.skip("engine not written yet")
+    config = tmp_path / "s.yaml"
+    config.write_text("engine: {no_such_engine_key: 1}\n")
+    assert main(["--config.file", str(config), "--storage.path", str(tmp_path / "x.db")]) == 2
+    assert "no_such_engine_key" in capsys.readouterr().err
+
+
+def test_wired_pipeline_with_mock_agents_and_injected_clock(tmp_path) -> None:
+    """Targets -> puller -> engine.advance(clock) -> store -> notifier, through build_runtime."""
+    now = [1000.0]
+    temps = {"dgx-01": (60.0, 60.0), "dgx-02": (60.0, 60.0)}
+    am_bodies: list[object] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "am":
+            am_bodies.append(orjson.loads(request.content))
+            return httpx.Response(200)
+        node = {"10.0.0.1": "dgx-01", "10.0.0.2": "dgx-02"}[request.url.host]
+        since = float(request.url.params.get("since", "0"))
+        snaps = [snapshot(node, t, temps=temps[node]) for t in (now[0] - 1, now[0]) if t > since]
+        return httpx.Response(200, content=orjson.dumps(envelope(node, snaps)))
+
+    settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "w.db"),
+                              alertmanager_url="http://am:9093")
+    engine = StubEngine()
+    runtime = build_runtime(settings, engine=engine, clock=lambda: now[0], transport=httpx.MockTransport(handler),
+                            parse=parse_dict)
+    advanced: list[float] = []
+    original = engine.advance
+    engine.advance = lambda t: (advanced.append(t), original(t))[1]
+
+    async def scenario():
+        await runtime.cycle()
+        now[0] = 1005.0
+        temps["dgx-02"] = (60.0, 97.0)
+        transitions = await runtime.cycle()
+        await runtime.notifiers[0].step()
+        now[0] = 1010.0
+        temps["dgx-02"] = (60.0, 70.0)
+        resolved = await runtime.cycle()
+        await runtime.notifiers[0].step()
+        return transitions, resolved
+
+    transitions, resolved = asyncio.run(scenario())
+    assert advanced == [1000.0, 1005.0, 1010.0]
+    by_node = {n: [s["time"] for s in engine.samples if s["node"] == n] for n in temps}
+    assert by_node == {n: [999.0, 1000.0, 1004.0, 1005.0, 1009.0, 1010.0] for n in temps}  # none lost, none twice
+    assert [(t.alert.node, t.alert.gpu, t.alert.state.value) for t in transitions] == [("dgx-02", 1, "firing")]
+    assert [t.alert.state.value for t in resolved] == ["resolved"]
+    stored = runtime.store.get(transitions[0].alert.id)
+    assert stored is not None and stored.state.value == "resolved" and stored.resolved == 1010.0
+    assert [b[0]["labels"]["node"] for b in am_bodies] == ["dgx-02", "dgx-02"]
+    assert "endsAt" in am_bodies[1][0] and am_bodies[1][0]["endsAt"].startswith("1970-01-01T00:16:50")
+
+
+def test_shipped_example_config_is_valid() -> None:
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "deploy" / "server.yaml"
+    s = load_settings(["--config.file", str(example)], env={})
+    assert s.pull_interval_seconds == 5.0 and s.storage_retention_seconds == 7 * 86400
+    assert "window_seconds" in s.engine
+
+
+def test_real_engine_fires_thermal_alert_through_the_live_pipeline(tmp_path) -> None:
+    """Mock agents -> real contract parser and engine (settle from the pull interval) -> store and /alerts view."""
+    pytest.importorskip("server.engine", reason="engine not written yet")
+    now = [10_000.0]
+    start = now[0]
+
+    def gpu(node: str, i: int, t: float) -> dict:
+        hot = node == "dgx-02" and i == 1 and t >= start + 60
+        return {"index": i, "uuid": f"GPU-{node}-{i}", "model": "NVIDIA H100", "up": True, "hpc_job": "71001",
+                "utilization_ratio": 1.0, "sm_active_ratio": 0.8, "temperature_celsius": 95.0 if hot else 62.0,
+                "slowdown_temperature_celsius": 90.0, "power_watts": 600.0, "power_limit_watts": 700.0,
+                "sm_clock_hertz": 1.98e9, "sm_clock_max_hertz": 1.98e9, "throttle_reasons": 0x20 if hot else 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        node = {"10.0.0.1": "dgx-01", "10.0.0.2": "dgx-02"}[request.url.host]
+        since = float(request.url.params.get("since", start - 1))
+        snaps = [{"schema": 1, "node": node, "time": float(t), "gpus": [gpu(node, i, t) for i in range(4)]}
+                 for t in range(int(since) + 1, int(now[0]) + 1)]
+        return httpx.Response(200, content=orjson.dumps(envelope(node, snaps)))
+
+    settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "r.db"))
+    runtime = build_runtime(settings, clock=lambda: now[0], transport=httpx.MockTransport(handler))
+
+    async def scenario():
+        for _ in range(40):
+            now[0] += 5
+            await runtime.cycle()
+
+    asyncio.run(scenario())
+    fired = [a for a in runtime.store.open_alerts() if a.kind.value == "thermal_throttle"]
+    assert [(a.node, a.gpu, a.hpc_job) for a in fired] == [("dgx-02", 1, "71001")]
+    assert fired[0].started is not None and start + 60 <= fired[0].started <= start + 60 + 60
+    assert {n["node"] for n in runtime.view.nodes} == {"dgx-01", "dgx-02"}
+    assert runtime.view.stats["samples_ingested"] == 2 * 201 * 4  # GPU-samples: every one pulled, none twice
+
+
+def test_sigterm_stops_the_server_cleanly(tmp_path) -> None:
+    """A real `serve` process: it comes up, answers /healthz, and exits 0 on SIGTERM."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "serve", "--web.listen-address", f"127.0.0.1:{port}",
+         "--targets", "127.0.0.1:1", "--storage.path", str(tmp_path / "s.db"), "--log.level", "info"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # uvicorn logs this once the socket is bound
+            if "Uvicorn running on" in line:
+                break
+        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
+        assert health.json()["targets"] in (0, 1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (tmp_path / "s.db").exists()

@@ -1,0 +1,86 @@
+"""The server's /metrics collector: fresh families from the runtime's view and counters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.alerts import AlertState
+from server.ingest.puller import Puller
+from server.ingest.targets import StaticTargets
+from server.metrics import build_registry
+from server.runtime import FleetView, Runtime
+from server.store import AlertStore
+from tests.server.live_fakes import StubEngine, envelope, make_alert, parse_dict, snapshot
+
+
+def samples(registry) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def make_runtime(tmp_path, handler) -> Runtime:
+    puller = Puller(StaticTargets(("a:1", "b:1")), transport=httpx.MockTransport(handler), parse=parse_dict,
+                    clock=lambda: 100.0)
+    return Runtime(engine=StubEngine(), puller=puller, store=AlertStore(tmp_path / "m.db"), clock=lambda: 100.0)
+
+
+def test_alerts_jobs_and_ingest_series(tmp_path) -> None:
+    payload = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 99.0, temps=(95.0, 50.0))]))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "b":
+            return httpx.Response(200, content=b"garbage")
+        return httpx.Response(200, content=payload)
+
+    runtime = make_runtime(tmp_path, handler)
+    asyncio.run(runtime.cycle())
+    got = samples(build_registry(runtime))
+    active = [k for k in got if k[0] == "gpufleet_alert_active"]
+    assert len(active) == 1
+    labels = dict(active[0][1])
+    assert (labels["kind"], labels["node"], labels["gpu"], labels["hpc_job"]) == ("thermal_throttle", "dgx-01", "0", "j1")
+    assert got[("gpufleet_alerts", (("kind", "thermal_throttle"), ("severity", "warning"), ("state", "firing")))] == 1
+    assert got[("gpufleet_job_gpus", (("hpc_job", "j1"),))] == 2
+    assert got[("gpufleet_job_comm_bound", (("hpc_job", "j1"),))] == 0
+    assert got[("gpufleet_server_target_up", (("target", "a:1"),))] == 1
+    assert got[("gpufleet_server_target_up", (("target", "b:1"),))] == 0
+    assert got[("gpufleet_server_pull_errors_total", (("reason", "malformed_json"), ("target", "b:1")))] == 1
+    assert got[("gpufleet_server_rejected_total", (("reason", "malformed_json"),))] == 1
+    assert got[("gpufleet_server_samples_ingested_total", ())] == 1
+    assert got[("gpufleet_server_pulls_total", ())] == 2
+    assert got[("gpufleet_server_cycles_total", ())] == 1
+    assert got[("gpufleet_server_engine_last_tick_timestamp_seconds", ())] == 100.0
+    assert ("gpufleet_server_engine_tick_duration_seconds", ()) in got
+    assert got[("gpufleet_server_engine_stat", (("name", "samples"),))] == 1
+    assert got[("gpufleet_node_gpus", (("node", "dgx-01"),))] == 2
+
+
+def test_resolved_alerts_and_ended_jobs_disappear(tmp_path) -> None:
+    runtime = make_runtime(tmp_path, lambda r: httpx.Response(200, content=b'{"schema":1,"snapshots":[]}'))
+    registry = build_registry(runtime)
+    runtime.view = FleetView(alerts=(make_alert(1), make_alert(2, state=AlertState.PENDING)),
+                             jobs=({"hpc_job": "7", "gpus": 8, "estimated_slowdown_ratio": float("nan"), "stragglers": [{"node": "a", "gpu": 1}]},))
+    first = samples(registry)
+    assert sum(1 for k in first if k[0] == "gpufleet_alert_active") == 1
+    assert ("gpufleet_job_gpus", (("hpc_job", "7"),)) in first
+    assert first[("gpufleet_job_stragglers", (("hpc_job", "7"),))] == 1  # a list of culprits counts as its length
+    assert not any(k[0] == "gpufleet_job_slowdown_ratio" for k in first)  # NaN means unknown: no series
+    runtime.view = FleetView()
+    second = samples(registry)
+    assert not any(k[0] in ("gpufleet_alert_active", "gpufleet_alerts", "gpufleet_job_gpus") for k in second)
+
+
+def test_empty_runtime_exposes_no_unknown_values(tmp_path) -> None:
+    runtime = make_runtime(tmp_path, lambda r: httpx.Response(200))
+    got = samples(build_registry(runtime))
+    assert ("gpufleet_server_engine_tick_duration_seconds", ()) not in got
+    assert ("gpufleet_server_pull_cycle_duration_seconds", ()) not in got
+    assert got[("gpufleet_server_cycles_total", ())] == 0
