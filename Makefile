@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench agent-demo clean
+.PHONY: demo test bench bench-live eval agent-demo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.agent_bench
 	$(BIN)/python -m bench.replay_bench
+
+# About 7 minutes: 500 and 1,000 fake agents on loopback pulled by a real server.
+bench-live: $(STAMP)
+	$(BIN)/python -m bench.server_live_bench
+
+# Precision, recall and time to fire over the scenario suite; rewrites its section of docs/detection.md.
+eval: $(STAMP)
+	$(BIN)/python -m bench.detection_eval --seeds 5
 
 clean:
 	rm -rf $(VENV) build *.egg-info
