@@ -50,3 +50,17 @@ async def post_with_retry(client: httpx.AsyncClient, url: str, body: bytes, *, a
         await sleep(delay)
         delay *= 2
     return False
+
+
+async def deliver_until_stopped(step: Callable[[], Awaitable[object]], stop: asyncio.Event, *,
+                                tick_seconds: float, what: str) -> None:
+    """Run a notifier's delivery step every tick until stopped; a failing step is logged, never fatal."""
+    while not stop.is_set():
+        try:
+            await step()
+        except Exception:  # noqa: BLE001 - delivery must outlive a bug in one batch
+            log.exception("notification delivery step failed", extra={"notifier": what})
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=tick_seconds)
+        except asyncio.TimeoutError:
+            pass

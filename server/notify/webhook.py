@@ -11,7 +11,7 @@ import httpx
 import orjson
 
 from server.alerts import Transition
-from server.notify import Sleep, post_with_retry
+from server.notify import Sleep, deliver_until_stopped, post_with_retry
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +72,7 @@ class WebhookNotifier:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Deliver every tick until stopped; errors are counted and logged, never raised."""
-        while not stop.is_set():
-            try:
-                await self.step()
-            except Exception:  # noqa: BLE001
-                log.exception("webhook delivery step failed")
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.tick_seconds)
-            except asyncio.TimeoutError:
-                pass
+        await deliver_until_stopped(self.step, stop, tick_seconds=self.tick_seconds, what="webhook")
 
     async def aclose(self) -> None:
         """Close the HTTP client."""
