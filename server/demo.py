@@ -3,7 +3,8 @@
 The agents run the simulator's built-in `demo` scenario (two jobs; a cooling failure, a straggler
 and a communication slowdown on a timetable) on real loopback HTTP, all sharing one scenario
 epoch so their incidents line up; the server is the real one, in this process, with a temporary
-SQLite file. Each alert is printed as it starts firing and as it resolves.
+SQLite file. The scenario's timetable is printed up front, then each alert as it starts firing and
+as it resolves.
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Sequence, TextIO
+from typing import TYPE_CHECKING, Sequence, TextIO
 
 import httpx
 
 from agent.logs import configure_logging
 from server.alerts import Alert, AlertState, Transition
 from server.settings import ServerSettings, parse_duration
+
+if TYPE_CHECKING:
+    from agent.sim import Scenario
+    from agent.sim.scenario import Incident
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +56,64 @@ def port_is_free(port: int) -> bool:
         return True
 
 
-def scenario_nodes() -> tuple[str, ...]:
-    """The demo scenario's node names (a fixed list if the simulator is not importable)."""
+# What each simulated incident looks like, and the alerts it should raise.
+INCIDENT_TEXT = {
+    "cooling_failure": ("cooling failure", "thermal_throttle, and straggler on the same GPU (it holds its job back)"),
+    "slow_gpu": ("slow GPU", "straggler"),
+    "host_starvation": ("host starving its GPUs", "straggler (node)"),
+    "comm_slowdown": ("communication slowdown", "comm_bound"),
+    "gpu_lost": ("GPU falls off the bus", "gpu_lost"),
+    "xid": ("XID errors", "xid"),
+    "ecc_errors": ("ECC errors", "ecc (for uncorrected errors)"),
+    "power_cap": ("operator power cap", "nothing: a uniform cap is not a fault"),
+    "counter_reset": ("counter reset", "nothing"),
+}
+# Alerts fire 30-60 s after an incident starts and resolve 60-90 s after it ends (docs/detection.md).
+RESOLVE_MARGIN_SECONDS = 90.0
+
+
+def load_demo_scenario() -> Scenario | None:
+    """The demo scenario, or None if the simulator is not importable (the agents will say why)."""
     try:
         from agent.sim import load_scenario
 
-        return tuple(load_scenario(SCENARIO).nodes)
+        return load_scenario(SCENARIO)
     except Exception:  # noqa: BLE001 - the agents will report a broken simulator themselves
-        return FALLBACK_NODES
+        return None
+
+
+def incident_subject(scenario: Scenario, incident: Incident) -> str:
+    """"dgx-02 GPU 5 (job 71001)", "dgx-01 GPUs 0,1", "job 71002" or "dgx-03"."""
+    if incident.job is not None:
+        return f"job {incident.job}"
+    if not incident.gpus:
+        return ", ".join(incident.nodes) or "all nodes"
+    nodes = tuple(dict.fromkeys(node for node, _ in incident.gpus))
+    if len(nodes) > 1:
+        return f"{len(incident.gpus)} GPUs on {', '.join(nodes)}"
+    indices = [index for _, index in incident.gpus]
+    where = f"{nodes[0]} GPU {indices[0]}" if len(indices) == 1 else f"{nodes[0]} GPUs {','.join(map(str, indices))}"
+    jobs = sorted({job.id for job in scenario.jobs for ref in incident.gpus if ref in job.gpus})
+    return where + (f" (job {', '.join(jobs)})" if jobs else "")
+
+
+def timeline(scenario: Scenario, epoch: float) -> list[str]:
+    """What will happen when, relative to the scenario epoch and on the local clock."""
+    def at(offset: float) -> str:
+        return f"+{offset:.0f}s ({time.strftime('%H:%M:%S', time.localtime(epoch + offset))})"
+
+    lines = []
+    for inc in sorted(scenario.incidents, key=lambda i: i.start_s):
+        what, expect = INCIDENT_TEXT.get(inc.kind, (inc.kind.replace("_", " "), "-"))
+        if inc.kind == "slow_gpu":
+            what = "silently slow GPU" if inc.silent else "slow GPU with power-brake bits"
+        until = "" if inc.end_s is None else f" until +{inc.end_s:.0f}s"
+        lines.append(f"  {at(inc.start_s)}  {what} on {incident_subject(scenario, inc)}{until}  -> expect {expect}")
+    ends = [i.end_s if i.end_s is not None else i.start_s for i in scenario.incidents]
+    if ends:
+        lines.append(f"  alerts fire 30-60s into each incident and resolve 1-2 min after it ends; "
+                     f"all calm by about {at(max(ends) + RESOLVE_MARGIN_SECONDS)}")
+    return lines
 
 
 @dataclass
@@ -137,6 +192,7 @@ class TerminalPrinter:
         self.epoch = epoch
         self.out = out
         self.sent_total = self.failed_total = self.dropped_total = 0
+        self.fired_total = self.resolved_total = 0
 
     def line(self, alert: Alert) -> str:
         """One readable line for an alert's current state."""
@@ -155,6 +211,10 @@ class TerminalPrinter:
                     continue  # never fired: not news
                 print(self.line(t.alert), file=self.out, flush=True)
                 self.sent_total += 1
+                if t.alert.state is AlertState.RESOLVED:
+                    self.resolved_total += 1
+                else:
+                    self.fired_total += 1
 
     async def run(self, stop: asyncio.Event) -> None:
         """Nothing to deliver in the background."""
@@ -194,15 +254,16 @@ async def _serve(server: "object", duration: float | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the demo; 0 on a clean stop, 1 when the agents could not be started."""
+    """Run the demo; 0 on a clean stop (Ctrl-C included), 1 when the agents could not be started."""
     from server.api import create_app
     from server.serve import build_runtime, uvicorn_server
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.log_level, "text")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    scenario = load_demo_scenario()
+    nodes = FALLBACK_NODES if scenario is None else tuple(scenario.nodes)
     epoch = time.time()
-    nodes = scenario_nodes()
     workdir = tempfile.mkdtemp(prefix="gpufleet-demo-")
     agents = start_agents(nodes, epoch)
     try:
@@ -219,15 +280,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   pull_interval_seconds=args.pull_interval, log_level=args.log_level, log_format="text")
         printer = TerminalPrinter(epoch)
         runtime = build_runtime(settings, extra_notifiers=[printer])
-        base = f"http://{listen}"
-        print(f"gpufleet demo: {len(agents)} simulated nodes ({', '.join(nodes)}), scenario {SCENARIO!r}, "
-              f"pulled every {args.pull_interval:g}s", flush=True)
-        print(f"  alerts:  {base}/alerts\n  docs:    {base}/docs\n  metrics: {base}/metrics\n"
-              f"  jobs:    {base}/jobs\n"
-              "Incidents fire and resolve over the next few minutes. Ctrl-C stops everything.", flush=True)
+        print_banner(f"http://{listen}", nodes, scenario, epoch, args)
         asyncio.run(_serve(uvicorn_server(settings, create_app(settings, runtime=runtime)), args.duration))
+        print(f"gpufleet demo: stopped after {time.time() - epoch:.0f}s; "
+              f"{printer.fired_total} alerts fired, {printer.resolved_total} resolved", flush=True)
+        return 0
+    except KeyboardInterrupt:  # Ctrl-C before the server took over the signal
         print("gpufleet demo: stopped", flush=True)
         return 0
     finally:
         stop_agents(agents)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def print_banner(base: str, nodes: Sequence[str], scenario: Scenario | None, epoch: float,
+                 args: argparse.Namespace) -> None:
+    """Where to look, and what will happen when."""
+    jobs = "" if scenario is None else ", jobs " + ", ".join(
+        f"{j.id} on {'+'.join(j.nodes)}" for j in scenario.jobs)
+    print(f"gpufleet demo: {len(nodes)} simulated nodes ({', '.join(nodes)}){jobs}; "
+          f"scenario {SCENARIO!r}, pulled every {args.pull_interval:g}s", flush=True)
+    print(f"  alerts:  {base}/alerts\n  docs:    {base}/docs\n  metrics: {base}/metrics\n"
+          f"  jobs:    {base}/jobs", flush=True)
+    if scenario is not None and scenario.incidents:
+        print("Timeline (scenario time since start; the jobs warm up first so the server learns their "
+              "healthy baseline):", flush=True)
+        print("\n".join(timeline(scenario, epoch)), flush=True)
+    stop = f"Stops by itself after {args.duration:g}s" if args.duration is not None else "Runs until Ctrl-C"
+    print(f"{stop}; Ctrl-C stops everything. Alerts as they fire and resolve:", flush=True)

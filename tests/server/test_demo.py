@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from server.alerts import AlertKind, AlertState, Transition
-from server.demo import TerminalPrinter, subject
+from server.demo import TerminalPrinter, incident_subject, subject, timeline
 from tests.server.live_fakes import make_alert
 
 
@@ -35,6 +35,42 @@ def test_printer_shows_firing_and_resolved_only() -> None:
     assert len(lines) == 2
     assert "(+   11s) FIRING   thermal_throttle" in lines[0] and "dgx-03 GPU 5 (job 71001): alert 1" in lines[0]
     assert "(+  100s) RESOLVED thermal_throttle" in lines[1]
+    assert (printer.fired_total, printer.resolved_total) == (1, 1)
+
+
+def test_timeline_lists_the_demo_incidents_in_order_with_what_to_expect() -> None:
+    from agent.sim import load_scenario
+
+    demo = load_scenario("demo")
+    lines = timeline(demo, epoch=1000.0)
+    incidents = sorted(demo.incidents, key=lambda i: i.start_s)
+    assert len(lines) == len(incidents) + 1
+    for line, inc in zip(lines, incidents):
+        assert line.lstrip().startswith(f"+{inc.start_s:.0f}s (") and f"until +{inc.end_s:.0f}s" in line
+    cooling, slow, comm = lines[:3]
+    assert "cooling failure on dgx-02 GPU 5 (job 71001)" in cooling and "expect thermal_throttle" in cooling
+    assert "silently slow GPU on dgx-03 GPU 2 (job 71002)" in slow and "expect straggler" in slow
+    assert "communication slowdown on job 71002" in comm and "expect comm_bound" in comm
+    last_end = max(i.end_s for i in incidents)
+    assert "all calm by about +" in lines[-1]
+    assert float(lines[-1].split("all calm by about +")[1].split("s")[0]) > last_end
+
+
+def test_incident_subject_for_several_gpus_and_whole_nodes() -> None:
+    from agent.sim import parse_scenario
+
+    scenario = parse_scenario({
+        "nodes": [{"name": "a"}, {"name": "b"}],
+        "jobs": [{"id": "9", "nodes": ["a"]}],
+        "incidents": [{"kind": "slow_gpu", "node": "a", "gpus": [0, 1], "start_s": 1},
+                      {"kind": "nvml_init_failure", "node": "b", "start_s": 1},
+                      {"kind": "xid", "node": "b", "gpu": 3, "code": 79, "start_s": 1}],
+    })
+    several, node, unattributed = scenario.incidents
+    assert incident_subject(scenario, several) == "a GPUs 0,1 (job 9)"
+    assert incident_subject(scenario, node) == "b"
+    assert incident_subject(scenario, unattributed) == "b GPU 3"
+    assert "XID errors on b GPU 3" in timeline(scenario, 0.0)[2]
 
 
 def test_demo_runs_and_stops_by_itself() -> None:
@@ -48,4 +84,5 @@ def test_demo_runs_and_stops_by_itself() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "/alerts" in proc.stdout and "/docs" in proc.stdout and "/metrics" in proc.stdout
+    assert "Timeline" in proc.stdout and "expect comm_bound" in proc.stdout
     assert "gpufleet demo: stopped" in proc.stdout
