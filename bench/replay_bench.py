@@ -1,10 +1,12 @@
 """Replay throughput: GPU-samples per second through `gpufleet-server replay`, start-up included.
 
-    python -m bench.replay_bench [--nodes 64] [--minutes 30] [--fast-minutes 10] [--repeat 3] [--no-write]
+    python -m bench.replay_bench [--nodes 64] [--minutes 30] [--fast-minutes 10] [--big-nodes 256]
+                                 [--big-minutes 20] [--repeat 3] [--no-write]
 
-Generates two large traces with tests/server/tracegen.py (N nodes x 8 GPUs at 5 s sampling, and a 1 s
-variant), then times (a) the CLI as a subprocess end to end (interpreter start, imports, parsing, engine,
-JSON out) and (b) server.replay.run_replay in-process, each pinned to one CPU core. Writes the figures
+Generates large traces with tests/server/tracegen.py (N nodes x 8 GPUs at 5 s sampling, a 1 s variant,
+and a bigger cluster at 5 s, since the per-tick cost is shared by more GPUs there), then times (a) the
+CLI as a subprocess end to end (interpreter start, imports, parsing, engine, JSON out) and (b)
+server.replay.run_replay in-process, each pinned to one CPU core. Writes the figures
 under `## Server: replay` in docs/benchmarks.md (other sections are left alone).
 """
 
@@ -19,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,7 @@ class Timing:
     cli_cpu_s: float
     inproc_wall_s: float
     alerts: int
+    stages_s: dict[str, float] = field(default_factory=dict)   # fastest of the repeats, per stage
 
     @property
     def cli_rate(self) -> float:
@@ -110,7 +113,7 @@ def time_inproc(path: Path) -> float:
     _pin()
     try:
         started = time.perf_counter()
-        with open(path, "rb") as fh:
+        with open(path, "rb", buffering=1 << 20) as fh:      # as the CLI opens it
             run_replay(fh)
         return time.perf_counter() - started
     finally:
@@ -118,15 +121,60 @@ def time_inproc(path: Path) -> float:
             os.sched_setaffinity(0, saved)
 
 
-def run_one(label: str, spec: ClusterSpec, repeat: int, path: Path) -> Timing:
-    """Write the trace to `path`, then time both ways `repeat` times."""
+def time_stages(path: Path) -> dict[str, float]:
+    """Seconds per stage of an in-process replay on one core: where the time goes.
+
+    read = iterating the file's lines; decode = orjson.loads of every line alone; parse = the contract
+    parser (decode included) into NodeSamples; engine = feeding them through the Engine.
+    """
+    import gc
+
+    import orjson
+
+    from server.contract import parse_lines
+    from server.engine import EngineConfig
+    from server.replay import _load, _run
+
+    saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    _pin()
+    gc.disable()
+    try:
+        out = {}
+        started = time.perf_counter()
+        with open(path, "rb", buffering=1 << 20) as fh:
+            lines = list(fh)
+        out["read"] = time.perf_counter() - started
+        started = time.perf_counter()
+        for line in lines:
+            orjson.loads(line)
+        out["decode"] = time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in parse_lines(lines):
+            pass
+        out["parse"] = time.perf_counter() - started
+        samples = _load([(str(path), lines)])
+        del lines
+        started = time.perf_counter()
+        _run(samples, EngineConfig())
+        out["engine"] = time.perf_counter() - started
+        return out
+    finally:
+        gc.enable()
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
+
+
+def run_one(label: str, spec: ClusterSpec, repeat: int, path: Path, with_stages: bool = False) -> Timing:
+    """Write the trace to `path`, then time both ways (and optionally per stage) `repeat` times."""
     trace: Trace = write_trace(spec, path)
     lines, samples = len(trace.lines), trace.gpu_samples
     del trace
     cli = [time_cli(path) for _ in range(repeat)]
     inproc = [time_inproc(path) for _ in range(repeat)]
+    stages = [time_stages(path) for _ in range(repeat)] if with_stages else []
     return Timing(label, samples, lines, path.stat().st_size, statistics.median(c[0] for c in cli),
-                  statistics.median(c[1] for c in cli), statistics.median(inproc), cli[0][2])
+                  statistics.median(c[1] for c in cli), statistics.median(inproc), cli[0][2],
+                  {k: min(st[k] for st in stages) for k in stages[0]} if stages else {})
 
 
 def render(results: list[Timing], repeat: int) -> str:
@@ -138,7 +186,7 @@ def render(results: list[Timing], repeat: int) -> str:
         f"Python {platform.python_version()}, each run pinned to one core; median of {repeat} runs. Traces from `tests/server/tracegen.py` (a time-sorted cat of "
         "every node's snapshot lines, a few incidents, 0.5 % dropped lines). *CLI* is "
         "`gpufleet-server replay TRACE` as a subprocess, end to end: interpreter start-up, imports, "
-        "parsing, engine, alert JSON on stdout. *In-process* is `run_replay(open(TRACE, 'rb'))`.",
+        "parsing, engine, alert JSON on stdout. *In-process* is `run_replay(open(TRACE, 'rb', buffering=1 << 20))`.",
         f"Goal ≥ {GOAL:,} GPU-samples/s, floor {FLOOR:,}.", "",
         "| trace | lines | GPU-samples | size | CLI wall (s) | CLI CPU (s) | CLI GPU-samples/s | "
         "in-process (s) | in-process GPU-samples/s | alerts |",
@@ -148,6 +196,17 @@ def render(results: list[Timing], repeat: int) -> str:
         out.append(f"| {r.label} | {r.lines:,} | {r.gpu_samples:,} | {r.trace_bytes / 2**20:.0f} MiB | "
                    f"{r.cli_wall_s:.2f} | {r.cli_cpu_s:.2f} | **{r.cli_rate:,.0f}** | {r.inproc_wall_s:.2f} | "
                    f"{r.inproc_rate:,.0f} | {r.alerts} |")
+    staged = [r for r in results if r.stages_s]
+    if staged:
+        out += ["", "Where the time goes, in-process on one core (fastest of the repeats; µs per GPU-sample). "
+                "*decode* is `orjson.loads` of every line alone; *parser* is the rest of `parse_lines` "
+                "(field extraction, validation, NodeSamples); *engine* is everything after parsing.", "",
+                "| trace | read lines | decode (orjson) | parser | engine | sum |", "|---|---|---|---|---|---|"]
+        for r in staged:
+            us = {k: v / r.gpu_samples * 1e6 for k, v in r.stages_s.items()}
+            parser = us["parse"] - us["decode"]
+            out.append(f"| {r.label} | {us['read']:.2f} | {us['decode']:.2f} | {parser:.2f} | {us['engine']:.2f} | "
+                       f"{us['read'] + us['parse'] + us['engine']:.2f} |")
     worst = min(r.cli_rate for r in results)
     verdict = "meets the goal" if worst >= GOAL else "meets the floor, not the goal" if worst >= FLOOR \
         else "is BELOW the floor"
@@ -185,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=64)
     ap.add_argument("--minutes", type=float, default=30.0, help="length of the 5 s trace")
     ap.add_argument("--fast-minutes", type=float, default=10.0, help="length of the 1 s trace (0: skip)")
+    ap.add_argument("--big-nodes", type=int, default=256, help="nodes of the big 5 s trace (0: skip)")
+    ap.add_argument("--big-minutes", type=float, default=20.0, help="length of the big 5 s trace")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--stages", action="store_true", help="also time read / decode / parse / engine in-process")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--doc", type=Path, default=DOC)
     args = ap.parse_args(argv)
@@ -200,11 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.fast_minutes > 0:
         configs.append((f"{args.nodes} nodes × 8 GPUs, {args.fast_minutes:g} min @ 1 s",
                         bench_spec(args.nodes, args.fast_minutes, 1.0)))
+    if args.big_nodes > 0:
+        configs.append((f"{args.big_nodes} nodes × 8 GPUs, {args.big_minutes:g} min @ 5 s",
+                        bench_spec(args.big_nodes, args.big_minutes, 5.0)))
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         results = []
         for k, (label, spec) in enumerate(configs):
             try:
-                results.append(run_one(label, spec, args.repeat, Path(tmp) / f"trace{k}.jsonl"))
+                results.append(run_one(label, spec, args.repeat, Path(tmp) / f"trace{k}.jsonl", args.stages))
             except RuntimeError as exc:   # a crashing replay is a finding, not a figure
                 print(f"{label}: {exc}", file=sys.stderr)
                 return 1

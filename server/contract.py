@@ -62,7 +62,8 @@ _LIMITS = {
 }
 _LOW = np.array([_LIMITS[f][0] for f in FIELDS])
 _HIGH = np.array([_LIMITS[f][1] for f in FIELDS])
-_NUMBER_TYPES = frozenset((int, float, type(None)))
+_NONE_TYPE = type(None)
+_NUMBER_TYPES = frozenset((int, float, _NONE_TYPE))
 _BOOL_TYPES = frozenset((bool, type(None)))
 _STR_TYPES = frozenset((str,))
 _JOB_TYPES = frozenset((str, int, type(None)))
@@ -71,6 +72,10 @@ _ROW_FIELDS = FIELDS + _IDENTITY_FIELDS
 _get_row = itemgetter(*_ROW_FIELDS)
 _N_NUMERIC = len(NUMERIC_FIELDS)
 (_I_INDEX, _I_UUID, _I_MODEL, _I_JOB, _I_XID) = range(N_FIELDS, N_FIELDS + 5)
+# Lines are validated in batches of about this many GPU rows: enough to amortise numpy's per-call
+# cost over a batch, small enough that the batch's Python objects stay in the CPU cache (2,048-line
+# batches were about 1.5 µs per GPU-sample slower).
+CHUNK_GPUS = 512
 CHUNK_LINES = 2048
 
 
@@ -127,16 +132,21 @@ def parse_snapshot(payload: Any) -> NodeSample:
 def parse_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, NodeSample | ContractError]]:
     """(1-based line number, sample or error) for every non-blank line; validation is batched."""
     pending: list[tuple[int, Any]] = []
+    rows = 0
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            pending.append((lineno, _decode(line)))
+            decoded = _decode(line)
         except ContractError as exc:
             pending.append((lineno, exc))
-        if len(pending) >= CHUNK_LINES:
+        else:
+            pending.append((lineno, decoded))
+            rows += len(decoded[2])
+        if rows >= CHUNK_GPUS or len(pending) >= CHUNK_LINES:
             yield from _flush(pending)
             pending = []
+            rows = 0
     yield from _flush(pending)
 
 
@@ -178,7 +188,7 @@ def _header(payload: Any) -> tuple[str, float, list[tuple]]:
     if len(gpus) > MAX_GPUS_PER_NODE:
         raise ContractError(f"{len(gpus)} gpus exceeds {MAX_GPUS_PER_NODE}")
     try:
-        rows = [_get_row(g) for g in gpus]
+        rows = list(map(_get_row, gpus))
     except (KeyError, TypeError):
         rows = _rows_with_absent_fields(gpus)
     return node, float(t), rows
@@ -234,11 +244,14 @@ def _columns(all_rows: list[tuple], check_nan: bool) -> tuple[np.ndarray, list[t
     if not all_rows:
         return np.empty((0, N_FIELDS)), [()] * len(_ROW_FIELDS) + [False]
     cols = list(zip(*all_rows))
+    has_none = []
     for i in range(N_FIELDS):
         allowed = _NUMBER_TYPES if i < _N_NUMERIC else _BOOL_TYPES
-        if not allowed.issuperset(map(type, cols[i])):
+        types = set(map(type, cols[i]))
+        if not allowed.issuperset(types):
             bad = next(v for v in cols[i] if type(v) not in allowed)
             raise ContractError(f"{FIELDS[i]} has wrong type: {bad!r}")
+        has_none.append(_NONE_TYPE in types)
     if not all(type(v) is int for v in cols[_I_INDEX]):
         raise ContractError("gpu index must be an integer")
     if not _STR_TYPES.issuperset(map(type, cols[_I_UUID])) or not _STR_TYPES.issuperset(map(type, cols[_I_MODEL])):
@@ -253,7 +266,7 @@ def _columns(all_rows: list[tuple], check_nan: bool) -> tuple[np.ndarray, list[t
     for i in range(N_FIELDS):
         col = cols[i]
         # fromiter is several times faster than np.array but cannot take None (unsupported readings).
-        matrix[:, i] = np.array(col, dtype=np.float64) if None in col else np.fromiter(col, np.float64, n)
+        matrix[:, i] = np.array(col, dtype=np.float64) if has_none[i] else np.fromiter(col, np.float64, n)
     if check_nan and np.count_nonzero(np.isnan(matrix)) != sum(c.count(None) for c in cols[:N_FIELDS]):
         raise ContractError("NaN reading (unsupported readings must be null)")
     return matrix, cols

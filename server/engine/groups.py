@@ -20,29 +20,58 @@ CLUSTER_MODEL = "cluster_model"
 
 def group_median(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
     """NaN-aware median of values per group id (ids < 0 ignored); NaN for empty groups."""
+    return group_medians(values[None, :], gid, n_groups)[0]
+
+
+def group_medians(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
+    """group_median of every row of a (k, n) array at once, shape (k, n_groups).
+
+    Row r's group g becomes the combined id r * n_groups + g, so one sort serves all rows: a tick
+    needs a dozen grouped medians over a few hundred GPUs, where numpy's per-call cost dominates.
+    """
+    k = values.shape[0]
     ok = (gid >= 0) & ~np.isnan(values)
-    g, x = gid[ok], values[ok]
-    out = np.full(n_groups, np.nan)
-    if not len(g):
-        return out
-    order = np.lexsort((x, g))
-    xs = x[order]
-    counts = np.bincount(g, minlength=n_groups)
-    starts = np.cumsum(counts) - counts
-    has = counts > 0
-    lo = (starts + (counts - 1) // 2)[has]
-    hi = (starts + counts // 2)[has]
-    out[has] = (xs[lo] + xs[hi]) / 2.0
-    return out
+    ids = (gid + np.arange(k)[:, None] * n_groups)[ok]
+    x = values[ok]
+    out = np.full(k * n_groups, np.nan)
+    if len(ids):
+        xs = x[_group_sorted(x, ids, k * n_groups)]
+        counts = np.bincount(ids, minlength=k * n_groups)
+        starts = np.cumsum(counts) - counts
+        has = counts > 0
+        lo = (starts + (counts - 1) // 2)[has]
+        hi = (starts + counts // 2)[has]
+        out[has] = (xs[lo] + xs[hi]) / 2.0
+    return out.reshape(k, n_groups)
+
+
+def _group_sorted(x: np.ndarray, ids: np.ndarray, n_ids: int) -> np.ndarray:
+    """Order that makes ids contiguous and ascending, x ascending within each id.
+
+    Same result as np.lexsort((x, ids)) up to the order of equal x, at half the cost: sort x, then
+    a stable sort by id, which numpy does as a radix sort when the ids fit 16 bits.
+    """
+    order = np.argsort(x)
+    keys = ids[order]
+    if n_ids <= np.iinfo(np.int16).max:
+        keys = keys.astype(np.int16)
+    return order[np.argsort(keys, kind="stable")]
 
 
 def group_mean(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
     """NaN-aware mean per group id; NaN for empty groups."""
+    return group_means(values[None, :], gid, n_groups)[0]
+
+
+def group_means(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
+    """group_mean of every row of a (k, n) array at once, shape (k, n_groups)."""
+    k = values.shape[0]
     ok = (gid >= 0) & ~np.isnan(values)
-    counts = np.bincount(gid[ok], minlength=n_groups)
-    sums = np.bincount(gid[ok], weights=values[ok], minlength=n_groups)
+    ids = (gid + np.arange(k)[:, None] * n_groups)[ok]
+    counts = np.bincount(ids, minlength=k * n_groups)
+    sums = np.bincount(ids, weights=values[ok], minlength=k * n_groups)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan).reshape(k, n_groups)
 
 
 @dataclass(slots=True)
@@ -122,12 +151,10 @@ def group_stats(gid: np.ndarray, ngid: np.ndarray, n_groups: int, med: dict[str,
     ids = np.concatenate([gid[member_slot], ngid[extra]])
     has = ~np.isnan(med["util"][slots])
     size = np.bincount(ids[has], minlength=n_groups)
-
-    def gm(name: str) -> np.ndarray:
-        return group_median(med[name][slots], ids, n_groups)
-
-    return Groups(gid, ngid, n_groups, size, gm("util"), gm("sm"), gm("power"), gm("clock"),
-                  group_mean(med["slow"][slots], ids, n_groups), group_mean(med["power_cap"][slots], ids, n_groups))
+    util, sm, power, clock = group_medians(
+        np.stack([med["util"][slots], med["sm"][slots], med["power"][slots], med["clock"][slots]]), ids, n_groups)
+    slow, power_cap = group_means(np.stack([med["slow"][slots], med["power_cap"][slots]]), ids, n_groups)
+    return Groups(gid, ngid, n_groups, size, util, sm, power, clock, slow, power_cap)
 
 
 class GroupHistory:

@@ -16,6 +16,9 @@ _MEDIAN_ROWS = (("util", B_UTIL), ("sm", B_SM), ("power", B_POWER), ("clock", B_
 _FRACTION_ROWS = (("thermal", B_THERMAL), ("hw_thermal", B_HW_THERMAL), ("slow", B_SLOW),
                   ("power_cap", B_POWER_CAP))
 
+_MEDIAN_INDEX = [b for _, b in _MEDIAN_ROWS]
+_FRACTION_INDEX = [b for _, b in _FRACTION_ROWS]
+
 
 @dataclass(slots=True)
 class Tick:
@@ -37,17 +40,22 @@ class Tick:
 
 def smoothed(window: np.ndarray) -> dict[str, np.ndarray]:
     """Median over the window of the level readings, mean of the throttle-bit indicators."""
-    rows = np.stack([window[b] for _, b in _MEDIAN_ROWS])          # (m, S, n)
+    rows = window[_MEDIAN_INDEX]                                    # (m, S, n)
+    cnt = (~np.isnan(rows)).sum(axis=1)
     srt = np.sort(rows, axis=1)
-    cnt = (~np.isnan(srt)).sum(axis=1)
-    lo = np.clip((cnt - 1) // 2, 0, None)
-    hi = np.clip(cnt // 2, 0, srt.shape[1] - 1)
+    lo = np.maximum((cnt - 1) // 2, 0)
+    hi = np.minimum(cnt // 2, srt.shape[1] - 1)
     med = (np.take_along_axis(srt, lo[:, None, :], 1)[:, 0] + np.take_along_axis(srt, hi[:, None, :], 1)[:, 0]) / 2
     med[cnt == 0] = np.nan
     out = {name: med[i] for i, (name, _) in enumerate(_MEDIAN_ROWS)}
+    # All indicator rows at once: a tick is a few hundred GPUs, so numpy's per-call cost dominates.
+    x = window[_FRACTION_INDEX]                                     # (f, S, n)
+    known = ~np.isnan(x)
+    n = known.sum(axis=1)
+    total = np.where(known, x, 0.0).sum(axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        for name, b in _FRACTION_ROWS:
-            x = window[b]
-            n = (~np.isnan(x)).sum(axis=0)
-            out[name] = np.where(n > 0, np.nansum(x, axis=0) / np.maximum(n, 1), np.nan)
+        frac = np.where(n > 0, total / np.maximum(n, 1), np.nan)
+    for i, (name, _) in enumerate(_FRACTION_ROWS):
+        out[name] = frac[i]
     return out
+

@@ -186,26 +186,27 @@ class Windows:
         slots = np.concatenate([r[0] for _, r in inbox_nonempty])
         codes = np.concatenate([r[1] for _, r in inbox_nonempty])
         values = np.concatenate([s.values for s, _ in inbox_nonempty])
-        times = np.repeat([s.time for s, _ in inbox_nonempty], [len(s) for s, _ in inbox_nonempty])
+        sample_times = np.array([s.time for s, _ in inbox_nonempty])
+        times = np.repeat(sample_times, [len(s) for s, _ in inbox_nonempty])
         self.samples += len(slots)
         self.newest_time = max(self.newest_time, inbox_nonempty[-1][0].time)
         self.resumed_time = inbox_nonempty[0][0].time
-        for s, _ in inbox_nonempty:
-            node_id = self.node_ids[s.node]
-            last = self.node_last_time[node_id]
-            if not last >= s.time:
-                self.node_last_time[node_id] = s.time
+        # The inbox is in time order, so a node's last write carries its newest time (fmax skips NaN).
+        node_ids = np.array([self.node_ids[s.node] for s, _ in inbox_nonempty])
+        self.node_last_time[node_ids] = np.fmax(self.node_last_time[node_ids], sample_times)
         in_order = times >= self.slot_last_time[slots]
-        self._update_jobs(slots, codes, times, in_order)
-        power_from_energy = self._counters(slots, times, values, in_order, inbox_nonempty)
-        self._bin(slots, times, self._derive(values, power_from_energy), min_bin)
+        by_slot = np.argsort(slots, kind="stable")            # per slot, still in time order
+        self._update_jobs(slots, codes, times, in_order, by_slot)
+        power_from_energy = self._counters(slots, times, values, in_order, inbox_nonempty, by_slot)
+        sorted_slots = slots[by_slot]
+        one_per_slot = not (sorted_slots[1:] == sorted_slots[:-1]).any()
+        self._bin(slots, times, self._derive(values, power_from_energy), min_bin, one_per_slot)
 
     def _update_jobs(self, slots: np.ndarray, codes: np.ndarray, times: np.ndarray,
-                     in_order: np.ndarray) -> None:
+                     in_order: np.ndarray, by_slot: np.ndarray) -> None:
         """Current job of each GPU follows its newest sample; a change restarts its job clock."""
-        s, c, t = slots[in_order], codes[in_order], times[in_order]
-        order = np.argsort(s, kind="stable")                  # per slot, still in time order
-        s, c, t = s[order], c[order], t[order]
+        order = by_slot[in_order[by_slot]]                    # in-order rows, per slot in time order
+        s, c, t = slots[order], codes[order], times[order]
         prev = np.empty_like(c)
         prev[1:] = c[:-1]
         first = np.ones(len(s), dtype=bool)
@@ -219,10 +220,10 @@ class Windows:
         self.slot_last_time[s] = t
 
     def _counters(self, slots: np.ndarray, times: np.ndarray, values: np.ndarray, in_order: np.ndarray,
-                  inbox: list) -> np.ndarray:
-        """Difference energy/XID/ECC counters per GPU; returns average power from energy per row (NaN where
-        there is no previous reading, time did not advance, or the counter was reset)."""
-        order = np.argsort(slots, kind="stable")
+                  inbox: list, order: np.ndarray) -> np.ndarray:
+        """Difference energy/XID/ECC counters per GPU (rows taken in `order`: by slot, then time); returns
+        average power from energy per row (NaN where there is no previous reading, time did not advance,
+        or the counter was reset)."""
         s, t = slots[order], times[order]
         power = np.full(len(slots), np.nan)
         for i, col in enumerate((ENERGY, XID_TOTAL, ECC_UNCORRECTED)):
@@ -307,8 +308,10 @@ class Windows:
             out[b] = np.where(known, (bits & mask) != 0, np.nan)
         return out
 
-    def _bin(self, slots: np.ndarray, times: np.ndarray, derived: np.ndarray, min_bin: int) -> None:
-        """Accumulate rows into their (bin, GPU) cells, resetting cells that held an older bin."""
+    def _bin(self, slots: np.ndarray, times: np.ndarray, derived: np.ndarray, min_bin: int,
+             one_per_slot: bool = False) -> None:
+        """Accumulate rows into their (bin, GPU) cells, resetting cells that held an older bin
+        (one_per_slot: no GPU appears twice in the batch, so no two rows share a cell)."""
         bins = np.floor(times / self.tick).astype(np.int64)
         pos = bins % self.ring
         held = self.bin_id[pos, slots]
@@ -316,19 +319,28 @@ class Windows:
         if not keep.all():
             self.late_dropped += int(np.count_nonzero(~keep))
             slots, bins, pos, held, derived = slots[keep], bins[keep], pos[keep], held[keep], derived[:, keep]
+        # Cells are addressed flat, (row, pos * cap + slot): numpy's mixed slice/array indexing of the
+        # 3-d rings costs several times more per tick.
+        sums = self.sums.reshape(N_BINNED, -1)
+        cnts = self.cnts.reshape(N_BINNED, -1)
+        cell = pos * self._cap + slots
         fresh = bins > held
         if fresh.any():
-            self.sums[:, pos[fresh], slots[fresh]] = 0.0
-            self.cnts[:, pos[fresh], slots[fresh]] = 0.0
+            sums[:, cell[fresh]] = 0.0
+            cnts[:, cell[fresh]] = 0.0
             self.bin_id[pos[fresh], slots[fresh]] = bins[fresh]
         valid = ~np.isnan(derived)
         values = np.where(valid, derived, 0.0)
         counts = valid.astype(np.float64)
-        cell = pos * self._cap + slots
+        if one_per_slot:
+            # Every cell once (the usual case at tick-rate sampling): scatter straight away.
+            sums[:, cell] = sums.take(cell, axis=1) + values
+            cnts[:, cell] = cnts.take(cell, axis=1) + counts
+            return
         order = np.argsort(cell, kind="stable")
-        cell = cell[order]
+        sorted_cell = cell[order]
         first = np.ones(len(cell), dtype=bool)
-        first[1:] = cell[1:] != cell[:-1]
+        first[1:] = sorted_cell[1:] != sorted_cell[:-1]
         if not first.all():
             # Several samples of one GPU in one bin (sub-tick sampling): sum them before scattering.
             starts = np.flatnonzero(first)
@@ -337,9 +349,10 @@ class Windows:
             order = order[starts]
         else:
             values, counts = values[:, order], counts[:, order]
-        p, sl = pos[order], slots[order]
-        self.sums[:, p, sl] += values
-        self.cnts[:, p, sl] += counts
+        # One entry per cell now, so gather-add-scatter is exact (and cheaper than fancy +=).
+        cells = cell[order]
+        sums[:, cells] = sums.take(cells, axis=1) + values
+        cnts[:, cells] = cnts.take(cells, axis=1) + counts
 
     # -- reading ------------------------------------------------------------------------------
     def window(self, last_bin: int, n_bins: int) -> np.ndarray:

@@ -102,3 +102,27 @@ def test_batched_and_single_parsing_agree():
 
 def test_ratio_slightly_above_one_is_clipped():
     assert parse_snapshot(_payload(utilization_ratio=1.02)).value(0, "utilization_ratio") == 1.0
+
+
+def test_batches_split_by_gpu_rows_give_the_same_results_as_single_lines():
+    # 400 two-GPU lines span several validation batches (CHUNK_GPUS rows each); the bad lines must
+    # be rejected with the same reason wherever they fall, and their neighbours must still parse.
+    lines = []
+    for i in range(400):
+        if i % 97 == 13:
+            lines.append(orjson.dumps(_payload(temperature_celsius=900.0)))
+        elif i % 89 == 7:
+            lines.append(orjson.dumps(_payload(power_watts="300")))
+        else:
+            lines.append(snapshot_line(f"n{i % 7}", T0 + i, [healthy(0, power_watts=100.0 + i), healthy(1)]))
+    batched = list(parse_lines(lines))
+    assert [n for n, _ in batched] == list(range(1, 401))
+    for line, (_, b) in zip(lines, batched):
+        try:
+            one = parse_line(line)
+        except ContractError as exc:
+            assert isinstance(b, ContractError) and str(b) == str(exc)
+        else:
+            assert (one.node, one.time, one.indices, one.jobs) == (b.node, b.time, b.indices, b.jobs)
+            assert (one.values == b.values)[~(one.values != one.values)].all()
+    assert sum(isinstance(b, ContractError) for _, b in batched) == 9

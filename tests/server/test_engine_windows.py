@@ -78,3 +78,21 @@ def test_job_change_restarts_the_gpu_job_clock():
     w.add(sample("n0", T0 + 50, [healthy(0, job="b")]))
     w.flush(0)
     assert w.job_names[w.slot_job[0]] == "b" and w.slot_job_since[0] == T0 + 50
+
+
+def test_one_sample_per_gpu_batches_bin_like_sub_tick_batches():
+    # One sample per GPU per flush takes the direct scatter; several per GPU take the merging path.
+    # Both must leave the same bins, including when a later flush adds to a bin already holding data.
+    samples = [sample("n0", T0 + t, [healthy(g, utilization_ratio=0.1 * g + 0.01 * t) for g in range(3)])
+               for t in range(10)]
+    one, many = _w(), _w()
+    for s in samples:
+        one.add(s)
+        one.flush(0)
+    for pair in (samples[:4], samples[4:]):
+        for s in pair:
+            many.add(s)
+        many.flush(0)
+    k = int((T0 + 9) // 5)
+    np.testing.assert_allclose(one.window(k, 3), many.window(k, 3), rtol=1e-12, equal_nan=True)
+    assert one.samples == many.samples == 30

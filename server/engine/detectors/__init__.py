@@ -60,6 +60,11 @@ class Outcome:
 
 def plain(value: Any) -> Any:
     """Evidence as plain Python values: numpy scalars to int/float/bool, NaN to None."""
+    kind = type(value)
+    if kind is float:
+        return None if value != value else value
+    if kind is int or kind is str or kind is bool or value is None:
+        return value          # the common cases first: isinstance against the Mapping ABC is slow
     if isinstance(value, Mapping):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

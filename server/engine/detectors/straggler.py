@@ -20,7 +20,7 @@ import numpy as np
 
 from server.alerts import AlertKind, Severity
 from server.engine.detectors import FingerprintIndex, Finding, Outcome, r3, subject_fingerprint
-from server.engine.groups import JOB, group_median
+from server.engine.groups import JOB, group_medians
 from server.engine.tick import Tick
 
 _SM, _PW, _CLK, _UTIL = range(4)
@@ -47,6 +47,7 @@ class StragglerState:
         self._pair_keys = np.zeros(0, dtype=np.int64)
         self._pair_vals = np.zeros(0, dtype=np.int64)
         self._node_fps: dict[tuple[int, int], str] = {}
+        self._node_layout: _NodePairs | None = None
 
     def fit(self, n: int) -> None:
         """Grow per-slot arrays to n slots."""
@@ -91,6 +92,20 @@ class StragglerState:
             pos = np.searchsorted(self._pair_keys, keys)
         return self._pair_vals[pos]
 
+    def node_pairs(self, tick: Tick, ng: np.ndarray, sel: np.ndarray, node_id: np.ndarray) -> "_NodePairs | None":
+        """The (group, node) pairs of this tick's node-level members; None when no group spans two nodes.
+
+        Membership rarely changes between ticks, so the layout is kept until the node-level group ids, the
+        set of GPUs with data, or the number of nodes or groups change.
+        """
+        n_nodes, n_groups = len(tick.windows.node_names), tick.groups.n_groups
+        lay = self._node_layout
+        if (lay is not None and lay.n_nodes == n_nodes and lay.n_groups == n_groups
+                and np.array_equal(lay.ng, ng) and np.array_equal(lay.sel, sel)):
+            return lay.usable
+        lay = self._node_layout = _NodePairs(self, tick, ng.copy(), sel.copy(), node_id, n_nodes, n_groups)
+        return lay.usable
+
     def pair_slot(self, tick: Tick, gid: int, nid: int) -> int:
         """Index of a (group, node) pair in the node-offset arrays, registering it when new."""
         i = self.pair_index.get((gid, nid))
@@ -115,6 +130,25 @@ class StragglerState:
         stale = [fp for fp, (_, last) in self.cost.items() if t - last > _COST_KEEP_SECONDS]
         for fp in stale:
             del self.cost[fp]
+
+
+class _NodePairs:
+    """Node-level members grouped into (group, node) pairs, and the pairs of groups spanning 2+ nodes."""
+
+    def __init__(self, state: StragglerState, tick: Tick, ng: np.ndarray, sel: np.ndarray, node_id: np.ndarray,
+                 n_nodes: int, n_groups: int) -> None:
+        self.ng, self.sel, self.n_nodes, self.n_groups = ng, sel, n_nodes, n_groups
+        key = ng[sel] * n_nodes + node_id[sel]
+        uniq, self.inv = np.unique(key, return_inverse=True)
+        self.pair_group, pair_node = uniq // n_nodes, uniq % n_nodes
+        self.per_group = np.bincount(self.pair_group, minlength=n_groups)
+        multi = self.per_group[self.pair_group] >= 2
+        self.usable = self if multi.any() else None
+        self.sel_pairs = np.flatnonzero(multi)
+        self.gids, self.nids = self.pair_group[self.sel_pairs], pair_node[self.sel_pairs]
+        self.idx = state.pair_slots(tick, self.gids, self.nids) if self.usable else self.sel_pairs
+        self.pairs = {state.pair_fps[i]: (int(gg), int(nn))
+                      for i, gg, nn in zip(self.idx.tolist(), self.gids.tolist(), self.nids.tolist())}
 
 
 class Result:
@@ -365,24 +399,16 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
     sel = (ng >= 0) & ~np.isnan(u)
     if not sel.any():
         return [], set(), {}
-    n_nodes = len(w.node_names)
     node_id = w.slot_node_id[:w.n]
-    key = ng[sel] * n_nodes + node_id[sel]
-    uniq, inv = np.unique(key, return_inverse=True)
-    pair_group, pair_node = uniq // n_nodes, uniq % n_nodes
-    n_pairs = len(uniq)
-    per_group = np.bincount(pair_group, minlength=grp.n_groups)
-    multi = per_group[pair_group] >= 2
-    if not multi.any():
+    lay = state.node_pairs(tick, ng, sel, node_id)
+    if lay is None:
         return [], set(), {}
-    node_u = group_median(u[sel], inv, n_pairs)
-    node_sm = group_median(m["sm"][sel], inv, n_pairs)
-    node_pw = group_median(m["power"][sel], inv, n_pairs)
-    others = [_others(x, pair_group, per_group, grp.n_groups) for x in (node_u, node_sm, node_pw)]
+    pair_group, per_group, sel_pairs, gids, nids, idx = (lay.pair_group, lay.per_group, lay.sel_pairs, lay.gids,
+                                                         lay.nids, lay.idx)
+    node_u, node_sm, node_pw = nodes = group_medians(np.stack([u[sel], m["sm"][sel], m["power"][sel]]), lay.inv,
+                                                     len(pair_group))
+    others = _others(nodes, pair_group, per_group, grp.n_groups)
     base_sm, base_pw = tick.slowdown_baselines
-    sel_pairs = np.flatnonzero(multi)
-    gids, nids = pair_group[sel_pairs], pair_node[sel_pairs]
-    idx = state.pair_slots(tick, gids, nids)
     o_u, o_sm, o_pw = (o[sel_pairs] for o in others)
     with np.errstate(invalid="ignore", divide="ignore"):
         drop_sm = 1.0 - o_sm / base_sm[gids]
@@ -416,7 +442,7 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
         score = np.fmax(idle / cfg.node_idle_gap, busier / act_margin)
         stands = ready & waiting & (score >= 0.6)
         on = ready & waiting & (score >= 1.0)
-    pairs = {state.pair_fps[i]: (int(gg), int(nn)) for i, gg, nn in zip(idx.tolist(), gids.tolist(), nids.tolist())}
+    pairs = dict(lay.pairs)
     standout = {(int(gids[i]), int(nids[i])) for i in np.flatnonzero(stands).tolist()}
     findings = []
     for i in np.flatnonzero(on).tolist():
@@ -429,11 +455,15 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
 
 
 def _others(x: np.ndarray, pair_group: np.ndarray, per_group: np.ndarray, n_groups: int) -> np.ndarray:
-    """For each node of a group, the typical value of the *other* nodes (exact for two nodes)."""
-    med = group_median(x, pair_group, n_groups)[pair_group]
-    total = np.bincount(pair_group, weights=np.nan_to_num(x), minlength=n_groups)[pair_group]
+    """For each node of a group, the typical value of the *other* nodes (exact for two nodes); x is
+    (k, n_pairs), one row per reading, so every reading shares one grouped sort."""
+    k = len(x)
+    med = group_medians(x, pair_group, n_groups)[:, pair_group]
+    filled = np.nan_to_num(x)
+    ids = (pair_group + np.arange(k)[:, None] * n_groups).ravel()
+    total = np.bincount(ids, weights=filled.ravel(), minlength=k * n_groups).reshape(k, n_groups)[:, pair_group]
     two = per_group[pair_group] == 2
-    return np.where(two, total - np.nan_to_num(x), med)
+    return np.where(two, total - filled, med)
 
 
 def _clear_test(tick: Tick, index: FingerprintIndex, judged: np.ndarray, warm: np.ndarray, waiting: np.ndarray,
