@@ -231,6 +231,16 @@ def straggler_from_start(seed: int) -> ClusterSpec:
     return d.spec(nodes, [job], [inc], 900.0)
 
 
+def early_straggler_then_comm(seed: int) -> ClusterSpec:
+    d = _Draw("early_straggler_then_comm", seed)
+    nodes, job = _one_job(d, d.i(1, 2))
+    end = d.u(360, 440)
+    start = d.u(620, 680)
+    incs = [Incident("slow_gpu", 0.0, end, d.pick(nodes).name, d.i(0, 7), severity=d.u(0.6, 0.75)),
+            Incident("comm_slowdown", start, start + d.u(180, 240), job="j1", severity=d.u(2.5, 4.0))]
+    return d.spec(nodes, [job], incs, 1100.0)
+
+
 def marginal_straggler(seed: int) -> ClusterSpec:
     d = _Draw("marginal_straggler", seed)
     nodes, job = _one_job(d, d.i(1, 2))
@@ -492,6 +502,9 @@ CATALOG: tuple[Scenario, ...] = (
              intermittent_straggler, small=False),
     Scenario("straggler_from_start", "a GPU 20-40 % slow from the job's first step (no healthy baseline)",
              straggler_from_start, small=False),
+    Scenario("early_straggler_then_comm", "a GPU slow from the job's start recovers; later collectives "
+             "slow down job-wide (the straggler must resolve without a baseline, then comm_bound fire)",
+             early_straggler_then_comm),
     Scenario("marginal_straggler", "a GPU 6-14 % slow: required only where the job slows by 10 % or more",
              marginal_straggler, small=False),
     Scenario("straggler_under_power_cap", "a straggler appears in a job already under an operator power cap",

@@ -58,6 +58,17 @@ def test_busy_cluster_through_replay(run_replay):
     assert not problems, "busy_8 seed=0\n  " + "\n  ".join(problems)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_straggler_from_the_start_resolves_when_the_gpu_recovers(run_replay, seed):
+    # Its open alert keeps the job from ever learning a baseline; it must still clear, or it would
+    # hide every later comm_bound of the job.
+    trace = generate(scenarios.BY_NAME["early_straggler_then_comm"].build(seed))
+    recovered = next(t.end for t in trace.truths if t.kind == "straggler")
+    stragglers = [a for a in run_replay(trace.lines) if a.kind.value == "straggler"]
+    assert len(stragglers) == 1
+    assert stragglers[0].resolved is not None and stragglers[0].resolved - recovered < 180.0
+
+
 def test_replay_cli_prints_one_json_alert_per_line(run_replay, tmp_path):
     trace = generate(scenarios.BY_NAME["cooling_failure"].build(0))
     path = tmp_path / "trace.jsonl"

@@ -212,7 +212,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex) -> Result
     standout |= {gid for gid, _ in node_standout}
     judged = busy & (gu >= cfg.job_active_utilization)
     warm = (state.learned[:n] >= warm_ticks) & ~np.isnan(slowdown)
-    out.clear = _clear_test(tick, index, judged, warm, waiting, weak, node_pairs, node_standout)
+    out.clear = _clear_test(tick, index, judged, warm, waiting, weak, cross, node_pairs, node_standout)
     state.prune(tick.t)
     return Result(out, standout)
 
@@ -467,9 +467,14 @@ def _others(x: np.ndarray, pair_group: np.ndarray, per_group: np.ndarray, n_grou
 
 
 def _clear_test(tick: Tick, index: FingerprintIndex, judged: np.ndarray, warm: np.ndarray, waiting: np.ndarray,
-                weak: np.ndarray, node_pairs: dict[str, tuple[int, int]], node_standout: set[tuple[int, int]]):
+                weak: np.ndarray, cross: np.ndarray, node_pairs: dict[str, tuple[int, int]], node_standout: set[tuple[int, int]]):
     """Clear once the GPU no longer stands out even at reduced margins, its group stopped waiting or
-    went idle, or it left the job; no verdict while the detector is still learning (e.g. after a restart)."""
+    went idle, or it left the job.
+
+    Before the group has a baseline (a straggler from the job's start keeps one from forming, since
+    its open alert keeps the group's history from learning) only the cross-section can clear it: the
+    GPU no longer stands out from its peers. Without that it would never resolve.
+    """
     w = tick.windows
 
     def test(fp: str) -> bool | None:
@@ -487,7 +492,7 @@ def _clear_test(tick: Tick, index: FingerprintIndex, judged: np.ndarray, warm: n
         if not judged[slot]:
             return True
         if not warm[slot]:
-            return None
+            return not (weak[slot] or cross[slot])
         return not (waiting[slot] and weak[slot])
 
     return test
