@@ -1,11 +1,14 @@
 """Replay throughput: GPU-samples per second through `gpufleet-server replay`, start-up included.
 
     python -m bench.replay_bench [--nodes 64] [--minutes 30] [--fast-minutes 10] [--big-nodes 256]
-                                 [--big-minutes 20] [--repeat 3] [--no-write]
+                                 [--big-minutes 20] [--small-nodes 8] [--small-minutes 30] [--repeat 3]
+                                 [--stages] [--no-write]
 
 Generates large traces with tests/server/tracegen.py (N nodes x 8 GPUs at 5 s sampling, a 1 s variant,
-and a bigger cluster at 5 s, since the per-tick cost is shared by more GPUs there), then times (a) the
-CLI as a subprocess end to end (interpreter start, imports, parsing, engine, JSON out) and (b)
+a bigger cluster at 5 s, since the per-tick cost is shared by more GPUs there, and a small cluster at
+1 s, where it is shared by fewest), each twice: as the agent records it (every field, ~1.5 KB per GPU)
+and cut down to the snapshot contract's example fields (~0.7 KB per GPU). Then times (a) the CLI as a
+subprocess end to end (interpreter start, imports, parsing, engine, JSON out) and (b)
 server.replay.run_replay in-process, each pinned to one CPU core. Writes the figures
 under `## Server: replay` in docs/benchmarks.md (other sections are left alone).
 """
@@ -31,6 +34,13 @@ from tests.server.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSp
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADING = "## Server: replay"
 GOAL, FLOOR = 500_000, 200_000
+# The GPU fields of the snapshot contract's example in the agent issue: what a minimal producer writes.
+CONTRACT_GPU_FIELDS = frozenset((
+    "index", "uuid", "model", "hpc_job", "up", "utilization_ratio", "sm_active_ratio", "memory_used_bytes",
+    "memory_total_bytes", "temperature_celsius", "memory_temperature_celsius", "slowdown_temperature_celsius",
+    "power_watts", "power_limit_watts", "energy_joules_total", "sm_clock_hertz", "sm_clock_max_hertz",
+    "throttle_reasons", "nvlink_tx_bytes_total", "nvlink_rx_bytes_total", "pcie_tx_bytes_total",
+    "pcie_rx_bytes_total", "xid_errors_total"))
 
 
 @dataclass(frozen=True)
@@ -124,14 +134,13 @@ def time_inproc(path: Path) -> float:
 def time_stages(path: Path) -> dict[str, float]:
     """Seconds per stage of an in-process replay on one core: where the time goes.
 
-    read = iterating the file's lines; decode = orjson.loads of every line alone; parse = the contract
-    parser (decode included) into NodeSamples; engine = feeding them through the Engine.
+    read = iterating the file's lines; decode = the contract decoder (JSON, types, ranges) of every line
+    alone; parse = the whole contract parser (decode included) into NodeSamples; engine = feeding them
+    through the Engine.
     """
     import gc
 
-    import orjson
-
-    from server.contract import parse_lines
+    from server.contract import _decode, parse_lines
     from server.engine import EngineConfig
     from server.replay import _load, _run
 
@@ -146,7 +155,7 @@ def time_stages(path: Path) -> dict[str, float]:
         out["read"] = time.perf_counter() - started
         started = time.perf_counter()
         for line in lines:
-            orjson.loads(line)
+            _decode(line)
         out["decode"] = time.perf_counter() - started
         started = time.perf_counter()
         for _ in parse_lines(lines):
@@ -164,11 +173,29 @@ def time_stages(path: Path) -> dict[str, float]:
             os.sched_setaffinity(0, saved)
 
 
-def run_one(label: str, spec: ClusterSpec, repeat: int, path: Path, with_stages: bool = False) -> Timing:
+def contract_only(src: Path, dst: Path) -> None:
+    """Rewrite an agent trace keeping only the header and the contract example's GPU fields."""
+    import orjson
+
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        for line in fin:
+            snap = orjson.loads(line)
+            gpus = [{k: v for k, v in g.items() if k in CONTRACT_GPU_FIELDS} for g in snap["gpus"]]
+            fout.write(orjson.dumps({"schema": snap["schema"], "node": snap["node"], "time": snap["time"],
+                                     "gpus": gpus}) + b"\n")
+
+
+def run_one(label: str, spec: ClusterSpec, repeat: int, path: Path, with_stages: bool = False,
+            contract: bool = False) -> Timing:
     """Write the trace to `path`, then time both ways (and optionally per stage) `repeat` times."""
     trace: Trace = write_trace(spec, path)
     lines, samples = len(trace.lines), trace.gpu_samples
     del trace
+    if contract:
+        slim = path.with_suffix(".contract.jsonl")
+        contract_only(path, slim)
+        path.unlink()
+        path, label = slim, label + ", contract fields"
     cli = [time_cli(path) for _ in range(repeat)]
     inproc = [time_inproc(path) for _ in range(repeat)]
     stages = [time_stages(path) for _ in range(repeat)] if with_stages else []
@@ -199,9 +226,10 @@ def render(results: list[Timing], repeat: int) -> str:
     staged = [r for r in results if r.stages_s]
     if staged:
         out += ["", "Where the time goes, in-process on one core (fastest of the repeats; µs per GPU-sample). "
-                "*decode* is `orjson.loads` of every line alone; *parser* is the rest of `parse_lines` "
-                "(field extraction, validation, NodeSamples); *engine* is everything after parsing.", "",
-                "| trace | read lines | decode (orjson) | parser | engine | sum |", "|---|---|---|---|---|---|"]
+                "*decode* is the msgspec decoder alone (JSON, types and ranges checked, unread fields skipped); "
+                "*matrices* is the rest of `parse_lines` (batched float matrices, per-line checks, NodeSamples); "
+                "*engine* is everything after parsing.", "",
+                "| trace | read lines | decode | matrices | engine | sum |", "|---|---|---|---|---|---|"]
         for r in staged:
             us = {k: v / r.gpu_samples * 1e6 for k, v in r.stages_s.items()}
             parser = us["parse"] - us["decode"]
@@ -246,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fast-minutes", type=float, default=10.0, help="length of the 1 s trace (0: skip)")
     ap.add_argument("--big-nodes", type=int, default=256, help="nodes of the big 5 s trace (0: skip)")
     ap.add_argument("--big-minutes", type=float, default=20.0, help="length of the big 5 s trace")
+    ap.add_argument("--small-nodes", type=int, default=8, help="nodes of the small 1 s trace (0: skip)")
+    ap.add_argument("--small-minutes", type=float, default=30.0, help="length of the small 1 s trace")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--stages", action="store_true", help="also time read / decode / parse / engine in-process")
     ap.add_argument("--no-write", action="store_true")
@@ -265,11 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.big_nodes > 0:
         configs.append((f"{args.big_nodes} nodes × 8 GPUs, {args.big_minutes:g} min @ 5 s",
                         bench_spec(args.big_nodes, args.big_minutes, 5.0)))
+    if args.small_nodes >= 8:
+        configs.append((f"{args.small_nodes} nodes × 8 GPUs, {args.small_minutes:g} min @ 1 s",
+                        bench_spec(args.small_nodes, args.small_minutes, 1.0)))
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         results = []
-        for k, (label, spec) in enumerate(configs):
+        for k, (label, spec, contract) in enumerate((lb, sp, c) for lb, sp in configs for c in (False, True)):
             try:
-                results.append(run_one(label, spec, args.repeat, Path(tmp) / f"trace{k}.jsonl", args.stages))
+                results.append(run_one(label, spec, args.repeat, Path(tmp) / f"trace{k}.jsonl", args.stages,
+                                       contract))
             except RuntimeError as exc:   # a crashing replay is a finding, not a figure
                 print(f"{label}: {exc}", file=sys.stderr)
                 return 1

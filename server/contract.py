@@ -1,18 +1,19 @@
 """Snapshot-contract parser for the server: JSON lines or dicts -> validated, columnar NodeSample.
 
-Only the readings the engine uses are extracted (unknown fields are ignored), straight into one float64
-matrix per snapshot, so that ingest costs a few microseconds per GPU. Unsupported readings (null or
-absent) become NaN in that matrix and never 0. Anything that violates the contract raises ContractError.
+Only the readings the engine uses are extracted (unknown fields are skipped by the decoder), into one
+float64 matrix per snapshot, so that ingest costs a couple of microseconds per GPU. Unsupported
+readings (null or absent) become NaN in that matrix and never 0. Anything that violates the contract
+(wrong type, implausible value, duplicate GPU) raises ContractError naming the field.
 """
 
 from __future__ import annotations
 
 import math
-from operator import itemgetter
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Annotated, Any, Iterable, Iterator, Literal, Mapping, Optional, Union
 
+import msgspec
 import numpy as np
-import orjson
+from msgspec import Meta
 
 SCHEMA_VERSION = 1
 MAX_LINE_BYTES = 4 * 1024 * 1024
@@ -41,7 +42,8 @@ FIELDS = NUMERIC_FIELDS + BOOL_FIELDS
  LAST_XID, ECC_UNCORRECTED, UP, REMAP_PENDING, REMAP_FAILURE) = range(len(FIELDS))
 N_FIELDS = len(FIELDS)
 
-# Plausible physical ranges; a value outside is a broken agent, not a reading to act on.
+# Plausible physical ranges; a value outside is a broken agent, not a reading to act on. NaN fails
+# every range, so a NaN smuggled into a decoded payload is rejected too (JSON itself cannot carry one).
 _LIMITS = {
     "utilization_ratio": (0.0, 1.5),
     "sm_active_ratio": (0.0, 1.5),
@@ -56,25 +58,39 @@ _LIMITS = {
     "xid_errors_total": (0.0, 1e15),
     "last_xid": (0.0, 1e9),
     "ecc_uncorrected_errors_total": (0.0, 1e18),
-    "up": (0.0, 1.0),
-    "remapped_rows_pending": (0.0, 1.0),
-    "remapped_rows_failure": (0.0, 1.0),
 }
-_LOW = np.array([_LIMITS[f][0] for f in FIELDS])
-_HIGH = np.array([_LIMITS[f][1] for f in FIELDS])
-_NONE_TYPE = type(None)
-_NUMBER_TYPES = frozenset((int, float, _NONE_TYPE))
-_BOOL_TYPES = frozenset((bool, type(None)))
-_STR_TYPES = frozenset((str,))
-_JOB_TYPES = frozenset((str, int, type(None)))
-_IDENTITY_FIELDS = ("index", "uuid", "model", "hpc_job", "xid_errors_by_code")
-_ROW_FIELDS = FIELDS + _IDENTITY_FIELDS
-_get_row = itemgetter(*_ROW_FIELDS)
-_N_NUMERIC = len(NUMERIC_FIELDS)
+_NAN = float("nan")
+MAX_GPU_INDEX = 4096
+
+# The wire schema, compiled once: msgspec validates types and ranges in C while decoding and skips
+# every field the engine does not read without building Python objects for it. Readings come first so
+# that a row's tuple starts with the matrix columns; an absent reading defaults to NaN (unsupported),
+# an explicit null decodes to None, which numpy also turns into NaN.
+_GpuRow = msgspec.defstruct(
+    "GpuRow",
+    [(f, Optional[Annotated[float, Meta(ge=_LIMITS[f][0], le=_LIMITS[f][1])]], _NAN) for f in NUMERIC_FIELDS]
+    + [(f, Optional[bool], _NAN) for f in BOOL_FIELDS]
+    + [("index", Annotated[int, Meta(ge=0, lt=MAX_GPU_INDEX)]),
+       ("uuid", str),
+       ("model", str),
+       ("hpc_job", Union[str, int, None], None),
+       # Keys are strings in JSON and ints in the agent's own model: checked in _xid_map.
+       ("xid_errors_by_code", Optional[dict[Any, Any]], None)],
+    kw_only=True, gc=False)
+
+
+class _Snapshot(msgspec.Struct, gc=False):
+    node: Annotated[str, Meta(min_length=1, max_length=MAX_NODE_NAME)]
+    time: Annotated[float, Meta(ge=0.0, lt=1e11)]
+    gpus: Annotated[list[_GpuRow], Meta(max_length=MAX_GPUS_PER_NODE)]   # type: ignore[valid-type]
+    schema: Literal[1] = SCHEMA_VERSION
+
+
+_DECODER = msgspec.json.Decoder(_Snapshot)
+_astuple = msgspec.structs.astuple
 (_I_INDEX, _I_UUID, _I_MODEL, _I_JOB, _I_XID) = range(N_FIELDS, N_FIELDS + 5)
-# Lines are validated in batches of about this many GPU rows: enough to amortise numpy's per-call
-# cost over a batch, small enough that the batch's Python objects stay in the CPU cache (2,048-line
-# batches were about 1.5 µs per GPU-sample slower).
+# Lines are turned into matrices in batches of about this many GPU rows: enough to amortise numpy's
+# per-call cost, small enough that the batch's Python objects stay in the CPU cache.
 CHUNK_GPUS = 512
 CHUNK_LINES = 2048
 
@@ -115,7 +131,7 @@ class NodeSample:
 
 def parse_line(line: bytes | str) -> NodeSample:
     """Parse one JSON line of the snapshot contract."""
-    result = _build([_decode(line)], check_nan=False)[0]
+    result = _build([_decode(line)])[0]
     if isinstance(result, ContractError):
         raise result
     return result
@@ -123,14 +139,18 @@ def parse_line(line: bytes | str) -> NodeSample:
 
 def parse_snapshot(payload: Any) -> NodeSample:
     """Validate one decoded snapshot object (NodeSnapshot.to_dict() shape)."""
-    result = _build([_header(payload)], check_nan=True)[0]
+    try:
+        snapshot = msgspec.convert(payload, _Snapshot)
+    except msgspec.ValidationError as exc:
+        raise ContractError(str(exc)) from None
+    result = _build([snapshot])[0]
     if isinstance(result, ContractError):
         raise result
     return result
 
 
 def parse_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, NodeSample | ContractError]]:
-    """(1-based line number, sample or error) for every non-blank line; validation is batched."""
+    """(1-based line number, sample or error) for every non-blank line; matrices are built in batches."""
     pending: list[tuple[int, Any]] = []
     rows = 0
     for lineno, line in enumerate(lines, 1):
@@ -142,7 +162,7 @@ def parse_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, NodeSample 
             pending.append((lineno, exc))
         else:
             pending.append((lineno, decoded))
-            rows += len(decoded[2])
+            rows += len(decoded.gpus)
         if rows >= CHUNK_GPUS or len(pending) >= CHUNK_LINES:
             yield from _flush(pending)
             pending = []
@@ -151,137 +171,57 @@ def parse_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, NodeSample 
 
 
 def _flush(pending: list[tuple[int, Any]]) -> Iterator[tuple[int, NodeSample | ContractError]]:
-    """Validate a chunk of decoded lines in one vectorised pass, keeping line order."""
-    good = [item for _, item in pending if not isinstance(item, ContractError)]
-    built = iter(_build(good, check_nan=False))
+    """Build a chunk of decoded lines in one vectorised pass, keeping line order."""
+    built = iter(_build([item for _, item in pending if not isinstance(item, ContractError)]))
     for lineno, item in pending:
         yield lineno, (item if isinstance(item, ContractError) else next(built))
 
 
-def _decode(line: bytes | str) -> tuple[str, float, list[tuple]]:
-    """JSON-decode one line and pull out its header and raw per-GPU rows."""
+def _decode(line: bytes | str) -> _Snapshot:
+    """Decode and type/range-check one line."""
     if len(line) > MAX_LINE_BYTES:
         raise ContractError(f"line of {len(line)} bytes exceeds {MAX_LINE_BYTES}")
     try:
-        payload = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        raise ContractError(f"invalid JSON: {exc}") from None
-    return _header(payload)
+        return _DECODER.decode(line)
+    except msgspec.DecodeError as exc:
+        raise ContractError(str(exc)) from None
 
 
-def _header(payload: Any) -> tuple[str, float, list[tuple]]:
-    """Check schema/node/time/gpus and extract one raw tuple per GPU (absent fields -> None)."""
-    if not isinstance(payload, dict):
-        raise ContractError("snapshot is not a JSON object")
-    schema = payload.get("schema", SCHEMA_VERSION)
-    if type(schema) is not int or schema != SCHEMA_VERSION:
-        raise ContractError(f"unsupported schema {schema!r}")
-    node = payload.get("node")
-    if type(node) is not str or not node or len(node) > MAX_NODE_NAME:
-        raise ContractError("node must be a non-empty string")
-    t = payload.get("time")
-    if type(t) not in (int, float) or not (0.0 <= t < 1e11):
-        raise ContractError(f"time must be a finite unix time, got {t!r}")
-    gpus = payload.get("gpus")
-    if type(gpus) is not list:
-        raise ContractError("gpus must be a list")
-    if len(gpus) > MAX_GPUS_PER_NODE:
-        raise ContractError(f"{len(gpus)} gpus exceeds {MAX_GPUS_PER_NODE}")
-    try:
-        rows = list(map(_get_row, gpus))
-    except (KeyError, TypeError):
-        rows = _rows_with_absent_fields(gpus)
-    return node, float(t), rows
-
-
-def _rows_with_absent_fields(gpus: list) -> list[tuple]:
-    """Field-by-field extraction for GPUs that omit fields (absent = unsupported)."""
-    rows = []
-    for i, g in enumerate(gpus):
-        if not isinstance(g, dict):
-            raise ContractError(f"gpu {i} is not an object")
-        rows.append(tuple(g.get(f) for f in _ROW_FIELDS))
-    return rows
-
-
-def _build(decoded: list[tuple[str, float, list[tuple]]], *, check_nan: bool) -> list[NodeSample | ContractError]:
-    """Turn decoded lines into NodeSamples; a chunk with a type error is redone line by line."""
-    if not decoded:
+def _build(snapshots: list[_Snapshot]) -> list[NodeSample | ContractError]:
+    """NodeSamples for decoded snapshots: one float matrix for the whole batch, sliced per line."""
+    if not snapshots:
         return []
-    all_rows = [row for _, _, rows in decoded for row in rows]
-    try:
-        matrix, cols = _columns(all_rows, check_nan)
-    except ContractError as exc:
-        if len(decoded) == 1:
-            return [exc]
-        return [_build([d], check_nan=check_nan)[0] for d in decoded]
-    with np.errstate(invalid="ignore"):
-        bad_rows = np.flatnonzero(((matrix < _LOW) | (matrix > _HIGH)).any(axis=1))
-    np.minimum(matrix[:, UTIL:SM + 1], 1.0, out=matrix[:, UTIL:SM + 1])
+    rows = [_astuple(g) for s in snapshots for g in s.gpus]
+    if rows:
+        cols = list(zip(*rows))
+        # None (an explicit null) becomes NaN here, like the absent readings' NaN default.
+        matrix = np.array(cols[:N_FIELDS], dtype=np.float64).T
+        np.minimum(matrix[:, UTIL:SM + 1], 1.0, out=matrix[:, UTIL:SM + 1])
+        odd_jobs = _needs_job_normalising(cols[_I_JOB])
+    else:
+        cols, matrix, odd_jobs = [()] * (N_FIELDS + 5), np.empty((0, N_FIELDS)), False
     out: list[NodeSample | ContractError] = []
     start = 0
-    first_bad = int(bad_rows[0]) if len(bad_rows) else -1
-    for node, t, rows in decoded:
-        end = start + len(rows)
-        if start <= first_bad < end:
-            out.append(_range_error(matrix, first_bad, start))
-            later = bad_rows[bad_rows >= end]
-            first_bad = int(later[0]) if len(later) else -1
-        else:
-            out.append(_sample(node, t, matrix, cols, start, end))
+    for s in snapshots:
+        end = start + len(s.gpus)
+        out.append(_sample(s, matrix, cols, start, end, odd_jobs))
         start = end
     return out
 
 
-def _range_error(matrix: np.ndarray, row: int, start: int) -> ContractError:
-    """Name the first out-of-range reading of a row."""
-    col = int(np.argmax((matrix[row] < _LOW) | (matrix[row] > _HIGH)))
-    return ContractError(f"gpu {row - start}: {FIELDS[col]}={matrix[row, col]!r} out of range")
+def _needs_job_normalising(jobs: tuple) -> bool:
+    """Jobs need per-line normalising only when some are integers or empty strings."""
+    return "" in jobs or int in set(map(type, jobs))
 
 
-def _columns(all_rows: list[tuple], check_nan: bool) -> tuple[np.ndarray, list[tuple]]:
-    """Transpose rows into columns, type-check each column, convert readings to a float matrix."""
-    if not all_rows:
-        return np.empty((0, N_FIELDS)), [()] * len(_ROW_FIELDS) + [False]
-    cols = list(zip(*all_rows))
-    has_none = []
-    for i in range(N_FIELDS):
-        allowed = _NUMBER_TYPES if i < _N_NUMERIC else _BOOL_TYPES
-        types = set(map(type, cols[i]))
-        if not allowed.issuperset(types):
-            bad = next(v for v in cols[i] if type(v) not in allowed)
-            raise ContractError(f"{FIELDS[i]} has wrong type: {bad!r}")
-        has_none.append(_NONE_TYPE in types)
-    if not all(type(v) is int for v in cols[_I_INDEX]):
-        raise ContractError("gpu index must be an integer")
-    if not _STR_TYPES.issuperset(map(type, cols[_I_UUID])) or not _STR_TYPES.issuperset(map(type, cols[_I_MODEL])):
-        raise ContractError("gpu uuid and model must be strings")
-    job_types = set(map(type, cols[_I_JOB]))
-    if not _JOB_TYPES.issuperset(job_types):
-        raise ContractError("hpc_job must be a string or null")
-    # Jobs need per-line normalising only when some are integers or empty strings.
-    cols.append(int in job_types or "" in cols[_I_JOB])
-    n = len(all_rows)
-    matrix = np.empty((n, N_FIELDS))
-    for i in range(N_FIELDS):
-        col = cols[i]
-        # fromiter is several times faster than np.array but cannot take None (unsupported readings).
-        matrix[:, i] = np.array(col, dtype=np.float64) if has_none[i] else np.fromiter(col, np.float64, n)
-    if check_nan and np.count_nonzero(np.isnan(matrix)) != sum(c.count(None) for c in cols[:N_FIELDS]):
-        raise ContractError("NaN reading (unsupported readings must be null)")
-    return matrix, cols
-
-
-def _sample(node: str, t: float, matrix: np.ndarray, cols: list[tuple], start: int,
-            end: int) -> NodeSample | ContractError:
-    """One line's NodeSample from its slice of the chunk's columns."""
+def _sample(s: _Snapshot, matrix: np.ndarray, cols: list[tuple], start: int, end: int,
+            odd_jobs: bool) -> NodeSample | ContractError:
+    """One line's NodeSample from its slice of the batch's columns."""
     indices = cols[_I_INDEX][start:end]
     if len(set(indices)) != len(indices):
         return ContractError(f"duplicate gpu index in {indices!r}")
-    if indices and (min(indices) < 0 or max(indices) >= 4096):
-        return ContractError(f"gpu index out of range in {indices!r}")
     jobs = cols[_I_JOB][start:end]
-    if cols[-1]:
+    if odd_jobs:
         jobs = tuple(_job(j) for j in jobs)
     xid_raw = cols[_I_XID][start:end]
     xids = None
@@ -290,7 +230,7 @@ def _sample(node: str, t: float, matrix: np.ndarray, cols: list[tuple], start: i
             xids = tuple(_xid_map(x) for x in xid_raw)
         except ContractError as exc:
             return exc
-    return NodeSample(node, t, indices, cols[_I_UUID][start:end], cols[_I_MODEL][start:end], jobs,
+    return NodeSample(s.node, s.time, indices, cols[_I_UUID][start:end], cols[_I_MODEL][start:end], jobs,
                       matrix[start:end], xids)
 
 
@@ -305,8 +245,6 @@ def _xid_map(value: Any) -> dict[int, int] | None:
     """XID counts by code; None when empty or absent."""
     if not value:
         return None
-    if not isinstance(value, dict):
-        raise ContractError("xid_errors_by_code must be an object")
     try:
         out = {int(k): int(v) for k, v in value.items()}
     except (TypeError, ValueError):
