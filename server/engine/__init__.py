@@ -17,9 +17,9 @@ from server.contract import NodeSample
 from server.engine.config import EngineConfig
 from server.engine.detectors import FingerprintIndex, Outcome
 from server.engine.detectors import health, straggler, thermal, workload
-from server.engine.groups import JOB, GroupHistory, GroupRegistry, group_stats
+from server.engine.groups import JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
 from server.engine.lifecycle import Lifecycle
-from server.engine.tick import Tick, smoothed
+from server.engine.tick import Tick, read_windows, smoothed
 from server.engine.views import EngineStats, JobHealth, NodeHealth
 from server.engine.windows import Windows
 
@@ -61,6 +61,7 @@ class Engine:
         self._last_tick: Tick | None = None
         self._job_ticks: dict[str, list[int]] = {}
         self._regime_ticks = np.zeros(0, dtype=np.int64)
+        self._members: GroupMembers | None = None
 
     # -- input ------------------------------------------------------------------------------
     def ingest(self, sample: NodeSample) -> None:
@@ -100,25 +101,34 @@ class Engine:
     # -- one tick -----------------------------------------------------------------------------
     def _evaluate(self, k: int) -> list[Transition]:
         """Run every detector on closed bin k."""
+        # NaN is "unknown" throughout (unsupported, no data, no baseline yet), and comparisons with it
+        # are simply False: the whole tick runs with numpy's warnings about it off, set once.
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self._evaluate_tick(k)
+
+    def _evaluate_tick(self, k: int) -> list[Transition]:
+        """_evaluate's body."""
         cfg = self.config
         w = self.windows
         t = (k + 1) * cfg.tick_seconds
-        window = w.window(k, cfg.bins(cfg.smooth_seconds))
-        med = smoothed(window)
+        smooth_bins = cfg.bins(cfg.smooth_seconds)
+        held = w.held(k, max(smooth_bins, cfg.bins(cfg.gpu_lost_seconds)))
+        latest, levels, fractions = read_windows(w, k, smooth_bins, held)
+        med = smoothed(levels, fractions)
+        has_data = held[:smooth_bins].any(axis=0)
+        busy = med["util"] >= cfg.busy_utilization
         n = w.n
-        has_data = w.has_data(k, cfg.bins(cfg.smooth_seconds))
-        with np.errstate(invalid="ignore"):
-            busy = med["util"] >= cfg.busy_utilization
         gid, ngid = self.registry.build(t, w.slot_job[:n], w.slot_node_id[:n], w.slot_model_id[:n],
                                         w.job_names, has_data, busy)
         n_groups = len(self.registry.keys)
-        groups = group_stats(gid, ngid, n_groups, med)
+        groups = group_stats(gid, ngid, n_groups, levels, fractions, self._members)
+        self._members = groups.members
         if self._ticks % _BASELINE_REFRESH_TICKS == 0 or self.history.base.shape[1] < n_groups:
             self.history.refresh(k, n_groups)
         self._regime(groups)
         drop, source = workload.job_drop(groups, self.history, cfg.workload_clock_ratio)
-        tick = Tick(k, t, cfg, w, window[:, 0], med, has_data, groups, self.registry, drop, source,
-                    (self.history.baseline("sm"), self.history.baseline("power")))
+        tick = Tick(k, t, cfg, w, latest, med, levels, has_data, groups, self.registry, drop, source,
+                    (self.history.baseline("sm"), self.history.baseline("power")), held)
         outcomes: dict[AlertKind, Outcome] = {}
         outcomes[AlertKind.THERMAL_THROTTLE] = thermal.detect(tick, self._thermal_index)
         strag = straggler.detect(tick, self._straggler, self._straggler_index)
@@ -144,8 +154,7 @@ class Engine:
         if len(self._regime_ticks) < n:
             self._regime_ticks = np.concatenate([self._regime_ticks, np.zeros(n - len(self._regime_ticks), dtype=np.int64)])
         base_clk = self.history.baseline("clock")[:n]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            moved = np.abs(groups.clock / base_clk - 1.0) > 1.0 - cfg.workload_clock_ratio
+        moved = np.abs(groups.clock / base_clk - 1.0) > 1.0 - cfg.workload_clock_ratio
         ticks = np.where(moved, self._regime_ticks[:n] + 1, 0)
         changed = ticks >= cfg.bins(60.0)
         if changed.any():
@@ -174,15 +183,14 @@ class Engine:
         """Store this tick in the group history; only healthy ticks feed baselines."""
         cfg = self.config
         grp = tick.groups
-        with np.errstate(invalid="ignore"):
-            threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
-            healthy = ((grp.util >= cfg.job_active_utilization) & ~(tick.slowdown >= threshold / 2)
-                       & (tick.t - self.registry.first_seen[:grp.n_groups] >= cfg.startup_grace_seconds / 2))
+        threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
+        healthy = ((grp.util >= cfg.job_active_utilization) & ~(tick.slowdown >= threshold / 2)
+                   & (tick.t - self.registry.first_seen[:grp.n_groups] >= cfg.startup_grace_seconds / 2))
         for g in suppressed:
             healthy[g] = False
         self.history.record(tick.k, grp, healthy)
         comm = {f.hpc_job for f in outcomes[AlertKind.COMM_BOUND].findings.values()}
-        for gid in np.flatnonzero(grp.size > 0).tolist():
+        for gid in (grp.size > 0).nonzero()[0].tolist():
             job = self.registry.job(gid)
             if job is not None:
                 counts = self._job_ticks.setdefault(job, [0, 0])

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from server.engine.reduce import equal
 from server.engine.windows import NO_JOB
 
 JOB = "hpc_job"
+# The smoothed per-GPU readings that are compared with peers, as rows of one array (see Tick.levels).
+LEVELS = ("sm", "power", "clock", "util")
 NODE_MODEL = "node_model"
 CLUSTER_MODEL = "cluster_model"
 
@@ -58,6 +61,53 @@ def _group_sorted(x: np.ndarray, ids: np.ndarray, n_ids: int) -> np.ndarray:
     return order[np.argsort(keys, kind="stable")]
 
 
+class GroupLayout:
+    """A fixed membership (ids per member, < 0: none) laid out as a padded (group, member) table, for
+    grouped medians that are repeated while membership stays the same (it usually does for many ticks).
+
+    Sorting each table row costs a fraction of group_medians' two sorts over all values; membership
+    so lopsided that padding would dominate falls back to group_medians.
+    """
+
+    def __init__(self, ids: np.ndarray, n_groups: int, where: np.ndarray | None = None) -> None:
+        self.ids = ids.copy()
+        self.n_groups = n_groups
+        # Member j's values sit in column where[j] of the arrays passed to medians() (default: j).
+        self.where = np.arange(len(ids)) if where is None else where.copy()
+        members = np.flatnonzero(ids >= 0)
+        order = members[np.argsort(ids[members], kind="stable")]
+        counts = np.bincount(ids[members], minlength=n_groups)
+        width = int(counts.max()) if len(members) else 0
+        self.padded = width * n_groups <= 4 * len(members) + 64
+        if self.padded:
+            # Padding points at column -1, where medians() puts a NaN.
+            self.table = np.full((n_groups, width), -1, dtype=np.intp)
+            column = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
+            self.table[ids[order], column] = self.where[order]
+            self._scratch = np.empty((0, 0))         # values plus a NaN column, reused across ticks
+            self._first = np.empty(0, dtype=np.intp)  # where each (reading, group) row starts, flat
+
+    def medians(self, values: np.ndarray) -> np.ndarray:
+        """group_medians(values[:, where], ids, n_groups) for a (k, n) array, shape (k, n_groups)."""
+        if not self.padded:
+            return group_medians(values[:, self.where], self.ids, self.n_groups)
+        k, n = values.shape
+        G, width = self.table.shape
+        if width == 0:
+            return np.full((k, G), np.nan)
+        if self._scratch.shape != (k, n + 1):
+            self._scratch = np.full((k, n + 1), np.nan)
+            self._first = np.arange(k * G) * width
+        self._scratch[:, :n] = values
+        rows = np.sort(self._scratch[:, self.table], axis=2)                    # NaN last in each row
+        cnt = width - np.isnan(rows).sum(axis=2).ravel()
+        # cnt // 2 < width always; an empty group's middle is padding, i.e. NaN.
+        flat = rows.ravel()
+        lo = flat[self._first + np.maximum(cnt - 1, 0) // 2]
+        hi = flat[self._first + cnt // 2]
+        return ((lo + hi) / 2.0).reshape(k, G)
+
+
 def group_mean(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
     """NaN-aware mean per group id; NaN for empty groups."""
     return group_means(values[None, :], gid, n_groups)[0]
@@ -82,12 +132,30 @@ class Groups:
     ngid: np.ndarray         # per slot, node-level group (-1: none)
     n_groups: int
     size: np.ndarray         # per group, members with data
-    util: np.ndarray         # per group medians of the smoothed per-GPU values
-    sm: np.ndarray
-    power: np.ndarray
-    clock: np.ndarray
-    slow: np.ndarray
+    levels: np.ndarray       # (4, n_groups) medians of the smoothed per-GPU LEVELS, rows as named below
+    slow: np.ndarray         # per group means of the smoothed throttle-bit shares
     power_cap: np.ndarray
+    members: "GroupMembers | None" = None   # what the statistics were taken over (reused next tick)
+
+    @property
+    def sm(self) -> np.ndarray:
+        """Median SM activity per group."""
+        return self.levels[0]
+
+    @property
+    def power(self) -> np.ndarray:
+        """Median power per group."""
+        return self.levels[1]
+
+    @property
+    def clock(self) -> np.ndarray:
+        """Median SM clock ratio per group."""
+        return self.levels[2]
+
+    @property
+    def util(self) -> np.ndarray:
+        """Median utilization per group."""
+        return self.levels[3]
 
 
 class GroupRegistry:
@@ -98,6 +166,7 @@ class GroupRegistry:
         self.keys: list[tuple] = []
         self.first_seen = np.full(0, np.nan)
         self.is_job = np.zeros(0, dtype=bool)
+        self._last_build: tuple | None = None
 
     def intern(self, key: tuple, t: float) -> int:
         """Id for a group key, registering it (first seen at t) when new."""
@@ -120,7 +189,20 @@ class GroupRegistry:
 
     def build(self, t: float, slot_job: np.ndarray, slot_node: np.ndarray, slot_model: np.ndarray,
               job_names: list[str], has_data: np.ndarray, busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per-slot GPU-level and node-level group ids for this tick."""
+        """Per-slot GPU-level and node-level group ids for this tick (read-only arrays)."""
+        inputs = (slot_job, slot_node, slot_model, has_data, busy)
+        last = self._last_build
+        # Membership rarely changes between ticks; the same inputs give the same (already interned) ids.
+        if last is not None and all(equal(a, b) for a, b in zip(inputs, last[0])):
+            return last[1]
+        gid, ngid = self._build(t, slot_job, slot_node, slot_model, job_names, has_data, busy)
+        gid.flags.writeable = ngid.flags.writeable = False
+        self._last_build = (tuple(a.copy() for a in inputs), (gid, ngid))
+        return gid, ngid
+
+    def _build(self, t: float, slot_job: np.ndarray, slot_node: np.ndarray, slot_model: np.ndarray,
+               job_names: list[str], has_data: np.ndarray, busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """build() without the reuse."""
         n = len(slot_job)
         gid = np.full(n, -1, dtype=np.int64)
         ngid = np.full(n, -1, dtype=np.int64)
@@ -143,24 +225,41 @@ class GroupRegistry:
         return gid, ngid
 
 
-def group_stats(gid: np.ndarray, ngid: np.ndarray, n_groups: int, med: dict[str, np.ndarray]) -> Groups:
-    """Group medians over GPU-level members, plus cluster-model groups over their node-level members."""
-    member_slot = np.flatnonzero(gid >= 0)
-    extra = np.flatnonzero((ngid >= 0) & (ngid != gid))
-    slots = np.concatenate([member_slot, extra])
-    ids = np.concatenate([gid[member_slot], ngid[extra]])
-    has = ~np.isnan(med["util"][slots])
+class GroupMembers:
+    """Which smoothed values feed which group's statistics: GPU-level members of every group, plus the
+    node-level members of cluster-model groups. Kept while the per-slot group ids stay the same."""
+
+    def __init__(self, gid: np.ndarray, ngid: np.ndarray, n_groups: int) -> None:
+        self.gid, self.ngid, self.n_groups = gid, ngid, n_groups
+        member_slot = np.flatnonzero(gid >= 0)
+        extra = np.flatnonzero((ngid >= 0) & (ngid != gid))
+        self.slots = np.concatenate([member_slot, extra])
+        self.ids = np.concatenate([gid[member_slot], ngid[extra]])
+        self.layout = GroupLayout(self.ids, n_groups, self.slots)
+
+    def same(self, gid: np.ndarray, ngid: np.ndarray, n_groups: int) -> bool:
+        """Whether these are the members for that grouping."""
+        return n_groups == self.n_groups and equal(gid, self.gid) and equal(ngid, self.ngid)
+
+
+def group_stats(gid: np.ndarray, ngid: np.ndarray, n_groups: int, levels: np.ndarray, fractions: np.ndarray,
+                members: GroupMembers | None = None) -> Groups:
+    """Group medians of the per-slot levels (4, n) and means of the throttle fractions (slow,
+    power_cap) over `members` (built from gid/ngid when not given or not matching)."""
+    if members is None or not members.same(gid, ngid, n_groups):
+        members = GroupMembers(gid, ngid, n_groups)
+    slots, ids = members.slots, members.ids
+    has = ~np.isnan(levels[3, slots])
     size = np.bincount(ids[has], minlength=n_groups)
-    util, sm, power, clock = group_medians(
-        np.stack([med["util"][slots], med["sm"][slots], med["power"][slots], med["clock"][slots]]), ids, n_groups)
-    slow, power_cap = group_means(np.stack([med["slow"][slots], med["power_cap"][slots]]), ids, n_groups)
-    return Groups(gid, ngid, n_groups, size, util, sm, power, clock, slow, power_cap)
+    slow, power_cap = group_means(fractions[:, slots], ids, n_groups)
+    return Groups(gid, ngid, n_groups, size, members.layout.medians(levels), slow, power_cap, members)
 
 
 class GroupHistory:
     """Ring of per-group medians per tick; the baseline is a high percentile over healthy ticks."""
 
     SERIES = ("sm", "power", "util", "clock")
+    _LEVEL_ROWS = np.array(list(map(LEVELS.index, SERIES)))     # SERIES as rows of Groups.levels
 
     def __init__(self, ring_ticks: int, percentile: float, min_ticks: int) -> None:
         self.ring = ring_ticks
@@ -170,6 +269,7 @@ class GroupHistory:
         self.tick_of = np.full(ring_ticks, -1, dtype=np.int64)
         self.base = np.full((len(self.SERIES), 0), np.nan)
         self.count = np.zeros(0, dtype=np.int64)
+        self._starts = np.zeros(0, dtype=np.intp)
 
     def _fit(self, n_groups: int) -> None:
         """Grow per-group arrays to n_groups."""
@@ -186,9 +286,7 @@ class GroupHistory:
         self._fit(groups.n_groups)
         pos = k % self.ring
         self.tick_of[pos] = k
-        for i, name in enumerate(self.SERIES):
-            col = np.where(healthy, getattr(groups, name), np.nan)
-            self.values[i, :, pos] = col
+        self.values[:, :, pos] = np.where(healthy, groups.levels[self._LEVEL_ROWS], np.nan)
 
     def refresh(self, k: int, n_groups: int) -> None:
         """Recompute baselines from the ring (cheap enough every few ticks)."""
@@ -197,12 +295,19 @@ class GroupHistory:
         vals = np.where(live[None, None, :], self.values, np.nan)
         srt = np.sort(vals, axis=2)
         cnt = (~np.isnan(srt)).sum(axis=2)
-        idx = np.clip(np.floor((cnt - 1) * self.percentile / 100.0).astype(np.int64), 0, self.ring - 1)
-        pct = np.take_along_axis(srt, idx[..., None], axis=2)[..., 0]
+        idx = np.minimum(np.maximum(np.floor((cnt - 1) * self.percentile / 100.0).astype(np.int64), 0),
+                         self.ring - 1)
+        pct = srt.reshape(-1)[(self._row_starts(cnt.size) + idx.ravel())].reshape(cnt.shape)
         enough = cnt >= self.min_ticks
         # Keep the last good baseline while a long incident leaves too few healthy ticks.
         self.base = np.where(enough, pct, self.base)
         self.count = cnt.max(axis=0)
+
+    def _row_starts(self, rows: int) -> np.ndarray:
+        """Flat start of each of `rows` rows of the ring (one row per series and group)."""
+        if len(self._starts) != rows:
+            self._starts = np.arange(rows) * self.ring
+        return self._starts
 
     def reset(self, gids: np.ndarray) -> None:
         """Forget the history of groups whose operating regime changed (e.g. a new power cap)."""

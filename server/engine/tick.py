@@ -7,17 +7,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from server.engine.config import EngineConfig
-from server.engine.groups import GroupRegistry, Groups
-from server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_POWER, B_POWER_CAP, B_SLOW, B_SM,
-                                   B_TEMP, B_THERMAL, B_UTIL, Windows)
+from server.engine.groups import LEVELS, GroupRegistry, Groups
+from server.engine.reduce import nan_mean_first_axis, nan_median_first_axis
+from server.engine.windows import B_CLOCK_RATIO, B_POWER, B_POWER_CAP, B_SLOW, B_SM, B_UTIL, Windows
 
-_MEDIAN_ROWS = (("util", B_UTIL), ("sm", B_SM), ("power", B_POWER), ("clock", B_CLOCK_RATIO),
-                ("temp", B_TEMP))
-_FRACTION_ROWS = (("thermal", B_THERMAL), ("hw_thermal", B_HW_THERMAL), ("slow", B_SLOW),
-                  ("power_cap", B_POWER_CAP))
-
-_MEDIAN_INDEX = [b for _, b in _MEDIAN_ROWS]
-_FRACTION_INDEX = [b for _, b in _FRACTION_ROWS]
+# Only what detectors read every tick is smoothed; the temperature median is needed just for the
+# evidence of a thermal finding and is taken on demand (smoothed_row).
+_LEVEL_ROWS = dict(zip(LEVELS, (B_SM, B_POWER, B_CLOCK_RATIO, B_UTIL)))
+_FRACTION_ROWS = (("slow", B_SLOW), ("power_cap", B_POWER_CAP))
+_ROWS = np.array([_LEVEL_ROWS[name] for name in LEVELS] + [b for _, b in _FRACTION_ROWS])
 
 
 @dataclass(slots=True)
@@ -30,32 +28,43 @@ class Tick:
     windows: Windows
     latest: np.ndarray              # (N_BINNED, n) newest bin means
     med: dict[str, np.ndarray]      # smoothed (median / fraction over smooth window) per slot
+    levels: np.ndarray              # (4, n) the medians among med, rows as groups.LEVELS
     has_data: np.ndarray            # slot has a sample in the smoothing window
     groups: Groups
     registry: GroupRegistry
     slowdown: np.ndarray            # per group: peers' activity drop vs the group's baseline (NaN: unknown)
     slowdown_source: np.ndarray     # per group: 0 = none, 1 = SM activity, 2 = power
     slowdown_baselines: tuple[np.ndarray, np.ndarray]   # per group baseline SM activity, power
+    held: np.ndarray                # (bins, n) newest first: slot has a sample in bin k - i
+
+    def seen(self, n_bins: int) -> np.ndarray:
+        """Per slot: whether any sample fell into the last n_bins bins."""
+        if n_bins <= len(self.held):
+            return self.held[:n_bins].any(axis=0)
+        return self.windows.has_data(self.k, n_bins)
 
 
-def smoothed(window: np.ndarray) -> dict[str, np.ndarray]:
-    """Median over the window of the level readings, mean of the throttle-bit indicators."""
-    rows = window[_MEDIAN_INDEX]                                    # (m, S, n)
-    cnt = (~np.isnan(rows)).sum(axis=1)
-    srt = np.sort(rows, axis=1)
-    lo = np.maximum((cnt - 1) // 2, 0)
-    hi = np.minimum(cnt // 2, srt.shape[1] - 1)
-    med = (np.take_along_axis(srt, lo[:, None, :], 1)[:, 0] + np.take_along_axis(srt, hi[:, None, :], 1)[:, 0]) / 2
-    med[cnt == 0] = np.nan
-    out = {name: med[i] for i, (name, _) in enumerate(_MEDIAN_ROWS)}
-    # All indicator rows at once: a tick is a few hundred GPUs, so numpy's per-call cost dominates.
-    x = window[_FRACTION_INDEX]                                     # (f, S, n)
-    known = ~np.isnan(x)
-    n = known.sum(axis=1)
-    total = np.where(known, x, 0.0).sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        frac = np.where(n > 0, total / np.maximum(n, 1), np.nan)
-    for i, (name, _) in enumerate(_FRACTION_ROWS):
-        out[name] = frac[i]
+def read_windows(w: Windows, k: int, n_bins: int, held: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Newest bin of every binned row; medians over the last n_bins bins of the levels (4, n, rows as
+    groups.LEVELS); mean share of the throttle indicators (slow, power_cap) over the same bins.
+
+    `held` is w.held(k, m) for some m >= n_bins (the engine reads it once for several look-backs).
+    """
+    latest = w.latest(k, held[0])
+    window = w.recent(k, n_bins, _ROWS, held[:n_bins])                        # (bins, rows, n)
+    n_levels = len(LEVELS)
+    return latest, nan_median_first_axis(window[:, :n_levels]), nan_mean_first_axis(window[:, n_levels:])
+
+
+def smoothed(levels: np.ndarray, fractions: np.ndarray) -> dict[str, np.ndarray]:
+    """The smoothed readings by name (views of the arrays read_windows returns)."""
+    out = dict(zip(LEVELS, levels))
+    out.update(zip((name for name, _ in _FRACTION_ROWS), fractions))
     return out
 
+
+def smoothed_row(tick: Tick, row: int, slots: np.ndarray) -> np.ndarray:
+    """Median of one binned row over the smoothing window for some slots (rarely needed readings)."""
+    n_bins = tick.config.bins(tick.config.smooth_seconds)
+    held = tick.held[:n_bins] if len(tick.held) >= n_bins else None
+    return nan_median_first_axis(tick.windows.recent(tick.k, n_bins, [row], held)[:, 0, slots])

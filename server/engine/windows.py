@@ -10,6 +10,7 @@ rates, still binned). Bins are keyed by sample time, so a node's clock skew only
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -28,7 +29,13 @@ THERMAL_BITS = 0x20 | 0x40
 HW_THERMAL_BIT = 0x40
 SLOW_BITS = 0x08 | 0x20 | 0x40 | 0x80
 POWER_CAP_BIT = 0x04
+_COUNTER_COLS = np.array([ENERGY, XID_TOTAL, ECC_UNCORRECTED])     # _counters' column i is counter i
+_DIRECT_ROWS = np.array([b for b, _ in _DIRECT])
+_DIRECT_COLS = np.array([c for _, c in _DIRECT])
+_BIT_ROWS = np.array([B_THERMAL, B_HW_THERMAL, B_SLOW, B_POWER_CAP])
+_BIT_MASKS = np.array([THERMAL_BITS, HW_THERMAL_BIT, SLOW_BITS, POWER_CAP_BIT])[:, None]
 NO_JOB = -1
+_TIME_NODE = attrgetter("time", "node")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +108,10 @@ class Windows:
             return new
 
         first = old == 0
-        self.sums = grow(None if first else self.sums, 0.0, (N_BINNED, self.ring))
-        self.cnts = grow(None if first else self.cnts, 0.0, (N_BINNED, self.ring))
+        # Sums and sample counts of every binned row in one array (sums first): one scatter per
+        # flush and one gather per read serve both.
+        self.acc = grow(None if first else self.acc, 0.0, (2 * N_BINNED, self.ring))
+        self._row_offsets = (np.arange(2 * N_BINNED) * (self.ring * cap))[:, None]
         self.bin_id = grow(None if first else self.bin_id, -1, (self.ring,), np.int64)
         self.slot_job = grow(None if first else self.slot_job, NO_JOB, (), np.int64)
         self.slot_job_since = grow(None if first else self.slot_job_since, np.nan)
@@ -142,6 +151,12 @@ class Windows:
             self.job_names.append(job)
         return code
 
+    def _reserve(self, inbox: list[NodeSample]) -> None:
+        """Grow the rings once for every GPU of nodes not seen before (instead of slot by slot)."""
+        new = {s.node: len(s.indices) for s in inbox if s.node not in self._nodes}
+        if new:
+            self._grow(self.n + sum(new.values()))
+
     def _resolve(self, sample: NodeSample) -> tuple[np.ndarray, np.ndarray]:
         """Slots and job codes for a snapshot's rows, cached per node."""
         cache = self._nodes.get(sample.node)
@@ -177,34 +192,47 @@ class Windows:
         """Move queued samples into the rings; bins older than min_bin are gone and dropped."""
         if not self._inbox:
             return
-        inbox = sorted(self._inbox, key=lambda s: (s.time, s.node))
+        inbox = sorted(self._inbox, key=_TIME_NODE)
         self._inbox = []
-        resolved = [self._resolve(s) for s in inbox]
-        inbox_nonempty = [(s, r) for s, r in zip(inbox, resolved) if len(s)]
-        if not inbox_nonempty:
+        self._reserve(inbox)
+        kept, slot_parts, code_parts, value_parts, sample_times, sizes, node_ids = [], [], [], [], [], [], []
+        for sample in inbox:
+            sample_slots, sample_codes = self._resolve(sample)
+            if len(sample_slots):
+                kept.append(sample)
+                slot_parts.append(sample_slots)
+                code_parts.append(sample_codes)
+                value_parts.append(sample.values)
+                sample_times.append(sample.time)
+                sizes.append(len(sample_slots))
+                node_ids.append(self.node_ids[sample.node])
+        if not kept:
             return
-        slots = np.concatenate([r[0] for _, r in inbox_nonempty])
-        codes = np.concatenate([r[1] for _, r in inbox_nonempty])
-        values = np.concatenate([s.values for s, _ in inbox_nonempty])
-        sample_times = np.array([s.time for s, _ in inbox_nonempty])
-        times = np.repeat(sample_times, [len(s) for s, _ in inbox_nonempty])
+        slots = np.concatenate(slot_parts)
+        codes = np.concatenate(code_parts)
+        values = np.concatenate(value_parts)
+        times = np.repeat(sample_times, sizes)
         self.samples += len(slots)
-        self.newest_time = max(self.newest_time, inbox_nonempty[-1][0].time)
-        self.resumed_time = inbox_nonempty[0][0].time
+        self.newest_time = max(self.newest_time, sample_times[-1])
+        self.resumed_time = sample_times[0]
         # The inbox is in time order, so a node's last write carries its newest time (fmax skips NaN).
-        node_ids = np.array([self.node_ids[s.node] for s, _ in inbox_nonempty])
         self.node_last_time[node_ids] = np.fmax(self.node_last_time[node_ids], sample_times)
         in_order = times >= self.slot_last_time[slots]
         by_slot = np.argsort(slots, kind="stable")            # per slot, still in time order
         self._update_jobs(slots, codes, times, in_order, by_slot)
-        power_from_energy = self._counters(slots, times, values, in_order, inbox_nonempty, by_slot)
         sorted_slots = slots[by_slot]
         one_per_slot = not (sorted_slots[1:] == sorted_slots[:-1]).any()
+        power_from_energy = self._counters(slots, times, values, in_order, kept, by_slot, one_per_slot)
         self._bin(slots, times, self._derive(values, power_from_energy), min_bin, one_per_slot)
 
     def _update_jobs(self, slots: np.ndarray, codes: np.ndarray, times: np.ndarray,
                      in_order: np.ndarray, by_slot: np.ndarray) -> None:
         """Current job of each GPU follows its newest sample; a change restarts its job clock."""
+        if in_order.all() and (codes == self.slot_job[slots]).all():
+            # No GPU changed job (the usual case): only the sample times move. Rows are in time
+            # order, so each GPU's newest time is written last.
+            self.slot_last_time[slots] = times
+            return
         order = by_slot[in_order[by_slot]]                    # in-order rows, per slot in time order
         s, c, t = slots[order], codes[order], times[order]
         prev = np.empty_like(c)
@@ -220,21 +248,23 @@ class Windows:
         self.slot_last_time[s] = t
 
     def _counters(self, slots: np.ndarray, times: np.ndarray, values: np.ndarray, in_order: np.ndarray,
-                  inbox: list, order: np.ndarray) -> np.ndarray:
+                  inbox: list, order: np.ndarray, one_per_slot: bool = False) -> np.ndarray:
         """Difference energy/XID/ECC counters per GPU (rows taken in `order`: by slot, then time); returns
         average power from energy per row (NaN where there is no previous reading, time did not advance,
         or the counter was reset)."""
         s, t = slots[order], times[order]
         power = np.full(len(slots), np.nan)
-        for i, col in enumerate((ENERGY, XID_TOTAL, ECC_UNCORRECTED)):
-            v = values[order, col]
-            ok = in_order[order] & ~np.isnan(v)
+        counters = values[order[:, None], _COUNTER_COLS]
+        known = ~np.isnan(counters) & in_order[order][:, None]
+        for i in (0,) + self._health_counters_moved(counters, known, s, t):
+            v = counters[:, i]
+            ok = known[:, i]
             if not ok.any():
                 continue
             if i and np.array_equal(v[ok], self._counter_val[i, s[ok]]):
                 self._counter_time[i, s[ok]] = t[ok]
                 continue            # no counter moved: nothing to difference
-            delta, dt, reset = self._diff(i, s[ok], t[ok], v[ok])
+            delta, dt, reset = self._diff(i, s[ok], t[ok], v[ok], one_per_slot)
             if i == 0:
                 # Energy across a reset has no known rate; everything else counts from zero.
                 rate = np.where((dt > 0) & ~reset, delta / np.where(dt > 0, dt, 1.0), np.nan)
@@ -243,8 +273,36 @@ class Windows:
                 self._record_events(i, order[ok], s[ok], t[ok], delta, values, inbox)
         return power
 
-    def _diff(self, i: int, s: np.ndarray, t: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per-row increase and elapsed time against the same GPU's previous reading."""
+    def _health_counters_moved(self, counters: np.ndarray, known: np.ndarray, s: np.ndarray,
+                               t: np.ndarray) -> tuple[int, ...]:
+        """Columns of the XID/ECC counters to difference: none when no reading differs from its GPU's
+        last one (the usual case; then only their reading times advance), else both."""
+        r, c = np.nonzero(known[:, 1:])
+        c += 1
+        if len(r) and not (counters[r, c] == self._counter_val[c, s[r]]).all():
+            return 1, 2
+        # Row-major order: per GPU and counter the newest reading is written last.
+        self._counter_time[c, s[r]] = t[r]
+        return ()
+
+    def _diff(self, i: int, s: np.ndarray, t: np.ndarray, v: np.ndarray,
+              one_per_slot: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-row increase and elapsed time against the same GPU's previous reading (rows by slot, then
+        time; one_per_slot: no GPU appears twice, so every previous reading is the stored one)."""
+        if one_per_slot:
+            prev_v, prev_t = self._counter_val[i, s], self._counter_time[i, s]
+            self._counter_val[i, s], self._counter_time[i, s] = v, t
+        else:
+            prev_v, prev_t = self._previous(i, s, t, v)
+        # A counter that went backwards was reset (driver reload, agent restart, wrap): count from 0.
+        reset = v < prev_v
+        delta = np.where(np.isnan(prev_v), 0.0, np.where(reset, v, v - prev_v))
+        dt = np.where(np.isfinite(prev_t), t - prev_t, np.nan)
+        return delta, dt, reset
+
+    def _previous(self, i: int, s: np.ndarray, t: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's previous reading of counter i (the row before it of the same GPU, else the stored
+        one); stores each GPU's last row."""
         prev_v = np.empty_like(v)
         prev_t = np.empty_like(t)
         first = np.ones(len(s), dtype=bool)
@@ -256,11 +314,7 @@ class Windows:
         last[:-1] = s[:-1] != s[1:]
         self._counter_val[i, s[last]] = v[last]
         self._counter_time[i, s[last]] = t[last]
-        # A counter that went backwards was reset (driver reload, agent restart, wrap): count from 0.
-        reset = v < prev_v
-        delta = np.where(np.isnan(prev_v), 0.0, np.where(reset, v, v - prev_v))
-        dt = np.where(np.isfinite(prev_t), t - prev_t, np.nan)
-        return delta, dt, reset
+        return prev_v, prev_t
 
     def _record_events(self, i: int, rows: np.ndarray, s: np.ndarray, t: np.ndarray, delta: np.ndarray,
                        values: np.ndarray, inbox: list) -> None:
@@ -290,22 +344,18 @@ class Windows:
     def _derive(self, values: np.ndarray, power_from_energy: np.ndarray) -> np.ndarray:
         """Rows of binned quantities: direct readings, clock ratio and throttle-bit indicators."""
         out = np.empty((N_BINNED, len(values)))
-        for b, col in _DIRECT:
-            out[b] = values[:, col]
+        out[_DIRECT_ROWS] = values[:, _DIRECT_COLS].T
         # Average power over the sampling interval (from the energy counter) beats the instantaneous
         # reading: a synchronous job's GPUs all sit in the same step phase at a sample instant, so
         # instantaneous power aliases with the step cycle at 5-10 s sampling.
-        from_energy = ~np.isnan(power_from_energy)
-        out[B_POWER][from_energy] = power_from_energy[from_energy]
+        out[B_POWER] = np.where(np.isnan(power_from_energy), out[B_POWER], power_from_energy)
         with np.errstate(invalid="ignore", divide="ignore"):
             ratio = values[:, CLOCK] / values[:, CLOCK_MAX]
         out[B_CLOCK_RATIO] = np.where(values[:, CLOCK_MAX] > 0, ratio, np.nan)
         throttle = values[:, THROTTLE]
         known = ~np.isnan(throttle)
         bits = np.where(known, throttle, 0).astype(np.int64)
-        for b, mask in ((B_THERMAL, THERMAL_BITS), (B_HW_THERMAL, HW_THERMAL_BIT), (B_SLOW, SLOW_BITS),
-                        (B_POWER_CAP, POWER_CAP_BIT)):
-            out[b] = np.where(known, (bits & mask) != 0, np.nan)
+        out[_BIT_ROWS] = np.where(known, (bits & _BIT_MASKS) != 0, np.nan)
         return out
 
     def _bin(self, slots: np.ndarray, times: np.ndarray, derived: np.ndarray, min_bin: int,
@@ -319,23 +369,20 @@ class Windows:
         if not keep.all():
             self.late_dropped += int(np.count_nonzero(~keep))
             slots, bins, pos, held, derived = slots[keep], bins[keep], pos[keep], held[keep], derived[:, keep]
-        # Cells are addressed flat, (row, pos * cap + slot): numpy's mixed slice/array indexing of the
-        # 3-d rings costs several times more per tick.
-        sums = self.sums.reshape(N_BINNED, -1)
-        cnts = self.cnts.reshape(N_BINNED, -1)
+        # Cells are addressed flat, row * ring * cap + pos * cap + slot: numpy's 2-d and 3-d fancy
+        # assignment costs several times more per tick than a 1-d scatter.
+        acc = self.acc.reshape(-1)
         cell = pos * self._cap + slots
+        # A cell that held an older bin starts from zero (it is overwritten below, not cleared first).
         fresh = bins > held
         if fresh.any():
-            sums[:, cell[fresh]] = 0.0
-            cnts[:, cell[fresh]] = 0.0
             self.bin_id[pos[fresh], slots[fresh]] = bins[fresh]
         valid = ~np.isnan(derived)
-        values = np.where(valid, derived, 0.0)
-        counts = valid.astype(np.float64)
+        add = np.concatenate([np.where(valid, derived, 0.0), valid])          # sums, then counts
         if one_per_slot:
             # Every cell once (the usual case at tick-rate sampling): scatter straight away.
-            sums[:, cell] = sums.take(cell, axis=1) + values
-            cnts[:, cell] = cnts.take(cell, axis=1) + counts
+            at = self._row_offsets + cell
+            acc[at] = np.where(fresh, 0.0, acc[at]) + add
             return
         order = np.argsort(cell, kind="stable")
         sorted_cell = cell[order]
@@ -344,34 +391,50 @@ class Windows:
         if not first.all():
             # Several samples of one GPU in one bin (sub-tick sampling): sum them before scattering.
             starts = np.flatnonzero(first)
-            values = np.add.reduceat(values[:, order], starts, axis=1)
-            counts = np.add.reduceat(counts[:, order], starts, axis=1)
+            add = np.add.reduceat(add[:, order], starts, axis=1)
             order = order[starts]
         else:
-            values, counts = values[:, order], counts[:, order]
+            add = add[:, order]
         # One entry per cell now, so gather-add-scatter is exact (and cheaper than fancy +=).
-        cells = cell[order]
-        sums[:, cells] = sums.take(cells, axis=1) + values
-        cnts[:, cells] = cnts.take(cells, axis=1) + counts
+        at = self._row_offsets + cell[order]
+        acc[at] = np.where(fresh[order], 0.0, acc[at]) + add
 
     # -- reading ------------------------------------------------------------------------------
     def window(self, last_bin: int, n_bins: int) -> np.ndarray:
         """Bin means, shape (N_BINNED, n_bins, n) newest first; NaN where no sample or unsupported."""
-        ks = last_bin - np.arange(n_bins)
-        pos = ks % self.ring
-        n = self.n
-        valid = self.bin_id[pos, :n] == ks[:, None]
-        sums = self.sums[:, pos, :n]
-        cnts = self.cnts[:, pos, :n]
+        return self.recent(last_bin, n_bins, np.arange(N_BINNED)).transpose(1, 0, 2)
+
+    def latest(self, last_bin: int, held: np.ndarray) -> np.ndarray:
+        """Bin means of every binned row in one bin, shape (N_BINNED, n); `held` is self.held(last_bin, 1)[0]."""
+        pos, n = last_bin % self.ring, self.n
+        acc = self.acc[:, pos, :n]
         with np.errstate(invalid="ignore", divide="ignore"):
-            means = sums / cnts
-        means[:, ~valid] = np.nan
-        return means
+            means = acc[:N_BINNED] / acc[N_BINNED:]
+        return means * np.where(held, 1.0, np.nan)
+
+    def held(self, last_bin: int, n_bins: int) -> np.ndarray:
+        """Shape (n_bins, n), newest first: whether each slot has a sample in bin last_bin - i."""
+        ks = last_bin - np.arange(n_bins)
+        return self.bin_id[ks % self.ring, :self.n] == ks[:, None]
+
+    def recent(self, last_bin: int, n_bins: int, rows: np.ndarray, held: np.ndarray | None = None) -> np.ndarray:
+        """Bin means of some binned rows, shape (n_bins, len(rows), n) newest first; NaN where no sample
+        or unsupported. `held` is self.held(last_bin, n_bins) when the caller has it already."""
+        if held is None:
+            held = self.held(last_bin, n_bins)
+        n = self.n
+        pos = ((last_bin - np.arange(n_bins)) % self.ring)[:, None]
+        rows = np.asarray(rows)
+        acc = self.acc[np.concatenate([rows, rows + N_BINNED])[None, :], pos, :n]   # sums, then counts
+        # 0/0 (no sample) is NaN already; a stale cell (an older bin at that position) is masked by
+        # multiplying with NaN, and x * 1.0 keeps every other mean exactly.
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means = acc[:, :len(rows)] / acc[:, len(rows):]
+        return means * np.where(held, 1.0, np.nan)[:, None, :]
 
     def has_data(self, last_bin: int, n_bins: int) -> np.ndarray:
         """Per slot: whether any sample fell into the last n_bins bins."""
-        ks = last_bin - np.arange(n_bins)
-        return (self.bin_id[ks % self.ring, :self.n] == ks[:, None]).any(axis=0)
+        return self.held(last_bin, n_bins).any(axis=0)
 
     def drain_events(self) -> list[CounterEvent]:
         """Counter events since the last call."""
@@ -379,9 +442,9 @@ class Windows:
         return events
 
 
-def _row_xid_maps(inbox: list) -> list:
+def _row_xid_maps(inbox: list[NodeSample]) -> list:
     """Per-row XID-by-code maps across the flushed batch (None where absent)."""
     out: list = []
-    for s, _ in inbox:
+    for s in inbox:
         out.extend(s.xid_by_code if s.xid_by_code is not None else (None,) * len(s))
     return out

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.engine.groups import (CLUSTER_MODEL, JOB, NODE_MODEL, GroupRegistry, group_mean, group_means,
-                                  group_median, group_medians)
+import pytest
+
+from server.engine.groups import (CLUSTER_MODEL, JOB, NODE_MODEL, GroupLayout, GroupMembers, GroupRegistry,
+                                  group_mean, group_means, group_median, group_medians, group_stats)
 
 
 def test_group_median_ignores_nan_and_negative_ids():
@@ -71,3 +73,56 @@ def test_batched_group_means_match_one_group_at_a_time():
     np.testing.assert_array_equal(means[0], [1.5, 4.0, np.nan])
     np.testing.assert_array_equal(means[1], [2 / 3, np.nan, np.nan])
     np.testing.assert_array_equal(means[1], group_mean(values[1], gid, 3))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_group_layout_medians_match_group_medians(seed):
+    rng = np.random.default_rng(seed)
+    n, n_groups = 120, 9
+    ids = rng.integers(-1, n_groups - 1, n)             # the last group stays empty
+    where = rng.permutation(200)[:n]                     # members' columns in a wider array
+    layout = GroupLayout(ids, n_groups, where)
+    for nan_share in (0.0, 0.3):
+        values = rng.normal(size=(4, 200)).round(1)
+        values[rng.random(values.shape) < nan_share] = np.nan
+        values[1] = np.nan                               # an unsupported reading
+        values[2, where[ids == 0]] = np.nan              # a group without this reading
+        np.testing.assert_array_equal(layout.medians(values), group_medians(values[:, where], ids, n_groups))
+
+
+def test_lopsided_group_layout_falls_back_exactly():
+    ids = np.array([0] * 300 + list(range(1, 40)))      # padding every group to 300 would dominate
+    values = np.random.default_rng(1).random((2, len(ids)))
+    layout = GroupLayout(ids, 40)
+    assert not layout.padded
+    np.testing.assert_array_equal(layout.medians(values), group_medians(values, ids, 40))
+
+
+def test_group_stats_reuse_members_only_for_the_same_grouping():
+    gid = np.array([0, 0, 0, 1, 1, -1])
+    ngid = np.array([0, 0, 0, 1, 1, 2])
+    levels = np.arange(24, dtype=float).reshape(4, 6)
+    fractions = np.zeros((2, 6))
+    first = group_stats(gid, ngid, 3, levels, fractions)
+    again = group_stats(gid.copy(), ngid.copy(), 3, levels, fractions, first.members)
+    assert again.members is first.members
+    np.testing.assert_array_equal(again.levels, [[1, 3.5, 5], [7, 9.5, 11], [13, 15.5, 17], [19, 21.5, 23]])
+    moved = group_stats(np.array([0, 0, 1, 1, 1, -1]), np.array([0, 0, 1, 1, 1, 2]), 3, levels, fractions,
+                        first.members)
+    assert moved.members is not first.members and moved.levels[0, 0] == 0.5
+    assert isinstance(moved.members, GroupMembers)
+
+
+def test_build_reuses_ids_for_unchanged_inputs_and_rebuilds_on_change():
+    reg = GroupRegistry()
+    slot_job = np.array([0, 0, -1, -1])
+    node = np.array([0, 0, 1, 1])
+    model = np.zeros(4, dtype=np.int64)
+    has, busy = np.ones(4, dtype=bool), np.ones(4, dtype=bool)
+    gid, ngid = reg.build(100.0, slot_job, node, model, ["j"], has, busy)
+    assert not gid.flags.writeable                       # shared across ticks: nobody may edit it
+    same, _ = reg.build(105.0, slot_job.copy(), node, model, ["j"], has, busy)
+    assert same is gid
+    busy[3] = False
+    changed, _ = reg.build(110.0, slot_job, node, model, ["j"], has, busy)
+    assert changed is not gid and changed[3] == -1 and changed[2] == gid[2]

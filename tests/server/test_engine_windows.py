@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.engine.windows import B_POWER, B_THERMAL, B_UTIL, Windows
+from server.engine.windows import B_POWER, B_THERMAL, B_UTIL, N_BINNED, Windows
 from tests.server.engine_samples import T0, healthy, sample
 
 
@@ -96,3 +96,19 @@ def test_one_sample_per_gpu_batches_bin_like_sub_tick_batches():
     k = int((T0 + 9) // 5)
     np.testing.assert_allclose(one.window(k, 3), many.window(k, 3), rtol=1e-12, equal_nan=True)
     assert one.samples == many.samples == 30
+
+
+def test_latest_recent_and_held_agree_with_window():
+    w = _w()
+    for t in (0, 1, 12, 13, 30):                         # bins 0, 2 and 6 of GPU 0; GPU 1 only at 30
+        w.add(sample("n0", T0 + t, [healthy(0, utilization_ratio=0.01 * t)] + ([healthy(1)] if t == 30 else [])))
+    w.flush(0)
+    k = int((T0 + 30) // 5)
+    full = w.window(k, 7)                                # (rows, bins, n)
+    held = w.held(k, 7)
+    np.testing.assert_array_equal(held, ~np.isnan(full[B_UTIL]))
+    np.testing.assert_array_equal(w.has_data(k, 3), held[:3].any(axis=0))
+    np.testing.assert_array_equal(w.latest(k, held[0]), full[:, 0])
+    rows = np.array([B_POWER, B_UTIL])
+    np.testing.assert_array_equal(w.recent(k, 7, rows, held), full[rows].transpose(1, 0, 2))
+    assert w.latest(k, held[0]).shape == (N_BINNED, 2)

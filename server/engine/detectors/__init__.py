@@ -65,7 +65,7 @@ def plain(value: Any) -> Any:
         return None if value != value else value
     if kind is int or kind is str or kind is bool or value is None:
         return value          # the common cases first: isinstance against the Mapping ABC is slow
-    if isinstance(value, Mapping):
+    if kind is dict or isinstance(value, Mapping):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
@@ -101,7 +101,7 @@ class FingerprintIndex:
         if len(self._done) < n:
             self._done = np.concatenate([self._done, np.full(n - len(self._done), -2, dtype=np.int64)])
         jobs = w.slot_job[:n] if self._keyed else np.full(n, -1, dtype=np.int64)
-        for s in np.flatnonzero(self._done[:n] != jobs).tolist():
+        for s in (self._done[:n] != jobs).nonzero()[0].tolist():
             code = int(jobs[s])
             job = w.job_names[code] if code >= 0 else None
             self._map[subject_fingerprint(self.kind, w.slot_node[s], w.slot_index[s], job)] = (s, code)

@@ -87,15 +87,14 @@ def _unreachable(tick: Tick, state: HealthState) -> Outcome:
             fp = subject_fingerprint(AlertKind.NODE_UNREACHABLE, w.node_names[nid], None, None)
             state.node_fp_list.append(fp)
             state.node_fps[fp] = nid
-    with np.errstate(invalid="ignore"):
-        lag = np.maximum(tick.t - last, 0.0)
-        base = np.where(np.isnan(state.lag_base), lag, state.lag_base)
-        late = lag - base > cfg.unreachable_seconds
-        known = ~np.isnan(lag)
-        update = known & ~late
-        state.lag_base[update] = np.minimum(lag[update], base[update] + 0.02 * cfg.tick_seconds)
+    lag = np.maximum(tick.t - last, 0.0)
+    base = np.where(np.isnan(state.lag_base), lag, state.lag_base)
+    late = lag - base > cfg.unreachable_seconds
+    known = ~np.isnan(lag)
+    update = known & ~late
+    state.lag_base[update] = np.minimum(lag[update], base[update] + 0.02 * cfg.tick_seconds)
     out = Outcome()
-    for nid in np.flatnonzero(late & known).tolist():
+    for nid in (late & known).nonzero()[0].tolist():
         node = w.node_names[nid]
         out.add(Finding(AlertKind.NODE_UNREACHABLE, node, None, None, None, Severity.CRITICAL,
                         f"node {node} sent no sample for {lag[nid]:.0f} s",
@@ -122,15 +121,14 @@ def _gpu_lost(tick: Tick, state: HealthState) -> Outcome:
     w = tick.windows
     n = w.n
     up = tick.latest[B_UP]
-    present = w.has_data(tick.k, cfg.bins(cfg.gpu_lost_seconds))
+    present = tick.seen(cfg.bins(cfg.gpu_lost_seconds))
     node_now = np.zeros(len(w.node_names), dtype=bool)
-    node_now[w.slot_node_id[:n][w.has_data(tick.k, 1)]] = True
+    node_now[w.slot_node_id[:n][tick.held[0]]] = True
     vanished = ~present & node_now[w.slot_node_id[:n]]
-    with np.errstate(invalid="ignore"):
-        down = up < 0.5
-        back = up >= 0.5
+    down = up < 0.5
+    back = up >= 0.5
     out = Outcome()
-    for slot in np.flatnonzero(down | vanished).tolist():
+    for slot in (down | vanished).nonzero()[0].tolist():
         why = "reports up=false" if down[slot] else f"missing from its node's snapshots for {cfg.gpu_lost_seconds:.0f} s"
         job_code = w.slot_job[slot]
         out.add(Finding(AlertKind.GPU_LOST, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot],
@@ -191,12 +189,11 @@ def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
     for e in events:
         prev = state.ecc_last.get(e.slot, (0.0, 0))[1]
         state.ecc_last[e.slot] = (e.time, prev + e.delta)
-    with np.errstate(invalid="ignore"):
-        pending = tick.latest[B_REMAP_PENDING] > 0
-        failure = tick.latest[B_REMAP_FAILURE] > 0
+    pending = tick.latest[B_REMAP_PENDING] > 0
+    failure = tick.latest[B_REMAP_FAILURE] > 0
     out = Outcome()
     fresh = {e.slot for e in events}
-    for slot in sorted(fresh | set(np.flatnonzero(pending | failure).tolist())):
+    for slot in sorted(fresh | set((pending | failure).nonzero()[0].tolist())):
         when, count = state.ecc_last.get(slot, (None, 0))
         job_code = w.slot_job[slot]
         why = []

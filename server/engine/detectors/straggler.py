@@ -20,7 +20,8 @@ import numpy as np
 
 from server.alerts import AlertKind, Severity
 from server.engine.detectors import FingerprintIndex, Finding, Outcome, r3, subject_fingerprint
-from server.engine.groups import JOB, group_medians
+from server.engine.groups import JOB, GroupLayout
+from server.engine.reduce import equal, nan_median_first_axis, nan_to_zero
 from server.engine.tick import Tick
 
 _SM, _PW, _CLK, _UTIL = range(4)
@@ -73,8 +74,7 @@ class StragglerState:
         have = len(self._steady)
         if have < grp.n_groups:
             self._steady = np.concatenate([self._steady, np.full(grp.n_groups - have, np.nan)])
-        with np.errstate(invalid="ignore"):
-            steady = grp.util >= cfg.straggler_waiting_utilization
+        steady = grp.util >= cfg.straggler_waiting_utilization
         self._steady[:grp.n_groups] = np.where(steady, np.fmin(self._steady[:grp.n_groups], tick.t), np.nan)
         return self._steady[:grp.n_groups]
 
@@ -101,7 +101,7 @@ class StragglerState:
         n_nodes, n_groups = len(tick.windows.node_names), tick.groups.n_groups
         lay = self._node_layout
         if (lay is not None and lay.n_nodes == n_nodes and lay.n_groups == n_groups
-                and np.array_equal(lay.ng, ng) and np.array_equal(lay.sel, sel)):
+                and equal(lay.ng, ng) and equal(lay.sel, sel)):
             return lay.usable
         lay = self._node_layout = _NodePairs(self, tick, ng.copy(), sel.copy(), node_id, n_nodes, n_groups)
         return lay.usable
@@ -147,8 +147,17 @@ class _NodePairs:
         self.sel_pairs = np.flatnonzero(multi)
         self.gids, self.nids = self.pair_group[self.sel_pairs], pair_node[self.sel_pairs]
         self.idx = state.pair_slots(tick, self.gids, self.nids) if self.usable else self.sel_pairs
-        self.pairs = {state.pair_fps[i]: (int(gg), int(nn))
-                      for i, gg, nn in zip(self.idx.tolist(), self.gids.tolist(), self.nids.tolist())}
+        # Pairs are registered in the order first seen, so the index is usually a plain range: a slice
+        # reads and writes the learned offsets without copying through fancy indexing.
+        if len(self.idx) and np.array_equal(self.idx, np.arange(self.idx[0], self.idx[0] + len(self.idx))):
+            self.idx = slice(int(self.idx[0]), int(self.idx[0]) + len(self.idx))
+        slots = range(len(state.pair_fps))[self.idx] if isinstance(self.idx, slice) else self.idx.tolist()
+        self.pairs = {state.pair_fps[i]: (int(gg), int(nn)) for i, gg, nn in zip(slots, self.gids.tolist(),
+                                                                                 self.nids.tolist())}
+        # Grouped medians over the same membership every tick: GPUs into pairs, pairs into groups.
+        self.members = GroupLayout(self.inv, len(uniq), np.flatnonzero(sel))
+        self.nodes_of_group = GroupLayout(self.pair_group, n_groups)
+        self.three_or_more = bool((self.per_group >= 3).any())
 
 
 class Result:
@@ -166,55 +175,69 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex) -> Result
     state.fit(n)
     if tick.groups.n_groups == 0:
         return Result(Outcome(), set())
-    g = tick.groups.gid
+    grp = tick.groups
+    g = grp.gid
     _reset_moved(state, g)
     m = tick.med
-    u, sm, pw, clk = m["util"], m["sm"], m["power"], m["clock"]
-    gi = np.where(g >= 0, g, 0)
-    grp = tick.groups
-    gu, gsm, gpw, gclk = grp.util[gi], grp.sm[gi], grp.power[gi], grp.clock[gi]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        dev = np.stack([sm / gsm - 1.0, pw / gpw - 1.0, clk / gclk - 1.0, u - gu])
-        busy = (u >= cfg.busy_utilization) & (g >= 0)
-        warm_ticks = cfg.bins(cfg.startup_grace_seconds)
-        group_age = tick.t - tick.registry.first_seen[gi]
-        slowdown = tick.slowdown[gi]
-        eligible = (busy & (state.learned[:n] >= warm_ticks) & (group_age >= cfg.startup_grace_seconds)
-                    & (grp.size[gi] >= cfg.straggler_min_group) & (gu >= cfg.job_active_utilization))
-        min_drop = np.where(tick.slowdown_source[gi] == 2, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
-        ex = dev - np.nan_to_num(state.offset, nan=0.0)
-        # Peers at high utilization far below one GPU's activity are spinning, i.e. waiting for it,
-        # even when the job never had a healthy baseline (a straggler from the start).
-        plain = np.where(np.isnan(gsm), ex[_PW] / cfg.straggler_power_excess,
-                         ex[_SM] / (2 * cfg.straggler_sm_excess))
-        cross = tick.registry.is_job[gi] & (g >= 0) & (plain >= 1.0)
-        steady_for = tick.t - state.steady_since(tick, cfg)[gi]
-        eligible_cross = (busy & cross & (steady_for >= cfg.startup_grace_seconds / 2)
-                          & (grp.size[gi] >= cfg.straggler_min_group))
-        waiting = ((slowdown >= min_drop) | cross) & (gu >= cfg.straggler_waiting_utilization)
-        sig = _signals(cfg, ex, sm, state.level_sm, gsm, m["slow"], grp.slow[gi], 1.0)
-        weak = _signals(cfg, ex, sm, state.level_sm, gsm, m["slow"], grp.slow[gi], 0.6)
+    u, sm = m["util"], m["sm"]
+    in_group = g >= 0
+    gi = np.where(in_group, g, 0)
+    peers = grp.levels[:, gi]                                 # each slot's group medians
+    gsm, gu = peers[_SM], peers[_UTIL]
+    dev = np.empty_like(tick.levels)
+    dev[:_UTIL] = tick.levels[:_UTIL] / peers[:_UTIL] - 1.0
+    dev[_UTIL] = u - gu
+    (group_ok, cross_ok, dropped, wait_util, active, in_job,
+     measured) = _group_conditions(tick, state, cfg)[:, gi] & in_group
+    warm_ticks = cfg.bins(cfg.startup_grace_seconds)
+    busy = (u >= cfg.busy_utilization) & in_group
+    eligible = busy & (state.learned[:n] >= warm_ticks) & group_ok
+    ex = dev - nan_to_zero(state.offset)
+    # Peers at high utilization far below one GPU's activity are spinning, i.e. waiting for it,
+    # even when the job never had a healthy baseline (a straggler from the start).
+    gsm_unknown = np.isnan(gsm)
+    plain = np.where(gsm_unknown, ex[_PW] / cfg.straggler_power_excess, ex[_SM] / (2 * cfg.straggler_sm_excess))
+    cross = in_job & (plain >= 1.0)
+    eligible_cross = busy & cross & cross_ok
+    waiting = (dropped | cross) & wait_util
+    sig, weak = _signals(cfg, ex, sm, state.level_sm, gsm_unknown, m["slow"], grp.slow[gi])
     on = (eligible | eligible_cross) & waiting & sig
-    _learn(state, cfg, dev, sm, busy, waiting, gu, tick.registry.is_job[gi] & (g >= 0))
+    _learn(state, cfg, dev, sm, busy & wait_util, waiting, in_job)
     out = Outcome()
-    standout = set(np.unique(g[eligible & weak]).tolist())
+    standout = set(g[eligible & weak].tolist())
     node_findings, node_standout, node_pairs = _node_level(tick, state)
     # A node standing out as a whole explains its group's waiting: no GPU of that group is named.
     for gid, _ in node_standout:
         on &= g != gid
     whole_findings, whole_standout, whole_pairs, on = _whole_node(tick, state, on, eligible & waiting & weak)
-    for slot in np.flatnonzero(on).tolist():
+    for slot in on.nonzero()[0].tolist():
         out.add(_gpu_finding(tick, state, slot, ex[:, slot], dev[:, slot], bool(cross[slot])))
     for f in node_findings + whole_findings:
         out.add(f)
     node_standout |= whole_standout
     node_pairs.update(whole_pairs)
     standout |= {gid for gid, _ in node_standout}
-    judged = busy & (gu >= cfg.job_active_utilization)
-    warm = (state.learned[:n] >= warm_ticks) & ~np.isnan(slowdown)
+    judged = busy & active
+    warm = (state.learned[:n] >= warm_ticks) & measured
     out.clear = _clear_test(tick, index, judged, warm, waiting, weak, cross, node_pairs, node_standout)
     state.prune(tick.t)
     return Result(out, standout)
+
+
+def _group_conditions(tick: Tick, state: StragglerState, cfg) -> np.ndarray:
+    """Per-group conditions of detect(), stacked (7, n_groups) so one gather maps them to slots: old
+    and big enough to judge; steady long enough for the cross-section test; peers slowed against the
+    baseline; peers spinning; group active; a job group; slowdown measured."""
+    grp = tick.groups
+    G = grp.n_groups
+    big = grp.size >= cfg.straggler_min_group
+    active = grp.util >= cfg.job_active_utilization
+    aged = tick.t - tick.registry.first_seen[:G] >= cfg.startup_grace_seconds
+    steady = tick.t - state.steady_since(tick, cfg) >= cfg.startup_grace_seconds / 2
+    min_drop = np.where(tick.slowdown_source == 2, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
+    return np.array([aged & big & active, steady & big, tick.slowdown >= min_drop,
+                     grp.util >= cfg.straggler_waiting_utilization, active, tick.registry.is_job[:G],
+                     ~np.isnan(tick.slowdown)])
 
 
 def _reset_moved(state: StragglerState, g: np.ndarray) -> None:
@@ -227,49 +250,56 @@ def _reset_moved(state: StragglerState, g: np.ndarray) -> None:
         state.learned_gid[moved] = g[moved]
 
 
-def _signals(cfg, ex: np.ndarray, sm: np.ndarray, level_sm: np.ndarray, gsm: np.ndarray, slow: np.ndarray,
-             gslow: np.ndarray, scale: float) -> np.ndarray:
-    """Culprit signals at `scale` x the configured margins (NaN comparisons are False)."""
+# detect() asks for every culprit signal at the configured margins and at 0.6 x them (weaker: enough
+# to suppress workload alerts and to keep an open alert from clearing) in one pass.
+_SCALES = np.array([[1.0], [0.6]])
+
+
+def _signals(cfg, ex: np.ndarray, sm: np.ndarray, level_sm: np.ndarray, gsm_unknown: np.ndarray,
+             slow: np.ndarray, gslow: np.ndarray) -> np.ndarray:
+    """Culprit signals at each of _SCALES x the configured margins, shape (2, n) (NaN comparisons are False)."""
     stays_high = ~(sm < 0.85 * level_sm)
-    sm_excess = (ex[_SM] >= scale * cfg.straggler_sm_excess) & stays_high
-    power_excess = np.isnan(gsm) & (ex[_PW] >= scale * cfg.straggler_power_excess)
-    clock_deficit = -ex[_CLK] >= scale * cfg.straggler_clock_deficit
+    sm_excess = (ex[_SM] >= _SCALES * cfg.straggler_sm_excess) & stays_high
+    power_excess = gsm_unknown & (ex[_PW] >= _SCALES * cfg.straggler_power_excess)
+    clock_deficit = -ex[_CLK] >= _SCALES * cfg.straggler_clock_deficit
     bits = ((slow >= 0.5) & ~(gslow >= 0.25)
-            & ((-ex[_CLK] >= scale * cfg.straggler_clock_deficit / 2)
-               | (ex[_SM] >= scale * cfg.straggler_sm_excess / 2)
-               | (ex[_PW] >= scale * cfg.straggler_power_excess / 2)))
+            & ((-ex[_CLK] >= _SCALES * cfg.straggler_clock_deficit / 2)
+               | (ex[_SM] >= _SCALES * cfg.straggler_sm_excess / 2)
+               | (ex[_PW] >= _SCALES * cfg.straggler_power_excess / 2)))
     return sm_excess | power_excess | clock_deficit | bits
 
 
-def _learn(state: StragglerState, cfg, dev: np.ndarray, sm: np.ndarray, busy: np.ndarray,
-           waiting: np.ndarray, gu: np.ndarray, in_job: np.ndarray) -> None:
+# Sign of the culprit direction of the SM, power and clock offsets (a culprit's clock is lower).
+_CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
+
+
+def _learn(state: StragglerState, cfg, dev: np.ndarray, sm: np.ndarray, steady: np.ndarray,
+           waiting: np.ndarray, in_job: np.ndarray) -> None:
     """Track each GPU's structural offset from its peers while its group runs steadily and unslowed.
 
     The first startup_grace_seconds of steady running learn fast (forgetting the ramp-up); after that
     the offsets follow slowly, and freeze while the group is slowed so a culprit is never absorbed.
     """
-    n = len(busy)
+    n = len(steady)
     warm_ticks = cfg.bins(cfg.startup_grace_seconds)
-    steady = busy & (gu >= cfg.straggler_waiting_utilization)
     warming = state.learned[:n] < warm_ticks
     learn = steady & (warming | ~waiting)
     alpha = np.where(warming, _FAST_ALPHA, 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds))
-    for i in range(4):
-        x = dev[i]
-        ok = learn & ~np.isnan(x)
-        cur = state.offset[i]
-        cur[ok] = np.where(np.isnan(cur[ok]), x[ok], cur[ok] + alpha[ok] * (x[ok] - cur[ok]))
+    state.offset = _follow(state.offset, dev, learn, alpha)
     # Peers in one job run the same steps: a GPU that looked like a culprit from the very start is not
     # "structural". (Fallback groups may mix unrelated work, so their offsets stay free.)
     cap = cfg.structural_max_offset
-    for i, sign in ((_SM, 1.0), (_PW, 1.0), (_CLK, -1.0)):
-        row = state.offset[i]
-        over = in_job & (sign * row > cap)
-        row[over] = sign * cap
-    ok = learn & ~np.isnan(sm)
-    lv = state.level_sm
-    lv[ok] = np.where(np.isnan(lv[ok]), sm[ok], lv[ok] + alpha[ok] * (sm[ok] - lv[ok]))
+    culprit = state.offset[:_UTIL]
+    over = in_job & (_CULPRIT_SIGN * culprit > cap)
+    state.offset[:_UTIL] = np.where(over, _CULPRIT_SIGN * cap, culprit)
+    state.level_sm = _follow(state.level_sm, sm, learn, alpha)
     state.learned[:n] += learn
+
+
+def _follow(cur: np.ndarray, x: np.ndarray, learn: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """Exponential moving average step where learning and x is known; the first value is taken as is."""
+    ok = learn & ~np.isnan(x)
+    return np.where(ok, np.where(np.isnan(cur), x, cur + alpha * (x - cur)), cur)
 
 
 def _gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, dev: np.ndarray,
@@ -338,11 +368,11 @@ def _whole_node(tick: Tick, state: StragglerState, on: np.ndarray, weak: np.ndar
     findings, standout, pairs = [], set(), {}
     on = on.copy()
     member_slots = np.flatnonzero(members)
-    for p in np.flatnonzero(stands).tolist():
+    for p in stands.nonzero()[0].tolist():
         gid, nid = int(uniq[p] // n_nodes), int(uniq[p] % n_nodes)
         standout.add((gid, nid))
         pairs[state.node_fingerprint(tick, gid, nid)] = (gid, nid)
-    for p in np.flatnonzero(whole).tolist():
+    for p in whole.nonzero()[0].tolist():
         gid, nid = int(uniq[p] // n_nodes), int(uniq[p] % n_nodes)
         slots = member_slots[inv == p]
         on[slots] = False
@@ -355,7 +385,6 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
                        others: np.ndarray, slowdown: float | None = None, pattern: str = "busy") -> Finding:
     """Evidence for a node holding its group back: its GPUs busy (or idle) while the other nodes wait."""
     cfg = tick.config
-    m = tick.med
     node = tick.windows.node_names[nid]
     job = tick.registry.job(gid)
     slowdown = float(tick.slowdown[gid]) if slowdown is None else float(slowdown)
@@ -363,17 +392,15 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
     fp = subject_fingerprint(AlertKind.STRAGGLER, node, None, job)
     lost = state.add_cost(fp, tick.t, max(slowdown, 0.0) * size * cfg.tick_seconds / 3600.0)
 
-    def med(name: str, idx: np.ndarray) -> float | None:
-        x = m[name][idx]
-        x = x[~np.isnan(x)]
-        return r3(np.median(x)) if len(x) else None
-
+    # Medians over the node's GPUs and over the other nodes' GPUs, rows as tick.levels (None: unknown).
+    node_sm, node_pw, node_clk, node_u = map(r3, nan_median_first_axis(tick.levels[:, slots].T).tolist())
+    rest_sm, rest_pw, rest_clk, rest_u = map(r3, nan_median_first_axis(tick.levels[:, others].T).tolist())
     evidence = {
         "peer_group": tick.registry.kind(gid), "peer_group_size": size, "node_gpus": int(len(slots)),
-        "node_median_sm_active_ratio": med("sm", slots), "other_nodes_sm_active_ratio": med("sm", others),
-        "node_median_sm_clock_ratio": med("clock", slots), "other_nodes_sm_clock_ratio": med("clock", others),
-        "node_median_power_watts": med("power", slots), "other_nodes_power_watts": med("power", others),
-        "node_median_utilization_ratio": med("util", slots), "other_nodes_utilization_ratio": med("util", others),
+        "node_median_sm_active_ratio": node_sm, "other_nodes_sm_active_ratio": rest_sm,
+        "node_median_sm_clock_ratio": node_clk, "other_nodes_sm_clock_ratio": rest_clk,
+        "node_median_power_watts": node_pw, "other_nodes_power_watts": rest_pw,
+        "node_median_utilization_ratio": node_u, "other_nodes_utilization_ratio": rest_u,
         "estimated_job_slowdown_ratio": r3(slowdown), "gpu_hours_lost": round(lost, 4),
     }
     if pattern == "idle":
@@ -403,49 +430,42 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
     lay = state.node_pairs(tick, ng, sel, node_id)
     if lay is None:
         return [], set(), {}
-    pair_group, per_group, sel_pairs, gids, nids, idx = (lay.pair_group, lay.per_group, lay.sel_pairs, lay.gids,
-                                                         lay.nids, lay.idx)
-    node_u, node_sm, node_pw = nodes = group_medians(np.stack([u[sel], m["sm"][sel], m["power"][sel]]), lay.inv,
-                                                     len(pair_group))
-    others = _others(nodes, pair_group, per_group, grp.n_groups)
+    gids, nids, idx = lay.gids, lay.nids, lay.idx
+    nodes = lay.members.medians(tick.levels)              # per (group, node) pair, rows as tick.levels
+    node_sm, node_pw, _, node_u = nodes[:, lay.sel_pairs]
+    o_sm, o_pw, _, o_u = _others(nodes, lay)[:, lay.sel_pairs]
     base_sm, base_pw = tick.slowdown_baselines
-    o_u, o_sm, o_pw = (o[sel_pairs] for o in others)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        drop_sm = 1.0 - o_sm / base_sm[gids]
-        drop_pw = np.where(base_pw[gids] > 0, 1.0 - o_pw / base_pw[gids], np.nan)
-        waiting_drop = np.where(np.isnan(drop_sm), drop_pw, drop_sm)
-        min_drop = np.where(np.isnan(drop_sm), cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
-        gap = o_u - node_u[sel_pairs]
-        steady = o_u >= cfg.straggler_waiting_utilization
-        waiting = (waiting_drop >= min_drop) & steady
-        # Activity of this node relative to the others: SM activity, or power where unsupported.
-        act_sm = node_sm[sel_pairs] / o_sm - 1.0
-        act = np.where(np.isnan(act_sm), node_pw[sel_pairs] / o_pw - 1.0, act_sm)
-        act_margin = np.where(np.isnan(act_sm), cfg.node_power_excess, cfg.straggler_sm_excess)
-        # "Busy while the others wait" needs the others spinning at least as much as this node; others
-        # that idle more than it are starved themselves (that is the host-idle pattern, on them).
-        node_busy = (node_u[sel_pairs] >= cfg.busy_utilization) & ~(gap < -cfg.node_idle_gap / 2)
+    drop_sm = 1.0 - o_sm / base_sm[gids]
+    drop_pw = np.where(base_pw[gids] > 0, 1.0 - o_pw / base_pw[gids], np.nan)
+    waiting_drop = np.where(np.isnan(drop_sm), drop_pw, drop_sm)
+    min_drop = np.where(np.isnan(drop_sm), cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
+    gap = o_u - node_u
+    steady = o_u >= cfg.straggler_waiting_utilization
+    waiting = (waiting_drop >= min_drop) & steady
+    # Activity of this node relative to the others: SM activity, or power where unsupported.
+    act_sm = node_sm / o_sm - 1.0
+    act = np.where(np.isnan(act_sm), node_pw / o_pw - 1.0, act_sm)
+    act_margin = np.where(np.isnan(act_sm), cfg.node_power_excess, cfg.straggler_sm_excess)
+    # "Busy while the others wait" needs the others spinning at least as much as this node; others
+    # that idle more than it are starved themselves (that is the host-idle pattern, on them).
+    node_busy = (node_u >= cfg.busy_utilization) & ~(gap < -cfg.node_idle_gap / 2)
     warm_ticks = cfg.bins(cfg.startup_grace_seconds)
-    off, n_learned = state.pair_offset[:, idx], state.pair_learned[idx]
+    n_learned = state.pair_learned[idx]
     warming = n_learned < warm_ticks
     learn = steady & (warming | ~waiting) & ~np.isnan(gap)
     alpha = np.where(warming, _FAST_ALPHA, 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds))
-    for row, x in ((0, gap), (1, act)):
-        ok = learn & ~np.isnan(x)
-        off[row] = np.where(ok, np.where(np.isnan(off[row]), x, off[row] + alpha * (x - off[row])), off[row])
-    state.pair_offset[:, idx] = off
+    off = state.pair_offset[:, idx] = _follow(state.pair_offset[:, idx], np.array([gap, act]), learn, alpha)
     state.pair_learned[idx] = n_learned + learn
-    with np.errstate(invalid="ignore"):
-        ready = ~warming & ~np.isnan(off[0]) & (tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds)
-        idle = gap - off[0]
-        busier = np.where(node_busy, act - np.nan_to_num(off[1]), np.nan)
-        score = np.fmax(idle / cfg.node_idle_gap, busier / act_margin)
-        stands = ready & waiting & (score >= 0.6)
-        on = ready & waiting & (score >= 1.0)
+    ready = ~warming & ~np.isnan(off[0]) & (tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds)
+    idle = gap - off[0]
+    busier = np.where(node_busy, act - nan_to_zero(off[1]), np.nan)
+    score = np.fmax(idle / cfg.node_idle_gap, busier / act_margin)
+    stands = ready & waiting & (score >= 0.6)
+    on = ready & waiting & (score >= 1.0)
     pairs = dict(lay.pairs)
-    standout = {(int(gids[i]), int(nids[i])) for i in np.flatnonzero(stands).tolist()}
+    standout = {(int(gids[i]), int(nids[i])) for i in stands.nonzero()[0].tolist()}
     findings = []
-    for i in np.flatnonzero(on).tolist():
+    for i in on.nonzero()[0].tolist():
         gid, nid = int(gids[i]), int(nids[i])
         members = np.flatnonzero((ng == gid) & (node_id == nid) & ~np.isnan(u))
         rest = np.flatnonzero((ng == gid) & (node_id != nid) & ~np.isnan(u))
@@ -454,16 +474,18 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
     return findings, standout, pairs
 
 
-def _others(x: np.ndarray, pair_group: np.ndarray, per_group: np.ndarray, n_groups: int) -> np.ndarray:
-    """For each node of a group, the typical value of the *other* nodes (exact for two nodes); x is
-    (k, n_pairs), one row per reading, so every reading shares one grouped sort."""
+def _others(x: np.ndarray, lay: "_NodePairs") -> np.ndarray:
+    """For each (group, node) pair, the typical value of the group's *other* nodes (exact for two
+    nodes); x is (k, n_pairs), one row per reading, so every reading shares one grouped sort."""
     k = len(x)
-    med = group_medians(x, pair_group, n_groups)[:, pair_group]
-    filled = np.nan_to_num(x)
+    pair_group, n_groups = lay.pair_group, lay.n_groups
+    filled = nan_to_zero(x)
     ids = (pair_group + np.arange(k)[:, None] * n_groups).ravel()
     total = np.bincount(ids, weights=filled.ravel(), minlength=k * n_groups).reshape(k, n_groups)[:, pair_group]
-    two = per_group[pair_group] == 2
-    return np.where(two, total - filled, med)
+    if not lay.three_or_more:
+        return total - filled               # the only pairs that count are in groups of two nodes
+    two = lay.per_group[pair_group] == 2
+    return np.where(two, total - filled, lay.nodes_of_group.medians(x)[:, pair_group])
 
 
 def _clear_test(tick: Tick, index: FingerprintIndex, judged: np.ndarray, warm: np.ndarray, waiting: np.ndarray,

@@ -12,7 +12,8 @@ import numpy as np
 
 from server.alerts import AlertKind, Severity
 from server.engine.detectors import Finding, Outcome, FingerprintIndex, r3
-from server.engine.tick import Tick
+from server.engine.reduce import median
+from server.engine.tick import Tick, smoothed_row
 from server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_SLOWDOWN, B_TEMP, B_THERMAL, B_UTIL)
 
 
@@ -21,13 +22,12 @@ def detect(tick: Tick, index: FingerprintIndex) -> Outcome:
     cfg = tick.config
     temp = tick.latest[B_TEMP]
     bits = tick.latest[B_THERMAL]
-    with np.errstate(invalid="ignore"):
-        on = (temp >= cfg.thermal_temperature_celsius) | (bits > 0)
-        clear = (~(temp >= cfg.thermal_temperature_celsius - cfg.thermal_clear_margin_celsius)
-                 & ~(bits > 0) & ~(np.isnan(temp) & np.isnan(bits)))
+    on = (temp >= cfg.thermal_temperature_celsius) | (bits > 0)
+    clear = (~(temp >= cfg.thermal_temperature_celsius - cfg.thermal_clear_margin_celsius)
+             & ~(bits > 0) & ~(np.isnan(temp) & np.isnan(bits)))
     unknown = np.isnan(temp) & np.isnan(bits)
     out = Outcome()
-    for slot in np.flatnonzero(on).tolist():
+    for slot in on.nonzero()[0].tolist():
         out.add(_finding(tick, slot))
 
     def clear_test(fp: str) -> bool | None:
@@ -57,9 +57,11 @@ def _finding(tick: Tick, slot: int) -> Finding:
     critical = cut_by_bits or cut_clock or near_limit
     reasons = [r for r, hit in (("hw_thermal_slowdown", hw > 0),
                                 ("sw_thermal_slowdown", thermal_bits > 0 and not hw > 0)) if hit]
-    peers = tick.med["temp"]
     gid = tick.groups.gid[slot]
-    peer_temp = float(np.nanmedian(peers[tick.groups.gid == gid])) if gid >= 0 else float("nan")
+    peer_temp = float("nan")
+    if gid >= 0:
+        peers = smoothed_row(tick, B_TEMP, np.flatnonzero(tick.groups.gid == gid))
+        peer_temp = median(peers[~np.isnan(peers)])
     job_code = w.slot_job[slot]
     job = w.job_names[job_code] if job_code >= 0 else None
     why = []

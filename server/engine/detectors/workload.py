@@ -21,12 +21,11 @@ from server.engine.tick import Tick
 def job_drop(groups: Groups, history: GroupHistory, clock_ratio: float) -> tuple[np.ndarray, np.ndarray]:
     """Per group: relative activity drop vs baseline, and its source (0 none, 1 SM activity, 2 power)."""
     base_sm, base_pw, base_clk = history.baseline("sm"), history.baseline("power"), history.baseline("clock")
-    with np.errstate(invalid="ignore", divide="ignore"):
-        drop_sm = 1.0 - groups.sm / base_sm
-        drop_pw = 1.0 - groups.power / base_pw
-        # A lower power is only "waiting" while clocks hold; a power cap lowers power by cutting clocks
-        # (and after a minute of new clocks the group's history restarts, see Engine._regime).
-        clocks_hold = ~(groups.clock < clock_ratio * base_clk)
+    drop_sm = 1.0 - groups.sm / base_sm
+    drop_pw = 1.0 - groups.power / base_pw
+    # A lower power is only "waiting" while clocks hold; a power cap lowers power by cutting clocks
+    # (and after a minute of new clocks the group's history restarts, see Engine._regime).
+    clocks_hold = ~(groups.clock < clock_ratio * base_clk)
     use_sm = ~np.isnan(drop_sm)
     use_pw = ~use_sm & ~np.isnan(drop_pw) & clocks_hold
     drop = np.where(use_sm, drop_sm, np.where(use_pw, drop_pw, np.nan))
@@ -65,20 +64,19 @@ def detect(tick: Tick, history: GroupHistory, suppressed: set[int], state: Workl
     sup = np.zeros(G, dtype=bool)
     if suppressed:
         sup[list(suppressed)] = True
-    with np.errstate(invalid="ignore"):
-        aged = tick.t - reg.first_seen[:G] >= cfg.startup_grace_seconds + cfg.min_history_seconds
-        ok = is_job & (grp.size >= 2) & aged & ~sup
-        threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
-        dropped = drop >= threshold
-        comm = ok & dropped & (grp.util >= cfg.comm_min_utilization)
-        inp = (ok & dropped & ~comm & (base_u - grp.util >= cfg.input_utilization_drop)
-               & (grp.util >= cfg.job_active_utilization))
-        recovered = drop < threshold / 2
-        comm_clear = recovered | (grp.util < cfg.comm_min_utilization - 0.1) | sup
-        inp_clear = recovered | (base_u - grp.util < cfg.input_utilization_drop / 2) | sup
+    aged = tick.t - reg.first_seen[:G] >= cfg.startup_grace_seconds + cfg.min_history_seconds
+    ok = is_job & (grp.size >= 2) & aged & ~sup
+    threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
+    dropped = drop >= threshold
+    comm = ok & dropped & (grp.util >= cfg.comm_min_utilization)
+    inp = (ok & dropped & ~comm & (base_u - grp.util >= cfg.input_utilization_drop)
+           & (grp.util >= cfg.job_active_utilization))
+    recovered = drop < threshold / 2
+    comm_clear = recovered | (grp.util < cfg.comm_min_utilization - 0.1) | sup
+    inp_clear = recovered | (base_u - grp.util < cfg.input_utilization_drop / 2) | sup
     out = Outcome()
     by_fp = state.fingerprints(reg, is_job)
-    for gid in np.flatnonzero(comm | inp).tolist():
+    for gid in (comm | inp).nonzero()[0].tolist():
         out.add(_finding(tick, state, gid, AlertKind.COMM_BOUND if comm[gid] else AlertKind.INPUT_BOUND,
                          base_u[gid], history))
 
