@@ -34,6 +34,11 @@ UNKNOWN = "unknown"
 GPU_IS_LOST = "gpu_is_lost"
 INVALID_VALUE = "invalid_value"
 OTHER = "other"
+# Why NVML as a whole is unusable; the init error counter says which, so a dashboard need not read logs.
+DRIVER_NOT_LOADED = "driver_not_loaded"
+LIBRARY_NOT_FOUND = "library_not_found"
+UNINITIALIZED = "uninitialized"
+DRIVER_MISMATCH = "driver_library_mismatch"
 
 # A driver too old to export a function cannot gain it while we run: as final as "not supported".
 _NAMES = {
@@ -43,6 +48,10 @@ _NAMES = {
     _TIMEOUT: TIMEOUT,
     _UNKNOWN: UNKNOWN,
     _GPU_IS_LOST: GPU_IS_LOST,
+    _DRIVER_NOT_LOADED: DRIVER_NOT_LOADED,
+    _LIBRARY_NOT_FOUND: LIBRARY_NOT_FOUND,
+    _UNINITIALIZED: UNINITIALIZED,
+    _LIB_RM_VERSION_MISMATCH: DRIVER_MISMATCH,
 }
 
 # These mean the library itself is gone (driver unloaded or replaced, never initialised): no per-GPU

@@ -232,9 +232,7 @@ class NvmlReader:
     def _probe_static(self, gpu: _Gpu) -> None:
         for call in STATIC:
             gpu.supported.update(dict.fromkeys(call.readings, True))
-            raw = self._guard(gpu, call.readings, call.fetch, self._nvml, gpu.handle)
-            if raw is not _MISSING:
-                self._convert_into(gpu, zip(call.readings, raw), gpu.static)
+        self._read_missing_static(gpu)
 
     def _probe_fields(self, gpu: _Gpu) -> None:
         """Learn the link count, then ask the whole batch once and drop what is unsupported."""
@@ -277,12 +275,22 @@ class NvmlReader:
         if not gpu.up:
             return self._down_sample(gpu)
         values: dict[str, Any] = {}
+        self._read_missing_static(gpu)
         self._poll_calls(gpu, values)
         self._poll_fields(gpu, values)
         self._poll_gpm(gpu, values)
         if not gpu.up:
             return self._down_sample(gpu)
         return self._build(gpu, values)
+
+    def _read_missing_static(self, gpu: _Gpu) -> None:
+        """Read the static limits not known yet: at open, and on later polls after a transient failure
+        (Timeout, Unknown, ...), which would otherwise leave a limit null until NVML is next re-opened."""
+        for call in STATIC:
+            if gpu.wants(call.readings) and not all(r in gpu.static for r in call.readings):
+                raw = self._guard(gpu, call.readings, call.fetch, self._nvml, gpu.handle)
+                if raw is not _MISSING:
+                    self._convert_into(gpu, zip(call.readings, raw), gpu.static)
 
     def _poll_calls(self, gpu: _Gpu, values: dict[str, Any]) -> None:
         for call in POLLED:

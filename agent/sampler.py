@@ -221,6 +221,8 @@ class Sampler:
 
     def run(self) -> None:
         """Sample every interval on a drift-free schedule until stop is set; a slow cycle skips ticks."""
+        # Health first: should the first nvmlInit never return, /metrics still answers (nvml_up 0).
+        self._publish(None)
         due = self._monotonic()
         while not self._stop.is_set():
             try:

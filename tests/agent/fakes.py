@@ -106,7 +106,7 @@ class StubReader:
         self.opened += 1
         if self.open_failures:
             self.open_failures -= 1
-            self.errors[("nvml_init", "DriverNotLoaded")] = self.errors.get(("nvml_init", "DriverNotLoaded"), 0) + 1
+            self.errors[("nvml_init", "driver_not_loaded")] = self.errors.get(("nvml_init", "driver_not_loaded"), 0) + 1
             raise NvmlUnavailable("nvmlInit failed: Driver Not Loaded")
         self.is_open = True
 

@@ -227,7 +227,7 @@ def test_init_failing_then_recovering():
     (gpu,) = reader.read()
     reader.close()
     assert gpu.up and gpu.power_watts == 655.0
-    assert reader.errors[("nvml_init", "other")] == 2
+    assert reader.errors[("nvml_init", "driver_not_loaded")] == 2  # the fake's init error
 
 
 @pytest.mark.parametrize(
@@ -464,6 +464,31 @@ def test_static_limits_probed_once(two_gpus):
     assert fake.called("nvmlDeviceGetTemperatureThreshold", 0) == 4
     assert fake.called("nvmlDeviceGetMaxClockInfo", 0) == 2
     assert fake.called("nvmlDeviceGetUUID", 0) == 1
+
+
+@pytest.mark.parametrize("error", ["timeout", "unknown", "no_permission"])
+def test_static_limit_failing_transiently_at_open_is_read_on_the_next_poll(error):
+    fake = FakeNvml([h100(0)])
+    fake.inject("nvmlDeviceGetTemperatureThreshold", ERRORS[error], index=0, times=1)  # slowdown, asked first
+    fake.inject("nvmlDeviceGetMaxClockInfo", ERRORS[error], index=0, times=1)  # SM, asked first
+    reader = opened(fake)
+    first, second = reader.read()[0], reader.read()[0]
+    assert reader.capabilities[0]["slowdown_temperature_celsius"] is True
+    reader.close()
+    assert first.slowdown_temperature_celsius == 87.0 and first.sm_clock_max_hertz == 1.98e9
+    assert second.slowdown_temperature_celsius == 87.0
+    assert reader.errors[("slowdown_temperature_celsius", error)] == 1
+    assert fake.called("nvmlDeviceGetTemperatureThreshold", 0) == 5  # 4 at open, 1 retry, then never again
+
+
+def test_static_limit_unsupported_at_open_is_not_asked_again():
+    fake = FakeNvml([h100(0)])
+    fake.inject("nvmlDeviceGetTemperatureThreshold", ERRORS["not_supported"], index=0, times=1)
+    reader = opened(fake)
+    gpu = [reader.read()[0] for _ in range(2)][-1]
+    reader.close()
+    assert gpu.slowdown_temperature_celsius is None and gpu.shutdown_temperature_celsius == 92.0
+    assert fake.called("nvmlDeviceGetTemperatureThreshold", 0) == 4
 
 
 def test_compute_pids():

@@ -43,7 +43,7 @@ def test_fixed_snapshot_passes():
 
 def test_health_only_exposition_passes():
     assert_clean(render(None, AgentHealth(node="n", version="0.1.0", nvml_up=False, nvml_error="NvmlUnavailable",
-                                          errors={("nvml_init", "DriverNotLoaded"): 3})))
+                                          errors={("nvml_init", "driver_not_loaded"): 3})))
 
 
 @pytest.mark.parametrize("scenario", ["hgx-h100", "a100", "pcie"])

@@ -60,7 +60,7 @@ def test_init_failure_backs_off_doubling_then_recovers():
     assert store.latest().health.nvml_up and store.latest().health.nvml_error is None
     health = store.latest().health
     assert health.errors[("nvml_open", "NvmlUnavailable")] == 3
-    assert health.errors[("nvml_init", "DriverNotLoaded")] == 3  # the reader's own count, merged
+    assert health.errors[("nvml_init", "driver_not_loaded")] == 3  # the reader's own count, merged
 
 
 def test_backoff_is_capped_and_jittered():

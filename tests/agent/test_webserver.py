@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
+import threading
 
 import orjson
 import pytest
@@ -105,6 +106,57 @@ def test_healthz_goes_stale_when_sampling_stalls(agent):
     assert status == 503 and doc["status"] == "stale" and doc["age_seconds"] == pytest.approx(10.1)
     sampler.run_once()  # sampling resumes
     assert get(server, "/healthz")[0] == 200
+
+
+def test_nvml_call_hung_in_the_sampler_thread_shows_as_age_not_a_hung_endpoint(agent):
+    server, sampler, clock, reader, store = agent
+    first = sampler.run_once()
+    entered, release = threading.Event(), threading.Event()
+
+    def hang() -> None:  # a driver call that does not return until released
+        entered.set()
+        release.wait(30)
+
+    reader.read_effects = [hang]
+    sampler.start()
+    try:
+        assert entered.wait(10)
+        clock.advance(30.0)
+        status, _, body = get(server, "/metrics")
+        assert status == 200 and body.endswith(b'gpufleet_agent_sample_age_seconds{node="dgx-017"} 30.0\n')
+        status, _, body = get(server, "/healthz")
+        assert status == 503 and orjson.loads(body)["status"] == "stale"
+        assert orjson.loads(get(server, "/snapshot")[2])["time"] == first.time
+        sampler.stop(timeout=0)  # gives up on the hung cycle at once...
+        assert reader.closed == 0  # ...without shutting NVML down under the call still inside it
+    finally:
+        release.set()
+        sampler._thread.join(10)
+    assert not sampler._thread.is_alive()
+
+
+def test_first_nvml_init_hung_still_answers_with_health(agent):
+    server, sampler, clock, reader, store = agent
+    entered, release = threading.Event(), threading.Event()
+
+    def hung_open() -> None:  # nvmlInit stuck in a wedged driver
+        entered.set()
+        release.wait(30)
+
+    reader.open = hung_open
+    sampler.start()
+    try:
+        assert entered.wait(10)
+        status, _, body = get(server, "/metrics")
+        assert status == 200 and b'gpufleet_agent_nvml_up{node="dgx-017"} 0.0' in body
+        assert b"gpufleet_gpu_" not in body
+        status, _, body = get(server, "/healthz")
+        assert status == 503 and orjson.loads(body)["status"] == "starting"
+        sampler.stop(timeout=0)
+    finally:
+        release.set()
+        sampler._thread.join(10)
+    assert not sampler._thread.is_alive()
 
 
 def test_healthz_and_metrics_while_nvml_is_down(agent):
