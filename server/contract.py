@@ -154,7 +154,8 @@ def parse_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, NodeSample 
     pending: list[tuple[int, Any]] = []
     rows = 0
     for lineno, line in enumerate(lines, 1):
-        if not line.strip():
+        # isspace() stops at the first '{' where strip() would copy the whole line.
+        if not line or line.isspace():
             continue
         try:
             decoded = _decode(line)
@@ -200,11 +201,12 @@ def _build(snapshots: list[_Snapshot]) -> list[NodeSample | ContractError]:
         odd_jobs = _needs_job_normalising(cols[_I_JOB])
     else:
         cols, matrix, odd_jobs = [()] * (N_FIELDS + 5), np.empty((0, N_FIELDS)), False
+    has_xids = any(cols[_I_XID])
     out: list[NodeSample | ContractError] = []
     start = 0
     for s in snapshots:
         end = start + len(s.gpus)
-        out.append(_sample(s, matrix, cols, start, end, odd_jobs))
+        out.append(_sample(s, matrix, cols, start, end, odd_jobs, has_xids))
         start = end
     return out
 
@@ -215,16 +217,17 @@ def _needs_job_normalising(jobs: tuple) -> bool:
 
 
 def _sample(s: _Snapshot, matrix: np.ndarray, cols: list[tuple], start: int, end: int,
-            odd_jobs: bool) -> NodeSample | ContractError:
-    """One line's NodeSample from its slice of the batch's columns."""
+            odd_jobs: bool, has_xids: bool) -> NodeSample | ContractError:
+    """One line's NodeSample from its slice of the batch's columns (has_xids: some line of the batch
+    has XID counts by code)."""
     indices = cols[_I_INDEX][start:end]
     if len(set(indices)) != len(indices):
         return ContractError(f"duplicate gpu index in {indices!r}")
     jobs = cols[_I_JOB][start:end]
     if odd_jobs:
         jobs = tuple(_job(j) for j in jobs)
-    xid_raw = cols[_I_XID][start:end]
     xids = None
+    xid_raw = cols[_I_XID][start:end] if has_xids else ()
     if any(xid_raw):
         try:
             xids = tuple(_xid_map(x) for x in xid_raw)

@@ -195,23 +195,18 @@ class Windows:
         inbox = sorted(self._inbox, key=_TIME_NODE)
         self._inbox = []
         self._reserve(inbox)
-        kept, slot_parts, code_parts, value_parts, sample_times, sizes, node_ids = [], [], [], [], [], [], []
-        for sample in inbox:
-            sample_slots, sample_codes = self._resolve(sample)
-            if len(sample_slots):
-                kept.append(sample)
-                slot_parts.append(sample_slots)
-                code_parts.append(sample_codes)
-                value_parts.append(sample.values)
-                sample_times.append(sample.time)
-                sizes.append(len(sample_slots))
-                node_ids.append(self.node_ids[sample.node])
-        if not kept:
-            return
-        slots = np.concatenate(slot_parts)
-        codes = np.concatenate(code_parts)
-        values = np.concatenate(value_parts)
-        times = np.repeat(sample_times, sizes)
+        resolved = [self._resolve(sample) for sample in inbox]
+        if not all(len(slots) for slots, _ in resolved):          # drop snapshots that list no GPU
+            pairs = [(smp, r) for smp, r in zip(inbox, resolved) if len(r[0])]
+            if not pairs:
+                return
+            inbox, resolved = map(list, zip(*pairs))
+        sample_times = [smp.time for smp in inbox]
+        node_ids = [self.node_ids[smp.node] for smp in inbox]
+        slots = np.concatenate([r[0] for r in resolved])
+        codes = np.concatenate([r[1] for r in resolved])
+        values = np.concatenate([smp.values for smp in inbox])
+        times = np.repeat(sample_times, [len(r[0]) for r in resolved])
         self.samples += len(slots)
         self.newest_time = max(self.newest_time, sample_times[-1])
         self.resumed_time = sample_times[0]
@@ -222,7 +217,7 @@ class Windows:
         self._update_jobs(slots, codes, times, in_order, by_slot)
         sorted_slots = slots[by_slot]
         one_per_slot = not (sorted_slots[1:] == sorted_slots[:-1]).any()
-        power_from_energy = self._counters(slots, times, values, in_order, kept, by_slot, one_per_slot)
+        power_from_energy = self._counters(slots, times, values, in_order, inbox, by_slot, one_per_slot)
         self._bin(slots, times, self._derive(values, power_from_energy), min_bin, one_per_slot)
 
     def _update_jobs(self, slots: np.ndarray, codes: np.ndarray, times: np.ndarray,
