@@ -39,6 +39,9 @@ class _Record:
     updated: float = 0.0
     clear_since: float | None = None
     off_since: float | None = None
+    # A restored alert already accounts for every tick up to its last update: agents re-send their
+    # buffers after a server restart, and re-judging those old ticks would resolve and re-open it.
+    settled_until: float = float("-inf")
 
     def alert(self, resolved: float | None = None, state: AlertState | None = None) -> Alert:
         """Immutable snapshot of this record."""
@@ -61,8 +64,11 @@ class Lifecycle:
         for kind, outcome in outcomes.items():
             for_s, clear_s = self.durations[kind]
             for fp, finding in outcome.findings.items():
-                self._on(t, fp, finding, for_s, out)
-            for fp in [fp for fp, r in self.records.items() if r.kind is kind and fp not in outcome.findings]:
+                rec = self.records.get(fp)
+                if rec is None or t > rec.settled_until:
+                    self._on(t, fp, finding, for_s, out)
+            for fp in [fp for fp, r in self.records.items()
+                       if r.kind is kind and fp not in outcome.findings and t > r.settled_until]:
                 self._off(t, self.records[fp], outcome.clear(fp), clear_s, out)
         return out
 
@@ -135,6 +141,6 @@ class Lifecycle:
                 continue
             self.records[a.fingerprint] = _Record(a.id, a.fingerprint, a.kind, a.node, a.gpu, a.uuid, a.hpc_job,
                                                   a.pending_since, a.severity, a.summary, dict(a.evidence),
-                                                  a.state, a.started, a.updated)
+                                                  a.state, a.started, a.updated, settled_until=a.updated)
             taken += 1
         return taken

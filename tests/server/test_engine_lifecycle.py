@@ -70,3 +70,23 @@ def test_restore_keeps_id_and_started_and_dedups():
     assert _step(fresh, 100, True) == []                     # same fingerprint: no new alert
     (a,) = fresh.alerts()
     assert (a.id, a.started, a.state) == (open_alert.id, 30, AlertState.FIRING)
+
+
+def test_restored_alert_is_not_rejudged_on_ticks_it_already_covers():
+    lc = Lifecycle({K: (30.0, 20.0)})
+    _step(lc, 0, True)
+    _step(lc, 30, True)
+    _step(lc, 100, True)
+    (open_alert,) = lc.alerts()
+    assert open_alert.updated == 100
+    fresh = Lifecycle({K: (30.0, 20.0)})
+    fresh.restore([open_alert])
+    # Agents re-send their buffers after a restart: ticks from before the incident read clear.
+    for t in range(40, 101, 5):
+        assert _step(fresh, t, False, clear=True) == []
+    (a,) = fresh.alerts()
+    assert (a.id, a.state, a.updated) == (open_alert.id, AlertState.FIRING, 100)
+    # Ticks after the stored update count as usual.
+    assert _step(fresh, 105, False, clear=True) == []
+    (tr,) = _step(fresh, 125, False, clear=True)
+    assert tr.alert.state is AlertState.RESOLVED and tr.alert.id == open_alert.id and tr.alert.resolved == 125
