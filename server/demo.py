@@ -27,7 +27,7 @@ import httpx
 
 from agent.logs import configure_logging
 from server.alerts import Alert, AlertState, Transition
-from server.settings import ServerSettings, parse_duration
+from server.settings import ServerSettings, parse_duration, parse_listen
 
 if TYPE_CHECKING:
     from agent.sim import Scenario
@@ -46,14 +46,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def port_is_free(port: int) -> bool:
-    """Whether 127.0.0.1:port can be bound."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+def server_socket(listen: str | None) -> socket.socket:
+    """The server's listening socket: `listen` if given, else 127.0.0.1:9472, else any free loopback port.
+
+    Bound before anything starts, so a taken address fails at once and the printed URLs are the real ones.
+    """
+    from server.serve import listen_socket
+
+    if listen:
+        return listen_socket(parse_listen(listen))
+    try:
+        return listen_socket("127.0.0.1:9472")
+    except OSError:
+        return listen_socket("127.0.0.1:0")
 
 
 # What each simulated incident looks like, and the alerts it should raise.
@@ -239,28 +244,37 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-async def _serve(server: "object", duration: float | None) -> None:
-    """Run uvicorn until Ctrl-C, SIGTERM or the duration elapses."""
+async def _serve(server: "object", duration: float | None, sock: socket.socket) -> None:
+    """Run uvicorn on `sock` until Ctrl-C, SIGTERM, a closed terminal (SIGHUP) or the duration elapses."""
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
         server.should_exit = True  # type: ignore[attr-defined]
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP too: the agents run in their own sessions, so a closed terminal must reach them through us.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop)
     if duration is not None:
         loop.call_later(duration, stop)
-    await server.serve()  # type: ignore[attr-defined]
+    await server.serve(sockets=[sock])  # type: ignore[attr-defined]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the demo; 0 on a clean stop (Ctrl-C included), 1 when the agents could not be started."""
+    """Run the demo; 0 on a clean stop (Ctrl-C included), 1 if the agents fail to start, 2 if the address is taken."""
     from server.api import create_app
     from server.serve import build_runtime, uvicorn_server
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.log_level, "text")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        sock = server_socket(args.listen)
+    except (OSError, ValueError) as exc:
+        print(f"gpufleet-server demo: cannot listen on --web.listen-address {args.listen!r}: "
+              f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     scenario = load_demo_scenario()
     nodes = FALLBACK_NODES if scenario is None else tuple(scenario.nodes)
     epoch = time.time()
@@ -272,16 +286,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError as exc:
             print(f"gpufleet-server demo: {exc}", file=sys.stderr)
             return 1
-        listen = args.listen or ("127.0.0.1:9472" if port_is_free(9472) else f"127.0.0.1:{free_port()}")
-        if listen.endswith(":0"):
-            listen = f"{listen.rpartition(':')[0]}:{free_port()}"  # so the printed URLs are real
         settings = ServerSettings(listen_address=listen, targets=tuple(a.address for a in agents),
                                   storage_path=os.path.join(workdir, "alerts.db"),
                                   pull_interval_seconds=args.pull_interval, log_level=args.log_level, log_format="text")
         printer = TerminalPrinter(epoch)
         runtime = build_runtime(settings, extra_notifiers=[printer])
         print_banner(f"http://{listen}", nodes, scenario, epoch, args)
-        asyncio.run(_serve(uvicorn_server(settings, create_app(settings, runtime=runtime)), args.duration))
+        asyncio.run(_serve(uvicorn_server(settings, create_app(settings, runtime=runtime)), args.duration, sock))
         print(f"gpufleet demo: stopped after {time.time() - epoch:.0f}s; "
               f"{printer.fired_total} alerts fired, {printer.resolved_total} resolved", flush=True)
         return 0
@@ -290,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         stop_agents(agents)
+        sock.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -11,10 +11,11 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from server.alerts import Alert, AlertState, Transition
+from server.alerts import Alert, AlertKind, AlertState, Transition
+from server.ingest.agent_alerts import AgentAlerts, is_ours
 from server.ingest.puller import Puller
 from server.notify import Notifier
 from server.store import AlertStore
@@ -51,9 +52,11 @@ class Runtime:
 
     def __init__(self, *, engine: Any, puller: Puller, store: AlertStore, notifiers: Sequence[Notifier] = (),
                  pull_interval_seconds: float = 5.0, clock: Callable[[], float] = time.time,
-                 prune_interval_seconds: float = 3600.0) -> None:
+                 prune_interval_seconds: float = 3600.0, agent_alerts: AgentAlerts | None = None) -> None:
         self.engine = engine
         self.puller = puller
+        # Agents the engine has no samples from (down or silent since we started) alert from here.
+        self.agent_alerts = agent_alerts or AgentAlerts(after_seconds=puller.stale_after_seconds)
         self.store = store
         self.notifiers = tuple(notifiers)
         self.pull_interval_seconds = pull_interval_seconds
@@ -77,8 +80,9 @@ class Runtime:
     def restore(self) -> int:
         """Hand the store's open alerts back to the engine after a restart; returns how many."""
         alerts = self.store.open_alerts()
+        self.agent_alerts.restore(alerts, self.store.target_nodes())
         if alerts:
-            self.engine.restore(alerts)
+            self.engine.restore([a for a in alerts if not is_ours(a)])
             log.info("open alerts restored", extra={"alerts": len(alerts)})
         # Notifiers start empty: tell them what is already firing (as refreshes, so nothing is re-announced)
         # and Alertmanager keeps receiving it until it resolves.
@@ -128,12 +132,19 @@ class Runtime:
             self.engine.ingest(sample)
         transitions = list(self.engine.advance(now))
         view = self._snapshot_view(now)
+        health = self.puller.health()
+        named = self.agent_alerts.learn(health)
+        agent_transitions = self.agent_alerts.step(health, _watched_nodes(view), now)
+        if agent_transitions:
+            transitions += agent_transitions
+            engine_alerts = tuple(a for a in view.alerts if not is_ours(a))
+            view = replace(view, alerts=engine_alerts + tuple(self.agent_alerts.alerts()))
         self.stats.tick_duration_seconds = time.perf_counter() - t0
         self.stats.last_tick = now
         self.stats.cycles_total += 1
         self.stats.transitions_total += len(transitions)
         self.view = view
-        self._persist(transitions, now)
+        self._persist(transitions, now, named)
         with self._cycled:
             self._cycled.notify_all()
         for t in transitions:
@@ -147,17 +158,18 @@ class Runtime:
     def _snapshot_view(self, now: float | None) -> FleetView:
         """Copy what handlers may read out of the engine."""
         return FleetView(
-            alerts=tuple(self.engine.alerts()),
+            alerts=tuple(self.engine.alerts()) + tuple(self.agent_alerts.alerts()),
             jobs=tuple(j.to_dict() for j in self.engine.jobs()),
             nodes=tuple(n.to_dict() for n in self.engine.nodes()),
             stats=dict(self.engine.stats().to_dict()),
             evaluated_at=now,
         )
 
-    def _persist(self, transitions: list[Transition], now: float) -> None:
-        """Upsert changed alerts and prune history now and then; a storage error is logged, not fatal."""
+    def _persist(self, transitions: list[Transition], now: float, named: dict[str, str]) -> None:
+        """Upsert changed alerts and node names, prune history now and then; a storage error is logged, not fatal."""
         try:
             self.store.upsert(t.alert for t in transitions)
+            self.store.remember_target_nodes(named)
             if self._last_prune is None or now - self._last_prune >= self.prune_interval_seconds:
                 self._last_prune = now
                 self.store.prune(now)
@@ -186,3 +198,10 @@ class Runtime:
                 await asyncio.wait_for(self._stop.wait(), timeout=delay)
             except asyncio.TimeoutError:
                 pass
+
+
+def _watched_nodes(view: FleetView) -> set[str]:
+    """Nodes the engine speaks for: the ones it tracks, and any it holds a node_unreachable alert about."""
+    nodes = {n["node"] for n in view.nodes if n.get("node")}
+    nodes.update(a.node for a in view.alerts if a.kind is AlertKind.NODE_UNREACHABLE and a.node and not is_ours(a))
+    return nodes

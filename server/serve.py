@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -74,6 +75,25 @@ def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callab
                    notifiers=notifiers, pull_interval_seconds=settings.pull_interval_seconds, clock=clock)
 
 
+def listen_socket(address: str) -> socket.socket:
+    """A listening TCP socket on "HOST:PORT" (":PORT" = every IPv4 interface); OSError when it cannot be had.
+
+    Bound here, before the pipeline starts, so that a taken port or a foreign address is a one-line
+    error and exit 2 rather than uvicorn's exit 3 after the first pulls have already gone out.
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, int(port)))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def uvicorn_server(settings: ServerSettings, app: Any) -> uvicorn.Server:
     """A uvicorn server for the app that leaves logging and signals to us."""
     host, _, port = settings.listen_address.rpartition(":")
@@ -84,8 +104,8 @@ def uvicorn_server(settings: ServerSettings, app: Any) -> uvicorn.Server:
     return server
 
 
-async def serve_until_signalled(server: uvicorn.Server) -> None:
-    """Run uvicorn until SIGINT/SIGTERM, then shut down gracefully."""
+async def serve_until_signalled(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> None:
+    """Run uvicorn (on `sockets` when given) until SIGINT/SIGTERM, then shut down gracefully."""
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
@@ -95,7 +115,7 @@ async def serve_until_signalled(server: uvicorn.Server) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -113,10 +133,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, TargetError, StoreError, ValueError) as exc:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
+    try:
+        sock = listen_socket(settings.listen_address)
+    except OSError as exc:
+        runtime.store.close()
+        print(f"gpufleet-server: cannot listen on --web.listen-address {settings.listen_address!r}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 2
     if not runtime.puller.source.sources:  # type: ignore[attr-defined]
         log.warning("no targets configured: use --targets, --targets.file-sd or --targets.dns")
     app = create_app(settings, runtime=runtime)
     log.info("gpufleet-server listening", extra={"address": settings.listen_address,
-                                                 "storage": settings.storage_path})
-    asyncio.run(serve_until_signalled(uvicorn_server(settings, app)))
+                                                 "storage": settings.storage_path, "url": settings.public_url()})
+    with sock:
+        asyncio.run(serve_until_signalled(uvicorn_server(settings, app), [sock]))
     return 0

@@ -42,6 +42,10 @@ CREATE TABLE IF NOT EXISTS alerts (
 CREATE INDEX IF NOT EXISTS alerts_state ON alerts(state);
 CREATE INDEX IF NOT EXISTS alerts_order ON alerts(pending_since DESC, id);
 CREATE INDEX IF NOT EXISTS alerts_resolved ON alerts(resolved);
+CREATE TABLE IF NOT EXISTS target_nodes (
+    target TEXT PRIMARY KEY,
+    node TEXT NOT NULL
+);
 """
 
 _COLUMNS = ("id, fingerprint, kind, severity, state, node, gpu, uuid, hpc_job, pending_since, started, "
@@ -131,6 +135,19 @@ class AlertStore:
                 (*args, limit, max(0, q.offset)),
             ).fetchall()
         return AlertPage([_from_row(r) for r in rows], total)
+
+    def target_nodes(self) -> dict[str, str]:
+        """The node name each agent target last reported, so a restart can name an agent that is down."""
+        with self._lock:
+            return dict(self._db.execute("SELECT target, node FROM target_nodes").fetchall())
+
+    def remember_target_nodes(self, nodes: dict[str, str]) -> None:
+        """Record (or update) the node names of some targets."""
+        if nodes:
+            with self._lock:
+                with self._transaction():
+                    self._db.executemany("INSERT OR REPLACE INTO target_nodes (target, node) VALUES (?, ?)",
+                                         list(nodes.items()))
 
     def prune(self, now: float) -> int:
         """Drop resolved alerts past the retention age or beyond the row cap; returns rows deleted."""

@@ -17,7 +17,8 @@ class AlertModel(BaseModel):
     kind: AlertKind
     severity: Severity
     state: AlertState
-    node: str | None = Field(description="Node name; null for job-level alerts.")
+    node: str | None = Field(description="Node name; null for job-level alerts; an agent's HOST:PORT for "
+                                         "node_unreachable about an agent never heard from.")
     gpu: int | None = Field(description="GPU index on the node; null for node- and job-level alerts.")
     uuid: str | None = Field(description="GPU UUID when the alert is about one GPU.")
     hpc_job: str | None = Field(description="Scheduler job id the subject belongs to, if known.")

@@ -2,8 +2,9 @@
 
 Each target remembers the newest sample time it has delivered and asks only for what came after it,
 so nothing is lost or duplicated between pulls however late a cycle runs. A bad answer (timeout,
-HTTP error, oversized, malformed or schema-violating payload) is counted by target and reason and
-logged; it never raises out of a cycle and never reaches the engine.
+HTTP error, oversized, malformed or schema-violating payload, a sample time far ahead of our clock)
+is counted by target and reason and logged; it never raises out of a cycle, never reaches the
+engine, and never moves a target's `since` somewhere its good samples cannot follow.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from server.ingest.targets import TargetSource
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
+# A sample stamped further ahead of the server's clock than this is a broken agent clock, not skew to absorb:
+# taken, it would sit in the engine's future and drag the target's `since` past every honest sample after it.
+DEFAULT_MAX_FUTURE_SECONDS = 300.0
 
 
 class PullError(Exception):
@@ -81,6 +85,7 @@ class Puller:
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         concurrency: int = 256,
         stale_after_seconds: float = 30.0,
+        max_future_seconds: float = DEFAULT_MAX_FUTURE_SECONDS,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.time,
         parse: Callable[[Mapping[str, Any]], Any] | None = None,
@@ -89,11 +94,13 @@ class Puller:
         self.source = source
         self.max_payload_bytes = max_payload_bytes
         self.stale_after_seconds = stale_after_seconds
+        self.max_future_seconds = max_future_seconds
         self._clock = clock
         self._parse = parse or _default_parse()
         self._scheme = scheme
         self._semaphore = asyncio.Semaphore(concurrency)
         self._transport = transport
+        self._timeout_seconds = timeout_seconds
         self._timeout = httpx.Timeout(timeout_seconds)
         # One small client per target: httpcore's pool scans every connection on each request, so a
         # single pool over a thousand agents costs O(n^2) per cycle; per-target pools stay O(1).
@@ -169,7 +176,7 @@ class Puller:
         try:
             async with self._semaphore:
                 body = await self._fetch(target, previous.last_sample_time)
-            node, samples, rejected, newest = self._decode(target, body, previous.last_sample_time)
+            node, samples, rejected, newest = self._decode(target, body, previous.last_sample_time, now)
         except PullError as exc:
             self._record_error(target, exc.reason, exc.detail)
             self._health[target] = replace(
@@ -193,30 +200,37 @@ class Puller:
         )
 
     async def _fetch(self, target: str, since: float | None) -> bytearray:
-        """GET the target's snapshots newer than `since`, refusing bodies over the size limit."""
-        url = f"{self._scheme}://{target}/snapshots"
-        params = {"since": repr(since)} if since is not None else None
+        """GET the target's snapshots newer than `since` within the pull timeout, refusing oversized bodies."""
         try:
-            async with self._client(target).stream("GET", url, params=params) as response:
-                if response.status_code != 200:
-                    raise PullError("http_status", str(response.status_code))
-                declared = response.headers.get("content-length")
-                if declared and declared.isdigit() and int(declared) > self.max_payload_bytes:
-                    raise PullError("oversized", f"content-length {declared}")
-                buf = bytearray()
-                async for chunk in response.aiter_bytes():
-                    buf += chunk
-                    if len(buf) > self.max_payload_bytes:
-                        raise PullError("oversized", f"over {self.max_payload_bytes} bytes")
-                return buf  # orjson reads a bytearray as is: no second copy of a large body
-        except httpx.TimeoutException:
+            # httpx's timeout bounds each connect or read, not the whole answer: an agent trickling a byte
+            # at a time would hold the cycle (and every other target's samples) for minutes. This bounds it.
+            async with asyncio.timeout(self._timeout_seconds):
+                return await self._get(target, since)
+        except (httpx.TimeoutException, TimeoutError):
             raise PullError("timeout") from None
         except httpx.ConnectError as exc:
             raise PullError("connect", str(exc)) from None
         except httpx.HTTPError as exc:
             raise PullError("http_error", exc.__class__.__name__) from None
 
-    def _decode(self, target: str, body: bytes | bytearray, since: float | None
+    async def _get(self, target: str, since: float | None) -> bytearray:
+        """The body of one `/snapshots` answer; PullError on a non-200 status or a body over the limit."""
+        url = f"{self._scheme}://{target}/snapshots"
+        params = {"since": repr(since)} if since is not None else None
+        async with self._client(target).stream("GET", url, params=params) as response:
+            if response.status_code != 200:
+                raise PullError("http_status", str(response.status_code))
+            declared = response.headers.get("content-length")
+            if declared and declared.isdigit() and int(declared) > self.max_payload_bytes:
+                raise PullError("oversized", f"content-length {declared}")
+            buf = bytearray()
+            async for chunk in response.aiter_bytes():
+                buf += chunk
+                if len(buf) > self.max_payload_bytes:
+                    raise PullError("oversized", f"over {self.max_payload_bytes} bytes")
+            return buf  # orjson reads a bytearray as is: no second copy of a large body
+
+    def _decode(self, target: str, body: bytes | bytearray, since: float | None, now: float
                 ) -> tuple[str | None, list[Any], int, float | None]:
         """Validate the envelope and each snapshot; returns (node, samples, rejected count, newest time)."""
         try:
@@ -228,20 +242,28 @@ class Puller:
         if doc.get("schema") != 1:
             raise PullError("schema", f"unsupported schema {doc.get('schema')!r}")
         node = doc.get("node") if isinstance(doc.get("node"), str) else None
+        horizon = now + self.max_future_seconds
         samples: list[Any] = []
         rejected = 0
         newest = since
         for raw in doc["snapshots"]:
             raw_time = raw.get("time") if isinstance(raw, dict) else None
-            if isinstance(raw_time, (int, float)) and not isinstance(raw_time, bool):
-                if since is not None and raw_time <= since:
-                    continue  # an agent that ignores `since` must not make us ingest twice
-                newest = raw_time if newest is None else max(newest, raw_time)
+            if not isinstance(raw_time, (int, float)) or isinstance(raw_time, bool):
+                raw_time = None
+            if raw_time is not None and since is not None and raw_time <= since:
+                continue  # an agent that ignores `since` must not make us ingest twice
+            if raw_time is not None and raw_time > horizon:
+                rejected += 1
+                self._record_error(target, "future_time",
+                                   f"sample time {raw_time!r} is {raw_time - now:.0f}s ahead of the server clock")
+                continue  # and `since` stays put, or the agent's honest samples after it would never be asked for
             try:
                 samples.append(self._parse(raw))
             except Exception as exc:  # noqa: BLE001 - any parser failure is a rejected snapshot, not a crash
                 rejected += 1
                 self._record_error(target, "schema", str(exc) or exc.__class__.__name__)
+            if raw_time is not None:
+                newest = raw_time if newest is None else max(newest, raw_time)  # past a bad one too: not re-fetched
         return node, samples, rejected, newest
 
     def _record_error(self, target: str, reason: str, detail: str) -> None:

@@ -2,7 +2,9 @@
 
 Alertmanager forgets an alert that is not re-sent, so every firing alert is re-sent each resend
 interval with an `endsAt` a few intervals ahead (if gpufleet dies, its alerts expire on their own),
-and a resolved alert is sent once more with `endsAt` set to when it resolved.
+and a resolved alert is sent once more with `endsAt` set to when it resolved. Alertmanager tells
+alerts apart by their labels, so an alert whose severity escalates is sent at once under its new
+labels, and its old label set is ended in the same POST rather than left firing until it expires.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
 
@@ -74,7 +77,9 @@ class AlertmanagerNotifier:
         self._sleep = sleep
         self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds))
         self._firing: dict[str, Alert] = {}     # alert id -> latest firing state
-        self._outbox: dict[str, Alert] = {}     # alert id -> state to send on the next step
+        # (alert id, severity) -> state to send on the next step; the severity is part of the key because it
+        # is a label: an escalated alert's old label set must be ended alongside the new one being sent.
+        self._outbox: dict[tuple[str, str], Alert] = {}
         self._last_resend: float | None = None
         self.sent_total = 0
         self.failed_total = 0
@@ -85,18 +90,26 @@ class AlertmanagerNotifier:
         for t in transitions:
             alert = t.alert
             if alert.state is AlertState.FIRING:
+                before = self._firing.get(alert.id)
                 self._firing[alert.id] = alert
-                if t.previous is not AlertState.FIRING:
-                    self._outbox[alert.id] = alert
+                if before is not None and before.severity is not alert.severity:
+                    self._queue(replace(before, state=AlertState.RESOLVED, resolved=alert.updated))
+                    self._queue(alert)
+                elif t.previous is not AlertState.FIRING:
+                    self._queue(alert)
             elif alert.state is AlertState.RESOLVED and (alert.id in self._firing or t.previous is AlertState.FIRING):
                 self._firing.pop(alert.id, None)
-                self._outbox[alert.id] = alert
+                self._queue(alert)
+
+    def _queue(self, alert: Alert) -> None:
+        """Send this state of the alert (under its current labels) on the next step."""
+        self._outbox[(alert.id, alert.severity.value)] = alert
 
     async def step(self) -> bool:
         """Send what is queued, plus every firing alert when the resend interval has passed; True if sent."""
         now = self._clock()
         due = self._last_resend is None or now - self._last_resend >= self.resend_interval_seconds
-        batch = dict(self._firing) if due else {}
+        batch = {(a.id, a.severity.value): a for a in self._firing.values()} if due else {}
         batch.update(self._outbox)
         self._outbox.clear()
         if due:
@@ -114,15 +127,15 @@ class AlertmanagerNotifier:
             self._requeue_resolved(batch)
         return ok
 
-    def _requeue_resolved(self, batch: dict[str, Alert]) -> None:
+    def _requeue_resolved(self, batch: dict[tuple[str, str], Alert]) -> None:
         """Keep undelivered resolutions for the next step (firing ones go out with the next resend anyway)."""
-        for alert_id, alert in batch.items():
-            if alert.state is AlertState.RESOLVED and alert_id not in self._outbox:
-                self._outbox[alert_id] = alert
+        for key, alert in batch.items():
+            if alert.state is AlertState.RESOLVED and key not in self._outbox:
+                self._outbox[key] = alert
         if len(self._outbox) > 10_000:
             self.dropped_total += len(self._outbox) - 10_000
-            for alert_id in list(self._outbox)[: len(self._outbox) - 10_000]:
-                del self._outbox[alert_id]
+            for key in list(self._outbox)[: len(self._outbox) - 10_000]:
+                del self._outbox[key]
 
     async def run(self, stop: asyncio.Event) -> None:
         """Deliver every tick until stopped; errors are counted and logged, never raised."""

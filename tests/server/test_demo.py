@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -10,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from server.alerts import AlertKind, AlertState, Transition
-from server.demo import TerminalPrinter, incident_subject, subject, timeline
+from server.demo import TerminalPrinter, incident_subject, main, server_socket, subject, timeline
 from tests.server.live_fakes import make_alert
 
 
@@ -86,3 +87,28 @@ def test_demo_runs_and_stops_by_itself() -> None:
     assert "/alerts" in proc.stdout and "/docs" in proc.stdout and "/metrics" in proc.stdout
     assert "Timeline" in proc.stdout and "expect comm_bound" in proc.stdout
     assert "gpufleet demo: stopped" in proc.stdout
+
+
+def test_taken_address_exits_2_before_any_agent_starts(capsys) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--web.listen-address", f"127.0.0.1:{port}", "--duration", "1"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and "cannot listen" in out.err and str(port) in out.err
+
+
+def test_default_address_falls_back_to_a_free_port_when_9472_is_taken() -> None:
+    holder = socket.socket()
+    try:
+        try:
+            holder.bind(("127.0.0.1", 9472))
+            holder.listen()
+        except OSError:
+            pass  # someone else holds it: just as taken
+        with server_socket(None) as sock:
+            host, port = sock.getsockname()[:2]
+        assert host == "127.0.0.1" and port != 9472
+    finally:
+        holder.close()

@@ -100,6 +100,30 @@ def test_resend_while_firing_and_ends_at_on_resolve() -> None:
     assert notifier.sent_total == 3
 
 
+def test_escalation_is_sent_at_once_and_ends_the_old_label_set() -> None:
+    """Severity is a label, so Alertmanager sees an escalation as a new alert; the warning one must end then."""
+    rec, now = Recorder(), [1000.0]
+    notifier = am(rec, now, resend_interval_seconds=60)
+    warning = firing(1, kind=AlertKind.THERMAL_THROTTLE)
+    critical = replace(warning, severity=Severity.CRITICAL, updated=1020.0)
+
+    async def scenario():
+        notifier.submit([Transition(warning, AlertState.PENDING)])
+        await notifier.step()
+        now[0] = 1021.0
+        notifier.submit([Transition(critical, AlertState.FIRING)])  # escalation while firing
+        await notifier.step()                                          # well before the next resend
+        now[0] = 1030.0
+        notifier.submit([Transition(replace(critical, state=AlertState.RESOLVED, resolved=1029.0), AlertState.FIRING)])
+        await notifier.step()
+
+    asyncio.run(scenario())
+    sent = [[(b["labels"]["severity"], b["endsAt"]) for b in body] for body in rec.bodies]
+    assert sent == [[("warning", rfc3339(1240.0))],
+                    [("warning", rfc3339(1020.0)), ("critical", rfc3339(1021.0 + 240.0))],
+                    [("critical", rfc3339(1029.0))]]
+
+
 def test_retries_with_backoff_then_counts_failure_and_keeps_resolution() -> None:
     rec, now = Recorder([503, httpx.ConnectError("refused"), 500, 500]), [0.0]
     delays: list[float] = []

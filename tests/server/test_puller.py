@@ -1,4 +1,4 @@
-"""The puller: since-tracking, concurrency over targets, rejection of bad payloads, per-target health."""
+"""The puller: since-tracking, concurrency over targets, rejection of bad payloads, per-target health and alerts."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import json
 import httpx
 import orjson
 
-from server.ingest.puller import Puller
+from server.alerts import AlertKind, AlertState, Severity
+from server.ingest.agent_alerts import AgentAlerts, is_ours
+from server.ingest.puller import Puller, TargetHealth
 from server.ingest.targets import StaticTargets
-from tests.server.live_fakes import envelope, parse_dict, snapshot
+from tests.server.live_fakes import envelope, make_alert, parse_dict, snapshot
 
 
 class FakeAgents:
@@ -191,3 +193,168 @@ def test_real_parser_rejects_contract_violations_when_available() -> None:
     assert result.rejected_snapshots == 1
     assert len(result.samples) == 1
     assert json.dumps(puller.errors[("a:1", "schema")]) == "1"
+
+
+def test_an_answer_that_trickles_is_cut_at_the_pull_timeout_and_others_still_arrive() -> None:
+    """httpx times each read, not the whole answer; the puller bounds the whole pull."""
+    stalled = asyncio.Event()  # never set: the body's second chunk never comes
+
+    async def trickle():
+        yield b'{"schema": 1, '
+        await stalled.wait()
+
+    good = orjson.dumps(envelope("ok", [snapshot("ok", 1.0)]))
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "stall":
+            return httpx.Response(200, content=trickle())
+        return httpx.Response(200, content=good)
+
+    puller = Puller(StaticTargets(("stall:1", "good:1")), transport=httpx.MockTransport(handler), parse=parse_dict,
+                    timeout_seconds=0.05)
+    result = run(asyncio.wait_for(puller.pull_once(), timeout=30))
+    assert [s["node"] for s in result.samples] == ["ok"]
+    assert puller.errors == {("stall:1", "timeout"): 1}
+    assert not {h.target: h for h in puller.health()}["stall:1"].up
+
+
+def test_pulls_run_concurrently_up_to_the_limit() -> None:
+    """Every handler waits until all pulls are in flight at once: sequential pulls would time out instead."""
+    targets = [f"t{i}:1" for i in range(6)]
+    in_flight, peak = [0], [0]
+
+    async def scenario(concurrency: int) -> int:
+        everyone = asyncio.Event()
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+            if in_flight[0] == concurrency:
+                everyone.set()
+            await everyone.wait()
+            in_flight[0] -= 1
+            node = request.url.host
+            return httpx.Response(200, content=orjson.dumps(envelope(node, [snapshot(node, 1.0)])))
+
+        peak[0] = 0
+        puller = Puller(StaticTargets(tuple(targets)), transport=httpx.MockTransport(handler), parse=parse_dict,
+                        concurrency=concurrency, timeout_seconds=20)
+        result = await asyncio.wait_for(puller.pull_once(), timeout=30)
+        assert result.failed_targets == 0 and len(result.samples) == len(targets)
+        return peak[0]
+
+    assert run(scenario(len(targets))) == len(targets)
+    assert run(scenario(2)) == 2
+
+
+def test_one_keep_alive_connection_per_agent_across_pulls() -> None:
+    """Against a real HTTP/1.1 server on 127.0.0.1: three pulls, one TCP connection."""
+    connections: list[object] = []
+
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer.get_extra_info("peername"))
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                body = orjson.dumps(envelope("n1", [snapshot("n1", 1.0)]))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def scenario() -> list[int]:
+        server = await asyncio.start_server(agent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        puller = Puller(StaticTargets((f"127.0.0.1:{port}",)), parse=parse_dict)
+        counts = [len((await puller.pull_once()).samples) for _ in range(3)]
+        await puller.aclose()
+        server.close()
+        await server.wait_closed()
+        return counts
+
+    assert run(scenario()) == [1, 0, 0]  # the agent ignores since; the repeats are not ingested
+    assert len(connections) == 1
+
+
+def test_a_sample_stamped_far_ahead_is_rejected_and_does_not_strand_since() -> None:
+    """One bogus future time (or an unparseable huge one) must not make every later honest sample look old."""
+    agents = FakeAgents({"a:1": "n1"})
+    puller, now = make_puller(agents, max_future_seconds=300)  # server clock at 1000
+    agents.buffers["a:1"] = [snapshot("n1", 990.0), snapshot("n1", 1000.0 + 3600),
+                             {**snapshot("n1", 995.0), "time": 1e300}]
+
+    async def scenario():
+        first = await puller.pull_once()
+        agents.buffers["a:1"] = [snapshot("n1", 1004.0)]
+        now[0] = 1005.0
+        second = await puller.pull_once()
+        return first, second
+
+    first, second = run(scenario())
+    assert [s["time"] for s in first.samples] == [990.0] and first.rejected_snapshots == 2
+    assert puller.errors[("a:1", "future_time")] == 2
+    assert [s["time"] for s in second.samples] == [1004.0]
+    assert agents.requests[1] == ("a:1", "990.0")
+
+
+def _health(target: str, *, up: bool, stale: bool = False, node: str | None = None,
+            last_success: float | None = None) -> TargetHealth:
+    return TargetHealth(target=target, node=node, up=up, stale=stale, last_success=last_success,
+                        consecutive_failures=0 if up else 3, last_error=None if up else "connect: refused")
+
+
+def test_agent_down_since_start_alerts_after_the_threshold_and_clears_once_the_engine_has_it() -> None:
+    alerts = AgentAlerts(after_seconds=30)
+    down = _health("10.0.0.4:9471", up=False)
+    assert alerts.step([down], covered=set(), now=1000.0) == []
+    assert alerts.step([down], covered=set(), now=1025.0) == []
+    [fired] = alerts.step([down], covered=set(), now=1030.0)
+    a = fired.alert
+    assert (fired.previous, a.state, a.kind, a.severity) == (None, AlertState.FIRING, AlertKind.NODE_UNREACHABLE,
+                                                             Severity.CRITICAL)
+    assert (a.node, a.gpu, a.hpc_job, a.pending_since, a.started) == ("10.0.0.4:9471", None, None, 1000.0, 1030.0)
+    assert "has not answered since the server started (connect: refused)" in a.summary
+    assert a.evidence["target"] == "10.0.0.4:9471" and is_ours(a)
+    assert alerts.step([down], covered=set(), now=1035.0) == []      # no refresh noise while it stays down
+    assert alerts.alerts() == [a]
+    up = _health("10.0.0.4:9471", up=True, node="dgx-04", last_success=1040.0)
+    [resolved] = alerts.step([up], covered={"dgx-04"}, now=1040.0)
+    assert (resolved.previous, resolved.alert.state, resolved.alert.resolved, resolved.alert.id) == (
+        AlertState.FIRING, AlertState.RESOLVED, 1040.0, a.id)
+    assert alerts.alerts() == []
+
+
+def test_agent_answering_without_samples_alerts_as_soon_as_it_is_stale() -> None:
+    alerts = AgentAlerts(after_seconds=30)
+    [fired] = alerts.step([_health("a:1", up=True, stale=True, node="dgx-09")], covered=set(), now=50.0)
+    assert fired.alert.node == "dgx-09" and fired.alert.evidence["reason"] == "stale"
+    assert "answers but has sent no new sample" in fired.alert.summary
+    assert "dgx-09 is not being watched" in fired.alert.summary
+
+
+def test_nodes_the_engine_watches_are_left_to_the_engine_and_removed_targets_resolve() -> None:
+    alerts = AgentAlerts(after_seconds=0)
+    known = _health("a:1", up=False, node="dgx-01", last_success=10.0)
+    assert alerts.step([known], covered={"dgx-01"}, now=100.0) == []  # the engine raises node_unreachable itself
+    [fired] = alerts.step([_health("b:1", up=False)], covered=set(), now=100.0)
+    [gone] = alerts.step([], covered=set(), now=105.0)
+    assert gone.alert.id == fired.alert.id and gone.alert.state is AlertState.RESOLVED
+
+
+def test_restore_takes_back_its_alerts_and_remembers_node_names() -> None:
+    before = AgentAlerts(after_seconds=0)
+    before.learn([_health("a:1", up=True, node="dgx-01")])
+    [fired] = before.step([_health("b:1", up=False)], covered=set(), now=100.0)
+    engine_alert = make_alert(1, kind=AlertKind.NODE_UNREACHABLE, node="dgx-01", gpu=None)
+
+    after = AgentAlerts(after_seconds=0)
+    assert after.restore([fired.alert, engine_alert], before.nodes) == 1
+    assert after.alerts() == [fired.alert]
+    # a:1 never answered since the restart, but its node is remembered: the engine's restored alert covers it
+    assert after.step([_health("a:1", up=False), _health("b:1", up=False)], covered={"dgx-01"}, now=200.0) == []
+    gone, named = after.step([_health("a:1", up=False)], covered=set(), now=205.0)  # b:1 removed; a:1 uncovered
+    assert gone.alert.id == fired.alert.id and gone.alert.state is AlertState.RESOLVED
+    assert named.alert.node == "dgx-01" and "dgx-01 is not being watched" in named.alert.summary
+    assert after.learn([_health("a:1", up=True, node="dgx-01")]) == {}
+    assert after.learn([_health("a:1", up=True, node="dgx-11")]) == {"a:1": "dgx-11"}

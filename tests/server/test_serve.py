@@ -10,6 +10,7 @@ import pytest
 
 from server.serve import build_runtime, main
 from server.settings import ConfigError, ServerSettings, load_settings, parse_duration
+from server.store import AlertQuery
 from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
 
 
@@ -76,6 +77,20 @@ def test_main_exits_2_with_one_line(capsys, tmp_path) -> None:
     assert "--frobnicate" in capsys.readouterr().err
     assert main(["--storage.path", str(tmp_path / "no" / "dir" / "x.db"), "--targets", "a:1"]) == 2
     assert "cannot open alert store" in capsys.readouterr().err
+
+
+def test_taken_listen_address_exits_2_before_pulling_anything(capsys, tmp_path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--web.listen-address", f"127.0.0.1:{port}", "--targets", "127.0.0.1:1",
+                     "--storage.path", str(tmp_path / "x.db")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("gpufleet-server: cannot listen on --web.listen-address")
+    assert f"127.0.0.1:{port}" in err and "in use" in err
 
 
 def test_bad_engine_section_exits_2(capsys, tmp_path) -> None:
@@ -196,8 +211,8 @@ def test_sigterm_stops_the_server_cleanly(tmp_path) -> None:
          "--targets", "127.0.0.1:1", "--storage.path", str(tmp_path / "s.db"), "--log.level", "info"],
         stderr=subprocess.PIPE, text=True)
     try:
-        for line in proc.stderr:  # uvicorn logs this once the socket is bound
-            if "Uvicorn running on" in line:
+        for line in proc.stderr:  # logged once the socket is bound
+            if "gpufleet-server listening" in line:
                 break
         health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
         assert health.json()["targets"] in (0, 1)
@@ -208,3 +223,93 @@ def test_sigterm_stops_the_server_cleanly(tmp_path) -> None:
             proc.kill()
             proc.wait()
     assert (tmp_path / "s.db").exists()
+
+
+def test_agent_down_since_start_alerts_through_the_pipeline_and_keeps_its_alert_across_a_restart(tmp_path) -> None:
+    """An agent the engine has never had a sample from raises node_unreachable from ingest, exactly once."""
+    now = [1000.0]
+    down = {"10.0.0.2"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host in down:
+            raise httpx.ConnectError("refused")
+        node = {"10.0.0.1": "dgx-01", "10.0.0.2": "dgx-02"}[request.url.host]
+        return httpx.Response(200, content=orjson.dumps(envelope(node, [snapshot(node, now[0])])))
+
+    settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "d.db"),
+                              pull_stale_after_seconds=30)
+
+    def runtime_with(engine: StubEngine):
+        return build_runtime(settings, engine=engine, clock=lambda: now[0], transport=httpx.MockTransport(handler),
+                             parse=parse_dict)
+
+    async def cycles(runtime, n: int) -> list:
+        out = []
+        for _ in range(n):
+            now[0] += 5
+            out += await runtime.cycle()
+        return out
+
+    first = runtime_with(StubEngine())
+    [fired] = asyncio.run(cycles(first, 7))
+    assert (fired.alert.kind.value, fired.alert.node, fired.alert.started) == (
+        "node_unreachable", "10.0.0.2:9471", 1035.0)
+    assert first.store.get(fired.alert.id).state.value == "firing"
+    assert [a.id for a in first.view.alerts] == [fired.alert.id]
+    first.store.close()
+
+    engine = StubEngine()
+    second = runtime_with(engine)
+    assert second.restore() == 1 and engine.restored == []  # ours, not the engine's
+    assert asyncio.run(cycles(second, 3)) == []              # still down: same alert, no duplicate
+    assert [a.id for a in second.view.alerts] == [fired.alert.id]
+    down.clear()
+    [resolved] = asyncio.run(cycles(second, 1))
+    assert (resolved.alert.id, resolved.alert.state.value) == (fired.alert.id, "resolved")
+    assert second.store.get(fired.alert.id).resolved == now[0] and second.store.open_alerts() == []
+    assert second.store.target_nodes() == {"10.0.0.1:9471": "dgx-01", "10.0.0.2:9471": "dgx-02"}
+
+
+def test_real_engine_keeps_an_alert_across_a_restart_and_resolves_it_under_the_same_id(tmp_path) -> None:
+    """Fire with the real engine, restart on the same SQLite file (agents re-send their buffers), cool down."""
+    pytest.importorskip("server.engine", reason="engine not written yet")
+    now = [10_000.0]
+    start, hot_until = now[0], [float("inf")]
+
+    def gpu(node: str, i: int, t: float) -> dict:
+        hot = node == "dgx-02" and i == 1 and start + 60 <= t < hot_until[0]
+        return {"index": i, "uuid": f"GPU-{node}-{i}", "model": "NVIDIA H100", "up": True, "hpc_job": "71001",
+                "utilization_ratio": 1.0, "sm_active_ratio": 0.8, "temperature_celsius": 95.0 if hot else 62.0,
+                "slowdown_temperature_celsius": 90.0, "power_watts": 600.0, "power_limit_watts": 700.0,
+                "sm_clock_hertz": 1.98e9, "sm_clock_max_hertz": 1.98e9, "throttle_reasons": 0x20 if hot else 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        node = {"10.0.0.1": "dgx-01", "10.0.0.2": "dgx-02"}[request.url.host]
+        since = float(request.url.params.get("since", now[0] - 300))  # an agent buffers 300 s
+        snaps = [{"schema": 1, "node": node, "time": float(t), "gpus": [gpu(node, i, t) for i in range(4)]}
+                 for t in range(int(since) + 1, int(now[0]) + 1)]
+        return httpx.Response(200, content=orjson.dumps(envelope(node, snaps)))
+
+    settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "k.db"))
+
+    async def cycles(runtime, n: int) -> None:
+        for _ in range(n):
+            now[0] += 5
+            await runtime.cycle()
+
+    first = build_runtime(settings, clock=lambda: now[0], transport=httpx.MockTransport(handler))
+    asyncio.run(cycles(first, 30))
+    [fired] = first.store.open_alerts()
+    assert (fired.kind.value, fired.node, fired.gpu, fired.state.value) == ("thermal_throttle", "dgx-02", 1, "firing")
+    first.store.close()
+
+    now[0] += 20  # down for 20 s
+    second = build_runtime(settings, clock=lambda: now[0], transport=httpx.MockTransport(handler))
+    assert second.restore() == 1
+    asyncio.run(cycles(second, 10))
+    assert [(a.id, a.state.value, a.started) for a in second.store.open_alerts()] == [
+        (fired.id, "firing", fired.started)]
+    hot_until[0] = now[0]
+    asyncio.run(cycles(second, 40))
+    [after] = second.store.query(AlertQuery()).alerts
+    assert (after.id, after.state.value) == (fired.id, "resolved") and after.resolved > hot_until[0]

@@ -98,3 +98,16 @@ def test_unopenable_path_is_a_clear_error(tmp_path) -> None:
     not_db.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises((StoreError, sqlite3.DatabaseError)):
         AlertStore(not_db)
+
+
+def test_target_node_names_survive_a_reopen(tmp_path) -> None:
+    path = tmp_path / "t.db"
+    first = AlertStore(path)
+    assert first.target_nodes() == {}
+    first.remember_target_nodes({"10.0.0.1:9471": "dgx-01", "10.0.0.2:9471": "dgx-02"})
+    first.remember_target_nodes({"10.0.0.2:9471": "dgx-22"})
+    first.remember_target_nodes({})
+    first.close()
+    second = AlertStore(path)
+    assert second.target_nodes() == {"10.0.0.1:9471": "dgx-01", "10.0.0.2:9471": "dgx-22"}
+    second.close()
