@@ -7,6 +7,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to the subcommand's own main; each parses its own flags."""
+    from server.allocator import tune_malloc
+
+    tune_malloc()           # every subcommand runs the engine's numpy ticks
     args = sys.argv[1:] if argv is None else list(argv)
     command = args[0] if args and not args[0].startswith("-") else "serve"
     rest = args[1:] if args and args[0] == command else args

@@ -152,6 +152,7 @@ def parse_snapshot(payload: Any) -> NodeSample:
 def parse_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, NodeSample | ContractError]]:
     """(1-based line number, sample or error) for every non-blank line; matrices are built in batches."""
     pending: list[tuple[int, Any]] = []
+    identities: dict = {}
     rows = 0
     for lineno, line in enumerate(lines, 1):
         # isspace() stops at the first '{' where strip() would copy the whole line.
@@ -165,15 +166,15 @@ def parse_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, NodeSample 
             pending.append((lineno, decoded))
             rows += len(decoded.gpus)
         if rows >= CHUNK_GPUS or len(pending) >= CHUNK_LINES:
-            yield from _flush(pending)
+            yield from _flush(pending, identities)
             pending = []
             rows = 0
-    yield from _flush(pending)
+    yield from _flush(pending, identities)
 
 
-def _flush(pending: list[tuple[int, Any]]) -> Iterator[tuple[int, NodeSample | ContractError]]:
+def _flush(pending: list[tuple[int, Any]], identities: dict) -> Iterator[tuple[int, NodeSample | ContractError]]:
     """Build a chunk of decoded lines in one vectorised pass, keeping line order."""
-    built = iter(_build([item for _, item in pending if not isinstance(item, ContractError)]))
+    built = iter(_build([item for _, item in pending if not isinstance(item, ContractError)], identities))
     for lineno, item in pending:
         yield lineno, (item if isinstance(item, ContractError) else next(built))
 
@@ -188,8 +189,10 @@ def _decode(line: bytes | str) -> _Snapshot:
         raise ContractError(str(exc)) from None
 
 
-def _build(snapshots: list[_Snapshot]) -> list[NodeSample | ContractError]:
-    """NodeSamples for decoded snapshots: one float matrix for the whole batch, sliced per line."""
+def _build(snapshots: list[_Snapshot], identities: dict | None = None) -> list[NodeSample | ContractError]:
+    """NodeSamples for decoded snapshots: one float matrix for the whole batch, sliced per line
+    (identities: shared node identities across batches, see _sample)."""
+    identities = {} if identities is None else identities
     if not snapshots:
         return []
     rows = [_astuple(g) for s in snapshots for g in s.gpus]
@@ -206,7 +209,7 @@ def _build(snapshots: list[_Snapshot]) -> list[NodeSample | ContractError]:
     start = 0
     for s in snapshots:
         end = start + len(s.gpus)
-        out.append(_sample(s, matrix, cols, start, end, odd_jobs, has_xids))
+        out.append(_sample(s, matrix, cols, start, end, odd_jobs, has_xids, identities))
         start = end
     return out
 
@@ -217,15 +220,21 @@ def _needs_job_normalising(jobs: tuple) -> bool:
 
 
 def _sample(s: _Snapshot, matrix: np.ndarray, cols: list[tuple], start: int, end: int,
-            odd_jobs: bool, has_xids: bool) -> NodeSample | ContractError:
+            odd_jobs: bool, has_xids: bool, identities: dict) -> NodeSample | ContractError:
     """One line's NodeSample from its slice of the batch's columns (has_xids: some line of the batch
-    has XID counts by code)."""
-    indices = cols[_I_INDEX][start:end]
-    if len(set(indices)) != len(indices):
-        return ContractError(f"duplicate gpu index in {indices!r}")
-    jobs = cols[_I_JOB][start:end]
-    if odd_jobs:
-        jobs = tuple(_job(j) for j in jobs)
+    has XID counts by code). A node's identity (name, GPU indices, UUIDs, models, jobs) repeats line
+    after line: `identities` maps it to one shared copy, so a trace's samples hold one set of those
+    strings per node instead of one per line (most of replay's memory, and its page faults)."""
+    key = (s.node, cols[_I_INDEX][start:end], cols[_I_UUID][start:end], cols[_I_MODEL][start:end],
+           cols[_I_JOB][start:end])
+    ident = identities.get(key)
+    if ident is None:
+        indices = key[1]
+        if len(set(indices)) != len(indices):
+            return ContractError(f"duplicate gpu index in {indices!r}")
+        jobs = tuple(_job(j) for j in key[4]) if odd_jobs else key[4]
+        ident = identities[key] = key[:4] + (jobs,)
+    node, indices, uuids, models, jobs = ident
     xids = None
     xid_raw = cols[_I_XID][start:end] if has_xids else ()
     if any(xid_raw):
@@ -233,8 +242,7 @@ def _sample(s: _Snapshot, matrix: np.ndarray, cols: list[tuple], start: int, end
             xids = tuple(_xid_map(x) for x in xid_raw)
         except ContractError as exc:
             return exc
-    return NodeSample(s.node, s.time, indices, cols[_I_UUID][start:end], cols[_I_MODEL][start:end], jobs,
-                      matrix[start:end], xids)
+    return NodeSample(node, s.time, indices, uuids, models, jobs, matrix[start:end], xids)
 
 
 def _job(value: Any) -> str | None:

@@ -20,7 +20,6 @@ from typing import Any, Iterable, Iterator, Mapping
 import orjson
 
 from server.alerts import Alert, AlertState
-from server.allocator import tune_malloc
 from server.contract import ContractError, NodeSample, parse_lines
 from server.engine import Engine, EngineConfig
 
@@ -142,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log.level", dest="log_level", default="warning")
     parser.add_argument("--log.format", dest="log_format", default="text")
     args = parser.parse_args(argv)
-    tune_malloc()
     try:
         from agent.logs import configure_logging
         configure_logging(args.log_level, args.log_format)
