@@ -126,3 +126,16 @@ def test_batches_split_by_gpu_rows_give_the_same_results_as_single_lines():
             assert (one.node, one.time, one.indices, one.jobs) == (b.node, b.time, b.indices, b.jobs)
             assert (one.values == b.values)[~(one.values != one.values)].all()
     assert sum(isinstance(b, ContractError) for _, b in batched) == 9
+
+
+def test_lines_of_one_node_share_its_identity_and_a_job_change_is_kept():
+    # 600 lines span several batches; the node's strings are held once, not once per line.
+    lines = [snapshot_line("n0", T0 + i, [healthy(0), healthy(1, job="77" if i >= 300 else "j1")])
+             for i in range(600)]
+    lines.append(snapshot_line("n0", T0 + 600, [healthy(0), healthy(0)]))     # duplicate index, same node
+    parsed = [s for _, s in parse_lines(lines)]
+    first, before, after, dup = parsed[0], parsed[299], parsed[300], parsed[-1]
+    assert before.uuids is first.uuids and before.jobs is first.jobs and before.node is first.node
+    assert (before.jobs, after.jobs) == (("j1", "j1"), ("j1", "77"))
+    assert after.uuids == first.uuids
+    assert isinstance(dup, ContractError) and "duplicate gpu index" in str(dup)
