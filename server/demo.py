@@ -288,7 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         settings = ServerSettings(listen_address=listen, targets=tuple(a.address for a in agents),
                                   storage_path=os.path.join(workdir, "alerts.db"),
-                                  pull_interval_seconds=args.pull_interval, log_level=args.log_level, log_format="text")
+                                  pull_interval_seconds=args.pull_interval,
+                                  pull_timeout_seconds=min(4.0, args.pull_interval),
+                                  log_level=args.log_level, log_format="text")
         printer = TerminalPrinter(epoch)
         runtime = build_runtime(settings, extra_notifiers=[printer])
         print_banner(f"http://{listen}", nodes, scenario, epoch, args)

@@ -180,7 +180,12 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> 
                 except (ValueError, TypeError) as exc:
                     raise ConfigError(f"bad value for {origin}: {raw!r} ({exc})") from None
                 break
-    return ServerSettings(**values)
+    settings = ServerSettings(**values)
+    if settings.pull_timeout_seconds > settings.pull_interval_seconds:
+        # As Prometheus refuses a scrape timeout above its interval: pulls would pile up behind each other.
+        raise ConfigError(f"pull.timeout ({settings.pull_timeout_seconds:g}s) must not exceed pull.interval "
+                          f"({settings.pull_interval_seconds:g}s)")
+    return settings
 
 
 def _read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:

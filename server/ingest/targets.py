@@ -19,6 +19,8 @@ import yaml
 log = logging.getLogger(__name__)
 
 Resolver = Callable[[str], Sequence[str]]
+# gpufleet-agent's default --web.listen-address port: a target given as a bare host means an agent there.
+AGENT_PORT = 9471
 
 
 class TargetError(ValueError):
@@ -54,7 +56,7 @@ class StaticTargets:
     def parse(cls, text: str | Iterable[str]) -> "StaticTargets":
         """Build from "a:1,b:2" or a list of addresses; TargetError on a malformed one."""
         items = text.split(",") if isinstance(text, str) else list(text)
-        return cls(tuple(parse_address(item) for item in items if item.strip()))
+        return cls(tuple(parse_address(item, default_port=AGENT_PORT) for item in items if item.strip()))
 
     def targets(self) -> list[str]:
         """The configured addresses, sorted and de-duplicated."""
@@ -75,7 +77,7 @@ def parse_file_sd(content: bytes, *, name: str = "file_sd") -> list[str]:
     for i, group in enumerate(groups):
         if not isinstance(group, dict) or not isinstance(group.get("targets", []), list):
             raise TargetError(f"{name}: group {i} must be a mapping with a 'targets' list")
-        out.extend(parse_address(str(t)) for t in group.get("targets", []))
+        out.extend(parse_address(str(t), default_port=AGENT_PORT) for t in group.get("targets", []))
     return sorted(set(out))
 
 
@@ -131,7 +133,7 @@ class DnsTargets:
     """A name that resolves to many addresses (a Kubernetes headless Service), one target per address."""
 
     def __init__(self, spec: str, *, resolver: Resolver = system_resolver) -> None:
-        address = parse_address(spec)
+        address = parse_address(spec, default_port=AGENT_PORT)
         host, _, port = address.rpartition(":")
         self.host, self.port = host, int(port)
         self._resolver = resolver

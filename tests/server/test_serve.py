@@ -22,10 +22,10 @@ def test_defaults() -> None:
 
 def test_precedence_flag_over_env_over_file(tmp_path) -> None:
     config = tmp_path / "server.yaml"
-    config.write_text("pull.interval: 30s\npull.timeout: 7\ntargets: [a:1, b:2]\nengine: {x: 1}\n")
+    config.write_text("pull.interval: 30s\npull.timeout: 1.5\ntargets: [a:1, b:2]\nengine: {x: 1}\n")
     env = {"GPUFLEET_SERVER_PULL_INTERVAL": "10s", "GPUFLEET_SERVER_WEB_LISTEN_ADDRESS": "127.0.0.1:1"}
     s = load_settings(["--config.file", str(config), "--pull.interval", "2s"], env=env)
-    assert s.pull_interval_seconds == 2.0 and s.pull_timeout_seconds == 7.0
+    assert s.pull_interval_seconds == 2.0 and s.pull_timeout_seconds == 1.5
     assert s.listen_address == "127.0.0.1:1" and s.targets == ("a:1", "b:2") and s.engine == {"x": 1}
     assert load_settings(["--config.file", str(config)], env=env).pull_interval_seconds == 10.0
     assert load_settings(["--config.file", str(config)], env={}).pull_interval_seconds == 30.0
@@ -40,7 +40,8 @@ def test_durations(text, seconds) -> None:
     (["--pull.interval", "soon"], {}, "--pull.interval"),
     (["--pull.interval", "0s"], {}, "--pull.interval"),
     (["--web.listen-address", "nowhere"], {}, "--web.listen-address"),
-    (["--targets", "a:1,b"], {}, "--targets"),
+    (["--targets", "a:1,b:http"], {}, "--targets"),
+    (["--pull.interval", "5s", "--pull.timeout", "10s"], {}, "pull.timeout"),
     (["--alertmanager.url", "am:9093"], {}, "--alertmanager.url"),
     (["--log.level", "loud"], {}, "--log.level"),
     (["--pull.max-bytes", "lots"], {}, "--pull.max-bytes"),

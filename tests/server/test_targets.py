@@ -23,7 +23,14 @@ def test_parse_address_normalises_and_rejects() -> None:
 def test_static_targets_dedupe_and_sort() -> None:
     assert StaticTargets.parse("b:2, a:1,,b:2").targets() == ["a:1", "b:2"]
     with pytest.raises(TargetError):
-        StaticTargets.parse("a:1,oops")
+        StaticTargets.parse("a:1,oops:http")
+
+
+def test_a_bare_host_means_the_agent_default_port() -> None:
+    assert StaticTargets.parse("dgx-01,dgx-02:9500").targets() == ["dgx-01:9471", "dgx-02:9500"]
+    assert parse_file_sd(b"- targets: [dgx-01, 'dgx-02:1']\n") == ["dgx-01:9471", "dgx-02:1"]
+    dns = DnsTargets("agents.gpufleet.svc", resolver=lambda host: ["10.0.0.7"])
+    assert dns.targets() == ["10.0.0.7:9471"]
 
 
 def test_file_sd_json_and_yaml() -> None:
