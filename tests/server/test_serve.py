@@ -161,26 +161,34 @@ def test_shipped_example_config_is_valid() -> None:
     assert "window_seconds" in s.engine
 
 
+def _thermal_agents(now: list[float], hot, first_since):
+    """Mock agents dgx-01 (10.0.0.1) and dgx-02 (10.0.0.2) of job 71001, 4 GPUs each, one snapshot per second
+    up to now[0]; hot(node, gpu, t) says which GPU-seconds read 95 °C with the SW thermal bit."""
+
+    def gpu(node: str, i: int, t: float) -> dict:
+        is_hot = hot(node, i, t)
+        return {"index": i, "uuid": f"GPU-{node}-{i}", "model": "NVIDIA H100", "up": True, "hpc_job": "71001",
+                "utilization_ratio": 1.0, "sm_active_ratio": 0.8, "temperature_celsius": 95.0 if is_hot else 62.0,
+                "slowdown_temperature_celsius": 90.0, "power_watts": 600.0, "power_limit_watts": 700.0,
+                "sm_clock_hertz": 1.98e9, "sm_clock_max_hertz": 1.98e9, "throttle_reasons": 0x20 if is_hot else 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        node = {"10.0.0.1": "dgx-01", "10.0.0.2": "dgx-02"}[request.url.host]
+        since = float(request.url.params.get("since", first_since()))
+        snaps = [{"schema": 1, "node": node, "time": float(t), "gpus": [gpu(node, i, t) for i in range(4)]}
+                 for t in range(int(since) + 1, int(now[0]) + 1)]
+        return httpx.Response(200, content=orjson.dumps(envelope(node, snaps)))
+
+    return handler
+
+
 def test_real_engine_fires_thermal_alert_through_the_live_pipeline(tmp_path) -> None:
     """Mock agents -> real contract parser and engine (settle from the pull interval) -> store and /alerts view."""
     pytest.importorskip("server.engine", reason="engine not written yet")
     now = [10_000.0]
     start = now[0]
-
-    def gpu(node: str, i: int, t: float) -> dict:
-        hot = node == "dgx-02" and i == 1 and t >= start + 60
-        return {"index": i, "uuid": f"GPU-{node}-{i}", "model": "NVIDIA H100", "up": True, "hpc_job": "71001",
-                "utilization_ratio": 1.0, "sm_active_ratio": 0.8, "temperature_celsius": 95.0 if hot else 62.0,
-                "slowdown_temperature_celsius": 90.0, "power_watts": 600.0, "power_limit_watts": 700.0,
-                "sm_clock_hertz": 1.98e9, "sm_clock_max_hertz": 1.98e9, "throttle_reasons": 0x20 if hot else 0}
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        node = {"10.0.0.1": "dgx-01", "10.0.0.2": "dgx-02"}[request.url.host]
-        since = float(request.url.params.get("since", start - 1))
-        snaps = [{"schema": 1, "node": node, "time": float(t), "gpus": [gpu(node, i, t) for i in range(4)]}
-                 for t in range(int(since) + 1, int(now[0]) + 1)]
-        return httpx.Response(200, content=orjson.dumps(envelope(node, snaps)))
-
+    handler = _thermal_agents(now, lambda node, i, t: node == "dgx-02" and i == 1 and t >= start + 60,
+                              first_since=lambda: start - 1)
     settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "r.db"))
     runtime = build_runtime(settings, clock=lambda: now[0], transport=httpx.MockTransport(handler))
 
@@ -276,20 +284,8 @@ def test_real_engine_keeps_an_alert_across_a_restart_and_resolves_it_under_the_s
     pytest.importorskip("server.engine", reason="engine not written yet")
     now = [10_000.0]
     start, hot_until = now[0], [float("inf")]
-
-    def gpu(node: str, i: int, t: float) -> dict:
-        hot = node == "dgx-02" and i == 1 and start + 60 <= t < hot_until[0]
-        return {"index": i, "uuid": f"GPU-{node}-{i}", "model": "NVIDIA H100", "up": True, "hpc_job": "71001",
-                "utilization_ratio": 1.0, "sm_active_ratio": 0.8, "temperature_celsius": 95.0 if hot else 62.0,
-                "slowdown_temperature_celsius": 90.0, "power_watts": 600.0, "power_limit_watts": 700.0,
-                "sm_clock_hertz": 1.98e9, "sm_clock_max_hertz": 1.98e9, "throttle_reasons": 0x20 if hot else 0}
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        node = {"10.0.0.1": "dgx-01", "10.0.0.2": "dgx-02"}[request.url.host]
-        since = float(request.url.params.get("since", now[0] - 300))  # an agent buffers 300 s
-        snaps = [{"schema": 1, "node": node, "time": float(t), "gpus": [gpu(node, i, t) for i in range(4)]}
-                 for t in range(int(since) + 1, int(now[0]) + 1)]
-        return httpx.Response(200, content=orjson.dumps(envelope(node, snaps)))
+    handler = _thermal_agents(now, lambda node, i, t: node == "dgx-02" and i == 1 and start + 60 <= t < hot_until[0],
+                              first_since=lambda: now[0] - 300)            # an agent buffers 300 s
 
     settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "k.db"))
 
