@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from tests.server import scenarios
-from tests.server.tracegen import generate
+from tests.server.tracegen import generate, without_fields
 
 SEEDS = (0, 1)
 SMALL = [s.name for s in scenarios.CATALOG if s.small]
@@ -172,3 +172,13 @@ def test_benchmarks_doc_section_replaces_only_its_own_heading(tmp_path):
     doc.write_text(f"# Benchmarks\n\n{HEADING}\n\nold\n\n## Agent\n\nagent figures\n")
     write_section(doc, f"{HEADING}\n\nv3\n")
     assert doc.read_text() == f"# Benchmarks\n\n{HEADING}\n\nv3\n\n## Agent\n\nagent figures\n"
+
+
+@pytest.mark.parametrize("name", ["power_brake", "decoy_power_cap"])
+def test_without_clock_readings_throttle_bits_name_the_culprit_and_the_cap(run_replay, name):
+    # No SM clocks: the power-brake bit alone marks the culprit, and the power-cap bit on most of a job's
+    # GPUs marks a power drop as the operator's cap rather than the job waiting in collectives.
+    trace = generate(scenarios.BY_NAME[name].build(0))
+    alerts = run_replay(without_fields(trace.lines, ("sm_clock_hertz", "sm_clock_max_hertz")))
+    problems = _problems(trace, alerts)
+    assert not problems, f"{name} seed=0 without clocks\n  " + "\n  ".join(problems)

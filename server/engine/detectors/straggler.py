@@ -262,8 +262,10 @@ def _signals(cfg, ex: np.ndarray, sm: np.ndarray, level_sm: np.ndarray, gsm_unkn
     sm_excess = (ex[_SM] >= _SCALES * cfg.straggler_sm_excess) & stays_high
     power_excess = gsm_unknown & (ex[_PW] >= _SCALES * cfg.straggler_power_excess)
     clock_deficit = -ex[_CLK] >= _SCALES * cfg.straggler_clock_deficit
+    # Slowdown bits on one GPU and not its peers, confirmed by half a margin of a reading; where the
+    # GPU reports no clocks (the reading that shows what the bits do), the bits stand alone.
     bits = ((slow >= 0.5) & ~(gslow >= 0.25)
-            & ((-ex[_CLK] >= _SCALES * cfg.straggler_clock_deficit / 2)
+            & (np.isnan(ex[_CLK]) | (-ex[_CLK] >= _SCALES * cfg.straggler_clock_deficit / 2)
                | (ex[_SM] >= _SCALES * cfg.straggler_sm_excess / 2)
                | (ex[_PW] >= _SCALES * cfg.straggler_power_excess / 2)))
     return sm_excess | power_excess | clock_deficit | bits

@@ -23,9 +23,11 @@ def job_drop(groups: Groups, history: GroupHistory, clock_ratio: float) -> tuple
     base_sm, base_pw, base_clk = history.baseline("sm"), history.baseline("power"), history.baseline("clock")
     drop_sm = 1.0 - groups.sm / base_sm
     drop_pw = 1.0 - groups.power / base_pw
-    # A lower power is only "waiting" while clocks hold; a power cap lowers power by cutting clocks
-    # (and after a minute of new clocks the group's history restarts, see Engine._regime).
-    clocks_hold = ~(groups.clock < clock_ratio * base_clk)
+    # A lower power is only "waiting" while clocks hold: a power cap lowers power by cutting clocks
+    # (after a minute of new clocks the group's history restarts, see Engine._regime). Where clocks
+    # are not reported, the power-cap bit on most of the group's GPUs says the same.
+    clocks_hold = np.where(np.isnan(groups.clock), ~(groups.power_cap >= 0.5),
+                           ~(groups.clock < clock_ratio * base_clk))
     use_sm = ~np.isnan(drop_sm)
     use_pw = ~use_sm & ~np.isnan(drop_pw) & clocks_hold
     drop = np.where(use_sm, drop_sm, np.where(use_pw, drop_pw, np.nan))
