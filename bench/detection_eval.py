@@ -68,7 +68,7 @@ def evaluate(run_replay, names: list[str], seeds: int) -> Evaluation:
             alerts = run_replay(trace.lines)
             replay_s += time.perf_counter() - started
             samples += trace.gpu_samples
-            result = scenarios.score(alerts, trace.truths)
+            result = scenarios.score(alerts, trace.truths, trace_end=trace.spec.t0 + trace.spec.duration_s)
             _accumulate(row, result, trace, seed)
             for kind, ks in result.kinds.items():
                 kinds.setdefault(kind, scenarios.KindScore()).add(ks)
@@ -93,6 +93,8 @@ def _accumulate(row: ScenarioResult, result: scenarios.Score, trace, seed: int) 
     row.failures += [f"{tag}: missed {scenarios.describe_truth(t, t0)}" for t in result.missed]
     row.failures += [f"{tag}: late ({ttf:.0f} s) {scenarios.describe_truth(t, t0)}" for t, ttf in result.late]
     row.failures += [f"{tag}: false {scenarios.describe_alert(a, t0)}" for a in result.false_alerts]
+    row.failures += [f"{tag}: stuck {scenarios.describe_alert(a, t0)} (after {scenarios.describe_truth(t, t0)})"
+                     for a, t in result.stuck]
 
 
 # ----------------------------------------------------------------------------------------- report

@@ -190,7 +190,9 @@ class GroupRegistry:
     def build(self, t: float, slot_job: np.ndarray, slot_node: np.ndarray, slot_model: np.ndarray,
               job_names: list[str], has_data: np.ndarray, busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per-slot GPU-level and node-level group ids for this tick (read-only arrays)."""
-        inputs = (slot_job, slot_node, slot_model, has_data, busy)
+        # Busy-ness matters only for unattributed GPUs (their fallback groups are the busy ones): an
+        # attributed GPU crossing the busy threshold must not force a rebuild.
+        inputs = (slot_job, slot_node, slot_model, has_data, busy & (slot_job == NO_JOB))
         last = self._last_build
         # Membership rarely changes between ticks; the same inputs give the same (already interned) ids.
         if last is not None and all(equal(a, b) for a, b in zip(inputs, last[0])):

@@ -162,6 +162,8 @@ class Windows:
         cache = self._nodes.get(sample.node)
         if cache is None:
             cache = self._nodes[sample.node] = _NodeCache()
+        elif sample.indices is cache.indices and sample.uuids is cache.uuids and sample.jobs is cache.jobs:
+            return cache.slots, cache.job_codes     # the parser shares a node's identity tuples between lines
         if sample.indices != cache.indices or sample.uuids != cache.uuids:
             slots = []
             for index, uuid, model in zip(sample.indices, sample.uuids, sample.models):

@@ -6,7 +6,9 @@ interval and the line order all vary with it. `score()` matches alerts to the ge
 - an alert matches a truth when kind and subject agree and `started` lies in [start - lead, end + grace];
 - precision per kind = alerts matching a required truth / alerts not matching only an allowed one;
 - recall per kind = required truths matched / required truths; time to fire = started - (start - lead),
-  i.e. from the first moment the condition could be said to have begun.
+  i.e. from the first moment the condition could be said to have begun;
+- given the trace's end, a detection alert still open (or resolved) more than RESOLVE_S after the last
+  truth it matches ended is "stuck": an alert that outlives its incident misleads as much as a false one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from tests.server.tracegen import (A100, H100, ClusterSpec, GpuModel, Incident, 
 
 GRACE_S = 120.0
 DEADLINE_S = 150.0
+RESOLVE_S = 300.0
+# Alerts that describe a condition and clear when it ends (health alerts clear on their own timers).
+_RESOLVING_KINDS = ("thermal_throttle", "straggler", "comm_bound", "input_bound")
 ALERT_KINDS = ("thermal_throttle", "straggler", "comm_bound", "input_bound", "node_unreachable",
                "gpu_lost", "xid", "ecc")
 
@@ -229,6 +234,26 @@ def straggler_from_start(seed: int) -> ClusterSpec:
     nodes, job = _one_job(d, d.i(1, 3))
     inc = Incident("slow_gpu", 0.0, 1e9, d.pick(nodes).name, d.i(0, 7), severity=d.u(0.6, 0.8))
     return d.spec(nodes, [job], [inc], 900.0)
+
+
+def brake_from_start(seed: int) -> ClusterSpec:
+    d = _Draw("brake_from_start", seed)
+    nodes, job = _one_job(d, d.i(1, 2))
+    end = d.u(330, 450)
+    inc = Incident("power_brake", d.pick((0.0, 40.0, 80.0)), end, d.pick(nodes).name, d.i(0, 7),
+                   severity=d.u(0.5, 0.75))
+    return d.spec(nodes, [job], [inc], 1100.0)
+
+
+def node_from_start(seed: int) -> ClusterSpec:
+    d = _Draw("node_from_start", seed)
+    nodes, job = _one_job(d, d.i(2, 4))
+    start, end, node = d.pick((0.0, 40.0, 80.0)), d.u(330, 450), d.pick(nodes).name
+    if d.rng.random() < 0.5:
+        inc = Incident("host_starved", start, end, node, job="j1", severity=d.u(0.45, 0.8))
+    else:
+        inc = Incident("slow_node", start, end, node, severity=d.u(0.6, 0.72))
+    return d.spec(nodes, [job], [inc], 1100.0)
 
 
 def early_straggler_then_comm(seed: int) -> ClusterSpec:
@@ -502,6 +527,12 @@ CATALOG: tuple[Scenario, ...] = (
              intermittent_straggler, small=False),
     Scenario("straggler_from_start", "a GPU 20-40 % slow from the job's first step (no healthy baseline)",
              straggler_from_start, small=False),
+    Scenario("brake_from_start", "a GPU power-braked (clocks cut, brake bits) from the job's first minute "
+             "recovers; no baseline, and where SM activity is unsupported its power reads like a victim's",
+             brake_from_start),
+    Scenario("node_from_start", "a node host-starved or slow from the job's first minute recovers (no "
+             "baseline: the other nodes spinning while it idles, or far less active than it, name it)",
+             node_from_start),
     Scenario("early_straggler_then_comm", "a GPU slow from the job's start recovers; later collectives "
              "slow down job-wide (the straggler must resolve without a baseline, then comm_bound fire)",
              early_straggler_then_comm),
@@ -578,6 +609,7 @@ class Score:
     missed: list[Truth]
     late: list[tuple[Truth, float]]
     false_alerts: list[dict[str, Any]]
+    stuck: list[tuple[dict[str, Any], Truth]] = field(default_factory=list)
 
 
 def normalize(alert: Any) -> dict[str, Any]:
@@ -608,8 +640,8 @@ def _covers(alert: Mapping[str, Any], truth: Truth) -> bool:
 
 
 def score(alerts: Iterable[Any], truths: Iterable[Truth], grace_s: float = GRACE_S,
-          deadline_s: float = DEADLINE_S) -> Score:
-    """Match alerts to truths (see the module docstring for the rules)."""
+          deadline_s: float = DEADLINE_S, trace_end: float | None = None) -> Score:
+    """Match alerts to truths (see the module docstring for the rules; stuck alerts need trace_end)."""
     alerts = [normalize(a) for a in alerts]
     truths = list(truths)
     kinds = {k: KindScore() for k in ALERT_KINDS}
@@ -636,7 +668,30 @@ def score(alerts: Iterable[Any], truths: Iterable[Truth], grace_s: float = GRACE
         else:
             ks.fp += 1
             false_alerts.append(a)
-    return Score(kinds, missed, late, false_alerts)
+    stuck = [] if trace_end is None else _stuck(alerts, truths, grace_s, trace_end)
+    return Score(kinds, missed, late, false_alerts, stuck)
+
+
+def _stuck(alerts: list[dict[str, Any]], truths: list[Truth], grace_s: float,
+           trace_end: float) -> list[tuple[dict[str, Any], Truth]]:
+    """Alerts that stay open (or resolve) more than RESOLVE_S after the last truth they match ended."""
+    out = []
+    for a in alerts:
+        if a["kind"] not in _RESOLVING_KINDS:
+            continue
+        mine = [t for t in truths if _matches(a, t, grace_s) or _covers(a, t)]
+        if not mine:
+            continue
+        # Later truths on the same subject that the open alert runs into keep it legitimately open.
+        resolved = a.get("resolved")
+        last = max(mine, key=lambda t: t.end)
+        follow = [t for t in truths if t.kind == a["kind"] and _subject_matches(a, t)
+                  and t.start <= (trace_end if resolved is None else resolved)]
+        last = max([last] + follow, key=lambda t: t.end)
+        due = last.end + RESOLVE_S
+        if (resolved is None and due < trace_end) or (resolved is not None and resolved > due):
+            out.append((a, last))
+    return out
 
 
 def describe_truth(t: Truth, t0: float) -> str:

@@ -33,11 +33,13 @@ def run_replay():
 
 def _problems(trace, alerts) -> list[str]:
     """Human-readable reasons a run fails: missed or late required truths and unexplained alerts."""
-    result = scenarios.score(alerts, trace.truths)
+    result = scenarios.score(alerts, trace.truths, trace_end=trace.spec.t0 + trace.spec.duration_s)
     t0 = trace.spec.t0
     out = [f"missed {scenarios.describe_truth(t, t0)}" for t in result.missed]
     out += [f"late by {ttf:.0f}s: {scenarios.describe_truth(t, t0)}" for t, ttf in result.late]
     out += [f"false alert {scenarios.describe_alert(a, t0)}" for a in result.false_alerts]
+    out += [f"stuck alert {scenarios.describe_alert(a, t0)} after {scenarios.describe_truth(t, t0)}"
+            for a, t in result.stuck]
     return out
 
 
@@ -130,6 +132,23 @@ def test_score_an_alert_held_through_a_brief_recovery_detects_the_next_episode()
     assert result.kinds["straggler"].detected == 2 and result.kinds["straggler"].tp == 1
     ended = {**_alert(started=1040.0), "resolved": 1110.0}
     assert scenarios.score([ended], [first, second]).kinds["straggler"].detected == 1
+
+
+def test_score_an_alert_outliving_its_incident_is_stuck():
+    truth = _truth(start=1000.0, end=1400.0)
+    due = 1400.0 + scenarios.RESOLVE_S
+    open_alert = {**_alert(), "resolved": None}
+    assert scenarios.score([open_alert], [truth]).stuck == []                  # no trace end: not judged
+    assert scenarios.score([open_alert], [truth], trace_end=due - 1).stuck == []
+    assert len(scenarios.score([open_alert], [truth], trace_end=due + 1).stuck) == 1
+    assert scenarios.score([{**_alert(), "resolved": due}], [truth], trace_end=9e9).stuck == []
+    assert len(scenarios.score([{**_alert(), "resolved": due + 1}], [truth], trace_end=9e9).stuck) == 1
+    # A later episode on the same subject that the open alert runs into keeps it legitimately open.
+    later = _truth(start=1500.0, end=2000.0)
+    assert scenarios.score([open_alert], [truth, later], trace_end=2000.0 + scenarios.RESOLVE_S - 1).stuck == []
+    # Health alerts clear on their own timers and are not judged.
+    unreachable = {**_alert(kind="node_unreachable", gpu=None), "resolved": None}
+    assert scenarios.score([unreachable], [_truth(kind="node_unreachable", gpu=None)], trace_end=9e9).stuck == []
 
 
 def test_score_allowed_truths_are_neutral_and_job_alerts_match_on_hpc_job():

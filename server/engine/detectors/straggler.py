@@ -197,19 +197,26 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex) -> Result
     # even when the job never had a healthy baseline (a straggler from the start).
     gsm_unknown = np.isnan(gsm)
     plain = np.where(gsm_unknown, ex[_PW] / cfg.straggler_power_excess, ex[_SM] / (2 * cfg.straggler_sm_excess))
-    cross = in_job & (plain >= 1.0)
+    gslow = grp.slow[gi]
+    cut = _clock_cut(cfg, dev, m["slow"], gslow)
+    cross = in_job & ((plain >= 1.0) | cut)
     eligible_cross = busy & cross & cross_ok
     waiting = (dropped | cross) & wait_util
-    sig, weak = _signals(cfg, ex, sm, state.level_sm, gsm_unknown, m["slow"], grp.slow[gi])
+    sig, weak = _signals(cfg, ex, sm, state.level_sm, gsm_unknown, m["slow"], gslow)
     on = (eligible | eligible_cross) & waiting & sig
-    _learn(state, cfg, dev, sm, busy & wait_util, waiting, in_job)
+    # Offsets are learned only from GPUs doing what their peers do: not from one with its clocks cut, nor
+    # from one idling well below its peers (a host-starved node) - learned from those, the recovered GPU
+    # stood out in the culprit direction afterwards (an alert that never cleared).
+    idling = dev[_UTIL] <= -cfg.node_idle_gap
+    _learn(state, cfg, dev, sm, busy & wait_util & ~cut & ~idling, waiting, in_job)
     out = Outcome()
     standout = set(g[eligible & weak].tolist())
     node_findings, node_standout, node_pairs = _node_level(tick, state)
     # A node standing out as a whole explains its group's waiting: no GPU of that group is named.
     for gid, _ in node_standout:
         on &= g != gid
-    whole_findings, whole_standout, whole_pairs, on = _whole_node(tick, state, on, eligible & waiting & weak)
+    whole_findings, whole_standout, whole_pairs, on = _whole_node(tick, state, on,
+                                                                  (eligible | eligible_cross) & waiting & weak)
     for slot in on.nonzero()[0].tolist():
         out.add(_gpu_finding(tick, state, slot, ex[:, slot], dev[:, slot], bool(cross[slot])))
     for f in node_findings + whole_findings:
@@ -248,6 +255,23 @@ def _reset_moved(state: StragglerState, g: np.ndarray) -> None:
         state.level_sm[moved] = np.nan
         state.learned[moved] = 0
         state.learned_gid[moved] = g[moved]
+
+
+def _clock_cut(cfg, dev: np.ndarray, slow: np.ndarray, gslow: np.ndarray) -> np.ndarray:
+    """Per slot: clocks cut below the peers' by the clock margin, with slowdown bits (HW slowdown, power
+    brake, thermal) that the peers do not have (either alone where the other is not reported).
+
+    In a synchronous job such a GPU is slower than its peers whatever else it reads, so this counts as
+    the cross-sectional "peers wait for it" evidence with no baseline needed; without it a brake present
+    from the job's start is never named where SM activity is unsupported (a braked GPU draws *less* power
+    than its spinning peers). Nothing is learned from such a GPU: an offset learned while braked (power far
+    below the peers') made the recovered GPU stand out afterwards, an alert that never cleared.
+    """
+    deficit = -dev[_CLK] >= cfg.straggler_clock_deficit
+    # A driver without SM clocks leaves the bits alone (as in _signals); one without throttle reasons,
+    # the clock deficit alone.
+    bits = (slow >= 0.5) & ~(gslow >= 0.25)
+    return (bits & (deficit | np.isnan(dev[_CLK]))) | (np.isnan(slow) & deficit)
 
 
 # detect() asks for every culprit signal at the configured margins and at 0.6 x them (weaker: enough
@@ -289,11 +313,12 @@ def _learn(state: StragglerState, cfg, dev: np.ndarray, sm: np.ndarray, steady: 
     alpha = np.where(warming, _FAST_ALPHA, 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds))
     state.offset = _follow(state.offset, dev, learn, alpha)
     # Peers in one job run the same steps: a GPU that looked like a culprit from the very start is not
-    # "structural". (Fallback groups may mix unrelated work, so their offsets stay free.)
+    # "structural" (capped). An offset in the victim direction is not learned at all: it could only make
+    # a GPU look more like a culprit, and it did once a node slow from the start recovered - the GPUs that
+    # had waited for it then stood out. (Fallback groups may mix unrelated work: their offsets stay free.)
     cap = cfg.structural_max_offset
     culprit = state.offset[:_UTIL]
-    over = in_job & (_CULPRIT_SIGN * culprit > cap)
-    state.offset[:_UTIL] = np.where(over, _CULPRIT_SIGN * cap, culprit)
+    state.offset[:_UTIL] = np.where(in_job, _CULPRIT_SIGN * np.clip(_CULPRIT_SIGN * culprit, 0.0, cap), culprit)
     state.level_sm = _follow(state.level_sm, sm, learn, alpha)
     state.learned[:n] += learn
 
@@ -316,6 +341,9 @@ def _gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, d
         # Peers' activity relative to the culprit's: how much of each step they spend waiting.
         rel = ex[_SM] if not math.isnan(ex[_SM]) else ex[_PW]
         slowdown = max(slowdown if slowdown == slowdown else 0.0, 1.0 - 1.0 / (1.0 + max(rel, 0.0)))
+        if m["slow"][slot] >= 0.5 and -dev[_CLK] > 0.0:
+            # A GPU at a fraction of its peers' clocks takes that much longer per step (compute-bound).
+            slowdown = max(slowdown, float(-dev[_CLK]))
     size = int(grp.size[gid])
     reasons = []
     if ex[_SM] >= cfg.straggler_sm_excess:
@@ -443,7 +471,6 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
     min_drop = np.where(np.isnan(drop_sm), cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
     gap = o_u - node_u
     steady = o_u >= cfg.straggler_waiting_utilization
-    waiting = (waiting_drop >= min_drop) & steady
     # Activity of this node relative to the others: SM activity, or power where unsupported.
     act_sm = node_sm / o_sm - 1.0
     act = np.where(np.isnan(act_sm), node_pw / o_pw - 1.0, act_sm)
@@ -451,12 +478,24 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
     # "Busy while the others wait" needs the others spinning at least as much as this node; others
     # that idle more than it are starved themselves (that is the host-idle pattern, on them).
     node_busy = (node_u >= cfg.busy_utilization) & ~(gap < -cfg.node_idle_gap / 2)
+    # Without a baseline (a node idle or slow from the job's start) nothing has dropped. In one job every
+    # node runs the same steps, so others spinning at high utilization while this node idles far more,
+    # or is far more active, are waiting for it: twice the margins, as for a GPU (see detect()).
+    prev = nan_to_zero(state.pair_offset[:, idx])
+    cross = tick.registry.is_job[gids] & steady & (
+        (gap - prev[0] >= 2 * cfg.node_idle_gap) | (node_busy & (act - prev[1] >= 2 * act_margin)))
+    waiting = ((waiting_drop >= min_drop) & steady) | cross
     warm_ticks = cfg.bins(cfg.startup_grace_seconds)
     n_learned = state.pair_learned[idx]
     warming = n_learned < warm_ticks
     learn = steady & (warming | ~waiting) & ~np.isnan(gap)
     alpha = np.where(warming, _FAST_ALPHA, 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds))
-    off = state.pair_offset[:, idx] = _follow(state.pair_offset[:, idx], np.array([gap, act]), learn, alpha)
+    off = _follow(state.pair_offset[:, idx], np.array([gap, act]), learn, alpha)
+    # Nodes of one job run the same steps: as for GPUs (see _learn), an offset in the culprit direction is
+    # capped, and none is learned in the victim direction: a node learned while it idled (host-starved
+    # from the start) read as "busier" than the others once it recovered.
+    cap = cfg.structural_max_offset
+    off = state.pair_offset[:, idx] = np.where(tick.registry.is_job[gids], np.clip(off, 0.0, cap), off)
     state.pair_learned[idx] = n_learned + learn
     ready = ~warming & ~np.isnan(off[0]) & (tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds)
     idle = gap - off[0]
@@ -471,8 +510,12 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
         gid, nid = int(gids[i]), int(nids[i])
         members = np.flatnonzero((ng == gid) & (node_id == nid) & ~np.isnan(u))
         rest = np.flatnonzero((ng == gid) & (node_id != nid) & ~np.isnan(u))
-        findings.append(_slow_node_finding(tick, state, gid, nid, members, rest, waiting_drop[i],
-                                           "idle" if idle[i] / cfg.node_idle_gap >= busier[i] / act_margin[i] else "busy"))
+        pattern = "idle" if idle[i] / cfg.node_idle_gap >= busier[i] / act_margin[i] else "busy"
+        slowdown = waiting_drop[i] if waiting_drop[i] == waiting_drop[i] else 0.0
+        if cross[i]:
+            # The others' share of each step spent waiting: the idle gap, or their activity against this node's.
+            slowdown = max(slowdown, gap[i] if pattern == "idle" else 1.0 - 1.0 / (1.0 + max(float(act[i]), 0.0)))
+        findings.append(_slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern))
     return findings, standout, pairs
 
 
