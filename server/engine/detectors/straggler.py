@@ -418,9 +418,10 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
     node = tick.windows.node_names[nid]
     job = tick.registry.job(gid)
     slowdown = float(tick.slowdown[gid]) if slowdown is None else float(slowdown)
+    known = slowdown == slowdown        # NaN: the job has no baseline yet (a node slow from its start)
     size = int(tick.groups.size[gid])
     fp = subject_fingerprint(AlertKind.STRAGGLER, node, None, job)
-    lost = state.add_cost(fp, tick.t, max(slowdown, 0.0) * size * cfg.tick_seconds / 3600.0)
+    lost = state.add_cost(fp, tick.t, (max(slowdown, 0.0) if known else 0.0) * size * cfg.tick_seconds / 3600.0)
 
     # Medians over the node's GPUs and over the other nodes' GPUs, rows as tick.levels (None: unknown).
     node_sm, node_pw, node_clk, node_u = map(r3, nan_median_first_axis(tick.levels[:, slots].T).tolist())
@@ -442,7 +443,7 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
     summary = (f"node {node} holds back {'job ' + job if job else 'its peer nodes'}: {what} while "
-               f"the other nodes wait (~{slowdown * 100:.0f} % slower)")
+               f"the other nodes wait" + (f" (~{slowdown * 100:.0f} % slower)" if known else ""))
     sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
     return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence)
 
