@@ -71,6 +71,17 @@ def test_straggler_from_the_start_resolves_when_the_gpu_recovers(run_replay, see
     assert stragglers[0].resolved is not None and stragglers[0].resolved - recovered < 180.0
 
 
+def test_row_remap_xid_allows_the_pending_remap_ecc_alert(run_replay):
+    # Seed 6 draws XID 64: the generator leaves a row remap pending, and the ecc alert saying so is right.
+    spec = scenarios.BY_NAME["xid_burst"].build(6)
+    assert spec.incidents[0].code in (63, 64)
+    trace = generate(spec)
+    alerts = run_replay(trace.lines)
+    assert any(a.kind.value == "ecc" and "row remapping pending" in a.summary for a in alerts)
+    problems = _problems(trace, alerts)
+    assert not problems, "xid_burst seed=6\n  " + "\n  ".join(problems)
+
+
 def test_replay_cli_prints_one_json_alert_per_line(run_replay, tmp_path):
     trace = generate(scenarios.BY_NAME["cooling_failure"].build(0))
     path = tmp_path / "trace.jsonl"

@@ -838,6 +838,10 @@ def _incident_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident) 
         if inc.code in (48, 94, 95):
             out.append(Truth("ecc", inc.node, inc.gpu, None, t0 + min(ts), t0 + max(ts) + 60, False,
                              "uncorrectable ECC"))
+        elif inc.code in (63, 64):
+            # The generator leaves the row remap pending (see _gpu): an ecc alert saying so is right too.
+            out.append(Truth("ecc", inc.node, inc.gpu, None, t0 + min(ts), t0 + max(ts) + 60, False,
+                             "row remapping pending"))
         return out
     if inc.kind == "agent_down" and span.stop - span.start >= 90:
         return [Truth("node_unreachable", inc.node, None, None, t0 + span.start, t0 + span.stop, True,
