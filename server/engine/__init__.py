@@ -26,7 +26,9 @@ from server.engine.windows import Windows
 __all__ = ["Engine", "EngineConfig", "EngineStats", "JobHealth", "NodeHealth"]
 
 _BASELINE_REFRESH_TICKS = 3
-_SUPPRESSING = (AlertKind.STRAGGLER, AlertKind.THERMAL_THROTTLE)
+# Open alerts of these kinds explain their job's drop: it is not comm- or input-bound. A job whose GPU
+# is lost hangs in its collectives (utilization high, SM activity gone) until it dies or times out.
+_SUPPRESSING = (AlertKind.STRAGGLER, AlertKind.THERMAL_THROTTLE, AlertKind.GPU_LOST)
 
 
 class Engine:
@@ -133,12 +135,13 @@ class Engine:
         outcomes[AlertKind.THERMAL_THROTTLE] = thermal.detect(tick, self._thermal_index)
         strag = straggler.detect(tick, self._straggler, self._straggler_index)
         outcomes[AlertKind.STRAGGLER] = strag.outcome
-        explained = self._suppressed(tick, set(), outcomes)
+        healths = health.detect(tick, self._health, w.drain_events())
+        explained = self._suppressed(tick, set(), {**outcomes, AlertKind.GPU_LOST: healths[AlertKind.GPU_LOST]})
         suppressed = explained | strag.standout_groups
         work = workload.detect(tick, self.history, suppressed, self._workload)
         outcomes[AlertKind.COMM_BOUND] = _only(work, AlertKind.COMM_BOUND)
         outcomes[AlertKind.INPUT_BOUND] = _only(work, AlertKind.INPUT_BOUND)
-        outcomes.update(health.detect(tick, self._health, w.drain_events()))
+        outcomes.update(healths)
         transitions = self.lifecycle.step(t, outcomes)
         self._record_history(tick, explained, outcomes)
         self._ticks += 1
@@ -163,16 +166,17 @@ class Engine:
         self._regime_ticks[:n] = ticks
 
     def _suppressed(self, tick: Tick, standout: set[int], outcomes: dict[AlertKind, Outcome]) -> set[int]:
-        """Groups whose drop is explained by a straggler or thermal throttling."""
+        """Groups whose drop is explained by a straggler, thermal throttling or a lost GPU."""
         sup = set(standout)
         gid = tick.groups.gid
         for f in outcomes[AlertKind.THERMAL_THROTTLE].findings.values():
             slot = self.windows.slot_of.get((f.node, f.gpu))
             if slot is not None and gid[slot] >= 0:
                 sup.add(int(gid[slot]))
-        for f in outcomes[AlertKind.STRAGGLER].findings.values():
-            if f.hpc_job is not None and (JOB, f.hpc_job) in self.registry.ids:
-                sup.add(self.registry.ids[(JOB, f.hpc_job)])
+        for kind in (AlertKind.STRAGGLER, AlertKind.GPU_LOST):
+            for f in outcomes[kind].findings.values():
+                if f.hpc_job is not None and (JOB, f.hpc_job) in self.registry.ids:
+                    sup.add(self.registry.ids[(JOB, f.hpc_job)])
         for job in self.lifecycle.open_jobs(_SUPPRESSING):
             g = self.registry.ids.get((JOB, job))
             if g is not None:

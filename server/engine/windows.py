@@ -115,6 +115,7 @@ class Windows:
         self.bin_id = grow(None if first else self.bin_id, -1, (self.ring,), np.int64)
         self.slot_job = grow(None if first else self.slot_job, NO_JOB, (), np.int64)
         self.slot_job_since = grow(None if first else self.slot_job_since, np.nan)
+        self.slot_last_job = grow(None if first else self.slot_last_job, NO_JOB, (), np.int64)
         self.slot_last_time = grow(None if first else self.slot_last_time, -np.inf)
         self.slot_node_id = grow(None if first else self.slot_node_id, -1, (), np.int64)
         self.slot_model_id = grow(None if first else self.slot_model_id, -1, (), np.int64)
@@ -242,6 +243,8 @@ class Windows:
             # Assignment keeps the last write per slot: the latest change wins.
             self.slot_job_since[s[changed]] = t[changed]
         self.slot_job[s] = c
+        attributed = c != NO_JOB
+        self.slot_last_job[s[attributed]] = c[attributed]
         self.slot_last_time[s] = t
 
     def _counters(self, slots: np.ndarray, times: np.ndarray, values: np.ndarray, in_order: np.ndarray,

@@ -168,12 +168,34 @@ def input_starved(seed: int) -> ClusterSpec:
 
 
 def gpu_lost(seed: int) -> ClusterSpec:
-    d = _Draw("gpu_lost", seed)
+    return _lost_gpu("gpu_lost", seed, (300, 500), (15, 45), 840.0)
+
+
+def gpu_lost_hang(seed: int) -> ClusterSpec:
+    """As gpu_lost, but the other ranks hang in the collective until NCCL's timeout (minutes): utilization
+    stays high and SM activity is gone job-wide, which is not comm_bound (the lost GPU explains it)."""
+    return _lost_gpu("gpu_lost_hang", seed, (300, 400), (180, 600), 1080.0)
+
+
+def _lost_gpu(name: str, seed: int, at_s: tuple[float, float], hang_s: tuple[float, float],
+              duration_s: float) -> ClusterSpec:
+    """A GPU falls off the bus (XID 79 just before) at a time in at_s; its job's other ranks hang for a
+    time in hang_s, then the job dies."""
+    d = _Draw(name, seed)
     nodes, job = _one_job(d, d.i(1, 2))
-    victim, gpu, at = d.pick(nodes).name, d.i(0, 7), d.u(300, 500)
+    victim, gpu, at = d.pick(nodes).name, d.i(0, 7), d.u(*at_s)
     incs = [Incident("xid", at - 2, at - 1, victim, gpu, code=79),
-            Incident("gpu_lost", at, 1e9, victim, gpu, severity=d.u(15, 45))]
-    return d.spec(nodes, [job], incs, 840.0)
+            Incident("gpu_lost", at, 1e9, victim, gpu, severity=d.u(*hang_s))]
+    return d.spec(nodes, [job], incs, duration_s)
+
+
+def node_crash(seed: int) -> ClusterSpec:
+    """A node of a multi-node job goes down for good; the job's ranks on the other nodes hang in the
+    collective until NCCL's timeout, which is not comm_bound (the lost node explains it)."""
+    d = _Draw("node_crash", seed)
+    nodes, job = _one_job(d, d.i(2, 3))
+    inc = Incident("node_crash", d.u(300, 400), 1e9, d.pick(nodes).name, severity=d.u(180, 600))
+    return d.spec(nodes, [job], [inc], 1080.0)
 
 
 def xid_burst(seed: int) -> ClusterSpec:
@@ -517,6 +539,10 @@ CATALOG: tuple[Scenario, ...] = (
     Scenario("comm_slowdown", "collectives take 2-4x longer job-wide (comm_bound)", comm_slowdown),
     Scenario("input_starved", "the input pipeline starves every GPU of the job (input_bound)", input_starved),
     Scenario("gpu_lost", "a GPU falls off the bus (XID 79); the job hangs, then dies (gpu_lost)", gpu_lost),
+    Scenario("gpu_lost_hang", "a GPU falls off the bus and the job's other ranks hang in the collective "
+             "for 3-10 min, NCCL's timeout (gpu_lost, and no comm_bound)", gpu_lost_hang),
+    Scenario("node_crash", "a node of a multi-node job goes down; the other nodes' ranks hang in the "
+             "collective for 3-10 min (node_unreachable, and no comm_bound)", node_crash),
     Scenario("xid_burst", "a burst of hardware XIDs on one GPU, maybe an application XID elsewhere (xid)",
              xid_burst),
     Scenario("agent_down", "a node's agent stops answering for minutes (node_unreachable)", agent_down),

@@ -71,6 +71,15 @@ def test_straggler_from_the_start_resolves_when_the_gpu_recovers(run_replay, see
     assert stragglers[0].resolved is not None and stragglers[0].resolved - recovered < 180.0
 
 
+def test_a_lost_gpu_names_the_job_it_leaves_hanging(run_replay):
+    # The agent reports no job for a dead GPU from the very sample that says up=false; the alert still
+    # names the job, and that job's hang (utilization high, SM activity gone) is not comm_bound.
+    trace = generate(scenarios.BY_NAME["gpu_lost_hang"].build(0))
+    job = trace.spec.jobs[0].hpc_job
+    alerts = run_replay(trace.lines)
+    assert {(a.kind.value, a.hpc_job) for a in alerts} == {("gpu_lost", job), ("xid", job)}
+
+
 def test_row_remap_xid_allows_the_pending_remap_ecc_alert(run_replay):
     # Seed 6 draws XID 64: the generator leaves a row remap pending, and the ecc alert saying so is right.
     spec = scenarios.BY_NAME["xid_burst"].build(6)

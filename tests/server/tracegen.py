@@ -111,7 +111,7 @@ class Incident:
 
     kinds: cooling_failure, hot_gpu, warm_gpu, temp_spike, slow_gpu, jitter, power_brake, slow_node,
     host_starved, comm_slowdown, input_starved, checkpoint, power_cap, gpu_lost, xid, agent_down,
-    counter_reset. `severity` is kind-specific (a speed factor, a multiplier, a target temperature...).
+    node_crash, counter_reset. `severity` is kind-specific (a speed factor, a multiplier, a target temperature...).
     """
 
     kind: str
@@ -327,6 +327,8 @@ def _apply_incident(lay: _Layout, s: _Schedule, inc: Incident, T: int, rng: np.r
         s.xids.extend((int(t), g, inc.code) for t in times)
     elif kind == "agent_down":
         s.agent_down[span, lay._node(inc.node)] = True
+    elif kind == "node_crash":
+        _node_crash(lay, s, inc, span, T)
     elif kind == "counter_reset":
         s.resets.append((span.start, lay._node(inc.node)))
     else:
@@ -376,10 +378,27 @@ def _gpu_lost(lay: _Layout, s: _Schedule, inc: Incident, span: slice, T: int) ->
     s.phase[span.start:, g] = IDLE
     if j < 0:
         return
-    peers = np.flatnonzero(s.job_at[span.start] == j)
-    hang_end = min(T, span.start + int(inc.severity or 30))
-    # Peers spin in the collective the lost GPU never joins, then the job dies and they go idle.
-    s.phase[span.start:hang_end, peers] = HANG
+    _hang_then_die(s, j, span.start, int(inc.severity or 30), T)
+
+
+def _node_crash(lay: _Layout, s: _Schedule, inc: Incident, span: slice, T: int) -> None:
+    """The node goes down (no samples until end_s, when it is back without a job); the ranks of its
+    jobs on other nodes hang for `severity` seconds."""
+    gpus = lay.node_gpus(inc.node)
+    s.agent_down[span, lay._node(inc.node)] = True
+    jobs = set(s.job_at[span.start, gpus].tolist()) - {-1}
+    s.job_at[span.start:, gpus] = -1
+    s.phase[span.start:, gpus] = IDLE
+    for j in sorted(jobs):
+        _hang_then_die(s, j, span.start, int(inc.severity or 30), T)
+
+
+def _hang_then_die(s: _Schedule, j: int, start: int, seconds: int, T: int) -> None:
+    """Job j's remaining ranks spin in a collective a lost rank never joins (NCCL's timeout), then the
+    job dies and they go idle."""
+    peers = np.flatnonzero(s.job_at[start] == j)
+    hang_end = min(T, start + seconds)
+    s.phase[start:hang_end, peers] = HANG
     s.job_at[hang_end:, peers] = np.where(s.job_at[hang_end:, peers] == j, -1, s.job_at[hang_end:, peers])
     s.phase[hang_end:, peers] = np.where(s.job_at[hang_end:, peers] == -1, IDLE, s.phase[hang_end:, peers])
 
@@ -843,9 +862,9 @@ def _incident_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident) 
             out.append(Truth("ecc", inc.node, inc.gpu, None, t0 + min(ts), t0 + max(ts) + 60, False,
                              "row remapping pending"))
         return out
-    if inc.kind == "agent_down" and span.stop - span.start >= 90:
+    if inc.kind in ("agent_down", "node_crash") and span.stop - span.start >= 90:
         return [Truth("node_unreachable", inc.node, None, None, t0 + span.start, t0 + span.stop, True,
-                      "agent not answering")]
+                      "agent not answering" if inc.kind == "agent_down" else "node down")]
     return []
 
 

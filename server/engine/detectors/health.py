@@ -130,10 +130,11 @@ def _gpu_lost(tick: Tick, state: HealthState) -> Outcome:
     out = Outcome()
     for slot in (down | vanished).nonzero()[0].tolist():
         why = "reports up=false" if down[slot] else f"missing from its node's snapshots for {cfg.gpu_lost_seconds:.0f} s"
-        job_code = w.slot_job[slot]
-        out.add(Finding(AlertKind.GPU_LOST, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot],
-                        w.job_names[job_code] if job_code >= 0 else None, Severity.CRITICAL,
-                        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} lost: {why}",
+        job = _job_of(tick, slot)
+        out.add(Finding(AlertKind.GPU_LOST, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], job,
+                        Severity.CRITICAL,
+                        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} lost: {why}"
+                        + (f" (job {job} cannot go on without it)" if job else ""),
                         {"up": None if up[slot] != up[slot] else bool(up[slot] >= 0.5), "missing": bool(vanished[slot])}))
 
     def test(fp: str) -> bool | None:
@@ -146,6 +147,16 @@ def _gpu_lost(tick: Tick, state: HealthState) -> Outcome:
     out.clear = test
     return out
 
+
+def _job_of(tick: Tick, slot: int) -> str | None:
+    """The job a failing GPU belongs to: its current one, else the one it left within the last
+    gpu_lost_seconds (an agent that finds no process on a dead or crashed GPU reports no job for it from
+    the same sample, while the job's other ranks hang)."""
+    w = tick.windows
+    code = w.slot_job[slot]
+    if code < 0 and tick.t - w.slot_job_since[slot] <= tick.config.gpu_lost_seconds + tick.config.tick_seconds:
+        code = w.slot_last_job[slot]
+    return w.job_names[code] if code >= 0 else None
 
 
 def _xid(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
@@ -160,10 +171,8 @@ def _xid(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
     fresh = {(e.slot, c) for e in events for c in (e.codes or (-1,))}
     for slot, code in sorted(fresh):
         when, count = state.xid_last[(slot, code)]
-        job_code = w.slot_job[slot]
         meaning = XID_MEANINGS.get(code, "unknown XID code" if code >= 0 else "XID code not reported")
-        f = Finding(AlertKind.XID, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot],
-                    w.job_names[job_code] if job_code >= 0 else None,
+        f = Finding(AlertKind.XID, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], _job_of(tick, slot),
                     Severity.CRITICAL if code in _XID_CRITICAL else Severity.WARNING,
                     f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} XID {code if code >= 0 else '?'}: {meaning}",
                     {"code": code if code >= 0 else None, "meaning": meaning, "count": count,
@@ -195,7 +204,6 @@ def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
     fresh = {e.slot for e in events}
     for slot in sorted(fresh | set((pending | failure).nonzero()[0].tolist())):
         when, count = state.ecc_last.get(slot, (None, 0))
-        job_code = w.slot_job[slot]
         why = []
         if slot in fresh:
             why.append(f"{count} uncorrected ECC errors")
@@ -203,8 +211,7 @@ def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
             why.append("row remapping pending (reset needed)")
         if failure[slot]:
             why.append("row remapping failed")
-        out.add(Finding(AlertKind.ECC, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot],
-                        w.job_names[job_code] if job_code >= 0 else None,
+        out.add(Finding(AlertKind.ECC, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], _job_of(tick, slot),
                         Severity.CRITICAL, f"GPU {w.slot_index[slot]} on {w.slot_node[slot]}: " + ", ".join(why),
                         {"uncorrected_errors_new": count, "last_error_time": when,
                          "remapped_rows_pending": bool(pending[slot]), "remapped_rows_failure": bool(failure[slot])}))
