@@ -136,7 +136,7 @@ class Engine:
         strag = straggler.detect(tick, self._straggler, self._straggler_index)
         outcomes[AlertKind.STRAGGLER] = strag.outcome
         healths = health.detect(tick, self._health, w.drain_events())
-        explained = self._suppressed(tick, set(), {**outcomes, AlertKind.GPU_LOST: healths[AlertKind.GPU_LOST]})
+        explained = self._explained(tick, {**outcomes, AlertKind.GPU_LOST: healths[AlertKind.GPU_LOST]})
         suppressed = explained | strag.standout_groups
         work = workload.detect(tick, self.history, suppressed, self._workload)
         outcomes[AlertKind.COMM_BOUND] = _only(work, AlertKind.COMM_BOUND)
@@ -165,9 +165,9 @@ class Engine:
             ticks[changed] = 0
         self._regime_ticks[:n] = ticks
 
-    def _suppressed(self, tick: Tick, standout: set[int], outcomes: dict[AlertKind, Outcome]) -> set[int]:
+    def _explained(self, tick: Tick, outcomes: dict[AlertKind, Outcome]) -> set[int]:
         """Groups whose drop is explained by a straggler, thermal throttling or a lost GPU."""
-        sup = set(standout)
+        sup: set[int] = set()
         gid = tick.groups.gid
         for f in outcomes[AlertKind.THERMAL_THROTTLE].findings.values():
             slot = self.windows.slot_of.get((f.node, f.gpu))
