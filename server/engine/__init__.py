@@ -26,9 +26,7 @@ from server.engine.windows import Windows
 __all__ = ["Engine", "EngineConfig", "EngineStats", "JobHealth", "NodeHealth"]
 
 _BASELINE_REFRESH_TICKS = 3
-# Open alerts of these kinds explain their job's drop: it is not comm- or input-bound. A job whose GPU
-# is lost hangs in its collectives (utilization high, SM activity gone) until it dies or times out.
-_SUPPRESSING = (AlertKind.STRAGGLER, AlertKind.THERMAL_THROTTLE, AlertKind.GPU_LOST)
+_SUPPRESSING = (AlertKind.STRAGGLER, AlertKind.THERMAL_THROTTLE)
 
 
 class Engine:
@@ -133,10 +131,11 @@ class Engine:
                     (self.history.baseline("sm"), self.history.baseline("power")), held)
         outcomes: dict[AlertKind, Outcome] = {}
         outcomes[AlertKind.THERMAL_THROTTLE] = thermal.detect(tick, self._thermal_index)
-        strag = straggler.detect(tick, self._straggler, self._straggler_index)
-        outcomes[AlertKind.STRAGGLER] = strag.outcome
         healths = health.detect(tick, self._health, w.drain_events())
-        explained = self._explained(tick, {**outcomes, AlertKind.GPU_LOST: healths[AlertKind.GPU_LOST]})
+        halted = self._halted(t, healths[AlertKind.GPU_LOST])
+        strag = straggler.detect(tick, self._straggler, self._straggler_index, halted)
+        outcomes[AlertKind.STRAGGLER] = strag.outcome
+        explained = self._explained(tick, outcomes, halted)
         suppressed = explained | strag.standout_groups
         work = workload.detect(tick, self.history, suppressed, self._workload)
         outcomes[AlertKind.COMM_BOUND] = _only(work, AlertKind.COMM_BOUND)
@@ -165,22 +164,35 @@ class Engine:
             ticks[changed] = 0
         self._regime_ticks[:n] = ticks
 
-    def _explained(self, tick: Tick, outcomes: dict[AlertKind, Outcome]) -> set[int]:
-        """Groups whose drop is explained by a straggler, thermal throttling or a lost GPU."""
-        sup: set[int] = set()
+    def _halted(self, t: float, lost: Outcome) -> set[int]:
+        """Groups of jobs with a lost GPU (found now, or a gpu_lost alert opened within the last
+        lost_gpu_hang_seconds). Such a job hangs in its collective until it dies or NCCL times out:
+        utilization high, activity gone job-wide. Nobody in it is a straggler and it is not comm- or
+        input-bound; the lost GPU is the alert. A job still running after that has gone on without the
+        GPU (an elastic restart under the same job id) and is judged again."""
+        since = t - self.config.lost_gpu_hang_seconds
+        jobs = self.lifecycle.open_jobs((AlertKind.GPU_LOST,), since=since)
+        for fp, f in lost.findings.items():
+            opened = self.lifecycle.opened(fp)
+            if opened is None or opened >= since:
+                jobs.add(f.hpc_job)
+        return self._job_groups(jobs)
+
+    def _job_groups(self, jobs) -> set[int]:
+        """Group ids of the named jobs that have a group now."""
+        ids = self.registry.ids
+        return {ids[(JOB, job)] for job in jobs if job is not None and (JOB, job) in ids}
+
+    def _explained(self, tick: Tick, outcomes: dict[AlertKind, Outcome], halted: set[int]) -> set[int]:
+        """Groups whose drop is explained by a straggler, thermal throttling or a lost GPU (halted)."""
+        sup = set(halted)
         gid = tick.groups.gid
         for f in outcomes[AlertKind.THERMAL_THROTTLE].findings.values():
             slot = self.windows.slot_of.get((f.node, f.gpu))
             if slot is not None and gid[slot] >= 0:
                 sup.add(int(gid[slot]))
-        for kind in (AlertKind.STRAGGLER, AlertKind.GPU_LOST):
-            for f in outcomes[kind].findings.values():
-                if f.hpc_job is not None and (JOB, f.hpc_job) in self.registry.ids:
-                    sup.add(self.registry.ids[(JOB, f.hpc_job)])
-        for job in self.lifecycle.open_jobs(_SUPPRESSING):
-            g = self.registry.ids.get((JOB, job))
-            if g is not None:
-                sup.add(g)
+        sup |= self._job_groups(f.hpc_job for f in outcomes[AlertKind.STRAGGLER].findings.values())
+        sup |= self._job_groups(self.lifecycle.open_jobs(_SUPPRESSING))
         return sup
 
     def _record_history(self, tick: Tick, suppressed: set[int], outcomes: dict[AlertKind, Outcome]) -> None:

@@ -128,10 +128,16 @@ class Lifecycle:
         """Pending and firing alerts, oldest first."""
         return sorted((r.alert() for r in self.records.values()), key=lambda a: (a.pending_since, a.id))
 
-    def open_jobs(self, kinds: Iterable[AlertKind]) -> set[str]:
-        """hpc_jobs with an open alert of the given kinds."""
+    def opened(self, fp: str) -> float | None:
+        """When the open alert of a fingerprint opened (pending_since); None when none is open."""
+        rec = self.records.get(fp)
+        return None if rec is None else rec.pending_since
+
+    def open_jobs(self, kinds: Iterable[AlertKind], since: float = float("-inf")) -> set[str]:
+        """hpc_jobs with an open alert of the given kinds (opened at or after `since`)."""
         wanted = set(kinds)
-        return {r.hpc_job for r in self.records.values() if r.kind in wanted and r.hpc_job is not None}
+        return {r.hpc_job for r in self.records.values()
+                if r.kind in wanted and r.hpc_job is not None and r.pending_since >= since}
 
     def restore(self, alerts: Iterable[Alert]) -> int:
         """Re-seed open alerts (ids, pending_since, started kept); returns how many were taken."""

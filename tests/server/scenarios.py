@@ -138,10 +138,31 @@ def power_brake(seed: int) -> ClusterSpec:
     return d.spec(nodes, [job], [inc], 960.0)
 
 
+def partial_brake(seed: int) -> ClusterSpec:
+    """A power brake on 3-6 of a single-node job's 8 GPUs (one power domain): the group's median clock is
+    no longer the healthy one, and the unbraked GPUs draw more power spinning at full clocks."""
+    d = _Draw("partial_brake", seed)
+    nodes, job = _one_job(d, 1)
+    start, end = d.u(240, 420), d.u(700, 900)
+    sev = d.u(0.5, 0.7)
+    braked = sorted(d.rng.choice(8, size=d.i(3, 6), replace=False).tolist())
+    incs = [Incident("power_brake", start, end, nodes[0].name, g, severity=sev) for g in braked]
+    return d.spec(nodes, [job], incs, 960.0)
+
+
 def slow_node(seed: int) -> ClusterSpec:
     d = _Draw("slow_node", seed)
     nodes, job = _one_job(d, d.i(2, 4))
     inc = Incident("slow_node", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, severity=d.u(0.7, 0.88))
+    return d.spec(nodes, [job], [inc], 960.0)
+
+
+def node_brake(seed: int) -> ClusterSpec:
+    """A power brake on every GPU of one node (a PSU or PDU fault): the others spin at full clocks and,
+    without SM activity, draw more power than the braked node; the braked node is the culprit."""
+    d = _Draw("node_brake", seed)
+    nodes, job = _one_job(d, d.i(2, 4))
+    inc = Incident("node_brake", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, severity=d.u(0.5, 0.7))
     return d.spec(nodes, [job], [inc], 960.0)
 
 
@@ -532,8 +553,12 @@ CATALOG: tuple[Scenario, ...] = (
     Scenario("silent_slow_gpu", "one GPU computes at 60-85 % speed with no throttle bits (straggler)",
              silent_slow_gpu),
     Scenario("power_brake", "HW power brake (0x80) halves one GPU's clocks (straggler)", power_brake),
+    Scenario("partial_brake", "HW power brake on 3-6 of the 8 GPUs of a single-node job (straggler on "
+             "each braked GPU, none on the GPUs spinning at full clocks)", partial_brake),
     Scenario("slow_node", "all 8 GPUs of one node of a multi-node job run slower (straggler, gpu null)",
              slow_node),
+    Scenario("node_brake", "HW power brake on all 8 GPUs of one node of a multi-node job (straggler, gpu "
+             "null: the braked node, not the nodes spinning at full clocks)", node_brake),
     Scenario("host_starved", "one host starves its GPUs: they idle while the rest of the job waits "
              "(straggler, gpu null)", host_starved),
     Scenario("comm_slowdown", "collectives take 2-4x longer job-wide (comm_bound)", comm_slowdown),

@@ -80,6 +80,39 @@ def test_a_lost_gpu_names_the_job_it_leaves_hanging(run_replay):
     assert {(a.kind.value, a.hpc_job) for a in alerts} == {("gpu_lost", job), ("xid", job)}
 
 
+def test_a_job_is_taken_as_hung_only_for_lost_gpu_hang_seconds(run_replay):
+    # A job still running that long after losing a GPU has gone on without it (an elastic restart under
+    # the same job id) and is judged again: with a 60 s window, the 7-minute hang of seed 0 reads as
+    # comm_bound from about 60 s + comm_for_seconds after the loss.
+    from server.engine import EngineConfig
+
+    trace = generate(scenarios.BY_NAME["gpu_lost_hang"].build(0))
+    lost_at = trace.spec.t0 + next(i.start_s for i in trace.spec.incidents if i.kind == "gpu_lost")
+    short = run_replay(trace.lines, EngineConfig.from_mapping({"lost_gpu_hang_seconds": 60}))
+    comm = [a for a in short if a.kind.value == "comm_bound"]
+    assert len(comm) == 1 and comm[0].started >= lost_at + 60 + 30
+    assert not [a for a in run_replay(trace.lines) if a.kind.value == "comm_bound"]
+
+
+def test_no_straggler_among_the_gpus_a_lost_gpu_left_hanging(run_replay):
+    # Seed 5 without SM activity: in the hang one GPU drew 10 % more power than the others, and was
+    # named a straggler of a job whose real culprit had fallen off the bus.
+    trace = generate(scenarios.BY_NAME["gpu_lost_hang"].build(5))
+    alerts = run_replay(without_fields(trace.lines, ("sm_active_ratio",)))
+    assert sorted(a.kind.value for a in alerts) == ["gpu_lost", "xid"]
+
+
+def test_a_braked_node_is_named_not_the_node_spinning_at_full_clocks(run_replay):
+    # Seed 2: two A100 nodes (no SM activity). The braked node draws less power than the node waiting
+    # for it, which read as "the other node stays busy" until clocks and bits counted at node level.
+    spec = scenarios.BY_NAME["node_brake"].build(2)
+    assert len(spec.nodes) == 2 and spec.nodes[0].model.name.startswith("NVIDIA A100")
+    trace = generate(spec)
+    stragglers = [a for a in run_replay(trace.lines) if a.kind.value == "straggler"]
+    assert [(a.node, a.gpu) for a in stragglers] == [(spec.incidents[0].node, None)]
+    assert stragglers[0].evidence["pattern"] == "node_clocks_cut"
+
+
 def test_row_remap_xid_allows_the_pending_remap_ecc_alert(run_replay):
     # Seed 6 draws XID 64: the generator leaves a row remap pending, and the ecc alert saying so is right.
     spec = scenarios.BY_NAME["xid_burst"].build(6)

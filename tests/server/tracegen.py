@@ -109,7 +109,7 @@ class Job:
 class Incident:
     """Something that happens to a GPU, node or job during [start_s, end_s) of trace time.
 
-    kinds: cooling_failure, hot_gpu, warm_gpu, temp_spike, slow_gpu, jitter, power_brake, slow_node,
+    kinds: cooling_failure, hot_gpu, warm_gpu, temp_spike, slow_gpu, jitter, power_brake, node_brake, slow_node,
     host_starved, comm_slowdown, input_starved, checkpoint, power_cap, gpu_lost, xid, agent_down,
     node_crash, counter_reset. `severity` is kind-specific (a speed factor, a multiplier, a target temperature...).
     """
@@ -303,6 +303,8 @@ def _apply_incident(lay: _Layout, s: _Schedule, inc: Incident, T: int, rng: np.r
         s.silent[span, lay.node_gpus(inc.node)] *= inc.severity
     elif kind == "power_brake":
         s.brake[span, lay.gpu(inc.node, inc.gpu)] = inc.severity
+    elif kind == "node_brake":
+        s.brake[span, lay.node_gpus(inc.node)] = inc.severity
     elif kind == "host_starved":
         job = lay.spec.jobs[lay.job(inc.job)]
         s.host_idle[span, lay.node_gpus(inc.node)] = inc.severity * job.step_s
@@ -821,7 +823,8 @@ def _truths(lay: _Layout, sch: _Schedule, res: _Result) -> list[Truth]:
 
 
 _SLOWING = {"cooling_failure": "cooling failure (clock cut)", "slow_gpu": "silently slow GPU",
-            "power_brake": "HW power brake", "slow_node": "slow node", "host_starved": "host starving GPUs",
+            "power_brake": "HW power brake", "node_brake": "HW power brake on the whole node",
+            "slow_node": "slow node", "host_starved": "host starving GPUs",
             "hot_gpu": "hot GPU", "jitter": "jitter"}
 
 
@@ -870,7 +873,7 @@ def _incident_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident) 
 
 def _straggler_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident, span: slice) -> list[Truth]:
     spec, t0 = lay.spec, lay.spec.t0
-    gpu_subject = inc.kind not in ("slow_node", "host_starved")
+    gpu_subject = inc.kind not in ("slow_node", "node_brake", "host_starved")
     g = lay.gpu(inc.node, inc.gpu) if gpu_subject else lay.node_gpus(inc.node)[0]
     js = set(sch.job_at[span, g].tolist()) - {-1}
     if inc.kind == "jitter" or not js:

@@ -168,8 +168,9 @@ class Result:
         self.standout_groups = standout_groups
 
 
-def detect(tick: Tick, state: StragglerState, index: FingerprintIndex) -> Result:
-    """GPU-level and node-level straggler findings for this tick."""
+def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: set[int] = frozenset()) -> Result:
+    """GPU-level and node-level straggler findings for this tick (none in halted groups: a job hung by a
+    lost GPU has no straggler among the GPUs left)."""
     cfg = tick.config
     n = tick.windows.n
     state.fit(n)
@@ -188,30 +189,31 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex) -> Result
     dev[:_UTIL] = tick.levels[:_UTIL] / peers[:_UTIL] - 1.0
     dev[_UTIL] = u - gu
     (group_ok, cross_ok, dropped, wait_util, active, in_job,
-     measured) = _group_conditions(tick, state, cfg)[:, gi] & in_group
+     measured) = _group_conditions(tick, state, cfg, halted)[:, gi] & in_group
     warm_ticks = cfg.bins(cfg.startup_grace_seconds)
     busy = (u >= cfg.busy_utilization) & in_group
     eligible = busy & (state.learned[:n] >= warm_ticks) & group_ok
+    gslow = grp.slow[gi]
+    cut, victim = _cuts(tick, cfg, dev, gslow, gi, in_group)
     ex = dev - nan_to_zero(state.offset)
     # Peers at high utilization far below one GPU's activity are spinning, i.e. waiting for it,
     # even when the job never had a healthy baseline (a straggler from the start).
     gsm_unknown = np.isnan(gsm)
     plain = np.where(gsm_unknown, ex[_PW] / cfg.straggler_power_excess, ex[_SM] / (2 * cfg.straggler_sm_excess))
-    gslow = grp.slow[gi]
-    cut = _clock_cut(cfg, dev, m["slow"], gslow)
     cross = in_job & ((plain >= 1.0) | cut)
     eligible_cross = busy & cross & cross_ok
     waiting = (dropped | cross) & wait_util
-    sig, weak = _signals(cfg, ex, sm, state.level_sm, gsm_unknown, m["slow"], gslow)
+    sig, weak = (_signals(cfg, ex, sm, state.level_sm, gsm_unknown, m["slow"], gslow) | cut) & ~victim
     on = (eligible | eligible_cross) & waiting & sig
-    # Offsets are learned only from GPUs doing what their peers do: not from one with its clocks cut, nor
-    # from one idling well below its peers (a host-starved node) - learned from those, the recovered GPU
-    # stood out in the culprit direction afterwards (an alert that never cleared).
+    # Offsets are learned only from GPUs doing what their peers do: not from one with its clocks cut (nor
+    # from its full-clock peers meanwhile), nor from one idling well below its peers (a host-starved node)
+    # - learned from those, the recovered GPU stood out in the culprit direction afterwards (an alert
+    # that never cleared).
     idling = dev[_UTIL] <= -cfg.node_idle_gap
-    _learn(state, cfg, dev, sm, busy & wait_util & ~cut & ~idling, waiting, in_job)
+    _learn(state, cfg, dev, sm, busy & wait_util & ~cut & ~victim & ~idling, waiting, in_job)
     out = Outcome()
     standout = set(g[eligible & weak].tolist())
-    node_findings, node_standout, node_pairs = _node_level(tick, state)
+    node_findings, node_standout, node_pairs = _node_level(tick, state, halted)
     # A node standing out as a whole explains its group's waiting: no GPU of that group is named.
     for gid, _ in node_standout:
         on &= g != gid
@@ -231,7 +233,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex) -> Result
     return Result(out, standout)
 
 
-def _group_conditions(tick: Tick, state: StragglerState, cfg) -> np.ndarray:
+def _group_conditions(tick: Tick, state: StragglerState, cfg, halted: set[int]) -> np.ndarray:
     """Per-group conditions of detect(), stacked (7, n_groups) so one gather maps them to slots: old
     and big enough to judge; steady long enough for the cross-section test; peers slowed against the
     baseline; peers spinning; group active; a job group; slowdown measured."""
@@ -242,6 +244,8 @@ def _group_conditions(tick: Tick, state: StragglerState, cfg) -> np.ndarray:
     aged = tick.t - tick.registry.first_seen[:G] >= cfg.startup_grace_seconds
     steady = tick.t - state.steady_since(tick, cfg) >= cfg.startup_grace_seconds / 2
     min_drop = np.where(tick.slowdown_source == 2, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
+    if halted:
+        big[list(halted)] = False
     return np.array([aged & big & active, steady & big, tick.slowdown >= min_drop,
                      grp.util >= cfg.straggler_waiting_utilization, active, tick.registry.is_job[:G],
                      ~np.isnan(tick.slowdown)])
@@ -257,9 +261,10 @@ def _reset_moved(state: StragglerState, g: np.ndarray) -> None:
         state.learned_gid[moved] = g[moved]
 
 
-def _clock_cut(cfg, dev: np.ndarray, slow: np.ndarray, gslow: np.ndarray) -> np.ndarray:
-    """Per slot: clocks cut below the peers' by the clock margin, with slowdown bits (HW slowdown, power
-    brake, thermal) that the peers do not have (either alone where the other is not reported).
+def _clock_cut(cfg, clk_dev: np.ndarray, slow: np.ndarray, peer_slow: np.ndarray) -> np.ndarray:
+    """Clocks cut below the peers' by the clock margin (clk_dev: SM clock ratio against the peers', - 1),
+    with slowdown bits (HW slowdown, power brake, thermal) that the peers do not have (either alone where
+    the other is not reported). Per GPU against its group, or per node against the group's other nodes.
 
     In a synchronous job such a GPU is slower than its peers whatever else it reads, so this counts as
     the cross-sectional "peers wait for it" evidence with no baseline needed; without it a brake present
@@ -267,11 +272,39 @@ def _clock_cut(cfg, dev: np.ndarray, slow: np.ndarray, gslow: np.ndarray) -> np.
     than its spinning peers). Nothing is learned from such a GPU: an offset learned while braked (power far
     below the peers') made the recovered GPU stand out afterwards, an alert that never cleared.
     """
-    deficit = -dev[_CLK] >= cfg.straggler_clock_deficit
+    deficit = -clk_dev >= cfg.straggler_clock_deficit
     # A driver without SM clocks leaves the bits alone (as in _signals); one without throttle reasons,
     # the clock deficit alone.
-    bits = (slow >= 0.5) & ~(gslow >= 0.25)
-    return (bits & (deficit | np.isnan(dev[_CLK]))) | (np.isnan(slow) & deficit)
+    bits = (slow >= 0.5) & ~(peer_slow >= 0.25)
+    return (bits & (deficit | np.isnan(clk_dev))) | (np.isnan(slow) & deficit)
+
+
+def _cuts(tick: Tick, cfg, dev: np.ndarray, gslow: np.ndarray, gi: np.ndarray,
+          in_group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot: clocks cut (see _clock_cut), and "victim": a GPU without slowdown bits in a group where
+    some GPU's clocks are cut, whose activity excess is spinning at full clocks, not work.
+
+    Where a quarter or more of a group has slowdown bits, its median clock is no reference: a GPU with
+    bits whose clock is 8 % below the median of the GPUs *without* bits is cut too (a power brake on half
+    a node). dev[_CLK] of such a GPU is set against those GPUs, for its signals and its evidence.
+    """
+    slow = tick.med["slow"]
+    cut = _clock_cut(cfg, dev[_CLK], slow, gslow)
+    bits = slow >= 0.5
+    grp = tick.groups
+    if (bits & (gslow >= 0.25)).any():
+        free_clock = grp.members.layout.medians(np.where(bits, np.nan, tick.levels[_CLK])[None, :])[0]
+        dev_free = tick.levels[_CLK] / free_clock[gi] - 1.0
+        # Where clocks are not reported, the bits alone, as long as the group has GPUs reporting none.
+        free = np.bincount(gi[in_group & (slow < 0.5)], minlength=grp.n_groups) > 0
+        more = bits & in_group & ((-dev_free >= cfg.straggler_clock_deficit)
+                                  | (np.isnan(tick.levels[_CLK]) & free[gi]))
+        dev[_CLK] = np.where(more, np.fmin(dev[_CLK], dev_free), dev[_CLK])
+        cut |= more
+    if not cut.any():
+        return cut, cut
+    cut_groups = np.bincount(gi[cut & in_group], minlength=grp.n_groups) > 0
+    return cut, in_group & cut_groups[gi] & ~cut & ~bits
 
 
 # detect() asks for every culprit signal at the configured margins and at 0.6 x them (weaker: enough
@@ -437,9 +470,12 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
     if pattern == "idle":
         what = (f"its GPUs idle (utilization {evidence['node_median_utilization_ratio']} vs "
                 f"{evidence['other_nodes_utilization_ratio']}), host-bound")
+    elif pattern == "cut":
+        what = (f"its GPUs' clocks are cut with slowdown bits (SM clock {_pct(node_clk)} of max vs "
+                f"{_pct(rest_clk)})")
     else:
         what = "its GPUs stay busy"
-    evidence["pattern"] = "host_idle" if pattern == "idle" else "node_slow"
+    evidence["pattern"] = {"idle": "host_idle", "cut": "node_clocks_cut"}.get(pattern, "node_slow")
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
     summary = (f"node {node} holds back {'job ' + job if job else 'its peer nodes'}: {what} while "
@@ -448,8 +484,15 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
     return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence)
 
 
-def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[tuple[int, int]], dict]:
-    """Nodes whose GPUs went idle while the rest of their group waits in collectives."""
+def _pct(ratio: float | None) -> str:
+    """A ratio as a whole percentage for a summary ('?' when unknown)."""
+    return "?" if ratio is None else f"{ratio * 100:.0f} %"
+
+
+def _node_level(tick: Tick, state: StragglerState,
+                halted: set[int] = frozenset()) -> tuple[list[Finding], set[tuple[int, int]], dict]:
+    """Nodes holding their group back while the other nodes wait in collectives: their GPUs idle (host-
+    bound), busier than the others' (slow), or with their clocks cut."""
     cfg = tick.config
     w, grp, m = tick.windows, tick.groups, tick.med
     ng = grp.ngid
@@ -462,9 +505,10 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
     if lay is None:
         return [], set(), {}
     gids, nids, idx = lay.gids, lay.nids, lay.idx
-    nodes = lay.members.medians(tick.levels)              # per (group, node) pair, rows as tick.levels
-    node_sm, node_pw, _, node_u = nodes[:, lay.sel_pairs]
-    o_sm, o_pw, _, o_u = _others(nodes, lay)[:, lay.sel_pairs]
+    # Per (group, node) pair: rows as tick.levels, then the share of bins with slowdown bits.
+    nodes = lay.members.medians(np.concatenate([tick.levels, m["slow"][None, :]]))
+    node_sm, node_pw, node_clk, node_u, node_slow = nodes[:, lay.sel_pairs]
+    o_sm, o_pw, o_clk, o_u, o_slow = _others(nodes, lay)[:, lay.sel_pairs]
     base_sm, base_pw = tick.slowdown_baselines
     drop_sm = 1.0 - o_sm / base_sm[gids]
     drop_pw = np.where(base_pw[gids] > 0, 1.0 - o_pw / base_pw[gids], np.nan)
@@ -476,20 +520,28 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
     act_sm = node_sm / o_sm - 1.0
     act = np.where(np.isnan(act_sm), node_pw / o_pw - 1.0, act_sm)
     act_margin = np.where(np.isnan(act_sm), cfg.node_power_excess, cfg.straggler_sm_excess)
+    # A node whose clocks are cut below the others', with slowdown bits they lack (a node-wide power brake,
+    # HW slowdown), is slower whatever its activity says; as for a GPU (_clock_cut), no baseline needed.
+    # The others then draw more power spinning at full clocks: that is not "busy while the others wait".
+    clk_dev = node_clk / o_clk - 1.0
+    cut = _clock_cut(cfg, clk_dev, node_slow, o_slow)
+    others_cut = _clock_cut(cfg, -clk_dev, o_slow, node_slow)       # -clk_dev: near enough for a margin
     # "Busy while the others wait" needs the others spinning at least as much as this node; others
     # that idle more than it are starved themselves (that is the host-idle pattern, on them).
-    node_busy = (node_u >= cfg.busy_utilization) & ~(gap < -cfg.node_idle_gap / 2)
+    node_busy = (node_u >= cfg.busy_utilization) & ~(gap < -cfg.node_idle_gap / 2) & ~others_cut
     # Without a baseline (a node idle or slow from the job's start) nothing has dropped. In one job every
     # node runs the same steps, so others spinning at high utilization while this node idles far more,
     # or is far more active, are waiting for it: twice the margins, as for a GPU (see detect()).
     prev = nan_to_zero(state.pair_offset[:, idx])
     cross = tick.registry.is_job[gids] & steady & (
         (gap - prev[0] >= 2 * cfg.node_idle_gap) | (node_busy & (act - prev[1] >= 2 * act_margin)))
-    waiting = ((waiting_drop >= min_drop) & steady) | cross
+    aged = tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds
+    cut &= tick.registry.is_job[gids] & steady & aged
+    waiting = ((waiting_drop >= min_drop) & steady) | cross | cut
     warm_ticks = cfg.bins(cfg.startup_grace_seconds)
     n_learned = state.pair_learned[idx]
     warming = n_learned < warm_ticks
-    learn = steady & (warming | ~waiting) & ~np.isnan(gap)
+    learn = steady & (warming | ~waiting) & ~np.isnan(gap) & ~cut & ~others_cut
     alpha = np.where(warming, _FAST_ALPHA, 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds))
     off = _follow(state.pair_offset[:, idx], np.array([gap, act]), learn, alpha)
     # Nodes of one job run the same steps: as for GPUs (see _learn), an offset in the culprit direction is
@@ -498,12 +550,16 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
     cap = cfg.structural_max_offset
     off = state.pair_offset[:, idx] = np.where(tick.registry.is_job[gids], np.clip(off, 0.0, cap), off)
     state.pair_learned[idx] = n_learned + learn
-    ready = ~warming & ~np.isnan(off[0]) & (tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds)
+    ready = ~warming & ~np.isnan(off[0]) & aged
     idle = gap - off[0]
     busier = np.where(node_busy, act - nan_to_zero(off[1]), np.nan)
     score = np.fmax(idle / cfg.node_idle_gap, busier / act_margin)
-    stands = ready & waiting & (score >= 0.6)
-    on = ready & waiting & (score >= 1.0)
+    stands = (ready & waiting & (score >= 0.6)) | cut
+    on = (ready & waiting & (score >= 1.0)) | cut
+    if halted:
+        live = ~np.isin(gids, list(halted))
+        stands &= live
+        on &= live
     pairs = dict(lay.pairs)
     standout = {(int(gids[i]), int(nids[i])) for i in stands.nonzero()[0].tolist()}
     findings = []
@@ -511,9 +567,13 @@ def _node_level(tick: Tick, state: StragglerState) -> tuple[list[Finding], set[t
         gid, nid = int(gids[i]), int(nids[i])
         members = np.flatnonzero((ng == gid) & (node_id == nid) & ~np.isnan(u))
         rest = np.flatnonzero((ng == gid) & (node_id != nid) & ~np.isnan(u))
-        pattern = "idle" if idle[i] / cfg.node_idle_gap >= busier[i] / act_margin[i] else "busy"
+        pattern = ("cut" if cut[i] else "idle" if idle[i] / cfg.node_idle_gap >= busier[i] / act_margin[i]
+                   else "busy")
         slowdown = waiting_drop[i] if waiting_drop[i] == waiting_drop[i] else 0.0
-        if cross[i]:
+        if pattern == "cut" and clk_dev[i] < 0.0:
+            # At a fraction of the others' clocks each step takes that much longer (compute-bound).
+            slowdown = max(slowdown, float(-clk_dev[i]))
+        elif cross[i]:
             # The others' share of each step spent waiting: the idle gap, or their activity against this node's.
             slowdown = max(slowdown, gap[i] if pattern == "idle" else 1.0 - 1.0 / (1.0 + max(float(act[i]), 0.0)))
         findings.append(_slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern))
@@ -525,13 +585,17 @@ def _others(x: np.ndarray, lay: "_NodePairs") -> np.ndarray:
     nodes); x is (k, n_pairs), one row per reading, so every reading shares one grouped sort."""
     k = len(x)
     pair_group, n_groups = lay.pair_group, lay.n_groups
-    filled = nan_to_zero(x)
+    known = ~np.isnan(x)
+    filled = np.where(known, x, 0.0)
     ids = (pair_group + np.arange(k)[:, None] * n_groups).ravel()
     total = np.bincount(ids, weights=filled.ravel(), minlength=k * n_groups).reshape(k, n_groups)[:, pair_group]
+    count = np.bincount(ids, weights=known.ravel(), minlength=k * n_groups).reshape(k, n_groups)[:, pair_group]
+    # The other node's value, or NaN where it has none (an unsupported reading is absent, never 0).
+    other = np.where(count > known, total - filled, np.nan)
     if not lay.three_or_more:
-        return total - filled               # the only pairs that count are in groups of two nodes
+        return other                        # the only pairs that count are in groups of two nodes
     two = lay.per_group[pair_group] == 2
-    return np.where(two, total - filled, lay.nodes_of_group.medians(x)[:, pair_group])
+    return np.where(two, other, lay.nodes_of_group.medians(x)[:, pair_group])
 
 
 def _clear_test(tick: Tick, index: FingerprintIndex, judged: np.ndarray, warm: np.ndarray, waiting: np.ndarray,
