@@ -138,6 +138,16 @@ def power_brake(seed: int) -> ClusterSpec:
     return d.spec(nodes, [job], [inc], 960.0)
 
 
+def node_power_cap(seed: int) -> ClusterSpec:
+    """A power cap on one node of a multi-node job (a rack or PDU limit; 0x4 bits, clocks down): the job
+    runs at that node's pace. Unlike the operator's cap on the whole job, it sets one node apart."""
+    d = _Draw("node_power_cap", seed)
+    nodes, job = _one_job(d, d.i(2, 4))
+    inc = Incident("node_power_cap", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, job="j1",
+                   severity=d.u(0.6, 0.8))
+    return d.spec(nodes, [job], [inc], 960.0)
+
+
 def partial_brake(seed: int) -> ClusterSpec:
     """A power brake on 3-6 of a single-node job's 8 GPUs (one power domain): the group's median clock is
     no longer the healthy one, and the unbraked GPUs draw more power spinning at full clocks."""
@@ -553,6 +563,8 @@ CATALOG: tuple[Scenario, ...] = (
     Scenario("silent_slow_gpu", "one GPU computes at 60-85 % speed with no throttle bits (straggler)",
              silent_slow_gpu),
     Scenario("power_brake", "HW power brake (0x80) halves one GPU's clocks (straggler)", power_brake),
+    Scenario("node_power_cap", "a power cap on one node of a multi-node job (straggler, gpu null: the capped "
+             "node, not the nodes drawing more power while they wait)", node_power_cap),
     Scenario("partial_brake", "HW power brake on 3-6 of the 8 GPUs of a single-node job (straggler on "
              "each braked GPU, none on the GPUs spinning at full clocks)", partial_brake),
     Scenario("slow_node", "all 8 GPUs of one node of a multi-node job run slower (straggler, gpu null)",

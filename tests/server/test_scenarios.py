@@ -113,6 +113,15 @@ def test_a_braked_node_is_named_not_the_node_spinning_at_full_clocks(run_replay)
     assert stragglers[0].evidence["pattern"] == "node_clocks_cut"
 
 
+def test_a_node_under_its_own_power_cap_is_named_not_the_node_waiting_for_it(run_replay):
+    # Seed 15: two A100 nodes; the capped node draws less power than the one spinning while it waits.
+    spec = scenarios.BY_NAME["node_power_cap"].build(15)
+    assert len(spec.nodes) == 2 and spec.nodes[0].model.name.startswith("NVIDIA A100")
+    trace = generate(spec)
+    stragglers = [a for a in run_replay(trace.lines) if a.kind.value == "straggler"]
+    assert [(a.node, a.gpu) for a in stragglers] == [(spec.incidents[0].node, None)]
+
+
 def test_row_remap_xid_allows_the_pending_remap_ecc_alert(run_replay):
     # Seed 6 draws XID 64: the generator leaves a row remap pending, and the ecc alert saying so is right.
     spec = scenarios.BY_NAME["xid_burst"].build(6)

@@ -109,7 +109,8 @@ class Job:
 class Incident:
     """Something that happens to a GPU, node or job during [start_s, end_s) of trace time.
 
-    kinds: cooling_failure, hot_gpu, warm_gpu, temp_spike, slow_gpu, jitter, power_brake, node_brake, slow_node,
+    kinds: cooling_failure, hot_gpu, warm_gpu, temp_spike, slow_gpu, jitter, power_brake, node_brake,
+    node_power_cap (power_cap with a node), slow_node,
     host_starved, comm_slowdown, input_starved, checkpoint, power_cap, gpu_lost, xid, agent_down,
     node_crash, counter_reset. `severity` is kind-specific (a speed factor, a multiplier, a target temperature...).
     """
@@ -319,7 +320,7 @@ def _apply_incident(lay: _Layout, s: _Schedule, inc: Incident, T: int, rng: np.r
     elif kind in ("input_starved", "checkpoint"):
         job = lay.spec.jobs[lay.job(inc.job)]
         s.input_idle[span, lay.job(inc.job)] = inc.severity * job.step_s
-    elif kind == "power_cap":
+    elif kind in ("power_cap", "node_power_cap"):
         _power_cap(lay, s, inc, span)
     elif kind == "gpu_lost":
         _gpu_lost(lay, s, inc, span, T)
@@ -363,6 +364,8 @@ def _hot_multiplier(lay: _Layout, inc: Incident) -> float:
 def _power_cap(lay: _Layout, s: _Schedule, inc: Incident, span: slice) -> None:
     job = lay.spec.jobs[lay.job(inc.job)]
     gpus = lay.job_gpus(job)
+    if inc.node is not None:            # a cap on one node's GPUs only (a rack or PDU power limit)
+        gpus = np.intersect1d(gpus, lay.node_gpus(inc.node))
     model = lay.model_of[gpus[0]]
     s.cap[span, gpus] = inc.severity
     # The operator's cap sits just above what the GPUs draw at the reduced clock: they hover at it.
@@ -510,8 +513,12 @@ class _Physics:
         c = np.minimum(np.minimum(self.c_th, sch.brake[t]), sch.cap[t])
         noise = self.rank_factor * (1.0 + 0.015 * rng.standard_normal(G))
         comp = self.step[jx] * noise / (c * sch.silent[t])
-        comp_nom = self.step[jx] * noise / sch.cap[t]
         member = (jx[None, :] == np.arange(J)[:, None]) & train[None, :]
+        # The operator's cap on a whole job is its nominal pace; a cap on some of its GPUs (one node's
+        # rack limit) slows it like any straggler: nominal is the least-capped member's pace.
+        cap_nom = np.where(member, sch.cap[t][None, :], 0.0).max(axis=1, initial=0.0)
+        cap_nom = np.append(np.where(cap_nom > 0, cap_nom, 1.0), 1.0)[jx]
+        comp_nom = self.step[jx] * noise / cap_nom
         sync = np.where(member, (sch.host_idle[t] + comp)[None, :], 0.0).max(axis=1, initial=0.0)
         sync_nom = np.where(member, comp_nom[None, :], 0.0).max(axis=1, initial=0.0)
         comm = self.comm[:J] * sch.comm_mult[t]
@@ -824,6 +831,7 @@ def _truths(lay: _Layout, sch: _Schedule, res: _Result) -> list[Truth]:
 
 _SLOWING = {"cooling_failure": "cooling failure (clock cut)", "slow_gpu": "silently slow GPU",
             "power_brake": "HW power brake", "node_brake": "HW power brake on the whole node",
+            "node_power_cap": "power cap on one node",
             "slow_node": "slow node", "host_starved": "host starving GPUs",
             "hot_gpu": "hot GPU", "jitter": "jitter"}
 
@@ -873,7 +881,7 @@ def _incident_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident) 
 
 def _straggler_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident, span: slice) -> list[Truth]:
     spec, t0 = lay.spec, lay.spec.t0
-    gpu_subject = inc.kind not in ("slow_node", "node_brake", "host_starved")
+    gpu_subject = inc.kind not in ("slow_node", "node_brake", "node_power_cap", "host_starved")
     g = lay.gpu(inc.node, inc.gpu) if gpu_subject else lay.node_gpus(inc.node)[0]
     js = set(sch.job_at[span, g].tolist()) - {-1}
     if inc.kind == "jitter" or not js:

@@ -471,8 +471,8 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
         what = (f"its GPUs idle (utilization {evidence['node_median_utilization_ratio']} vs "
                 f"{evidence['other_nodes_utilization_ratio']}), host-bound")
     elif pattern == "cut":
-        what = (f"its GPUs' clocks are cut with slowdown bits (SM clock {_pct(node_clk)} of max vs "
-                f"{_pct(rest_clk)})")
+        what = (f"its GPUs' clocks are cut, with throttle bits the other nodes lack (SM clock {_pct(node_clk)} "
+                f"of max vs {_pct(rest_clk)})")
     else:
         what = "its GPUs stay busy"
     evidence["pattern"] = {"idle": "host_idle", "cut": "node_clocks_cut"}.get(pattern, "node_slow")
@@ -505,8 +505,11 @@ def _node_level(tick: Tick, state: StragglerState,
     if lay is None:
         return [], set(), {}
     gids, nids, idx = lay.gids, lay.nids, lay.idx
-    # Per (group, node) pair: rows as tick.levels, then the share of bins with slowdown bits.
-    nodes = lay.members.medians(np.concatenate([tick.levels, m["slow"][None, :]]))
+    # Per (group, node) pair: rows as tick.levels, then the share of bins with slowdown or power-cap bits.
+    # A cap on one node's GPUs (a rack or PDU limit) slows the job like a brake does; one on every node
+    # (the operator's uniform cap) sets nobody apart.
+    bits = np.fmax(m["slow"], m["power_cap"])
+    nodes = lay.members.medians(np.concatenate([tick.levels, bits[None, :]]))
     node_sm, node_pw, node_clk, node_u, node_slow = nodes[:, lay.sel_pairs]
     o_sm, o_pw, o_clk, o_u, o_slow = _others(nodes, lay)[:, lay.sel_pairs]
     base_sm, base_pw = tick.slowdown_baselines
