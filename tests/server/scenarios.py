@@ -141,11 +141,7 @@ def power_brake(seed: int) -> ClusterSpec:
 def node_power_cap(seed: int) -> ClusterSpec:
     """A power cap on one node of a multi-node job (a rack or PDU limit; 0x4 bits, clocks down): the job
     runs at that node's pace. Unlike the operator's cap on the whole job, it sets one node apart."""
-    d = _Draw("node_power_cap", seed)
-    nodes, job = _one_job(d, d.i(2, 4))
-    inc = Incident("node_power_cap", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, job="j1",
-                   severity=d.u(0.6, 0.8))
-    return d.spec(nodes, [job], [inc], 960.0)
+    return _node_incident("node_power_cap", seed, (0.6, 0.8), job="j1")
 
 
 def partial_brake(seed: int) -> ClusterSpec:
@@ -161,27 +157,25 @@ def partial_brake(seed: int) -> ClusterSpec:
 
 
 def slow_node(seed: int) -> ClusterSpec:
-    d = _Draw("slow_node", seed)
-    nodes, job = _one_job(d, d.i(2, 4))
-    inc = Incident("slow_node", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, severity=d.u(0.7, 0.88))
-    return d.spec(nodes, [job], [inc], 960.0)
+    return _node_incident("slow_node", seed, (0.7, 0.88))
 
 
 def node_brake(seed: int) -> ClusterSpec:
     """A power brake on every GPU of one node (a PSU or PDU fault): the others spin at full clocks and,
     without SM activity, draw more power than the braked node; the braked node is the culprit."""
-    d = _Draw("node_brake", seed)
-    nodes, job = _one_job(d, d.i(2, 4))
-    inc = Incident("node_brake", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, severity=d.u(0.5, 0.7))
-    return d.spec(nodes, [job], [inc], 960.0)
+    return _node_incident("node_brake", seed, (0.5, 0.7))
 
 
 def host_starved(seed: int) -> ClusterSpec:
-    d = _Draw("host_starved", seed)
-    nodes, job = _one_job(d, d.i(2, 4))
-    inc = Incident("host_starved", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, job="j1",
-                   severity=d.u(0.25, 0.8))
-    return d.spec(nodes, [job], [inc], 960.0)
+    return _node_incident("host_starved", seed, (0.25, 0.8), job="j1")
+
+
+def _node_incident(kind: str, seed: int, severity: tuple[float, float], job: str | None = None) -> ClusterSpec:
+    """One job on 2-4 nodes; one of them has the incident `kind` from 240-420 s to 700-900 s."""
+    d = _Draw(kind, seed)
+    nodes, j = _one_job(d, d.i(2, 4))
+    inc = Incident(kind, d.u(240, 420), d.u(700, 900), d.pick(nodes).name, job=job, severity=d.u(*severity))
+    return d.spec(nodes, [j], [inc], 960.0)
 
 
 def comm_slowdown(seed: int) -> ClusterSpec:
