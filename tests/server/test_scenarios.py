@@ -102,24 +102,16 @@ def test_no_straggler_among_the_gpus_a_lost_gpu_left_hanging(run_replay):
     assert sorted(a.kind.value for a in alerts) == ["gpu_lost", "xid"]
 
 
-def test_a_braked_node_is_named_not_the_node_spinning_at_full_clocks(run_replay):
-    # Seed 2: two A100 nodes (no SM activity). The braked node draws less power than the node waiting
+@pytest.mark.parametrize("name,seed", [("node_brake", 2), ("node_power_cap", 15)])
+def test_a_slowed_node_is_named_not_the_node_spinning_at_full_clocks(run_replay, name, seed):
+    # Two A100 nodes (no SM activity): the braked or capped node draws less power than the node waiting
     # for it, which read as "the other node stays busy" until clocks and bits counted at node level.
-    spec = scenarios.BY_NAME["node_brake"].build(2)
+    spec = scenarios.BY_NAME[name].build(seed)
     assert len(spec.nodes) == 2 and spec.nodes[0].model.name.startswith("NVIDIA A100")
     trace = generate(spec)
     stragglers = [a for a in run_replay(trace.lines) if a.kind.value == "straggler"]
     assert [(a.node, a.gpu) for a in stragglers] == [(spec.incidents[0].node, None)]
     assert stragglers[0].evidence["pattern"] == "node_clocks_cut"
-
-
-def test_a_node_under_its_own_power_cap_is_named_not_the_node_waiting_for_it(run_replay):
-    # Seed 15: two A100 nodes; the capped node draws less power than the one spinning while it waits.
-    spec = scenarios.BY_NAME["node_power_cap"].build(15)
-    assert len(spec.nodes) == 2 and spec.nodes[0].model.name.startswith("NVIDIA A100")
-    trace = generate(spec)
-    stragglers = [a for a in run_replay(trace.lines) if a.kind.value == "straggler"]
-    assert [(a.node, a.gpu) for a in stragglers] == [(spec.incidents[0].node, None)]
 
 
 def test_row_remap_xid_allows_the_pending_remap_ecc_alert(run_replay):
