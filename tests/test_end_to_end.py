@@ -13,51 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from agent.attribution import JobAttributor
-from agent.nvml_reader import NvmlReader
-from agent.record import Recorder
-from agent.sampler import Sampler
-from agent.sim import Scenario, SimNvml, load_scenario
+from agent.sim import Scenario, load_scenario
 from agent.sim.scenario import Incident
-from agent.store import SnapshotStore
 from server.alerts import Alert, AlertKind
 from server.contract import parse_line
 from server.replay import run_replay
 from tests.agent.running import agent_process
+from tests.sim_record import T0, record_node
 
-T0 = 1_763_800_000.0
 SAMPLE_INTERVAL_SECONDS = 1.0
-
-
-class FakeClock:
-    """Unix time that moves only when the test advances it."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def record_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: float) -> Path:
-    """Sample one simulated node for the whole scenario; returns its --record file."""
-    clock = FakeClock(T0)
-    nvml = SimNvml(scenario, node, clock=clock, epoch=T0)
-    procfs = workdir / f"proc-{node}"
-    nvml.materialize_procfs(procfs)
-    trace = workdir / f"{node}.jsonl"
-    recorder = Recorder(trace, monotonic=clock)
-    sampler = Sampler(NvmlReader(nvml, xid_wait_ms=50), SnapshotStore(), node=node,
-                      interval=SAMPLE_INTERVAL_SECONDS, attributor=JobAttributor(procfs, monotonic=clock),
-                      recorder=recorder, clock=clock, monotonic=clock)
-    try:
-        while clock.now - T0 <= duration_seconds:
-            assert sampler.run_once() is not None, f"{node}: no sample at +{clock.now - T0:.0f}s"
-            clock.now += SAMPLE_INTERVAL_SECONDS
-    finally:
-        sampler.stop()
-        recorder.close()
-    return trace
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +34,11 @@ def demo_trace(demo: Scenario, tmp_path_factory: pytest.TempPathFactory) -> list
     """`cat dgx-01.jsonl dgx-02.jsonl ...`: node after node, not sorted by time."""
     assert demo.duration_s is not None, "the demo scenario must say how long it runs"
     workdir = tmp_path_factory.mktemp("e2e")
-    files = [record_node(demo, node, workdir, demo.duration_s) for node in demo.nodes]
+    files = []
+    for node in demo.nodes:
+        trace, missing = record_node(demo, node, workdir, demo.duration_s, SAMPLE_INTERVAL_SECONDS)
+        assert not missing, f"{node}: no sample at +{missing[0]:.0f}s"
+        files.append(trace)
     return b"".join(f.read_bytes() for f in files).splitlines()
 
 

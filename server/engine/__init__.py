@@ -126,7 +126,8 @@ class Engine:
         if self._ticks % _BASELINE_REFRESH_TICKS == 0 or self.history.base.shape[1] < n_groups:
             self.history.refresh(k, n_groups)
         self._regime(groups)
-        drop, source = workload.job_drop(groups, self.history, cfg.workload_clock_ratio)
+        drop, source = workload.job_drop(groups, self.history, cfg.workload_clock_ratio,
+                                         cfg.workload_capped_clock_ratio)
         tick = Tick(k, t, cfg, w, latest, med, levels, has_data, groups, self.registry, drop, source,
                     (self.history.baseline("sm"), self.history.baseline("power")), held)
         outcomes: dict[AlertKind, Outcome] = {}

@@ -58,6 +58,8 @@ class EngineConfig:
     comm_min_utilization: float = 0.8
     input_utilization_drop: float = 0.15
     workload_clock_ratio: float = 0.93
+    # The same with the power-cap bit on most of a group's GPUs: then a small clock cut is the cap.
+    workload_capped_clock_ratio: float = 0.98
 
     # A pending alert survives this long without its condition (noise around a threshold).
     pending_grace_seconds: float = 10.0

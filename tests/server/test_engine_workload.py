@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from server.replay import run_replay
-from tests.server.engine_samples import T0, cluster_lines
+from tests.server.engine_samples import MAX_HZ, T0, cluster_lines
 
 
 def _kinds(lines):
@@ -44,3 +44,29 @@ def test_short_checkpoint_pause_is_not_an_alert():
         return {"utilization_ratio": 0.1, "sm_active_ratio": 0.05, "power_watts": 150.0} if 400 <= t < 415 else {}
 
     assert _kinds(cluster_lines(800, override=pause)) == []
+
+
+def test_a_mild_power_cap_without_sm_activity_is_not_comm_bound():
+    # Seen on the agent's own simulator: an A100 job drawing 300 W capped at 280 W lost 6 % of its
+    # clock and 8-9 % of its power, with the power-cap bit set on every GPU. Too small a clock cut to
+    # restart the job's baseline, so without the bit the power drop read as GPUs waiting. Here the
+    # power drop is 11 %, clearly over the 8 % threshold.
+    def capped(t, node, gpu):
+        kw = {"sm_active_ratio": None, "power_watts": 300.0, "power_limit_watts": 400.0}
+        if t >= 400:
+            kw.update(power_watts=268.0, power_limit_watts=270.0, sm_clock_hertz=MAX_HZ * 0.944, throttle_reasons=0x4)
+        return kw
+
+    assert _kinds(cluster_lines(900, override=capped)) == []
+
+
+def test_gpus_waiting_under_a_cap_they_no_longer_reach_are_comm_bound():
+    # The mirror: GPUs spinning in collectives fall below their cap, the bit goes and clocks recover.
+    def waiting(t, node, gpu):
+        kw = {"sm_active_ratio": None, "power_watts": 300.0, "power_limit_watts": 300.0,
+              "sm_clock_hertz": MAX_HZ * 0.95, "throttle_reasons": 0x4}
+        if t >= 400:
+            kw.update(power_watts=250.0, sm_clock_hertz=MAX_HZ, throttle_reasons=0)
+        return kw
+
+    assert _kinds(cluster_lines(900, override=waiting)) == [("comm_bound", "j1", None, None)]

@@ -18,16 +18,21 @@ from server.engine.groups import GroupHistory, Groups
 from server.engine.tick import Tick
 
 
-def job_drop(groups: Groups, history: GroupHistory, clock_ratio: float) -> tuple[np.ndarray, np.ndarray]:
+def job_drop(groups: Groups, history: GroupHistory, clock_ratio: float,
+             capped_clock_ratio: float) -> tuple[np.ndarray, np.ndarray]:
     """Per group: relative activity drop vs baseline, and its source (0 none, 1 SM activity, 2 power)."""
     base_sm, base_pw, base_clk = history.baseline("sm"), history.baseline("power"), history.baseline("clock")
     drop_sm = 1.0 - groups.sm / base_sm
     drop_pw = 1.0 - groups.power / base_pw
     # A lower power is only "waiting" while clocks hold: a power cap lowers power by cutting clocks
-    # (after a minute of new clocks the group's history restarts, see Engine._regime). Where clocks
-    # are not reported, the power-cap bit on most of the group's GPUs says the same.
-    clocks_hold = np.where(np.isnan(groups.clock), ~(groups.power_cap >= 0.5),
-                           ~(groups.clock < clock_ratio * base_clk))
+    # (after a minute of new clocks the group's history restarts, see Engine._regime). With the
+    # power-cap bit on most of the group's GPUs a small clock cut says the same: a mild cap (an A100
+    # job at 300 W capped to 280 W loses 6 % of its clock and 8 % of its power) is a cap, while GPUs
+    # waiting in collectives fall below their cap and keep or regain their clocks. Where clocks are
+    # not reported, the bit alone says it.
+    capped = groups.power_cap >= 0.5
+    cut = np.where(capped, capped_clock_ratio, clock_ratio) * base_clk
+    clocks_hold = np.where(np.isnan(groups.clock), ~capped, ~(groups.clock < cut))
     use_sm = ~np.isnan(drop_sm)
     use_pw = ~use_sm & ~np.isnan(drop_pw) & clocks_hold
     drop = np.where(use_sm, drop_sm, np.where(use_pw, drop_pw, np.nan))

@@ -1,0 +1,47 @@
+"""Record a simulated node through the production agent pipeline, in simulated time.
+
+SimNvml, NvmlReader, JobAttributor over the simulator's procfs, Sampler and Recorder run exactly as in
+`gpufleet-agent --simulate … --record`, but on a fake clock advanced one sampling interval per cycle,
+so a 15-minute scenario records in seconds. Used by the end-to-end test and by
+bench/sim_crosscheck.py. XID events arrive on the reader's own thread in real time, so in simulated
+time they land a few to tens of seconds late: do not time XIDs on these traces.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agent.attribution import JobAttributor
+from agent.cli import SettableClock
+from agent.nvml_reader import NvmlReader
+from agent.record import Recorder
+from agent.sampler import Sampler
+from agent.sim import Scenario, SimNvml
+from agent.store import SnapshotStore
+
+T0 = 1_763_800_000.0
+
+
+def record_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: float,
+                interval_seconds: float = 1.0) -> tuple[Path, list[float]]:
+    """Sample one simulated node from T0 for duration_seconds; returns its --record file and the
+    offsets (seconds from T0) of the cycles that produced no sample (NVML down, by the scenario)."""
+    clock = SettableClock(T0)
+    nvml = SimNvml(scenario, node, clock=clock, epoch=T0)
+    procfs = workdir / f"proc-{node}"
+    nvml.materialize_procfs(procfs)
+    trace = workdir / f"{node}.jsonl"
+    recorder = Recorder(trace, monotonic=clock)
+    sampler = Sampler(NvmlReader(nvml, xid_wait_ms=50), SnapshotStore(), node=node, interval=interval_seconds,
+                      attributor=JobAttributor(procfs, monotonic=clock), recorder=recorder, clock=clock,
+                      monotonic=clock)
+    missing = []
+    try:
+        while clock.now - T0 <= duration_seconds:
+            if sampler.run_once() is None:
+                missing.append(clock.now - T0)
+            clock.advance(interval_seconds)
+    finally:
+        sampler.stop()
+        recorder.close()
+    return trace, missing
