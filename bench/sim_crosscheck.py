@@ -7,14 +7,16 @@ the engine's scenario generator.
 The scenario suite (bench/detection_eval.py) replays tests/server/tracegen.py, which was written with
 the engine and may share its blind spots. This bench draws random agent/sim scenarios instead: 1-4
 nodes of H100, A100 or L40S, one job on every GPU or on half of each node (then often beside a second
-job), random step time and compute share, and one incident of each kind. Every node is recorded through
+job), random step time and compute share, and one incident of each kind, or a decoy (a power cap on
+the whole job, nothing at all, a counter reset, an application XID, the job ending, one node's agent
+silent for minutes while its job runs on). Every node is recorded through
 the production agent pipeline in simulated time (tests/sim_record.py), the node files are concatenated
 as `cat` would, cut to 1, 5 or 10 s sampling, and replayed. `--hard` draws marginal severities (a GPU
 5-20 % slow, a communication slowdown of 1.3-2x, a host idling 8-30 % of each step, a mild cooling
 failure) and puts 30 % of the incidents other than comm_slowdown in the job's first minute.
 
 Per run: *wrong* when a detection alert (straggler, thermal_throttle, comm_bound, input_bound,
-gpu_lost) names anything but the incident's subject: a victim, a healthy job, or a kind the incident
+gpu_lost, node_unreachable) names anything but the incident's subject: a victim, a healthy job, or a kind the incident
 does not cause (a throttled GPU that slows its job may also be named a straggler). The expected alert
 is *required* by the scenario suite scorer's rules (a job slowed 10 % by a straggler or host, a step
 grown 25 % by communication, a GPU at >= 83 degC or thermal bits for 30 s): a marginal incident may go
@@ -44,11 +46,12 @@ from tests.sim_record import T0, record_node
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "detection.md"
 BEGIN, END = "<!-- crosscheck:begin -->", "<!-- crosscheck:end -->"
-KINDS = ("cooling", "slow_silent", "slow_brake", "host", "comm", "cap", "none", "lost")
-DETECTION = ("straggler", "thermal_throttle", "comm_bound", "input_bound", "gpu_lost")
+KINDS = ("cooling", "slow_silent", "slow_brake", "host", "comm", "cap", "none", "lost", "reset", "xid", "agent_down",
+         "job_end")
+DETECTION = ("straggler", "thermal_throttle", "comm_bound", "input_bound", "gpu_lost", "node_unreachable")
 JOB = "555"
+HOT_CELSIUS, HOT_SECONDS = 83.0, 30        # the thermal alert's default threshold and `for`
 # Power caps an operator might set, in watts, per model: from deep (clocks cut 20 %) to barely biting.
-HOT_CELSIUS, HOT_SECONDS = 83.0, 30
 CAP_WATTS = {"h100-sxm": (350, 650), "a100-sxm4": (220, 380), "l40s": (200, 340)}
 
 
@@ -62,6 +65,9 @@ class Case:
     expect: tuple[str, str | None, int | None] | None
     # How much the incident slows the job by the simulator's step model (comm: step-time growth).
     slowdown: float | None = None
+    # (node, start_s, end_s): that node's lines are dropped from the recording, an agent down while
+    # its node and job run on.
+    silent: tuple[str, float, float] | None = None
 
     def required(self, lines: list[bytes]) -> bool:
         """Whether the expected alert must be raised, by the suite's scorer's rules (tracegen): a
@@ -80,6 +86,8 @@ class Case:
 
 @dataclass
 class Tally:
+    """Counts for one (incident kind, sampling interval) row."""
+
     runs: int = 0
     expected: int = 0
     hits: int = 0
@@ -92,7 +100,8 @@ def draw(kind: str, seed: int, hard: bool) -> Case:
     r = random.Random(f"{kind}/{seed}/{hard}")
     model = r.choice(("h100-sxm", "h100-sxm", "a100-sxm4", "a100-sxm4", "l40s"))
     nodes = [{"name": f"n{i}", "model": model, "gpus": 8} for i in range(r.choice((1, 2, 2, 3, 4)))]
-    if kind == "host" and len(nodes) == 1:         # a host-bound node needs another node to wait for it
+    # A host-bound node needs another node to wait for it; a silent node, another to tell the time by.
+    if kind in ("host", "agent_down") and len(nodes) == 1:
         nodes.append({"name": "n1", "model": model, "gpus": 8})
     layout = r.choice(("whole", "half", "two"))
     mine = list(range(8)) if layout == "whole" else [0, 1, 2, 3]
@@ -139,15 +148,24 @@ def draw(kind: str, seed: int, hard: bool) -> Case:
     elif kind == "lost":
         inc = {"kind": "gpu_lost", "node": node, "gpu": gpu}
         expect = ("gpu_lost", node, gpu)
+    elif kind == "reset":           # every cumulative counter of a node back to 0 (driver reload)
+        inc = {"kind": "counter_reset", "node": node}
+    elif kind == "xid":             # an XID alert only; nobody is slowed
+        inc = {"kind": "xid", "node": node, "gpu": gpu, "code": r.choice((13, 31, 43, 48, 94)), "count": r.randint(1, 5)}
+    elif kind == "agent_down":      # the agent stops (crash, network): its node and job run on
+        inc, expect = None, ("node_unreachable", node, None)
+    elif kind == "job_end":         # the job winds down and ends; its GPUs idle
+        inc = None
+        jobs[0]["end_s"] = start
     else:
         inc = None
     if inc is not None:
         inc["start_s"] = start
-        if kind != "lost":
+        if kind not in ("lost", "reset"):
             inc["end_s"] = end
     scenario = {"name": f"crosscheck-{kind}-{seed}", "duration_s": end + 240, "nodes": nodes, "jobs": jobs,
                 "incidents": [inc] if inc else []}
-    return Case(kind, seed, scenario, expect, slowdown)
+    return Case(kind, seed, scenario, expect, slowdown, (node, start, end) if kind == "agent_down" else None)
 
 
 def run_case(args: tuple[Case, tuple[int, ...]]) -> tuple[Case, bool, dict[int, list[tuple]]]:
@@ -159,6 +177,9 @@ def run_case(args: tuple[Case, tuple[int, ...]]) -> tuple[Case, bool, dict[int, 
     with tempfile.TemporaryDirectory() as tmp:
         lines = b"".join(record_node(scenario, node, Path(tmp), scenario.duration_s)[0].read_bytes()
                          for node in scenario.nodes).splitlines()
+    if case.silent:
+        node, start, end = case.silent
+        lines = [line for line in lines if not _silenced(orjson.loads(line), node, start, end)]
     required = case.required(lines)
     out = {}
     for interval in every:
@@ -167,6 +188,10 @@ def run_case(args: tuple[Case, tuple[int, ...]]) -> tuple[Case, bool, dict[int, 
         out[interval] = [(a.kind.value, a.node, a.gpu, a.hpc_job, round(a.started - T0),
                           None if a.resolved is None else round(a.resolved - T0)) for a in run_replay(kept)]
     return case, required, out
+
+
+def _silenced(snapshot: dict[str, Any], node: str, start: float, end: float) -> bool:
+    return snapshot["node"] == node and start <= snapshot["time"] - T0 < end
 
 
 def _longest_hot_run_s(lines: list[bytes], node: str, gpu: int) -> int:
