@@ -34,7 +34,7 @@ bench-live: $(STAMP)
 eval: $(STAMP)
 	$(BIN)/python -m bench.detection_eval --seeds 5
 
-# About 20 minutes on 2 cores: detection on the agent's own simulator, normal and marginal incidents.
+# About 50 minutes on 2 cores: detection on the agent's own simulator, normal and marginal incidents.
 crosscheck: $(STAMP)
 	$(BIN)/python -m bench.sim_crosscheck --seeds 12
 	$(BIN)/python -m bench.sim_crosscheck --seeds 12 --hard
