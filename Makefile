@@ -34,10 +34,12 @@ bench-live: $(STAMP)
 eval: $(STAMP)
 	$(BIN)/python -m bench.detection_eval --seeds 5
 
-# About 50 minutes on 2 cores: detection on the agent's own simulator, normal and marginal incidents.
+# Detection on the agent's own simulator: normal and marginal incidents, and without job attribution
+# (each about 50 minutes on 2 cores at 12 seeds).
 crosscheck: $(STAMP)
 	$(BIN)/python -m bench.sim_crosscheck --seeds 12
 	$(BIN)/python -m bench.sim_crosscheck --seeds 12 --hard
+	$(BIN)/python -m bench.sim_crosscheck --seeds 8 --unattributed
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,8 +1,8 @@
 """Detection on traces from the agent's own NVML simulator: a second physics model, written apart from
 the engine's scenario generator.
 
-    python -m bench.sim_crosscheck [--seeds N] [--first-seed N] [--hard] [--every 1,5,10] [--workers N]
-                                   [--kinds a,b] [--no-write]
+    python -m bench.sim_crosscheck [--seeds N] [--first-seed N] [--hard] [--unattributed] [--every 1,5,10]
+                                   [--workers N] [--kinds a,b] [--no-write]
 
 The scenario suite (bench/detection_eval.py) replays tests/server/tracegen.py, which was written with
 the engine and may share its blind spots. This bench draws random agent/sim scenarios instead: 1-4
@@ -14,6 +14,9 @@ the production agent pipeline in simulated time (tests/sim_record.py), the node 
 as `cat` would, cut to 1, 5 or 10 s sampling, and replayed. `--hard` draws marginal severities (a GPU
 5-20 % slow, a communication slowdown of 1.3-2x, a host idling 8-30 % of each step, a mild cooling
 failure) and puts 30 % of the incidents other than comm_slowdown in the job's first minute.
+`--unattributed` removes hpc_job from every GPU before replay (an agent without a job source), so the
+engine falls back to its unattributed peer groups; a communication slowdown then has no job to name,
+so it expects no alert.
 
 Per run: *wrong* when a detection alert (straggler, thermal_throttle, comm_bound, input_bound,
 gpu_lost, node_unreachable) names anything but the incident's subject: a victim, a healthy job, or a kind the incident
@@ -22,7 +25,7 @@ is *required* by the scenario suite scorer's rules (a job slowed 10 % by a strag
 grown 25 % by communication, a GPU at >= 83 degC or thermal bits for 30 s): a marginal incident may go
 unseen, but must never name a wrong subject.
 Writes the table between `<!-- crosscheck:begin -->` and `<!-- crosscheck:end -->` in
-docs/detection.md.
+docs/detection.md (`crosscheck:hard:`, `crosscheck:unattributed:` markers for those modes).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import random
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -168,10 +171,23 @@ def draw(kind: str, seed: int, hard: bool) -> Case:
     return Case(kind, seed, scenario, expect, slowdown, (node, start, end) if kind == "agent_down" else None)
 
 
-def run_case(args: tuple[Case, tuple[int, ...]]) -> tuple[Case, bool, dict[int, list[tuple]]]:
-    """Record every node, replay at each sampling interval. Returns whether the expected alert is
-    required, and the alerts as (kind, node, gpu, job, start, end) per interval."""
-    case, every = args
+def unattributed(case: Case) -> Case:
+    """The same scenario as seen by an agent without a job source: job-level alerts have no job."""
+    return replace(case, expect=None, slowdown=None) if case.kind == "comm" else case
+
+
+def _strip_jobs(line: bytes) -> bytes:
+    snapshot = orjson.loads(line)
+    for gpu in snapshot["gpus"]:
+        gpu.pop("hpc_job", None)
+    return orjson.dumps(snapshot)
+
+
+def run_case(args: tuple[Case, tuple[int, ...], bool]) -> tuple[Case, bool, dict[int, list[tuple]]]:
+    """Record every node, replay at each sampling interval (without hpc_job when strip_jobs). Returns
+    whether the expected alert is required, and the alerts as (kind, node, gpu, job, start, end) per
+    interval."""
+    case, every, strip_jobs = args
     logging.disable(logging.WARNING)    # the agent's own reports (XIDs, a lost GPU) are the scenario's
     scenario = parse_scenario(case.scenario)
     with tempfile.TemporaryDirectory() as tmp:
@@ -181,6 +197,8 @@ def run_case(args: tuple[Case, tuple[int, ...]]) -> tuple[Case, bool, dict[int, 
         node, start, end = case.silent
         lines = [line for line in lines if not _silenced(orjson.loads(line), node, start, end)]
     required = case.required(lines)
+    if strip_jobs:
+        lines = [_strip_jobs(line) for line in lines]
     out = {}
     for interval in every:
         kept = lines if interval == 1 else [
@@ -226,8 +244,9 @@ def judge(case: Case, alerts: list[tuple]) -> tuple[bool, list[tuple]]:
 
 
 def evaluate(seeds: range, hard: bool, every: tuple[int, ...], kinds: tuple[str, ...],
-             workers: int) -> dict[tuple[str, int], Tally]:
-    cases = [(draw(kind, seed, hard), every) for seed in seeds for kind in kinds]
+             workers: int, strip_jobs: bool = False) -> dict[tuple[str, int], Tally]:
+    drawn = (draw(kind, seed, hard) for seed in seeds for kind in kinds)
+    cases = [(unattributed(c) if strip_jobs else c, every, strip_jobs) for c in drawn]
     table = {(k, i): Tally() for k in kinds for i in every}
     with ProcessPoolExecutor(workers) as pool:
         for case, required, by_interval in pool.map(run_case, cases):
@@ -251,7 +270,8 @@ def evaluate(seeds: range, hard: bool, every: tuple[int, ...], kinds: tuple[str,
 
 def render(table: dict[tuple[str, int], Tally], args: argparse.Namespace, max_misses: int = 12) -> str:
     cmd = f"python -m bench.sim_crosscheck --seeds {args.seeds} --first-seed {args.first_seed}" + \
-          (" --hard" if args.hard else "") + f" --every {args.every}"
+          (" --hard" if args.hard else "") + (" --unattributed" if args.unattributed else "") + \
+          f" --every {args.every}"
     lines = [f"Generated by `{cmd}`.", "",
              "| incident | sampling | runs | required alert raised | runs with a wrong alert |", "|---|---|---|---|---|"]
     for (kind, interval), t in table.items():
@@ -267,9 +287,11 @@ def render(table: dict[tuple[str, int], Tally], args: argparse.Namespace, max_mi
     return "\n".join(lines)
 
 
-def write_section(doc: Path, body: str, hard: bool) -> None:
-    """Replace the block for this mode (normal or --hard) between its markers; append it if absent."""
-    begin, end = (BEGIN, END) if not hard else (BEGIN.replace("begin", "hard:begin"), END.replace("end", "hard:end"))
+def write_section(doc: Path, body: str, mode: str = "") -> None:
+    """Replace the block for this mode ("", "hard" or "unattributed") between its markers; append it if
+    absent."""
+    begin, end = (BEGIN, END) if not mode else (BEGIN.replace("begin", f"{mode}:begin"),
+                                                END.replace("end", f"{mode}:end"))
     text = doc.read_text()
     block = f"{begin}\n{body}\n{end}"
     if begin in text and end in text:
@@ -285,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=12)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--hard", action="store_true", help="marginal severities, 30 %% of incidents at job start")
+    ap.add_argument("--unattributed", action="store_true", help="replay without hpc_job (no job source)")
     ap.add_argument("--every", default="1,5,10", help="sampling intervals to cut the 1 s recordings to")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--workers", type=int, default=2)
@@ -296,11 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
     every = tuple(int(x) for x in args.every.split(","))
-    table = evaluate(range(args.first_seed, args.first_seed + args.seeds), args.hard, every, kinds, args.workers)
+    table = evaluate(range(args.first_seed, args.first_seed + args.seeds), args.hard, every, kinds, args.workers,
+                     args.unattributed)
     body = render(table, args)
     print(body)
     if not args.no_write:
-        write_section(args.doc, body, args.hard)
+        write_section(args.doc, body, "-".join(m for m, on in (("hard", args.hard),
+                                                               ("unattributed", args.unattributed)) if on))
     return 0
 
 

@@ -61,6 +61,7 @@ class Engine:
         self._last_tick: Tick | None = None
         self._job_ticks: dict[str, list[int]] = {}
         self._regime_ticks = np.zeros(0, dtype=np.int64)
+        self._last_busy_t = np.full(0, -np.inf)
         self._members: GroupMembers | None = None
 
     # -- input ------------------------------------------------------------------------------
@@ -119,7 +120,7 @@ class Engine:
         busy = med["util"] >= cfg.busy_utilization
         n = w.n
         gid, ngid = self.registry.build(t, w.slot_job[:n], w.slot_node_id[:n], w.slot_model_id[:n],
-                                        w.job_names, has_data, busy)
+                                        w.job_names, has_data, busy, self._engaged(t, busy))
         n_groups = len(self.registry.keys)
         groups = group_stats(gid, ngid, n_groups, levels, fractions, self._members)
         self._members = groups.members
@@ -148,6 +149,17 @@ class Engine:
         self._last_t = t
         self._last_tick = tick
         return transitions
+
+    def _engaged(self, t: float, busy: np.ndarray) -> np.ndarray:
+        """Per slot: busy at some evaluation within the last unattributed_idle_seconds."""
+        n = len(busy)
+        if len(self._last_busy_t) < n:
+            grown = np.full(max(n, 2 * len(self._last_busy_t)), -np.inf)
+            grown[:len(self._last_busy_t)] = self._last_busy_t
+            self._last_busy_t = grown
+        last = self._last_busy_t[:n]
+        last[busy] = t
+        return t - last <= self.config.unattributed_idle_seconds
 
     def _regime(self, groups) -> None:
         """A group whose clocks moved away from their baseline for a minute (a power cap set or lifted,

@@ -29,6 +29,8 @@ class EngineConfig:
     startup_grace_seconds: float = 90.0
     busy_utilization: float = 0.5
     job_active_utilization: float = 0.3
+    # An unattributed GPU not busy for this long runs no job: it is left out of node-level comparisons.
+    unattributed_idle_seconds: float = 900.0
 
     thermal_temperature_celsius: float = 83.0
     thermal_for_seconds: float = 30.0

@@ -188,22 +188,28 @@ class GroupRegistry:
         return self.keys[gid][0]
 
     def build(self, t: float, slot_job: np.ndarray, slot_node: np.ndarray, slot_model: np.ndarray,
-              job_names: list[str], has_data: np.ndarray, busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per-slot GPU-level and node-level group ids for this tick (read-only arrays)."""
+              job_names: list[str], has_data: np.ndarray, busy: np.ndarray,
+              engaged: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Per-slot GPU-level and node-level group ids for this tick (read-only arrays). `engaged`: the
+        unattributed GPUs that count in node-level comparisons (default: all)."""
+        if engaged is None:
+            engaged = np.ones(len(slot_job), dtype=bool)
         # Busy-ness matters only for unattributed GPUs (their fallback groups are the busy ones): an
         # attributed GPU crossing the busy threshold must not force a rebuild.
-        inputs = (slot_job, slot_node, slot_model, has_data, busy & (slot_job == NO_JOB))
+        loose = slot_job == NO_JOB
+        inputs = (slot_job, slot_node, slot_model, has_data, busy & loose, engaged & loose)
         last = self._last_build
         # Membership rarely changes between ticks; the same inputs give the same (already interned) ids.
         if last is not None and all(equal(a, b) for a, b in zip(inputs, last[0])):
             return last[1]
-        gid, ngid = self._build(t, slot_job, slot_node, slot_model, job_names, has_data, busy)
+        gid, ngid = self._build(t, slot_job, slot_node, slot_model, job_names, has_data, busy, engaged)
         gid.flags.writeable = ngid.flags.writeable = False
         self._last_build = (tuple(a.copy() for a in inputs), (gid, ngid))
         return gid, ngid
 
     def _build(self, t: float, slot_job: np.ndarray, slot_node: np.ndarray, slot_model: np.ndarray,
-               job_names: list[str], has_data: np.ndarray, busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+               job_names: list[str], has_data: np.ndarray, busy: np.ndarray,
+               engaged: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """build() without the reuse."""
         n = len(slot_job)
         gid = np.full(n, -1, dtype=np.int64)
@@ -220,9 +226,16 @@ class GroupRegistry:
         if loose.any():
             for node, model in set(zip(slot_node[loose & busy].tolist(), slot_model[loose & busy].tolist())):
                 sel = loose & busy & (slot_node == node) & (slot_model == model)
-                gid[sel] = self.intern((NODE_MODEL, node, model), t)
-            for model in set(slot_model[loose].tolist()):
-                sel = loose & (slot_model == model)
+                # Without attribution the busy set is the only hint of what runs together: a GPU
+                # joining or leaving it is another job starting or ending, so the group is a new one
+                # (its own start-up grace, baseline and learned offsets) rather than the old group
+                # with a baseline that no longer describes it.
+                members = tuple(np.flatnonzero(sel).tolist())
+                gid[sel] = self.intern((NODE_MODEL, node, model, members), t)
+            # A GPU idle for long is in no job: counted, it would drag its node's median towards idle
+            # (a job on half of every node reads as half idle everywhere).
+            for model in set(slot_model[loose & engaged].tolist()):
+                sel = loose & engaged & (slot_model == model)
                 ngid[sel] = self.intern((CLUSTER_MODEL, model), t)
         return gid, ngid
 

@@ -104,3 +104,92 @@ def test_unattributed_gpus_fall_back_to_node_peers_and_say_so():
     (s,) = _by_kind(cluster_lines(1000, override=_slow_gpu, job=None))["straggler"]
     assert (s.node, s.gpu, s.hpc_job) == ("n1", 3, None)
     assert s.evidence["peer_group"] == "node_model" and "attribution" in s.evidence["note"]
+
+
+def _two_unattributed_jobs(t, node, gpu):
+    """No hpc_job anywhere: GPUs 0-3 of each node run one job, GPUs 4-7 a lighter one (from 200 s)."""
+    if gpu >= 4:
+        if t < 200:
+            return {"utilization_ratio": 0.0, "sm_active_ratio": 0.0, "power_watts": 70.0}
+        return {"sm_active_ratio": 0.5, "power_watts": 330.0}
+    if 500 <= t < 800:   # the first job waits for its silently slow GPU n1/1
+        if (node, gpu) == ("n1", 1):
+            return {"sm_active_ratio": 0.75}
+        return {"sm_active_ratio": 0.5, "power_watts": 360.0}
+    return {}
+
+
+def test_unattributed_second_job_starting_on_a_node_is_not_a_straggler():
+    def no_incident(t, node, gpu):
+        return _two_unattributed_jobs(min(t, 499.0), node, gpu)
+
+    assert _by_kind(cluster_lines(1000, override=no_incident, job=None)) == {}
+
+
+def test_unattributed_node_with_two_jobs_never_names_the_other_job():
+    # When the first job waits, the second job's GPUs all stand out against the node's mixed median,
+    # and a node median between two clusters moves with a single GPU: neither makes them culprits.
+    alerts = _by_kind(cluster_lines(1000, override=_two_unattributed_jobs, job=None))
+    named = {(a.node, a.gpu) for a in alerts.get("straggler", [])}
+    assert named <= {("n1", 1)}
+    assert set(alerts) <= {"straggler"}
+
+
+def test_unattributed_node_is_not_named_for_one_gpu_between_two_jobs():
+    # Pre-Hopper (power only), two like jobs on every node, no hpc_job. When the first job waits for
+    # n0/3, n0's median power sits with the second job's GPUs and n1's between the two: the node
+    # medians differ by half the gap, yet only one of n0's GPUs is any busier.
+    def like_jobs(t, node, gpu):
+        kw = {"sm_active_ratio": None, "power_watts": 400.0}
+        if 500 <= t < 800 and gpu < 4 and (node, gpu) != ("n0", 3):
+            kw["power_watts"] = 340.0
+        return kw
+
+    alerts = _by_kind(cluster_lines(1000, override=like_jobs, job=None))
+    assert {(a.node, a.gpu) for a in alerts.get("straggler", [])} <= {("n0", 3)}
+
+
+def test_unattributed_nodes_of_separate_jobs_do_not_blame_each_other():
+    # No hpc_job; n0 runs one job, the other nodes another, lighter one. n0's job turns communication-
+    # bound (SM activity and power drop, utilization stays): the other nodes are busier than n0 while
+    # n0 "waits", but nobody waits for them.
+    def n0_slows(t, node, gpu):
+        if node != "n0":
+            return {"sm_active_ratio": 0.62, "power_watts": 430.0}
+        if 500 <= t < 800:
+            return {"sm_active_ratio": 0.5, "power_watts": 360.0}
+        return {}
+
+    assert _by_kind(cluster_lines(1000, nodes=2, override=n0_slows, job=None)) == {}
+    assert _by_kind(cluster_lines(1000, nodes=3, override=n0_slows, job=None)) == {}
+
+
+
+def test_unattributed_host_bound_node_of_a_half_node_job_is_named():
+    # No hpc_job; one job on GPUs 0-3 of each of 3 nodes, GPUs 4-7 idle all along. Counted in the node
+    # medians, the idle GPUs would put every node at half idle and hide n1 starving.
+    def starved(t, node, gpu):
+        if gpu >= 4:
+            return {"utilization_ratio": 0.0, "sm_active_ratio": 0.0, "power_watts": 70.0}
+        if t < 500:
+            return {}
+        if node == "n1":
+            return {"utilization_ratio": 0.55, "sm_active_ratio": 0.45, "power_watts": 330.0}
+        return {"sm_active_ratio": 0.5, "power_watts": 360.0}
+
+    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=starved, job=None))["straggler"]
+    assert (s.node, s.gpu) == ("n1", None)
+    assert s.evidence["pattern"] == "host_idle" and s.evidence["peer_group"] == "cluster_model"
+
+
+def test_unattributed_slow_node_of_one_job_is_named():
+    # No hpc_job; one job on every GPU of 3 nodes. n1 is slow as a whole: its GPUs stay busy while the
+    # other nodes' GPUs wait. The nodes ran alike while healthy, as one job's nodes do.
+    def slow_node(t, node, gpu):
+        if 500 <= t < 800 and node != "n1":
+            return {"sm_active_ratio": 0.6, "power_watts": 420.0}
+        return {}
+
+    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=slow_node, job=None))["straggler"]
+    assert (s.node, s.gpu) == ("n1", None)
+    assert s.evidence["pattern"] == "node_slow" and "attribution" in s.evidence["note"]

@@ -211,6 +211,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     # that never cleared).
     idling = dev[_UTIL] <= -cfg.node_idle_gap
     _learn(state, cfg, dev, sm, busy & wait_util & ~cut & ~victim & ~idling, waiting, in_job)
+    on &= ~_mixed_fallback(tick, eligible & weak & in_group, gi)
     out = Outcome()
     standout = set(g[eligible & weak].tolist())
     node_findings, node_standout, node_pairs = _node_level(tick, state, halted)
@@ -249,6 +250,24 @@ def _group_conditions(tick: Tick, state: StragglerState, cfg, halted: set[int]) 
     return np.array([aged & big & active, steady & big, tick.slowdown >= min_drop,
                      grp.util >= cfg.straggler_waiting_utilization, active, tick.registry.is_job[:G],
                      ~np.isnan(tick.slowdown)])
+
+
+def _mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarray:
+    """Per slot: its group is an unattributed one (busy GPUs of one model on a node) where more than a
+    quarter of the GPUs stand out at once.
+
+    A straggler is one GPU, or a few, against many waiting peers. Without attribution a node's busy
+    GPUs may be two jobs: when one of them slows, the other job's GPUs all "stand out" against the
+    mixed median, each looking like a culprit. So many at once says the group is not one job, and
+    nobody in it is named. A job group is exempt: there a brake on half a node is a real finding.
+    """
+    grp = tick.groups
+    fallback = ~tick.registry.is_job[:grp.n_groups]
+    if not fallback.any() or not standing.any():
+        return np.zeros(len(gi), dtype=bool)
+    counts = np.bincount(gi[standing], minlength=grp.n_groups)
+    mixed = fallback & (counts > np.maximum(1, grp.size // 4))
+    return mixed[gi] & (grp.gid >= 0)
 
 
 def _reset_moved(state: StragglerState, g: np.ndarray) -> None:
@@ -555,7 +574,12 @@ def _node_level(tick: Tick, state: StragglerState,
     state.pair_learned[idx] = n_learned + learn
     ready = ~warming & ~np.isnan(off[0]) & aged
     idle = gap - off[0]
-    busier = np.where(node_busy, act - nan_to_zero(off[1]), np.nan)
+    # Unattributed nodes are not known to run one job: a node "busier while the others wait" may just run
+    # another job than the nodes whose job slowed (comm- or input-bound). It is judged only where its
+    # activity matched the others' while healthy (learned offset within structural_max_offset), as the
+    # nodes of one job do; two jobs that happen to run alike cannot be told apart.
+    alike = tick.registry.is_job[gids] | (np.abs(off[1]) <= cap)
+    busier = np.where(node_busy & alike, act - nan_to_zero(off[1]), np.nan)
     score = np.fmax(idle / cfg.node_idle_gap, busier / act_margin)
     stands = (ready & waiting & (score >= 0.6)) | cut
     on = (ready & waiting & (score >= 1.0)) | cut
@@ -570,8 +594,13 @@ def _node_level(tick: Tick, state: StragglerState,
         gid, nid = int(gids[i]), int(nids[i])
         members = np.flatnonzero((ng == gid) & (node_id == nid) & ~np.isnan(u))
         rest = np.flatnonzero((ng == gid) & (node_id != nid) & ~np.isnan(u))
-        pattern = ("cut" if cut[i] else "idle" if idle[i] / cfg.node_idle_gap >= busier[i] / act_margin[i]
-                   else "busy")
+        idle_score, busy_score = idle[i] / cfg.node_idle_gap, busier[i] / act_margin[i]
+        # NaN busy score: not judged (unattributed) or unknown; then what fired is the idle gap.
+        pattern = ("cut" if cut[i] else "busy" if busy_score == busy_score and not idle_score >= busy_score
+                   else "idle")
+        if pattern == "busy" and not tick.registry.is_job[gid] and not _node_wide_busy(tick, members, rest,
+                                                                                     float(act_margin[i])):
+            continue
         slowdown = waiting_drop[i] if waiting_drop[i] == waiting_drop[i] else 0.0
         if pattern == "cut" and clk_dev[i] < 0.0:
             # At a fraction of the others' clocks each step takes that much longer (compute-bound).
@@ -581,6 +610,25 @@ def _node_level(tick: Tick, state: StragglerState,
             slowdown = max(slowdown, gap[i] if pattern == "idle" else 1.0 - 1.0 / (1.0 + max(float(act[i]), 0.0)))
         findings.append(_slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern))
     return findings, standout, pairs
+
+
+def _node_wide_busy(tick: Tick, members: np.ndarray, rest: np.ndarray, act_margin: float) -> bool:
+    """Whether at least half of an unattributed node's GPUs are busier than the other nodes' GPUs on their
+    own, rank for rank (the node's k-th lowest activity against the others' matching quantile), by half
+    the node margin.
+
+    Unattributed nodes are compared over all their GPUs, which may run two jobs: then each node's
+    readings are two clusters, its median falls between them, and one slow GPU moves it across the node
+    margin. Compared rank for rank, that node differs at one rank; a slow node at most of them.
+    """
+    row = _SM if not np.isnan(tick.levels[_SM, members]).all() else _PW
+    mine, theirs = np.sort(tick.levels[row, members]), tick.levels[row, rest]
+    ok = ~np.isnan(mine)
+    if not ok.any() or np.isnan(theirs).all():
+        return False
+    q = (np.arange(len(mine)) + 0.5) / len(mine)
+    busier = mine[ok] / np.nanquantile(theirs, q[ok]) - 1.0 >= act_margin / 2
+    return 2 * int(np.count_nonzero(busier)) >= len(mine)
 
 
 def _others(x: np.ndarray, lay: "_NodePairs") -> np.ndarray:
