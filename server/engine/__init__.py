@@ -122,6 +122,8 @@ class Engine:
         gid, ngid = self.registry.build(t, w.slot_job[:n], w.slot_node_id[:n], w.slot_model_id[:n],
                                         w.job_names, has_data, busy, self._engaged(t, busy))
         n_groups = len(self.registry.keys)
+        if self.registry.restarted:
+            self._restart(gid, self.registry.restarted)
         groups = group_stats(gid, ngid, n_groups, levels, fractions, self._members)
         self._members = groups.members
         if self._ticks % _BASELINE_REFRESH_TICKS == 0 or self.history.base.shape[1] < n_groups:
@@ -149,6 +151,12 @@ class Engine:
         self._last_t = t
         self._last_tick = tick
         return transitions
+
+    def _restart(self, gid: np.ndarray, gids: list[int]) -> None:
+        """Forget what was learned about groups whose work changed (see GroupRegistry._build)."""
+        restarted = np.array(gids, dtype=np.int64)
+        self.history.reset(restarted[restarted < self.history.base.shape[1]])
+        self._straggler.forget(np.flatnonzero(np.isin(gid, restarted)))
 
     def _engaged(self, t: float, busy: np.ndarray) -> np.ndarray:
         """Per slot: busy at some evaluation within the last unattributed_idle_seconds."""

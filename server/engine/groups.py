@@ -166,6 +166,9 @@ class GroupRegistry:
         self.keys: list[tuple] = []
         self.first_seen = np.full(0, np.nan)
         self.is_job = np.zeros(0, dtype=bool)
+        # Unattributed node groups restarted by the last build() (see _build), and each one's members.
+        self.restarted: list[int] = []
+        self._busy_sets: dict[int, tuple[int, ...]] = {}
         self._last_build: tuple | None = None
 
     def intern(self, key: tuple, t: float) -> int:
@@ -201,6 +204,7 @@ class GroupRegistry:
         last = self._last_build
         # Membership rarely changes between ticks; the same inputs give the same (already interned) ids.
         if last is not None and all(equal(a, b) for a, b in zip(inputs, last[0])):
+            self.restarted = []
             return last[1]
         gid, ngid = self._build(t, slot_job, slot_node, slot_model, job_names, has_data, busy, engaged)
         gid.flags.writeable = ngid.flags.writeable = False
@@ -223,20 +227,28 @@ class GroupRegistry:
             gid[attributed] = table[slot_job[attributed]]
             ngid[attributed] = gid[attributed]
         loose = (slot_job == NO_JOB) & has_data
+        busy_sets: dict[int, tuple[int, ...]] = {}
+        self.restarted = []
         if loose.any():
             for node, model in set(zip(slot_node[loose & busy].tolist(), slot_model[loose & busy].tolist())):
                 sel = loose & busy & (slot_node == node) & (slot_model == model)
+                g = self.intern((NODE_MODEL, node, model), t)
+                gid[sel] = g
                 # Without attribution the busy set is the only hint of what runs together: a GPU
-                # joining or leaving it is another job starting or ending, so the group is a new one
-                # (its own start-up grace, baseline and learned offsets) rather than the old group
-                # with a baseline that no longer describes it.
-                members = tuple(np.flatnonzero(sel).tolist())
-                gid[sel] = self.intern((NODE_MODEL, node, model, members), t)
+                # joining or leaving it (or the set coming back after it emptied) is a job starting or
+                # ending there. The group restarts (start-up grace, baseline, learned offsets) instead
+                # of judging the new work by a baseline that describes the old. Same id: the number
+                # of groups stays bounded however often the set changes.
+                members = busy_sets[g] = tuple(np.flatnonzero(sel).tolist())
+                if self._busy_sets.get(g, members) != members or (g not in self._busy_sets and self.first_seen[g] < t):
+                    self.first_seen[g] = t
+                    self.restarted.append(g)
             # A GPU idle for long is in no job: counted, it would drag its node's median towards idle
             # (a job on half of every node reads as half idle everywhere).
             for model in set(slot_model[loose & engaged].tolist()):
                 sel = loose & engaged & (slot_model == model)
                 ngid[sel] = self.intern((CLUSTER_MODEL, model), t)
+        self._busy_sets = busy_sets
         return gid, ngid
 
 

@@ -88,3 +88,25 @@ def test_a_day_long_silence_is_skipped_not_evaluated_tick_by_tick():
     eng.advance(T0 + 86_400 + 125)
     assert eng.stats().ticks < 200
     assert eng.stats().last_tick_time == T0 + 86_400 + 125
+
+
+def test_an_unattributed_node_whose_busy_set_changes_forgets_its_baseline_and_offsets():
+    # GPUs 4-7 of n0 start another (unattributed) job at 400 s: the node group's history and its
+    # GPUs' learned offsets described the old work, so they are dropped.
+    def second_job(t, node, gpu):
+        if gpu >= 4 and not (node == "n0" and t >= 400):
+            return {"utilization_ratio": 0.0, "sm_active_ratio": 0.0, "power_watts": 70.0}
+        return {}
+
+    samples = [parse_line(x) for x in cluster_lines(700, override=second_job, job=None)]
+    eng, _ = _drive([s for s in samples if s.time < T0 + 400])
+    n0 = eng.registry.ids[("node_model", eng.windows.node_ids["n0"], 0)]
+    slots = [eng.windows.slot_of[("n0", g)] for g in range(4)]
+    assert eng.history.baseline("sm")[n0] > 0 and (eng._straggler.learned[slots] > 20).all()
+    for s in samples:
+        if T0 + 400 <= s.time < T0 + 440:
+            eng.ingest(s)
+    eng.advance(T0 + 445)
+    assert eng.registry.first_seen[n0] > T0 + 400
+    assert eng.history.baseline("sm")[n0] != eng.history.baseline("sm")[n0]        # NaN: no baseline yet
+    assert (eng._straggler.learned[slots] <= 9).all()                  # at most the ticks since 400 s

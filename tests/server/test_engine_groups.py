@@ -26,28 +26,35 @@ def test_jobs_group_by_name_and_unattributed_fall_back():
     gid, ngid = reg.build(100.0, slot_job, node, model, ["71001"], np.ones(6, dtype=bool), busy)
     keys = [reg.keys[g] if g >= 0 else None for g in gid]
     assert keys[0] == keys[1] == (JOB, "71001")
-    assert keys[2][:3] == (NODE_MODEL, 0, 0) and keys[3] is None and keys[4][:3] == (NODE_MODEL, 1, 0)
-    assert gid[4] == gid[5] != gid[2]
+    assert keys[2] == (NODE_MODEL, 0, 0) and keys[3] is None and keys[4] == (NODE_MODEL, 1, 0)
     assert reg.keys[ngid[3]] == reg.keys[ngid[4]] == (CLUSTER_MODEL, 0)
     assert reg.job(gid[0]) == "71001" and reg.job(gid[2]) is None
     again, _ = reg.build(200.0, slot_job, node, model, ["71001"], np.ones(6, dtype=bool), busy)
     assert (again == gid).all() and reg.first_seen[gid[0]] == 100.0
 
 
-def test_an_unattributed_gpu_joining_the_busy_set_starts_a_new_fallback_group():
+def test_an_unattributed_node_group_restarts_when_its_busy_set_changes():
     # Without attribution, a node's busy set changing is another job starting or ending there: the
-    # old group's baseline and start-up no longer describe it.
+    # old group's baseline and start-up no longer describe it. The id stays, so flapping GPUs cannot
+    # grow the number of groups.
     reg = GroupRegistry()
     slot_job = np.full(4, -1)
     node = np.zeros(4, dtype=np.int64)
     model = np.zeros(4, dtype=np.int64)
     seen = np.ones(4, dtype=bool)
-    before, _ = reg.build(100.0, slot_job, node, model, [], seen, np.array([True, True, False, False]))
-    after, _ = reg.build(300.0, slot_job, node, model, [], seen, np.array([True, True, True, True]))
-    assert before[0] == before[1] and after[0] == after[3]
-    assert after[0] != before[0] and reg.first_seen[after[0]] == 300.0
-    back, _ = reg.build(400.0, slot_job, node, model, [], seen, np.array([True, True, False, False]))
-    assert back[0] == before[0] and reg.first_seen[back[0]] == 100.0
+
+    def build(t, busy):
+        gid, _ = reg.build(t, slot_job, node, model, [], seen, np.array(busy))
+        return int(gid[0]), list(reg.restarted)
+
+    g, restarted = build(100.0, [True, True, False, False])
+    assert restarted == [] and reg.first_seen[g] == 100.0
+    assert build(105.0, [True, True, False, False]) == (g, [])
+    assert build(300.0, [True, True, True, True]) == (g, [g]) and reg.first_seen[g] == 300.0
+    assert build(400.0, [True, True, False, False]) == (g, [g])
+    build(500.0, [False, False, False, False])             # the node idles: no group at all
+    assert build(600.0, [True, True, False, False]) == (g, [g]) and reg.first_seen[g] == 600.0
+    assert len(reg.keys) == 2                               # the node group and the cluster group
 
 
 def _slow_median(values, gid, n_groups):

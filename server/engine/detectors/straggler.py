@@ -50,6 +50,14 @@ class StragglerState:
         self._node_fps: dict[tuple[int, int], str] = {}
         self._node_layout: _NodePairs | None = None
 
+    def forget(self, slots: np.ndarray) -> None:
+        """Learn these GPUs afresh (their group's work changed)."""
+        if len(slots):
+            self.fit(int(slots.max()) + 1)
+            self.offset[:, slots] = np.nan
+            self.level_sm[slots] = np.nan
+            self.learned[slots] = 0
+
     def fit(self, n: int) -> None:
         """Grow per-slot arrays to n slots."""
         have = len(self.level_sm)
