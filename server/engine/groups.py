@@ -240,7 +240,8 @@ class GroupRegistry:
                 # of judging the new work by a baseline that describes the old. Same id: the number
                 # of groups stays bounded however often the set changes.
                 members = busy_sets[g] = tuple(np.flatnonzero(sel).tolist())
-                if self._busy_sets.get(g, members) != members or (g not in self._busy_sets and self.first_seen[g] < t):
+                # (A group first seen now has nothing to forget.)
+                if self._busy_sets.get(g) != members and self.first_seen[g] < t:
                     self.first_seen[g] = t
                     self.restarted.append(g)
             # A GPU idle for long is in no job: counted, it would drag its node's median towards idle
