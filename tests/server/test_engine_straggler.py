@@ -193,3 +193,18 @@ def test_unattributed_slow_node_of_one_job_is_named():
     (s,) = _by_kind(cluster_lines(1000, nodes=3, override=slow_node, job=None))["straggler"]
     assert (s.node, s.gpu) == ("n1", None)
     assert s.evidence["pattern"] == "node_slow" and "attribution" in s.evidence["note"]
+
+
+def test_unattributed_host_starved_for_25_minutes_stays_named_until_it_recovers():
+    # The starved GPUs are not busy for longer than unattributed_idle_seconds and leave the node-level
+    # comparison: that is "unknown", which never clears an open alert.
+    def starved(t, node, gpu):
+        if not 500 <= t < 2000:
+            return {}
+        if node == "n1":
+            return {"utilization_ratio": 0.3, "sm_active_ratio": 0.25, "power_watts": 250.0}
+        return {"sm_active_ratio": 0.5, "power_watts": 360.0}
+
+    (s,) = _by_kind(cluster_lines(2400, nodes=3, override=starved, job=None))["straggler"]
+    assert (s.node, s.gpu) == ("n1", None)
+    assert s.started < T0 + 600 and s.resolved is not None and s.resolved >= T0 + 2000
