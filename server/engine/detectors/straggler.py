@@ -622,8 +622,8 @@ def _node_level(tick: Tick, state: StragglerState,
 
 def _node_wide_busy(tick: Tick, members: np.ndarray, rest: np.ndarray, act_margin: float) -> bool:
     """Whether at least half of an unattributed node's GPUs are busier than the other nodes' GPUs on their
-    own, rank for rank (the node's k-th lowest activity against the others' matching quantile), by half
-    the node margin.
+    own, rank for rank (the node's k-th lowest activity against the others' matching quantile), each by
+    the whole node margin (half of it let GPU-to-GPU noise in power pass at random ranks).
 
     Unattributed nodes are compared over all their GPUs, which may run two jobs: then each node's
     readings are two clusters, its median falls between them, and one slow GPU moves it across the node
@@ -635,7 +635,7 @@ def _node_wide_busy(tick: Tick, members: np.ndarray, rest: np.ndarray, act_margi
     if not ok.any() or np.isnan(theirs).all():
         return False
     q = (np.arange(len(mine)) + 0.5) / len(mine)
-    busier = mine[ok] / np.nanquantile(theirs, q[ok]) - 1.0 >= act_margin / 2
+    busier = mine[ok] / np.nanquantile(theirs, q[ok]) - 1.0 >= act_margin
     return 2 * int(np.count_nonzero(busier)) >= len(mine)
 
 
