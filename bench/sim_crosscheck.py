@@ -16,7 +16,8 @@ as `cat` would, cut to 1, 5 or 10 s sampling, and replayed. `--hard` draws margi
 failure) and puts 30 % of the incidents other than comm_slowdown in the job's first minute.
 `--unattributed` removes hpc_job from every GPU before replay (an agent without a job source), so the
 engine falls back to its unattributed peer groups; a communication slowdown then has no job to name,
-so it expects no alert.
+and one rank idling on its host (`host_rank`) may be other work beside its node's others (the engine
+judges that only inside a job), so neither expects an alert.
 
 Per run: *wrong* when a detection alert (straggler, thermal_throttle, comm_bound, input_bound,
 gpu_lost, node_unreachable) names anything but the incident's subject: a victim, a healthy job, or a kind the incident
@@ -49,8 +50,8 @@ from tests.sim_record import T0, record_node
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "detection.md"
 BEGIN, END = "<!-- crosscheck:begin -->", "<!-- crosscheck:end -->"
-KINDS = ("cooling", "slow_silent", "slow_brake", "host", "comm", "cap", "none", "lost", "reset", "xid", "agent_down",
-         "job_end")
+KINDS = ("cooling", "slow_silent", "slow_brake", "host", "host_rank", "comm", "cap", "none", "lost", "reset", "xid",
+         "agent_down", "job_end")
 DETECTION = ("straggler", "thermal_throttle", "comm_bound", "input_bound", "gpu_lost", "node_unreachable")
 JOB = "555"
 HOT_CELSIUS, HOT_SECONDS = 83.0, 30        # the thermal alert's default threshold and `for`
@@ -143,6 +144,9 @@ def draw(kind: str, seed: int, hard: bool) -> Case:
     elif kind == "host":
         inc = {"kind": "host_starvation", "node": node, "input_wait_ratio": sev((0.3, 1.0), (0.08, 0.3))}
         expect, slowdown = ("straggler", node, None), inc["input_wait_ratio"]     # idle time added to each step
+    elif kind == "host_rank":       # one rank's own input pipeline: that GPU idles, its peers wait
+        inc = {"kind": "host_starvation", "node": node, "gpu": gpu, "input_wait_ratio": sev((0.3, 1.0), (0.08, 0.3))}
+        expect, slowdown = ("straggler", node, gpu), inc["input_wait_ratio"]
     elif kind == "comm":
         inc = {"kind": "comm_slowdown", "job": JOB, "factor": sev((2.0, 4.0), (1.3, 2.0))}
         expect, slowdown = ("comm_bound", None, None), (1 - cf) * (inc["factor"] - 1)
@@ -172,8 +176,9 @@ def draw(kind: str, seed: int, hard: bool) -> Case:
 
 
 def unattributed(case: Case) -> Case:
-    """The same scenario as seen by an agent without a job source: job-level alerts have no job."""
-    return replace(case, expect=None, slowdown=None) if case.kind == "comm" else case
+    """The same scenario as seen by an agent without a job source: job-level alerts have no job, and one
+    GPU idling more than its node's others may run other work there (not judged without attribution)."""
+    return replace(case, expect=None, slowdown=None) if case.kind in ("comm", "host_rank") else case
 
 
 def _strip_jobs(line: bytes) -> bytes:

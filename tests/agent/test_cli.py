@@ -149,7 +149,7 @@ def test_serving_without_a_driver_answers_with_health_only():
     with agent_process() as (proc, port):
         waiter = threading.Event()
         status, body = get(port, "/metrics")
-        for _ in range(100):  # the first cycle publishes within moments of startup
+        for _ in range(600):  # the first cycle publishes within moments of startup (60 s: a loaded CI box)
             if status == 200:
                 break
             waiter.wait(0.1)

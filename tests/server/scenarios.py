@@ -170,6 +170,17 @@ def host_starved(seed: int) -> ClusterSpec:
     return _node_incident("host_starved", seed, (0.25, 0.8), job="j1")
 
 
+def starved_rank(seed: int) -> ClusterSpec:
+    """One rank waits on its own host each step (a slow input pipeline, extra host-side work on rank 0):
+    that GPU idles while its peers spin in the collective at full utilization. Their SM activity drops
+    together and nobody is busier than the rest: without the idle rank named this reads as comm_bound."""
+    d = _Draw("starved_rank", seed)
+    nodes, job = _one_job(d, d.i(1, 3))
+    inc = Incident("host_starved", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, d.i(0, 7), job="j1",
+                   severity=d.u(0.2, 0.8))
+    return d.spec(nodes, [job], [inc], 960.0)
+
+
 def _node_incident(kind: str, seed: int, severity: tuple[float, float], job: str | None = None) -> ClusterSpec:
     """One job on 2-4 nodes; one of them has the incident `kind` from 240-420 s to 700-900 s."""
     d = _Draw(kind, seed)
@@ -567,6 +578,8 @@ CATALOG: tuple[Scenario, ...] = (
              "null: the braked node, not the nodes spinning at full clocks)", node_brake),
     Scenario("host_starved", "one host starves its GPUs: they idle while the rest of the job waits "
              "(straggler, gpu null)", host_starved),
+    Scenario("starved_rank", "one rank waits on its own host each step: its GPU idles while its peers spin "
+             "in the collective (straggler on that GPU, and no comm_bound)", starved_rank),
     Scenario("comm_slowdown", "collectives take 2-4x longer job-wide (comm_bound)", comm_slowdown),
     Scenario("input_starved", "the input pipeline starves every GPU of the job (input_bound)", input_starved),
     Scenario("gpu_lost", "a GPU falls off the bus (XID 79); the job hangs, then dies (gpu_lost)", gpu_lost),

@@ -60,6 +60,93 @@ def test_host_bound_node_is_a_node_level_straggler():
     assert s.evidence["pattern"] == "host_idle"
 
 
+def _starved_rank(t, node, gpu):
+    """From 400 s GPU n1/3 waits on its own host each step; its peers spin in the collective meanwhile."""
+    if t < 400 or t >= 800:
+        return {}
+    if (node, gpu) == ("n1", 3):
+        return {"utilization_ratio": 0.78, "sm_active_ratio": 0.60, "power_watts": 400.0}
+    return {"sm_active_ratio": 0.62, "power_watts": 410.0}
+
+
+def test_rank_idling_on_its_host_is_named_not_read_as_comm_bound():
+    # Everybody's SM activity drops, utilization stays high job-wide and nobody is busier than the
+    # rest: only the one GPU idling while the others spin says who holds the job back.
+    alerts = _by_kind(cluster_lines(1000, override=_starved_rank))
+    (s,) = alerts["straggler"]
+    assert (s.node, s.gpu, s.hpc_job) == ("n1", 3, "j1")
+    assert T0 + 400 < s.started <= T0 + 460 and s.resolved is not None
+    assert s.evidence["pattern"] == "host_idle" and "host" in s.summary
+    assert s.evidence["utilization_ratio"] < s.evidence["peer_median_utilization_ratio"]
+    assert set(alerts) == {"straggler"}
+
+
+def test_rank_idling_most_of_each_step_is_named_once():
+    # Below the "busy" line (utilization 0.5) it is still the job's culprit: one alert, kept until it
+    # recovers, not one per dip around that line.
+    def deep(t, node, gpu):
+        kw = _starved_rank(t, node, gpu)
+        if (node, gpu) == ("n1", 3) and kw:
+            kw.update(utilization_ratio=0.5 if int(t) % 20 else 0.42, sm_active_ratio=0.4, power_watts=330.0)
+        return kw
+
+    alerts = _by_kind(cluster_lines(1000, override=deep))
+    (s,) = alerts["straggler"]
+    assert (s.node, s.gpu) == ("n1", 3) and T0 + 800 <= s.resolved <= T0 + 900
+    assert set(alerts) == {"straggler"}
+
+
+def test_rank_idling_on_its_host_is_named_without_sm_activity():
+    def no_sm(t, node, gpu):
+        return {**_starved_rank(t, node, gpu), "sm_active_ratio": None}
+
+    alerts = _by_kind(cluster_lines(1000, override=no_sm))
+    assert [(a.node, a.gpu) for a in alerts["straggler"]] == [("n1", 3)]
+    assert set(alerts) == {"straggler"}
+
+
+def test_rank_less_utilized_all_along_is_structural_not_a_straggler():
+    # Rank 0 doing some host-side work every step from the start (a gap past the idle margin, short of
+    # twice it) is the job's shape: a later job-wide comm slowdown is comm_bound, not blamed on it. So is
+    # one a little less utilized (a gap learned as its offset).
+    for util in (0.80, 0.90):
+        def rank0(t, node, gpu):
+            kw = {"utilization_ratio": util} if (node, gpu) == ("n0", 0) else {}
+            if 400 <= t < 700:
+                kw.update(sm_active_ratio=0.6, power_watts=420.0)
+            return kw
+
+        alerts = _by_kind(cluster_lines(900, override=rank0))
+        assert "straggler" not in alerts and "comm_bound" in alerts, util
+
+
+def test_rank_idling_on_its_host_from_the_job_start_is_named():
+    # No healthy period to learn from: peers spinning at full utilization while one rank idles a third
+    # of each step are waiting for it.
+    def from_start(t, node, gpu):
+        if t >= 600:
+            return {}
+        if (node, gpu) == ("n1", 3):
+            return {"utilization_ratio": 0.66, "sm_active_ratio": 0.5, "power_watts": 380.0}
+        return {"sm_active_ratio": 0.55, "power_watts": 400.0}
+
+    alerts = _by_kind(cluster_lines(900, override=from_start))
+    (s,) = alerts["straggler"]
+    assert (s.node, s.gpu) == ("n1", 3) and s.started <= T0 + 200
+    assert s.resolved is not None and s.resolved <= T0 + 700
+    assert set(alerts) == {"straggler"}
+
+
+def test_unused_gpu_of_the_allocation_is_not_a_straggler():
+    # A job given 16 GPUs that runs on 15: the idle one is not holding anybody back.
+    def unused(t, node, gpu):
+        if (node, gpu) == ("n1", 7):
+            return {"utilization_ratio": 0.0, "sm_active_ratio": 0.0, "power_watts": 70.0}
+        return {"sm_active_ratio": 0.6, "power_watts": 420.0} if 400 <= t < 700 else {}
+
+    assert "straggler" not in _by_kind(cluster_lines(900, override=unused))
+
+
 def test_structural_offsets_present_all_along_are_ignored():
     def structural(t, node, gpu):
         kw = {"sm_clock_hertz": 1.75e9, "temperature_celsius": 75.0} if (node, gpu) == ("n0", 2) else {}

@@ -111,7 +111,7 @@ class Incident:
 
     kinds: cooling_failure, hot_gpu, warm_gpu, temp_spike, slow_gpu, jitter, power_brake, node_brake,
     node_power_cap (power_cap with a node), slow_node,
-    host_starved, comm_slowdown, input_starved, checkpoint, power_cap, gpu_lost, xid, agent_down,
+    host_starved (a node's host, or with `gpu` one rank's), comm_slowdown, input_starved, checkpoint, power_cap, gpu_lost, xid, agent_down,
     node_crash, counter_reset. `severity` is kind-specific (a speed factor, a multiplier, a target temperature...).
     """
 
@@ -307,8 +307,10 @@ def _apply_incident(lay: _Layout, s: _Schedule, inc: Incident, T: int, rng: np.r
     elif kind == "node_brake":
         s.brake[span, lay.node_gpus(inc.node)] = inc.severity
     elif kind == "host_starved":
+        # A whole node's host (gpu None), or one rank's own input pipeline (gpu set).
         job = lay.spec.jobs[lay.job(inc.job)]
-        s.host_idle[span, lay.node_gpus(inc.node)] = inc.severity * job.step_s
+        gpus = lay.node_gpus(inc.node) if inc.gpu is None else lay.gpu(inc.node, inc.gpu)
+        s.host_idle[span, gpus] = inc.severity * job.step_s
     elif kind == "cooling_failure":
         _ramp(s.r_mult, span, lay.gpu(inc.node, inc.gpu), inc.severity, ramp_s=inc.count or 120)
     elif kind in ("hot_gpu", "warm_gpu"):
@@ -881,7 +883,8 @@ def _incident_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident) 
 
 def _straggler_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident, span: slice) -> list[Truth]:
     spec, t0 = lay.spec, lay.spec.t0
-    gpu_subject = inc.kind not in ("slow_node", "node_brake", "node_power_cap", "host_starved")
+    gpu_subject = (inc.kind not in ("slow_node", "node_brake", "node_power_cap", "host_starved")
+                   or (inc.kind == "host_starved" and inc.gpu is not None))
     g = lay.gpu(inc.node, inc.gpu) if gpu_subject else lay.node_gpus(inc.node)[0]
     js = set(sch.job_at[span, g].tolist()) - {-1}
     if inc.kind == "jitter" or not js:

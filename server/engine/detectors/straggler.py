@@ -208,15 +208,25 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     # even when the job never had a healthy baseline (a straggler from the start).
     gsm_unknown = np.isnan(gsm)
     plain = np.where(gsm_unknown, ex[_PW] / cfg.straggler_power_excess, ex[_SM] / (2 * cfg.straggler_sm_excess))
-    cross = in_job & ((plain >= 1.0) | cut)
-    eligible_cross = busy & cross & cross_ok
+    # One rank waiting on its own host (a slow input pipeline, extra host-side work on rank 0) idles while
+    # its peers spin in the collective at full utilization: utilization below theirs, beyond its learned
+    # offset, is the culprit direction too; so is a gap of twice the margin whatever was learned (a rank
+    # starved from the start), as for activity. Only within a job (an unattributed GPU idling more than
+    # its node's others may just run other work), and not for a GPU the job barely uses.
+    starved = in_job & ~victim & (u >= cfg.job_active_utilization)
+    idle_cross = starved & (-dev[_UTIL] >= 2 * cfg.node_idle_gap)
+    idle = starved & (-ex[_UTIL] >= _SCALES * cfg.node_idle_gap) | idle_cross
+    eligible |= idle[1] & (state.learned[:n] >= warm_ticks) & group_ok
+    cross = in_job & ((plain >= 1.0) | cut | idle_cross)
+    eligible_cross = ((busy & cross) | idle_cross) & cross_ok
     waiting = (dropped | cross) & wait_util
-    sig, weak = (_signals(cfg, ex, sm, state.level_sm, gsm_unknown, m["slow"], gslow) | cut) & ~victim
+    sig, weak = ((_signals(cfg, ex, sm, state.level_sm, gsm_unknown, m["slow"], gslow) | cut) & ~victim) | idle
     on = (eligible | eligible_cross) & waiting & sig
     # Offsets are learned only from GPUs doing what their peers do: not from one with its clocks cut (nor
     # from its full-clock peers meanwhile), nor from one idling well below its peers (a host-starved node)
     # - learned from those, the recovered GPU stood out in the culprit direction afterwards (an alert
-    # that never cleared).
+    # that never cleared). Such a GPU is never warm either: a rank idling that much all along is judged
+    # by the cross-section alone.
     idling = dev[_UTIL] <= -cfg.node_idle_gap
     _learn(state, cfg, dev, sm, busy & wait_util & ~cut & ~victim & ~idling, waiting, in_job)
     on &= ~_mixed_fallback(tick, eligible & weak & in_group, gi)
@@ -227,15 +237,16 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     for gid, _ in node_standout:
         on &= g != gid
     whole_findings, whole_standout, whole_pairs, on = _whole_node(tick, state, on,
-                                                                  (eligible | eligible_cross) & waiting & weak)
+                                                                  (eligible | eligible_cross) & waiting & weak,
+                                                                  idle[0])
     for slot in on.nonzero()[0].tolist():
-        out.add(_gpu_finding(tick, state, slot, ex[:, slot], dev[:, slot], bool(cross[slot])))
+        out.add(_gpu_finding(tick, state, slot, ex[:, slot], dev[:, slot], bool(cross[slot]), bool(idle[0, slot])))
     for f in node_findings + whole_findings:
         out.add(f)
     node_standout |= whole_standout
     node_pairs.update(whole_pairs)
     standout |= {gid for gid, _ in node_standout}
-    judged = busy & active
+    judged = (busy | starved) & active
     warm = (state.learned[:n] >= warm_ticks) & measured
     out.clear = _clear_test(tick, index, judged, warm, waiting, weak, cross, node_pairs, node_standout)
     state.prune(tick.t)
@@ -390,18 +401,24 @@ def _follow(cur: np.ndarray, x: np.ndarray, learn: np.ndarray, alpha: np.ndarray
 
 
 def _gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, dev: np.ndarray,
-                 cross: bool = False) -> Finding:
-    """Evidence, cost and wording for one culprit GPU."""
+                 cross: bool = False, idle: bool = False) -> Finding:
+    """Evidence, cost and wording for one culprit GPU (idle: it idles on its host while its peers wait)."""
     cfg = tick.config
     w, grp, m = tick.windows, tick.groups, tick.med
     gid = int(grp.gid[slot])
     job = tick.registry.job(gid)
     slowdown = float(tick.slowdown[gid])
+    cut = m["slow"][slot] >= 0.5 and -dev[_CLK] > 0.0
     if cross:
-        # Peers' activity relative to the culprit's: how much of each step they spend waiting.
-        rel = ex[_SM] if not math.isnan(ex[_SM]) else ex[_PW]
-        slowdown = max(slowdown if slowdown == slowdown else 0.0, 1.0 - 1.0 / (1.0 + max(rel, 0.0)))
-        if m["slow"][slot] >= 0.5 and -dev[_CLK] > 0.0:
+        known = slowdown if slowdown == slowdown else 0.0
+        if idle:
+            # The peers spin for as long as it idles: its utilization gap is their share of each step.
+            slowdown = max(known, float(-dev[_UTIL]))
+        else:
+            # Peers' activity relative to the culprit's: how much of each step they spend waiting.
+            rel = ex[_SM] if not math.isnan(ex[_SM]) else ex[_PW]
+            slowdown = max(known, 1.0 - 1.0 / (1.0 + max(rel, 0.0)))
+        if cut:
             # A GPU at a fraction of its peers' clocks takes that much longer per step (compute-bound).
             slowdown = max(slowdown, float(-dev[_CLK]))
     size = int(grp.size[gid])
@@ -414,6 +431,8 @@ def _gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, d
         reasons.append(f"power {m['power'][slot]:.0f} W vs peers {grp.power[gid]:.0f} W")
     if m["slow"][slot] >= 0.5:
         reasons.append("throttle/slowdown bits set")
+    if idle:
+        reasons.append(f"utilization {m['util'][slot]:.2f} vs peers {grp.util[gid]:.2f}: idle, waiting on its host")
     fp = subject_fingerprint(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], job)
     lost = state.add_cost(fp, tick.t, max(slowdown, 0.0) * size * cfg.tick_seconds / 3600.0)
     evidence = {
@@ -423,7 +442,9 @@ def _gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, d
         "power_watts": r3(m["power"][slot]), "peer_median_power_watts": r3(grp.power[gid]),
         "utilization_ratio": r3(m["util"][slot]), "peer_median_utilization_ratio": r3(grp.util[gid]),
         "slow_throttle_bits_share": r3(m["slow"][slot]),
-        "excess_vs_own_baseline": {"sm_active": r3(ex[_SM]), "power": r3(ex[_PW]), "sm_clock": r3(ex[_CLK])},
+        "excess_vs_own_baseline": {"sm_active": r3(ex[_SM]), "power": r3(ex[_PW]), "sm_clock": r3(ex[_CLK]),
+                                   "utilization": r3(ex[_UTIL])},
+        "pattern": "host_idle" if idle else "gpu_clocks_cut" if cut else "gpu_slow",
         "estimated_job_slowdown_ratio": r3(slowdown),
         "slowdown_measured_by": "sm_active" if tick.slowdown_source[gid] == 1 else "power",
         "gpu_hours_lost": round(lost, 4),
@@ -437,8 +458,9 @@ def _gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, d
                    summary, evidence)
 
 
-def _whole_node(tick: Tick, state: StragglerState, on: np.ndarray, weak: np.ndarray):
-    """Most GPUs of one node standing out together: the node is the culprit (gpu null), not each GPU."""
+def _whole_node(tick: Tick, state: StragglerState, on: np.ndarray, weak: np.ndarray, idle: np.ndarray):
+    """Most GPUs of one node standing out together: the node is the culprit (gpu null), not each GPU
+    (idle: per slot, standing out by idling on its host; most of the node's named GPUs so: host-bound)."""
     w, grp = tick.windows, tick.groups
     g = grp.gid
     members = (g >= 0) & ~np.isnan(tick.med["util"])
@@ -465,9 +487,11 @@ def _whole_node(tick: Tick, state: StragglerState, on: np.ndarray, weak: np.ndar
     for p in whole.nonzero()[0].tolist():
         gid, nid = int(uniq[p] // n_nodes), int(uniq[p] % n_nodes)
         slots = member_slots[inv == p]
-        on[slots] = False
         others = member_slots[(pair_group[inv] == gid) & (inv != p)]
-        findings.append(_slow_node_finding(tick, state, gid, nid, slots, others))
+        named = slots[on[slots]]
+        pattern = "idle" if 2 * np.count_nonzero(idle[named]) > len(named) else "busy"
+        on[slots] = False
+        findings.append(_slow_node_finding(tick, state, gid, nid, slots, others, pattern=pattern))
     return findings, standout, pairs, on
 
 
