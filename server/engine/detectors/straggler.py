@@ -3,8 +3,8 @@
 Physics: in synchronous training one slow participant makes everyone else wait in collectives. The
 waiting peers keep utilization high but lose SM activity and power against the group's own baseline;
 the culprit stays busy (its SM activity stays high relative to the peers), or runs lower clocks, or
-shows throttle / power-brake / HW-slowdown bits. A host-bound node shows its GPUs idle (utilization
-low) while the rest of the job waits.
+shows throttle / power-brake / HW-slowdown bits. A host-bound node, or a single rank waiting on its own
+host, shows its GPUs idle (utilization low) while the rest of the job waits.
 
 Every comparison is against a GPU's *own* learned offset from its peers, learned while the group is
 not slowed, so slot position or silicon differences that were there all along never stand out. A GPU
