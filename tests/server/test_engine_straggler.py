@@ -137,6 +137,24 @@ def test_rank_idling_on_its_host_from_the_job_start_is_named():
     assert set(alerts) == {"straggler"}
 
 
+def test_rank_stopped_while_the_others_wait_is_named_not_read_as_comm_bound():
+    # Rank 0 stops computing for two minutes (a checkpoint it writes alone, a stall on its host, its
+    # process gone) while every other rank spins in the collective: somebody stands out, so this is not
+    # a job-wide communication slowdown, and the idle rank is the one holding the job.
+    def pause(t, node, gpu):
+        if 400 <= t < 520:
+            if (node, gpu) == ("n0", 0):
+                return {"utilization_ratio": 0.02, "sm_active_ratio": 0.01, "power_watts": 120.0}
+            return {"sm_active_ratio": 0.05, "power_watts": 250.0}
+        return {}
+
+    alerts = _by_kind(cluster_lines(900, override=pause))
+    (s,) = alerts["straggler"]
+    assert (s.node, s.gpu) == ("n0", 0) and s.evidence["pattern"] == "host_idle"
+    assert s.started <= T0 + 460 and s.resolved is not None
+    assert set(alerts) == {"straggler"}
+
+
 def test_unused_gpu_of_the_allocation_is_not_a_straggler():
     # A job given 16 GPUs that runs on 15: the idle one is not holding anybody back.
     def unused(t, node, gpu):

@@ -208,13 +208,15 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     # even when the job never had a healthy baseline (a straggler from the start).
     gsm_unknown = np.isnan(gsm)
     plain = np.where(gsm_unknown, ex[_PW] / cfg.straggler_power_excess, ex[_SM] / (2 * cfg.straggler_sm_excess))
-    # One rank waiting on its own host (a slow input pipeline, extra host-side work on rank 0) idles while
-    # its peers spin in the collective at full utilization: utilization below theirs, beyond its learned
-    # offset, is the culprit direction too; so is a gap of twice the margin whatever was learned (a rank
-    # starved from the start), as for activity. Only within a job (an unattributed GPU idling more than
-    # its node's others may just run other work), and not for a GPU the job barely uses.
-    starved = in_job & ~victim & (u >= cfg.job_active_utilization)
-    idle_cross = starved & (-dev[_UTIL] >= 2 * cfg.node_idle_gap)
+    # One rank waiting on its own host (a slow input pipeline, extra host-side work on rank 0, a checkpoint
+    # written by rank 0 alone) idles while its peers spin in the collective at full utilization:
+    # utilization below theirs, beyond its learned offset, is the culprit direction too. Only within a job:
+    # an unattributed GPU idling more than its node's others may just run other work. A GPU that was never
+    # warm (idle or far below its peers from the start) is judged by the cross-section alone, a gap of
+    # twice the margin as for activity, and only while it computes at all: a GPU of the allocation the
+    # job never uses holds nobody back.
+    starved = in_job & ~victim
+    idle_cross = starved & (u >= cfg.job_active_utilization) & (-dev[_UTIL] >= 2 * cfg.node_idle_gap)
     idle = starved & (-ex[_UTIL] >= _SCALES * cfg.node_idle_gap) | idle_cross
     eligible |= idle[1] & (state.learned[:n] >= warm_ticks) & group_ok
     cross = in_job & ((plain >= 1.0) | cut | idle_cross)
