@@ -295,9 +295,7 @@ def _reset_moved(state: StragglerState, g: np.ndarray) -> None:
     """A GPU that joined another group starts learning afresh."""
     moved = (g >= 0) & (g != state.learned_gid[:len(g)])
     if moved.any():
-        state.offset[:, moved] = np.nan
-        state.level_sm[moved] = np.nan
-        state.learned[moved] = 0
+        state.forget(np.flatnonzero(moved))
         state.learned_gid[moved] = g[moved]
 
 
