@@ -12,11 +12,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from server.alerts import Alert, AlertKind, AlertState, Transition
 from server.ingest.agent_alerts import AgentAlerts, is_ours
-from server.ingest.puller import Puller
+from server.ingest.puller import PullResult, TargetHealth
 from server.notify import Notifier
 from server.store import AlertStore
 
@@ -47,10 +47,22 @@ class CycleStats:
     overruns_total: int = 0
 
 
+class SampleSource(Protocol):
+    """What the runtime reads samples from: the agents themselves (Puller) or Prometheus (PrometheusSource)."""
+
+    stale_after_seconds: float
+
+    async def pull_once(self) -> PullResult: ...
+
+    def health(self) -> list[TargetHealth]: ...
+
+    async def aclose(self) -> None: ...
+
+
 class Runtime:
     """Owns the engine and drives it from the puller on a fixed interval."""
 
-    def __init__(self, *, engine: Any, puller: Puller, store: AlertStore, notifiers: Sequence[Notifier] = (),
+    def __init__(self, *, engine: Any, puller: SampleSource, store: AlertStore, notifiers: Sequence[Notifier] = (),
                  pull_interval_seconds: float = 5.0, clock: Callable[[], float] = time.time,
                  prune_interval_seconds: float = 3600.0, agent_alerts: AgentAlerts | None = None) -> None:
         self.engine = engine

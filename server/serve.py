@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import uvicorn
 
 from agent.logs import configure_logging
+from server.ingest.prometheus import PrometheusSource
 from server.ingest.puller import Puller
 from server.ingest.targets import CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError, TargetSource
 from server.notify import Notifier
@@ -61,14 +62,25 @@ def build_notifiers(settings: ServerSettings, *, transport: Any = None) -> list[
     return out
 
 
+def build_source(settings: ServerSettings, *, clock: Callable[[], float] = time.time, transport: Any = None,
+                 parse: Callable[[Any], Any] | None = None) -> Puller | PrometheusSource:
+    """Where samples come from: the agents themselves, or Prometheus's scrapes of them."""
+    if settings.prometheus_url:
+        return PrometheusSource(settings.prometheus_url, interval_seconds=settings.pull_interval_seconds,
+                                timeout_seconds=settings.pull_timeout_seconds,
+                                stale_after_seconds=settings.pull_stale_after_seconds, transport=transport,
+                                clock=clock, parse=parse)
+    return Puller(build_targets(settings), timeout_seconds=settings.pull_timeout_seconds,
+                  max_payload_bytes=settings.pull_max_bytes, concurrency=settings.pull_concurrency,
+                  stale_after_seconds=settings.pull_stale_after_seconds, transport=transport, clock=clock,
+                  parse=parse)
+
+
 def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callable[[], float] = time.time,
                   transport: Any = None, parse: Callable[[Any], Any] | None = None,
                   extra_notifiers: Sequence[Notifier] = ()) -> Runtime:
     """The whole pipeline; engine, clock, HTTP transport and snapshot parser are injectable for tests."""
-    puller = Puller(build_targets(settings), timeout_seconds=settings.pull_timeout_seconds,
-                    max_payload_bytes=settings.pull_max_bytes, concurrency=settings.pull_concurrency,
-                    stale_after_seconds=settings.pull_stale_after_seconds, transport=transport, clock=clock,
-                    parse=parse)
+    puller = build_source(settings, clock=clock, transport=transport, parse=parse)
     store = AlertStore(settings.storage_path, retention_seconds=settings.storage_retention_seconds)
     notifiers = build_notifiers(settings, transport=transport) + list(extra_notifiers)
     return Runtime(engine=engine if engine is not None else build_engine(settings), puller=puller, store=store,
@@ -140,8 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpufleet-server: cannot listen on --web.listen-address {settings.listen_address!r}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return 2
-    if not runtime.puller.source.sources:  # type: ignore[attr-defined]
-        log.warning("no targets configured: use --targets, --targets.file-sd or --targets.dns")
+    if settings.prometheus_url:
+        log.info("reading agents through Prometheus", extra={"url": settings.prometheus_url})
+    elif not runtime.puller.source.sources:  # type: ignore[union-attr]
+        log.warning("no targets configured: use --targets, --targets.file-sd, --targets.dns "
+                    "or --ingest.prometheus-url")
     app = create_app(settings, runtime=runtime)
     log.info("gpufleet-server listening", extra={"address": settings.listen_address,
                                                  "storage": settings.storage_path, "url": settings.public_url()})

@@ -100,6 +100,7 @@ class ServerSettings:
     targets: tuple[str, ...] = ()
     targets_file_sd: str | None = None
     targets_dns: str | None = None
+    prometheus_url: str | None = None
     pull_interval_seconds: float = 5.0
     pull_timeout_seconds: float = 4.0
     pull_max_bytes: int = 32 * 1024 * 1024
@@ -130,6 +131,8 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "targets": ("targets", parse_targets, "comma-separated agent addresses HOST:PORT"),
     "targets.file-sd": ("targets_file_sd", str, "Prometheus file_sd JSON/YAML file of agents, reloaded on change"),
     "targets.dns": ("targets_dns", str, "NAME:PORT resolving to every agent (e.g. a headless Service)"),
+    "ingest.prometheus-url": ("prometheus_url", parse_url,
+                              "read the agents' series from this Prometheus instead of pulling the agents"),
     "pull.interval": ("pull_interval_seconds", parse_duration, "how often to pull every agent (default 5s)"),
     "pull.timeout": ("pull_timeout_seconds", parse_duration, "timeout of one pull (default 4s)"),
     "pull.max-bytes": ("pull_max_bytes", parse_size, "largest accepted /snapshots answer (default 32MiB)"),
@@ -185,6 +188,10 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> 
         # As Prometheus refuses a scrape timeout above its interval: pulls would pile up behind each other.
         raise ConfigError(f"pull.timeout ({settings.pull_timeout_seconds:g}s) must not exceed pull.interval "
                           f"({settings.pull_interval_seconds:g}s)")
+    if settings.prometheus_url and (settings.targets or settings.targets_file_sd or settings.targets_dns):
+        # Two sources for the same agents would feed the engine every sample twice, under two timestamps.
+        raise ConfigError("ingest.prometheus-url reads the agents through Prometheus: drop targets, "
+                          "targets.file-sd and targets.dns, or drop ingest.prometheus-url")
     return settings
 
 

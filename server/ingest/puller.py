@@ -67,6 +67,32 @@ class PullResult:
     rejected_snapshots: int
 
 
+class IngestAccounting:
+    """What every sample source counts for /metrics, and its error log that cannot flood."""
+
+    def __init__(self) -> None:
+        self.errors: Counter[tuple[str, str]] = Counter()   # (target, reason) -> count
+        self.pulls_total = 0
+        self.samples_total = 0
+        self.cycles_total = 0
+        self.last_cycle: PullResult | None = None
+
+    def _finish_cycle(self, result: PullResult) -> PullResult:
+        """Account one whole cycle."""
+        self.cycles_total += 1
+        self.samples_total += len(result.samples)
+        self.last_cycle = result
+        return result
+
+    def _count_error(self, key: tuple[str, str], detail: str, message: str, extra: Mapping[str, Any]) -> None:
+        """Count one rejection under (target, reason); log the 1st, 2nd, 4th, 8th... of each to bound noise."""
+        self.errors[key] += 1
+        count = self.errors[key]
+        if count & (count - 1):
+            return
+        log.warning(message, extra={**extra, "reason": key[1], "detail": detail[:300], "count": count})
+
+
 def _default_parse() -> Callable[[Mapping[str, Any]], Any]:
     """The engine's contract parser, imported late so the puller does not pull numpy in at import."""
     from server.contract import parse_snapshot
@@ -74,7 +100,7 @@ def _default_parse() -> Callable[[Mapping[str, Any]], Any]:
     return parse_snapshot
 
 
-class Puller:
+class Puller(IngestAccounting):
     """Concurrent `/snapshots?since=` client over a changing set of targets, with per-target health."""
 
     def __init__(
@@ -91,6 +117,7 @@ class Puller:
         parse: Callable[[Mapping[str, Any]], Any] | None = None,
         scheme: str = "http",
     ) -> None:
+        super().__init__()
         self.source = source
         self.max_payload_bytes = max_payload_bytes
         self.stale_after_seconds = stale_after_seconds
@@ -107,11 +134,6 @@ class Puller:
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._ssl: ssl.SSLContext | None = None
         self._health: dict[str, TargetHealth] = {}
-        self.errors: Counter[tuple[str, str]] = Counter()   # (target, reason) -> count
-        self.pulls_total = 0
-        self.samples_total = 0
-        self.cycles_total = 0
-        self.last_cycle: PullResult | None = None
 
     async def aclose(self) -> None:
         """Close every target's connection."""
@@ -155,10 +177,7 @@ class Puller:
             failed_targets=sum(1 for ok, _, _ in outcomes if not ok),
             rejected_snapshots=sum(r for _, _, r in outcomes),
         )
-        self.cycles_total += 1
-        self.samples_total += len(samples)
-        self.last_cycle = result
-        return result
+        return self._finish_cycle(result)
 
     def _list_targets(self) -> list[str]:
         """The sources' current targets; a failing source yields the previous set rather than none."""
@@ -267,9 +286,5 @@ class Puller:
         return node, samples, rejected, newest
 
     def _record_error(self, target: str, reason: str, detail: str) -> None:
-        """Count one rejected pull or snapshot; log the 1st, 2nd, 4th, 8th... of each kind to bound noise."""
-        self.errors[(target, reason)] += 1
-        count = self.errors[(target, reason)]
-        if count & (count - 1):
-            return
-        log.warning("pull rejected", extra={"target": target, "reason": reason, "detail": detail[:300], "count": count})
+        """Count one rejected pull or snapshot."""
+        self._count_error((target, reason), detail, "pull rejected", {"target": target})

@@ -1,0 +1,295 @@
+"""Reads the agents' series from Prometheus instead of pulling every agent (`--ingest.prometheus-url`).
+
+Where Prometheus already scrapes every agent, a second puller hitting a thousand agents every few
+seconds is load for nothing: this source asks Prometheus once per cycle for the raw samples it stored
+since the last cycle (one instant query of a range selector, so the answer is whole scrapes only:
+Prometheus never shows a query part of a scrape's appends). The series of one scrape share its
+timestamp, which becomes the snapshot's sample time, so each (node, scrape) is rebuilt into one
+snapshot-contract object and validated by the same parser as a pulled snapshot.
+
+What the exposition cannot say: per-reading support. A GPU without a series for a reading gets the
+reading as unsupported (absent), as in a snapshot. XID counts are the one exception: the agent only
+exports codes that occurred, so a GPU with none reads 0, which is what lets the first XID count.
+
+The same surface as the direct-mode Puller (pull_once, health, counters), so the runtime, /healthz,
+/nodes and /metrics work unchanged; health() reports each agent as Prometheus's `up` sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
+
+import httpx
+import orjson
+
+from server.ingest.puller import IngestAccounting, PullError, PullResult, TargetHealth, _default_parse
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_LOOKBACK_SECONDS = 300.0
+DEFAULT_MAX_ANSWER_BYTES = 512 * 1024 * 1024
+
+# exposition metric -> (label that must match, its value, contract field); None: no label condition.
+_FIELDS: dict[str, tuple[str | None, str | None, str]] = {
+    "gpufleet_gpu_up": (None, None, "up"),
+    "gpufleet_gpu_utilization_ratio": (None, None, "utilization_ratio"),
+    "gpufleet_gpu_sm_active_ratio": (None, None, "sm_active_ratio"),
+    "gpufleet_gpu_temperature_celsius": (None, None, "temperature_celsius"),
+    "gpufleet_gpu_temperature_limit_celsius": ("limit", "slowdown", "slowdown_temperature_celsius"),
+    "gpufleet_gpu_power_watts": (None, None, "power_watts"),
+    "gpufleet_gpu_power_limit_watts": (None, None, "power_limit_watts"),
+    "gpufleet_gpu_energy_joules_total": (None, None, "energy_joules_total"),
+    "gpufleet_gpu_clock_hertz": ("clock", "sm", "sm_clock_hertz"),
+    "gpufleet_gpu_clock_max_hertz": ("clock", "sm", "sm_clock_max_hertz"),
+    "gpufleet_gpu_throttle_reasons": (None, None, "throttle_reasons"),
+    "gpufleet_gpu_ecc_errors_total": ("type", "uncorrected", "ecc_uncorrected_errors_total"),
+    "gpufleet_gpu_remapped_rows_pending": (None, None, "remapped_rows_pending"),
+    "gpufleet_gpu_remapped_rows_failure": (None, None, "remapped_rows_failure"),
+}
+_BOOLS = frozenset({"up", "remapped_rows_pending", "remapped_rows_failure"})
+_JOB_INFO = "gpufleet_gpu_job_info"
+_XID = "gpufleet_gpu_xid_errors_total"
+SELECTOR = "{__name__=~\"" + "|".join(sorted([*_FIELDS, _JOB_INFO, _XID])) + "\"}"
+
+
+@dataclass(slots=True)
+class _Gpu:
+    """One GPU's readings at one scrape, as they arrive series by series."""
+
+    uuid: str
+    model: str | None = None
+    job: str | None = None
+    readings: dict[str, Any] | None = None
+    xids: dict[str, int] | None = None
+
+
+class PrometheusSource(IngestAccounting):
+    """Rebuilds node snapshots from Prometheus's stored scrapes of the agents, one query per cycle."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        interval_seconds: float = 5.0,
+        timeout_seconds: float = 4.0,
+        max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+        max_lookback_seconds: float = DEFAULT_MAX_LOOKBACK_SECONDS,
+        stale_after_seconds: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.time,
+        parse: Callable[[Mapping[str, Any]], Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.url = url.rstrip("/")
+        self.interval_seconds = interval_seconds
+        self.max_answer_bytes = max_answer_bytes
+        self.max_lookback_seconds = max_lookback_seconds
+        self.stale_after_seconds = stale_after_seconds
+        self._clock = clock
+        self._parse = parse or _default_parse()
+        self._timeout_seconds = timeout_seconds
+        self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds),
+                                         follow_redirects=False, headers={"accept": "application/json"})
+        self._last_query: float | None = None
+        self._newest: dict[str, float] = {}          # node -> newest scrape time already delivered
+        self._instances: dict[str, str] = {}         # instance -> node it scrapes
+        self._jobs: set[str] = set()                 # Prometheus scrape jobs the agents are in
+        self._health: dict[str, TargetHealth] = {}
+
+    async def aclose(self) -> None:
+        """Close the connection to Prometheus."""
+        await self._client.aclose()
+
+    def health(self) -> list[TargetHealth]:
+        """Every agent Prometheus scrapes for us, by instance, as its `up` series and our samples say."""
+        return [self._health[t] for t in sorted(self._health)]
+
+    async def pull_once(self) -> PullResult:
+        """Everything Prometheus stored since the last cycle, as validated samples."""
+        started = now = self._clock()
+        t0 = time.perf_counter()
+        self.pulls_total += 1
+        samples: list[Any] = []
+        rejected = 0
+        failed = 0
+        try:
+            series = await self._query(f"{SELECTOR}[{self._lookback(now):.0f}s]", now)
+        except PullError as exc:
+            failed = 1
+            self._record_error(exc.reason, exc.detail)
+            self._health = {t: replace(h, up=False, last_attempt=now, last_error=f"prometheus: {exc}",
+                                       consecutive_failures=h.consecutive_failures + 1)
+                            for t, h in self._health.items()}
+        else:
+            self._last_query = now
+            snapshots, arrived = self._assemble(series)
+            for raw in snapshots:
+                try:
+                    samples.append(self._parse(raw))
+                except Exception as exc:  # noqa: BLE001 - a bad rebuilt snapshot is rejected, not a crash
+                    rejected += 1
+                    self._record_error("schema", f"node {raw.get('node')!r}: {exc}")
+            self._update_health(await self._up(now), arrived, now)
+        return self._finish_cycle(PullResult(samples=samples, started=started,
+                                             duration_seconds=time.perf_counter() - t0, targets=len(self._health),
+                                             failed_targets=failed, rejected_snapshots=rejected))
+
+    def _lookback(self, now: float) -> float:
+        """Range to ask for: since the last good query (plus one interval for scrapes committed late),
+        capped; on the first cycle the cap, which warms the engine's windows straight away."""
+        if self._last_query is None:
+            return self.max_lookback_seconds
+        return min(self.max_lookback_seconds, max(now - self._last_query + 2 * self.interval_seconds, 1.0))
+
+    async def _up(self, now: float) -> list[Any]:
+        """Prometheus's `up` for the scrape jobs the agents are in (learned from their series), which
+        names agents that fail to be scraped; [] when unknown yet or when the query fails."""
+        if not self._jobs:
+            return []
+        jobs = "|".join(sorted(re.escape(j) for j in self._jobs))
+        try:
+            return await self._query(f"up{{job=~{orjson.dumps(jobs).decode()}}}", now)
+        except PullError as exc:
+            self._record_error(exc.reason, f"up: {exc.detail}")
+            return []
+
+    async def _query(self, promql: str, at: float) -> list[dict[str, Any]]:
+        """One instant query's result list; PullError on any failure."""
+        try:
+            async with self._client.stream("GET", f"{self.url}/api/v1/query",
+                                           params={"query": promql, "time": f"{at:.3f}"}) as response:
+                buf = bytearray()
+                async for chunk in response.aiter_bytes():
+                    buf += chunk
+                    if len(buf) > self.max_answer_bytes:
+                        raise PullError("oversized", f"over {self.max_answer_bytes} bytes")
+                status = response.status_code
+        except httpx.TimeoutException:
+            raise PullError("timeout") from None
+        except httpx.ConnectError as exc:
+            raise PullError("connect", str(exc)) from None
+        except httpx.HTTPError as exc:
+            raise PullError("http_error", exc.__class__.__name__) from None
+        try:
+            doc = orjson.loads(buf)
+        except orjson.JSONDecodeError:
+            raise PullError("malformed_json", f"HTTP {status}") from None
+        if not isinstance(doc, dict) or doc.get("status") != "success":
+            error = doc.get("error") if isinstance(doc, dict) else None
+            raise PullError("query_failed", f"HTTP {status}: {str(error)[:200]}")
+        data = doc.get("data")
+        result = data.get("result") if isinstance(data, dict) else None
+        if not isinstance(result, list):
+            raise PullError("schema", "answer without a result list")
+        return result
+
+    def _assemble(self, series: list[Any]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        """Snapshot-contract objects per (node, scrape time) newer than what was delivered, and the
+        newest scrape time seen per instance."""
+        scrapes: dict[tuple[str, float], dict[int, _Gpu]] = defaultdict(dict)
+        arrived: dict[str, float] = {}
+        for s in series:
+            labels, values = (s.get("metric"), s.get("values")) if isinstance(s, dict) else (None, None)
+            if not isinstance(labels, dict) or not isinstance(values, list):
+                self._record_error("schema", "series without metric labels or values")
+                continue
+            key = self._series_key(labels)
+            if key is None:
+                continue
+            name, node, index, uuid = key
+            instance, job = labels.get("instance"), labels.get("job")
+            if isinstance(instance, str):
+                self._instances[instance] = node
+            if isinstance(job, str):
+                self._jobs.add(job)
+            newest = self._newest.get(node, float("-inf"))
+            for point in values:
+                try:
+                    at, value = float(point[0]), float(point[1])
+                except (TypeError, ValueError, IndexError):
+                    self._record_error("schema", f"bad sample {str(point)[:80]} in {name}")
+                    continue
+                if isinstance(instance, str):
+                    arrived[instance] = max(arrived.get(instance, at), at)
+                if at <= newest:
+                    continue
+                gpu = scrapes[(node, at)].get(index)
+                if gpu is None:
+                    gpu = scrapes[(node, at)][index] = _Gpu(uuid)
+                self._put(gpu, name, labels, value)
+        out = []
+        for (node, at), gpus in sorted(scrapes.items(), key=lambda kv: kv[0][1]):
+            rows = [self._row(index, g) for index, g in sorted(gpus.items()) if g.readings is not None]
+            if rows:
+                out.append({"schema": 1, "node": node, "time": at, "gpus": rows})
+            self._newest[node] = max(self._newest.get(node, at), at)
+        return out, arrived
+
+    def _series_key(self, labels: Mapping[str, Any]) -> tuple[str, str, int, str] | None:
+        """(metric, node, GPU index, uuid) of one series, or None (counted) when its labels are unusable."""
+        name, node, gpu, uuid = (labels.get(k) for k in ("__name__", "node", "gpu", "uuid"))
+        if not all(isinstance(v, str) and v for v in (name, node, gpu, uuid)) or not gpu.isdigit():
+            self._record_error("schema", f"series without node/gpu/uuid labels: {str(labels)[:200]}")
+            return None
+        return name, node, int(gpu), uuid
+
+    @staticmethod
+    def _put(gpu: _Gpu, name: str, labels: Mapping[str, Any], value: float) -> None:
+        """File one sample of one series under its GPU."""
+        if name == _JOB_INFO:
+            if value == 1.0:
+                gpu.job = labels.get("hpc_job") or None
+            return
+        if gpu.readings is None:
+            gpu.readings = {}
+        if isinstance(labels.get("model"), str):
+            gpu.model = labels["model"]
+        if name == _XID:
+            if gpu.xids is None:
+                gpu.xids = {}
+            gpu.xids[str(labels.get("xid"))] = int(value)
+            return
+        label, wanted, field = _FIELDS[name]
+        if label is None or labels.get(label) == wanted:
+            gpu.readings[field] = bool(value) if field in _BOOLS else value
+
+    @staticmethod
+    def _row(index: int, g: _Gpu) -> dict[str, Any]:
+        """The contract's GPU object."""
+        row: dict[str, Any] = {"index": index, "uuid": g.uuid, "model": g.model or "unknown", "hpc_job": g.job}
+        row.update(g.readings or {})
+        xids = g.xids or {}
+        row["xid_errors_total"] = sum(xids.values())
+        if xids:
+            row["xid_errors_by_code"] = xids
+        return row
+
+    def _update_health(self, up: list[Any], arrived: Mapping[str, float], now: float) -> None:
+        """Each agent instance: up as Prometheus last scraped it, stale when no new scrape came for too long."""
+        state: dict[str, bool] = {}
+        for s in up:
+            labels, value = (s.get("metric"), s.get("value")) if isinstance(s, dict) else (None, None)
+            instance = labels.get("instance") if isinstance(labels, dict) else None
+            if isinstance(instance, str) and isinstance(value, list) and len(value) == 2:
+                state[instance] = value[1] == "1"
+        for instance in set(state) | set(arrived) | set(self._health):
+            previous = self._health.get(instance) or TargetHealth(target=instance)
+            newest = arrived.get(instance, previous.last_sample_time)
+            got_new = newest is not None and (previous.last_sample_time is None or newest > previous.last_sample_time)
+            last_new = now if got_new or previous.last_new_data is None else previous.last_new_data
+            is_up = state.get(instance, previous.up if instance not in arrived else True)
+            self._health[instance] = replace(
+                previous, node=self._instances.get(instance, previous.node), up=is_up,
+                stale=is_up and now - last_new > self.stale_after_seconds, last_attempt=now,
+                last_success=now if is_up else previous.last_success, last_new_data=last_new,
+                last_sample_time=newest, consecutive_failures=0 if is_up else previous.consecutive_failures + 1,
+                last_error=None if is_up else "prometheus reports the scrape failing (up == 0)")
+
+    def _record_error(self, reason: str, detail: str) -> None:
+        """Count one failed query or rejected series, under the Prometheus URL as the target."""
+        self._count_error((self.url, reason), detail, "prometheus read rejected", {"url": self.url})

@@ -1,0 +1,83 @@
+"""End to end over loopback: two real agents (demo nodes of two jobs), a real Prometheus scraping them, and
+the server's pipeline reading the agents through that Prometheus (`--ingest.prometheus-url`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+
+from server.ingest.prometheus import PrometheusSource
+from server.serve import build_runtime
+from server.settings import load_settings
+from tests.agent.running import agent_process, prometheus_process, requires_prometheus
+
+DEADLINE_SECONDS = 60.0
+POLL_SECONDS = 0.5
+
+
+@requires_prometheus
+def test_the_pipeline_reads_real_agents_through_a_real_prometheus(tmp_path) -> None:
+    with agent_process("--simulate", "demo", "--node", "dgx-01") as (_, port_a), \
+            agent_process("--simulate", "demo", "--node", "dgx-03") as (_, port_b), \
+            prometheus_process(tmp_path, [port_a, port_b]) as (prom, prom_port, log_path):
+        settings = load_settings(["--ingest.prometheus-url", f"http://127.0.0.1:{prom_port}",
+                                  "--storage.path", str(tmp_path / "alerts.db"), "--pull.interval", "1s",
+                                  "--pull.timeout", "1s"], env={})
+        runtime = build_runtime(settings)
+        assert isinstance(runtime.puller, PrometheusSource)
+        waiter = threading.Event()
+
+        async def cycles() -> tuple[list, list]:
+            delivered: list = []
+            original = runtime.puller.pull_once
+
+            async def recording():
+                result = await original()
+                delivered.extend(result.samples)
+                return result
+
+            runtime.puller.pull_once = recording  # type: ignore[method-assign]
+            try:
+                for _ in range(int(DEADLINE_SECONDS / POLL_SECONDS)):
+                    assert prom.poll() is None, log_path.read_text(errors="replace")[-2000:]
+                    await runtime.cycle()
+                    nodes = {s.node for s in delivered}
+                    if nodes == {"dgx-01", "dgx-03"} and len(runtime.view.jobs) == 2:   # a tick evaluated
+                        break
+                    await asyncio.to_thread(waiter.wait, POLL_SECONDS)
+                snapshots = [httpx.get(f"http://127.0.0.1:{p}/snapshots").json()["snapshots"] for p in (port_a, port_b)]
+                return delivered, snapshots
+            finally:
+                await runtime.stop()
+
+        delivered, snapshots = asyncio.run(cycles())
+
+    # Every scrape delivered once, in time order per node.
+    for node in ("dgx-01", "dgx-03"):
+        times = [s.time for s in delivered if s.node == node]
+        assert len(times) >= 2 and times == sorted(set(times)), times
+    # Identities and job attribution are the agents' own.
+    by_node = {snaps[-1]["node"]: snaps for snaps in snapshots}
+    for sample in delivered:
+        agent_gpus = by_node[sample.node][-1]["gpus"]
+        assert sample.indices == tuple(g["index"] for g in agent_gpus)
+        assert sample.uuids == tuple(g["uuid"] for g in agent_gpus)
+        assert sample.models == tuple(g["model"] for g in agent_gpus)
+        assert sample.jobs == tuple(g["hpc_job"] for g in agent_gpus)
+    assert {j for s in delivered for j in s.jobs} == {"71001", "71002"}
+    # Each reading is one the agent produced: within the range of its own snapshots of that GPU.
+    for sample in delivered:
+        for row, index in enumerate(sample.indices):
+            history = [g for snap in by_node[sample.node] for g in snap["gpus"] if g["index"] == index]
+            for field in ("utilization_ratio", "sm_active_ratio", "temperature_celsius", "power_watts",
+                          "energy_joules_total", "sm_clock_hertz", "sm_clock_max_hertz", "power_limit_watts"):
+                seen = [g[field] for g in history if g.get(field) is not None]
+                value = sample.value(index, field)
+                assert value is not None and min(seen) <= value <= max(seen), (sample.node, index, field, value)
+    # The engine took them: both nodes with their 8 GPUs, both jobs, and both agents up by Prometheus's `up`.
+    assert {n["node"]: n["gpus"] for n in runtime.view.nodes} == {"dgx-01": 8, "dgx-03": 8}
+    assert {j["hpc_job"] for j in runtime.view.jobs} == {"71001", "71002"}
+    assert sorted((h.target, h.node, h.up) for h in runtime.puller.health()) == sorted(
+        [(f"127.0.0.1:{port_a}", "dgx-01", True), (f"127.0.0.1:{port_b}", "dgx-03", True)])
