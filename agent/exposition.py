@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from agent.activity import NO_TOTALS, ActivityTotals
 from agent.health import AgentHealth
 from agent.model import GpuSample, NodeSnapshot, ThrottleReason
 
@@ -89,11 +90,13 @@ class Family:
         self.rows.append((names, values, value))
 
 
-def families(snapshot: NodeSnapshot | None, health: AgentHealth) -> list[Family]:
-    """Every family with at least one series: agent health, then GPUs while NVML is up."""
+def families(snapshot: NodeSnapshot | None, health: AgentHealth,
+             activity: ActivityTotals = NO_TOTALS) -> list[Family]:
+    """Every family with at least one series: agent health, then GPUs while NVML is up (activity: the
+    sampler's running totals up to this snapshot, agent.activity)."""
     out = list(_agent_families(snapshot, health))
     if snapshot is not None and health.nvml_up:
-        out.extend(_gpu_families(snapshot, health))
+        out.extend(_gpu_families(snapshot, health, activity))
     # A family without rows would still print HELP/TYPE; an absent reading should leave no trace.
     return [f for f in out if f.rows]
 
@@ -107,13 +110,14 @@ class Renderer:
         self._series: dict[tuple[str, tuple[str, ...], tuple[str, ...]], str] = {}
         self._headers: dict[tuple[str, str], str] = {}
 
-    def render(self, snapshot: NodeSnapshot | None, health: AgentHealth) -> bytes:
+    def render(self, snapshot: NodeSnapshot | None, health: AgentHealth,
+               activity: ActivityTotals = NO_TOTALS) -> bytes:
         """The whole exposition but the per-scrape sample age; once per publication, never per scrape."""
         if len(self._series) > self.MAX_CACHED:
             self._series.clear()
         out: list[str] = []
         series, fmt = self._series, _format_value
-        for fam in families(snapshot, health):
+        for fam in families(snapshot, health, activity):
             header = self._headers.get((fam.name, fam.kind))
             if header is None:
                 header = self._headers[(fam.name, fam.kind)] = _header(fam)
@@ -127,15 +131,16 @@ class Renderer:
         return "".join(out).encode("utf-8")
 
 
-def render(snapshot: NodeSnapshot | None, health: AgentHealth) -> bytes:
+def render(snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals = NO_TOTALS) -> bytes:
     """One-off render (no cache kept); the sampler holds a Renderer instead."""
-    return Renderer().render(snapshot, health)
+    return Renderer().render(snapshot, health, activity)
 
 
-def render_reference(snapshot: NodeSnapshot | None, health: AgentHealth) -> bytes:
+def render_reference(snapshot: NodeSnapshot | None, health: AgentHealth,
+                     activity: ActivityTotals = NO_TOTALS) -> bytes:
     """The same exposition through a fresh registry and prometheus_client's generate_latest."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(snapshot, health))
+    registry.register(SnapshotCollector(snapshot, health, activity))
     return generate_latest(registry)
 
 
@@ -154,13 +159,15 @@ def render_age(now: float, snapshot: NodeSnapshot | None, node: str) -> bytes:
 class SnapshotCollector:
     """prometheus_client custom collector over one snapshot; holds no state between collects."""
 
-    def __init__(self, snapshot: NodeSnapshot | None, health: AgentHealth) -> None:
+    def __init__(self, snapshot: NodeSnapshot | None, health: AgentHealth,
+                 activity: ActivityTotals = NO_TOTALS) -> None:
         self._snapshot = snapshot
         self._health = health
+        self._activity = activity
 
     def collect(self) -> Iterator[Metric]:
         """Fresh prometheus_client families, one per Family."""
-        for fam in families(self._snapshot, self._health):
+        for fam in families(self._snapshot, self._health, self._activity):
             if fam.kind == "info":
                 info = InfoMetricFamily(fam.name, fam.help)
                 for names, values, _ in fam.rows:
@@ -198,7 +205,7 @@ def _agent_families(snap: NodeSnapshot | None, health: AgentHealth) -> Iterator[
                        "Seconds the newest sampling cycle took.", node, snap.sample_duration_seconds)
 
 
-def _gpu_families(snap: NodeSnapshot, health: AgentHealth) -> Iterator[Family]:
+def _gpu_families(snap: NodeSnapshot, health: AgentHealth, activity: ActivityTotals) -> Iterator[Family]:
     ids = {g.index: (snap.node, str(g.index), g.uuid, g.model) for g in snap.gpus}
     up = Family("gpufleet_gpu_up", "gauge", "1 when the GPU answers NVML, 0 when it is lost.")
     for g in snap.gpus:
@@ -216,6 +223,7 @@ def _gpu_families(snap: NodeSnapshot, health: AgentHealth) -> Iterator[Family]:
         yield fam
     for name, help_text, kind, label, fields in LABELLED:
         yield _labelled(name, help_text, kind, label, fields, snap.gpus, ids)
+    yield from _activity_families(snap.gpus, ids, activity)
     yield _throttle_reason_family(snap.gpus, ids)
     yield _throttle_seconds_family(snap.gpus, ids)
     yield _nvlink_link_family(snap.gpus, ids)
@@ -260,6 +268,22 @@ def _job_family(snap: NodeSnapshot) -> Family:
 
 
 _REASON_LABELS = GPU_LABELS + ("reason",)
+_READING_LABELS = GPU_LABELS + ("reading",)
+
+
+def _activity_families(gpus: tuple[GpuSample, ...], ids: _Ids, activity: ActivityTotals) -> Iterator[Family]:
+    active = Family("gpufleet_gpu_active_seconds", "counter",
+                    "Activity ratio (reading: utilization, sm_active) integrated over sampled time; the increase "
+                    "over the increase of gpufleet_gpu_active_sampled_seconds_total is the exact mean between "
+                    "two scrapes, which a scraped ratio gauge (one sampling interval's mean) is not.")
+    sampled = Family("gpufleet_gpu_active_sampled_seconds", "counter",
+                     "Sampled time behind gpufleet_gpu_active_seconds_total, per reading.")
+    for g in gpus:
+        for reading, (active_seconds, sampled_seconds) in sorted(activity.get(g.uuid, {}).items()):
+            active.add(_READING_LABELS, ids[g.index] + (reading,), active_seconds)
+            sampled.add(_READING_LABELS, ids[g.index] + (reading,), sampled_seconds)
+    yield active
+    yield sampled
 
 
 def _throttle_reason_family(gpus: tuple[GpuSample, ...], ids: _Ids) -> Family:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Protocol
 import orjson
 
 from agent import __version__, exposition
+from agent.activity import NO_TOTALS, ActivityIntegrator, ActivityTotals
 from agent.attribution import JobAttributor
 from agent.health import AgentHealth
 from agent.model import GpuSample, NodeSnapshot
@@ -92,6 +93,9 @@ class Sampler:
         self._last_json: bytes | None = None
         self._thread: threading.Thread | None = None
         self._renderer = exposition.Renderer()
+        # A sample stands for at most two intervals: one skipped tick is normal, a longer gap is unknown.
+        self._activity = ActivityIntegrator(max_step_seconds=2 * interval)
+        self._activity_totals: ActivityTotals = NO_TOTALS
         self._logged_at: dict[tuple[str, str], float] = {}
 
     @property
@@ -195,16 +199,17 @@ class Sampler:
     def _publish(self, snapshot: NodeSnapshot | None) -> None:
         if snapshot is not None:
             self._last, self._last_json = snapshot, orjson.dumps(snapshot.to_dict())
+            self._activity_totals = self._activity.update(snapshot)
             if self._recorder is not None and not self._recorder.write(self._last_json):
                 self._errors[("record", "write_failed")] += 1
         health = self.health()
         try:
-            metrics = self._renderer.render(self._last, health)
+            metrics = self._renderer.render(self._last, health, self._activity_totals)
         except Exception as exc:  # a render bug must not stop sampling; the old body stays served
             self._errors[("render", type(exc).__name__)] += 1
             self._log_failure("exposition render failed", exc)
             return
-        self._store.publish(Publication(self._last, health, metrics, self._last_json))
+        self._store.publish(Publication(self._last, health, metrics, self._last_json, self._activity_totals))
 
     def health(self) -> AgentHealth:
         """The agent's current view of itself."""

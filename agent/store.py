@@ -5,8 +5,9 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from agent.activity import NO_TOTALS, ActivityTotals
 from agent.health import AgentHealth
 from agent.model import NodeSnapshot
 
@@ -25,6 +26,8 @@ class Publication:
     metrics: bytes
     # orjson of snapshot.to_dict(), None when there is no snapshot yet.
     snapshot_json: bytes | None
+    # Activity totals up to the snapshot, exported in metrics (agent.activity).
+    activity: ActivityTotals = field(default_factory=lambda: NO_TOTALS)
 
 
 class SnapshotStore:

@@ -103,10 +103,10 @@ def bench_cycles(cycles: int, procfs: Path, per_link: bool) -> tuple[dict[str, f
     pub = store.latest()
     renders, reads = [], []
     renderer = Renderer()
-    renderer.render(pub.snapshot, pub.health)
+    renderer.render(pub.snapshot, pub.health, pub.activity)
     for _ in range(cycles):
         start = time.thread_time()
-        renderer.render(pub.snapshot, pub.health)
+        renderer.render(pub.snapshot, pub.health, pub.activity)
         orjson.dumps(pub.snapshot.to_dict())
         renders.append(time.thread_time() - start)
     reader = sampler._reader

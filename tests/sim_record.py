@@ -2,7 +2,7 @@
 
 SimNvml, NvmlReader, JobAttributor over the simulator's procfs, Sampler and Recorder run exactly as in
 `gpufleet-agent --simulate … --record`, but on a fake clock advanced one sampling interval per cycle,
-so a 15-minute scenario records in seconds. Used by the end-to-end test and by
+so a 15-minute scenario records in seconds. Used by the end-to-end tests and by
 bench/sim_crosscheck.py. XID events arrive on the reader's own thread in real time, so in simulated
 time they land a few to tens of seconds late: do not time XIDs on these traces.
 """
@@ -10,6 +10,7 @@ time they land a few to tens of seconds late: do not time XIDs on these traces.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 from agent.attribution import JobAttributor
 from agent.cli import SettableClock
@@ -17,7 +18,8 @@ from agent.nvml_reader import NvmlReader
 from agent.record import Recorder
 from agent.sampler import Sampler
 from agent.sim import Scenario, SimNvml
-from agent.store import SnapshotStore
+from agent.model import NodeSnapshot
+from agent.store import Publication, SnapshotStore
 
 T0 = 1_763_800_000.0
 
@@ -26,22 +28,33 @@ def record_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: 
                 interval_seconds: float = 1.0) -> tuple[Path, list[float]]:
     """Sample one simulated node from T0 for duration_seconds; returns its --record file and the
     offsets (seconds from T0) of the cycles that produced no sample (NVML down, by the scenario)."""
+    trace = workdir / f"{node}.jsonl"
+    missing = [now - T0 for now, snapshot, _ in sample_node(scenario, node, workdir, duration_seconds,
+                                                            interval_seconds, trace) if snapshot is None]
+    return trace, missing
+
+
+def sample_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: float,
+                interval_seconds: float = 1.0,
+                record_to: Path | None = None) -> Iterator[tuple[float, NodeSnapshot | None, Publication]]:
+    """Each cycle's (simulated time, new snapshot or None, the store's publication after it)."""
     clock = SettableClock(T0)
     nvml = SimNvml(scenario, node, clock=clock, epoch=T0)
     procfs = workdir / f"proc-{node}"
     nvml.materialize_procfs(procfs)
-    trace = workdir / f"{node}.jsonl"
-    recorder = Recorder(trace, monotonic=clock)
-    sampler = Sampler(NvmlReader(nvml, xid_wait_ms=50), SnapshotStore(), node=node, interval=interval_seconds,
+    recorder = Recorder(record_to, monotonic=clock) if record_to is not None else None
+    store = SnapshotStore()
+    sampler = Sampler(NvmlReader(nvml, xid_wait_ms=50), store, node=node, interval=interval_seconds,
                       attributor=JobAttributor(procfs, monotonic=clock), recorder=recorder, clock=clock,
                       monotonic=clock)
-    missing = []
     try:
         while clock.now - T0 <= duration_seconds:
-            if sampler.run_once() is None:
-                missing.append(clock.now - T0)
+            snapshot = sampler.run_once()
+            publication = store.latest()
+            assert publication is not None
+            yield clock.now, snapshot, publication
             clock.advance(interval_seconds)
     finally:
         sampler.stop()
-        recorder.close()
-    return trace, missing
+        if recorder is not None:
+            recorder.close()

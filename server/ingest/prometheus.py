@@ -7,6 +7,12 @@ Prometheus never shows a query part of a scrape's appends). The series of one sc
 timestamp, which becomes the snapshot's sample time, so each (node, scrape) is rebuilt into one
 snapshot-contract object and validated by the same parser as a pulled snapshot.
 
+Utilization and SM activity come from the agent's `active` counters where it exports them: a ratio
+gauge is the mean of one agent sampling interval, so a scrape every few seconds keeps one second in
+several, at a different phase of the training step on each node, and nodes doing the same work read
+differently (enough for a false node-level straggler in the demo cluster). The counters' increases
+between two delivered scrapes give the exact mean over all the samples in between.
+
 What the exposition cannot say: per-reading support. A GPU without a series for a reading gets the
 reading as unsupported (absent), as in a snapshot. XID counts are the one exception: the agent only
 exports codes that occurred, so a GPU with none reads 0, which is what lets the first XID count.
@@ -17,7 +23,9 @@ The same surface as the direct-mode Puller (pull_once, health, counters), so the
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import re
 import time
 from collections import defaultdict
@@ -54,7 +62,11 @@ _FIELDS: dict[str, tuple[str | None, str | None, str]] = {
 _BOOLS = frozenset({"up", "remapped_rows_pending", "remapped_rows_failure"})
 _JOB_INFO = "gpufleet_gpu_job_info"
 _XID = "gpufleet_gpu_xid_errors_total"
-SELECTOR = "{__name__=~\"" + "|".join(sorted([*_FIELDS, _JOB_INFO, _XID])) + "\"}"
+_AGE = "gpufleet_agent_sample_age_seconds"
+# activity counter -> which of the pair; the `reading` label -> the contract field its mean replaces
+_ACTIVITY = {"gpufleet_gpu_active_seconds_total": 0, "gpufleet_gpu_active_sampled_seconds_total": 1}
+_ACTIVITY_FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio"}
+SELECTOR = "{__name__=~\"" + "|".join(sorted([*_FIELDS, *_ACTIVITY, _JOB_INFO, _XID, _AGE])) + "\"}"
 
 
 @dataclass(slots=True)
@@ -66,6 +78,8 @@ class _Gpu:
     job: str | None = None
     readings: dict[str, Any] | None = None
     xids: dict[str, int] | None = None
+    # reading label -> [seconds active, seconds sampled] (NaN until that series is seen)
+    activity: dict[str, list[float]] | None = None
 
 
 class PrometheusSource(IngestAccounting):
@@ -96,7 +110,9 @@ class PrometheusSource(IngestAccounting):
         self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds),
                                          follow_redirects=False, headers={"accept": "application/json"})
         self._last_query: float | None = None
-        self._newest: dict[str, float] = {}          # node -> newest scrape time already delivered
+        self._newest: dict[str, float] = {}          # node -> newest sample time already delivered
+        # (node, uuid, reading) -> (seconds active, seconds sampled, sample time) at the last delivered scrape
+        self._activity: dict[tuple[str, str, str], tuple[float, float, float]] = {}
         self._instances: dict[str, str] = {}         # instance -> node it scrapes
         self._jobs: set[str] = set()                 # Prometheus scrape jobs the agents are in
         self._health: dict[str, TargetHealth] = {}
@@ -140,8 +156,8 @@ class PrometheusSource(IngestAccounting):
                                              failed_targets=failed, rejected_snapshots=rejected))
 
     def _lookback(self, now: float) -> float:
-        """Range to ask for: since the last good query (plus one interval for scrapes committed late),
-        capped; on the first cycle the cap, which warms the engine's windows straight away."""
+        """Range to ask for: since the last good query, plus two intervals for scrapes committed after it
+        under an earlier timestamp, capped; on the first cycle the cap, which warms the engine's windows."""
         if self._last_query is None:
             return self.max_lookback_seconds
         return min(self.max_lookback_seconds, max(now - self._last_query + 2 * self.interval_seconds, 1.0))
@@ -161,15 +177,16 @@ class PrometheusSource(IngestAccounting):
     async def _query(self, promql: str, at: float) -> list[dict[str, Any]]:
         """One instant query's result list; PullError on any failure."""
         try:
-            async with self._client.stream("GET", f"{self.url}/api/v1/query",
-                                           params={"query": promql, "time": f"{at:.3f}"}) as response:
+            # httpx's timeout bounds each read; this bounds the whole answer, as for a pull.
+            async with asyncio.timeout(self._timeout_seconds), self._client.stream(
+                    "GET", f"{self.url}/api/v1/query", params={"query": promql, "time": f"{at:.3f}"}) as response:
                 buf = bytearray()
                 async for chunk in response.aiter_bytes():
                     buf += chunk
                     if len(buf) > self.max_answer_bytes:
                         raise PullError("oversized", f"over {self.max_answer_bytes} bytes")
                 status = response.status_code
-        except httpx.TimeoutException:
+        except (httpx.TimeoutException, TimeoutError):
             raise PullError("timeout") from None
         except httpx.ConnectError as exc:
             raise PullError("connect", str(exc)) from None
@@ -189,10 +206,11 @@ class PrometheusSource(IngestAccounting):
         return result
 
     def _assemble(self, series: list[Any]) -> tuple[list[dict[str, Any]], dict[str, float]]:
-        """Snapshot-contract objects per (node, scrape time) newer than what was delivered, and the
-        newest scrape time seen per instance."""
+        """Snapshot-contract objects per (node, scrape) whose agent sample is newer than what was
+        delivered, and the newest delivered sample time per instance."""
         scrapes: dict[tuple[str, float], dict[int, _Gpu]] = defaultdict(dict)
-        arrived: dict[str, float] = {}
+        ages: dict[tuple[str, float], float] = {}
+        sources: dict[tuple[str, float], str] = {}
         for s in series:
             labels, values = (s.get("metric"), s.get("values")) if isinstance(s, dict) else (None, None)
             if not isinstance(labels, dict) or not isinstance(values, list):
@@ -207,6 +225,8 @@ class PrometheusSource(IngestAccounting):
                 self._instances[instance] = node
             if isinstance(job, str):
                 self._jobs.add(job)
+            # A scrape carries the agent's newest sample, taken before it: a scrape no later than the
+            # newest delivered sample cannot carry a newer one.
             newest = self._newest.get(node, float("-inf"))
             for point in values:
                 try:
@@ -214,25 +234,64 @@ class PrometheusSource(IngestAccounting):
                 except (TypeError, ValueError, IndexError):
                     self._record_error("schema", f"bad sample {str(point)[:80]} in {name}")
                     continue
-                if isinstance(instance, str):
-                    arrived[instance] = max(arrived.get(instance, at), at)
                 if at <= newest:
+                    continue
+                if isinstance(instance, str):
+                    sources[(node, at)] = instance
+                if name == _AGE:
+                    ages[(node, at)] = value
                     continue
                 gpu = scrapes[(node, at)].get(index)
                 if gpu is None:
                     gpu = scrapes[(node, at)][index] = _Gpu(uuid)
                 self._put(gpu, name, labels, value)
         out = []
+        arrived: dict[str, float] = {}
         for (node, at), gpus in sorted(scrapes.items(), key=lambda kv: kv[0][1]):
-            rows = [self._row(index, g) for index, g in sorted(gpus.items()) if g.readings is not None]
-            if rows:
-                out.append({"schema": 1, "node": node, "time": at, "gpus": rows})
-            self._newest[node] = max(self._newest.get(node, at), at)
+            # The sample's own time: the scrape's, less the sample's age the agent reported in it. The scrape
+            # time alone is off by up to a sampling period, which would skew every rate over the next one.
+            taken = at - ages[(node, at)] if (node, at) in ages else at
+            present = [(index, g) for index, g in sorted(gpus.items()) if g.readings is not None]
+            if not present or taken <= self._newest.get(node, float("-inf")):
+                continue     # the same sample scraped again (an agent whose sampling is stuck): not new
+            rows = [self._row(index, g) for index, g in present]
+            for row, (_, g) in zip(rows, present):
+                if g.activity:
+                    self._activity_means(node, taken, g, row)
+            out.append({"schema": 1, "node": node, "time": taken, "gpus": rows})
+            self._newest[node] = taken
+            instance = sources.get((node, at))
+            if instance is not None:
+                arrived[instance] = max(arrived.get(instance, taken), taken)
+        if out:
+            horizon = max(s["time"] for s in out) - 2 * self.max_lookback_seconds
+            self._activity = {k: v for k, v in self._activity.items() if v[2] >= horizon}
         return out, arrived
 
+    def _activity_means(self, node: str, taken: float, g: _Gpu, row: dict[str, Any]) -> None:
+        """Replace the GPU's ratio gauges by the mean since its previous delivered scrape, from the agent's
+        activity counters. Without a previous scrape, or after the counters went back (the agent
+        restarted), the gauge stays."""
+        for reading, (active, sampled) in (g.activity or {}).items():
+            field = _ACTIVITY_FIELDS.get(reading)
+            if field is None or not (active == active and sampled == sampled):
+                continue
+            key = (node, g.uuid, reading)
+            previous = self._activity.get(key)
+            self._activity[key] = (active, sampled, taken)
+            if previous is None:
+                continue
+            d_active, d_sampled = active - previous[0], sampled - previous[1]
+            if d_sampled > 0 and 0 <= d_active <= d_sampled * (1 + 1e-9):
+                row[field] = min(d_active / d_sampled, 1.0)
+
     def _series_key(self, labels: Mapping[str, Any]) -> tuple[str, str, int, str] | None:
-        """(metric, node, GPU index, uuid) of one series, or None (counted) when its labels are unusable."""
-        name, node, gpu, uuid = (labels.get(k) for k in ("__name__", "node", "gpu", "uuid"))
+        """(metric, node, GPU index, uuid) of one series (index -1 and no uuid for the node's sample age),
+        or None (counted) when its labels are unusable."""
+        name, node = labels.get("__name__"), labels.get("node")
+        if name == _AGE and isinstance(node, str) and node:
+            return name, node, -1, ""
+        gpu, uuid = labels.get("gpu"), labels.get("uuid")
         if not all(isinstance(v, str) and v for v in (name, node, gpu, uuid)) or not gpu.isdigit():
             self._record_error("schema", f"series without node/gpu/uuid labels: {str(labels)[:200]}")
             return None
@@ -253,6 +312,12 @@ class PrometheusSource(IngestAccounting):
             if gpu.xids is None:
                 gpu.xids = {}
             gpu.xids[str(labels.get("xid"))] = int(value)
+            return
+        which = _ACTIVITY.get(name)
+        if which is not None:
+            if gpu.activity is None:
+                gpu.activity = {}
+            gpu.activity.setdefault(str(labels.get("reading")), [math.nan, math.nan])[which] = value
             return
         label, wanted, field = _FIELDS[name]
         if label is None or labels.get(label) == wanted:

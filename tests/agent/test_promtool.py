@@ -64,5 +64,5 @@ def test_simulated_node_passes(scenario):
     pub = store.latest()
     assert b"gpufleet_gpu_utilization_ratio{" in pub.metrics
     # The sampler's cached renderer writes exactly what prometheus_client's generate_latest would.
-    assert pub.metrics == render_reference(snap, pub.health)
+    assert pub.metrics == render_reference(snap, pub.health, pub.activity)
     assert_clean(pub.metrics + render_age(clock.now, snap, snap.node))

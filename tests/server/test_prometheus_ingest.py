@@ -7,6 +7,7 @@ import asyncio
 import threading
 
 import httpx
+import pytest
 
 from server.ingest.prometheus import PrometheusSource
 from server.serve import build_runtime
@@ -67,15 +68,27 @@ def test_the_pipeline_reads_real_agents_through_a_real_prometheus(tmp_path) -> N
         assert sample.models == tuple(g["model"] for g in agent_gpus)
         assert sample.jobs == tuple(g["hpc_job"] for g in agent_gpus)
     assert {j for s in delivered for j in s.jobs} == {"71001", "71002"}
-    # Each reading is one the agent produced: within the range of its own snapshots of that GPU.
+    # Each sample is one the agent took: its time (the scrape's, less the age the agent reported in it)
+    # and every reading are that snapshot's own, but for the activity ratios: from the second scrape of a
+    # GPU on, those are the mean of every agent sample since the previous scrape, weighted by the time each
+    # stands for (the agent's activity counters).
+    previous: dict[str, int] = {}
     for sample in delivered:
-        for row, index in enumerate(sample.indices):
-            history = [g for snap in by_node[sample.node] for g in snap["gpus"] if g["index"] == index]
-            for field in ("utilization_ratio", "sm_active_ratio", "temperature_celsius", "power_watts",
-                          "energy_joules_total", "sm_clock_hertz", "sm_clock_max_hertz", "power_limit_watts"):
-                seen = [g[field] for g in history if g.get(field) is not None]
-                value = sample.value(index, field)
-                assert value is not None and min(seen) <= value <= max(seen), (sample.node, index, field, value)
+        snaps = by_node[sample.node]
+        (at,) = [i for i, snap in enumerate(snaps) if abs(snap["time"] - sample.time) < 0.05]
+        since, previous[sample.node] = previous.get(sample.node), at
+        for g in snaps[at]["gpus"]:
+            for field in ("temperature_celsius", "power_watts", "energy_joules_total", "sm_clock_hertz",
+                          "sm_clock_max_hertz", "power_limit_watts", "throttle_reasons", "xid_errors_total"):
+                assert sample.value(g["index"], field) == g[field], (sample.node, g["index"], field)
+            for field in ("utilization_ratio", "sm_active_ratio"):
+                expected = g[field]
+                if since is not None and snaps[since]["gpus"][g["index"]][field] is not None:
+                    steps = [(min(snaps[i]["time"] - snaps[i - 1]["time"], 2.0), snaps[i]["gpus"][g["index"]][field])
+                             for i in range(since + 1, at + 1)]
+                    expected = sum(dt * r for dt, r in steps) / sum(dt for dt, _ in steps)
+                assert sample.value(g["index"], field) == pytest.approx(expected, rel=1e-9), \
+                    (sample.node, g["index"], field)
     # The engine took them: both nodes with their 8 GPUs, both jobs, and both agents up by Prometheus's `up`.
     assert {n["node"]: n["gpus"] for n in runtime.view.nodes} == {"dgx-01": 8, "dgx-03": 8}
     assert {j["hpc_job"] for j in runtime.view.jobs} == {"71001", "71002"}

@@ -154,6 +154,73 @@ def test_cycles_deliver_each_scrape_once_and_ask_for_just_enough_history() -> No
     assert [t for q, t in prom.queries if not q.startswith("up")] == [1000.0, 1005.0, 1010.0, 2000.0]
 
 
+def age_series(node: str, points: list[tuple[float, float]], instance: str = "10.0.0.1:9471") -> dict:
+    """The agent's gpufleet_agent_sample_age_seconds: per node, set at each scrape."""
+    return {"metric": {"__name__": "gpufleet_agent_sample_age_seconds", "node": node, "instance": instance,
+                       "job": "gpufleet-agent"}, "values": [[t, repr(v)] for t, v in points]}
+
+
+def test_the_sample_time_is_the_agents_not_the_scrapes() -> None:
+    # Scrapes every 5 s of an agent sampling every second land 0.25-0.9 s after its newest sample.
+    prom = FakePrometheus()
+    prom.stored = gpu_series("dgx-01", 0, [990.0, 995.0]) + [age_series("dgx-01", [(990.0, 0.25), (995.0, 0.9)])]
+    src, _ = make_source(prom)
+
+    result = run(src.pull_once())
+
+    assert [s.time for s in result.samples] == [989.75, 994.1]
+    assert not src.errors
+
+
+def activity_series(node: str, gpu: int, reading: str, points: list[tuple[float, float, float]]) -> list[dict]:
+    """The agent's activity counter pair: (scrape time, seconds active, seconds sampled)."""
+    return [series("gpufleet_gpu_active_seconds_total", node, gpu, [(t, a) for t, a, _ in points], reading=reading),
+            series("gpufleet_gpu_active_sampled_seconds_total", node, gpu, [(t, s) for t, _, s in points],
+                   reading=reading)]
+
+
+def test_activity_ratios_are_the_counters_mean_since_the_previous_scrape_not_the_gauge() -> None:
+    prom = FakePrometheus()
+    times = [990.0, 995.0, 1000.0, 1005.0]
+    prom.stored = gpu_series("dgx-01", 0, times, util=0.9) + [     # gauges: sm_active 0.8, utilization 0.9
+        # 5 s at 0.5, then the agent restarted (counters back to 0), then 5 s at 0.6
+        *activity_series("dgx-01", 0, "sm_active", [(990.0, 10.0, 20.0), (995.0, 12.5, 25.0),
+                                                     (1000.0, 0.0, 0.0), (1005.0, 3.0, 5.0)]),
+        *activity_series("dgx-01", 0, "utilization", [(995.0, 20.0, 25.0), (1000.0, 24.5, 30.0),
+                                                       (1005.0, 29.5, 35.0)]),
+        *activity_series("dgx-01", 0, "occupancy", [(990.0, 0.0, 0.0), (995.0, 1.0, 5.0)]),   # not one we use
+    ]
+    src, now = make_source(prom)
+    now[0] = 1006.0
+
+    samples = run(src.pull_once()).samples
+
+    sm = [s.value(0, "sm_active_ratio") for s in samples]
+    util = [s.value(0, "utilization_ratio") for s in samples]
+    assert sm == pytest.approx([0.8, 0.5, 0.8, 0.6])      # first scrape and after the reset: the gauge
+    assert util == pytest.approx([0.9, 0.9, 0.9, 1.0])    # counters from the second scrape on
+    assert not src.errors
+
+
+def test_a_sample_scraped_again_is_not_delivered_again_and_the_agent_turns_stale() -> None:
+    # NVML hangs in the agent: it keeps answering scrapes with its last sample, older at every scrape.
+    prom = FakePrometheus()
+    prom.up = {"10.0.0.1:9471": "1"}
+    prom.stored = gpu_series("dgx-01", 0, [995.0]) + [age_series("dgx-01", [(995.0, 0.5)])]
+    src, now = make_source(prom, stale_after_seconds=30.0)
+    first = run(src.pull_once())
+    delivered = []
+    for k in range(1, 8):
+        now[0] = 1000.0 + 5 * k
+        scrapes = [995.0 + 5 * i for i in range(k + 1)]
+        prom.stored = gpu_series("dgx-01", 0, scrapes) + [age_series("dgx-01", [(t, t - 994.5) for t in scrapes])]
+        delivered += run(src.pull_once()).samples
+
+    assert [s.time for s in first.samples] == [994.5]
+    assert delivered == []                  # the engine sees the node go silent, and alerts on it
+    assert src.health()[0].up and src.health()[0].stale
+
+
 @pytest.mark.parametrize("answer, reason", [
     (httpx.ConnectError("refused"), "connect"),
     (httpx.ReadTimeout("slow"), "timeout"),
@@ -183,6 +250,22 @@ def test_a_failing_prometheus_is_counted_and_marks_agents_down_without_raising(a
     now[0] = 1010.0
     assert [s.time for s in run(src.pull_once()).samples] == [1000.0, 1005.0, 1010.0]
     assert src.health()[0].up
+
+
+def test_an_answer_that_trickles_is_cut_at_the_timeout() -> None:
+    stalled = asyncio.Event()  # never set: the body's second chunk never comes
+
+    async def trickle():
+        yield b'{"status": "success", '
+        await stalled.wait()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=trickle())
+
+    src = PrometheusSource("http://prometheus:9090", transport=httpx.MockTransport(handler), timeout_seconds=0.05,
+                           parse=parse_snapshot)
+    result = run(asyncio.wait_for(src.pull_once(), timeout=30))
+    assert result.samples == [] and src.errors == {("http://prometheus:9090", "timeout"): 1}
 
 
 def test_an_oversized_answer_is_refused() -> None:
