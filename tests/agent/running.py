@@ -1,4 +1,5 @@
-"""Real processes for end-to-end tests: a `gpufleet-agent` (finding the port it bound), and a Prometheus scraping agents."""
+"""Real processes for end-to-end tests: a `gpufleet-agent` (finding the port it bound), a `gpufleet-server`,
+and a Prometheus scraping them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import orjson
 import pytest
@@ -22,28 +23,54 @@ ROOT = Path(__file__).resolve().parents[2]
 @contextlib.contextmanager
 def agent_process(*args: str, timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen, int]]:
     """Run the agent on 127.0.0.1:0 with JSON logs (info level or lower: the start line carries the port)."""
+    def port_of(line: bytes) -> int | None:
+        with contextlib.suppress(ValueError):
+            record = orjson.loads(line)
+            if record.get("msg") == "agent started":
+                return int(record["port"])
+        return None
+
     cmd = [sys.executable, "-m", "agent.cli", "--web.listen-address", "127.0.0.1:0", "--log.format", "json", *args]
+    with _started("agent", cmd, port_of, timeout) as (proc, port):
+        yield proc, port
+
+
+@contextlib.contextmanager
+def server_process(tmp_path: Path, *args: str, timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen, int]]:
+    """Run `gpufleet-server serve` on a free 127.0.0.1 port with its alert store in tmp_path; yields once
+    it logged that it listens."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--web.listen-address", f"127.0.0.1:{port}",
+           "--storage.path", str(tmp_path / "server.db"), "--log.level", "info", *args]
+    with _started("server", cmd, lambda line: port if b"gpufleet-server listening" in line else None,
+                  timeout) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def _started(what: str, cmd: list[str], ready_from: Callable[[bytes], int | None],
+             timeout: float) -> Iterator[tuple[subprocess.Popen, int]]:
+    """Start cmd, read its log until ready_from(line) gives the port; SIGTERM (then kill) on the way out."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    found: dict[str, int] = {}
+    found: list[int] = []
     ready = threading.Event()
     lines: list[bytes] = []
 
     def pump() -> None:
         for line in proc.stderr:  # type: ignore[union-attr]
             lines.append(line)
-            with contextlib.suppress(ValueError):
-                record = orjson.loads(line)
-                if record.get("msg") == "agent started":
-                    found["port"] = int(record["port"])
-                    ready.set()
+            port = ready_from(line)
+            if port is not None and not found:
+                found.append(port)
+                ready.set()
         ready.set()  # the process ended before it started serving
 
     threading.Thread(target=pump, daemon=True).start()
     try:
-        if not ready.wait(timeout) or "port" not in found:
-            raise AssertionError("agent did not start: " + b"".join(lines).decode(errors="replace")[-2000:])
-        yield proc, found["port"]
+        if not ready.wait(timeout) or not found:
+            raise AssertionError(f"{what} did not start: " + b"".join(lines).decode(errors="replace")[-2000:])
+        yield proc, found[0]
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -1,0 +1,133 @@
+"""The shipped Grafana dashboard against what it reads: every query run on a real Prometheus scraping two
+real agents (demo nodes of two jobs) and a real server pulling them, over loopback.
+
+A dashboard is only as good as its queries: a renamed metric, a join that matches many-to-many or a
+typo in a label shows as an empty panel, which nobody notices until an incident. Grafana's own
+variables are substituted as Grafana would with "All" selected.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.agent.running import agent_process, prometheus_process, requires_prometheus, server_process
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "gpufleet.json"
+DEADLINE_SECONDS = 90.0
+POLL_SECONDS = 0.5
+GPUS = 16          # two demo nodes of 8 GPUs
+# Panels that have data whenever agents and server run; the rest may rightly be empty (no alert firing,
+# no throttling, no rejected payload, no job baseline yet), but their queries must still be valid.
+ALWAYS = {
+    "SM activity per GPU": (0.0, 1.0),
+    "Utilization per GPU": (0.0, 1.0),
+    "Power per GPU": (10.0, 800.0),
+    "SM clock per GPU": (1e8, 3e9),
+    "Temperature": (20.0, 100.0),
+    "Stragglers by job": (0.0, 0.0),
+    "Communication- / input-bound": (0.0, 1.0),
+    "Agents up": (2.0, 2.0),
+    "Pull cycle and engine tick": (0.0, 5.0),
+}
+PER_GPU = {"SM activity per GPU", "Utilization per GPU", "Power per GPU", "SM clock per GPU"}
+
+
+def panels(doc: dict) -> list[dict]:
+    out = []
+    for panel in doc["panels"]:
+        out.append(panel)
+        out.extend(panels(panel) if "panels" in panel else [])
+    return out
+
+
+def grafana(expr: str) -> str:
+    """The query Grafana sends with every variable at All (allValue `.*`) and 1 s scrapes."""
+    return expr.replace("$node", ".*").replace("$hpc_job", ".*").replace("$__rate_interval", "10s")
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def test_panels_are_well_formed(dashboard: dict) -> None:
+    ids = [p["id"] for p in panels(dashboard)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in panels(dashboard):
+        if panel["type"] == "row":
+            continue
+        assert set(panel["gridPos"]) == {"x", "y", "w", "h"}, panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+            assert target["expr"].count("(") == target["expr"].count(")"), panel["title"]
+    names = {v["name"] for v in dashboard["templating"]["list"]}
+    assert names == {"datasource", "node", "hpc_job"}
+
+
+@requires_prometheus
+def test_every_query_runs_on_real_prometheus_and_the_panels_have_data(dashboard: dict, tmp_path) -> None:
+    with agent_process("--simulate", "demo", "--node", "dgx-01") as (_, port_a), \
+            agent_process("--simulate", "demo", "--node", "dgx-03") as (_, port_b), \
+            server_process(tmp_path, "--targets", f"127.0.0.1:{port_a},127.0.0.1:{port_b}",
+                           "--pull.interval", "1s", "--pull.timeout", "1s") as (_, port_s), \
+            prometheus_process(tmp_path, [port_a, port_b, port_s]) as (prom, prom_port, log_path):
+        api = httpx.Client(base_url=f"http://127.0.0.1:{prom_port}/api/v1", timeout=10)
+
+        def query(expr: str) -> list[dict]:
+            answer = api.get("/query", params={"query": expr}).json()
+            assert answer["status"] == "success", (expr, answer)
+            return answer["data"]["result"]
+
+        # Until every panel can have data: a rate needs two scrapes, job gauges need an engine tick.
+        waiter = threading.Event()
+        counted = jobs = 0
+        for _ in range(int(DEADLINE_SECONDS / POLL_SECONDS)):
+            assert prom.poll() is None, log_path.read_text(errors="replace")[-2000:]
+            try:
+                counted = len(query("count_over_time(gpufleet_gpu_active_seconds_total[10s]) >= 3"))
+                jobs = len(query("gpufleet_job_stragglers"))
+            except httpx.TransportError:      # Prometheus not listening yet
+                counted = jobs = 0
+            if counted == 2 * GPUS and jobs == 2:       # two readings per GPU
+                break
+            waiter.wait(POLL_SECONDS)
+        else:
+            pytest.fail(f"Prometheus never had three scrapes of both agents ({counted} of {2 * GPUS} series) "
+                        f"and the server's job gauges ({jobs} of 2 jobs)")
+
+        exported = set()
+        for port in (port_a, port_b, port_s):
+            body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", body, re.M):
+                exported |= {name, f"{name}_total"} if kind == "counter" else {name}
+        for variable in dashboard["templating"]["list"]:
+            if variable["type"] == "query":
+                metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variable["definition"]).groups()
+                values = api.get(f"/label/{label}/values", params={"match[]": metric}).json()["data"]
+                assert values == {"node": ["dgx-01", "dgx-03"], "hpc_job": ["71001", "71002"]}[label], \
+                    (variable["definition"], values)
+
+        for panel in panels(dashboard):
+            for target in panel.get("targets", []):
+                expr = grafana(target["expr"])
+                unknown = set(re.findall(r"gpufleet_\w+", expr)) - exported
+                assert not unknown, f"{panel['title']}: no such metric {sorted(unknown)}"
+                result = query(expr)
+                if panel["title"] not in ALWAYS:
+                    continue
+                assert result, f"{panel['title']}: empty ({expr})"
+                low, high = ALWAYS[panel["title"]]
+                for series in result:
+                    assert low <= float(series["value"][1]) <= high, (panel["title"], series)
+                if panel["title"] in PER_GPU:
+                    keys = {(s["metric"]["node"], s["metric"]["gpu"]) for s in result}
+                    assert len(keys) == len(result) == GPUS, (panel["title"], [s["metric"] for s in result])
+                    if "hpc_job" in expr:
+                        assert {s["metric"]["hpc_job"] for s in result} == {"71001", "71002"}, panel["title"]
