@@ -254,10 +254,7 @@ class PrometheusSource(IngestAccounting):
             present = [(index, g) for index, g in sorted(gpus.items()) if g.readings is not None]
             if not present or taken <= self._newest.get(node, float("-inf")):
                 continue     # the same sample scraped again (an agent whose sampling is stuck): not new
-            rows = [self._row(index, g) for index, g in present]
-            for row, (_, g) in zip(rows, present):
-                if g.activity:
-                    self._activity_means(node, taken, g, row)
+            rows = [self._with_activity_means(node, taken, g, self._row(index, g)) for index, g in present]
             out.append({"schema": 1, "node": node, "time": taken, "gpus": rows})
             self._newest[node] = taken
             instance = sources.get((node, at))
@@ -268,10 +265,10 @@ class PrometheusSource(IngestAccounting):
             self._activity = {k: v for k, v in self._activity.items() if v[2] >= horizon}
         return out, arrived
 
-    def _activity_means(self, node: str, taken: float, g: _Gpu, row: dict[str, Any]) -> None:
-        """Replace the GPU's ratio gauges by the mean since its previous delivered scrape, from the agent's
-        activity counters. Without a previous scrape, or after the counters went back (the agent
-        restarted), the gauge stays."""
+    def _with_activity_means(self, node: str, taken: float, g: _Gpu, row: dict[str, Any]) -> dict[str, Any]:
+        """The row with its ratio gauges replaced by the mean since the GPU's previous delivered scrape, from
+        the agent's activity counters. Without a previous scrape, or after the counters went back (the
+        agent restarted), the gauge stays."""
         for reading, (active, sampled) in (g.activity or {}).items():
             field = _ACTIVITY_FIELDS.get(reading)
             if field is None or not (active == active and sampled == sampled):
@@ -284,6 +281,7 @@ class PrometheusSource(IngestAccounting):
             d_active, d_sampled = active - previous[0], sampled - previous[1]
             if d_sampled > 0 and 0 <= d_active <= d_sampled * (1 + 1e-9):
                 row[field] = min(d_active / d_sampled, 1.0)
+        return row
 
     def _series_key(self, labels: Mapping[str, Any]) -> tuple[str, str, int, str] | None:
         """(metric, node, GPU index, uuid) of one series (index -1 and no uuid for the node's sample age),
