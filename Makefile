@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-live eval crosscheck agent-demo clean
+.PHONY: demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ bench: $(STAMP)
 # About 7 minutes: 500 and 1,000 fake agents on loopback pulled by a real server.
 bench-live: $(STAMP)
 	$(BIN)/python -m bench.server_live_bench
+
+# About 5 minutes (needs the prometheus binary): the same fake agents read through a real Prometheus.
+bench-live-prometheus: $(STAMP)
+	$(BIN)/python -m bench.server_live_bench --ingest prometheus --agents 250 500 1000 --duration 60
 
 # Precision, recall and time to fire over the scenario suite; rewrites its section of docs/detection.md.
 eval: $(STAMP)

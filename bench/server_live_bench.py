@@ -7,6 +7,13 @@ time-advancing snapshot-contract payloads (8 GPUs, one snapshot per second, cumu
 counters that grow). The server is the real `gpufleet-server serve` in its own process, pinned to
 the given CPUs, discovering the agents through a file_sd file. We sample the server's CPU time and
 RSS from /proc and its own /metrics (pull cycle duration, engine tick, samples ingested, overruns).
+
+    python -m bench.server_live_bench --ingest prometheus --agents 250 500 --server-cpus 0,1
+
+reads the agents through a real Prometheus instead (`--ingest.prometheus-url`): the fake agents also
+answer `/metrics` with the agent's own exposition (its renderer, every series of an 8-GPU H100 node,
+energy and activity counters advancing), a `prometheus` binary on PATH scrapes them every interval
+through the same file_sd file, and its CPU and RSS are reported beside the server's.
 """
 
 from __future__ import annotations
@@ -19,13 +26,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 
+from agent.exposition import Renderer, render_age
+from agent.health import AgentHealth
 from agent.model import GpuSample, NodeSnapshot
 
 GPUS_PER_NODE = 8
@@ -33,9 +44,9 @@ RETENTION_SECONDS = 300
 _ENERGY_MARK = 987654321.5
 
 
-def gpu_template(node: str, index: int) -> tuple[bytes, bytes]:
-    """The GPU's JSON split around its energy counter, which is the one value that advances."""
-    sample = GpuSample(
+def gpu_sample(node: str, index: int) -> GpuSample:
+    """The fake node's GPU, its energy counter at a marker value."""
+    return GpuSample(
         index=index, uuid=f"GPU-{node}-{index:02d}", model="NVIDIA H100 80GB HBM3", hpc_job=f"job-{hash(node) % 97}",
         pci_bus_id=f"00000000:{index + 16:02X}:00.0", utilization_ratio=1.0, memory_utilization_ratio=0.4,
         sm_active_ratio=0.78 + index * 0.002, sm_occupancy_ratio=0.45, memory_used_bytes=60 * 2**30,
@@ -48,7 +59,11 @@ def gpu_template(node: str, index: int) -> tuple[bytes, bytes]:
         pcie_rx_bytes_total=10**10, ecc_corrected_errors_total=0, ecc_uncorrected_errors_total=0,
         xid_errors_total=0,
     )
-    raw = orjson.dumps(sample.to_dict())
+
+
+def gpu_template(node: str, index: int) -> tuple[bytes, bytes]:
+    """The GPU's JSON split around its energy counter, which is the one value that advances."""
+    raw = orjson.dumps(gpu_sample(node, index).to_dict())
     before, _, after = raw.partition(orjson.dumps(_ENERGY_MARK))
     return before, after
 
@@ -64,6 +79,9 @@ class FakeAgent:
                             sample_duration_seconds=0.004).to_dict()
         del head["gpus"], head["time"]
         self.head = orjson.dumps(head)[:-1]
+        self._samples = [gpu_sample(node, i) for i in range(GPUS_PER_NODE)]
+        self._exposition: tuple[NodeSnapshot, bytes] | None = None
+        self._renderer = Renderer()
 
     def snapshot(self, t: float) -> bytes:
         """One snapshot at time t."""
@@ -80,6 +98,23 @@ class FakeAgent:
         snaps = b",".join(self.snapshot(float(t)) for t in range(first, now + 1))
         return b'{"schema":1,"node":"' + self.node.encode() + b'","snapshots":[' + snaps + b"]}"
 
+    def metrics(self) -> bytes:
+        """The /metrics body as the agent renders it: the newest whole-second sample, re-rendered once per
+        new sample (as the agent does), plus the per-scrape sample age."""
+        now = time.time()
+        t = float(int(now))
+        if self._exposition is None or self._exposition[0].time != t:
+            elapsed = t - self.t0
+            gpus = tuple(replace(g, energy_joules_total=1e6 + elapsed * 610.0 + g.index) for g in self._samples)
+            snap = NodeSnapshot(node=self.node, time=t, gpus=gpus, driver_version="550.54.15",
+                                sample_duration_seconds=0.004)
+            activity = {g.uuid: {"utilization": (elapsed * g.utilization_ratio, elapsed),
+                                 "sm_active": (elapsed * g.sm_active_ratio, elapsed)} for g in gpus}
+            health = AgentHealth(node=self.node, version="bench", nvml_up=True, cycles_total=int(elapsed))
+            self._exposition = (snap, self._renderer.render(snap, health, activity))
+        snap, body = self._exposition
+        return body + render_age(now, snap, self.node)
+
 
 async def serve_agent(agent: FakeAgent, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """A tiny keep-alive HTTP/1.1 responder for GET /snapshots."""
@@ -87,11 +122,14 @@ async def serve_agent(agent: FakeAgent, reader: asyncio.StreamReader, writer: as
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
             target = head.split(b" ", 2)[1].decode()
-            since = None
-            if "since=" in target:
-                since = float(target.split("since=", 1)[1].split("&", 1)[0])
-            body = agent.answer(since)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+            if target.startswith("/metrics"):
+                body, kind = agent.metrics(), b"text/plain; version=0.0.4"
+            else:
+                since = None
+                if "since=" in target:
+                    since = float(target.split("since=", 1)[1].split("&", 1)[0])
+                body, kind = agent.answer(since), b"application/json"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + kind + b"\r\ncontent-length: "
                          + str(len(body)).encode() + b"\r\n\r\n" + body)
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
@@ -151,35 +189,77 @@ def wait_for_file(path: Path, process: subprocess.Popen[bytes], timeout: float) 
 
 
 def run_one(count: int, duration: float, interval: float, server_cpus: set[int] | None,
-            helper_cpus: set[int] | None, engine_yaml: str) -> dict[str, Any]:
-    """Start N fake agents and a server, measure for `duration` seconds after a warm-up."""
+            helper_cpus: set[int] | None, engine_yaml: str, ingest: str = "direct",
+            history: float = 0.0) -> dict[str, Any]:
+    """Start N fake agents and a server (pulling them, or reading them from a Prometheus that scrapes
+    them), measure for `duration` seconds after a warm-up."""
     work = Path(tempfile.mkdtemp(prefix="gpufleet-bench-"))
     sd_file = work / "agents.json"
     helper = subprocess.Popen([sys.executable, "-m", "bench.server_live_bench", "--fake-agents", str(count),
                                "--sd-file", str(sd_file)])
     if helper_cpus:
         os.sched_setaffinity(helper.pid, helper_cpus)
-    server = None
+    server = prometheus = None
     try:
         wait_for_file(sd_file, helper, 120)
         port = _free_port()
         config = work / "server.yaml"
-        config.write_text(f"targets.file-sd: {sd_file}\nweb.listen-address: 127.0.0.1:{port}\n"
+        if ingest == "prometheus":
+            prometheus, prom_url = start_prometheus(work, sd_file, interval)
+            if helper_cpus:
+                os.sched_setaffinity(prometheus.pid, helper_cpus)
+            time.sleep(history)     # what Prometheus holds when the server starts: its first query asks for it
+            source = f"ingest.prometheus-url: {prom_url}\n"
+        else:
+            source = f"targets.file-sd: {sd_file}\n"
+        config.write_text(f"{source}web.listen-address: 127.0.0.1:{port}\n"
                           f"pull.interval: {interval}\nstorage.path: {work / 'alerts.db'}\nlog.level: warning\n"
                           f"{engine_yaml}")
         server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config.file", str(config)])
         if server_cpus:
             os.sched_setaffinity(server.pid, server_cpus)
-        return measure(server, helper, f"http://127.0.0.1:{port}/metrics", count, duration, interval)
+        row = measure(server, helper, f"http://127.0.0.1:{port}/metrics", count, duration, interval, prometheus)
+        return {"ingest": ingest, "history_s": history, **row}
     finally:
-        for p in (server, helper):
+        for p in (server, prometheus, helper):
             if p is not None:
                 p.terminate()
                 p.wait(timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def start_prometheus(work: Path, sd_file: Path, interval: float) -> tuple[subprocess.Popen[bytes], str]:
+    """A real Prometheus scraping the fake agents listed in sd_file every interval; waits until ready."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise SystemExit("--ingest prometheus needs a prometheus binary on PATH (apt-get install prometheus)")
+    port = _free_port()
+    config = work / "prometheus.yml"
+    config.write_text(
+        f"global: {{scrape_interval: {interval:g}s, scrape_timeout: {interval:g}s}}\n"
+        "scrape_configs:\n"
+        "  - job_name: gpufleet-agent\n"
+        f"    file_sd_configs: [{{files: ['{sd_file}']}}]\n")
+    proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.terminate()
+    raise RuntimeError("prometheus did not become ready")
 
 
 def measure(server: subprocess.Popen[bytes], helper: subprocess.Popen[bytes], url: str, count: int,
-            duration: float, interval: float) -> dict[str, Any]:
+            duration: float, interval: float, prometheus: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
     """Warm up for 3 pulls, then sample CPU, RSS and the server's metrics every pull interval."""
     warmup = 3 * interval + 5
     time.sleep(warmup)
@@ -187,13 +267,18 @@ def measure(server: subprocess.Popen[bytes], helper: subprocess.Popen[bytes], ur
     with httpx.Client(timeout=10) as client:
         first = scrape(client, url)
         cpu0, helper0, t0 = proc_cpu_seconds(server.pid), proc_cpu_seconds(helper.pid), time.monotonic()
+        prom0 = proc_cpu_seconds(prometheus.pid) if prometheus else 0.0
+        prom_rss = []
         while time.monotonic() - t0 < duration:
             time.sleep(interval)
             m = scrape(client, url)
             cycles.append(m.get("gpufleet_server_pull_cycle_duration_seconds", float("nan")))
             ticks.append(m.get("gpufleet_server_engine_tick_duration_seconds", float("nan")))
             rss.append(proc_rss_bytes(server.pid))
+            if prometheus:
+                prom_rss.append(proc_rss_bytes(prometheus.pid))
         cpu1, helper1, t1 = proc_cpu_seconds(server.pid), proc_cpu_seconds(helper.pid), time.monotonic()
+        prom1 = proc_cpu_seconds(prometheus.pid) if prometheus else 0.0
         last = scrape(client, url)
     elapsed = t1 - t0
     ingested = last.get("gpufleet_server_samples_ingested_total", 0) - first.get("gpufleet_server_samples_ingested_total", 0)
@@ -204,11 +289,15 @@ def measure(server: subprocess.Popen[bytes], helper: subprocess.Popen[bytes], ur
         "rss_mb_max": round(max(rss) / 2**20), "rss_mb_last": round(rss[-1] / 2**20),
         "pull_cycle_s_median": round(statistics.median(cycles), 3), "pull_cycle_s_max": round(max(cycles), 3),
         "engine_tick_s_median": round(statistics.median(ticks), 3), "engine_tick_s_max": round(max(ticks), 3),
-        "snapshots_per_s": round(ingested / elapsed, 1), "expected_snapshots_per_s": count,
+        # Pulled, an agent's every 1 s sample arrives; through Prometheus, the one each scrape carried.
+        "snapshots_per_s": round(ingested / elapsed, 1),
+        "expected_snapshots_per_s": count if prometheus is None else round(count / interval, 1),
         "targets_up": int(last.get("gpufleet_server_target_up", 0)),
         "overruns": int(last.get("gpufleet_server_cycle_overruns_total", 0)
                         - first.get("gpufleet_server_cycle_overruns_total", 0)),
         "pull_errors": int(last.get("gpufleet_server_pull_errors_total", 0)),
+        **({"prometheus_cpu_percent": round(100 * (prom1 - prom0) / elapsed, 1),
+            "prometheus_rss_mb_max": round(max(prom_rss) / 2**20)} if prometheus else {}),
     }
 
 
@@ -232,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--server-cpus", default=None, help="pin the server to these CPUs, e.g. 0,1")
     parser.add_argument("--helper-cpus", default=None, help="pin the fake agents to these CPUs")
+    parser.add_argument("--ingest", choices=("direct", "prometheus"), default="direct",
+                        help="pull the agents (direct) or read them through a real Prometheus scraping them")
+    parser.add_argument("--prometheus-history", type=float, default=0.0, metavar="SECONDS",
+                        help="let Prometheus scrape this long before the server starts (its first query's range)")
     parser.add_argument("--engine", default="", help="engine settings as YAML flow mapping, e.g. '{window_seconds: 600}'")
     parser.add_argument("--fake-agents", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--sd-file", type=Path, help=argparse.SUPPRESS)
@@ -243,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for count in args.agents:
         row = run_one(count, args.duration, args.interval, _cpus(args.server_cpus), _cpus(args.helper_cpus),
-                      engine_yaml)
+                      engine_yaml, args.ingest, args.prometheus_history)
         print(json.dumps(row), flush=True)
         rows.append(row)
     print("\n| agents | GPUs | server CPU % | RSS max MB | pull cycle s (median / max) | engine tick s (median / max) "

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 import httpx
+import msgspec
 import orjson
 
 from server.ingest.puller import IngestAccounting, PullError, PullResult, TargetHealth, _default_parse
@@ -67,6 +68,28 @@ _AGE = "gpufleet_agent_sample_age_seconds"
 _ACTIVITY = {"gpufleet_gpu_active_seconds_total": 0, "gpufleet_gpu_active_sampled_seconds_total": 1}
 _ACTIVITY_FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio"}
 SELECTOR = "{__name__=~\"" + "|".join(sorted([*_FIELDS, *_ACTIVITY, _JOB_INFO, _XID, _AGE])) + "\"}"
+
+
+class _Series(msgspec.Struct, gc=False):
+    """One series of a range query's answer, its points' values as floats (the API writes them as strings)."""
+
+    metric: dict[str, str]
+    values: list[tuple[float, float]]
+
+
+class _Matrix(msgspec.Struct, gc=False):
+    result: list[_Series]
+
+
+class _MatrixAnswer(msgspec.Struct, gc=False):
+    status: str
+    data: _Matrix
+
+
+# A well-formed answer decodes in one typed pass (lax: "0.5" -> 0.5), several times faster than JSON to
+# Python objects and then per point; anything else (an error answer, a bad series or point, "+Inf")
+# takes the generic path, which keeps what is good and counts the rest.
+_MATRIX_DECODER = msgspec.json.Decoder(_MatrixAnswer, strict=False)
 
 
 @dataclass(slots=True)
@@ -110,6 +133,7 @@ class PrometheusSource(IngestAccounting):
         self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds),
                                          follow_redirects=False, headers={"accept": "application/json"})
         self._last_query: float | None = None
+        self._range_cap = max_lookback_seconds
         self._newest: dict[str, float] = {}          # node -> newest sample time already delivered
         # (node, uuid, reading) -> (seconds active, seconds sampled, sample time) at the last delivered scrape
         self._activity: dict[tuple[str, str, str], tuple[float, float, float]] = {}
@@ -133,16 +157,29 @@ class PrometheusSource(IngestAccounting):
         samples: list[Any] = []
         rejected = 0
         failed = 0
+        lookback = self._lookback(now)
         try:
-            series = await self._query(f"{SELECTOR}[{self._lookback(now):.0f}s]", now)
+            series = self._matrix(*await self._fetch(f"{SELECTOR}[{lookback:.0f}s]", now))
         except PullError as exc:
             failed = 1
             self._record_error(exc.reason, exc.detail)
+            if exc.reason in ("timeout", "oversized") and lookback > self._steady_range():
+                # A range Prometheus cannot answer in time (the first cycle's history of a big fleet, the
+                # backlog after an outage) would fail the same way every cycle: ask for less next time.
+                self._range_cap = max(self._steady_range(), lookback / 2)
+                log.warning("prometheus answer too slow or big, asking for less history",
+                            extra={"url": self.url, "lookback_seconds": lookback,
+                                   "next_lookback_seconds": self._range_cap})
             self._health = {t: replace(h, up=False, last_attempt=now, last_error=f"prometheus: {exc}",
                                        consecutive_failures=h.consecutive_failures + 1)
                             for t, h in self._health.items()}
         else:
+            skipped = 0.0 if self._last_query is None else now - lookback - self._last_query
+            if skipped > 0:
+                log.warning("scrapes older than the shortened lookback were skipped",
+                            extra={"url": self.url, "skipped_seconds": round(skipped, 3)})
             self._last_query = now
+            self._range_cap = min(self.max_lookback_seconds, 2 * self._range_cap)
             snapshots, arrived = self._assemble(series)
             for raw in snapshots:
                 try:
@@ -157,10 +194,16 @@ class PrometheusSource(IngestAccounting):
 
     def _lookback(self, now: float) -> float:
         """Range to ask for: since the last good query, plus two intervals for scrapes committed after it
-        under an earlier timestamp, capped; on the first cycle the cap, which warms the engine's windows."""
+        under an earlier timestamp, capped; on the first cycle the cap, which warms the engine's windows.
+        The cap halves after each answer that timed out or was too big (never below one cycle's range) and
+        doubles back after each good one."""
         if self._last_query is None:
-            return self.max_lookback_seconds
-        return min(self.max_lookback_seconds, max(now - self._last_query + 2 * self.interval_seconds, 1.0))
+            return self._range_cap
+        return min(self._range_cap, max(now - self._last_query + 2 * self.interval_seconds, 1.0))
+
+    def _steady_range(self) -> float:
+        """What one cycle asks for when nothing was missed."""
+        return 3 * self.interval_seconds
 
     async def _up(self, now: float) -> list[Any]:
         """Prometheus's `up` for the scrape jobs the agents are in (learned from their series), which
@@ -174,8 +217,12 @@ class PrometheusSource(IngestAccounting):
             self._record_error(exc.reason, f"up: {exc.detail}")
             return []
 
-    async def _query(self, promql: str, at: float) -> list[dict[str, Any]]:
-        """One instant query's result list; PullError on any failure."""
+    async def _query(self, promql: str, at: float) -> list[Any]:
+        """One instant query's result list, decoded generically; PullError on any failure."""
+        return _result(*await self._fetch(promql, at))
+
+    async def _fetch(self, promql: str, at: float) -> tuple[bytes | bytearray, int]:
+        """One instant query's raw answer and HTTP status; PullError when it cannot be had in time."""
         try:
             # httpx's timeout bounds each read; this bounds the whole answer, as for a pull.
             async with asyncio.timeout(self._timeout_seconds), self._client.stream(
@@ -185,37 +232,48 @@ class PrometheusSource(IngestAccounting):
                     buf += chunk
                     if len(buf) > self.max_answer_bytes:
                         raise PullError("oversized", f"over {self.max_answer_bytes} bytes")
-                status = response.status_code
+                return buf, response.status_code
         except (httpx.TimeoutException, TimeoutError):
             raise PullError("timeout") from None
         except httpx.ConnectError as exc:
             raise PullError("connect", str(exc)) from None
         except httpx.HTTPError as exc:
             raise PullError("http_error", exc.__class__.__name__) from None
-        try:
-            doc = orjson.loads(buf)
-        except orjson.JSONDecodeError:
-            raise PullError("malformed_json", f"HTTP {status}") from None
-        if not isinstance(doc, dict) or doc.get("status") != "success":
-            error = doc.get("error") if isinstance(doc, dict) else None
-            raise PullError("query_failed", f"HTTP {status}: {str(error)[:200]}")
-        data = doc.get("data")
-        result = data.get("result") if isinstance(data, dict) else None
-        if not isinstance(result, list):
-            raise PullError("schema", "answer without a result list")
-        return result
 
-    def _assemble(self, series: list[Any]) -> tuple[list[dict[str, Any]], dict[str, float]]:
-        """Snapshot-contract objects per (node, scrape) whose agent sample is newer than what was
-        delivered, and the newest delivered sample time per instance."""
-        scrapes: dict[tuple[str, float], dict[int, _Gpu]] = defaultdict(dict)
-        ages: dict[tuple[str, float], float] = {}
-        sources: dict[tuple[str, float], str] = {}
-        for s in series:
+    def _matrix(self, buf: bytes | bytearray, status: int) -> list[_Series]:
+        """A range query's series, typed; malformed series and points are counted and left out."""
+        if status == 200:
+            try:
+                answer = _MATRIX_DECODER.decode(buf)
+            except msgspec.DecodeError:
+                pass
+            else:
+                if answer.status == "success":
+                    return answer.data.result
+        out = []
+        for s in _result(buf, status):
             labels, values = (s.get("metric"), s.get("values")) if isinstance(s, dict) else (None, None)
             if not isinstance(labels, dict) or not isinstance(values, list):
                 self._record_error("schema", "series without metric labels or values")
                 continue
+            points = []
+            for point in values:
+                try:
+                    points.append((float(point[0]), float(point[1])))
+                except (TypeError, ValueError, IndexError):
+                    self._record_error("schema", f"bad sample {str(point)[:80]} in {labels.get('__name__')}")
+            out.append(_Series({str(k): v for k, v in labels.items()}, points))
+        return out
+
+    def _assemble(self, series: list[_Series]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        """Snapshot-contract objects per (node, scrape) whose agent sample is newer than what was
+        delivered, and the newest delivered sample time per instance."""
+        scrapes: dict[tuple[str, float], dict[int, _Gpu]] = defaultdict(dict)
+        by_gpu: dict[tuple[str, int], dict[float, _Gpu]] = {}     # the same records, by GPU then scrape
+        ages: dict[tuple[str, float], float] = {}
+        sources: dict[tuple[str, float], str] = {}
+        for s in series:
+            labels = s.metric
             key = self._series_key(labels)
             if key is None:
                 continue
@@ -227,24 +285,61 @@ class PrometheusSource(IngestAccounting):
                 self._jobs.add(job)
             # A scrape carries the agent's newest sample, taken before it: a scrape no later than the
             # newest delivered sample cannot carry a newer one.
-            newest = self._newest.get(node, float("-inf"))
-            for point in values:
-                try:
-                    at, value = float(point[0]), float(point[1])
-                except (TypeError, ValueError, IndexError):
-                    self._record_error("schema", f"bad sample {str(point)[:80]} in {name}")
-                    continue
+            newest = self._newest.get(node, -math.inf)
+            if name == _AGE:
+                for at, value in s.values:
+                    if at > newest:
+                        ages[(node, at)] = value
+                        if isinstance(instance, str):
+                            sources[(node, at)] = instance
+                continue
+            # What this series sets is the same at every point: decided once per series, not per point.
+            model = labels.get("model")
+            model = model if isinstance(model, str) else None
+            field, is_bool, reading, which, code = None, False, "", 0, ""
+            if name == _JOB_INFO:
+                job = labels.get("hpc_job") or None
+            elif name == _XID:
+                code = str(labels.get("xid"))
+            elif name in _ACTIVITY:
+                reading, which = str(labels.get("reading")), _ACTIVITY[name]
+            elif name in _FIELDS:
+                label, wanted, wanted_field = _FIELDS[name]
+                if label is None or labels.get(label) == wanted:
+                    field, is_bool = wanted_field, wanted_field in _BOOLS
+            else:
+                self._record_error("schema", f"series of an unexpected metric {name[:80]}")
+                continue
+            records = by_gpu.get((node, index))
+            if records is None:
+                records = by_gpu[(node, index)] = {}
+            for at, value in s.values:
                 if at <= newest:
                     continue
-                if isinstance(instance, str):
-                    sources[(node, at)] = instance
-                if name == _AGE:
-                    ages[(node, at)] = value
-                    continue
-                gpu = scrapes[(node, at)].get(index)
+                gpu = records.get(at)
                 if gpu is None:
-                    gpu = scrapes[(node, at)][index] = _Gpu(uuid)
-                self._put(gpu, name, labels, value)
+                    gpu = records[at] = scrapes[(node, at)][index] = _Gpu(uuid)
+                    if isinstance(instance, str):
+                        sources[(node, at)] = instance
+                if name == _JOB_INFO:
+                    if value == 1.0:
+                        gpu.job = job
+                    continue
+                if gpu.readings is None:
+                    gpu.readings = {}
+                if model is not None:
+                    gpu.model = model
+                if field is not None:
+                    gpu.readings[field] = bool(value) if is_bool else value
+                elif reading:
+                    if gpu.activity is None:
+                        gpu.activity = {}
+                    gpu.activity.setdefault(reading, [math.nan, math.nan])[which] = value
+                elif code:
+                    if gpu.xids is None:
+                        gpu.xids = {}
+                    # A count that is no finite number is left for the contract check to refuse.
+                    gpu.xids[code] = int(value) if math.isfinite(value) else value
         out = []
         arrived: dict[str, float] = {}
         for (node, at), gpus in sorted(scrapes.items(), key=lambda kv: kv[0][1]):
@@ -290,36 +385,11 @@ class PrometheusSource(IngestAccounting):
         if name == _AGE and isinstance(node, str) and node:
             return name, node, -1, ""
         gpu, uuid = labels.get("gpu"), labels.get("uuid")
-        if not all(isinstance(v, str) and v for v in (name, node, gpu, uuid)) or not gpu.isdigit():
+        if not (isinstance(name, str) and isinstance(node, str) and isinstance(gpu, str) and isinstance(uuid, str)
+                and name and node and uuid and gpu.isdigit()):
             self._record_error("schema", f"series without node/gpu/uuid labels: {str(labels)[:200]}")
             return None
         return name, node, int(gpu), uuid
-
-    @staticmethod
-    def _put(gpu: _Gpu, name: str, labels: Mapping[str, Any], value: float) -> None:
-        """File one sample of one series under its GPU."""
-        if name == _JOB_INFO:
-            if value == 1.0:
-                gpu.job = labels.get("hpc_job") or None
-            return
-        if gpu.readings is None:
-            gpu.readings = {}
-        if isinstance(labels.get("model"), str):
-            gpu.model = labels["model"]
-        if name == _XID:
-            if gpu.xids is None:
-                gpu.xids = {}
-            gpu.xids[str(labels.get("xid"))] = int(value)
-            return
-        which = _ACTIVITY.get(name)
-        if which is not None:
-            if gpu.activity is None:
-                gpu.activity = {}
-            gpu.activity.setdefault(str(labels.get("reading")), [math.nan, math.nan])[which] = value
-            return
-        label, wanted, field = _FIELDS[name]
-        if label is None or labels.get(label) == wanted:
-            gpu.readings[field] = bool(value) if field in _BOOLS else value
 
     @staticmethod
     def _row(index: int, g: _Gpu) -> dict[str, Any]:
@@ -356,3 +426,19 @@ class PrometheusSource(IngestAccounting):
     def _record_error(self, reason: str, detail: str) -> None:
         """Count one failed query or rejected series, under the Prometheus URL as the target."""
         self._count_error((self.url, reason), detail, "prometheus read rejected", {"url": self.url})
+
+
+def _result(buf: bytes | bytearray, status: int) -> list[Any]:
+    """The `result` list of a query's answer, decoded generically; PullError when the answer is no success."""
+    try:
+        doc = orjson.loads(buf)
+    except orjson.JSONDecodeError:
+        raise PullError("malformed_json", f"HTTP {status}") from None
+    if not isinstance(doc, dict) or doc.get("status") != "success":
+        error = doc.get("error") if isinstance(doc, dict) else None
+        raise PullError("query_failed", f"HTTP {status}: {str(error)[:200]}")
+    data = doc.get("data")
+    result = data.get("result") if isinstance(data, dict) else None
+    if not isinstance(result, list):
+        raise PullError("schema", "answer without a result list")
+    return result

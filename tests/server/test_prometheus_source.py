@@ -154,6 +154,41 @@ def test_cycles_deliver_each_scrape_once_and_ask_for_just_enough_history() -> No
     assert [t for q, t in prom.queries if not q.startswith("up")] == [1000.0, 1005.0, 1010.0, 2000.0]
 
 
+def test_a_range_prometheus_cannot_answer_in_time_is_halved_until_it_can_then_grows_back() -> None:
+    # A big fleet's five minutes of history (the first cycle, or the backlog after an outage) can take
+    # Prometheus longer than the timeout; asked for again each cycle it would fail forever.
+    prom = FakePrometheus()
+    slow = [True]
+
+    def slow_on_long_ranges(request: httpx.Request) -> httpx.Response:
+        query = request.url.params["query"]
+        if slow[0] and not query.startswith("up") and int(re.search(r"\[(\d+)s\]$", query).group(1)) > 60:
+            prom.queries.append((query, float(request.url.params["time"])))
+            raise httpx.ReadTimeout("too much to answer in time")
+        return prom.handler(request)
+
+    now = [1000.0]
+    src = PrometheusSource("http://prometheus:9090", transport=httpx.MockTransport(slow_on_long_ranges),
+                           clock=lambda: now[0], parse=parse_snapshot, interval_seconds=5.0,
+                           max_lookback_seconds=300.0)
+    delivered = []
+    for t in (1000.0, 1005.0, 1010.0, 1015.0, 1020.0, 1025.0):
+        now[0] = t
+        prom.stored = gpu_series("dgx-01", 0, [float(x) for x in range(705, int(t) + 1, 5)])
+        delivered += [s.time for s in run(src.pull_once()).samples]
+    slow[0] = False
+    now[0] = 2000.0                                                          # a long outage of the server itself
+    run(src.pull_once())
+
+    ranges = [int(re.search(r"\[(\d+)s\]$", q).group(1)) for q, _ in prom.queries if not q.startswith("up")]
+    # 300, 150 and 75 time out; 37.5 is answered, and from then on each cycle asks for what it missed. Each
+    # good answer doubles the cap back: after three, a long gap asks for the whole 300 s again.
+    assert ranges == [300, 150, 75, 38, 15, 15, 300]
+    assert src.errors[("http://prometheus:9090", "timeout")] == 3
+    # What the shortened range left out is a gap; nothing after it is lost or repeated.
+    assert delivered == [float(x) for x in range(980, 1026, 5)]
+
+
 def age_series(node: str, points: list[tuple[float, float]], instance: str = "10.0.0.1:9471") -> dict:
     """The agent's gpufleet_agent_sample_age_seconds: per node, set at each scrape."""
     return {"metric": {"__name__": "gpufleet_agent_sample_age_seconds", "node": node, "instance": instance,
