@@ -293,23 +293,13 @@ class PrometheusSource(IngestAccounting):
                         if isinstance(instance, str):
                             sources[(node, at)] = instance
                 continue
-            # What this series sets is the same at every point: decided once per series, not per point.
-            model = labels.get("model")
-            model = model if isinstance(model, str) else None
-            field, is_bool, reading, which, code = None, False, "", 0, ""
-            if name == _JOB_INFO:
-                job = labels.get("hpc_job") or None
-            elif name == _XID:
-                code = str(labels.get("xid"))
-            elif name in _ACTIVITY:
-                reading, which = str(labels.get("reading")), _ACTIVITY[name]
-            elif name in _FIELDS:
-                label, wanted, wanted_field = _FIELDS[name]
-                if label is None or labels.get(label) == wanted:
-                    field, is_bool = wanted_field, wanted_field in _BOOLS
-            else:
+            target = _target(name, labels)
+            if target is None:
                 self._record_error("schema", f"series of an unexpected metric {name[:80]}")
                 continue
+            field, is_bool, reading, which, code, hpc_job = target
+            model = labels.get("model")
+            model = model if isinstance(model, str) else None
             records = by_gpu.get((node, index))
             if records is None:
                 records = by_gpu[(node, index)] = {}
@@ -323,7 +313,7 @@ class PrometheusSource(IngestAccounting):
                         sources[(node, at)] = instance
                 if name == _JOB_INFO:
                     if value == 1.0:
-                        gpu.job = job
+                        gpu.job = hpc_job
                     continue
                 if gpu.readings is None:
                     gpu.readings = {}
@@ -426,6 +416,24 @@ class PrometheusSource(IngestAccounting):
     def _record_error(self, reason: str, detail: str) -> None:
         """Count one failed query or rejected series, under the Prometheus URL as the target."""
         self._count_error((self.url, reason), detail, "prometheus read rejected", {"url": self.url})
+
+
+def _target(name: str, labels: Mapping[str, Any]) -> tuple[str | None, bool, str, int, str, Any] | None:
+    """What every point of one GPU series sets (the same at each point, so decided once per series):
+    (contract field or None, whether it is a bool, activity reading, which activity counter, XID code,
+    hpc_job of a job-info series); None for a metric this source does not read."""
+    if name == _JOB_INFO:
+        return None, False, "", 0, "", labels.get("hpc_job") or None
+    if name == _XID:
+        return None, False, "", 0, str(labels.get("xid")), None
+    if name in _ACTIVITY:
+        return None, False, str(labels.get("reading")), _ACTIVITY[name], "", None
+    if name in _FIELDS:
+        label, wanted, field = _FIELDS[name]
+        if label is None or labels.get(label) == wanted:
+            return field, field in _BOOLS, "", 0, "", None
+        return None, False, "", 0, "", None
+    return None
 
 
 def _result(buf: bytes | bytearray, status: int) -> list[Any]:
