@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import orjson
@@ -22,6 +23,18 @@ def test_line_order_does_not_matter_and_open_alerts_have_no_resolved():
     assert [x.to_dict() for x in a] == [x.to_dict() for x in b]
     (alert,) = a
     assert alert.kind.value == "thermal_throttle" and alert.resolved is None and alert.started >= T0 + 230
+
+
+def test_the_closing_log_line_counts_the_gpu_samples_and_states_the_rate(caplog):
+    lines = cluster_lines(400, override=_hot)
+    caplog.set_level(logging.INFO, logger="server.replay")
+    run_replay(lines + [b"{broken"])
+    (done,) = [r for r in caplog.records if r.getMessage() == "replay done"]
+    gpus = sum(len(orjson.loads(line)["gpus"]) for line in lines)
+    assert (done.alerts, done.gpu_samples) == (1, gpus)
+    assert done.ticks > 0 and done.seconds > 0
+    # seconds is rounded to the millisecond in the record; the rate is taken before rounding.
+    assert abs(done.gpu_samples_per_second * done.seconds - gpus) <= done.gpu_samples_per_second * 0.0005 + 1
 
 
 def test_str_lines_and_blank_lines_are_accepted():
