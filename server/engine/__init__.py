@@ -140,8 +140,7 @@ class Engine:
         strag = straggler.detect(tick, self._straggler, self._straggler_index, halted)
         outcomes[AlertKind.STRAGGLER] = strag.outcome
         explained = self._explained(tick, outcomes, halted)
-        suppressed = explained | strag.standout_groups
-        work = workload.detect(tick, self.history, suppressed, self._workload)
+        work = workload.detect(tick, self.history, explained, strag.standout_groups, self._workload)
         outcomes[AlertKind.COMM_BOUND] = _only(work, AlertKind.COMM_BOUND)
         outcomes[AlertKind.INPUT_BOUND] = _only(work, AlertKind.INPUT_BOUND)
         outcomes.update(healths)
@@ -190,14 +189,28 @@ class Engine:
         lost_gpu_hang_seconds). Such a job hangs in its collective until it dies or NCCL times out:
         utilization high, activity gone job-wide. Nobody in it is a straggler and it is not comm- or
         input-bound; the lost GPU is the alert. A job still running after that has gone on without the
-        GPU (an elastic restart under the same job id) and is judged again."""
-        since = t - self.config.lost_gpu_hang_seconds
-        jobs = self.lifecycle.open_jobs((AlertKind.GPU_LOST,), since=since)
+        GPU (an elastic restart under the same job id) and is judged again.
+
+        Without attribution the job is unknown: it may span any unattributed node with GPUs of the lost
+        one's model, so every fallback group of that model is taken as hung, if the lost GPU ran work
+        (was busy within unattributed_idle_seconds before it was lost). In a hang one GPU drawing a
+        little more power than the others while all spin was named a straggler, on the lost GPU's node
+        and on another. The price: another unattributed job's straggler of that model goes unnamed
+        for as long."""
+        cfg = self.config
+        since = t - cfg.lost_gpu_hang_seconds
+        subjects = self.lifecycle.open_subjects((AlertKind.GPU_LOST,), since=since)
         for fp, f in lost.findings.items():
-            opened = self.lifecycle.opened(fp)
-            if opened is None or opened >= since:
-                jobs.add(f.hpc_job)
-        return self._job_groups(jobs)
+            # An open alert speaks for its GPU: its job was known when it opened, while the GPU's later
+            # findings carry none (a dead GPU reports no job).
+            if self.lifecycle.opened(fp) is None:
+                subjects[(f.hpc_job, f.node, f.gpu)] = t
+        halted = self._job_groups(job for job, _, _ in subjects)
+        for (job, node, gpu), opened in subjects.items():
+            slot = self.windows.slot_of.get((node, gpu)) if job is None else None
+            if slot is not None and self._last_busy_t[slot] >= opened - cfg.unattributed_idle_seconds:
+                halted |= self.registry.fallback_groups(int(self.windows.slot_model_id[slot]))
+        return halted
 
     def _job_groups(self, jobs) -> set[int]:
         """Group ids of the named jobs that have a group now."""

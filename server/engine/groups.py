@@ -190,6 +190,10 @@ class GroupRegistry:
         """JOB, NODE_MODEL or CLUSTER_MODEL."""
         return self.keys[gid][0]
 
+    def fallback_groups(self, model_id: int) -> set[int]:
+        """Every unattributed group of one GPU model: the per-node ones and the cluster-wide one."""
+        return {gid for key, gid in self.ids.items() if key[0] != JOB and key[-1] == model_id}
+
     def build(self, t: float, slot_job: np.ndarray, slot_node: np.ndarray, slot_model: np.ndarray,
               job_names: list[str], has_data: np.ndarray, busy: np.ndarray,
               engaged: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

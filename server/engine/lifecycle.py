@@ -135,9 +135,15 @@ class Lifecycle:
 
     def open_jobs(self, kinds: Iterable[AlertKind], since: float = float("-inf")) -> set[str]:
         """hpc_jobs with an open alert of the given kinds (opened at or after `since`)."""
+        return {job for job, _, _ in self.open_subjects(kinds, since) if job is not None}
+
+    def open_subjects(self, kinds: Iterable[AlertKind],
+                      since: float = float("-inf")) -> dict[tuple[str | None, str | None, int | None], float]:
+        """(hpc_job, node, gpu) of every open alert of the given kinds (opened at or after `since`), each
+        with when it opened."""
         wanted = set(kinds)
-        return {r.hpc_job for r in self.records.values()
-                if r.kind in wanted and r.hpc_job is not None and r.pending_since >= since}
+        return {(r.hpc_job, r.node, r.gpu): r.pending_since for r in self.records.values()
+                if r.kind in wanted and r.pending_since >= since}
 
     def restore(self, alerts: Iterable[Alert]) -> int:
         """Re-seed open alerts (ids, pending_since, started kept); returns how many were taken."""

@@ -64,6 +64,10 @@ _BOOLS = frozenset({"up", "remapped_rows_pending", "remapped_rows_failure"})
 _JOB_INFO = "gpufleet_gpu_job_info"
 _XID = "gpufleet_gpu_xid_errors_total"
 _AGE = "gpufleet_agent_sample_age_seconds"
+# A sample's time is the scrape's less the age the agent read while answering it, so it comes out early
+# by however long the answer took. The same sample scraped again then reads up to that much newer (on a
+# busy host, tenths of a second); a new one is a sampling period or more newer.
+_SAME_SAMPLE_SECONDS = 0.5
 # activity counter -> which of the pair; the `reading` label -> the contract field its mean replaces
 _ACTIVITY = {"gpufleet_gpu_active_seconds_total": 0, "gpufleet_gpu_active_sampled_seconds_total": 1}
 _ACTIVITY_FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio"}
@@ -337,7 +341,7 @@ class PrometheusSource(IngestAccounting):
             # time alone is off by up to a sampling period, which would skew every rate over the next one.
             taken = at - ages[(node, at)] if (node, at) in ages else at
             present = [(index, g) for index, g in sorted(gpus.items()) if g.readings is not None]
-            if not present or taken <= self._newest.get(node, float("-inf")):
+            if not present or taken <= self._newest.get(node, float("-inf")) + _SAME_SAMPLE_SECONDS:
                 continue     # the same sample scraped again (an agent whose sampling is stuck): not new
             rows = [self._with_activity_means(node, taken, g, self._row(index, g)) for index, g in present]
             out.append({"schema": 1, "node": node, "time": taken, "gpus": rows})

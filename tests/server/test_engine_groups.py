@@ -33,6 +33,17 @@ def test_jobs_group_by_name_and_unattributed_fall_back():
     assert (again == gid).all() and reg.first_seen[gid[0]] == 100.0
 
 
+def test_fallback_groups_of_a_model_are_its_unattributed_groups_on_every_node_and_cluster_wide():
+    reg = GroupRegistry()
+    slot_job = np.array([0, 0, -1, -1, -1, -1])
+    node = np.array([0, 0, 0, 1, 2, 2])
+    model = np.array([0, 0, 0, 0, 1, 1])
+    gid, ngid = reg.build(100.0, slot_job, node, model, ["71001"], np.ones(6, dtype=bool), np.ones(6, dtype=bool))
+    assert reg.fallback_groups(0) == {int(gid[2]), int(gid[3]), int(ngid[2])}
+    assert reg.fallback_groups(1) == {int(gid[4]), int(ngid[4])}
+    assert int(gid[0]) not in reg.fallback_groups(0) and reg.fallback_groups(7) == set()
+
+
 def test_an_unattributed_node_group_restarts_when_its_busy_set_changes():
     # Without attribution, a node's busy set changing is another job starting or ending there: the
     # old group's baseline and start-up no longer describe it. The id stays, so flapping GPUs cannot

@@ -211,6 +211,27 @@ def test_unattributed_gpus_fall_back_to_node_peers_and_say_so():
     assert s.evidence["peer_group"] == "node_model" and "attribution" in s.evidence["note"]
 
 
+def _lost_at_380(busy: bool):
+    """_slow_gpu without attribution, and GPU n0/7 falls off the bus at 380 s, after running work or idle."""
+    def override(t, node, gpu):
+        if (node, gpu) != ("n0", 7):
+            return _slow_gpu(t, node, gpu)
+        kw = {} if busy else {"utilization_ratio": 0.0, "sm_active_ratio": 0.0, "power_watts": 60.0}
+        return {**kw, "up": t < 380}
+    return override
+
+
+def test_an_unattributed_gpu_lost_while_busy_hangs_every_group_of_its_model_but_an_idle_one_nobody():
+    # Without attribution a lost GPU's job is unknown: every unattributed group of its model is taken as
+    # hung, so n1/3 goes unnamed (the price of not naming a spinning GPU of the hung job). A spare GPU
+    # that ran nothing hangs nobody, and n1/3 is named.
+    busy = _by_kind(cluster_lines(1000, override=_lost_at_380(True), job=None))
+    assert [(a.node, a.gpu) for a in busy["gpu_lost"]] == [("n0", 7)] and "straggler" not in busy
+    idle = _by_kind(cluster_lines(1000, override=_lost_at_380(False), job=None))
+    assert [(a.node, a.gpu) for a in idle["gpu_lost"]] == [("n0", 7)]
+    assert [(a.node, a.gpu) for a in idle["straggler"]] == [("n1", 3)]
+
+
 def _two_unattributed_jobs(t, node, gpu):
     """No hpc_job anywhere: GPUs 0-3 of each node run one job, GPUs 4-7 a lighter one (from 200 s)."""
     if gpu >= 4:

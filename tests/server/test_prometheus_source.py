@@ -256,6 +256,18 @@ def test_a_sample_scraped_again_is_not_delivered_again_and_the_agent_turns_stale
     assert src.health()[0].up and src.health()[0].stale
 
 
+def test_a_sample_scraped_again_after_a_slower_answer_is_still_the_same_sample() -> None:
+    # The age is read as the agent answers, the scrape's time is when Prometheus asked: the second scrape
+    # of one sample answered 40 ms slower puts it 40 ms later. A new sample is a sampling period later.
+    prom = FakePrometheus()
+    prom.stored = gpu_series("dgx-01", 0, [990.0, 995.0, 1000.0]) + [
+        age_series("dgx-01", [(990.0, 0.5), (995.0, 5.46), (1000.0, 0.3)])]
+    src, now = make_source(prom)
+    now[0] = 1001.0
+
+    assert [s.time for s in run(src.pull_once()).samples] == [989.5, 999.7]
+
+
 @pytest.mark.parametrize("answer, reason", [
     (httpx.ConnectError("refused"), "connect"),
     (httpx.ReadTimeout("slow"), "timeout"),

@@ -431,6 +431,7 @@ class _Result:
     temp_true: np.ndarray        # (T, G) die temperature incl. transients, before sensor noise
     bits: np.ndarray             # (T, G) throttle bits
     slowdown: np.ndarray         # (T, J) step time / step time without straggling causes - 1
+    own_slowdown: np.ndarray     # (T, G) the same had only this GPU been slowed (0 outside training)
     comm_growth: np.ndarray      # (T, J) step-time growth from comm slowdown
     util_drop: np.ndarray        # (T, J) share of step all GPUs idle waiting for input
     samples: dict[str, np.ndarray]   # field -> (K, G) readings at sample instants
@@ -484,7 +485,7 @@ class _Physics:
                  "pcie_tx", "pcie_rx", "mem_used", "mem_util", "cap_watts")
         out = {n: np.zeros((K, G)) for n in names}
         out["throttle"] = np.zeros((K, G, len(THROTTLE_LABELS)))
-        res = _Result(np.zeros((T, G)), np.zeros((T, G), dtype=np.int64), np.zeros((T, J)),
+        res = _Result(np.zeros((T, G)), np.zeros((T, G), dtype=np.int64), np.zeros((T, J)), np.zeros((T, G)),
                       np.zeros((T, J)), np.zeros((T, J)), out, steps)
         acc = {"energy": self.rng.uniform(1e8, 5e9, G), "nvl": self.rng.uniform(1e12, 1e14, G),
                "pcie_tx": self.rng.uniform(1e11, 1e13, G), "pcie_rx": self.rng.uniform(1e11, 1e13, G),
@@ -529,6 +530,12 @@ class _Physics:
         nominal = inp + sync_nom + comm
         has = member.any(axis=1)
         res.slowdown[t] = np.where(has, step_j / np.where(has, nominal, 1.0) - 1.0, 0.0)
+        # Each GPU's own share: a jitter on one rank slows the job, and must not count as the doing of
+        # another rank's incident that happens to be open meanwhile.
+        alone = np.maximum(np.append(sync_nom, 0.0)[jx], sch.host_idle[t] + comp)
+        own_step = np.append(inp, 0.0)[jx] + alone + np.append(comm, 0.0)[jx]
+        in_job = train & (job >= 0)
+        res.own_slowdown[t] = np.where(in_job, own_step / np.where(in_job, np.append(nominal, 1.0)[jx], 1.0) - 1.0, 0.0)
         base = sync_nom + self.comm[:J]
         res.comm_growth[t] = np.where(has, (comm - self.comm[:J]) / np.where(has, base, 1.0), 0.0)
         res.util_drop[t] = np.where(has, inp / np.where(has, step_j, 1.0), 0.0)
@@ -893,7 +900,12 @@ def _straggler_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident,
     trained = (sch.phase[:, g] == TRAIN) & (sch.job_at[:, g] == j)
     window = np.zeros(len(trained), dtype=bool)
     window[span.start:min(len(trained), span.stop + 30)] = True
-    slow = res.slowdown[:, j] * trained * window
+    if gpu_subject:
+        own = res.own_slowdown[:, g]
+    else:
+        gs = lay.node_gpus(inc.node)
+        own = np.where(sch.job_at[:, gs] == j, res.own_slowdown[:, gs], 0.0).max(axis=1)
+    slow = own * trained * window
     gpu = int(lay.local[g]) if gpu_subject else None
     hpc = spec.jobs[j].hpc_job
     out = []

@@ -59,8 +59,13 @@ class WorkloadState:
         return self._fps
 
 
-def detect(tick: Tick, history: GroupHistory, suppressed: set[int], state: WorkloadState) -> Outcome:
-    """Job-level comm_bound / input_bound findings."""
+def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set[int],
+           state: WorkloadState) -> Outcome:
+    """Job-level comm_bound / input_bound findings; none in groups whose drop is explained (a straggler,
+    thermal throttling, a lost GPU) or where someone stands out. Only an explanation clears an open
+    alert: a GPU standing out at the weaker margins for a tick or two while the whole job idles or
+    spins is noise (at 10 s sampling it reset a pending input_bound every minute, which then fired
+    three minutes late); the lifecycle's pending grace carries the alert over it."""
     cfg = tick.config
     grp = tick.groups
     reg = tick.registry
@@ -68,19 +73,22 @@ def detect(tick: Tick, history: GroupHistory, suppressed: set[int], state: Workl
     is_job = reg.is_job[:G]
     drop = tick.slowdown
     base_u = history.baseline("util")
-    sup = np.zeros(G, dtype=bool)
-    if suppressed:
-        sup[list(suppressed)] = True
+    why = np.zeros(G, dtype=bool)         # the drop has an explanation
+    if explained:
+        why[list(explained)] = True
+    held = why.copy()                    # no finding now
+    if standout:
+        held[list(standout)] = True
     aged = tick.t - reg.first_seen[:G] >= cfg.startup_grace_seconds + cfg.min_history_seconds
-    ok = is_job & (grp.size >= 2) & aged & ~sup
+    ok = is_job & (grp.size >= 2) & aged & ~held
     threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
     dropped = drop >= threshold
     comm = ok & dropped & (grp.util >= cfg.comm_min_utilization)
     inp = (ok & dropped & ~comm & (base_u - grp.util >= cfg.input_utilization_drop)
            & (grp.util >= cfg.job_active_utilization))
     recovered = drop < threshold / 2
-    comm_clear = recovered | (grp.util < cfg.comm_min_utilization - 0.1) | sup
-    inp_clear = recovered | (base_u - grp.util < cfg.input_utilization_drop / 2) | sup
+    comm_clear = recovered | (grp.util < cfg.comm_min_utilization - 0.1) | why
+    inp_clear = recovered | (base_u - grp.util < cfg.input_utilization_drop / 2) | why
     out = Outcome()
     by_fp = state.fingerprints(reg, is_job)
     for gid in (comm | inp).nonzero()[0].tolist():
