@@ -277,3 +277,16 @@ def test_a_gpu_standing_out_for_a_tick_now_and_then_does_not_hold_back_input_bou
     truth = next(t for t in trace.truths if t.kind == "input_bound")
     (alert,) = [a for a in run_replay(trace.lines) if a.kind.value == "input_bound"]
     assert alert.hpc_job == truth.hpc_job and alert.started - truth.start < 90.0
+
+
+@pytest.mark.parametrize("seed,interval_s", [(48, 1.0), (51, 10.0)])
+def test_jitters_back_to_back_name_nobody_once_the_gpu_recovered(run_replay, seed, interval_s):
+    # decoy_jitter, seeds never tuned on. Seed 48: three GPUs of one node slow in turn for 10-15 s each,
+    # the job waiting for 32 s in all; seed 51: one GPU slow twice, 14 s and 10 s, 4 s apart. A GPU that
+    # recovered reads its normal level at once, while its peers' 30 s medians hold their wait for up to
+    # 15-30 s more: on those medians alone it stood out long enough to be named a straggler.
+    spec = scenarios.BY_NAME["decoy_jitter"].build(seed)
+    assert spec.interval_s == interval_s
+    trace = generate(spec)
+    problems = _problems(trace, run_replay(trace.lines))
+    assert not problems, f"decoy_jitter seed={seed}\n  " + "\n  ".join(problems)

@@ -23,8 +23,11 @@ from server.engine.detectors import FingerprintIndex, Finding, Outcome, r3, subj
 from server.engine.groups import JOB, GroupLayout
 from server.engine.reduce import equal, nan_median_first_axis, nan_to_zero
 from server.engine.tick import Tick
+from server.engine.windows import B_CLOCK_RATIO, B_POWER, B_SLOW, B_SM, B_UTIL
 
 _SM, _PW, _CLK, _UTIL = range(4)
+# Binned rows of the newest readings: the levels (as groups.LEVELS), then the slowdown-bit share.
+_NOW_ROWS = np.array([B_SM, B_POWER, B_CLOCK_RATIO, B_UTIL, B_SLOW])
 _FAST_ALPHA = 0.3
 _COST_KEEP_SECONDS = 600.0
 _PAIR_KEY = 1 << 24
@@ -224,6 +227,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     waiting = (dropped | cross) & wait_util
     sig, weak = ((_signals(cfg, ex, sm, state.level_sm, gsm_unknown, m["slow"], gslow) | cut) & ~victim) | idle
     on = (eligible | eligible_cross) & waiting & sig
+    on &= _standing_now(tick, cfg, state, gi, gsm_unknown, on)
     # Offsets are learned only from GPUs doing what their peers do: not from one with its clocks cut (nor
     # from its full-clock peers meanwhile), nor from one idling well below its peers (a host-starved node)
     # - learned from those, the recovered GPU stood out in the culprit direction afterwards (an alert
@@ -253,6 +257,40 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     out.clear = _clear_test(tick, index, judged, warm, waiting, weak, cross, node_pairs, node_standout)
     state.prune(tick.t)
     return Result(out, standout)
+
+
+# The newest readings: the last two bins (one sample at 10 s sampling, ten at 1 s).
+_NOW_BINS = 2
+
+
+def _standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_unknown: np.ndarray,
+                  on: np.ndarray) -> np.ndarray:
+    """Per slot: whether a GPU found standing out over the smoothing window still does in its newest
+    readings, at the weaker margins (True where it has none: no evidence against).
+
+    The smoothing window's median lags by up to half its length. A GPU that recovered reads its normal
+    level at once, while its peers' medians still hold their wait: it stood on against them for another
+    15-30 s. Two brief jitters back to back, each shorter than the for duration, fired so (one GPU slow
+    twice at 10 s sampling; three GPUs slow in turn at 1 s, the middle one named).
+    """
+    if not on.any():
+        return on
+    n_now = min(_NOW_BINS, len(tick.held))
+    recent = tick.windows.recent(tick.k, n_now, _NOW_ROWS, tick.held[:n_now])      # (bins, rows, n)
+    now = nan_median_first_axis(recent[:, :_UTIL + 1])
+    slow_now = np.fmax.reduce(recent[:, _UTIL + 1], axis=0) if n_now else np.full(len(on), np.nan)
+    peers = tick.groups.members.layout.medians(now)[:, gi]
+    dev = np.empty_like(now)
+    dev[:_UTIL] = now[:_UTIL] / peers[:_UTIL] - 1.0
+    dev[_UTIL] = now[_UTIL] - peers[_UTIL]
+    ex = dev - nan_to_zero(state.offset[:, :len(on)])
+    weak = _SCALES[1, 0]
+    standing = ((ex[_SM] >= weak * cfg.straggler_sm_excess)
+                | (gsm_unknown & (ex[_PW] >= weak * cfg.straggler_power_excess))
+                | (-ex[_CLK] >= weak * cfg.straggler_clock_deficit)
+                | (-np.fmin(ex[_UTIL], dev[_UTIL]) >= weak * cfg.node_idle_gap)
+                | (slow_now >= 0.5))
+    return standing | np.isnan(now[_UTIL])
 
 
 def _group_conditions(tick: Tick, state: StragglerState, cfg, halted: set[int]) -> np.ndarray:
