@@ -187,6 +187,9 @@ def _decode(line: bytes | str) -> _Snapshot:
         return _DECODER.decode(line)
     except msgspec.DecodeError as exc:
         raise ContractError(str(exc)) from None
+    except UnicodeDecodeError:
+        # msgspec checks UTF-8 inside strings only as it builds them, and raises this, not DecodeError.
+        raise ContractError("a string in it is not valid UTF-8") from None
 
 
 def _build(snapshots: list[_Snapshot], identities: dict | None = None) -> list[NodeSample | ContractError]:

@@ -249,8 +249,8 @@ class PrometheusSource(IngestAccounting):
         if status == 200:
             try:
                 answer = _MATRIX_DECODER.decode(buf)
-            except msgspec.DecodeError:
-                pass
+            except (msgspec.DecodeError, UnicodeDecodeError):
+                pass        # the tolerant path below says what is wrong with it
             else:
                 if answer.status == "success":
                     return answer.data.result

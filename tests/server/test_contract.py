@@ -77,6 +77,14 @@ def test_non_finite_json_and_garbage_are_rejected():
             parse_line(line)
 
 
+def test_a_string_that_is_not_utf8_is_a_contract_error_and_parsing_goes_on():
+    good = snapshot_line("n0", T0, [healthy(0)])
+    bad = good.replace(b'"n0"', b'"n\xb80"')
+    results = list(parse_lines([good, bad, good]))
+    assert [type(r).__name__ for _, r in results] == ["NodeSample", "ContractError", "NodeSample"]
+    assert "UTF-8" in str(results[1][1])
+
+
 def test_oversized_line_is_rejected():
     with pytest.raises(ContractError, match="exceeds"):
         parse_line(b" " * (5 * 1024 * 1024))

@@ -272,6 +272,9 @@ def test_a_sample_scraped_again_after_a_slower_answer_is_still_the_same_sample()
     (httpx.ConnectError("refused"), "connect"),
     (httpx.ReadTimeout("slow"), "timeout"),
     (httpx.Response(503, content=b"<html>unavailable</html>"), "malformed_json"),
+    # A broken proxy's bytes inside a string: the typed decoder raises UnicodeDecodeError, not DecodeError.
+    (httpx.Response(200, content=b'{"status":"success","data":{"resultType":"matrix","result":'
+                                 b'[{"metric":{"node":"dgx-\xb8"},"values":[]}]}}'), "malformed_json"),
     (httpx.Response(400, content=orjson.dumps({"status": "error", "errorType": "bad_data", "error": "parse error"})),
      "query_failed"),
     (httpx.Response(200, content=orjson.dumps({"status": "success", "data": {"result": "nope"}})), "schema"),

@@ -279,14 +279,16 @@ def test_a_gpu_standing_out_for_a_tick_now_and_then_does_not_hold_back_input_bou
     assert alert.hpc_job == truth.hpc_job and alert.started - truth.start < 90.0
 
 
-@pytest.mark.parametrize("seed,interval_s", [(48, 1.0), (51, 10.0)])
-def test_jitters_back_to_back_name_nobody_once_the_gpu_recovered(run_replay, seed, interval_s):
-    # decoy_jitter, seeds never tuned on. Seed 48: three GPUs of one node slow in turn for 10-15 s each,
-    # the job waiting for 32 s in all; seed 51: one GPU slow twice, 14 s and 10 s, 4 s apart. A GPU that
-    # recovered reads its normal level at once, while its peers' 30 s medians hold their wait for up to
-    # 15-30 s more: on those medians alone it stood out long enough to be named a straggler.
-    spec = scenarios.BY_NAME["decoy_jitter"].build(seed)
+@pytest.mark.parametrize("name,seed,interval_s", [("decoy_jitter", 48, 1.0), ("decoy_jitter", 51, 10.0),
+                                                 ("busy_32", 74, 5.0)])
+def test_jitters_back_to_back_name_nobody_once_the_gpu_recovered(run_replay, name, seed, interval_s):
+    # Seeds never tuned on. decoy_jitter 48: three GPUs of one node slow in turn for 10-15 s each, the
+    # job waiting 32 s in all; 51: one GPU slow twice, 14 s and 10 s, 4 s apart; busy_32 74: one GPU
+    # slow twice, 12 s and 13 s, 12 s apart. A GPU that recovered reads its normal level at once, while
+    # its peers' 30 s medians hold their wait for 15-30 s more: on those medians alone it stood out long
+    # enough to be named a straggler.
+    spec = scenarios.BY_NAME[name].build(seed)
     assert spec.interval_s == interval_s
     trace = generate(spec)
     problems = _problems(trace, run_replay(trace.lines))
-    assert not problems, f"decoy_jitter seed={seed}\n  " + "\n  ".join(problems)
+    assert not problems, f"{name} seed={seed}\n  " + "\n  ".join(problems)

@@ -259,29 +259,26 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     return Result(out, standout)
 
 
-# The newest readings: the last two bins (one sample at 10 s sampling, ten at 1 s).
-_NOW_BINS = 2
-
-
 def _standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_unknown: np.ndarray,
                   on: np.ndarray) -> np.ndarray:
     """Per slot: whether a GPU found standing out over the smoothing window still does in its newest
-    readings, at the weaker margins (True where it has none: no evidence against).
+    readings (its newest bin, or the one before where that is empty), at the weaker margins; True where
+    it has neither (no evidence against).
 
     The smoothing window's median lags by up to half its length. A GPU that recovered reads its normal
     level at once, while its peers' medians still hold their wait: it stood on against them for another
-    15-30 s. Two brief jitters back to back, each shorter than the for duration, fired so (one GPU slow
-    twice at 10 s sampling; three GPUs slow in turn at 1 s, the middle one named).
+    15-30 s. Brief jitters back to back, each shorter than the for duration, fired so: one GPU slow twice
+    (10 s sampling, and 5 s with 12 s between), and three GPUs slow in turn (1 s, the middle one named).
+    A two-bin median still lagged enough to carry the 5 s case over its gap.
     """
     if not on.any():
         return on
-    n_now = min(_NOW_BINS, len(tick.held))
-    recent = tick.windows.recent(tick.k, n_now, _NOW_ROWS, tick.held[:n_now])      # (bins, rows, n)
-    now = nan_median_first_axis(recent[:, :_UTIL + 1])
-    slow_now = np.fmax.reduce(recent[:, _UTIL + 1], axis=0) if n_now else np.full(len(on), np.nan)
-    peers = tick.groups.members.layout.medians(now)[:, gi]
-    dev = np.empty_like(now)
-    dev[:_UTIL] = now[:_UTIL] / peers[:_UTIL] - 1.0
+    if len(tick.held) < 2:
+        return np.ones_like(on)
+    recent = tick.windows.recent(tick.k, 2, _NOW_ROWS, tick.held[:2])       # (2, rows, n), newest first
+    now = np.where(tick.held[0], recent[0], recent[1])
+    peers = tick.groups.members.layout.medians(now[:_UTIL + 1])[:, gi]
+    dev = now[:_UTIL + 1] / peers - 1.0
     dev[_UTIL] = now[_UTIL] - peers[_UTIL]
     ex = dev - nan_to_zero(state.offset[:, :len(on)])
     weak = _SCALES[1, 0]
@@ -289,7 +286,7 @@ def _standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_un
                 | (gsm_unknown & (ex[_PW] >= weak * cfg.straggler_power_excess))
                 | (-ex[_CLK] >= weak * cfg.straggler_clock_deficit)
                 | (-np.fmin(ex[_UTIL], dev[_UTIL]) >= weak * cfg.node_idle_gap)
-                | (slow_now >= 0.5))
+                | (now[_UTIL + 1] >= 0.5))
     return standing | np.isnan(now[_UTIL])
 
 
