@@ -185,6 +185,25 @@ def test_brief_jitter_is_ignored():
     assert "straggler" not in _by_kind(cluster_lines(700, override=jitter))
 
 
+def test_a_host_stalling_twice_briefly_is_not_named_but_longer_stalls_are():
+    # Node n1's host stalls for 15 s, runs 10 s, stalls 15 s more; the other nodes wait meanwhile. Its
+    # GPUs read normal again at once after each stall, while the other nodes' 30 s medians hold their
+    # wait for 15 s more: on those medians alone the node stood out for 30 s and was named. Two 20 s
+    # stalls are long enough on their own.
+    def stalls(seconds):
+        def override(t, node, gpu):
+            if 400 <= t < 400 + seconds or 410 + seconds <= t < 410 + 2 * seconds:
+                if node == "n1":
+                    return {"utilization_ratio": 0.55, "sm_active_ratio": 0.45, "power_watts": 350.0}
+                return {"sm_active_ratio": 0.55, "power_watts": 400.0}
+            return {}
+        return override
+
+    assert "straggler" not in _by_kind(cluster_lines(900, nodes=3, override=stalls(15)))
+    (s,) = _by_kind(cluster_lines(900, nodes=3, override=stalls(20)))["straggler"]
+    assert (s.node, s.gpu) == ("n1", None)
+
+
 def test_uniform_power_cap_makes_nobody_stand_out():
     def capped(t, node, gpu):
         if t >= 400:

@@ -649,7 +649,12 @@ def _node_level(tick: Tick, state: StragglerState,
     busier = np.where(node_busy & alike, act - nan_to_zero(off[1]), np.nan)
     score = np.fmax(idle / cfg.node_idle_gap, busier / act_margin)
     stands = (ready & waiting & (score >= 0.6)) | cut
-    on = (ready & waiting & (score >= 1.0)) | cut
+    on = ready & waiting & (score >= 1.0)
+    if on.any():
+        # As for a GPU (_standing_now): named only while its newest reading still sets it apart.
+        now = _pair_score_now(tick, lay, off, node_busy & alike, act_margin)
+        on &= ~(now < 0.6)
+    on |= cut
     if halted:
         live = ~np.isin(gids, list(halted))
         stands &= live
@@ -677,6 +682,24 @@ def _node_level(tick: Tick, state: StragglerState,
             slowdown = max(slowdown, gap[i] if pattern == "idle" else 1.0 - 1.0 / (1.0 + max(float(act[i]), 0.0)))
         findings.append(_slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern))
     return findings, standout, pairs
+
+
+def _pair_score_now(tick: Tick, lay: "_NodePairs", off: np.ndarray, judged_busy: np.ndarray,
+                    act_margin: np.ndarray) -> np.ndarray:
+    """Per (group, node) pair: _node_level's score (idle gap or activity excess over the learned offsets,
+    in margins) on the newest readings (see _standing_now); NaN where the node has none."""
+    cfg = tick.config
+    if len(tick.held) < 2:
+        return np.full(len(judged_busy), np.nan)
+    recent = tick.windows.recent(tick.k, 2, _NOW_ROWS[:_UTIL + 1], tick.held[:2])
+    nodes = lay.members.medians(np.where(tick.held[0], recent[0], recent[1]))
+    node_sm, node_pw, _, node_u = nodes[:, lay.sel_pairs]
+    o_sm, o_pw, _, o_u = _others(nodes, lay)[:, lay.sel_pairs]
+    act_sm = node_sm / o_sm - 1.0
+    act = np.where(np.isnan(act_sm), node_pw / o_pw - 1.0, act_sm)
+    idle = (o_u - node_u - off[0]) / cfg.node_idle_gap
+    busier = np.where(judged_busy, act - nan_to_zero(off[1]), np.nan) / act_margin
+    return np.fmax(idle, busier)
 
 
 def _node_wide_busy(tick: Tick, members: np.ndarray, rest: np.ndarray, act_margin: float) -> bool:
