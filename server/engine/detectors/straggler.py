@@ -273,10 +273,9 @@ def _standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_un
     """
     if not on.any():
         return on
-    if len(tick.held) < 2:
+    now = _newest(tick, _NOW_ROWS)
+    if now is None:
         return np.ones_like(on)
-    recent = tick.windows.recent(tick.k, 2, _NOW_ROWS, tick.held[:2])       # (2, rows, n), newest first
-    now = np.where(tick.held[0], recent[0], recent[1])
     peers = tick.groups.members.layout.medians(now[:_UTIL + 1])[:, gi]
     dev = now[:_UTIL + 1] / peers - 1.0
     dev[_UTIL] = now[_UTIL] - peers[_UTIL]
@@ -288,6 +287,16 @@ def _standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_un
                 | (-np.fmin(ex[_UTIL], dev[_UTIL]) >= weak * cfg.node_idle_gap)
                 | (now[_UTIL + 1] >= 0.5))
     return standing | np.isnan(now[_UTIL])
+
+
+def _newest(tick: Tick, rows: np.ndarray) -> np.ndarray | None:
+    """Each slot's newest reading of some binned rows, shape (len(rows), n): its newest bin's mean, or
+    the bin before's where the newest has no sample (every other bin at 10 s sampling); None before
+    the tick holds two bins."""
+    if len(tick.held) < 2:
+        return None
+    recent = tick.windows.recent(tick.k, 2, rows, tick.held[:2])            # (2, rows, n), newest first
+    return np.where(tick.held[0], recent[0], recent[1])
 
 
 def _group_conditions(tick: Tick, state: StragglerState, cfg, halted: set[int]) -> np.ndarray:
@@ -689,10 +698,10 @@ def _pair_score_now(tick: Tick, lay: "_NodePairs", off: np.ndarray, judged_busy:
     """Per (group, node) pair: _node_level's score (idle gap or activity excess over the learned offsets,
     in margins) on the newest readings (see _standing_now); NaN where the node has none."""
     cfg = tick.config
-    if len(tick.held) < 2:
+    now = _newest(tick, _NOW_ROWS[:_UTIL + 1])
+    if now is None:
         return np.full(len(judged_busy), np.nan)
-    recent = tick.windows.recent(tick.k, 2, _NOW_ROWS[:_UTIL + 1], tick.held[:2])
-    nodes = lay.members.medians(np.where(tick.held[0], recent[0], recent[1]))
+    nodes = lay.members.medians(now)
     node_sm, node_pw, _, node_u = nodes[:, lay.sel_pairs]
     o_sm, o_pw, _, o_u = _others(nodes, lay)[:, lay.sel_pairs]
     act_sm = node_sm / o_sm - 1.0
