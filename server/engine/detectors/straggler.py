@@ -195,10 +195,8 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     in_group = g >= 0
     gi = np.where(in_group, g, 0)
     peers = grp.levels[:, gi]                                 # each slot's group medians
-    gsm, gu = peers[_SM], peers[_UTIL]
-    dev = np.empty_like(tick.levels)
-    dev[:_UTIL] = tick.levels[:_UTIL] / peers[:_UTIL] - 1.0
-    dev[_UTIL] = u - gu
+    gsm = peers[_SM]
+    dev = _deviation(tick.levels, peers)
     (group_ok, cross_ok, dropped, wait_util, active, in_job,
      measured) = _group_conditions(tick, state, cfg, halted)[:, gi] & in_group
     warm_ticks = cfg.bins(cfg.startup_grace_seconds)
@@ -277,8 +275,7 @@ def _standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_un
     if now is None:
         return np.ones_like(on)
     peers = tick.groups.members.layout.medians(now[:_UTIL + 1])[:, gi]
-    dev = now[:_UTIL + 1] / peers - 1.0
-    dev[_UTIL] = now[_UTIL] - peers[_UTIL]
+    dev = _deviation(now[:_UTIL + 1], peers)
     ex = dev - nan_to_zero(state.offset[:, :len(on)])
     weak = _SCALES[1, 0]
     standing = ((ex[_SM] >= weak * cfg.straggler_sm_excess)
@@ -287,6 +284,23 @@ def _standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_un
                 | (-np.fmin(ex[_UTIL], dev[_UTIL]) >= weak * cfg.node_idle_gap)
                 | (now[_UTIL + 1] >= 0.5))
     return standing | np.isnan(now[_UTIL])
+
+
+def _deviation(levels: np.ndarray, peers: np.ndarray) -> np.ndarray:
+    """Per slot, rows as groups.LEVELS: SM activity, power and clock as a ratio to the peers' less 1,
+    utilization as the difference from the peers'."""
+    dev = levels / peers - 1.0
+    dev[_UTIL] = levels[_UTIL] - peers[_UTIL]
+    return dev
+
+
+def _node_activity(node_sm: np.ndarray, node_pw: np.ndarray, o_sm: np.ndarray,
+                   o_pw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A node's activity relative to the other nodes' less 1: SM activity, or power where that is
+    unsupported; and where power was used."""
+    act_sm = node_sm / o_sm - 1.0
+    by_power = np.isnan(act_sm)
+    return np.where(by_power, node_pw / o_pw - 1.0, act_sm), by_power
 
 
 def _newest(tick: Tick, rows: np.ndarray) -> np.ndarray | None:
@@ -614,10 +628,8 @@ def _node_level(tick: Tick, state: StragglerState,
     min_drop = np.where(np.isnan(drop_sm), cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
     gap = o_u - node_u
     steady = o_u >= cfg.straggler_waiting_utilization
-    # Activity of this node relative to the others: SM activity, or power where unsupported.
-    act_sm = node_sm / o_sm - 1.0
-    act = np.where(np.isnan(act_sm), node_pw / o_pw - 1.0, act_sm)
-    act_margin = np.where(np.isnan(act_sm), cfg.node_power_excess, cfg.straggler_sm_excess)
+    act, by_power = _node_activity(node_sm, node_pw, o_sm, o_pw)
+    act_margin = np.where(by_power, cfg.node_power_excess, cfg.straggler_sm_excess)
     # A node whose clocks are cut below the others', with slowdown bits they lack (a node-wide power brake,
     # HW slowdown), is slower whatever its activity says; as for a GPU (_clock_cut), no baseline needed.
     # The others then draw more power spinning at full clocks: that is not "busy while the others wait".
@@ -704,8 +716,7 @@ def _pair_score_now(tick: Tick, lay: "_NodePairs", off: np.ndarray, judged_busy:
     nodes = lay.members.medians(now)
     node_sm, node_pw, _, node_u = nodes[:, lay.sel_pairs]
     o_sm, o_pw, _, o_u = _others(nodes, lay)[:, lay.sel_pairs]
-    act_sm = node_sm / o_sm - 1.0
-    act = np.where(np.isnan(act_sm), node_pw / o_pw - 1.0, act_sm)
+    act, _ = _node_activity(node_sm, node_pw, o_sm, o_pw)
     idle = (o_u - node_u - off[0]) / cfg.node_idle_gap
     busier = np.where(judged_busy, act - nan_to_zero(off[1]), np.nan) / act_margin
     return np.fmax(idle, busier)
