@@ -1,0 +1,146 @@
+"""straggler: the GPU (or node) that holds its peer group back, never the peers waiting for it.
+
+Physics: in synchronous training one slow participant makes everyone else wait in collectives. The
+waiting peers keep utilization high but lose SM activity and power against the group's own baseline;
+the culprit stays busy (its SM activity stays high relative to the peers), or runs lower clocks, or
+shows throttle / power-brake / HW-slowdown bits. A host-bound node, or a single rank waiting on its own
+host, shows its GPUs idle (utilization low) while the rest of the job waits.
+
+Every comparison is against a GPU's *own* learned offset from its peers, learned while the group is
+not slowed, so slot position or silicon differences that were there all along never stand out. A GPU
+is only judged after startup_grace_seconds of being busy in its group, and only while the group as a
+whole is active and measurably slowed (which also rules out jitter, wind-down and uniform power caps).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.engine.detectors import FingerprintIndex, Outcome
+from server.engine.detectors.straggler.common import PW, SCALES, SM, UTIL
+from server.engine.detectors.straggler.gpus import (cuts, deviation, gpu_finding, group_conditions, learn,
+                                                   mixed_fallback, reset_moved, signals, standing_now)
+from server.engine.detectors.straggler.nodes import node_level, whole_node
+from server.engine.detectors.straggler.state import StragglerState
+from server.engine.reduce import nan_to_zero
+from server.engine.tick import Tick
+
+__all__ = ["Result", "StragglerState", "detect"]
+
+
+class Result:
+    """Straggler outcome plus which groups have someone standing out (suppresses comm/input-bound)."""
+
+    def __init__(self, outcome: Outcome, standout_groups: set[int]) -> None:
+        self.outcome = outcome
+        self.standout_groups = standout_groups
+
+
+def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: set[int] = frozenset()) -> Result:
+    """GPU-level and node-level straggler findings for this tick (none in halted groups: a job hung by a
+    lost GPU has no straggler among the GPUs left)."""
+    cfg = tick.config
+    n = tick.windows.n
+    state.fit(n)
+    if tick.groups.n_groups == 0:
+        return Result(Outcome(), set())
+    grp = tick.groups
+    g = grp.gid
+    reset_moved(state, g)
+    m = tick.med
+    u, sm = m["util"], m["sm"]
+    in_group = g >= 0
+    gi = np.where(in_group, g, 0)
+    peers = grp.levels[:, gi]                                 # each slot's group medians
+    gsm = peers[SM]
+    dev = deviation(tick.levels, peers)
+    (group_ok, cross_ok, dropped, wait_util, active, in_job,
+     measured) = group_conditions(tick, state, cfg, halted)[:, gi] & in_group
+    warm_ticks = cfg.bins(cfg.startup_grace_seconds)
+    busy = (u >= cfg.busy_utilization) & in_group
+    eligible = busy & (state.learned[:n] >= warm_ticks) & group_ok
+    gslow = grp.slow[gi]
+    cut, victim = cuts(tick, cfg, dev, gslow, gi, in_group)
+    ex = dev - nan_to_zero(state.offset)
+    # Peers at high utilization far below one GPU's activity are spinning, i.e. waiting for it,
+    # even when the job never had a healthy baseline (a straggler from the start).
+    gsm_unknown = np.isnan(gsm)
+    plain = np.where(gsm_unknown, ex[PW] / cfg.straggler_power_excess, ex[SM] / (2 * cfg.straggler_sm_excess))
+    # One rank waiting on its own host (a slow input pipeline, extra host-side work on rank 0, a checkpoint
+    # written by rank 0 alone) idles while its peers spin in the collective at full utilization:
+    # utilization below theirs, beyond its learned offset, is the culprit direction too. Only within a job:
+    # an unattributed GPU idling more than its node's others may just run other work. A GPU that was never
+    # warm (idle or far below its peers from the start) is judged by the cross-section alone, a gap of
+    # twice the margin as for activity, and only while it computes at all: a GPU of the allocation the
+    # job never uses holds nobody back.
+    starved = in_job & ~victim
+    idle_cross = starved & (u >= cfg.job_active_utilization) & (-dev[UTIL] >= 2 * cfg.node_idle_gap)
+    idle = starved & (-ex[UTIL] >= SCALES * cfg.node_idle_gap) | idle_cross
+    eligible |= idle[1] & (state.learned[:n] >= warm_ticks) & group_ok
+    cross = in_job & ((plain >= 1.0) | cut | idle_cross)
+    eligible_cross = ((busy & cross) | idle_cross) & cross_ok
+    waiting = (dropped | cross) & wait_util
+    sig, weak = ((signals(cfg, ex, sm, state.level_sm, gsm_unknown, m["slow"], gslow) | cut) & ~victim) | idle
+    on = (eligible | eligible_cross) & waiting & sig
+    on &= standing_now(tick, cfg, state, gi, gsm_unknown, on)
+    # Offsets are learned only from GPUs doing what their peers do: not from one with its clocks cut (nor
+    # from its full-clock peers meanwhile), nor from one idling well below its peers (a host-starved node)
+    # - learned from those, the recovered GPU stood out in the culprit direction afterwards (an alert
+    # that never cleared). Such a GPU is never warm either: a rank idling that much all along is judged
+    # by the cross-section alone.
+    idling = dev[UTIL] <= -cfg.node_idle_gap
+    learn(state, cfg, dev, sm, busy & wait_util & ~cut & ~victim & ~idling, waiting, in_job)
+    on &= ~mixed_fallback(tick, eligible & weak & in_group, gi)
+    out = Outcome()
+    standout = set(g[eligible & weak].tolist())
+    node_findings, node_standout, node_pairs = node_level(tick, state, halted)
+    # A node standing out as a whole explains its group's waiting: no GPU of that group is named.
+    for gid, _ in node_standout:
+        on &= g != gid
+    whole_findings, whole_standout, whole_pairs, on = whole_node(tick, state, on,
+                                                                  (eligible | eligible_cross) & waiting & weak,
+                                                                  idle[0])
+    for slot in on.nonzero()[0].tolist():
+        out.add(gpu_finding(tick, state, slot, ex[:, slot], dev[:, slot], bool(cross[slot]), bool(idle[0, slot])))
+    for f in node_findings + whole_findings:
+        out.add(f)
+    node_standout |= whole_standout
+    node_pairs.update(whole_pairs)
+    standout |= {gid for gid, _ in node_standout}
+    judged = (busy | starved) & active
+    warm = (state.learned[:n] >= warm_ticks) & measured
+    out.clear = _clear_test(tick, index, judged, warm, waiting, weak, cross, node_pairs, node_standout)
+    state.prune(tick.t)
+    return Result(out, standout)
+
+
+def _clear_test(tick: Tick, index: FingerprintIndex, judged: np.ndarray, warm: np.ndarray, waiting: np.ndarray,
+                weak: np.ndarray, cross: np.ndarray, node_pairs: dict[str, tuple[int, int]], node_standout: set[tuple[int, int]]):
+    """Clear once the GPU no longer stands out even at reduced margins, its group stopped waiting or
+    went idle, or it left the job.
+
+    Before the group has a baseline (a straggler from the job's start keeps one from forming, since
+    its open alert keeps the group's history from learning) only the cross-section can clear it: the
+    GPU no longer stands out from its peers. Without that it would never resolve.
+    """
+    w = tick.windows
+
+    def test(fp: str) -> bool | None:
+        pair = node_pairs.get(fp)
+        if pair is not None:
+            return pair not in node_standout
+        hit = index.get(w, fp)
+        if hit is None:
+            return None
+        slot, code = hit
+        if w.slot_job[slot] != code:
+            return True
+        if np.isnan(tick.med["util"][slot]):
+            return None
+        if not judged[slot]:
+            return True
+        if not warm[slot]:
+            return not (weak[slot] or cross[slot])
+        return not (waiting[slot] and weak[slot])
+
+    return test

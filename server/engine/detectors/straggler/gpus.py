@@ -1,0 +1,228 @@
+"""GPU-level straggler detection: which GPUs stand out from their peers in the culprit direction, what
+is learned from each, and the finding that names one."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from server.alerts import AlertKind, Severity
+from server.engine.detectors import Finding, r3, subject_fingerprint
+from server.engine.detectors.straggler.common import (CLK, NOW_ROWS, PW, SCALES, SM, UTIL, clock_cut, follow,
+                                                     learning_rate, newest)
+from server.engine.detectors.straggler.state import StragglerState
+from server.engine.groups import JOB
+from server.engine.reduce import nan_to_zero
+from server.engine.tick import Tick
+
+# Sign of the culprit direction of the SM, power and clock offsets (a culprit's clock is lower).
+_CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
+
+
+def standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_unknown: np.ndarray,
+                  on: np.ndarray) -> np.ndarray:
+    """Per slot: whether a GPU found standing out over the smoothing window still does in its newest
+    readings (its newest bin, or the one before where that is empty), at the weaker margins; True where
+    it has neither (no evidence against).
+
+    The smoothing window's median lags by up to half its length. A GPU that recovered reads its normal
+    level at once, while its peers' medians still hold their wait: it stood on against them for another
+    15-30 s. Brief jitters back to back, each shorter than the for duration, fired so: one GPU slow twice
+    (10 s sampling, and 5 s with 12 s between), and three GPUs slow in turn (1 s, the middle one named).
+    A two-bin median still lagged enough to carry the 5 s case over its gap.
+    """
+    if not on.any():
+        return on
+    now = newest(tick, NOW_ROWS)
+    if now is None:
+        return np.ones_like(on)
+    peers = tick.groups.members.layout.medians(now[:UTIL + 1])[:, gi]
+    dev = deviation(now[:UTIL + 1], peers)
+    ex = dev - nan_to_zero(state.offset[:, :len(on)])
+    weak = SCALES[1, 0]
+    standing = ((ex[SM] >= weak * cfg.straggler_sm_excess)
+                | (gsm_unknown & (ex[PW] >= weak * cfg.straggler_power_excess))
+                | (-ex[CLK] >= weak * cfg.straggler_clock_deficit)
+                | (-np.fmin(ex[UTIL], dev[UTIL]) >= weak * cfg.node_idle_gap)
+                | (now[UTIL + 1] >= 0.5))
+    return standing | np.isnan(now[UTIL])
+
+
+def deviation(levels: np.ndarray, peers: np.ndarray) -> np.ndarray:
+    """Per slot, rows as groups.LEVELS: SM activity, power and clock as a ratio to the peers' less 1,
+    utilization as the difference from the peers'."""
+    dev = levels / peers - 1.0
+    dev[UTIL] = levels[UTIL] - peers[UTIL]
+    return dev
+
+
+def group_conditions(tick: Tick, state: StragglerState, cfg, halted: set[int]) -> np.ndarray:
+    """Per-group conditions of detect(), stacked (7, n_groups) so one gather maps them to slots: old
+    and big enough to judge; steady long enough for the cross-section test; peers slowed against the
+    baseline; peers spinning; group active; a job group; slowdown measured."""
+    grp = tick.groups
+    G = grp.n_groups
+    big = grp.size >= cfg.straggler_min_group
+    active = grp.util >= cfg.job_active_utilization
+    aged = tick.t - tick.registry.first_seen[:G] >= cfg.startup_grace_seconds
+    steady = tick.t - state.steady_since(tick, cfg) >= cfg.startup_grace_seconds / 2
+    min_drop = np.where(tick.slowdown_source == 2, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
+    if halted:
+        big[list(halted)] = False
+    return np.array([aged & big & active, steady & big, tick.slowdown >= min_drop,
+                     grp.util >= cfg.straggler_waiting_utilization, active, tick.registry.is_job[:G],
+                     ~np.isnan(tick.slowdown)])
+
+
+def mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarray:
+    """Per slot: its group is an unattributed one (busy GPUs of one model on a node) where more than a
+    quarter of the GPUs stand out at once.
+
+    A straggler is one GPU, or a few, against many waiting peers. Without attribution a node's busy
+    GPUs may be two jobs: when one of them slows, the other job's GPUs all "stand out" against the
+    mixed median, each looking like a culprit. So many at once says the group is not one job, and
+    nobody in it is named. A job group is exempt: there a brake on half a node is a real finding.
+    """
+    grp = tick.groups
+    fallback = ~tick.registry.is_job[:grp.n_groups]
+    if not fallback.any() or not standing.any():
+        return np.zeros(len(gi), dtype=bool)
+    counts = np.bincount(gi[standing], minlength=grp.n_groups)
+    mixed = fallback & (counts > np.maximum(1, grp.size // 4))
+    return mixed[gi] & (grp.gid >= 0)
+
+
+def reset_moved(state: StragglerState, g: np.ndarray) -> None:
+    """A GPU that joined another group starts learning afresh."""
+    moved = (g >= 0) & (g != state.learned_gid[:len(g)])
+    if moved.any():
+        state.forget(np.flatnonzero(moved))
+        state.learned_gid[moved] = g[moved]
+
+
+def cuts(tick: Tick, cfg, dev: np.ndarray, gslow: np.ndarray, gi: np.ndarray,
+          in_group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot: clocks cut (see clock_cut), and "victim": a GPU without slowdown bits in a group where
+    some GPU's clocks are cut, whose activity excess is spinning at full clocks, not work.
+
+    Where a quarter or more of a group has slowdown bits, its median clock is no reference: a GPU with
+    bits whose clock is 8 % below the median of the GPUs *without* bits is cut too (a power brake on half
+    a node). dev[CLK] of such a GPU is set against those GPUs, for its signals and its evidence.
+    """
+    slow = tick.med["slow"]
+    cut = clock_cut(cfg, dev[CLK], slow, gslow)
+    bits = slow >= 0.5
+    grp = tick.groups
+    if (bits & (gslow >= 0.25)).any():
+        free_clock = grp.members.layout.medians(np.where(bits, np.nan, tick.levels[CLK])[None, :])[0]
+        dev_free = tick.levels[CLK] / free_clock[gi] - 1.0
+        # Where clocks are not reported, the bits alone, as long as the group has GPUs reporting none.
+        free = np.bincount(gi[in_group & (slow < 0.5)], minlength=grp.n_groups) > 0
+        more = bits & in_group & ((-dev_free >= cfg.straggler_clock_deficit)
+                                  | (np.isnan(tick.levels[CLK]) & free[gi]))
+        dev[CLK] = np.where(more, np.fmin(dev[CLK], dev_free), dev[CLK])
+        cut |= more
+    if not cut.any():
+        return cut, cut
+    cut_groups = np.bincount(gi[cut & in_group], minlength=grp.n_groups) > 0
+    return cut, in_group & cut_groups[gi] & ~cut & ~bits
+
+
+
+def signals(cfg, ex: np.ndarray, sm: np.ndarray, level_sm: np.ndarray, gsm_unknown: np.ndarray,
+             slow: np.ndarray, gslow: np.ndarray) -> np.ndarray:
+    """Culprit signals at each of SCALES x the configured margins, shape (2, n) (NaN comparisons are False)."""
+    stays_high = ~(sm < 0.85 * level_sm)
+    sm_excess = (ex[SM] >= SCALES * cfg.straggler_sm_excess) & stays_high
+    power_excess = gsm_unknown & (ex[PW] >= SCALES * cfg.straggler_power_excess)
+    clock_deficit = -ex[CLK] >= SCALES * cfg.straggler_clock_deficit
+    # Slowdown bits on one GPU and not its peers, confirmed by half a margin of a reading; where the
+    # GPU reports no clocks (the reading that shows what the bits do), the bits stand alone.
+    bits = ((slow >= 0.5) & ~(gslow >= 0.25)
+            & (np.isnan(ex[CLK]) | (-ex[CLK] >= SCALES * cfg.straggler_clock_deficit / 2)
+               | (ex[SM] >= SCALES * cfg.straggler_sm_excess / 2)
+               | (ex[PW] >= SCALES * cfg.straggler_power_excess / 2)))
+    return sm_excess | power_excess | clock_deficit | bits
+
+
+def learn(state: StragglerState, cfg, dev: np.ndarray, sm: np.ndarray, steady: np.ndarray,
+           waiting: np.ndarray, in_job: np.ndarray) -> None:
+    """Track each GPU's structural offset from its peers while its group runs steadily and unslowed.
+
+    The first startup_grace_seconds of steady running learn fast (forgetting the ramp-up); after that
+    the offsets follow slowly, and freeze while the group is slowed so a culprit is never absorbed.
+    """
+    n = len(steady)
+    warm_ticks = cfg.bins(cfg.startup_grace_seconds)
+    warming = state.learned[:n] < warm_ticks
+    learn = steady & (warming | ~waiting)
+    alpha = learning_rate(cfg, warming)
+    state.offset = follow(state.offset, dev, learn, alpha)
+    # Peers in one job run the same steps: a GPU that looked like a culprit from the very start is not
+    # "structural" (capped). An offset in the victim direction is not learned at all: it could only make
+    # a GPU look more like a culprit, and it did once a node slow from the start recovered - the GPUs that
+    # had waited for it then stood out. (Fallback groups may mix unrelated work: their offsets stay free.)
+    cap = cfg.structural_max_offset
+    culprit = state.offset[:UTIL]
+    state.offset[:UTIL] = np.where(in_job, _CULPRIT_SIGN * np.clip(_CULPRIT_SIGN * culprit, 0.0, cap), culprit)
+    state.level_sm = follow(state.level_sm, sm, learn, alpha)
+    state.learned[:n] += learn
+
+
+def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, dev: np.ndarray,
+                 cross: bool = False, idle: bool = False) -> Finding:
+    """Evidence, cost and wording for one culprit GPU (idle: it idles on its host while its peers wait)."""
+    cfg = tick.config
+    w, grp, m = tick.windows, tick.groups, tick.med
+    gid = int(grp.gid[slot])
+    job = tick.registry.job(gid)
+    slowdown = float(tick.slowdown[gid])
+    cut = m["slow"][slot] >= 0.5 and -dev[CLK] > 0.0
+    if cross:
+        known = slowdown if slowdown == slowdown else 0.0
+        if idle:
+            # The peers spin for as long as it idles: its utilization gap is their share of each step.
+            slowdown = max(known, float(-dev[UTIL]))
+        else:
+            # Peers' activity relative to the culprit's: how much of each step they spend waiting.
+            rel = ex[SM] if not math.isnan(ex[SM]) else ex[PW]
+            slowdown = max(known, 1.0 - 1.0 / (1.0 + max(rel, 0.0)))
+        if cut:
+            # A GPU at a fraction of its peers' clocks takes that much longer per step (compute-bound).
+            slowdown = max(slowdown, float(-dev[CLK]))
+    size = int(grp.size[gid])
+    reasons = []
+    if ex[SM] >= cfg.straggler_sm_excess:
+        reasons.append(f"SM activity {m['sm'][slot]:.2f} vs peers {grp.sm[gid]:.2f}")
+    if -ex[CLK] >= cfg.straggler_clock_deficit:
+        reasons.append(f"SM clock {m['clock'][slot] * 100:.0f} % of max vs peers {grp.clock[gid] * 100:.0f} %")
+    if math.isnan(grp.sm[gid]) and ex[PW] >= cfg.straggler_power_excess:
+        reasons.append(f"power {m['power'][slot]:.0f} W vs peers {grp.power[gid]:.0f} W")
+    if m["slow"][slot] >= 0.5:
+        reasons.append("throttle/slowdown bits set")
+    if idle:
+        reasons.append(f"utilization {m['util'][slot]:.2f} vs peers {grp.util[gid]:.2f}: idle, waiting on its host")
+    fp = subject_fingerprint(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], job)
+    lost = state.add_cost(fp, tick.t, max(slowdown, 0.0) * size * cfg.tick_seconds / 3600.0)
+    evidence = {
+        "peer_group": tick.registry.kind(gid), "peer_group_size": size,
+        "sm_active_ratio": r3(m["sm"][slot]), "peer_median_sm_active_ratio": r3(grp.sm[gid]),
+        "sm_clock_ratio": r3(m["clock"][slot]), "peer_median_sm_clock_ratio": r3(grp.clock[gid]),
+        "power_watts": r3(m["power"][slot]), "peer_median_power_watts": r3(grp.power[gid]),
+        "utilization_ratio": r3(m["util"][slot]), "peer_median_utilization_ratio": r3(grp.util[gid]),
+        "slow_throttle_bits_share": r3(m["slow"][slot]),
+        "excess_vs_own_baseline": {"sm_active": r3(ex[SM]), "power": r3(ex[PW]), "sm_clock": r3(ex[CLK]),
+                                   "utilization": r3(ex[UTIL])},
+        "pattern": "host_idle" if idle else "gpu_clocks_cut" if cut else "gpu_slow",
+        "estimated_job_slowdown_ratio": r3(slowdown),
+        "slowdown_measured_by": "sm_active" if tick.slowdown_source[gid] == 1 else "power",
+        "gpu_hours_lost": round(lost, 4),
+    }
+    if tick.registry.kind(gid) != JOB:
+        evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
+    sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
+    summary = (f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} holds back "
+               f"{'job ' + job if job else 'its peers'} (~{slowdown * 100:.0f} % slower): " + "; ".join(reasons))
+    return Finding(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], job, sev,
+                   summary, evidence)

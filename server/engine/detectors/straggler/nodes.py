@@ -1,0 +1,365 @@
+"""Node-level straggler detection: a node holding its group back while the other nodes wait in collectives
+(its GPUs idle on their host, busier than the others', or with their clocks cut), and most GPUs of one
+node standing out together (the node is named, not each GPU)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from server.alerts import AlertKind, Severity
+from server.engine.detectors import Finding, r3, subject_fingerprint
+from server.engine.detectors.straggler.common import (NOW_ROWS, PW, SM, UTIL, clock_cut, follow, learning_rate,
+                                                     newest)
+from server.engine.groups import JOB, GroupLayout
+from server.engine.reduce import equal, nan_median_first_axis, nan_to_zero
+from server.engine.tick import Tick
+
+if TYPE_CHECKING:
+    from server.engine.detectors.straggler.state import StragglerState
+
+_PAIR_KEY = 1 << 24
+
+
+class NodeOffsets:
+    """What node-level detection learns across ticks: each (group, node) pair's offsets from the group's
+    other nodes (idle gap, activity) and how long it has learned, plus the pairs' layout and fingerprints."""
+
+    def __init__(self) -> None:
+        self.pair_index: dict[tuple[int, int], int] = {}
+        self.pair_fps: list[str] = []
+        self.pair_offset = np.full((2, 0), np.nan)
+        self.pair_learned = np.zeros(0, dtype=np.int64)
+        self._all_keys: list[int] = []
+        self._pair_keys = np.zeros(0, dtype=np.int64)
+        self._pair_vals = np.zeros(0, dtype=np.int64)
+        self._node_fps: dict[tuple[int, int], str] = {}
+        self._node_layout: _NodePairs | None = None
+
+    def pair_slots(self, tick: Tick, gids: np.ndarray, nids: np.ndarray) -> np.ndarray:
+        """Vectorised pair_slot: a sorted key table answers known pairs without Python per pair."""
+        keys = gids * _PAIR_KEY + nids
+        pos = np.searchsorted(self._pair_keys, keys)
+        pos = np.minimum(pos, max(len(self._pair_keys) - 1, 0))
+        known = (len(self._pair_keys) > 0) & (self._pair_keys[pos] == keys) if len(self._pair_keys) else np.zeros(len(keys), bool)
+        if not known.all():
+            for gg, nn in zip(gids[~known].tolist(), nids[~known].tolist()):
+                self.pair_slot(tick, gg, nn)
+            order = np.argsort(self._all_keys)
+            self._pair_keys, self._pair_vals = np.asarray(self._all_keys)[order], np.arange(len(self._all_keys))[order]
+            pos = np.searchsorted(self._pair_keys, keys)
+        return self._pair_vals[pos]
+
+    def node_pairs(self, tick: Tick, ng: np.ndarray, sel: np.ndarray, node_id: np.ndarray) -> "_NodePairs | None":
+        """The (group, node) pairs of this tick's node-level members; None when no group spans two nodes.
+
+        Membership rarely changes between ticks, so the layout is kept until the node-level group ids, the
+        set of GPUs with data, or the number of nodes or groups change.
+        """
+        n_nodes, n_groups = len(tick.windows.node_names), tick.groups.n_groups
+        lay = self._node_layout
+        if (lay is not None and lay.n_nodes == n_nodes and lay.n_groups == n_groups
+                and equal(lay.ng, ng) and equal(lay.sel, sel)):
+            return lay.usable
+        lay = self._node_layout = _NodePairs(self, tick, ng.copy(), sel.copy(), node_id, n_nodes, n_groups)
+        return lay.usable
+
+    def pair_slot(self, tick: Tick, gid: int, nid: int) -> int:
+        """Index of a (group, node) pair in the node-offset arrays, registering it when new."""
+        i = self.pair_index.get((gid, nid))
+        if i is None:
+            i = self.pair_index[(gid, nid)] = len(self.pair_fps)
+            self._all_keys.append(gid * _PAIR_KEY + nid)
+            self.pair_fps.append(self.node_fingerprint(tick, gid, nid))
+            self.pair_offset = np.concatenate([self.pair_offset, np.full((2, 1), np.nan)], axis=1)
+            self.pair_learned = np.append(self.pair_learned, 0)
+        return i
+
+    def node_fingerprint(self, tick: Tick, gid: int, nid: int) -> str:
+        """Memoised fingerprint of a node-level straggler subject."""
+        fp = self._node_fps.get((gid, nid))
+        if fp is None:
+            fp = self._node_fps[(gid, nid)] = subject_fingerprint(
+                AlertKind.STRAGGLER, tick.windows.node_names[nid], None, tick.registry.job(gid))
+        return fp
+
+
+class _NodePairs:
+    """Node-level members grouped into (group, node) pairs, and the pairs of groups spanning 2+ nodes."""
+
+    def __init__(self, state: NodeOffsets, tick: Tick, ng: np.ndarray, sel: np.ndarray, node_id: np.ndarray,
+                 n_nodes: int, n_groups: int) -> None:
+        self.ng, self.sel, self.n_nodes, self.n_groups = ng, sel, n_nodes, n_groups
+        key = ng[sel] * n_nodes + node_id[sel]
+        uniq, self.inv = np.unique(key, return_inverse=True)
+        self.pair_group, pair_node = uniq // n_nodes, uniq % n_nodes
+        self.per_group = np.bincount(self.pair_group, minlength=n_groups)
+        multi = self.per_group[self.pair_group] >= 2
+        self.usable = self if multi.any() else None
+        self.sel_pairs = np.flatnonzero(multi)
+        self.gids, self.nids = self.pair_group[self.sel_pairs], pair_node[self.sel_pairs]
+        self.idx = state.pair_slots(tick, self.gids, self.nids) if self.usable else self.sel_pairs
+        # Pairs are registered in the order first seen, so the index is usually a plain range: a slice
+        # reads and writes the learned offsets without copying through fancy indexing.
+        if len(self.idx) and np.array_equal(self.idx, np.arange(self.idx[0], self.idx[0] + len(self.idx))):
+            self.idx = slice(int(self.idx[0]), int(self.idx[0]) + len(self.idx))
+        slots = range(len(state.pair_fps))[self.idx] if isinstance(self.idx, slice) else self.idx.tolist()
+        self.pairs = {state.pair_fps[i]: (int(gg), int(nn)) for i, gg, nn in zip(slots, self.gids.tolist(),
+                                                                                 self.nids.tolist())}
+        # Grouped medians over the same membership every tick: GPUs into pairs, pairs into groups.
+        self.members = GroupLayout(self.inv, len(uniq), np.flatnonzero(sel))
+        self.nodes_of_group = GroupLayout(self.pair_group, n_groups)
+        self.three_or_more = bool((self.per_group >= 3).any())
+
+
+def node_level(tick: Tick, state: StragglerState,
+                halted: set[int] = frozenset()) -> tuple[list[Finding], set[tuple[int, int]], dict]:
+    """Nodes holding their group back while the other nodes wait in collectives: their GPUs idle (host-
+    bound), busier than the others' (slow), or with their clocks cut."""
+    cfg = tick.config
+    w, grp, m = tick.windows, tick.groups, tick.med
+    ng = grp.ngid
+    u = m["util"]
+    sel = (ng >= 0) & ~np.isnan(u)
+    if not sel.any():
+        return [], set(), {}
+    node_id = w.slot_node_id[:w.n]
+    lay = state.nodes.node_pairs(tick, ng, sel, node_id)
+    if lay is None:
+        return [], set(), {}
+    gids, nids, idx = lay.gids, lay.nids, lay.idx
+    # Per (group, node) pair: rows as tick.levels, then the share of bins with slowdown or power-cap bits.
+    # A cap on one node's GPUs (a rack or PDU limit) slows the job like a brake does; one on every node
+    # (the operator's uniform cap) sets nobody apart.
+    bits = np.fmax(m["slow"], m["power_cap"])
+    nodes = lay.members.medians(np.concatenate([tick.levels, bits[None, :]]))
+    node_sm, node_pw, node_clk, node_u, node_slow = nodes[:, lay.sel_pairs]
+    o_sm, o_pw, o_clk, o_u, o_slow = _others(nodes, lay)[:, lay.sel_pairs]
+    base_sm, base_pw = tick.slowdown_baselines
+    drop_sm = 1.0 - o_sm / base_sm[gids]
+    drop_pw = np.where(base_pw[gids] > 0, 1.0 - o_pw / base_pw[gids], np.nan)
+    waiting_drop = np.where(np.isnan(drop_sm), drop_pw, drop_sm)
+    min_drop = np.where(np.isnan(drop_sm), cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
+    gap = o_u - node_u
+    steady = o_u >= cfg.straggler_waiting_utilization
+    act, by_power = _node_activity(node_sm, node_pw, o_sm, o_pw)
+    act_margin = np.where(by_power, cfg.node_power_excess, cfg.straggler_sm_excess)
+    # A node whose clocks are cut below the others', with slowdown bits they lack (a node-wide power brake,
+    # HW slowdown), is slower whatever its activity says; as for a GPU (clock_cut), no baseline needed.
+    # The others then draw more power spinning at full clocks: that is not "busy while the others wait".
+    clk_dev = node_clk / o_clk - 1.0
+    cut = clock_cut(cfg, clk_dev, node_slow, o_slow)
+    others_cut = clock_cut(cfg, -clk_dev, o_slow, node_slow)       # -clk_dev: near enough for a margin
+    # "Busy while the others wait" needs the others spinning at least as much as this node; others
+    # that idle more than it are starved themselves (that is the host-idle pattern, on them).
+    node_busy = (node_u >= cfg.busy_utilization) & ~(gap < -cfg.node_idle_gap / 2) & ~others_cut
+    # Without a baseline (a node idle or slow from the job's start) nothing has dropped. In one job every
+    # node runs the same steps, so others spinning at high utilization while this node idles far more,
+    # or is far more active, are waiting for it: twice the margins, as for a GPU (see straggler.detect()).
+    prev = nan_to_zero(state.nodes.pair_offset[:, idx])
+    cross = tick.registry.is_job[gids] & steady & (
+        (gap - prev[0] >= 2 * cfg.node_idle_gap) | (node_busy & (act - prev[1] >= 2 * act_margin)))
+    aged = tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds
+    cut &= tick.registry.is_job[gids] & steady & aged
+    waiting = ((waiting_drop >= min_drop) & steady) | cross | cut
+    warm_ticks = cfg.bins(cfg.startup_grace_seconds)
+    n_learned = state.nodes.pair_learned[idx]
+    warming = n_learned < warm_ticks
+    learn = steady & (warming | ~waiting) & ~np.isnan(gap) & ~cut & ~others_cut
+    alpha = learning_rate(cfg, warming)
+    off = follow(state.nodes.pair_offset[:, idx], np.array([gap, act]), learn, alpha)
+    # Nodes of one job run the same steps: as for GPUs (see gpus.learn), an offset in the culprit direction is
+    # capped, and none is learned in the victim direction: a node learned while it idled (host-starved
+    # from the start) read as "busier" than the others once it recovered.
+    cap = cfg.structural_max_offset
+    off = state.nodes.pair_offset[:, idx] = np.where(tick.registry.is_job[gids], np.clip(off, 0.0, cap), off)
+    state.nodes.pair_learned[idx] = n_learned + learn
+    ready = ~warming & ~np.isnan(off[0]) & aged
+    idle = gap - off[0]
+    # Unattributed nodes are not known to run one job: a node "busier while the others wait" may just run
+    # another job than the nodes whose job slowed (comm- or input-bound). It is judged only where its
+    # activity matched the others' while healthy (learned offset within structural_max_offset), as the
+    # nodes of one job do; two jobs that happen to run alike cannot be told apart.
+    alike = tick.registry.is_job[gids] | (np.abs(off[1]) <= cap)
+    busier = np.where(node_busy & alike, act - nan_to_zero(off[1]), np.nan)
+    score = np.fmax(idle / cfg.node_idle_gap, busier / act_margin)
+    stands = (ready & waiting & (score >= 0.6)) | cut
+    on = ready & waiting & (score >= 1.0)
+    if on.any():
+        # As for a GPU (gpus.standing_now): named only while its newest reading still sets it apart.
+        now = _pair_score_now(tick, lay, off, node_busy & alike, act_margin)
+        on &= ~(now < 0.6)
+    on |= cut
+    if halted:
+        live = ~np.isin(gids, list(halted))
+        stands &= live
+        on &= live
+    pairs = dict(lay.pairs)
+    standout = {(int(gids[i]), int(nids[i])) for i in stands.nonzero()[0].tolist()}
+    findings = []
+    for i in on.nonzero()[0].tolist():
+        gid, nid = int(gids[i]), int(nids[i])
+        members = np.flatnonzero((ng == gid) & (node_id == nid) & ~np.isnan(u))
+        rest = np.flatnonzero((ng == gid) & (node_id != nid) & ~np.isnan(u))
+        idle_score, busy_score = idle[i] / cfg.node_idle_gap, busier[i] / act_margin[i]
+        # NaN busy score: not judged (unattributed) or unknown; then what fired is the idle gap.
+        pattern = ("cut" if cut[i] else "busy" if busy_score == busy_score and not idle_score >= busy_score
+                   else "idle")
+        if pattern == "busy" and not tick.registry.is_job[gid] and not _node_wide_busy(tick, members, rest,
+                                                                                     float(act_margin[i])):
+            continue
+        slowdown = waiting_drop[i] if waiting_drop[i] == waiting_drop[i] else 0.0
+        if pattern == "cut" and clk_dev[i] < 0.0:
+            # At a fraction of the others' clocks each step takes that much longer (compute-bound).
+            slowdown = max(slowdown, float(-clk_dev[i]))
+        elif cross[i]:
+            # The others' share of each step spent waiting: the idle gap, or their activity against this node's.
+            slowdown = max(slowdown, gap[i] if pattern == "idle" else 1.0 - 1.0 / (1.0 + max(float(act[i]), 0.0)))
+        findings.append(_slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern))
+    return findings, standout, pairs
+
+
+def _pair_score_now(tick: Tick, lay: "_NodePairs", off: np.ndarray, judged_busy: np.ndarray,
+                    act_margin: np.ndarray) -> np.ndarray:
+    """Per (group, node) pair: node_level's score (idle gap or activity excess over the learned offsets,
+    in margins) on the newest readings (see gpus.standing_now); NaN where the node has none."""
+    cfg = tick.config
+    now = newest(tick, NOW_ROWS[:UTIL + 1])
+    if now is None:
+        return np.full(len(judged_busy), np.nan)
+    nodes = lay.members.medians(now)
+    node_sm, node_pw, _, node_u = nodes[:, lay.sel_pairs]
+    o_sm, o_pw, _, o_u = _others(nodes, lay)[:, lay.sel_pairs]
+    act, _ = _node_activity(node_sm, node_pw, o_sm, o_pw)
+    idle = (o_u - node_u - off[0]) / cfg.node_idle_gap
+    busier = np.where(judged_busy, act - nan_to_zero(off[1]), np.nan) / act_margin
+    return np.fmax(idle, busier)
+
+
+def _node_wide_busy(tick: Tick, members: np.ndarray, rest: np.ndarray, act_margin: float) -> bool:
+    """Whether at least half of an unattributed node's GPUs are busier than the other nodes' GPUs on their
+    own, rank for rank (the node's k-th lowest activity against the others' matching quantile), each by
+    the whole node margin (half of it let GPU-to-GPU noise in power pass at random ranks).
+
+    Unattributed nodes are compared over all their GPUs, which may run two jobs: then each node's
+    readings are two clusters, its median falls between them, and one slow GPU moves it across the node
+    margin. Compared rank for rank, that node differs at one rank; a slow node at most of them.
+    """
+    row = SM if not np.isnan(tick.levels[SM, members]).all() else PW
+    mine, theirs = np.sort(tick.levels[row, members]), tick.levels[row, rest]
+    ok = ~np.isnan(mine)
+    if not ok.any() or np.isnan(theirs).all():
+        return False
+    q = (np.arange(len(mine)) + 0.5) / len(mine)
+    busier = mine[ok] / np.nanquantile(theirs, q[ok]) - 1.0 >= act_margin
+    return 2 * int(np.count_nonzero(busier)) >= len(mine)
+
+
+def _others(x: np.ndarray, lay: "_NodePairs") -> np.ndarray:
+    """For each (group, node) pair, the typical value of the group's *other* nodes (exact for two
+    nodes); x is (k, n_pairs), one row per reading, so every reading shares one grouped sort."""
+    k = len(x)
+    pair_group, n_groups = lay.pair_group, lay.n_groups
+    known = ~np.isnan(x)
+    filled = np.where(known, x, 0.0)
+    ids = (pair_group + np.arange(k)[:, None] * n_groups).ravel()
+    total = np.bincount(ids, weights=filled.ravel(), minlength=k * n_groups).reshape(k, n_groups)[:, pair_group]
+    count = np.bincount(ids, weights=known.ravel(), minlength=k * n_groups).reshape(k, n_groups)[:, pair_group]
+    # The other node's value, or NaN where it has none (an unsupported reading is absent, never 0).
+    other = np.where(count > known, total - filled, np.nan)
+    if not lay.three_or_more:
+        return other                        # the only pairs that count are in groups of two nodes
+    two = lay.per_group[pair_group] == 2
+    return np.where(two, other, lay.nodes_of_group.medians(x)[:, pair_group])
+
+
+def _node_activity(node_sm: np.ndarray, node_pw: np.ndarray, o_sm: np.ndarray,
+                   o_pw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A node's activity relative to the other nodes' less 1: SM activity, or power where that is
+    unsupported; and where power was used."""
+    act_sm = node_sm / o_sm - 1.0
+    by_power = np.isnan(act_sm)
+    return np.where(by_power, node_pw / o_pw - 1.0, act_sm), by_power
+
+
+def whole_node(tick: Tick, state: StragglerState, on: np.ndarray, weak: np.ndarray, idle: np.ndarray):
+    """Most GPUs of one node standing out together: the node is the culprit (gpu null), not each GPU
+    (idle: per slot, standing out by idling on its host; most of the node's named GPUs so: host-bound)."""
+    w, grp = tick.windows, tick.groups
+    g = grp.gid
+    members = (g >= 0) & ~np.isnan(tick.med["util"])
+    if not on.any():
+        return [], set(), {}, on
+    n_nodes = len(w.node_names)
+    key = np.where(members, g * n_nodes + w.slot_node_id[:w.n], -1)
+    uniq, inv = np.unique(key[members], return_inverse=True)
+    n_pairs = len(uniq)
+    size = np.bincount(inv, minlength=n_pairs)
+    n_on = np.bincount(inv, weights=on[members], minlength=n_pairs)
+    n_weak = np.bincount(inv, weights=weak[members], minlength=n_pairs)
+    pair_group = uniq // n_nodes
+    spans = np.bincount(pair_group, minlength=grp.n_groups)[pair_group] >= 2
+    whole = spans & (n_on >= 2) & (n_weak >= 0.5 * size)
+    stands = spans & (n_weak >= 2) & (n_weak >= 0.5 * size)
+    findings, standout, pairs = [], set(), {}
+    on = on.copy()
+    member_slots = np.flatnonzero(members)
+    for p in stands.nonzero()[0].tolist():
+        gid, nid = int(uniq[p] // n_nodes), int(uniq[p] % n_nodes)
+        standout.add((gid, nid))
+        pairs[state.nodes.node_fingerprint(tick, gid, nid)] = (gid, nid)
+    for p in whole.nonzero()[0].tolist():
+        gid, nid = int(uniq[p] // n_nodes), int(uniq[p] % n_nodes)
+        slots = member_slots[inv == p]
+        others = member_slots[(pair_group[inv] == gid) & (inv != p)]
+        named = slots[on[slots]]
+        pattern = "idle" if 2 * np.count_nonzero(idle[named]) > len(named) else "busy"
+        on[slots] = False
+        findings.append(_slow_node_finding(tick, state, gid, nid, slots, others, pattern=pattern))
+    return findings, standout, pairs, on
+
+
+def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, slots: np.ndarray,
+                       others: np.ndarray, slowdown: float | None = None, pattern: str = "busy") -> Finding:
+    """Evidence for a node holding its group back: its GPUs busy (or idle) while the other nodes wait."""
+    cfg = tick.config
+    node = tick.windows.node_names[nid]
+    job = tick.registry.job(gid)
+    slowdown = float(tick.slowdown[gid]) if slowdown is None else float(slowdown)
+    known = slowdown == slowdown        # NaN: the job has no baseline yet (a node slow from its start)
+    size = int(tick.groups.size[gid])
+    fp = subject_fingerprint(AlertKind.STRAGGLER, node, None, job)
+    lost = state.add_cost(fp, tick.t, (max(slowdown, 0.0) if known else 0.0) * size * cfg.tick_seconds / 3600.0)
+
+    # Medians over the node's GPUs and over the other nodes' GPUs, rows as tick.levels (None: unknown).
+    node_sm, node_pw, node_clk, node_u = map(r3, nan_median_first_axis(tick.levels[:, slots].T).tolist())
+    rest_sm, rest_pw, rest_clk, rest_u = map(r3, nan_median_first_axis(tick.levels[:, others].T).tolist())
+    evidence = {
+        "peer_group": tick.registry.kind(gid), "peer_group_size": size, "node_gpus": int(len(slots)),
+        "node_median_sm_active_ratio": node_sm, "other_nodes_sm_active_ratio": rest_sm,
+        "node_median_sm_clock_ratio": node_clk, "other_nodes_sm_clock_ratio": rest_clk,
+        "node_median_power_watts": node_pw, "other_nodes_power_watts": rest_pw,
+        "node_median_utilization_ratio": node_u, "other_nodes_utilization_ratio": rest_u,
+        "estimated_job_slowdown_ratio": r3(slowdown), "gpu_hours_lost": round(lost, 4),
+    }
+    if pattern == "idle":
+        what = (f"its GPUs idle (utilization {evidence['node_median_utilization_ratio']} vs "
+                f"{evidence['other_nodes_utilization_ratio']}), host-bound")
+    elif pattern == "cut":
+        what = (f"its GPUs' clocks are cut, with throttle bits the other nodes lack (SM clock {_pct(node_clk)} "
+                f"of max vs {_pct(rest_clk)})")
+    else:
+        what = "its GPUs stay busy"
+    evidence["pattern"] = {"idle": "host_idle", "cut": "node_clocks_cut"}.get(pattern, "node_slow")
+    if tick.registry.kind(gid) != JOB:
+        evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
+    summary = (f"node {node} holds back {'job ' + job if job else 'its peer nodes'}: {what} while "
+               f"the other nodes wait" + (f" (~{slowdown * 100:.0f} % slower)" if known else ""))
+    sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
+    return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence)
+
+
+def _pct(ratio: float | None) -> str:
+    """A ratio as a whole percentage for a summary ('?' when unknown)."""
+    return "?" if ratio is None else f"{ratio * 100:.0f} %"

@@ -1,0 +1,66 @@
+"""What the straggler detector learns across ticks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.engine.detectors.straggler.nodes import NodeOffsets
+from server.engine.tick import Tick
+
+_COST_KEEP_SECONDS = 600.0
+
+
+class StragglerState:
+    """Per GPU: structural offsets from its peers and time on the job; per node, its NodeOffsets; per
+    subject, the cost so far."""
+
+    def __init__(self) -> None:
+        self.offset = np.full((4, 0), np.nan)
+        self.level_sm = np.full(0, np.nan)
+        self.learned_gid = np.full(0, -1, dtype=np.int64)
+        self.learned = np.zeros(0, dtype=np.int64)
+        self.cost: dict[str, tuple[float, float]] = {}
+        self._steady = np.full(0, np.nan)
+        self.nodes = NodeOffsets()
+
+    def forget(self, slots: np.ndarray) -> None:
+        """Learn these GPUs afresh (their group's work changed)."""
+        if len(slots):
+            self.fit(int(slots.max()) + 1)
+            self.offset[:, slots] = np.nan
+            self.level_sm[slots] = np.nan
+            self.learned[slots] = 0
+
+    def fit(self, n: int) -> None:
+        """Grow per-slot arrays to n slots."""
+        have = len(self.level_sm)
+        if n <= have:
+            return
+        pad = n - have
+        self.offset = np.concatenate([self.offset, np.full((4, pad), np.nan)], axis=1)
+        self.level_sm = np.concatenate([self.level_sm, np.full(pad, np.nan)])
+        self.learned_gid = np.concatenate([self.learned_gid, np.full(pad, -1, dtype=np.int64)])
+        self.learned = np.concatenate([self.learned, np.zeros(pad, dtype=np.int64)])
+
+    def add_cost(self, fp: str, t: float, gpu_hours: float) -> float:
+        """Accumulate GPU-hours lost for a subject; returns the total so far."""
+        total, _ = self.cost.get(fp, (0.0, t))
+        total += gpu_hours
+        self.cost[fp] = (total, t)
+        return total
+
+    def steady_since(self, tick: Tick, cfg) -> np.ndarray:
+        """Per group: since when its median utilization has been at the 'waiting' level (NaN: not now)."""
+        grp = tick.groups
+        have = len(self._steady)
+        if have < grp.n_groups:
+            self._steady = np.concatenate([self._steady, np.full(grp.n_groups - have, np.nan)])
+        steady = grp.util >= cfg.straggler_waiting_utilization
+        self._steady[:grp.n_groups] = np.where(steady, np.fmin(self._steady[:grp.n_groups], tick.t), np.nan)
+        return self._steady[:grp.n_groups]
+
+    def prune(self, t: float) -> None:
+        """Forget cost tallies of subjects quiet for a long time."""
+        stale = [fp for fp, (_, last) in self.cost.items() if t - last > _COST_KEEP_SECONDS]
+        for fp in stale:
+            del self.cost[fp]
