@@ -76,6 +76,7 @@ def _run(samples: list[NodeSample], cfg: EngineConfig) -> tuple[list[Alert], Eng
     fired: dict[str, Alert] = {}
     if not samples:
         return [], engine.stats()
+    engine.reserve(_gpu_count(samples))
     step = cfg.tick_seconds
     boundary = (math.floor(samples[0].time / step) + 1) * step
     for sample in samples:
@@ -91,6 +92,19 @@ def _run(samples: list[NodeSample], cfg: EngineConfig) -> tuple[list[Alert], Eng
             fired[alert.id] = alert
     alerts = sorted(fired.values(), key=lambda a: (a.started or 0.0, a.kind.value, a.node or "", a.gpu or -1))
     return alerts, engine.stats()
+
+
+def _gpu_count(samples: list[NodeSample]) -> int:
+    """Distinct (node, GPU index) pairs in the trace. The parser shares a node's identity tuples between
+    its lines, so each distinct tuple is looked at once."""
+    seen: set[tuple[str, int]] = set()
+    per_node: dict[str, set[int]] = {}
+    for s in samples:
+        key = (s.node, id(s.indices))
+        if key not in seen:
+            seen.add(key)
+            per_node.setdefault(s.node, set()).update(s.indices)
+    return sum(map(len, per_node.values()))
 
 
 def _collect(transitions: list, fired: dict[str, Alert]) -> None:

@@ -71,6 +71,10 @@ class Engine:
             self._first = sample.time if self._first is None else min(self._first, sample.time)
         self.windows.add(sample)
 
+    def reserve(self, gpus: int) -> None:
+        """Capacity hint: about this many GPUs will report (replay knows; the live server need not say)."""
+        self.windows.reserve(gpus)
+
     def advance(self, now: float) -> list[Transition]:
         """Evaluate every bin that closed by `now` (sample-time seconds); returns the transitions."""
         cfg = self.config
