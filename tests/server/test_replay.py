@@ -7,7 +7,8 @@ import random
 
 import orjson
 
-from server.replay import alert_json, main, run_replay
+from server.engine import Engine
+from server.replay import _gpu_count, _load, alert_json, main, run_replay
 from tests.server.engine_samples import T0, cluster_lines
 
 
@@ -35,6 +36,25 @@ def test_the_closing_log_line_counts_the_gpu_samples_and_states_the_rate(caplog)
     assert done.ticks > 0 and done.seconds > 0
     # seconds is rounded to the millisecond in the record; the rate is taken before rounding.
     assert abs(done.gpu_samples_per_second * done.seconds - gpus) <= done.gpu_samples_per_second * 0.0005 + 1
+
+
+def test_the_windows_are_sized_once_for_every_gpu_of_the_trace():
+    # 72 GPUs, more than the windows hold before they grow. n1's GPU 7 reports only from 200 s on; n8
+    # joins at 300 s; n0's GPU 3 leaves at 100 s.
+    def churn(t, node, gpu):
+        gone = (node == "n1" and gpu == 7 and t < 200) or (node == "n8" and t < 300) or (
+            node == "n0" and gpu == 3 and t >= 100)
+        return {"_absent": True} if gone else {}
+
+    samples = _load([("trace", cluster_lines(400, nodes=9, override=churn))])
+    assert _gpu_count(samples) == 72
+    engine = Engine()
+    engine.reserve(_gpu_count(samples))
+    rings = engine.windows.acc
+    for s in samples:
+        engine.ingest(s)
+    engine.advance(samples[-1].time + 60)
+    assert engine.windows.n == 72 and engine.windows.acc is rings       # never regrown
 
 
 def test_str_lines_and_blank_lines_are_accepted():
