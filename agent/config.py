@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 import yaml
 
 from agent import __version__
+from agent.sim.scenario import BUILTIN_SCENARIOS
 
 PROG = "gpufleet-agent"
 ENV_PREFIX = "GPUFLEET_AGENT_"
@@ -168,7 +169,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("sample.interval", "sample_interval", _interval, "seconds between NVML samples (default 1)", "SECONDS"),
     _Option("node", "node", _node, "node name on every series and snapshot (default: hostname)", "NAME"),
     _Option("simulate", "simulate", _path,
-            "use the NVML simulator: built-in scenario (hgx-h100, a100, pcie, demo) or a YAML/JSON file", "SCENARIO"),
+            f"use the NVML simulator: built-in scenario ({', '.join(BUILTIN_SCENARIOS)}) or a YAML/JSON file",
+            "SCENARIO"),
     _Option("simulate.epoch", "simulate_epoch", _epoch, "scenario time zero, unix seconds (default: agent start)",
             "UNIX_SECONDS"),
     _Option("simulate.seed", "simulate_seed", _seed, "simulator random seed (default 0)", "N"),

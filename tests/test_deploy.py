@@ -1,0 +1,57 @@
+"""The deployment files name commands and flags this package installs, and discovery lists agents that are
+not ready (an agent whose NVML is down must still be pulled, to be reported)."""
+
+from __future__ import annotations
+
+import configparser
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from agent import config as agent_config
+from server import settings as server_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def _manifests() -> list[dict]:
+    return [doc for path in sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _parse(command: list[str]) -> None:
+    """Parse a command line with the flag parser of the daemon it starts (ConfigError/SystemExit if unknown)."""
+    script, *args = command
+    if script == "gpufleet-agent":
+        agent_config.build_parser().parse_args(args)
+    else:
+        assert script == "gpufleet-server" and args[0] == "serve", command
+        server_settings.build_parser().parse_args(args[1:])
+
+
+def test_every_container_runs_an_installed_command_with_flags_it_knows():
+    containers = [c for doc in _manifests() if doc["kind"] in ("Deployment", "DaemonSet")
+                  for c in doc["spec"]["template"]["spec"]["containers"]]
+    assert {c["command"][0] for c in containers} == {"gpufleet-agent", "gpufleet-server"}
+    for c in containers:
+        assert c["command"][0] in SCRIPTS
+        _parse(c["command"] + c.get("args", []))
+
+
+def test_the_agents_headless_service_lists_agents_that_are_not_ready():
+    (svc,) = [d for d in _manifests() if d["kind"] == "Service" and d["metadata"]["name"] == "gpufleet-agent"]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_systemd_units_start_installed_commands_from_one_virtualenv_with_flags_they_know():
+    starts = []
+    for path in sorted((ROOT / "deploy" / "systemd").glob("*.service")):
+        unit = configparser.ConfigParser(strict=False, interpolation=None)
+        unit.optionxform = str
+        unit.read_string(path.read_text())
+        starts.append(unit["Service"]["ExecStart"].split())
+    assert len({Path(argv[0]).parent for argv in starts}) == 1
+    for argv in starts:
+        _parse([Path(argv[0]).name] + argv[1:])
