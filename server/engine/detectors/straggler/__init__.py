@@ -19,7 +19,7 @@ import numpy as np
 from server.engine.detectors import FingerprintIndex, Outcome
 from server.engine.detectors.straggler.common import PW, SCALES, SM, UTIL
 from server.engine.detectors.straggler.gpus import (cuts, deviation, gpu_finding, group_conditions, learn,
-                                                   mixed_fallback, reset_moved, signals, standing_now)
+                                                    mixed_fallback, reset_moved, signals, standing_now)
 from server.engine.detectors.straggler.nodes import node_level, whole_node
 from server.engine.detectors.straggler.state import StragglerState
 from server.engine.reduce import nan_to_zero
@@ -98,8 +98,8 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     for gid, _ in node_standout:
         on &= g != gid
     whole_findings, whole_standout, whole_pairs, on = whole_node(tick, state, on,
-                                                                  (eligible | eligible_cross) & waiting & weak,
-                                                                  idle[0])
+                                                                 (eligible | eligible_cross) & waiting & weak,
+                                                                 idle[0])
     for slot in on.nonzero()[0].tolist():
         out.add(gpu_finding(tick, state, slot, ex[:, slot], dev[:, slot], bool(cross[slot]), bool(idle[0, slot])))
     for f in node_findings + whole_findings:

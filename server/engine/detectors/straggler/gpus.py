@@ -10,7 +10,7 @@ import numpy as np
 from server.alerts import AlertKind, Severity
 from server.engine.detectors import Finding, r3, subject_fingerprint
 from server.engine.detectors.straggler.common import (CLK, NOW_ROWS, PW, SCALES, SM, UTIL, clock_cut, follow,
-                                                     learning_rate, newest)
+                                                      learning_rate, newest)
 from server.engine.detectors.straggler.state import StragglerState
 from server.engine.groups import JOB
 from server.engine.reduce import nan_to_zero
@@ -21,7 +21,7 @@ _CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
 
 
 def standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_unknown: np.ndarray,
-                  on: np.ndarray) -> np.ndarray:
+                 on: np.ndarray) -> np.ndarray:
     """Per slot: whether a GPU found standing out over the smoothing window still does in its newest
     readings (its newest bin, or the one before where that is empty), at the weaker margins; True where
     it has neither (no evidence against).
@@ -102,7 +102,7 @@ def reset_moved(state: StragglerState, g: np.ndarray) -> None:
 
 
 def cuts(tick: Tick, cfg, dev: np.ndarray, gslow: np.ndarray, gi: np.ndarray,
-          in_group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+         in_group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per slot: clocks cut (see clock_cut), and "victim": a GPU without slowdown bits in a group where
     some GPU's clocks are cut, whose activity excess is spinning at full clocks, not work.
 
@@ -131,7 +131,7 @@ def cuts(tick: Tick, cfg, dev: np.ndarray, gslow: np.ndarray, gi: np.ndarray,
 
 
 def signals(cfg, ex: np.ndarray, sm: np.ndarray, level_sm: np.ndarray, gsm_unknown: np.ndarray,
-             slow: np.ndarray, gslow: np.ndarray) -> np.ndarray:
+            slow: np.ndarray, gslow: np.ndarray) -> np.ndarray:
     """Culprit signals at each of SCALES x the configured margins, shape (2, n) (NaN comparisons are False)."""
     stays_high = ~(sm < 0.85 * level_sm)
     sm_excess = (ex[SM] >= SCALES * cfg.straggler_sm_excess) & stays_high
@@ -147,7 +147,7 @@ def signals(cfg, ex: np.ndarray, sm: np.ndarray, level_sm: np.ndarray, gsm_unkno
 
 
 def learn(state: StragglerState, cfg, dev: np.ndarray, sm: np.ndarray, steady: np.ndarray,
-           waiting: np.ndarray, in_job: np.ndarray) -> None:
+          waiting: np.ndarray, in_job: np.ndarray) -> None:
     """Track each GPU's structural offset from its peers while its group runs steadily and unslowed.
 
     The first startup_grace_seconds of steady running learn fast (forgetting the ramp-up); after that
@@ -171,7 +171,7 @@ def learn(state: StragglerState, cfg, dev: np.ndarray, sm: np.ndarray, steady: n
 
 
 def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, dev: np.ndarray,
-                 cross: bool = False, idle: bool = False) -> Finding:
+                cross: bool = False, idle: bool = False) -> Finding:
     """Evidence, cost and wording for one culprit GPU (idle: it idles on its host while its peers wait)."""
     cfg = tick.config
     w, grp, m = tick.windows, tick.groups, tick.med

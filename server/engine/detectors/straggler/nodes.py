@@ -11,7 +11,7 @@ import numpy as np
 from server.alerts import AlertKind, Severity
 from server.engine.detectors import Finding, r3, subject_fingerprint
 from server.engine.detectors.straggler.common import (NOW_ROWS, PW, SM, UTIL, clock_cut, follow, learning_rate,
-                                                     newest)
+                                                      newest)
 from server.engine.groups import JOB, GroupLayout
 from server.engine.reduce import equal, nan_median_first_axis, nan_to_zero
 from server.engine.tick import Tick
@@ -114,7 +114,7 @@ class _NodePairs:
 
 
 def node_level(tick: Tick, state: StragglerState,
-                halted: set[int] = frozenset()) -> tuple[list[Finding], set[tuple[int, int]], dict]:
+               halted: set[int] = frozenset()) -> tuple[list[Finding], set[tuple[int, int]], dict]:
     """Nodes holding their group back while the other nodes wait in collectives: their GPUs idle (host-
     bound), busier than the others' (slow), or with their clocks cut."""
     cfg = tick.config
