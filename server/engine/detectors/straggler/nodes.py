@@ -118,17 +118,63 @@ def node_level(tick: Tick, state: StragglerState,
     """Nodes holding their group back while the other nodes wait in collectives: their GPUs idle (host-
     bound), busier than the others' (slow), or with their clocks cut."""
     cfg = tick.config
-    w, grp, m = tick.windows, tick.groups, tick.med
-    ng = grp.ngid
-    u = m["util"]
-    sel = (ng >= 0) & ~np.isnan(u)
+    w, grp = tick.windows, tick.groups
+    sel = (grp.ngid >= 0) & ~np.isnan(tick.med["util"])
     if not sel.any():
         return [], set(), {}
-    node_id = w.slot_node_id[:w.n]
-    lay = state.nodes.node_pairs(tick, ng, sel, node_id)
+    lay = state.nodes.node_pairs(tick, grp.ngid, sel, w.slot_node_id[:w.n])
     if lay is None:
         return [], set(), {}
     gids, nids, idx = lay.gids, lay.nids, lay.idx
+    r = _pair_readings(tick, lay)
+    # Without a baseline (a node idle or slow from the job's start) nothing has dropped. In one job every
+    # node runs the same steps, so others spinning at high utilization while this node idles far more,
+    # or is far more active, are waiting for it: twice the margins, as for a GPU (see straggler.detect()).
+    prev = nan_to_zero(state.nodes.pair_offset[:, idx])
+    r.cross = tick.registry.is_job[gids] & r.steady & (
+        (r.gap - prev[0] >= 2 * cfg.node_idle_gap) | (r.node_busy & (r.act - prev[1] >= 2 * r.act_margin)))
+    aged = tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds
+    r.cut &= tick.registry.is_job[gids] & r.steady & aged
+    waiting = ((r.waiting_drop >= r.min_drop) & r.steady) | r.cross | r.cut
+    off, warming = _learn_pairs(tick, state.nodes, lay, r, waiting)
+    ready = ~warming & ~np.isnan(off[0]) & aged
+    r.idle = r.gap - off[0]
+    # Unattributed nodes are not known to run one job: a node "busier while the others wait" may just run
+    # another job than the nodes whose job slowed (comm- or input-bound). It is judged only where its
+    # activity matched the others' while healthy (learned offset within structural_max_offset), as the
+    # nodes of one job do; two jobs that happen to run alike cannot be told apart.
+    alike = tick.registry.is_job[gids] | (np.abs(off[1]) <= cfg.structural_max_offset)
+    r.busier = np.where(r.node_busy & alike, r.act - nan_to_zero(off[1]), np.nan)
+    score = np.fmax(r.idle / cfg.node_idle_gap, r.busier / r.act_margin)
+    stands = (ready & waiting & (score >= 0.6)) | r.cut
+    on = ready & waiting & (score >= 1.0)
+    if on.any():
+        # As for a GPU (gpus.standing_now): named only while its newest reading still sets it apart.
+        now = _pair_score_now(tick, lay, off, r.node_busy & alike, r.act_margin)
+        on &= ~(now < 0.6)
+    on |= r.cut
+    if halted:
+        live = ~np.isin(gids, list(halted))
+        stands &= live
+        on &= live
+    standout = {(int(gids[i]), int(nids[i])) for i in stands.nonzero()[0].tolist()}
+    findings = [f for i in on.nonzero()[0].tolist() if (f := _pair_finding(tick, state, lay, r, i)) is not None]
+    return findings, standout, dict(lay.pairs)
+
+
+class _PairReadings:
+    """Per (group, node) pair of a _NodePairs layout (its sel_pairs): the node's readings against the
+    group's other nodes', and what node_level derives from them."""
+
+    __slots__ = ("waiting_drop", "min_drop", "gap", "steady", "act", "act_margin", "clk_dev", "cut",
+                 "others_cut", "node_busy", "cross", "idle", "busier")
+
+
+def _pair_readings(tick: Tick, lay: _NodePairs) -> _PairReadings:
+    """The node's medians against the other nodes' (waiting drop, idle gap, activity, clocks), and the
+    tests on them that need no learned offset."""
+    cfg, m, gids = tick.config, tick.med, lay.gids
+    r = _PairReadings()
     # Per (group, node) pair: rows as tick.levels, then the share of bins with slowdown or power-cap bits.
     # A cap on one node's GPUs (a rack or PDU limit) slows the job like a brake does; one on every node
     # (the operator's uniform cap) sets nobody apart.
@@ -139,85 +185,66 @@ def node_level(tick: Tick, state: StragglerState,
     base_sm, base_pw = tick.slowdown_baselines
     drop_sm = 1.0 - o_sm / base_sm[gids]
     drop_pw = np.where(base_pw[gids] > 0, 1.0 - o_pw / base_pw[gids], np.nan)
-    waiting_drop = np.where(np.isnan(drop_sm), drop_pw, drop_sm)
-    min_drop = np.where(np.isnan(drop_sm), cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
-    gap = o_u - node_u
-    steady = o_u >= cfg.straggler_waiting_utilization
-    act, by_power = _node_activity(node_sm, node_pw, o_sm, o_pw)
-    act_margin = np.where(by_power, cfg.node_power_excess, cfg.straggler_sm_excess)
+    r.waiting_drop = np.where(np.isnan(drop_sm), drop_pw, drop_sm)
+    r.min_drop = np.where(np.isnan(drop_sm), cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
+    r.gap = o_u - node_u
+    r.steady = o_u >= cfg.straggler_waiting_utilization
+    r.act, by_power = _node_activity(node_sm, node_pw, o_sm, o_pw)
+    r.act_margin = np.where(by_power, cfg.node_power_excess, cfg.straggler_sm_excess)
     # A node whose clocks are cut below the others', with slowdown bits they lack (a node-wide power brake,
     # HW slowdown), is slower whatever its activity says; as for a GPU (clock_cut), no baseline needed.
     # The others then draw more power spinning at full clocks: that is not "busy while the others wait".
-    clk_dev = node_clk / o_clk - 1.0
-    cut = clock_cut(cfg, clk_dev, node_slow, o_slow)
-    others_cut = clock_cut(cfg, -clk_dev, o_slow, node_slow)       # -clk_dev: near enough for a margin
+    r.clk_dev = node_clk / o_clk - 1.0
+    r.cut = clock_cut(cfg, r.clk_dev, node_slow, o_slow)
+    r.others_cut = clock_cut(cfg, -r.clk_dev, o_slow, node_slow)       # -clk_dev: near enough for a margin
     # "Busy while the others wait" needs the others spinning at least as much as this node; others
     # that idle more than it are starved themselves (that is the host-idle pattern, on them).
-    node_busy = (node_u >= cfg.busy_utilization) & ~(gap < -cfg.node_idle_gap / 2) & ~others_cut
-    # Without a baseline (a node idle or slow from the job's start) nothing has dropped. In one job every
-    # node runs the same steps, so others spinning at high utilization while this node idles far more,
-    # or is far more active, are waiting for it: twice the margins, as for a GPU (see straggler.detect()).
-    prev = nan_to_zero(state.nodes.pair_offset[:, idx])
-    cross = tick.registry.is_job[gids] & steady & (
-        (gap - prev[0] >= 2 * cfg.node_idle_gap) | (node_busy & (act - prev[1] >= 2 * act_margin)))
-    aged = tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds
-    cut &= tick.registry.is_job[gids] & steady & aged
-    waiting = ((waiting_drop >= min_drop) & steady) | cross | cut
-    warm_ticks = cfg.bins(cfg.startup_grace_seconds)
-    n_learned = state.nodes.pair_learned[idx]
-    warming = n_learned < warm_ticks
-    learn = steady & (warming | ~waiting) & ~np.isnan(gap) & ~cut & ~others_cut
-    alpha = learning_rate(cfg, warming)
-    off = follow(state.nodes.pair_offset[:, idx], np.array([gap, act]), learn, alpha)
+    r.node_busy = (node_u >= cfg.busy_utilization) & ~(r.gap < -cfg.node_idle_gap / 2) & ~r.others_cut
+    return r
+
+
+def _learn_pairs(tick: Tick, nodes: NodeOffsets, lay: _NodePairs, r: _PairReadings,
+                 waiting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Follow each pair's offsets (idle gap, activity) while its group runs steadily and unslowed; the
+    offsets after this tick, and which pairs are still warming up."""
+    cfg, idx = tick.config, lay.idx
+    n_learned = nodes.pair_learned[idx]
+    warming = n_learned < cfg.bins(cfg.startup_grace_seconds)
+    learn = r.steady & (warming | ~waiting) & ~np.isnan(r.gap) & ~r.cut & ~r.others_cut
+    off = follow(nodes.pair_offset[:, idx], np.array([r.gap, r.act]), learn, learning_rate(cfg, warming))
     # Nodes of one job run the same steps: as for GPUs (see gpus.learn), an offset in the culprit direction is
     # capped, and none is learned in the victim direction: a node learned while it idled (host-starved
     # from the start) read as "busier" than the others once it recovered.
     cap = cfg.structural_max_offset
-    off = state.nodes.pair_offset[:, idx] = np.where(tick.registry.is_job[gids], np.clip(off, 0.0, cap), off)
-    state.nodes.pair_learned[idx] = n_learned + learn
-    ready = ~warming & ~np.isnan(off[0]) & aged
-    idle = gap - off[0]
-    # Unattributed nodes are not known to run one job: a node "busier while the others wait" may just run
-    # another job than the nodes whose job slowed (comm- or input-bound). It is judged only where its
-    # activity matched the others' while healthy (learned offset within structural_max_offset), as the
-    # nodes of one job do; two jobs that happen to run alike cannot be told apart.
-    alike = tick.registry.is_job[gids] | (np.abs(off[1]) <= cap)
-    busier = np.where(node_busy & alike, act - nan_to_zero(off[1]), np.nan)
-    score = np.fmax(idle / cfg.node_idle_gap, busier / act_margin)
-    stands = (ready & waiting & (score >= 0.6)) | cut
-    on = ready & waiting & (score >= 1.0)
-    if on.any():
-        # As for a GPU (gpus.standing_now): named only while its newest reading still sets it apart.
-        now = _pair_score_now(tick, lay, off, node_busy & alike, act_margin)
-        on &= ~(now < 0.6)
-    on |= cut
-    if halted:
-        live = ~np.isin(gids, list(halted))
-        stands &= live
-        on &= live
-    pairs = dict(lay.pairs)
-    standout = {(int(gids[i]), int(nids[i])) for i in stands.nonzero()[0].tolist()}
-    findings = []
-    for i in on.nonzero()[0].tolist():
-        gid, nid = int(gids[i]), int(nids[i])
-        members = np.flatnonzero((ng == gid) & (node_id == nid) & ~np.isnan(u))
-        rest = np.flatnonzero((ng == gid) & (node_id != nid) & ~np.isnan(u))
-        idle_score, busy_score = idle[i] / cfg.node_idle_gap, busier[i] / act_margin[i]
-        # NaN busy score: not judged (unattributed) or unknown; then what fired is the idle gap.
-        pattern = ("cut" if cut[i] else "busy" if busy_score == busy_score and not idle_score >= busy_score
-                   else "idle")
-        if pattern == "busy" and not tick.registry.is_job[gid] and not _node_wide_busy(tick, members, rest,
-                                                                                     float(act_margin[i])):
-            continue
-        slowdown = waiting_drop[i] if waiting_drop[i] == waiting_drop[i] else 0.0
-        if pattern == "cut" and clk_dev[i] < 0.0:
-            # At a fraction of the others' clocks each step takes that much longer (compute-bound).
-            slowdown = max(slowdown, float(-clk_dev[i]))
-        elif cross[i]:
-            # The others' share of each step spent waiting: the idle gap, or their activity against this node's.
-            slowdown = max(slowdown, gap[i] if pattern == "idle" else 1.0 - 1.0 / (1.0 + max(float(act[i]), 0.0)))
-        findings.append(_slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern))
-    return findings, standout, pairs
+    off = nodes.pair_offset[:, idx] = np.where(tick.registry.is_job[lay.gids], np.clip(off, 0.0, cap), off)
+    nodes.pair_learned[idx] = n_learned + learn
+    return off, warming
+
+
+def _pair_finding(tick: Tick, state: StragglerState, lay: _NodePairs, r: _PairReadings, i: int) -> Finding | None:
+    """The finding for pair i, named by what set it apart; None for an unattributed node found busier
+    on its median whose GPUs are not busier rank for rank (see _node_wide_busy)."""
+    cfg, w, ng = tick.config, tick.windows, tick.groups.ngid
+    u, node_id = tick.med["util"], w.slot_node_id[:w.n]
+    gid, nid = int(lay.gids[i]), int(lay.nids[i])
+    members = np.flatnonzero((ng == gid) & (node_id == nid) & ~np.isnan(u))
+    rest = np.flatnonzero((ng == gid) & (node_id != nid) & ~np.isnan(u))
+    idle_score, busy_score = r.idle[i] / cfg.node_idle_gap, r.busier[i] / r.act_margin[i]
+    # NaN busy score: not judged (unattributed) or unknown; then what fired is the idle gap.
+    pattern = ("cut" if r.cut[i] else "busy" if busy_score == busy_score and not idle_score >= busy_score
+               else "idle")
+    if pattern == "busy" and not tick.registry.is_job[gid] and not _node_wide_busy(tick, members, rest,
+                                                                                 float(r.act_margin[i])):
+        return None
+    drop = r.waiting_drop[i]
+    slowdown = drop if drop == drop else 0.0
+    if pattern == "cut" and r.clk_dev[i] < 0.0:
+        # At a fraction of the others' clocks each step takes that much longer (compute-bound).
+        slowdown = max(slowdown, float(-r.clk_dev[i]))
+    elif r.cross[i]:
+        # The others' share of each step spent waiting: the idle gap, or their activity against this node's.
+        slowdown = max(slowdown, r.gap[i] if pattern == "idle" else 1.0 - 1.0 / (1.0 + max(float(r.act[i]), 0.0)))
+    return _slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern)
 
 
 def _pair_score_now(tick: Tick, lay: "_NodePairs", off: np.ndarray, judged_busy: np.ndarray,
