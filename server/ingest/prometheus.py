@@ -108,6 +108,25 @@ class _Gpu:
     # reading label -> [seconds active, seconds sampled] (NaN until that series is seen)
     activity: dict[str, list[float]] | None = None
 
+    def take(self, target: tuple, model: str | None, value: float) -> None:
+        """One point of a reading series (target: what _target decided for the series)."""
+        field, is_bool, reading, which, code, _ = target
+        if self.readings is None:
+            self.readings = {}
+        if model is not None:
+            self.model = model
+        if field is not None:
+            self.readings[field] = bool(value) if is_bool else value
+        elif reading:
+            if self.activity is None:
+                self.activity = {}
+            self.activity.setdefault(reading, [math.nan, math.nan])[which] = value
+        elif code:
+            if self.xids is None:
+                self.xids = {}
+            # A count that is no finite number is left for the contract check to refuse.
+            self.xids[code] = int(value) if math.isfinite(value) else value
+
 
 class PrometheusSource(IngestAccounting):
     """Rebuilds node snapshots from Prometheus's stored scrapes of the agents, one query per cycle."""
@@ -272,6 +291,31 @@ class PrometheusSource(IngestAccounting):
     def _assemble(self, series: list[_Series]) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """Snapshot-contract objects per (node, scrape) whose agent sample is newer than what was
         delivered, and the newest delivered sample time per instance."""
+        scrapes, ages, sources = self._gather(series)
+        out = []
+        arrived: dict[str, float] = {}
+        for (node, at), gpus in sorted(scrapes.items(), key=lambda kv: kv[0][1]):
+            # The sample's own time: the scrape's, less the sample's age the agent reported in it. The scrape
+            # time alone is off by up to a sampling period, which would skew every rate over the next one.
+            taken = at - ages[(node, at)] if (node, at) in ages else at
+            present = [(index, g) for index, g in sorted(gpus.items()) if g.readings is not None]
+            if not present or taken <= self._newest.get(node, float("-inf")) + _SAME_SAMPLE_SECONDS:
+                continue     # the same sample scraped again (an agent whose sampling is stuck): not new
+            rows = [self._with_activity_means(node, taken, g, self._row(index, g)) for index, g in present]
+            out.append({"schema": 1, "node": node, "time": taken, "gpus": rows})
+            self._newest[node] = taken
+            instance = sources.get((node, at))
+            if instance is not None:
+                arrived[instance] = max(arrived.get(instance, taken), taken)
+        if out:
+            horizon = max(s["time"] for s in out) - 2 * self.max_lookback_seconds
+            self._activity = {k: v for k, v in self._activity.items() if v[2] >= horizon}
+        return out, arrived
+
+    def _gather(self, series: list[_Series]) -> tuple[dict[tuple[str, float], dict[int, _Gpu]],
+                                                      dict[tuple[str, float], float], dict[tuple[str, float], str]]:
+        """The points newer than what was delivered, per (node, scrape time): each GPU's readings, the
+        sample's age the agent reported, and the instance scraped."""
         scrapes: dict[tuple[str, float], dict[int, _Gpu]] = defaultdict(dict)
         by_gpu: dict[tuple[str, int], dict[float, _Gpu]] = {}     # the same records, by GPU then scrape
         ages: dict[tuple[str, float], float] = {}
@@ -301,7 +345,6 @@ class PrometheusSource(IngestAccounting):
             if target is None:
                 self._record_error("schema", f"series of an unexpected metric {name[:80]}")
                 continue
-            field, is_bool, reading, which, code, hpc_job = target
             model = labels.get("model")
             model = model if isinstance(model, str) else None
             records = by_gpu.get((node, index))
@@ -317,42 +360,10 @@ class PrometheusSource(IngestAccounting):
                         sources[(node, at)] = instance
                 if name == _JOB_INFO:
                     if value == 1.0:
-                        gpu.job = hpc_job
-                    continue
-                if gpu.readings is None:
-                    gpu.readings = {}
-                if model is not None:
-                    gpu.model = model
-                if field is not None:
-                    gpu.readings[field] = bool(value) if is_bool else value
-                elif reading:
-                    if gpu.activity is None:
-                        gpu.activity = {}
-                    gpu.activity.setdefault(reading, [math.nan, math.nan])[which] = value
-                elif code:
-                    if gpu.xids is None:
-                        gpu.xids = {}
-                    # A count that is no finite number is left for the contract check to refuse.
-                    gpu.xids[code] = int(value) if math.isfinite(value) else value
-        out = []
-        arrived: dict[str, float] = {}
-        for (node, at), gpus in sorted(scrapes.items(), key=lambda kv: kv[0][1]):
-            # The sample's own time: the scrape's, less the sample's age the agent reported in it. The scrape
-            # time alone is off by up to a sampling period, which would skew every rate over the next one.
-            taken = at - ages[(node, at)] if (node, at) in ages else at
-            present = [(index, g) for index, g in sorted(gpus.items()) if g.readings is not None]
-            if not present or taken <= self._newest.get(node, float("-inf")) + _SAME_SAMPLE_SECONDS:
-                continue     # the same sample scraped again (an agent whose sampling is stuck): not new
-            rows = [self._with_activity_means(node, taken, g, self._row(index, g)) for index, g in present]
-            out.append({"schema": 1, "node": node, "time": taken, "gpus": rows})
-            self._newest[node] = taken
-            instance = sources.get((node, at))
-            if instance is not None:
-                arrived[instance] = max(arrived.get(instance, taken), taken)
-        if out:
-            horizon = max(s["time"] for s in out) - 2 * self.max_lookback_seconds
-            self._activity = {k: v for k, v in self._activity.items() if v[2] >= horizon}
-        return out, arrived
+                        gpu.job = target[5]
+                else:
+                    gpu.take(target, model, value)
+        return scrapes, ages, sources
 
     def _with_activity_means(self, node: str, taken: float, g: _Gpu, row: dict[str, Any]) -> dict[str, Any]:
         """The row with its ratio gauges replaced by the mean since the GPU's previous delivered scrape, from
