@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from contextlib import contextmanager
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -27,6 +28,7 @@ from server.engine import Engine, EngineConfig, EngineStats
 log = logging.getLogger(__name__)
 
 _READ_BUFFER_BYTES = 1 << 20
+_TIME_NODE = attrgetter("time", "node")
 OUTPUT_KEYS = ("kind", "severity", "node", "gpu", "uuid", "hpc_job", "started", "resolved", "summary",
                "evidence")
 
@@ -64,7 +66,7 @@ def _load(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> list[NodeSamp
                 log.warning("skipping malformed line", extra={"file": name, "line": lineno, "reason": str(item)})
             else:
                 samples.append(item)
-    samples.sort(key=lambda s: (s.time, s.node))
+    samples.sort(key=_TIME_NODE)
     log.info("trace loaded", extra={"snapshots": len(samples), "malformed": bad})
     return samples
 
