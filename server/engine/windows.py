@@ -127,7 +127,7 @@ class Windows:
 
     def reserve(self, n_slots: int) -> None:
         """Size the per-GPU arrays for n_slots GPUs at once: registering GPUs one by one copies the rings
-        at every doubling, a fifth of the windows' work in a short replay of 2,048 GPUs."""
+        at every doubling (about 60 ms of a 2.2 s replay of 2,048 GPUs)."""
         self._grow(n_slots)
 
     def _new_slot(self, node: str, index: int, uuid: str, model: str) -> int:
