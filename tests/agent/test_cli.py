@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes.util
 import http.client
-import logging
 import math
 import signal
 import threading
@@ -28,14 +27,8 @@ GPU_FIELDS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def restore_logging():
-    """main() points the root logger at stderr with its own level; put the test harness's back."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+# main() points the root logger at stderr with its own level (see conftest.py).
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def once(capsys, *args: str) -> dict:

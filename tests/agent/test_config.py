@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 
@@ -10,14 +9,8 @@ from agent.cli import main
 from agent.config import AgentConfig, ConfigError, default_node, env_name, load_config
 
 
-@pytest.fixture(autouse=True)
-def restore_logging():
-    """main() points the root logger at stderr with its own level; put the test harness's back."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+# main() points the root logger at stderr with its own level (see conftest.py).
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def test_defaults():
