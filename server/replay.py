@@ -1,9 +1,10 @@
 """Offline replay: snapshot-contract JSONL in, one JSON object per fired alert out.
 
 `gpufleet-server replay TRACE... [--config FILE]`. Lines may come from many agents' --record files in
-any order: every line of every file is parsed, sorted by sample time, and fed to the same Engine the
-live server runs, advancing on a fixed cadence of sample time. Malformed lines are logged (file and
-line number) and skipped. Exit 0 on success, 2 for a missing file or a bad config.
+any order: every line of every file is parsed, sorted by sample time, a node whose clock is off the
+others' is lined up with them (_align_clocks), and all is fed to the same Engine the live server runs,
+advancing on a fixed cadence of sample time. Malformed lines are logged (file and line number) and
+skipped. Exit 0 on success, 2 for a missing file or a bad config.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def _run(samples: list[NodeSample], cfg: EngineConfig) -> tuple[list[Alert], Eng
     fired: dict[str, Alert] = {}
     if not samples:
         return [], engine.stats()
-    engine.reserve(_gpu_count(samples))
+    spans = _node_spans(samples)
+    engine.reserve(sum(len(span.indices) for span in spans.values()))
+    samples = _align_clocks(samples, spans)
     step = cfg.tick_seconds
     boundary = (math.floor(samples[0].time / step) + 1) * step
     for sample in samples:
@@ -96,17 +99,79 @@ def _run(samples: list[NodeSample], cfg: EngineConfig) -> tuple[list[Alert], Eng
     return alerts, engine.stats()
 
 
-def _gpu_count(samples: list[NodeSample]) -> int:
-    """Distinct (node, GPU index) pairs in the trace. The parser shares a node's identity tuples between
-    its lines, so each distinct tuple is looked at once."""
-    seen: set[tuple[str, int]] = set()
-    per_node: dict[str, set[int]] = {}
+class _Span:
+    """One node's samples in the trace: first and last sample time, how many, its GPU indices."""
+
+    __slots__ = ("first", "last", "count", "indices", "_seen")
+
+    def __init__(self, time: float) -> None:
+        self.first = self.last = time
+        self.count = 0
+        self.indices: set[int] = set()
+        self._seen: set[int] = set()
+
+
+def _node_spans(samples: list[NodeSample]) -> dict[str, _Span]:
+    """Per node, from samples in time order. The parser shares a node's identity tuples between its
+    lines, so each distinct tuple of GPU indices is looked at once."""
+    spans: dict[str, _Span] = {}
     for s in samples:
-        key = (s.node, id(s.indices))
-        if key not in seen:
-            seen.add(key)
-            per_node.setdefault(s.node, set()).update(s.indices)
-    return sum(map(len, per_node.values()))
+        span = spans.get(s.node)
+        if span is None:
+            span = spans[s.node] = _Span(s.time)
+        span.last = s.time
+        span.count += 1
+        if id(s.indices) not in span._seen:
+            span._seen.add(id(s.indices))
+            span.indices.update(s.indices)
+    return spans
+
+
+# A clock at least this far off (and more than a sampling interval, a node's phase) is taken out. The
+# engine itself is indifferent to 20 s; it is the ends of the trace and a job's transitions that are not.
+_MIN_CLOCK_OFFSET_SECONDS = 10.0
+
+
+def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[NodeSample]:
+    """The samples, with a node's clock offset from the other nodes' taken out where the trace shows one.
+
+    Every agent of a trace records over the same stretch of real time, so a node whose first and last
+    samples both sit the same offset from the other nodes' (the median node's) has a clock off by that
+    much. Left in, its bins are compared with other instants of its peers' (at every start, end and
+    incident of a job it stands out, early or late), and at the trace's end the nodes whose clocks run
+    behind stop sooner in sample time than the others and read as unreachable. A node that starts late
+    or stops early (down, crashed, added) moves one end only and is left alone.
+    """
+    if len(spans) < 2:
+        return samples
+    firsts = sorted(span.first for span in spans.values())
+    lasts = sorted(span.last for span in spans.values())
+    ref_first, ref_last = _median(firsts), _median(lasts)
+    offsets: dict[str, float] = {}
+    for node, span in spans.items():
+        interval = (span.last - span.first) / max(span.count - 1, 1)
+        early, late = span.first - ref_first, span.last - ref_last
+        offset = (early + late) / 2.0
+        # A node's sampling phase moves both ends alike by less than an interval, so the offset must be
+        # larger; a lost first or last line moves one end by an interval, so the ends must agree more
+        # closely than that. (With two nodes, each is half the skew away from their median.)
+        consistent = abs(early - late) <= 0.5 * interval + 2.0
+        if consistent and abs(offset) >= max(_MIN_CLOCK_OFFSET_SECONDS, interval + 2.0):
+            offsets[node] = offset
+            log.warning("node clock offset taken out", extra={"node": node, "offset_seconds": round(offset, 1)})
+    if not offsets:
+        return samples
+    out = [s if s.node not in offsets else
+           NodeSample(s.node, s.time - offsets[s.node], s.indices, s.uuids, s.models, s.jobs, s.values, s.xid_by_code)
+           for s in samples]
+    out.sort(key=_TIME_NODE)
+    return out
+
+
+def _median(ordered: list[float]) -> float:
+    """Median of a sorted, non-empty list."""
+    n = len(ordered)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2.0
 
 
 def _collect(transitions: list, fired: dict[str, Alert]) -> None:

@@ -341,6 +341,17 @@ def straggler_under_power_cap(seed: int) -> ClusterSpec:
     return d.spec(nodes, [job], incs, 960.0)
 
 
+def clock_skew(seed: int) -> ClusterSpec:
+    """One node's clock runs 30-120 s off (its NTP lost), in a job whose collectives then slow down."""
+    d = _Draw("clock_skew", seed)
+    nodes, job = _one_job(d, d.i(3, 4))
+    k = d.i(0, len(nodes) - 1)
+    skew = d.pick((-1.0, 1.0)) * d.u(30.0, 120.0)
+    nodes = tuple(replace(n, clock_skew_s=skew) if i == k else n for i, n in enumerate(nodes))
+    inc = Incident("comm_slowdown", d.u(240, 420), d.u(700, 900), job="j1", severity=d.u(2.0, 4.0))
+    return d.spec(nodes, [job], [inc], 960.0)
+
+
 def comm_flapping(seed: int) -> ClusterSpec:
     d = _Draw("comm_flapping", seed)
     nodes, job = _one_job(d, d.i(2, 4))
@@ -614,6 +625,7 @@ CATALOG: tuple[Scenario, ...] = (
              small=False),
     Scenario("comm_then_straggler", "a comm slowdown, then later a straggler, in the same job",
              comm_then_straggler, small=False),
+    Scenario("clock_skew", "one node's clock 30-120 s off in a job whose collectives slow down", clock_skew),
     Scenario("decoy_jitter", "GPUs slow for 5-15 s and a 10-20 s checkpoint pause", decoy_jitter, decoy=True),
     Scenario("decoy_startup_winddown", "jobs starting, ending and being replaced", decoy_startup_winddown,
              decoy=True),

@@ -6,9 +6,10 @@ import logging
 import random
 
 import orjson
+import pytest
 
 from server.engine import Engine
-from server.replay import _gpu_count, _load, alert_json, main, run_replay
+from server.replay import _load, _node_spans, alert_json, main, run_replay
 from tests.server.engine_samples import T0, cluster_lines
 
 
@@ -47,14 +48,46 @@ def test_the_windows_are_sized_once_for_every_gpu_of_the_trace():
         return {"_absent": True} if gone else {}
 
     samples = _load([("trace", cluster_lines(400, nodes=9, override=churn))])
-    assert _gpu_count(samples) == 72
+    gpus = sum(len(span.indices) for span in _node_spans(samples).values())
+    assert gpus == 72
     engine = Engine()
-    engine.reserve(_gpu_count(samples))
+    engine.reserve(gpus)
     rings = engine.windows.acc
     for s in samples:
         engine.ingest(s)
     engine.advance(samples[-1].time + 60)
     assert engine.windows.n == 72 and engine.windows.acc is rings       # never regrown
+
+
+def _shifted(lines: list[bytes], node: str, seconds: float) -> list[bytes]:
+    out = []
+    for line in lines:
+        d = orjson.loads(line)
+        if d["node"] == node:
+            d["time"] += seconds
+        out.append(orjson.dumps(d))
+    return out
+
+
+@pytest.mark.parametrize("seconds", [-60.0, 45.0, 120.0])
+def test_a_node_whose_clock_is_off_is_lined_up_with_the_others(caplog, seconds):
+    # Left as recorded, the trace ends sooner in sample time for the nodes whose clocks run behind,
+    # and those read as unreachable for its last seconds.
+    lines = _shifted(cluster_lines(900, nodes=3), "n1", seconds)
+    caplog.set_level(logging.WARNING, logger="server.replay")
+    assert run_replay(lines) == []
+    (note,) = [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
+    assert note.node == "n1" and abs(note.offset_seconds - seconds) <= 5.0
+
+
+def test_a_node_that_falls_silent_or_joins_late_is_not_taken_for_a_clock_offset(caplog):
+    def silent_or_late(t, node, gpu):
+        return {"_absent": True} if (node == "n1" and t >= 840) or (node == "n2" and t < 120) else {}
+
+    caplog.set_level(logging.WARNING, logger="server.replay")
+    alerts = run_replay(cluster_lines(900, nodes=3, override=silent_or_late))
+    assert [(a.kind.value, a.node) for a in alerts] == [("node_unreachable", "n1")]
+    assert not [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
 
 
 def test_str_lines_and_blank_lines_are_accepted():
