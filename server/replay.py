@@ -135,28 +135,32 @@ _MIN_CLOCK_OFFSET_SECONDS = 10.0
 def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[NodeSample]:
     """The samples, with a node's clock offset from the other nodes' taken out where the trace shows one.
 
-    Every agent of a trace records over the same stretch of real time, so a node whose first and last
-    samples both sit the same offset from the other nodes' (the median node's) has a clock off by that
-    much. Left in, its bins are compared with other instants of its peers' (at every start, end and
-    incident of a job it stands out, early or late), and at the trace's end the nodes whose clocks run
-    behind stop sooner in sample time than the others and read as unreachable. A node that starts late
-    or stops early (down, crashed, added) moves one end only and is left alone.
+    Every agent of a trace records over the same stretch of real time, so where most nodes' first and
+    last samples agree, a node whose first and last samples both sit the same offset from theirs has a
+    clock off by that much. Left in, its bins are compared with other instants of its peers' (at every
+    start, end and incident of a job it stands out, early or late), and at the trace's end the nodes
+    whose clocks run behind stop sooner in sample time than the others and read as unreachable. A node
+    that starts late or stops early (down, crashed, added) moves one end only and is left alone; so is
+    every node where the others do not agree among themselves (agents started and stopped one after
+    another, or two nodes: nothing says which clock is right).
     """
-    if len(spans) < 2:
+    if len(spans) < 3:
         return samples
-    firsts = sorted(span.first for span in spans.values())
-    lasts = sorted(span.last for span in spans.values())
-    ref_first, ref_last = _median(firsts), _median(lasts)
+    ref_first = _median(sorted(span.first for span in spans.values()))
+    ref_last = _median(sorted(span.last for span in spans.values()))
+    ends = {node: (span.first - ref_first, span.last - ref_last,
+                   (span.last - span.first) / max(span.count - 1, 1)) for node, span in spans.items()}
+    # A node's sampling phase moves both of its ends alike, by less than an interval.
+    in_step = sum(abs(early) <= interval + 2.0 and abs(late) <= interval + 2.0
+                  for early, late, interval in ends.values())
+    if 2 * in_step <= len(ends):
+        return samples
     offsets: dict[str, float] = {}
-    for node, span in spans.items():
-        interval = (span.last - span.first) / max(span.count - 1, 1)
-        early, late = span.first - ref_first, span.last - ref_last
+    for node, (early, late, interval) in ends.items():
         offset = (early + late) / 2.0
-        # A node's sampling phase moves both ends alike by less than an interval, so the offset must be
-        # larger; a lost first or last line moves one end by an interval, so the ends must agree more
-        # closely than that. (With two nodes, each is half the skew away from their median.)
-        consistent = abs(early - late) <= 0.5 * interval + 2.0
-        if consistent and abs(offset) >= max(_MIN_CLOCK_OFFSET_SECONDS, interval + 2.0):
+        # Beyond the phase, and with both ends agreeing more closely than a lost first or last line
+        # (which moves one end by a whole interval) would let them.
+        if abs(offset) >= max(_MIN_CLOCK_OFFSET_SECONDS, interval + 2.0) and abs(early - late) <= 0.5 * interval + 2.0:
             offsets[node] = offset
             log.warning("node clock offset taken out", extra={"node": node, "offset_seconds": round(offset, 1)})
     if not offsets:

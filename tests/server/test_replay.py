@@ -90,6 +90,17 @@ def test_a_node_that_falls_silent_or_joins_late_is_not_taken_for_a_clock_offset(
     assert not [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
 
 
+def test_agents_started_and_stopped_one_after_another_keep_their_clocks(caplog):
+    # Each node's span is 20 s later than the one before: the ends do not agree, so no clock is "off".
+    def staggered(t, node, gpu):
+        k = int(node[1:])
+        return {"_absent": True} if not 20 * k <= t < 840 + 20 * k else {}
+
+    caplog.set_level(logging.WARNING, logger="server.replay")
+    run_replay(cluster_lines(900, nodes=4, override=staggered))
+    assert not [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
+
+
 def test_str_lines_and_blank_lines_are_accepted():
     lines = [line.decode() for line in cluster_lines(400, override=_hot)] + ["", "\n"]
     assert len(run_replay(lines)) == 1
