@@ -85,7 +85,7 @@ def test_a_node_that_falls_silent_or_joins_late_is_not_taken_for_a_clock_offset(
         return {"_absent": True} if (node == "n1" and t >= 840) or (node == "n2" and t < 120) else {}
 
     caplog.set_level(logging.WARNING, logger="server.replay")
-    alerts = run_replay(cluster_lines(900, nodes=3, override=silent_or_late))
+    alerts = run_replay(cluster_lines(900, nodes=5, override=silent_or_late))
     assert [(a.kind.value, a.node) for a in alerts] == [("node_unreachable", "n1")]
     assert not [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
 
