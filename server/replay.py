@@ -20,11 +20,13 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
+import numpy as np
 import orjson
 
 from server.alerts import Alert, AlertState
 from server.contract import ContractError, NodeSample, parse_lines
 from server.engine import Engine, EngineConfig, EngineStats
+from server.engine.reduce import median
 
 log = logging.getLogger(__name__)
 
@@ -110,20 +112,24 @@ class _Span:
         self.indices: set[int] = set()
         self._seen: set[int] = set()
 
+    def add(self, sample: NodeSample) -> None:
+        """Count the node's next sample in time order. The parser shares a node's identity tuples between
+        its lines, so each distinct tuple of GPU indices is looked at once."""
+        self.last = sample.time
+        self.count += 1
+        if id(sample.indices) not in self._seen:
+            self._seen.add(id(sample.indices))
+            self.indices.update(sample.indices)
+
 
 def _node_spans(samples: list[NodeSample]) -> dict[str, _Span]:
-    """Per node, from samples in time order. The parser shares a node's identity tuples between its
-    lines, so each distinct tuple of GPU indices is looked at once."""
+    """Per node, from samples in time order."""
     spans: dict[str, _Span] = {}
     for s in samples:
         span = spans.get(s.node)
         if span is None:
             span = spans[s.node] = _Span(s.time)
-        span.last = s.time
-        span.count += 1
-        if id(s.indices) not in span._seen:
-            span._seen.add(id(s.indices))
-            span.indices.update(s.indices)
+        span.add(s)
     return spans
 
 
@@ -146,8 +152,8 @@ def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[No
     """
     if len(spans) < 3:
         return samples
-    ref_first = _median(sorted(span.first for span in spans.values()))
-    ref_last = _median(sorted(span.last for span in spans.values()))
+    ref_first = median(np.array([span.first for span in spans.values()]))
+    ref_last = median(np.array([span.last for span in spans.values()]))
     ends = {node: (span.first - ref_first, span.last - ref_last,
                    (span.last - span.first) / max(span.count - 1, 1)) for node, span in spans.items()}
     # A node's sampling phase moves both of its ends alike, by less than an interval.
@@ -170,12 +176,6 @@ def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[No
            for s in samples]
     out.sort(key=_TIME_NODE)
     return out
-
-
-def _median(ordered: list[float]) -> float:
-    """Median of a sorted, non-empty list."""
-    n = len(ordered)
-    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2.0
 
 
 def _collect(transitions: list, fired: dict[str, Alert]) -> None:
