@@ -102,7 +102,10 @@ class AgentHttpServer:
         pub = self.store.latest()
         node = pub.health.node if pub is not None else ""
         bodies = self.store.since(since)
-        head = b'{"schema":1,"node":' + orjson.dumps(node) + b',"snapshots":['
+        # The answer's own time lets the server measure this node's clock against its own (a node whose
+        # clock runs behind would otherwise deliver every sample after the server judged its bin).
+        head = (b'{"schema":1,"node":' + orjson.dumps(node) + b',"time":' + orjson.dumps(round(self.clock(), 3))
+                + b',"snapshots":[')
         return HTTPStatus.OK, JSON, head + b",".join(bodies) + b"]}"
 
     def healthz(self) -> tuple[int, str, bytes]:

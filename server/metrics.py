@@ -110,15 +110,20 @@ class ServerCollector(Collector):
                                     "Wall-clock time of the last successful pull.", labels=["target"])
         last_sample = GaugeMetricFamily("gpufleet_server_target_last_sample_timestamp_seconds",
                                         "Sample time of the newest snapshot pulled from the agent.", labels=["target"])
+        offset = GaugeMetricFamily("gpufleet_server_target_clock_offset_seconds",
+                                   "The agent's clock minus the server's, as measured from its answers.",
+                                   labels=["target"])
         for h in puller.health():
             up.add_metric([h.target], 1 if h.up else 0)
+            if h.clock_offset_seconds is not None:
+                offset.add_metric([h.target], h.clock_offset_seconds)
             stale.add_metric([h.target], 1 if h.stale else 0)
             failures.add_metric([h.target], h.consecutive_failures)
             if h.last_success is not None:
                 last_ok.add_metric([h.target], h.last_success)
             if h.last_sample_time is not None:
                 last_sample.add_metric([h.target], h.last_sample_time)
-        yield from (up, stale, failures, last_ok, last_sample)
+        yield from (up, stale, failures, last_ok, last_sample, offset)
         errors = CounterMetricFamily("gpufleet_server_pull_errors", "Rejected pulls and snapshots by target and reason.",
                                      labels=["target", "reason"])
         by_reason: Counter[str] = Counter()

@@ -73,7 +73,7 @@ def build_source(settings: ServerSettings, *, clock: Callable[[], float] = time.
     return Puller(build_targets(settings), timeout_seconds=settings.pull_timeout_seconds,
                   max_payload_bytes=settings.pull_max_bytes, concurrency=settings.pull_concurrency,
                   stale_after_seconds=settings.pull_stale_after_seconds, transport=transport, clock=clock,
-                  parse=parse)
+                  parse=parse, clock_offset_min_seconds=settings.pull_clock_offset_min_seconds)
 
 
 def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callable[[], float] = time.time,

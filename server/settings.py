@@ -39,6 +39,13 @@ def parse_duration(text: Any) -> float:
     return value
 
 
+def parse_duration_or_off(text: Any) -> float:
+    """A duration, or zero ("0", "0s") for off."""
+    if re.fullmatch(r"\s*0*\.?0+\s*(ms|s|m|h|d)?\s*", str(text)):
+        return 0.0
+    return parse_duration(text)
+
+
 def parse_size(text: Any) -> int:
     """Bytes from a number or "512KiB", "32MiB", "1GiB"; must be positive."""
     match = re.fullmatch(r"\s*([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*", str(text))
@@ -106,6 +113,7 @@ class ServerSettings:
     pull_max_bytes: int = 32 * 1024 * 1024
     pull_concurrency: int = 256
     pull_stale_after_seconds: float = 30.0
+    pull_clock_offset_min_seconds: float = 10.0
     storage_path: str = "gpufleet.db"
     storage_retention_seconds: float = 7 * 86400.0
     alertmanager_url: str | None = None
@@ -139,6 +147,9 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "pull.concurrency": ("pull_concurrency", parse_positive_int, "pulls in flight at once (default 256)"),
     "pull.stale-after": ("pull_stale_after_seconds", parse_duration,
                          "mark an agent stale when it sends no new sample for this long (default 30s)"),
+    "pull.clock-offset-min": ("pull_clock_offset_min_seconds", parse_duration_or_off,
+                              "take an agent's clock offset out of its sample times once it is this large "
+                              "(default 10s; 0s: never)"),
     "storage.path": ("storage_path", str, "SQLite file for alerts (default gpufleet.db)"),
     "storage.retention": ("storage_retention_seconds", parse_duration, "keep resolved alerts this long (default 7d)"),
     "alertmanager.url": ("alertmanager_url", parse_url, "Alertmanager base URL, e.g. http://alertmanager:9093"),

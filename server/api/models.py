@@ -93,9 +93,12 @@ class TargetModel(BaseModel):
     stale: bool = Field(description="The agent answers but has sent no new sample for a while.")
     last_attempt: float | None
     last_success: float | None
-    last_sample_time: float | None = Field(description="Sample time of the newest snapshot received.")
+    last_sample_time: float | None = Field(description="Sample time of the newest snapshot received, in the agent's clock.")
     consecutive_failures: int
     last_error: str | None
+    clock_offset_seconds: float | None = Field(None, description=(
+        "The agent's clock minus the server's, measured from its answers; taken out of its sample times once "
+        "it reaches --pull.clock-offset-min."))
 
 
 class JobsModel(BaseModel):

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 import httpx
 import orjson
 
+from server.ingest.clocks import DEFAULT_MIN_OFFSET_SECONDS, ClockOffsets
 from server.ingest.targets import TargetSource
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class TargetHealth:
     last_sample_time: float | None = None
     consecutive_failures: int = 0
     last_error: str | None = None
+    clock_offset_seconds: float | None = None     # agent clock minus ours, as measured (None: not yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,13 @@ class IngestAccounting:
         log.warning(message, extra={**extra, "reason": key[1], "detail": detail[:300], "count": count})
 
 
+def _number(value: Any) -> float | None:
+    """A JSON number as float; None for anything else (bool included)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        return float(value)
+    return None
+
+
 def _default_parse() -> Callable[[Mapping[str, Any]], Any]:
     """The engine's contract parser, imported late so the puller does not pull numpy in at import."""
     from server.contract import parse_snapshot
@@ -116,6 +125,7 @@ class Puller(IngestAccounting):
         clock: Callable[[], float] = time.time,
         parse: Callable[[Mapping[str, Any]], Any] | None = None,
         scheme: str = "http",
+        clock_offset_min_seconds: float = DEFAULT_MIN_OFFSET_SECONDS,
     ) -> None:
         super().__init__()
         self.source = source
@@ -134,6 +144,7 @@ class Puller(IngestAccounting):
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._ssl: ssl.SSLContext | None = None
         self._health: dict[str, TargetHealth] = {}
+        self.clocks = ClockOffsets(clock_offset_min_seconds)
 
     async def aclose(self) -> None:
         """Close every target's connection."""
@@ -165,6 +176,7 @@ class Puller(IngestAccounting):
         targets = await asyncio.to_thread(self._list_targets)
         for gone in set(self._health) - set(targets):
             del self._health[gone]
+            self.clocks.forget(gone)
         for gone in set(self._clients) - set(targets):
             await self._clients.pop(gone).aclose()
         outcomes = await asyncio.gather(*(self._pull_target(t) for t in targets))
@@ -195,7 +207,9 @@ class Puller(IngestAccounting):
         try:
             async with self._semaphore:
                 body = await self._fetch(target, previous.last_sample_time)
-            node, samples, rejected, newest = self._decode(target, body, previous.last_sample_time, now)
+            # The clock is read again on arrival: the fetch may have waited for the semaphore and the
+            # agent, and that wait would read as the agent's clock running behind.
+            node, samples, rejected, newest = self._decode(target, body, previous.last_sample_time, self._clock())
         except PullError as exc:
             self._record_error(target, exc.reason, exc.detail)
             self._health[target] = replace(
@@ -203,7 +217,8 @@ class Puller(IngestAccounting):
                 consecutive_failures=previous.consecutive_failures + 1,
             )
             return False, [], 0
-        self._health[target] = self._healthy(previous, node, now, newest, bool(samples))
+        self._health[target] = replace(self._healthy(previous, node, now, newest, bool(samples)),
+                                       clock_offset_seconds=self.clocks.estimate(target))
         return True, samples, rejected
 
     def _healthy(self, previous: TargetHealth, node: str | None, now: float, newest: float | None,
@@ -251,7 +266,10 @@ class Puller(IngestAccounting):
 
     def _decode(self, target: str, body: bytes | bytearray, since: float | None, now: float
                 ) -> tuple[str | None, list[Any], int, float | None]:
-        """Validate the envelope and each snapshot; returns (node, samples, rejected count, newest time)."""
+        """Validate the envelope and each snapshot; returns (node, samples, rejected count, newest time).
+
+        `since` and the newest time are in the agent's clock (they are what it is asked for next); the
+        samples' times are in ours, less the clock offset the answer's stamp shows (ClockOffsets)."""
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -262,13 +280,11 @@ class Puller(IngestAccounting):
             raise PullError("schema", f"unsupported schema {doc.get('schema')!r}")
         node = doc.get("node") if isinstance(doc.get("node"), str) else None
         horizon = now + self.max_future_seconds
-        samples: list[Any] = []
+        fresh: list[tuple[Any, float | None]] = []
         rejected = 0
-        newest = since
+        newest, newest_fresh = since, None
         for raw in doc["snapshots"]:
-            raw_time = raw.get("time") if isinstance(raw, dict) else None
-            if not isinstance(raw_time, (int, float)) or isinstance(raw_time, bool):
-                raw_time = None
+            raw_time = _number(raw.get("time")) if isinstance(raw, dict) else None
             if raw_time is not None and since is not None and raw_time <= since:
                 continue  # an agent that ignores `since` must not make us ingest twice
             if raw_time is not None and raw_time > horizon:
@@ -276,14 +292,30 @@ class Puller(IngestAccounting):
                 self._record_error(target, "future_time",
                                    f"sample time {raw_time!r} is {raw_time - now:.0f}s ahead of the server clock")
                 continue  # and `since` stays put, or the agent's honest samples after it would never be asked for
+            fresh.append((raw, raw_time))
+            if raw_time is not None:
+                newest = raw_time if newest is None else max(newest, raw_time)  # past a bad one too: not re-fetched
+                newest_fresh = raw_time if newest_fresh is None else max(newest_fresh, raw_time)
+        offset = self._clock_offset(target, node, _number(doc.get("time")), newest_fresh, now)
+        samples: list[Any] = []
+        for raw, raw_time in fresh:
+            if offset and raw_time is not None:
+                raw = {**raw, "time": raw_time - offset}
             try:
                 samples.append(self._parse(raw))
             except Exception as exc:  # noqa: BLE001 - any parser failure is a rejected snapshot, not a crash
                 rejected += 1
                 self._record_error(target, "schema", str(exc) or exc.__class__.__name__)
-            if raw_time is not None:
-                newest = raw_time if newest is None else max(newest, raw_time)  # past a bad one too: not re-fetched
         return node, samples, rejected, newest
+
+    def _clock_offset(self, target: str, node: str | None, served: float | None, newest: float | None,
+                      now: float) -> float:
+        """The offset to take out of this answer's sample times: learned from the agent's stamp of the answer,
+        or else from its newest sample, when the answer has either."""
+        stamp = served if served is not None and abs(served - now) <= self.max_future_seconds else newest
+        if stamp is None:
+            return self.clocks.offset(target)
+        return self.clocks.observe(target, stamp, now, node)
 
     def _record_error(self, target: str, reason: str, detail: str) -> None:
         """Count one rejected pull or snapshot."""

@@ -44,12 +44,13 @@ def test_binds_an_ephemeral_port(agent):
 
 
 def test_before_the_first_sample(agent):
-    server, *_ = agent
+    server, _, clock, *_ = agent
     assert get(server, "/healthz")[0] == 503
     assert orjson.loads(get(server, "/healthz")[2])["status"] == "starting"
     status, _, body = get(server, "/snapshot")
     assert status == 503 and orjson.loads(body)["error"] == "no_snapshot"
-    assert orjson.loads(get(server, "/snapshots")[2]) == {"schema": 1, "node": "", "snapshots": []}
+    assert orjson.loads(get(server, "/snapshots")[2]) == {"schema": 1, "node": "", "time": clock.now,
+                                                         "snapshots": []}
 
 
 def test_metrics_carries_prerendered_body_and_age(agent):
@@ -79,7 +80,7 @@ def test_snapshots_since(agent):
         sampler.run_once()
         clock.advance(1)
     all_ = orjson.loads(get(server, "/snapshots")[2])
-    assert all_["schema"] == 1 and all_["node"] == "dgx-017"
+    assert all_["schema"] == 1 and all_["node"] == "dgx-017" and all_["time"] == start + 4   # the agent's clock now
     assert [s["time"] for s in all_["snapshots"]] == [start, start + 1, start + 2, start + 3]
     newer = orjson.loads(get(server, f"/snapshots?since={start + 1}")[2])
     assert [s["time"] for s in newer["snapshots"]] == [start + 2, start + 3]

@@ -52,6 +52,9 @@ def test_alerts_jobs_and_ingest_series(tmp_path) -> None:
     assert got[("gpufleet_job_comm_bound", (("hpc_job", "j1"),))] == 0
     assert got[("gpufleet_server_target_up", (("target", "a:1"),))] == 1
     assert got[("gpufleet_server_target_up", (("target", "b:1"),))] == 0
+    # a:1's newest sample is 1 s older than the server's clock; b:1 never answered usefully: no offset, not 0.
+    assert got[("gpufleet_server_target_clock_offset_seconds", (("target", "a:1"),))] == -1.0
+    assert ("gpufleet_server_target_clock_offset_seconds", (("target", "b:1"),)) not in got
     assert got[("gpufleet_server_pull_errors_total", (("reason", "malformed_json"), ("target", "b:1")))] == 1
     assert got[("gpufleet_server_rejected_total", (("reason", "malformed_json"),))] == 1
     assert got[("gpufleet_server_samples_ingested_total", ())] == 1
