@@ -81,7 +81,7 @@ def _run(samples: list[NodeSample], cfg: EngineConfig) -> tuple[list[Alert], Eng
     fired: dict[str, Alert] = {}
     if not samples:
         return [], engine.stats()
-    spans = _node_spans(samples)
+    spans, samples = _node_spans(samples)
     engine.reserve(sum(len(span.indices) for span in spans.values()))
     samples = _align_clocks(samples, spans)
     step = cfg.tick_seconds
@@ -112,25 +112,39 @@ class _Span:
         self.indices: set[int] = set()
         self._seen: set[int] = set()
 
-    def add(self, sample: NodeSample) -> None:
-        """Count the node's next sample in time order. The parser shares a node's identity tuples between
-        its lines, so each distinct tuple of GPU indices is looked at once."""
+    def add(self, sample: NodeSample) -> bool:
+        """Count the node's next sample in time order; False for a repeat of the previous one. The parser
+        shares a node's identity tuples between its lines, so each distinct tuple of GPU indices is looked
+        at once."""
+        if self.count and sample.time == self.last:
+            return False
         self.last = sample.time
         self.count += 1
         if id(sample.indices) not in self._seen:
             self._seen.add(id(sample.indices))
             self.indices.update(sample.indices)
+        return True
 
 
-def _node_spans(samples: list[NodeSample]) -> dict[str, _Span]:
-    """Per node, from samples in time order."""
+def _node_spans(samples: list[NodeSample]) -> tuple[dict[str, _Span], list[NodeSample]]:
+    """Per node, from samples in time order; and the samples without repeats.
+
+    A node's snapshot at the same time as its previous one is the same snapshot twice (a record file
+    passed twice, or cat of overlapping ones). Kept, the repeat's zero-second energy difference has no
+    rate, and its bin would mix the instantaneous power into the average from energy."""
     spans: dict[str, _Span] = {}
-    for s in samples:
+    repeats: list[int] = []
+    for i, s in enumerate(samples):
         span = spans.get(s.node)
         if span is None:
             span = spans[s.node] = _Span(s.time)
-        span.add(s)
-    return spans
+        if not span.add(s):
+            repeats.append(i)
+    if repeats:
+        log.warning("repeated snapshots dropped", extra={"snapshots": len(repeats)})
+        dropped = set(repeats)
+        samples = [s for i, s in enumerate(samples) if i not in dropped]
+    return spans, samples
 
 
 # A clock at least this far off (and more than a sampling interval, a node's phase) is taken out. The

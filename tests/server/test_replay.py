@@ -10,7 +10,9 @@ import pytest
 
 from server.engine import Engine
 from server.replay import _load, _node_spans, alert_json, main, run_replay
+from tests.server import scenarios
 from tests.server.engine_samples import T0, cluster_lines
+from tests.server.tracegen import generate
 
 
 def _hot(t, node, gpu):
@@ -48,7 +50,7 @@ def test_the_windows_are_sized_once_for_every_gpu_of_the_trace():
         return {"_absent": True} if gone else {}
 
     samples = _load([("trace", cluster_lines(400, nodes=9, override=churn))])
-    gpus = sum(len(span.indices) for span in _node_spans(samples).values())
+    gpus = sum(len(span.indices) for span in _node_spans(samples)[0].values())
     assert gpus == 72
     engine = Engine()
     engine.reserve(gpus)
@@ -99,6 +101,18 @@ def test_agents_started_and_stopped_one_after_another_keep_their_clocks(caplog):
     caplog.set_level(logging.WARNING, logger="server.replay")
     run_replay(cluster_lines(900, nodes=4, override=staggered))
     assert not [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
+
+
+def test_a_trace_passed_twice_gives_the_alerts_of_one(caplog):
+    # A power-braked GPU: each repeat's zero-second energy difference had no rate, so its bins mixed
+    # instantaneous power into the average from energy, and the straggler fired 10 s earlier.
+    trace = generate(scenarios.BY_NAME["power_brake"].build(3))
+    once = [a.to_dict() for a in run_replay(trace.lines)]
+    caplog.set_level(logging.WARNING, logger="server.replay")
+    twice = [a.to_dict() for a in run_replay(list(trace.lines) * 2)]
+    assert twice == once and [a["kind"] for a in once] == ["straggler"]
+    (note,) = [r for r in caplog.records if r.getMessage() == "repeated snapshots dropped"]
+    assert note.snapshots == len(trace.lines)
 
 
 def test_str_lines_and_blank_lines_are_accepted():
