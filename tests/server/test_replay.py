@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
+import io
 import logging
 import random
+import sys
 
 import orjson
 import pytest
@@ -133,6 +136,34 @@ def test_cli_prints_one_json_object_per_alert_and_skips_bad_lines(tmp_path, caps
             "evidence"} <= obj.keys()
     assert (obj["kind"], obj["node"], obj["gpu"], obj["resolved"]) == ("thermal_throttle", "n0", 6, None)
     assert "n0.jsonl" in err and "line" in err
+
+
+def test_cli_reads_gzip_and_standard_input_alike(tmp_path, capsys, monkeypatch):
+    data = b"\n".join(cluster_lines(400, override=_hot)) + b"\n"
+    plain, packed = tmp_path / "t.jsonl", tmp_path / "t.jsonl.gz"
+    plain.write_bytes(data)
+    packed.write_bytes(gzip.compress(data))
+    assert main([str(plain)]) == 0
+    expected = capsys.readouterr().out
+    assert len(expected.splitlines()) == 1
+    assert main([str(packed)]) == 0
+    assert capsys.readouterr().out == expected
+    for stdin in (data, gzip.compress(data)):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(stdin))))
+        assert main(["-"]) == 0
+        assert capsys.readouterr().out == expected
+    assert main(["-", "-"]) == 2 and "once" in capsys.readouterr().err
+
+
+def test_a_compressed_trace_that_breaks_off_replays_what_was_read(tmp_path, capsys):
+    # A file still being written, or a bad copy: the stream ends without its end-of-stream marker.
+    packed = gzip.compress(b"\n".join(cluster_lines(400, override=_hot)) + b"\n")
+    trace = tmp_path / "cut.jsonl.gz"
+    trace.write_bytes(packed[:-200])
+    assert main([str(trace)]) == 0
+    out, err = capsys.readouterr()
+    assert [orjson.loads(line)["kind"] for line in out.splitlines()] == ["thermal_throttle"]
+    assert "compressed trace breaks off" in err and "cut.jsonl.gz" in err
 
 
 def test_cli_missing_file_and_bad_config_exit_2(tmp_path, capsys):
