@@ -175,12 +175,16 @@ def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[No
                   for early, late, interval in ends.values())
     if 2 * in_step <= len(ends):
         return samples
+    # The median node's ends are known to within its own interval: agents sampling every 5 s beside one
+    # sampling every second put that one's two ends up to 5 s apart against theirs.
+    ref_interval = median(np.array([interval for _, _, interval in ends.values()]))
     offsets: dict[str, float] = {}
     for node, (early, late, interval) in ends.items():
         offset = (early + late) / 2.0
+        slack = max(interval, ref_interval)
         # Beyond the phase, and with both ends agreeing more closely than a lost first or last line
         # (which moves one end by a whole interval) would let them.
-        if abs(offset) >= max(_MIN_CLOCK_OFFSET_SECONDS, interval + 2.0) and abs(early - late) <= 0.5 * interval + 2.0:
+        if abs(offset) >= max(_MIN_CLOCK_OFFSET_SECONDS, slack + 2.0) and abs(early - late) <= 0.5 * slack + 2.0:
             offsets[node] = offset
             log.warning("node clock offset taken out", extra={"node": node, "offset_seconds": round(offset, 1)})
     if not offsets:

@@ -85,6 +85,17 @@ def test_a_node_whose_clock_is_off_is_lined_up_with_the_others(caplog, seconds):
     assert note.node == "n1" and abs(note.offset_seconds - seconds) <= 5.0
 
 
+def test_a_node_sampled_faster_than_the_others_is_lined_up_too(caplog):
+    # n1 samples every second, the others every 5 s: their last samples come up to 4 s before its own,
+    # so its two ends disagree by that much against theirs.
+    lines = cluster_lines(900, interval=1.0, nodes=3)
+    thinned = [line for i, line in enumerate(lines) if b'"node":"n1"' in line or (i // 3) % 5 == 0]
+    caplog.set_level(logging.WARNING, logger="server.replay")
+    assert run_replay(_shifted(thinned, "n1", -60.0)) == []
+    (note,) = [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
+    assert note.node == "n1" and abs(note.offset_seconds + 60.0) <= 5.0
+
+
 def test_a_node_that_falls_silent_or_joins_late_is_not_taken_for_a_clock_offset(caplog):
     def silent_or_late(t, node, gpu):
         return {"_absent": True} if (node == "n1" and t >= 840) or (node == "n2" and t < 120) else {}
