@@ -1,9 +1,10 @@
 """Offline replay: snapshot-contract JSONL in, one JSON object per fired alert out.
 
 `gpufleet-server replay TRACE... [--config FILE]`. Lines may come from many agents' --record files in
-any order, gzip-compressed or not, or from standard input (`-`): every line of every file is parsed, sorted by sample time, a node whose clock is off the
-others' is lined up with them (_align_clocks), and all is fed to the same Engine the live server runs,
-advancing on a fixed cadence of sample time. Malformed lines are logged (file and line number) and
+any order, gzip-compressed or not, or from standard input (`-`): every line of every file is parsed,
+sorted by sample time, a node's repeated snapshots are dropped, a node whose clock is off the others'
+is lined up with them (_align_clocks), and all is fed to the same Engine the live server runs, advancing
+on a fixed cadence of sample time. Malformed lines are logged (file and line number) and
 skipped. Exit 0 on success, 2 for a missing file or a bad config.
 """
 
@@ -133,17 +134,16 @@ def _node_spans(samples: list[NodeSample]) -> tuple[dict[str, _Span], list[NodeS
     passed twice, or cat of overlapping ones). Kept, the repeat's zero-second energy difference has no
     rate, and its bin would mix the instantaneous power into the average from energy."""
     spans: dict[str, _Span] = {}
-    repeats: list[int] = []
+    repeats: set[int] = set()
     for i, s in enumerate(samples):
         span = spans.get(s.node)
         if span is None:
             span = spans[s.node] = _Span(s.time)
         if not span.add(s):
-            repeats.append(i)
+            repeats.add(i)
     if repeats:
         log.warning("repeated snapshots dropped", extra={"snapshots": len(repeats)})
-        dropped = set(repeats)
-        samples = [s for i, s in enumerate(samples) if i not in dropped]
+        samples = [s for i, s in enumerate(samples) if i not in repeats]
     return spans, samples
 
 
