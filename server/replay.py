@@ -85,6 +85,7 @@ def _run(samples: list[NodeSample], cfg: EngineConfig) -> tuple[list[Alert], Eng
     spans, samples = _node_spans(samples)
     engine.reserve(sum(len(span.indices) for span in spans.values()))
     samples = _align_clocks(samples, spans)
+    engine.prepare(samples)
     step = cfg.tick_seconds
     boundary = (math.floor(samples[0].time / step) + 1) * step
     for sample in samples:

@@ -5,6 +5,9 @@ vectorised pass (per-sample Python work is a couple of dict lookups per node sna
 counters (energy, XID, ECC) are differenced per GPU in time order, robust to resets (a counter that went
 backwards restarts from zero), wraps, gaps and late samples (older than the GPU's newest: ignored for
 rates, still binned). Bins are keyed by sample time, so a node's clock skew only shifts its own bins.
+
+Replay knows every sample up front and says so with `prepare()`: the per-row work is then done for many
+ticks at once (server.engine.prepared), while each flush still applies only its own samples.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 from server.contract import (CLOCK, CLOCK_MAX, ECC_UNCORRECTED, ENERGY, LAST_XID, POWER, POWER_LIMIT,
                              REMAP_FAILURE, REMAP_PENDING, SLOWDOWN_TEMP, SM, TEMP, THROTTLE, UP, UTIL,
                              XID_TOTAL, NodeSample)
+from server.engine.prepared import Prepared
 
 # Binned quantities (rows of the rings).
 (B_UTIL, B_SM, B_TEMP, B_SLOWDOWN, B_POWER, B_POWER_LIMIT, B_CLOCK_RATIO, B_UP, B_THERMAL, B_HW_THERMAL,
@@ -89,6 +93,7 @@ class Windows:
         self.late_dropped = 0
         self.newest_time = -np.inf
         self.resumed_time = -np.inf
+        self._prepared: Prepared | None = None
         self._grow(64)
 
     # -- registry -----------------------------------------------------------------------------
@@ -196,6 +201,10 @@ class Windows:
         """Move queued samples into the rings; bins older than min_bin are gone and dropped."""
         if not self._inbox:
             return
+        if self._prepared is not None:
+            inbox, self._inbox = self._inbox, []
+            self._prepared.flush(inbox, min_bin)
+            return
         inbox = sorted(self._inbox, key=_TIME_NODE)
         self._inbox = []
         resolved = list(map(self._resolve, inbox))
@@ -228,13 +237,16 @@ class Windows:
         self._bin(slots, times, self._derive(values, power_from_energy), min_bin, one_per_slot)
 
     def _update_jobs(self, slots: np.ndarray, codes: np.ndarray, times: np.ndarray,
-                     in_order: np.ndarray, by_slot: np.ndarray) -> None:
-        """Current job of each GPU follows its newest sample; a change restarts its job clock."""
+                     in_order: np.ndarray, by_slot: np.ndarray | None = None) -> None:
+        """Current job of each GPU follows its newest sample; a change restarts its job clock (by_slot:
+        rows ordered by slot, then time; computed here when None and needed)."""
         if in_order.all() and (codes == self.slot_job[slots]).all():
             # No GPU changed job (the usual case): only the sample times move. Rows are in time
             # order, so each GPU's newest time is written last.
             self.slot_last_time[slots] = times
             return
+        if by_slot is None:
+            by_slot = np.argsort(slots, kind="stable")
         order = by_slot[in_order[by_slot]]                    # in-order rows, per slot in time order
         s, c, t = slots[order], codes[order], times[order]
         prev = np.empty_like(c)
@@ -407,6 +419,12 @@ class Windows:
         # One entry per cell now, so gather-add-scatter is exact (and cheaper than fancy +=).
         at = self._row_offsets + cell[order]
         acc[at] = np.where(fresh[order], 0.0, acc[at]) + add
+
+    # -- replay ---------------------------------------------------------------------------------
+    def prepare(self, samples: list[NodeSample]) -> None:
+        """Replay's promise: exactly these samples, sorted by time then node, will be add()ed in this
+        order, each flush taking the next ones (see server.engine.prepared)."""
+        self._prepared = Prepared(self, samples)
 
     # -- reading ------------------------------------------------------------------------------
     def window(self, last_bin: int, n_bins: int) -> np.ndarray:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from server.contract import parse_lines
+from server.engine import prepared as prepared_module
 from server.engine.windows import B_POWER, B_THERMAL, B_UTIL, N_BINNED, Windows
-from tests.server.engine_samples import T0, healthy, sample
+from tests.server.engine_samples import T0, healthy, sample, snapshot_line
 
 
 def _w() -> Windows:
@@ -112,3 +115,67 @@ def test_latest_recent_and_held_agree_with_window():
     rows = np.array([B_POWER, B_UTIL])
     np.testing.assert_array_equal(w.recent(k, 7, rows, held), full[rows].transpose(1, 0, 2))
     assert w.latest(k, held[0]).shape == (N_BINNED, 2)
+
+
+def _messy_trace() -> list:
+    """Parsed like replay parses (identity tuples shared per node), sorted by time then node: n0 every
+    second, n1 every 5 s, n2 joining after 40 s, a job change on n0, an energy counter reset, new XIDs, a
+    snapshot that lists no GPU, and a GPU that drops out of n1's list and comes back."""
+    lines = []
+    for t in range(90):
+        if t == 60:
+            lines.append(snapshot_line("n0", T0 + t + 0.5, []))
+        lines.append(snapshot_line("n0", T0 + t, [
+            healthy(g, job="a" if t < 33 else "b", utilization_ratio=0.5 + 0.005 * t + 0.01 * g,
+                    energy_joules_total=(t if t < 50 else t - 50) * 400.0 + g, xid_errors_total=int(t >= 70),
+                    last_xid=79 if t >= 70 else None) for g in range(2)]))
+        if t % 5 == 2:
+            lines.append(snapshot_line("n1", T0 + t, [
+                healthy(g, power_watts=300.0 + t, sm_active_ratio=None if g else 0.4 + 0.001 * t)
+                for g in range(3) if not (g == 1 and 20 <= t < 45)]))
+        if t >= 40:
+            lines.append(snapshot_line("n2", T0 + t + 0.25, [healthy(0, job=None, temperature_celsius=80.0 + 0.1 * t)]))
+    samples = [s for _, s in parse_lines(lines)]
+    return sorted(samples, key=lambda s: (s.time, s.node))
+
+
+def _state(w: Windows) -> tuple:
+    """Everything a flush leaves behind that the engine reads."""
+    n = w.n
+    return (n, list(w.slot_node), list(w.slot_uuid), list(w.job_names), w.samples, w.late_dropped,
+            w.newest_time, w.resumed_time, w.node_last_time.tobytes(), w.slot_job[:n].tobytes(),
+            w.slot_job_since[:n].tobytes(), w.slot_last_time[:n].tobytes(), w.bin_id.tobytes(), w.acc.tobytes(),
+            [(e.slot, e.time, e.kind, e.delta, e.codes) for e in w.drain_events()])
+
+
+@pytest.mark.parametrize("chunk_rows", [7, 40, 100_000])
+def test_prepared_flushes_leave_exactly_what_unprepared_ones_do(monkeypatch, chunk_rows):
+    # Chunks of about a bin (flushes span chunks), of a few bins, and of the whole trace (where only
+    # GPUs and jobs yet to report end chunks); flushes at tick boundaries (replay's) and inside bins
+    # (a bin split between two flushes takes _bin's path).
+    monkeypatch.setattr(prepared_module, "PREPARED_CHUNK_ROWS", chunk_rows)
+    samples = _messy_trace()
+    for cuts in ([T0 + 5 * i for i in range(1, 19)], [T0 + 2.5 + 7 * i for i in range(13)]):
+        plain, prepared = _w(), _w()
+        prepared.prepare(samples)
+        pending = list(samples)
+        for cut in cuts + [np.inf]:
+            batch = [s for s in pending if s.time < cut]
+            pending = pending[len(batch):]
+            for w in (plain, prepared):
+                for s in batch:
+                    w.add(s)
+                w.flush(min_bin=int(min(cut, T0 + 90) // 5) - 11)
+            assert _state(prepared) == _state(plain), cut
+        assert prepared.n == 6 and prepared.samples == plain.samples
+
+
+def test_prepared_windows_refuse_samples_out_of_order_or_not_the_prepared_ones():
+    samples = _messy_trace()
+    w = _w()
+    with pytest.raises(ValueError, match="sorted"):
+        w.prepare(samples[::-1])
+    w.prepare(samples)
+    w.add(samples[1])
+    with pytest.raises(RuntimeError, match="prepared"):
+        w.flush(0)
