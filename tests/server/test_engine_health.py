@@ -70,3 +70,20 @@ def test_uncorrected_ecc_and_pending_remap_fire_ecc():
     (a,) = _of("ecc", ecc)
     assert (a.node, a.gpu, a.resolved) == ("n1", 7, None)
     assert a.evidence["remapped_rows_pending"] is True
+
+
+def test_pending_remap_holds_one_alert_through_bins_without_a_sample():
+    # Sampled every 10 s against 5 s ticks, and at 5 s with lines lost: a bin without the GPU's sample
+    # says nothing about its remap; the alert resolves only once a sample shows the remap done.
+    def remap(t, node, gpu):
+        if (node, gpu) != ("n1", 7) or t < 300:
+            return {}
+        if 400 <= t < 430 and t % 10 == 5:
+            return {"_absent": True}
+        return {"remapped_rows_pending": t < 600}
+
+    for interval in (5.0, 10.0):
+        lines = cluster_lines(900.0, interval=interval, nodes=2, override=remap)
+        (a,) = [a for a in run_replay(lines) if a.kind.value == "ecc"]
+        assert (a.node, a.gpu) == ("n1", 7)
+        assert T0 + 300 <= a.started <= T0 + 310 and T0 + 600 <= a.resolved <= T0 + 615, interval

@@ -120,8 +120,11 @@ def test_latest_recent_and_held_agree_with_window():
 def _messy_trace() -> list:
     """Parsed like replay parses (identity tuples shared per node), sorted by time then node: n0 every
     second, n1 every 5 s, n2 joining after 40 s, a job change on n0, an energy counter reset, new XIDs, a
-    snapshot that lists no GPU, and a GPU that drops out of n1's list and comes back."""
-    lines = []
+    snapshot that lists no GPU, and a GPU that drops out of n1's list and comes back; n3 every 5 s, its
+    GPUs listed in reverse order from 50 s, and alone after 90 s (one row per cell, out of slot order)."""
+    lines = [snapshot_line("n3", T0 + t + 0.75, [healthy(g, power_watts=250.0 + t + g) for g in
+                                                  (range(3) if t < 50 else range(2, -1, -1))])
+             for t in range(0, 140, 5)]
     for t in range(90):
         if t == 60:
             lines.append(snapshot_line("n0", T0 + t + 0.5, []))
@@ -155,7 +158,7 @@ def test_prepared_flushes_leave_exactly_what_unprepared_ones_do(monkeypatch, chu
     # (a bin split between two flushes takes _bin's path).
     monkeypatch.setattr(prepared_module, "PREPARED_CHUNK_ROWS", chunk_rows)
     samples = _messy_trace()
-    for cuts in ([T0 + 5 * i for i in range(1, 19)], [T0 + 2.5 + 7 * i for i in range(13)]):
+    for cuts in ([T0 + 5 * i for i in range(1, 29)], [T0 + 2.5 + 7 * i for i in range(20)]):
         plain, prepared = _w(), _w()
         prepared.prepare(samples)
         pending = list(samples)
@@ -165,9 +168,9 @@ def test_prepared_flushes_leave_exactly_what_unprepared_ones_do(monkeypatch, chu
             for w in (plain, prepared):
                 for s in batch:
                     w.add(s)
-                w.flush(min_bin=int(min(cut, T0 + 90) // 5) - 11)
+                w.flush(min_bin=int(min(cut, T0 + 140) // 5) - 11)
             assert _state(prepared) == _state(plain), cut
-        assert prepared.n == 6 and prepared.samples == plain.samples
+        assert prepared.n == 9 and prepared.samples == plain.samples
 
 
 def test_prepared_windows_refuse_samples_out_of_order_or_not_the_prepared_ones():

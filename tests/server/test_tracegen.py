@@ -144,6 +144,10 @@ def test_agent_down_stops_lines_and_restarts_the_xid_tally():
     assert np.diff(times).max() >= 175
     assert rows[int(np.searchsorted(times, 290)) - 1]["xid_errors_total"] == 1
     assert rows[int(np.searchsorted(times, 485))]["xid_errors_total"] == 0
+    # What the agent never saw is no truth; the XID it reported before going down is.
+    seen = _trace(_cluster([Incident("xid", 100, 101, "n1", 0, code=92), Incident("xid", 350, 351, "n1", 1, code=92),
+                            Incident("agent_down", 300, 480, "n1")]))
+    assert [(t.kind, t.gpu) for t in seen.truths if t.kind == "xid"] == [("xid", 0)]
 
 
 # ------------------------------------------------------------------------------------------ physics

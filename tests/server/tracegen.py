@@ -868,7 +868,9 @@ def _incident_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident) 
         end = t0 + T - 1
         return [Truth("gpu_lost", inc.node, inc.gpu, None, t0 + span.start, end, True, "GPU fell off the bus")]
     if inc.kind == "xid":
-        ts = [t for t, g, c in sch.xids if g == lay.gpu(inc.node, inc.gpu) and c == inc.code]
+        # An XID while the node's agent is down is never seen: the restarted agent's tally starts at 0.
+        down = sch.agent_down[:, lay._node(inc.node)]
+        ts = [t for t, g, c in sch.xids if g == lay.gpu(inc.node, inc.gpu) and c == inc.code and not down[t]]
         if not ts:
             return []
         # XID 79 comes with the GPU falling off the bus: gpu_lost is the alert that must say so.

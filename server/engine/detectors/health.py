@@ -223,6 +223,10 @@ def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
         slot = hit[0]
         if pending[slot] or failure[slot]:
             return False
+        if not tick.held[0][slot]:
+            # No sample in this bin (sampling slower than the tick, a lost line): the remap flags are
+            # unknown, not cleared. Read as cleared, a pending remap resolved and refired every other tick.
+            return None
         when = state.ecc_last.get(slot, (None, 0))[0]
         return when is None or tick.t - when >= cfg.ecc_clear_seconds
 
