@@ -129,7 +129,7 @@ class Engine:
         busy = med["util"] >= cfg.busy_utilization
         n = w.n
         gid, ngid = self.registry.build(t, w.slot_job[:n], w.slot_node_id[:n], w.slot_model_id[:n],
-                                        w.job_names, has_data, busy, self._engaged(t, busy))
+                                        w.job_names, has_data, busy, self._engaged(t, busy, med["util"]))
         n_groups = len(self.registry.keys)
         if self.registry.restarted:
             self._restart(gid, self.registry.restarted)
@@ -166,8 +166,14 @@ class Engine:
         self.history.reset(restarted[restarted < self.history.base.shape[1]])
         self._straggler.forget(np.flatnonzero(np.isin(gid, restarted)))
 
-    def _engaged(self, t: float, busy: np.ndarray) -> np.ndarray:
-        """Per slot: busy at some evaluation within the last unattributed_idle_seconds."""
+    def _engaged(self, t: float, busy: np.ndarray, util: np.ndarray) -> np.ndarray:
+        """Per slot: busy at some evaluation within the last unattributed_idle_seconds, and running kernels
+        now (utilization at least unattributed_running_utilization).
+
+        A job's rank, however starved by its host, runs kernels in every step. A GPU running none has no
+        job, whatever it ran minutes ago: GPUs released by a job that died, kept in the cluster-wide
+        comparison for their recent busy spell, dragged its node medians towards idle, and among three
+        nodes the median was the host-starved node itself, which then never stood out."""
         n = len(busy)
         if len(self._last_busy_t) < n:
             grown = np.full(max(n, 2 * len(self._last_busy_t)), -np.inf)
@@ -175,7 +181,8 @@ class Engine:
             self._last_busy_t = grown
         last = self._last_busy_t[:n]
         last[busy] = t
-        return t - last <= self.config.unattributed_idle_seconds
+        cfg = self.config
+        return (t - last <= cfg.unattributed_idle_seconds) & ~(util < cfg.unattributed_running_utilization)
 
     def _regime(self, groups) -> None:
         """A group whose clocks moved away from their baseline for a minute (a power cap set or lifted,

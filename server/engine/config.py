@@ -31,6 +31,8 @@ class EngineConfig:
     job_active_utilization: float = 0.3
     # An unattributed GPU not busy for this long runs no job: it is left out of node-level comparisons.
     unattributed_idle_seconds: float = 900.0
+    # ... and one running no kernels to speak of now is left out at once (see Engine._engaged).
+    unattributed_running_utilization: float = 0.05
 
     thermal_temperature_celsius: float = 83.0
     thermal_for_seconds: float = 30.0

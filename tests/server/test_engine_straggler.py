@@ -137,6 +137,24 @@ def test_rank_idling_on_its_host_from_the_job_start_is_named():
     assert set(alerts) == {"straggler"}
 
 
+def test_node_idling_on_its_host_from_the_job_start_is_named():
+    # No healthy period: n1's host starves all its GPUs from the job's first step, idling them 0.27 more
+    # than n0's, which spin waiting. While it warms up, the node learns its starvation as offset (up to the
+    # 0.05 cap); read less that, the gap fell short of twice node_idle_gap and the node was never named.
+    def from_start(t, node, gpu):
+        if t >= 600:
+            return {}
+        if node == "n1":
+            return {"utilization_ratio": 0.71, "sm_active_ratio": 0.45, "power_watts": 360.0}
+        return {"sm_active_ratio": 0.5, "power_watts": 380.0}
+
+    alerts = _by_kind(cluster_lines(900, override=from_start))
+    (s,) = alerts["straggler"]
+    assert (s.node, s.gpu) == ("n1", None) and s.evidence["pattern"] == "host_idle"
+    assert s.started <= T0 + 200 and s.resolved is not None and s.resolved <= T0 + 700
+    assert set(alerts) == {"straggler"}
+
+
 def test_rank_stopped_while_the_others_wait_is_named_not_read_as_comm_bound():
     # Rank 0 stops computing for two minutes (a checkpoint it writes alone, a stall on its host, its
     # process gone) while every other rank spins in the collective: somebody stands out, so this is not
@@ -338,6 +356,26 @@ def test_unattributed_slow_node_of_one_job_is_named():
     (s,) = _by_kind(cluster_lines(1000, nodes=3, override=slow_node, job=None))["straggler"]
     assert (s.node, s.gpu) == ("n1", None)
     assert s.evidence["pattern"] == "node_slow" and "attribution" in s.evidence["note"]
+
+
+def test_unattributed_host_starved_node_is_named_beside_a_node_whose_job_just_ended():
+    # No hpc_job. n0 and n1 run one job; n2 ran other work until its job ended at 400 s, and idles since.
+    # n1 then idles 30 % of each step on its host while n0 waits. n2, busy minutes ago but running no
+    # kernels now, is not one of the nodes n1 is compared with: counted, the median of the three nodes'
+    # utilization (1.0, 0.7, 0.0) was n1's own, and n1 never stood out.
+    def starved(t, node, gpu):
+        if node == "n2" and t >= 400:
+            return {"utilization_ratio": 0.0, "sm_active_ratio": 0.0, "power_watts": 70.0}
+        if not 500 <= t < 800:
+            return {}
+        if node == "n1":
+            return {"utilization_ratio": 0.7, "sm_active_ratio": 0.35, "power_watts": 300.0}
+        return {"sm_active_ratio": 0.35, "power_watts": 300.0}
+
+    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=starved, job=None))["straggler"]
+    assert (s.node, s.gpu) == ("n1", None)
+    assert s.evidence["pattern"] == "host_idle" and s.evidence["peer_group"] == "cluster_model"
+    assert T0 + 500 < s.started < T0 + 600 and s.resolved is not None
 
 
 def test_unattributed_host_starved_for_25_minutes_stays_named_until_it_recovers():

@@ -148,6 +148,15 @@ def test_agent_down_stops_lines_and_restarts_the_xid_tally():
     seen = _trace(_cluster([Incident("xid", 100, 101, "n1", 0, code=92), Incident("xid", 350, 351, "n1", 1, code=92),
                             Incident("agent_down", 300, 480, "n1")]))
     assert [(t.kind, t.gpu) for t in seen.truths if t.kind == "xid"] == [("xid", 0)]
+    # The GPU's ECC counter survives the agent's restart: an uncorrectable error raised while it was down
+    # shows once it is back, and an ecc alert then is right.
+    ecc = _trace(_cluster([Incident("xid", 350, 351, "n1", 1, code=94), Incident("agent_down", 300, 480, "n1")]))
+    assert [t.kind for t in ecc.truths if t.kind in ("xid", "ecc")] == ["ecc"]
+    (truth,) = [t for t in ecc.truths if t.kind == "ecc"]
+    back = min(r["_t"] for r in _series(ecc)[("n1", 1)] if r["_t"] > 400)
+    assert _series(ecc)[("n1", 1)][0]["ecc_uncorrected_errors_total"] == 0
+    assert truth.start <= ecc.spec.t0 + back <= truth.end
+    assert [r["ecc_uncorrected_errors_total"] for r in _series(ecc)[("n1", 1)] if r["_t"] >= back][0] == 1
 
 
 # ------------------------------------------------------------------------------------------ physics
@@ -188,6 +197,16 @@ def test_temperature_lags_power_with_a_thermal_time_constant():
     assert mid < start + 0.9 * (final - start)
 
 
+def test_a_die_within_a_degree_of_the_threshold_allows_a_thermal_alert_and_requires_none():
+    # A die held at 82.2 °C: with 0.3 °C of sensor noise it reads 83 now and then, and at 10 s sampling a
+    # few such readings in a row are 30 s "at 83 °C". An alert on that is allowed; none is required.
+    near = _trace(_cluster([Incident("hot_gpu", 200, 700, "n0", 3, severity=82.2)], interval=10.0, duration=900.0))
+    assert any(r["temperature_celsius"] >= 83 for r in _series(near)[("n0", 3)])
+    assert [(t.kind, t.required, t.node, t.gpu) for t in near.truths] == [("thermal_throttle", False, "n0", 3)]
+    cool = _trace(_cluster([Incident("hot_gpu", 200, 700, "n0", 3, severity=81.0)], interval=10.0, duration=900.0))
+    assert not cool.truths
+
+
 def test_silent_slow_gpu_stays_busy_while_its_peers_wait():
     series = _series(_trace(_cluster([Incident("slow_gpu", 300, 700, "n1", 5, severity=0.7)])))
     culprit, peer = series[("n1", 5)], series[("n0", 2)]
@@ -216,6 +235,19 @@ def test_comm_slowdown_drops_sm_and_power_while_utilization_stays_high():
         assert _median(rows, "utilization_ratio", 350, 690) >= 0.95
         assert _median(rows, "sm_active_ratio", 350, 690) < 0.8 * _median(rows, "sm_active_ratio", 150, 290)
     assert [t.kind for t in trace.truths if t.required] == ["comm_bound"]
+
+
+def test_a_comm_slowdown_is_true_from_when_one_of_its_nodes_reports():
+    # Both nodes' agents down over the slowdown's start: nothing shows it until one is back. One node
+    # down: the other shows it from the start.
+    def comm(*down):
+        trace = _trace(_cluster([Incident("comm_slowdown", 300, 700, job="j", severity=3.0)]
+                                + [Incident("agent_down", 250, 400, node) for node in down]))
+        (truth,) = [t for t in trace.truths if t.kind == "comm_bound"]
+        return truth.start - T0
+
+    assert comm("n0", "n1") == pytest.approx(400, abs=1)
+    assert comm("n0") == pytest.approx(300, abs=1)
 
 
 def test_input_starvation_drops_utilization_everywhere():
