@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from server.replay import run_replay
-from tests.server.engine_samples import T0, cluster_lines
+from tests.server.engine_samples import MAX_HZ, T0, cluster_lines
 
 
 def _by_kind(lines):
@@ -404,3 +404,38 @@ def test_unattributed_node_rank_check_is_not_passed_by_small_power_differences()
 
     alerts = _by_kind(cluster_lines(1000, override=like_jobs, job=None))
     assert {(a.node, a.gpu) for a in alerts.get("straggler", [])} <= {("n1", 1)}
+
+
+def test_a_job_hung_by_a_crashed_node_names_no_straggler_on_power():
+    # Pre-Hopper (power only, no energy counter). From 400 s node n2 is gone and the job hangs in its
+    # collective: every GPU left spins at near idle power. GPU 4 on n0 draws 12 W more than the rest,
+    # 12 % over its peers, but it fell as far from its own usual power as they did: it is no culprit.
+    def crashed(t, node, gpu):
+        if t < 400:
+            return {"sm_active_ratio": None}
+        if node == "n2":
+            return {"_absent": True}
+        watts = 112.0 if (node, gpu) == ("n0", 4) else 100.0
+        return {"sm_active_ratio": None, "power_watts": watts, "utilization_ratio": 1.0}
+
+    alerts = _by_kind(cluster_lines(900, nodes=3, override=crashed))
+    assert "straggler" not in alerts
+    (down,) = alerts["node_unreachable"]
+    assert down.node == "n2"
+
+
+def test_a_power_only_straggler_under_an_operator_cap_is_named():
+    # Pre-Hopper, no energy counter. From 200 s an operator caps the job (limit 350 W, clocks lower,
+    # the power-cap bit); from 450 s GPU 3 on n1 is slow: it keeps drawing the capped 350 W while its
+    # peers, waiting, drop to 290 W. Its power is 0.7 of its uncapped usual level, and still the culprit.
+    def capped(t, node, gpu):
+        kw = {"sm_active_ratio": None}
+        if t >= 200:
+            kw.update(power_limit_watts=350.0, power_watts=350.0, sm_clock_hertz=0.8 * MAX_HZ, throttle_reasons=0x4)
+        if 450 <= t < 850 and (node, gpu) != ("n1", 3):
+            kw["power_watts"] = 290.0
+        return kw
+
+    (s,) = _by_kind(cluster_lines(1000, override=capped))["straggler"]
+    assert (s.node, s.gpu) == ("n1", 3)
+    assert T0 + 450 < s.started <= T0 + 530

@@ -207,6 +207,21 @@ def test_a_die_within_a_degree_of_the_threshold_allows_a_thermal_alert_and_requi
     assert not cool.truths
 
 
+def test_a_hot_die_is_required_only_from_what_its_agent_reported():
+    # The die is clearly above 83 °C from about +330 s to +700 s. Heat nobody read cannot be alerted on.
+    def required(*down):
+        trace = _trace(_cluster([Incident("hot_gpu", 200, 700, "n0", 3, severity=86.0)]
+                                + [Incident("agent_down", a, b, "n0") for a, b in down], duration=1000.0))
+        return [(round(t.start - T0), round(t.end - T0)) for t in trace.truths
+                if t.kind == "thermal_throttle" and t.required]
+
+    ((start, end),) = required()
+    assert start == pytest.approx(330, abs=10) and end == pytest.approx(703, abs=10)
+    assert required((340, 800)) == []                    # seen hot for 10 s, then never again while hot
+    ((start, _),) = required((100, 400))                 # hot while down: required from the agent's return
+    assert start == 400
+
+
 def test_silent_slow_gpu_stays_busy_while_its_peers_wait():
     series = _series(_trace(_cluster([Incident("slow_gpu", 300, 700, "n1", 5, severity=0.7)])))
     culprit, peer = series[("n1", 5)], series[("n0", 2)]

@@ -817,11 +817,13 @@ def _truths(lay: _Layout, sch: _Schedule, res: _Result) -> list[Truth]:
     # Integer sensor plus noise (0.3 °C): near the threshold the reading flickers across it. A die clearly
     # above it (or thermally throttled) must be reported, timed from its run within half a degree. Within a
     # degree an alert is allowed: a die at 82.2 °C reads 83 one time in five, and at 10 s sampling four such
-    # readings in a row are 30 s "at 83 °C".
-    near = (res.temp_true >= THERMAL_ALERT_CELSIUS - 0.5) & sch.up
-    clear = (res.temp_true >= THERMAL_ALERT_CELSIUS + 0.5) & sch.up
+    # readings in a row are 30 s "at 83 °C". While a node's agent is down its GPUs' heat is never read: a
+    # required truth, and its 30 s, count only what the agent saw.
+    reported = sch.up & ~sch.agent_down[:, lay.node_of]
+    near = (res.temp_true >= THERMAL_ALERT_CELSIUS - 0.5) & reported
+    clear = (res.temp_true >= THERMAL_ALERT_CELSIUS + 0.5) & reported
     plausible = (res.temp_true >= THERMAL_ALERT_CELSIUS - 1.0) & sch.up
-    throttled = (res.bits & (BIT_SW_THERMAL | BIT_HW_THERMAL)) != 0
+    throttled = ((res.bits & (BIT_SW_THERMAL | BIT_HW_THERMAL)) != 0) & reported
     for g in np.flatnonzero((plausible | throttled).any(axis=0)):
         hot = clear[:, g] | throttled[:, g]
         sustained = _runs(clear[:, g], int(THERMAL_ALERT_FOR_S), 0) + _runs(throttled[:, g], 10, 0)
