@@ -48,7 +48,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     g = grp.gid
     reset_moved(state, g)
     m = tick.med
-    u, sm = m["util"], m["sm"]
+    u = m["util"]
     in_group = g >= 0
     gi = np.where(in_group, g, 0)
     peers = grp.levels[:, gi]                                 # each slot's group medians
@@ -80,7 +80,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     cross = in_job & ((plain >= 1.0) | cut | idle_cross)
     eligible_cross = ((busy & cross) | idle_cross) & cross_ok
     waiting = (dropped | cross) & wait_util
-    sig, weak = ((signals(cfg, ex, sm, m["power"], state, gsm_unknown, m["slow"], gslow) | cut) & ~victim) | idle
+    sig, weak = ((signals(cfg, ex, tick.levels[:PW + 1], state, gsm_unknown, m["slow"], gslow) | cut) & ~victim) | idle
     on = (eligible | eligible_cross) & waiting & sig
     on &= standing_now(tick, cfg, state, gi, gsm_unknown, on)
     # Offsets are learned only from GPUs doing what their peers do: not from one with its clocks cut (nor
@@ -89,7 +89,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     # that never cleared). Such a GPU is never warm either: a rank idling that much all along is judged
     # by the cross-section alone.
     idling = dev[UTIL] <= -cfg.node_idle_gap
-    learn(state, cfg, dev, sm, m["power"], busy & wait_util & ~cut & ~victim & ~idling, waiting, in_job)
+    learn(state, cfg, dev, tick.levels[:PW + 1], busy & wait_util & ~cut & ~victim & ~idling, waiting, in_job)
     on &= ~mixed_fallback(tick, eligible & weak & in_group, gi)
     out = Outcome()
     standout = set(g[eligible & weak].tolist())

@@ -18,9 +18,8 @@ from server.engine.tick import Tick
 
 # Sign of the culprit direction of the SM, power and clock offsets (a culprit's clock is lower).
 _CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
-# Share of its own usual level that a culprit's SM activity, or its power, keeps (see signals).
-_SM_STAYS = 0.85
-_POWER_STAYS = 0.5
+# Share of its own usual SM activity and power that a culprit keeps (see signals).
+_STAYS = np.array([[0.85], [0.5]])
 
 
 def standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_unknown: np.ndarray,
@@ -133,9 +132,10 @@ def cuts(tick: Tick, cfg, dev: np.ndarray, gslow: np.ndarray, gi: np.ndarray,
 
 
 
-def signals(cfg, ex: np.ndarray, sm: np.ndarray, power: np.ndarray, state: StragglerState,
-            gsm_unknown: np.ndarray, slow: np.ndarray, gslow: np.ndarray) -> np.ndarray:
-    """Culprit signals at each of SCALES x the configured margins, shape (2, n) (NaN comparisons are False).
+def signals(cfg, ex: np.ndarray, own: np.ndarray, state: StragglerState, gsm_unknown: np.ndarray,
+            slow: np.ndarray, gslow: np.ndarray) -> np.ndarray:
+    """Culprit signals at each of SCALES x the configured margins, shape (2, n) (NaN comparisons are False);
+    own: each GPU's smoothed SM activity and power, shape (2, n), set against their usual levels.
 
     A culprit keeps working: its SM activity stays within 15 % of its own usual level while its peers'
     drops. Where activity is not reported, its power keeps at least half its usual level. In a job hung
@@ -143,10 +143,9 @@ def signals(cfg, ex: np.ndarray, sm: np.ndarray, power: np.ndarray, state: Strag
     drawing 10 W more than the others stood out by 10 %. Power is the looser test because an operator's
     cap lowers it too: a culprit under a cap to 250 W drew 0.73 of what it had before.
     """
-    n = len(sm)
-    sm_excess = (ex[SM] >= SCALES * cfg.straggler_sm_excess) & ~(sm < _SM_STAYS * state.level_sm[:n])
-    power_excess = (gsm_unknown & (ex[PW] >= SCALES * cfg.straggler_power_excess)
-                    & ~(power < _POWER_STAYS * state.level_power[:n]))
+    kept = ~(own < _STAYS * state.level[:, :own.shape[1]])
+    sm_excess = (ex[SM] >= SCALES * cfg.straggler_sm_excess) & kept[SM]
+    power_excess = gsm_unknown & (ex[PW] >= SCALES * cfg.straggler_power_excess) & kept[PW]
     clock_deficit = -ex[CLK] >= SCALES * cfg.straggler_clock_deficit
     # Slowdown bits on one GPU and not its peers, confirmed by half a margin of a reading; where the
     # GPU reports no clocks (the reading that shows what the bits do), the bits stand alone.
@@ -157,7 +156,7 @@ def signals(cfg, ex: np.ndarray, sm: np.ndarray, power: np.ndarray, state: Strag
     return sm_excess | power_excess | clock_deficit | bits
 
 
-def learn(state: StragglerState, cfg, dev: np.ndarray, sm: np.ndarray, power: np.ndarray, steady: np.ndarray,
+def learn(state: StragglerState, cfg, dev: np.ndarray, own: np.ndarray, steady: np.ndarray,
           waiting: np.ndarray, in_job: np.ndarray) -> None:
     """Track each GPU's structural offset from its peers while its group runs steadily and unslowed.
 
@@ -177,8 +176,7 @@ def learn(state: StragglerState, cfg, dev: np.ndarray, sm: np.ndarray, power: np
     cap = cfg.structural_max_offset
     culprit = state.offset[:UTIL]
     state.offset[:UTIL] = np.where(in_job, _CULPRIT_SIGN * np.clip(_CULPRIT_SIGN * culprit, 0.0, cap), culprit)
-    state.level_sm = follow(state.level_sm, sm, learn, alpha)
-    state.level_power = follow(state.level_power, power, learn, alpha)
+    state.level = follow(state.level, own, learn, alpha)
     state.learned[:n] += learn
 
 

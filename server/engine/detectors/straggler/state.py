@@ -11,13 +11,12 @@ _COST_KEEP_SECONDS = 600.0
 
 
 class StragglerState:
-    """Per GPU: structural offsets from its peers, its own usual SM activity and power, and time on the job; per node, its NodeOffsets; per
-    subject, the cost so far."""
+    """Per GPU: structural offsets from its peers, its own usual SM activity and power, and time on the
+    job; per node, its NodeOffsets; per subject, the cost so far."""
 
     def __init__(self) -> None:
         self.offset = np.full((4, 0), np.nan)
-        self.level_sm = np.full(0, np.nan)
-        self.level_power = np.full(0, np.nan)
+        self.level = np.full((2, 0), np.nan)      # usual SM activity and power, rows as LEVELS' first two
         self.learned_gid = np.full(0, -1, dtype=np.int64)
         self.learned = np.zeros(0, dtype=np.int64)
         self.cost: dict[str, tuple[float, float]] = {}
@@ -29,19 +28,17 @@ class StragglerState:
         if len(slots):
             self.fit(int(slots.max()) + 1)
             self.offset[:, slots] = np.nan
-            self.level_sm[slots] = np.nan
-            self.level_power[slots] = np.nan
+            self.level[:, slots] = np.nan
             self.learned[slots] = 0
 
     def fit(self, n: int) -> None:
         """Grow per-slot arrays to n slots."""
-        have = len(self.level_sm)
+        have = self.level.shape[1]
         if n <= have:
             return
         pad = n - have
         self.offset = np.concatenate([self.offset, np.full((4, pad), np.nan)], axis=1)
-        self.level_sm = np.concatenate([self.level_sm, np.full(pad, np.nan)])
-        self.level_power = np.concatenate([self.level_power, np.full(pad, np.nan)])
+        self.level = np.concatenate([self.level, np.full((2, pad), np.nan)], axis=1)
         self.learned_gid = np.concatenate([self.learned_gid, np.full(pad, -1, dtype=np.int64)])
         self.learned = np.concatenate([self.learned, np.zeros(pad, dtype=np.int64)])
 
