@@ -312,6 +312,39 @@ def test_unattributed_node_is_not_named_for_one_gpu_between_two_jobs():
     assert {(a.node, a.gpu) for a in alerts.get("straggler", [])} <= {("n0", 3)}
 
 
+def _shared_node(first_job, second_job=None):
+    """Pre-Hopper (power only), one node, no hpc_job: GPUs 0-3 run one job at 400 W, GPUs 4-7 another at
+    350 W. From 500 s to 800 s first_job(gpu) and second_job(gpu) give the watts that GPU draws instead."""
+    def override(t, node, gpu):
+        watts = 400.0 if gpu < 4 else 350.0
+        if 500 <= t < 800:
+            watts = (first_job if gpu < 4 else second_job or (lambda g: None))(gpu) or watts
+        return {"sm_active_ratio": None, "power_watts": watts}
+    return override
+
+
+def test_unattributed_silent_straggler_beside_another_job_on_its_node_is_named():
+    # GPU 3 slows without clock cut or bits: GPUs 0-2 wait (12 % less power), GPU 3 computes through the
+    # time it used to wait (4 % more). The other job's GPUs hold the node median where it was.
+    slow = _shared_node(lambda g: 416.0 if g == 3 else 350.0)
+    (s,) = _by_kind(cluster_lines(1000, nodes=1, override=slow, job=None))["straggler"]
+    assert (s.node, s.gpu, s.hpc_job) == ("n0", 3, None)
+    assert T0 + 500 < s.started <= T0 + 600 and s.resolved is not None
+    ev = s.evidence
+    assert ev["peer_group"] == "node_model" and ev["waiting_peers"] == [0, 1, 2]
+    assert 0.1 < ev["estimated_job_slowdown_ratio"] < 0.15
+
+
+def test_unattributed_shared_node_names_nobody_when_no_one_gpu_alone_works_harder():
+    # One job's GPUs all sink (a communication slowdown or a cap): nobody rises. They sink while the other
+    # job's GPUs all rise together (a phase of that job): no one GPU stands apart. One job's GPUs all rise:
+    # nobody sank.
+    decoys = [_shared_node(lambda g: 350.0), _shared_node(lambda g: 350.0, lambda g: 370.0),
+              _shared_node(lambda g: None, lambda g: 370.0)]
+    for decoy in decoys:
+        assert _by_kind(cluster_lines(1000, nodes=1, override=decoy, job=None)) == {}
+
+
 def test_unattributed_nodes_of_separate_jobs_do_not_blame_each_other():
     # No hpc_job; n0 runs one job, the other nodes another, lighter one. n0's job turns communication-
     # bound (SM activity and power drop, utilization stays): the other nodes are busier than n0 while

@@ -19,7 +19,8 @@ import numpy as np
 from server.engine.detectors import FingerprintIndex, Outcome
 from server.engine.detectors.straggler.common import PW, SCALES, SM, UTIL
 from server.engine.detectors.straggler.gpus import (cuts, deviation, gpu_finding, group_conditions, learn,
-                                                    mixed_fallback, reset_moved, signals, standing_now)
+                                                    mixed_fallback, reset_moved, shared_node, signals,
+                                                    standing_now)
 from server.engine.detectors.straggler.nodes import node_level, whole_node
 from server.engine.detectors.straggler.state import StragglerState
 from server.engine.reduce import nan_to_zero
@@ -89,8 +90,14 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     # that never cleared). Such a GPU is never warm either: a rank idling that much all along is judged
     # by the cross-section alone.
     idling = dev[UTIL] <= -cfg.node_idle_gap
-    learn(state, cfg, dev, tick.levels[:PW + 1], busy & wait_util & ~cut & ~victim & ~idling, waiting, in_job)
+    spinning = busy & (u >= cfg.straggler_waiting_utilization)
+    shared = shared_node(tick, cfg, state, gi, spinning & (state.learned[:n] >= warm_ticks) & group_ok, gsm_unknown)
+    learn(state, cfg, dev, tick.levels[:PW + 1], busy & wait_util & ~cut & ~victim & ~idling,
+          waiting | shared.waiting, in_job)
     on &= ~mixed_fallback(tick, eligible & weak & in_group, gi)
+    on |= shared.on[0]
+    weak = weak | shared.on[1]
+    waiting = waiting | shared.waiting
     out = Outcome()
     standout = set(g[eligible & weak].tolist())
     node_findings, node_standout, node_pairs = node_level(tick, state, halted)
@@ -101,7 +108,8 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
                                                                  (eligible | eligible_cross) & waiting & weak,
                                                                  idle[0])
     for slot in on.nonzero()[0].tolist():
-        out.add(gpu_finding(tick, state, slot, ex[:, slot], dev[:, slot], bool(cross[slot]), bool(idle[0, slot])))
+        out.add(gpu_finding(tick, state, slot, ex[:, slot], dev[:, slot], bool(cross[slot]), bool(idle[0, slot]),
+                            shared if shared.on[0, slot] else None))
     for f in node_findings + whole_findings:
         out.add(f)
     node_standout |= whole_standout

@@ -4,6 +4,7 @@ is learned from each, and the finding that names one."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from server.engine.tick import Tick
 _CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
 # Share of its own usual SM activity and power that a culprit keeps (see signals).
 _STAYS = np.array([[0.85], [0.5]])
+# How far above its usual level a culprit in a shared unattributed node must rise, as a share of the
+# SM-activity or power excess margin (see shared_node).
+_RISE = 0.4
 
 
 def standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_unknown: np.ndarray,
@@ -93,6 +97,50 @@ def mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarr
     counts = np.bincount(gi[standing], minlength=grp.n_groups)
     mixed = fallback & (counts > np.maximum(1, grp.size // 4))
     return mixed[gi] & (grp.gid >= 0)
+
+
+@dataclass(frozen=True)
+class SharedNode:
+    """A straggler found inside an unattributed node group that holds two jobs (see shared_node)."""
+
+    on: np.ndarray          # (2, n) at SCALES: the one GPU busier than usual while others sank
+    waiting: np.ndarray     # per slot: its group shows the pattern
+    drop: np.ndarray        # per slot: its group's sunk GPUs' mean share of activity lost
+    rise: np.ndarray        # per slot: its reading against its own usual level, less 1
+    sunk: np.ndarray        # per slot: sank below its usual level (a waiting peer)
+
+
+def shared_node(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, judged: np.ndarray,
+                gsm_unknown: np.ndarray) -> SharedNode:
+    """Per slot: the one GPU of an unattributed node group that got busier than its own usual level while
+    two or more of the group sank below theirs, at full utilization.
+
+    Without attribution a node's busy GPUs may be two jobs. When a GPU of one slows silently (no clock
+    cut, no bits), its own job's GPUs there wait: SM activity, or power, falls 12-30 % below their usual
+    level. The other job's GPUs run on as before, so the node's median hardly moves and nobody stands out
+    against it. The culprit computes through the time it used to wait: SM activity rose 15 % (0.59 to
+    0.68 on an H100), power 4-7 % (L40S, A100). It is the only GPU of the group above its usual level.
+    Judged against each GPU's own usual level, learned while nothing stood out, so slot and silicon
+    differences cancel. A job's phase change moves all its GPUs together (none alone rises); a cap or a
+    communication slowdown sinks them all (nobody rises).
+    """
+    grp = tick.groups
+    n = len(gi)
+    fallback = judged & ~tick.registry.is_job[:grp.n_groups][gi]
+    if not fallback.any():
+        none = np.zeros(n, dtype=bool)
+        return SharedNode(np.zeros((2, n), dtype=bool), none, np.full(n, np.nan), np.full(n, np.nan), none)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        own = tick.levels[:PW + 1] / state.level[:, :n] - 1.0
+        rel = np.where(gsm_unknown, own[PW], own[SM])
+        margin = np.where(gsm_unknown, cfg.straggler_power_excess, cfg.straggler_sm_excess)
+        sunk = fallback & (rel <= -margin)
+        rise = np.where(fallback & ~sunk, rel / (_RISE * margin), np.nan)
+    G = grp.n_groups
+    n_sunk = np.bincount(gi[sunk], minlength=G)
+    drop = np.bincount(gi[sunk], weights=-rel[sunk], minlength=G) / np.maximum(n_sunk, 1)
+    pattern = ((n_sunk >= 2) & (np.bincount(gi[rise >= SCALES[1, 0]], minlength=G) == 1))[gi] & fallback
+    return SharedNode((rise >= SCALES) & pattern, pattern, np.where(pattern, drop[gi], np.nan), rel, sunk)
 
 
 def reset_moved(state: StragglerState, g: np.ndarray) -> None:
@@ -181,13 +229,19 @@ def learn(state: StragglerState, cfg, dev: np.ndarray, own: np.ndarray, steady: 
 
 
 def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, dev: np.ndarray,
-                cross: bool = False, idle: bool = False) -> Finding:
-    """Evidence, cost and wording for one culprit GPU (idle: it idles on its host while its peers wait)."""
+                cross: bool = False, idle: bool = False, shared: SharedNode | None = None) -> Finding:
+    """Evidence, cost and wording for one culprit GPU (idle: it idles on its host while its peers wait;
+    shared: found by shared_node, against the GPUs of its node that sank)."""
     cfg = tick.config
     w, grp, m = tick.windows, tick.groups, tick.med
     gid = int(grp.gid[slot])
     job = tick.registry.job(gid)
     slowdown = float(tick.slowdown[gid])
+    waiting_peers: list[int] = []
+    if shared is not None:
+        # Its waiting peers lost that share of their activity: the share of each step they spend waiting.
+        slowdown = max(slowdown if slowdown == slowdown else 0.0, float(shared.drop[slot]))
+        waiting_peers = [int(w.slot_index[s]) for s in np.flatnonzero(shared.sunk & (grp.gid == gid))]
     cut = m["slow"][slot] >= 0.5 and -dev[CLK] > 0.0
     if cross:
         known = slowdown if slowdown == slowdown else 0.0
@@ -202,6 +256,8 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
             # A GPU at a fraction of its peers' clocks takes that much longer per step (compute-bound).
             slowdown = max(slowdown, float(-dev[CLK]))
     size = int(grp.size[gid])
+    # Without attribution the job here is the culprit and the GPUs that sank, not the node's whole group.
+    slowed_gpus = len(waiting_peers) + 1 if waiting_peers else size
     reasons = []
     if ex[SM] >= cfg.straggler_sm_excess:
         reasons.append(f"SM activity {m['sm'][slot]:.2f} vs peers {grp.sm[gid]:.2f}")
@@ -213,8 +269,17 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
         reasons.append("throttle/slowdown bits set")
     if idle:
         reasons.append(f"utilization {m['util'][slot]:.2f} vs peers {grp.util[gid]:.2f}: idle, waiting on its host")
+    if waiting_peers:
+        reading = "power" if math.isnan(grp.sm[gid]) else "SM activity"
+        reasons.append(f"{reading} {shared.rise[slot] * 100:.0f} % above its usual level while GPUs "
+                       f"{', '.join(map(str, waiting_peers))} of this node fell {shared.drop[slot] * 100:.0f} % "
+                       "below theirs")
+    if waiting_peers:
+        measured_by = "power" if math.isnan(grp.sm[gid]) else "sm_active"
+    else:
+        measured_by = "sm_active" if tick.slowdown_source[gid] == 1 else "power"
     fp = subject_fingerprint(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], job)
-    lost = state.add_cost(fp, tick.t, max(slowdown, 0.0) * size * cfg.tick_seconds / 3600.0)
+    lost = state.add_cost(fp, tick.t, max(slowdown, 0.0) * slowed_gpus * cfg.tick_seconds / 3600.0)
     evidence = {
         "peer_group": tick.registry.kind(gid), "peer_group_size": size,
         "sm_active_ratio": r3(m["sm"][slot]), "peer_median_sm_active_ratio": r3(grp.sm[gid]),
@@ -226,9 +291,13 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
                                    "utilization": r3(ex[UTIL])},
         "pattern": "host_idle" if idle else "gpu_clocks_cut" if cut else "gpu_slow",
         "estimated_job_slowdown_ratio": r3(slowdown),
-        "slowdown_measured_by": "sm_active" if tick.slowdown_source[gid] == 1 else "power",
+        "slowdown_measured_by": measured_by,
         "gpu_hours_lost": round(lost, 4),
     }
+    if waiting_peers:
+        evidence["waiting_peers"] = waiting_peers
+        evidence["peer_drop_vs_own_baseline"] = r3(shared.drop[slot])
+        evidence["own_rise_vs_own_baseline"] = r3(shared.rise[slot])
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
     sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
