@@ -59,7 +59,9 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
      measured) = group_conditions(tick, state, cfg, halted)[:, gi] & in_group
     warm_ticks = cfg.bins(cfg.startup_grace_seconds)
     busy = (u >= cfg.busy_utilization) & in_group
-    eligible = busy & (state.learned[:n] >= warm_ticks) & group_ok
+    # Judged once learned (before this tick's learning): its offsets and usual levels mean something.
+    judged_ok = (state.learned[:n] >= warm_ticks) & group_ok
+    eligible = busy & judged_ok
     gslow = grp.slow[gi]
     cut, victim = cuts(tick, cfg, dev, gslow, gi, in_group)
     ex = dev - nan_to_zero(state.offset)
@@ -77,7 +79,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     starved = in_job & ~victim
     idle_cross = starved & (u >= cfg.job_active_utilization) & (-dev[UTIL] >= 2 * cfg.node_idle_gap)
     idle = starved & (-ex[UTIL] >= SCALES * cfg.node_idle_gap) | idle_cross
-    eligible |= idle[1] & (state.learned[:n] >= warm_ticks) & group_ok
+    eligible |= idle[1] & judged_ok
     cross = in_job & ((plain >= 1.0) | cut | idle_cross)
     eligible_cross = ((busy & cross) | idle_cross) & cross_ok
     waiting = (dropped | cross) & wait_util
@@ -90,8 +92,8 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     # that never cleared). Such a GPU is never warm either: a rank idling that much all along is judged
     # by the cross-section alone.
     idling = dev[UTIL] <= -cfg.node_idle_gap
-    spinning = busy & (u >= cfg.straggler_waiting_utilization)
-    shared = shared_node(tick, cfg, state, gi, spinning & (state.learned[:n] >= warm_ticks) & group_ok, gsm_unknown)
+    shared = shared_node(tick, cfg, state, gi, busy & (u >= cfg.straggler_waiting_utilization) & judged_ok,
+                         gsm_unknown)
     learn(state, cfg, dev, tick.levels[:PW + 1], busy & wait_util & ~cut & ~victim & ~idling,
           waiting | shared.waiting, in_job)
     on &= ~mixed_fallback(tick, eligible & weak & in_group, gi)

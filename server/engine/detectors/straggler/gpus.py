@@ -269,15 +269,13 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
         reasons.append("throttle/slowdown bits set")
     if idle:
         reasons.append(f"utilization {m['util'][slot]:.2f} vs peers {grp.util[gid]:.2f}: idle, waiting on its host")
+    # A shared-node culprit's slowdown is read from its waiting peers' own levels, not the group's baseline.
+    sm_known = not math.isnan(grp.sm[gid]) if waiting_peers else tick.slowdown_source[gid] == 1
+    measured_by = "sm_active" if sm_known else "power"
     if waiting_peers:
-        reading = "power" if math.isnan(grp.sm[gid]) else "SM activity"
-        reasons.append(f"{reading} {shared.rise[slot] * 100:.0f} % above its usual level while GPUs "
-                       f"{', '.join(map(str, waiting_peers))} of this node fell {shared.drop[slot] * 100:.0f} % "
-                       "below theirs")
-    if waiting_peers:
-        measured_by = "power" if math.isnan(grp.sm[gid]) else "sm_active"
-    else:
-        measured_by = "sm_active" if tick.slowdown_source[gid] == 1 else "power"
+        reasons.append(f"{'SM activity' if sm_known else 'power'} {shared.rise[slot] * 100:.0f} % above its usual "
+                       f"level while GPUs {', '.join(map(str, waiting_peers))} of this node fell "
+                       f"{shared.drop[slot] * 100:.0f} % below theirs")
     fp = subject_fingerprint(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], job)
     lost = state.add_cost(fp, tick.t, max(slowdown, 0.0) * slowed_gpus * cfg.tick_seconds / 3600.0)
     evidence = {
