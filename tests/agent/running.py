@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
+import httpx
 import orjson
 import pytest
 
@@ -114,6 +115,7 @@ def prometheus_process(tmp_path: Path, targets: list[int]) -> Iterator[tuple[sub
             stdout=subprocess.DEVNULL, stderr=log_file,
         )
         try:
+            _wait_ready(proc, port, log_path)
             yield proc, port, log_path
         finally:
             proc.terminate()
@@ -122,3 +124,17 @@ def prometheus_process(tmp_path: Path, targets: list[int]) -> Iterator[tuple[sub
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen, port: int, log_path: Path, timeout: float = 60.0) -> None:
+    """Until Prometheus answers /-/ready with 200. It listens before it has opened its TSDB and answers
+    503 "Service Unavailable" meanwhile; a query in that gap failed a test on a loaded CI machine."""
+    waiter = threading.Event()
+    for _ in range(int(timeout / 0.2)):
+        if proc.poll() is not None:
+            break
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=2).status_code == 200:
+                return
+        waiter.wait(0.2)
+    raise AssertionError("Prometheus never became ready: " + log_path.read_text(errors="replace")[-2000:])
