@@ -208,13 +208,21 @@ def _open_trace(path: str, handles: list) -> Iterable[bytes]:
         fh = open(path, "rb", buffering=_READ_BUFFER_BYTES)
         handles.append(fh)
     if fh.peek(2)[:2] != b"\x1f\x8b":
-        return fh
+        return _past_bom(fh)
     import gzip
     import io
 
     unpacked = io.BufferedReader(gzip.GzipFile(fileobj=fh, mode="rb"), buffer_size=_READ_BUFFER_BYTES)
     handles.append(unpacked)
-    return _until_damaged(unpacked, path)
+    return _until_damaged(_past_bom(unpacked), path)
+
+
+def _past_bom(fh):
+    """The reader, past a UTF-8 byte-order mark: editors and PowerShell's Out-File write one, and left
+    in, it makes the first snapshot a malformed line."""
+    if fh.peek(3)[:3] == b"\xef\xbb\xbf":
+        fh.read(3)
+    return fh
 
 
 def _until_damaged(lines: Iterable[bytes], path: str) -> Iterator[bytes]:

@@ -166,6 +166,25 @@ def test_cli_reads_gzip_and_standard_input_alike(tmp_path, capsys, monkeypatch):
     assert main(["-", "-"]) == 2 and "once" in capsys.readouterr().err
 
 
+def test_a_trace_saved_by_a_windows_editor_replays_like_the_original(tmp_path, capsys, monkeypatch):
+    # A byte-order mark and CRLF line ends: the BOM, left in, turned the first snapshot into a
+    # malformed line.
+    data = b"\n".join(cluster_lines(400, override=_hot)) + b"\n"
+    plain = tmp_path / "t.jsonl"
+    plain.write_bytes(data)
+    assert main([str(plain)]) == 0
+    expected = capsys.readouterr().out
+    windows = b"\xef\xbb\xbf" + data.replace(b"\n", b"\r\n")
+    saved, packed = tmp_path / "w.jsonl", tmp_path / "w.jsonl.gz"
+    saved.write_bytes(windows)
+    packed.write_bytes(gzip.compress(windows))
+    for args in ([str(saved)], [str(packed)], ["-"]):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(windows))))
+        assert main(args) == 0
+        out, err = capsys.readouterr()
+        assert out == expected and "malformed" not in err
+
+
 def test_a_compressed_trace_that_breaks_off_replays_what_was_read(tmp_path, capsys):
     # A file still being written, or a bad copy: the stream ends without its end-of-stream marker.
     packed = gzip.compress(b"\n".join(cluster_lines(400, override=_hot)) + b"\n")
