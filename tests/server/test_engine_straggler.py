@@ -155,6 +155,26 @@ def test_node_idling_on_its_host_from_the_job_start_is_named():
     assert set(alerts) == {"straggler"}
 
 
+def test_straggler_from_the_job_start_hovering_at_the_margin_is_one_alert():
+    # No healthy period: GPU n1/3 computes more than its peers from the job's first step, at first 23 %
+    # more (0.615 against their 0.5: under the doubled margin that names a culprit without a baseline),
+    # then in stretches of 150 s at 32 % (0.66, above it) and 23 % again. Without hysteresis on that
+    # cross-sectional evidence, each stretch below cleared the alert and the next one above opened another.
+    def hovering(t, node, gpu):
+        if t >= 1050:
+            return {}
+        if (node, gpu) == ("n1", 3):
+            above = t >= 300 and ((t - 300) // 150) % 2 == 0
+            return {"sm_active_ratio": 0.66 if above else 0.615, "power_watts": 520.0}
+        return {"sm_active_ratio": 0.5, "power_watts": 420.0}
+
+    alerts = _by_kind(cluster_lines(1350, override=hovering))
+    (s,) = alerts["straggler"]
+    assert (s.node, s.gpu) == ("n1", 3) and T0 + 300 < s.started <= T0 + 360
+    assert s.resolved is not None and T0 + 1050 < s.resolved <= T0 + 1150
+    assert set(alerts) == {"straggler"}
+
+
 def test_rank_stopped_while_the_others_wait_is_named_not_read_as_comm_bound():
     # Rank 0 stops computing for two minutes (a checkpoint it writes alone, a stall on its host, its
     # process gone) while every other rank spins in the collective: somebody stands out, so this is not

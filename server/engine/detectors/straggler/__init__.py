@@ -83,6 +83,10 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     cross = in_job & ((plain >= 1.0) | cut | idle_cross)
     eligible_cross = ((busy & cross) | idle_cross) & cross_ok
     waiting = (dropped | cross) & wait_util
+    # Once open, an alert that only the cross-section backs (no baseline to drop from) holds while the
+    # peers still read as waiting at the weaker margin: hovering at the doubled one, a straggler present
+    # from the job's start was named, cleared and named again.
+    holding = (dropped | cross | in_job & (plain >= SCALES[1, 0])) & wait_util
     sig, weak = ((signals(cfg, ex, tick.levels[:PW + 1], state, gsm_unknown, m["slow"], gslow) | cut) & ~victim) | idle
     on = (eligible | eligible_cross) & waiting & sig
     on &= standing_now(tick, cfg, state, gi, gsm_unknown, on)
@@ -100,6 +104,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     on |= shared.on[0]
     weak = weak | shared.on[1]
     waiting = waiting | shared.waiting
+    holding |= shared.waiting
     out = Outcome()
     standout = set(g[eligible & weak].tolist())
     node_findings, node_standout, node_pairs = node_level(tick, state, halted)
@@ -119,15 +124,15 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     standout |= {gid for gid, _ in node_standout}
     judged = (busy | starved) & active
     warm = (state.learned[:n] >= warm_ticks) & measured
-    out.clear = _clear_test(tick, index, judged, warm, waiting, weak, cross, node_pairs, node_standout)
+    out.clear = _clear_test(tick, index, judged, warm, holding, weak, cross, node_pairs, node_standout)
     state.prune(tick.t)
     return Result(out, standout)
 
 
-def _clear_test(tick: Tick, index: FingerprintIndex, judged: np.ndarray, warm: np.ndarray, waiting: np.ndarray,
+def _clear_test(tick: Tick, index: FingerprintIndex, judged: np.ndarray, warm: np.ndarray, holding: np.ndarray,
                 weak: np.ndarray, cross: np.ndarray, node_pairs: dict[str, tuple[int, int]], node_standout: set[tuple[int, int]]):
-    """Clear once the GPU no longer stands out even at reduced margins, its group stopped waiting or
-    went idle, or it left the job.
+    """Clear once the GPU no longer stands out even at reduced margins, its group stopped waiting (even
+    at the reduced cross-sectional margin: holding) or went idle, or it left the job.
 
     Before the group has a baseline (a straggler from the job's start keeps one from forming, since
     its open alert keeps the group's history from learning) only the cross-section can clear it: the
@@ -151,6 +156,6 @@ def _clear_test(tick: Tick, index: FingerprintIndex, judged: np.ndarray, warm: n
             return True
         if not warm[slot]:
             return not (weak[slot] or cross[slot])
-        return not (waiting[slot] and weak[slot])
+        return not (holding[slot] and weak[slot])
 
     return test
