@@ -83,10 +83,6 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     cross = in_job & ((plain >= 1.0) | cut | idle_cross)
     eligible_cross = ((busy & cross) | idle_cross) & cross_ok
     waiting = (dropped | cross) & wait_util
-    # Once open, an alert that only the cross-section backs (no baseline to drop from) holds while the
-    # peers still read as waiting at the weaker margin: hovering at the doubled one, a straggler present
-    # from the job's start was named, cleared and named again.
-    holding = (dropped | cross | in_job & (plain >= SCALES[1, 0])) & wait_util
     sig, weak = ((signals(cfg, ex, tick.levels[:PW + 1], state, gsm_unknown, m["slow"], gslow) | cut) & ~victim) | idle
     on = (eligible | eligible_cross) & waiting & sig
     on &= standing_now(tick, cfg, state, gi, gsm_unknown, on)
@@ -104,7 +100,10 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     on |= shared.on[0]
     weak = weak | shared.on[1]
     waiting = waiting | shared.waiting
-    holding |= shared.waiting
+    # Once open, an alert that only the cross-section backs (no baseline to drop from) holds while the
+    # peers still read as waiting at the weaker margin: hovering at the doubled one, a straggler present
+    # from the job's start was named, cleared and named again.
+    holding = waiting | in_job & (plain >= SCALES[1, 0]) & wait_util
     out = Outcome()
     standout = set(g[eligible & weak].tolist())
     node_findings, node_standout, node_pairs = node_level(tick, state, halted)
