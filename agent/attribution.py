@@ -1,4 +1,4 @@
-"""Which HPC job uses each GPU: a dcgm-exporter style mapping directory, or the GPU's processes in procfs."""
+"""Which job uses each GPU: a dcgm-exporter style mapping directory, or the GPU's processes in procfs."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ log = logging.getLogger(__name__)
 
 # Slurm's cgroup layouts, v1 (/slurm/uid_0/job_42/step_0) and v2 (.../slurmstepd.scope/job_42/step_0).
 _CGROUP_JOB = re.compile(r"/job_(\d+)(?:/|$)")
-_ENV_KEY = b"SLURM_JOB_ID="
-# A job id is what Slurm prints; anything else in a mapping file is ignored rather than exported.
-_JOB_ID = re.compile(r"^[0-9A-Za-z_.+-]{1,64}$")
+# Slurm sets SLURM_JOB_ID in every step. Kubernetes sets nothing that names a job (a pod is one node's
+# share of it), so training pods are asked to carry GPUFLEET_JOB from their job label (docs/agent.md).
+DEFAULT_ENV_VARS: tuple[str, ...] = ("SLURM_JOB_ID", "GPUFLEET_JOB")
+# Slurm ids, and Kubernetes NAMESPACE/NAME (63 characters each); anything else is ignored, not exported.
+_JOB_ID = re.compile(r"^[0-9A-Za-z_.+:/-]{1,128}$")
 # environ can be large (module systems); a job id is near the start, and the read stays bounded.
 _MAX_READ = 1 << 20
 _REWARN_SECONDS = 600.0
@@ -49,17 +51,23 @@ class WarnOnce:
 
 
 class JobAttributor:
-    """Maps a GPU to the Slurm job of its compute processes; the mapping directory, when set, wins."""
+    """Maps a GPU to the job of its compute processes; the mapping directory, when set, wins.
+
+    A process's job is the first of `env_vars` its environment sets to a valid id, else the Slurm job of
+    its cgroup.
+    """
 
     def __init__(
         self,
         procfs: str | os.PathLike[str] = "/proc",
         mapping_dir: str | os.PathLike[str] | None = None,
         *,
+        env_vars: tuple[str, ...] = DEFAULT_ENV_VARS,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._procfs = Path(procfs)
         self._mapping_dir = Path(mapping_dir) if mapping_dir is not None else None
+        self._env_prefixes = tuple(f"{name}=".encode() for name in env_vars)
         self._cache: dict[int, str | None] = {}
         self._seen: set[int] = set()
         self.warn = WarnOnce(log, monotonic)
@@ -97,9 +105,15 @@ class JobAttributor:
         data = self._read(self._procfs / str(pid) / "environ", "environ")
         if data is None:
             return None
+        found: dict[bytes, bytes] = {}
         for entry in data.split(b"\0"):
-            if entry.startswith(_ENV_KEY):
-                return _valid_job(entry[len(_ENV_KEY):].decode("ascii", "replace"))
+            for prefix in self._env_prefixes:
+                if entry.startswith(prefix):
+                    found.setdefault(prefix, entry[len(prefix):])  # the first wins, as getenv(3) reads it
+        for prefix in self._env_prefixes:
+            job = _valid_job(found[prefix].decode("ascii", "replace")) if prefix in found else None
+            if job is not None:
+                return job
         return None
 
     def _job_from_cgroup(self, pid: int) -> str | None:

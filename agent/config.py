@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -12,6 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import yaml
 
 from agent import __version__
+from agent.attribution import DEFAULT_ENV_VARS
 from agent.sim.scenario import BUILTIN_SCENARIOS
 
 PROG = "gpufleet-agent"
@@ -20,6 +22,7 @@ DEFAULT_PORT = 9471  # 9400 is dcgm-exporter, 9835 nvidia_gpu_exporter
 MIN_RETENTION_SECONDS = 120.0
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "text")
+_ENV_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class ConfigError(ValueError):
@@ -42,6 +45,7 @@ class AgentConfig:
     record: str | None = None
     once: bool = False
     hpc_job_mapping_dir: str | None = None
+    hpc_job_env_vars: tuple[str, ...] = DEFAULT_ENV_VARS
     procfs: str = "/proc"
     nvlink_per_link: bool = False
     log_level: str = "info"
@@ -126,6 +130,21 @@ def _path(value: Any) -> str:
     return text
 
 
+def _env_vars(value: Any) -> tuple[str, ...]:
+    """'A,B' (flag, environment) or a YAML list -> ('A', 'B'), in order, each a valid variable name."""
+    items = value if isinstance(value, list) else _text(value).split(",")
+    names: list[str] = []
+    for item in items:
+        name = _text(item)
+        if not _ENV_VAR_NAME.match(name):
+            raise ValueError(f"{name!r} is not an environment variable name")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError("must name at least one variable")
+    return tuple(names)
+
+
 def _node(value: Any) -> str:
     text = _text(value)
     if any(c.isspace() for c in text) or len(text) > 253:
@@ -180,6 +199,9 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("once", "once", _bool, "print one snapshot as JSON and exit"),
     _Option("hpc-job-mapping-dir", "hpc_job_mapping_dir", _path,
             "dcgm-exporter style directory: one file per GPU index listing job ids (wins over /proc)", "DIR"),
+    _Option("hpc-job-env-vars", "hpc_job_env_vars", _env_vars,
+            "environment variables of a GPU's processes that name its job, first set wins "
+            f"(default {','.join(DEFAULT_ENV_VARS)})", "VAR[,VAR...]"),
     _Option("path.procfs", "procfs", _path, "procfs mount point for job attribution (default /proc)", "DIR"),
     _Option("nvlink.per-link", "nvlink_per_link", _bool, "also export NVLink byte counters per link"),
     _Option("log.level", "log_level", _choice(LOG_LEVELS), "debug, info, warning or error (default info)", "LEVEL"),

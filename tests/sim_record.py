@@ -34,6 +34,18 @@ def record_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: 
     return trace, missing
 
 
+def record_cluster(scenario: Scenario, workdir: Path, duration_seconds: float,
+                   interval_seconds: float = 1.0) -> list[bytes]:
+    """Every node recorded, then the files joined node after node as `cat` would: the replay input.
+    A node that missed a sample fails the caller, since the scenarios recorded this way expect none."""
+    files = []
+    for node in scenario.nodes:
+        trace, missing = record_node(scenario, node, workdir, duration_seconds, interval_seconds)
+        assert not missing, f"{node}: no sample at +{missing[0]:.0f}s"
+        files.append(trace)
+    return b"".join(f.read_bytes() for f in files).splitlines()
+
+
 def sample_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: float,
                 interval_seconds: float = 1.0,
                 record_to: Path | None = None) -> Iterator[tuple[float, NodeSnapshot | None, Publication]]:

@@ -4,12 +4,14 @@ not ready (an agent whose NVML is down must still be pulled, to be reported)."""
 from __future__ import annotations
 
 import configparser
+import re
 import tomllib
 from pathlib import Path
 
 import yaml
 
 from agent import config as agent_config
+from agent.attribution import JobAttributor
 from server import settings as server_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,3 +57,29 @@ def test_systemd_units_start_installed_commands_from_one_virtualenv_with_flags_t
     assert len({Path(argv[0]).parent for argv in starts}) == 1
     for argv in starts:
         _parse([Path(argv[0]).name] + argv[1:])
+
+
+def test_the_kubernetes_job_example_gives_its_pods_the_job_the_agent_reads(tmp_path):
+    """The example's env block, expanded as the kubelet does for a pod of that job, names the job
+    NAMESPACE/NAME to an agent with its default settings."""
+    (job,) = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "examples" / "pytorchjob.yaml").read_text())
+    name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+    # What the operator puts on each pod it creates.
+    pod = {"metadata.namespace": namespace, "metadata.labels['training.kubeflow.org/job-name']": name}
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        for container in replica["template"]["spec"]["containers"]:
+            env: dict[str, str] = {}
+            for var in container["env"]:
+                if "valueFrom" in var:
+                    env[var["name"]] = pod[var["valueFrom"]["fieldRef"]["fieldPath"]]
+                else:  # $(VAR) refers to a variable defined earlier in the list; anything else stays as written
+                    env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), var["value"])
+            pid = tmp_path / str(len(list(tmp_path.iterdir())) + 1)
+            pid.mkdir()
+            (pid / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
+            assert JobAttributor(tmp_path).job_for(0, "GPU-a", (int(pid.name),)) == f"{namespace}/{name}"
+
+
+def test_the_annotated_agent_config_loads_and_states_the_defaults():
+    path = str(ROOT / "deploy" / "agent.yaml")
+    assert agent_config.load_config(["--config.file", path], environ={}) == agent_config.AgentConfig(config_file=path)

@@ -19,7 +19,7 @@ from server.alerts import Alert, AlertKind
 from server.contract import parse_line
 from server.replay import run_replay
 from tests.agent.running import agent_process
-from tests.sim_record import T0, record_node
+from tests.sim_record import T0, record_cluster
 
 SAMPLE_INTERVAL_SECONDS = 1.0
 
@@ -33,13 +33,7 @@ def demo() -> Scenario:
 def demo_trace(demo: Scenario, tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     """`cat dgx-01.jsonl dgx-02.jsonl ...`: node after node, not sorted by time."""
     assert demo.duration_s is not None, "the demo scenario must say how long it runs"
-    workdir = tmp_path_factory.mktemp("e2e")
-    files = []
-    for node in demo.nodes:
-        trace, missing = record_node(demo, node, workdir, demo.duration_s, SAMPLE_INTERVAL_SECONDS)
-        assert not missing, f"{node}: no sample at +{missing[0]:.0f}s"
-        files.append(trace)
-    return b"".join(f.read_bytes() for f in files).splitlines()
+    return record_cluster(demo, tmp_path_factory.mktemp("e2e"), demo.duration_s, SAMPLE_INTERVAL_SECONDS)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pynvml
 from agent.sim import physics as ph
 from agent.sim.hardware import GpuModel
 from agent.sim.physics import Timeline, build_world, stable_key
-from agent.sim.scenario import Incident, Scenario
+from agent.sim.scenario import Incident, JobSpec, Scenario
 
 log = logging.getLogger(__name__)
 
@@ -197,13 +197,18 @@ class SimNvml:
                 pid = self._pids[(job.id, gpu)]
                 proc = root / str(pid)
                 proc.mkdir(parents=True, exist_ok=True)
-                env = {
-                    "SLURM_JOB_ID": job.id, "SLURM_JOB_USER": job.user, "SLURM_STEP_ID": "0",
-                    "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(gpu), "SLURM_NODEID": str(job.nodes.index(node)),
-                    "CUDA_VISIBLE_DEVICES": str(gpu), "HOME": f"/home/{job.user}", "PATH": "/usr/bin:/bin",
-                }
+                if job.scheduler == "kubernetes":
+                    env, cgroup = _pod_process(job, node, gpu, rank)
+                else:
+                    env = {
+                        "SLURM_JOB_ID": job.id, "SLURM_JOB_USER": job.user, "SLURM_STEP_ID": "0",
+                        "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(gpu),
+                        "SLURM_NODEID": str(job.nodes.index(node)),
+                        "CUDA_VISIBLE_DEVICES": str(gpu), "HOME": f"/home/{job.user}", "PATH": "/usr/bin:/bin",
+                    }
+                    cgroup = f"0::/system.slice/slurmstepd.scope/job_{job.id}/step_0/user/task_0\n"
                 (proc / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
-                (proc / "cgroup").write_text(f"0::/system.slice/slurmstepd.scope/job_{job.id}/step_0/user/task_0\n")
+                (proc / "cgroup").write_text(cgroup)
                 written.append(pid)
         log.debug("materialized simulated procfs", extra={"root": str(root), "pids": len(written)})
         return tuple(written)
@@ -686,3 +691,24 @@ def _copy_pynvml_names() -> None:
 
 
 _copy_pynvml_names()
+
+
+def _pod_process(job: JobSpec, node: str, gpu: int, rank: int) -> tuple[dict[str, str], str]:
+    """A training pod's process as a Kubernetes operator starts it, with the GPUFLEET_JOB variable that
+    docs/agent.md asks the pod template to set from the job's label; one pod per node of the job."""
+    name = job.id.rpartition("/")[2]
+    node_rank = job.nodes.index(node)
+    pod = f"{name}-worker-{node_rank}"
+    uid = hashlib.blake2b(f"{job.id}/{node}".encode(), digest_size=16).hexdigest()
+    pod_uid = f"{uid[:8]}_{uid[8:12]}_{uid[12:16]}_{uid[16:20]}_{uid[20:]}"
+    container = hashlib.blake2b(f"{job.id}/{node}/trainer".encode(), digest_size=32).hexdigest()
+    gpus_here = sum(1 for n, _ in job.gpus if n == node)
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin", "HOSTNAME": pod, "HOME": "/root",
+        "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443",
+        "MASTER_ADDR": f"{name}-worker-0", "MASTER_PORT": "29500", "WORLD_SIZE": str(len(job.gpus)),
+        "RANK": str(rank), "LOCAL_RANK": str(gpu), "LOCAL_WORLD_SIZE": str(gpus_here),
+        "GPUFLEET_JOB": job.id,
+    }
+    cgroup = f"0::/kubepods.slice/kubepods-pod{pod_uid}.slice/cri-containerd-{container}.scope\n"
+    return env, cgroup

@@ -16,6 +16,7 @@ from agent.sim.hardware import MODELS, GpuModel
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 BUILTIN_SCENARIOS: tuple[str, ...] = ("hgx-h100", "a100", "pcie", "demo", "cluster-incidents")
 
+SCHEDULERS: tuple[str, ...] = ("slurm", "kubernetes")
 GpuRef = tuple[str, int]
 
 
@@ -46,6 +47,8 @@ class JobSpec:
     ramp_up_s: float
     wind_down_s: float
     user: str
+    # Who launched it, which decides what its processes' environment and cgroup say (agent attribution).
+    scheduler: str = "slurm"
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -343,13 +346,16 @@ def _parse_job(obj: _Obj, nodes: tuple[NodeSpec, ...]) -> JobSpec:
     ramp = obj.number("ramp_up_s", 60.0, low=0)
     wind = obj.number("wind_down_s", 20.0, low=0)
     user = obj.text("user", "sim")
+    scheduler = obj.text("scheduler", "slurm")
+    if scheduler not in SCHEDULERS:
+        raise ScenarioError(f"{obj.key('scheduler')}: must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
     obj.done()
     memory = None if memory_gib is None else int(memory_gib * 1024**3)
     for node, _ in gpus:
         model = _node_by_name(nodes, node, obj.key("nodes")).model
         if memory is not None and memory > model.memory_total_bytes - model.memory_reserved_bytes:
             raise ScenarioError(f"{obj.key('memory_used_gib')}: {memory_gib} GiB does not fit on {model.name}")
-    return JobSpec(job_id, tuple(gpus), start, end, step, compute, memory, ramp, wind, user)
+    return JobSpec(job_id, tuple(gpus), start, end, step, compute, memory, ramp, wind, user, scheduler)
 
 
 def _check_jobs(jobs: tuple[JobSpec, ...]) -> None:

@@ -33,6 +33,44 @@ def test_cgroup_v1_and_v2_paths(tmp_path):
     assert att.job_for(1, "GPU-b", (12,)) == "888"
 
 
+# A Kubernetes training container (cgroup v2, systemd driver) as the kubelet starts it.
+POD_CGROUP = ("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod3f1c2e4a_9b7d_4c1e_8a2f_"
+              "6d5e4c3b2a19.slice/cri-containerd-5b0e1c.scope\n")
+
+
+def test_a_kubernetes_pod_names_its_job_by_gpufleet_job(tmp_path):
+    proc(tmp_path, 14, b"HOSTNAME=llama-worker-3\0KUBERNETES_SERVICE_HOST=10.96.0.1\0"
+                       b"GPUFLEET_JOB=research/llama-70b\0RANK=24\0", POD_CGROUP)
+    att = JobAttributor(tmp_path)
+    assert att.job_for(0, "GPU-a", (14,)) == "research/llama-70b"
+
+
+def test_a_kubernetes_pod_without_the_variable_has_no_job_rather_than_its_pod(tmp_path):
+    # A pod is one node's share of a job: as a "job" it would split every multi-node job per node.
+    proc(tmp_path, 15, b"HOSTNAME=llama-worker-3\0KUBERNETES_SERVICE_HOST=10.96.0.1\0RANK=24\0", POD_CGROUP)
+    assert JobAttributor(tmp_path).job_for(0, "GPU-a", (15,)) is None
+
+
+def test_the_first_listed_variable_that_holds_a_job_id_wins(tmp_path):
+    proc(tmp_path, 16, b"SLURM_JOB_ID=4242\0GPUFLEET_JOB=team/run\0")
+    proc(tmp_path, 17, b"TEAM_JOB=not a job id\0SLURM_JOB_ID=4243\0")
+    proc(tmp_path, 18, b"TEAM_JOB=first\0TEAM_JOB=second\0")
+    assert JobAttributor(tmp_path).job_for(0, "GPU-a", (16,)) == "4242"  # default order: Slurm first
+    custom = JobAttributor(tmp_path, env_vars=("GPUFLEET_JOB", "SLURM_JOB_ID"))
+    assert custom.job_for(0, "GPU-a", (16,)) == "team/run"
+    fallthrough = JobAttributor(tmp_path, env_vars=("TEAM_JOB", "SLURM_JOB_ID"))
+    assert fallthrough.job_for(1, "GPU-b", (17,)) == "4243"  # an invalid value is skipped, not exported
+    assert fallthrough.job_for(2, "GPU-c", (18,)) == "first"  # getenv(3) reads the first of duplicates
+
+
+def test_a_variable_left_out_of_the_list_is_not_read(tmp_path):
+    proc(tmp_path, 19, b"SLURM_JOB_ID=4242\0", POD_CGROUP)
+    proc(tmp_path, 23, b"SLURM_JOB_ID=4242\0", "0::/system.slice/slurmstepd.scope/job_4242/step_0\n")
+    att = JobAttributor(tmp_path, env_vars=("GPUFLEET_JOB",))
+    assert att.job_for(0, "GPU-a", (19,)) is None
+    assert att.job_for(1, "GPU-b", (23,)) == "4242"  # a Slurm cgroup still names its job
+
+
 def test_no_job_anywhere_is_none(tmp_path):
     proc(tmp_path, 13, b"PATH=/bin\0", "0::/user.slice/user-1000.slice/session-2.scope\n")
     att = JobAttributor(tmp_path)

@@ -90,6 +90,16 @@ def test_mapping_dir_overrides_simulated_procfs(capsys, tmp_path):
     assert doc["gpus"][0]["hpc_job"] == "123" and doc["gpus"][1]["hpc_job"] is None
 
 
+def test_a_kubernetes_job_is_named_by_the_variables_the_agent_is_told_to_read(capsys, tmp_path):
+    scenario = tmp_path / "k8s.yaml"
+    scenario.write_text("nodes: [{name: n1, model: h100-sxm, gpus: 2}]\n"
+                        "jobs: [{id: research/llama, nodes: [n1], scheduler: kubernetes}]\n")
+    doc = once(capsys, "--simulate", str(scenario))
+    assert [g["hpc_job"] for g in doc["gpus"]] == ["research/llama"] * 2
+    doc = once(capsys, "--simulate", str(scenario), "--hpc-job-env-vars", "SLURM_JOB_ID")
+    assert [g["hpc_job"] for g in doc["gpus"]] == [None, None]
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["--simulate", "no-such-scenario"], "--simulate"),
     (["--simulate", "hgx-h100", "--node", "elsewhere"], "--node"),

@@ -50,6 +50,17 @@ def test_bool_flags_and_env():
     assert not load_config([], environ={"GPUFLEET_AGENT_NVLINK_PER_LINK": "0"}).nvlink_per_link
 
 
+def test_job_variables_from_flag_environment_and_file(tmp_path):
+    assert load_config([], environ={}).hpc_job_env_vars == ("SLURM_JOB_ID", "GPUFLEET_JOB")
+    flag = load_config(["--hpc-job-env-vars", "TEAM_JOB, SLURM_JOB_ID,TEAM_JOB"], environ={})
+    assert flag.hpc_job_env_vars == ("TEAM_JOB", "SLURM_JOB_ID")  # order kept, repeats dropped
+    env = load_config([], environ={"GPUFLEET_AGENT_HPC_JOB_ENV_VARS": "GPUFLEET_JOB"})
+    assert env.hpc_job_env_vars == ("GPUFLEET_JOB",)
+    f = tmp_path / "agent.yaml"
+    f.write_text("hpc-job-env-vars: [GPUFLEET_JOB, SLURM_JOB_ID]\n")
+    assert load_config(["--config.file", str(f)], environ={}).hpc_job_env_vars == ("GPUFLEET_JOB", "SLURM_JOB_ID")
+
+
 @pytest.mark.parametrize("addr,expected", [
     (":9471", ("", 9471)), ("127.0.0.1:0", ("127.0.0.1", 0)), ("[::1]:9000", ("::1", 9000)),
     ("node1.example:80", ("node1.example", 80)),
@@ -73,6 +84,9 @@ def test_listen_addresses(addr, expected):
     (["--node", "two words"], "--node"),
     (["--no-such-flag"], "--no-such-flag"),
     (["--sample.interval"], "--sample.interval"),
+    (["--hpc-job-env-vars", "SLURM-JOB-ID"], "--hpc-job-env-vars: 'SLURM-JOB-ID' is not an environment variable"),
+    (["--hpc-job-env-vars", "A,,B"], "--hpc-job-env-vars: must not be empty"),
+    (["--hpc-job-env-vars", " "], "--hpc-job-env-vars: must not be empty"),
 ])
 def test_bad_flags_name_themselves(argv, fragment):
     with pytest.raises(ConfigError) as info:
@@ -92,6 +106,8 @@ def test_bad_env_names_the_variable():
     ("a: [unclosed\n", "not valid YAML"),
     ("once: maybe\n", "'once'"),
     ("node: {a: 1}\n", "'node'"),
+    ("hpc-job-env-vars: []\n", "'hpc-job-env-vars': must name at least one variable"),
+    ("hpc-job-env-vars: [1JOB]\n", "'hpc-job-env-vars': '1JOB' is not an environment variable name"),
 ])
 def test_bad_file_entries(tmp_path, content, fragment):
     f = tmp_path / "c.yaml"

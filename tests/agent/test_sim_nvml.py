@@ -7,7 +7,7 @@ import ctypes
 import pynvml
 import pytest
 
-from agent.sim import SimNvml, load_scenario
+from agent.sim import SimNvml, load_scenario, parse_scenario
 
 UINT_MAX = 0xFFFFFFFF
 
@@ -451,6 +451,22 @@ def test_materialize_procfs(tmp_path):
         assert b"SLURM_JOB_ID=71001" in environ.split(b"\0")
         cgroup = (tmp_path / str(proc.pid) / "cgroup").read_text()
         assert cgroup == "0::/system.slice/slurmstepd.scope/job_71001/step_0/user/task_0\n"
+
+
+def test_materialize_procfs_of_a_kubernetes_job(tmp_path):
+    scenario = parse_scenario({
+        "nodes": [{"name": "n1", "model": "h100-sxm", "gpus": 2}, {"name": "n2", "model": "h100-sxm", "gpus": 2}],
+        "jobs": [{"id": "research/llama", "nodes": ["n1", "n2"], "scheduler": "kubernetes"}],
+    })
+    nvml = SimNvml(scenario, "n2", clock=lambda: 1000.0, epoch=0.0)
+    pids = nvml.materialize_procfs(tmp_path)
+    assert len(pids) == 2
+    for pid in pids:
+        environ = dict(e.split(b"=", 1) for e in (tmp_path / str(pid) / "environ").read_bytes().split(b"\0") if e)
+        assert environ[b"GPUFLEET_JOB"] == b"research/llama" and environ[b"HOSTNAME"] == b"llama-worker-1"
+        assert b"SLURM_JOB_ID" not in environ and environ[b"RANK"] in (b"2", b"3")
+        cgroup = (tmp_path / str(pid) / "cgroup").read_text()
+        assert cgroup.startswith("0::/kubepods.slice/kubepods-pod") and "job_" not in cgroup
 
 
 def test_pids_are_deterministic_across_agents():

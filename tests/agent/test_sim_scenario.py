@@ -82,6 +82,7 @@ def test_scenario_is_frozen():
         ("jobs.0.end_s", -5, "jobs[0].end_s: must be after start_s"),
         ("jobs.0.compute_fraction", 1.5, "jobs[0].compute_fraction: must be <= 0.99"),
         ("jobs.0.id", None, "jobs[0].id: required key is missing"),
+        ("jobs.0.scheduler", "pbs", "jobs[0].scheduler: must be one of slurm, kubernetes, got 'pbs'"),
         ("incidents.0.kind", "meteor", "incidents[0].kind: unknown incident kind 'meteor'"),
         ("incidents.0.gpu", 8, "incidents[0].gpu: GPU index 8 does not exist on node 'n1'"),
         ("incidents.0.speed_factor", 0, "incidents[0].speed_factor: must be >= 0.05"),

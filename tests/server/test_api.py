@@ -57,6 +57,14 @@ def test_filters(seeded) -> None:
     assert body["evidence"] == {"n": 3, "peers_median": 0.5}
 
 
+def test_a_kubernetes_job_filters_whether_the_client_escapes_its_slash_or_not(tmp_path) -> None:
+    runtime, client = build(tmp_path)
+    runtime.store.upsert([make_alert(1, node="gpu-b", gpu=5, hpc_job="research/llama-70b"),
+                          make_alert(2, node="gpu-c", gpu=1, hpc_job="research")])
+    assert summaries(client.get("/alerts", params={"hpc_job": "research/llama-70b"})) == ["alert 1"]
+    assert summaries(client.get("/alerts?hpc_job=research/llama-70b")) == ["alert 1"]
+
+
 def test_pagination(seeded) -> None:
     first = seeded.get("/alerts", params={"limit": 20}).json()
     assert first["total"] == 33 and len(first["alerts"]) == 20 and first["next_offset"] == 20
