@@ -36,6 +36,21 @@ def test_gpu_reporting_down_is_lost():
     assert (a.node, a.gpu, a.resolved) == ("n0", 5, None)
 
 
+def test_gpu_lost_seconds_before_its_node_falls_silent_is_lost_at_once():
+    # Sampled every second: the GPU's last samples report up=false in a 5 s bin it began up, then the
+    # whole node goes quiet (XID 79 can hang the host's agent too) and returns minutes later.
+    def lost_then_silent(t, node, gpu):
+        if node == "n0" and 405 <= t < 700:
+            return {"_absent": True}
+        return {"up": False, "utilization_ratio": None, "sm_active_ratio": None} \
+            if (node, gpu) == ("n0", 5) and t >= 403 else {}
+
+    (a,) = [a for a in run_replay(cluster_lines(900.0, interval=1.0, override=lost_then_silent))
+            if a.kind.value == "gpu_lost"]
+    assert (a.node, a.gpu, a.resolved) == ("n0", 5, None)
+    assert a.started <= T0 + 410, f"fired at +{a.started - T0:.0f}s, when the node came back"
+
+
 def test_gpu_vanishing_from_its_node_is_lost():
     def gone(t, node, gpu):
         return {"_absent": True} if (node, gpu) == ("n1", 2) and t >= 400 else {}
