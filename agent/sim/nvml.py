@@ -197,16 +197,8 @@ class SimNvml:
                 pid = self._pids[(job.id, gpu)]
                 proc = root / str(pid)
                 proc.mkdir(parents=True, exist_ok=True)
-                if job.scheduler == "kubernetes":
-                    env, cgroup = _pod_process(job, node, gpu, rank)
-                else:
-                    env = {
-                        "SLURM_JOB_ID": job.id, "SLURM_JOB_USER": job.user, "SLURM_STEP_ID": "0",
-                        "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(gpu),
-                        "SLURM_NODEID": str(job.nodes.index(node)),
-                        "CUDA_VISIBLE_DEVICES": str(gpu), "HOME": f"/home/{job.user}", "PATH": "/usr/bin:/bin",
-                    }
-                    cgroup = f"0::/system.slice/slurmstepd.scope/job_{job.id}/step_0/user/task_0\n"
+                process = _pod_process if job.scheduler == "kubernetes" else _slurm_process
+                env, cgroup = process(job, node, gpu, rank)
                 (proc / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
                 (proc / "cgroup").write_text(cgroup)
                 written.append(pid)
@@ -691,6 +683,16 @@ def _copy_pynvml_names() -> None:
 
 
 _copy_pynvml_names()
+
+
+def _slurm_process(job: JobSpec, node: str, gpu: int, rank: int) -> tuple[dict[str, str], str]:
+    """A job step's task as slurmstepd starts it (cgroup v2)."""
+    env = {
+        "SLURM_JOB_ID": job.id, "SLURM_JOB_USER": job.user, "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(gpu), "SLURM_NODEID": str(job.nodes.index(node)),
+        "CUDA_VISIBLE_DEVICES": str(gpu), "HOME": f"/home/{job.user}", "PATH": "/usr/bin:/bin",
+    }
+    return env, f"0::/system.slice/slurmstepd.scope/job_{job.id}/step_0/user/task_0\n"
 
 
 def _pod_process(job: JobSpec, node: str, gpu: int, rank: int) -> tuple[dict[str, str], str]:
