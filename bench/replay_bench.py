@@ -33,6 +33,8 @@ from tests.server.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSp
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADING = "## Server: replay"
+# The figures this script writes lie between these; the notes after them in the section are kept.
+BEGIN, END = "<!-- replay_bench:begin -->", "<!-- replay_bench:end -->"
 GOAL, FLOOR = 500_000, 200_000
 # The GPU fields of the snapshot contract's example in the agent issue: what a minimal producer writes.
 CONTRACT_GPU_FIELDS = frozenset((
@@ -67,13 +69,17 @@ class Timing:
 
 
 def bench_spec(nodes: int, minutes: float, interval_s: float, seed: int = 7) -> ClusterSpec:
-    """A production-like cluster: 8-node jobs, half H100 / half A100, a few incidents and decoys."""
+    """A production-like cluster: 8-node jobs (one per half on fewer than 16 nodes), half H100 / half
+    A100, a few incidents and decoys."""
     rng = np.random.default_rng(seed)
     specs = tuple(NodeSpec(f"gpu-{i:04d}", H100 if i < nodes // 2 else A100, 8, float(rng.uniform(20, 32)),
                            float(rng.uniform(-0.5, 0.5))) for i in range(nodes))
     jobs, incidents = [], []
-    for k in range(0, nodes - 7, 8):
-        group = specs[k:k + 8]
+    # 8-node jobs on 8 nodes would straddle the two models, and the cluster would idle without a job:
+    # the engine's cheapest case, not a production one.
+    per_job = 8 if nodes >= 16 else max(1, nodes // 2)
+    for k in range(0, nodes - per_job + 1, per_job):
+        group = specs[k:k + per_job]
         if group[0].model is not group[-1].model:
             continue
         jobs.append(Job(f"j{k}", str(80000 + k), tuple((n.name, tuple(range(8))) for n in group),
@@ -217,7 +223,6 @@ def run_one(label: str, spec: ClusterSpec, repeat: int, path: Path, with_stages:
 def render(results: list[Timing], repeat: int) -> str:
     cpu = _cpu_model()
     out = [
-        HEADING, "",
         f"`python -m bench.replay_bench` on {cpu} ({os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f} when it finished: with other work running, wall time exceeds CPU time), "
         f"Python {platform.python_version()}, each run pinned to one core; median of {repeat} runs. Traces from `tests/server/tracegen.py` (a time-sorted cat of "
@@ -262,17 +267,24 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def write_section(doc: Path, section: str) -> None:
-    """Replace the `## Server: replay` section (up to the next `## ` heading), or append it."""
+def write_section(doc: Path, body: str) -> None:
+    """Replace the figures between the markers, keeping the rest of the `## Server: replay` section; a
+    section without markers is replaced up to the next `## ` heading, and a missing one appended."""
+    block = f"{BEGIN}\n{body.strip(chr(10))}\n{END}"
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    lines = text.splitlines()
-    try:
-        start = lines.index(HEADING)
-    except ValueError:
-        new = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
+        head, rest = text.split(BEGIN, 1)
+        new = head + block + rest.split(END, 1)[1]
     else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        new = "\n".join(lines[:start] + section.rstrip("\n").splitlines() + [""] + lines[end:]).rstrip("\n") + "\n"
+        lines = text.splitlines()
+        section = [HEADING, "", *block.splitlines(), ""]
+        try:
+            start = lines.index(HEADING)
+        except ValueError:
+            new = text.rstrip("\n") + "\n\n" + "\n".join(section).rstrip("\n") + "\n"
+        else:
+            end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+            new = "\n".join(lines[:start] + section + lines[end:]).rstrip("\n") + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(new)
 

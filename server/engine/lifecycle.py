@@ -1,7 +1,8 @@
 """Alert lifecycle: pending -> firing -> resolved, one open alert per fingerprint.
 
 A finding opens a pending alert; it fires once the condition has held for the kind's `for` duration
-(`started` is that sample time). A pending alert whose condition stops holding is dropped. A firing
+(`started` is that sample time). A pending alert whose condition stops holding is dropped, unless it
+returns within the pending grace; the ticks it was off do not count towards `for`. A firing
 alert resolves only after its detector's clear condition (stricter than "not on": hysteresis) has held
 for the kind's clear duration; "no data" neither advances nor resets that clock.
 """
@@ -39,6 +40,8 @@ class _Record:
     updated: float = 0.0
     clear_since: float | None = None
     off_since: float | None = None
+    # Seconds a pending alert's condition was off within the grace: the condition did not hold then.
+    off_seconds: float = 0.0
     # A restored alert already accounts for every tick up to its last update: agents re-send their
     # buffers after a server restart, and re-judging those old ticks would resolve and re-open it.
     settled_until: float = float("-inf")
@@ -81,6 +84,10 @@ class Lifecycle:
             if for_s > 0:
                 out.append(Transition(rec.alert(), None))
         rec.clear_since = None
+        if rec.off_since is not None and rec.state is AlertState.PENDING:
+            # Two brief jitters of one GPU 11 s apart, each shorter than `for`, fired as one straggler
+            # when the gap counted as held, and named it after both were over.
+            rec.off_seconds += t - rec.off_since
         rec.off_since = None
         rec.updated = t
         rec.uuid = f.uuid or rec.uuid
@@ -92,7 +99,7 @@ class Lifecycle:
             rec.evidence = {**rec.evidence, **{k: v for k, v in f.evidence.items() if k in _LIVE_KEYS}}
         if escalated:
             rec.severity = f.severity
-        if rec.state is AlertState.PENDING and t - rec.pending_since >= for_s:
+        if rec.state is AlertState.PENDING and t - rec.pending_since - rec.off_seconds >= for_s:
             previous = AlertState.PENDING if for_s > 0 else None
             rec.state, rec.started = AlertState.FIRING, t
             out.append(Transition(rec.alert(), previous))

@@ -44,6 +44,25 @@ def test_pending_is_dropped_when_clear_and_kept_without_data():
     assert tr.previous is AlertState.PENDING and tr.alert.started is None
 
 
+def test_ticks_off_within_the_pending_grace_do_not_count_towards_for():
+    # Two brief spells 10 s apart are not one condition held for 30 s: the grace keeps the pending
+    # alert, and `for` counts only the ticks the condition held.
+    lc = Lifecycle({K: (30.0, 0.0)}, pending_grace=10.0)
+    _step(lc, 0, True)
+    _step(lc, 5, True)
+    assert _step(lc, 10, False, clear=False) == []          # off for one tick, within grace
+    for t in (15, 20, 25, 30):
+        assert _step(lc, t, True) == []                     # held 25 s of the 30 s since it opened
+    (tr,) = _step(lc, 35, True)
+    assert tr.alert.state is AlertState.FIRING and tr.alert.started == 35 and tr.alert.pending_since == 0
+    # "No data" counts neither way: it is not the condition going off.
+    lc = Lifecycle({K: (30.0, 0.0)}, pending_grace=10.0)
+    _step(lc, 0, True)
+    assert _step(lc, 15, False, clear=None) == []
+    (tr,) = _step(lc, 30, True)
+    assert tr.alert.state is AlertState.FIRING
+
+
 def test_zero_for_fires_at_once_and_severity_escalation_is_reported():
     lc = Lifecycle({K: (0.0, 0.0)})
     (tr,) = _step(lc, 0, True)

@@ -111,6 +111,31 @@ def test_without_attribution_a_lost_gpu_leaves_every_group_of_its_model_hanging(
     assert sorted((a.kind.value, a.hpc_job) for a in alerts) == [("gpu_lost", None), ("xid", None)]
 
 
+def test_two_jitters_of_one_gpu_with_a_gap_between_name_nobody(run_replay):
+    # Unseen busy_16 seed 182 (2 s sampling): GPU 5 of hgx-006 slow for 13 s, then for 15 s, 11 s later.
+    # The pending grace bridged the gap, and counted as held it made up the for duration: the GPU was
+    # named as the second spell ended, and stayed named for 80 s.
+    spec = scenarios.BY_NAME["busy_16"].build(182)
+    assert spec.interval_s == 2.0
+    jitters = sorted(i.start_s for i in spec.incidents if i.kind == "jitter" and (i.node, i.gpu) == ("hgx-006", 5))
+    assert len(jitters) == 2
+    trace = generate(spec)
+    problems = _problems(trace, run_replay(trace.lines))
+    assert not problems, "busy_16 seed=182\n  " + "\n  ".join(problems)
+
+
+def test_a_node_slow_from_the_start_is_named_not_its_highest_gpu(run_replay):
+    # Unseen node_from_start seed 183: two A100 nodes (no SM activity), dgx-002 slow from the start.
+    # Every GPU of it drew 9-15 % more power than the job's median, which lies between the two nodes;
+    # the three highest crossed the margin and one of them was named on its own before the node was.
+    spec = scenarios.BY_NAME["node_from_start"].build(183)
+    assert len(spec.nodes) == 2 and spec.nodes[0].model.name.startswith("NVIDIA A100")
+    trace = generate(spec)
+    stragglers = [a for a in run_replay(trace.lines) if a.kind.value == "straggler"]
+    assert [(a.node, a.gpu) for a in stragglers] == [("dgx-002", None)]
+    assert stragglers[0].evidence["pattern"] == "node_slow"
+
+
 @pytest.mark.parametrize("name,seed", [("node_brake", 2), ("node_power_cap", 15)])
 def test_a_slowed_node_is_named_not_the_node_spinning_at_full_clocks(run_replay, name, seed):
     # Two A100 nodes (no SM activity): the braked or capped node draws less power than the node waiting
@@ -243,17 +268,22 @@ def test_detection_doc_section_replaces_only_between_markers(tmp_path):
     assert doc.read_text() == expected
 
 
-def test_benchmarks_doc_section_replaces_only_its_own_heading(tmp_path):
-    from bench.replay_bench import HEADING, write_section
+def test_benchmarks_doc_section_replaces_only_its_own_figures(tmp_path):
+    from bench.replay_bench import BEGIN, END, HEADING, write_section
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n## Agent\n\nagent figures\n")
-    write_section(doc, f"{HEADING}\n\nv1\n")
-    write_section(doc, f"{HEADING}\n\nv2\n")
+    write_section(doc, "v1\n")
+    write_section(doc, "v2\n")
     text = doc.read_text()
     assert "agent figures" in text and "v2" in text and "v1" not in text and text.count(HEADING) == 1
+    # A section from before the markers is replaced whole, up to the next heading.
     doc.write_text(f"# Benchmarks\n\n{HEADING}\n\nold\n\n## Agent\n\nagent figures\n")
-    write_section(doc, f"{HEADING}\n\nv3\n")
-    assert doc.read_text() == f"# Benchmarks\n\n{HEADING}\n\nv3\n\n## Agent\n\nagent figures\n"
+    write_section(doc, "v3")
+    assert doc.read_text() == f"# Benchmarks\n\n{HEADING}\n\n{BEGIN}\nv3\n{END}\n\n## Agent\n\nagent figures\n"
+    # Notes written after the figures, in the same section, survive a new run.
+    doc.write_text(f"# Benchmarks\n\n{HEADING}\n\n{BEGIN}\nv3\n{END}\n\nnotes\n\n## Agent\n\nagent figures\n")
+    write_section(doc, "v4")
+    assert doc.read_text() == f"# Benchmarks\n\n{HEADING}\n\n{BEGIN}\nv4\n{END}\n\nnotes\n\n## Agent\n\nagent figures\n"
 
 
 @pytest.mark.parametrize("name", ["power_brake", "decoy_power_cap"])

@@ -110,8 +110,13 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     # A node standing out as a whole explains its group's waiting: no GPU of that group is named.
     for gid, _ in node_standout:
         on &= g != gid
+    # Whether most of a node's GPUs stand out together is judged at the holding margin for the cross-
+    # section too. A node slow from the job's start, one of two in its job, had every GPU 9-15 % over
+    # the job's power median, which sits between the two nodes: the three highest crossed the full
+    # margin and one was named alone before the node was (node_from_start seed 183).
+    cross_weak = ((busy & in_job & (plain >= SCALES[1, 0])) | eligible_cross) & cross_ok
     whole_findings, whole_standout, whole_pairs, on = whole_node(tick, state, on,
-                                                                 (eligible | eligible_cross) & waiting & weak,
+                                                                 (eligible | cross_weak) & holding & weak,
                                                                  idle[0])
     for slot in on.nonzero()[0].tolist():
         out.add(gpu_finding(tick, state, slot, ex[:, slot], dev[:, slot], bool(cross[slot]), bool(idle[0, slot]),
