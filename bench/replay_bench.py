@@ -270,7 +270,7 @@ def _cpu_model() -> str:
 def write_section(doc: Path, body: str) -> None:
     """Replace the figures between the markers, keeping the rest of the `## Server: replay` section; a
     section without markers is replaced up to the next `## ` heading, and a missing one appended."""
-    block = f"{BEGIN}\n{body.strip(chr(10))}\n{END}"
+    block = "\n".join((BEGIN, body.strip("\n"), END))
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
         head, rest = text.split(BEGIN, 1)
