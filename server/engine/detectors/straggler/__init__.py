@@ -103,7 +103,8 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     # Once open, an alert that only the cross-section backs (no baseline to drop from) holds while the
     # peers still read as waiting at the weaker margin: hovering at the doubled one, a straggler present
     # from the job's start was named, cleared and named again.
-    holding = waiting | in_job & (plain >= SCALES[1, 0]) & wait_util
+    cross_holding = in_job & (plain >= SCALES[1, 0])
+    holding = waiting | cross_holding & wait_util
     out = Outcome()
     standout = set(g[eligible & weak].tolist())
     node_findings, node_standout, node_pairs = node_level(tick, state, halted)
@@ -114,7 +115,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     # section too. A node slow from the job's start, one of two in its job, had every GPU 9-15 % over
     # the job's power median, which sits between the two nodes: the three highest crossed the full
     # margin and one was named alone before the node was (node_from_start seed 183).
-    cross_weak = ((busy & in_job & (plain >= SCALES[1, 0])) | eligible_cross) & cross_ok
+    cross_weak = ((busy & cross_holding) | eligible_cross) & cross_ok
     whole_findings, whole_standout, whole_pairs, on = whole_node(tick, state, on,
                                                                  (eligible | cross_weak) & holding & weak,
                                                                  idle[0])
