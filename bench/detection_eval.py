@@ -129,8 +129,10 @@ def render(ev: Evaluation, max_failures: int = 40) -> str:
         "`docs/benchmarks.md` for throughput). Traces come from `tests/server/tracegen.py` (physics-based, "
         "seeded: GPU, timing, severity, GPU model, sampling interval 1–10 s and line order vary with the "
         "seed); ground truth is derived from the simulated physics. An alert matches a truth when kind and "
-        "subject agree and it starts within [start − lead, end + "
-        f"{scenarios.GRACE_S:.0f} s] (lead: the marginal onset before the condition is clear), or started "
+        f"subject agree and it starts within [start − lead − {scenarios.CLOCK_SLACK_S:g} s, end + "
+        f"{scenarios.GRACE_S:.0f} s] (lead: the marginal onset before the condition is clear; "
+        f"{scenarios.CLOCK_SLACK_S:g} s: truths are in true time, alerts in the node's own clock, up to 2 s "
+        "off), or started "
         "earlier and still fires at the truth's start. Alerts matching only an *allowed* truth (marginal "
         "cases) count neither way. Time to fire is measured from the onset (start − lead).",
         "",

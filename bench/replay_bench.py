@@ -16,6 +16,7 @@ under `## Server: replay` in docs/benchmarks.md (other sections are left alone).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import resource
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes < 8 or args.minutes <= 0 or args.repeat < 1:
         ap.error("need --nodes >= 8, --minutes > 0, --repeat >= 1")
     try:
-        import server.replay  # noqa: F401
+        importlib.import_module("server.replay")
     except ModuleNotFoundError as exc:
         print(f"replay_bench: the engine is not available ({exc})", file=sys.stderr)
         return 1

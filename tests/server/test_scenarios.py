@@ -207,6 +207,10 @@ def test_score_window_grace_lead_and_deadline():
     truth = _truth(lead=30.0)
     assert scenarios.score([_alert(started=975.0)], [truth]).kinds["straggler"].ttf_s == [5.0]
     assert scenarios.score([_alert(started=960.0)], [truth]).kinds["straggler"].fp == 1
+    # A node clock running behind stamps an instant alert up to CLOCK_SLACK_S before the true start.
+    lost = _truth("gpu_lost", start=1000.0)
+    assert scenarios.score([_alert("gpu_lost", started=1000.0 - scenarios.CLOCK_SLACK_S)], [lost]).kinds["gpu_lost"].tp == 1
+    assert scenarios.score([_alert("gpu_lost", started=999.0 - scenarios.CLOCK_SLACK_S)], [lost]).kinds["gpu_lost"].fp == 1
     assert scenarios.score([_alert(started=1400.0 + scenarios.GRACE_S)], [truth]).kinds["straggler"].tp == 1
     assert scenarios.score([_alert(started=1401.0 + scenarios.GRACE_S)], [truth]).kinds["straggler"].fp == 1
     late = scenarios.score([_alert(started=970.0 + scenarios.DEADLINE_S + 1)], [truth]).late
