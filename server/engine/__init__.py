@@ -149,7 +149,8 @@ class Engine:
         strag = straggler.detect(tick, self._straggler, self._straggler_index, halted)
         outcomes[AlertKind.STRAGGLER] = strag.outcome
         explained = self._explained(tick, outcomes, halted)
-        work = workload.detect(tick, self.history, explained, strag.standout_groups, self._workload)
+        work = workload.detect(tick, self.history, explained, strag.standout_groups, strag.idle_groups,
+                               self._workload)
         outcomes[AlertKind.COMM_BOUND] = _only(work, AlertKind.COMM_BOUND)
         outcomes[AlertKind.INPUT_BOUND] = _only(work, AlertKind.INPUT_BOUND)
         outcomes.update(healths)

@@ -155,6 +155,24 @@ def test_node_idling_on_its_host_from_the_job_start_is_named():
     assert set(alerts) == {"straggler"}
 
 
+def test_node_waiting_for_a_node_starved_from_the_start_is_not_named_once_it_recovered():
+    # n1's host starves its GPUs from the job's first step; n0's GPUs spin meanwhile, 0.21 above the job's
+    # median utilization. Learned as their usual, that read as "idling 0.21 below it" once n1 recovered,
+    # and a later job-wide slowdown named n0 host-bound at equal utilization.
+    def from_start_then_slowdown(t, node, gpu):
+        if t < 600:
+            if node == "n1":
+                return {"utilization_ratio": 0.55, "sm_active_ratio": 0.35, "power_watts": 360.0}
+            return {"sm_active_ratio": 0.5, "power_watts": 380.0}
+        if 700 <= t < 820:
+            return {"sm_active_ratio": 0.70, "power_watts": 460.0}
+        return {}
+
+    alerts = _by_kind(cluster_lines(1100, override=from_start_then_slowdown))
+    (s,) = alerts["straggler"]
+    assert (s.node, s.gpu) == ("n1", None) and s.resolved is not None and s.resolved <= T0 + 700
+
+
 def test_straggler_from_the_job_start_hovering_at_the_margin_is_one_alert():
     # No healthy period: GPU n1/3 computes more than its peers from the job's first step, at first 23 %
     # more (0.615 against their 0.5: under the doubled margin that names a culprit without a baseline),

@@ -29,6 +29,28 @@ def test_utilization_falling_job_wide_is_input_bound():
     assert _kinds(cluster_lines(800, override=starved)) == [("input_bound", "j1", None, None)]
 
 
+def test_input_bound_is_not_held_back_by_a_gpu_a_little_busier_than_its_peers():
+    # Power only (pre-Hopper): every GPU idles half of each step; one draws 5 % more than the others, over
+    # the weaker margin that keeps workload alerts back while a culprit may be forming, under the margin
+    # that names one. A busier GPU makes its peers spin at full utilization; it cannot make them idle.
+    def starved(t, node, gpu):
+        kw = {"sm_active_ratio": None}
+        if t >= 400:
+            kw.update(utilization_ratio=0.52, power_watts=315.0 if (node, gpu) == ("n1", 2) else 300.0)
+        return kw
+
+    assert _kinds(cluster_lines(800, override=starved)) == [("input_bound", "j1", None, None)]
+
+    # The same GPU standing out in a job that spins is a reason to wait for a culprit: no comm_bound.
+    def spinning(t, node, gpu):
+        kw = {"sm_active_ratio": None}
+        if t >= 400:
+            kw.update(power_watts=420.0 if (node, gpu) == ("n1", 2) else 400.0)
+        return kw
+
+    assert _kinds(cluster_lines(800, override=spinning)) == []
+
+
 def test_comm_bound_on_power_where_sm_activity_is_unsupported():
     def comm(t, node, gpu):
         kw = {"sm_active_ratio": None}

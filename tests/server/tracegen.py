@@ -140,6 +140,9 @@ class ClusterSpec:
     drop_ratio: float = 0.0
     order: str = "time"   # time | node (cat of record files) | pulls (per-node batches)
     max_jitter_s: float = 0.03
+    # Scales every per-second reading noise (step time, utilization, SM activity, power, the job-wide
+    # phase catch): a robustness probe for telemetry noisier than this model's.
+    noise_scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -514,7 +517,7 @@ class _Physics:
         jx = np.where(job < 0, J, job)
         train = phase == TRAIN
         c = np.minimum(np.minimum(self.c_th, sch.brake[t]), sch.cap[t])
-        noise = self.rank_factor * (1.0 + 0.015 * rng.standard_normal(G))
+        noise = self.rank_factor * (1.0 + 0.015 * self.lay.spec.noise_scale * rng.standard_normal(G))
         comp = self.step[jx] * noise / (c * sch.silent[t])
         member = (jx[None, :] == np.arange(J)[:, None]) & train[None, :]
         # The operator's cap on a whole job is its nominal pace; a cap on some of its GPUs (one node's
@@ -572,20 +575,21 @@ class _Physics:
         irr = self.irregular * irregular
         # Synchronous ranks are in the same phase of the step at the same instant, so what a one-second
         # window catches (more compute, or more collective) moves every GPU of a job together.
-        together = 1.0 + 0.06 * np.append(rng.standard_normal(len(self.lay.spec.jobs)), 0.0)[jx]
+        ns = self.lay.spec.noise_scale
+        together = 1.0 + 0.06 * ns * np.append(rng.standard_normal(len(self.lay.spec.jobs)), 0.0)[jx]
         cfw = np.clip(cf * together, 0.0, 1.0)
         util = np.where(train, 1.0 - idf, 0.0) + irr + hang
         sm = np.where(train, self.sm_coef[jx] * cfw + 0.05 * wf, 0.0) + irr * 0.35 + hang * 0.03
         dyn = (np.where(train, self.intensity[jx] * (0.95 * cfw * c ** 2 + 0.25 * wf), 0.0)
                + irr * 0.35 + hang * 0.12)
-        util = np.clip(util + np.where(util > 0, rng.normal(0, 0.01, G), 0.0), 0.0, 1.0)
-        sm = np.clip(sm * (1.0 + rng.normal(0, 0.04, G)), 0.0, 1.0)
+        util = np.clip(util + np.where(util > 0, rng.normal(0, 0.01 * ns, G), 0.0), 0.0, 1.0)
+        sm = np.clip(sm * (1.0 + rng.normal(0, 0.04 * ns, G)), 0.0, 1.0)
         return util, sm, dyn
 
     def _power(self, t, dyn, phase, train, c):
         sch, rng = self.sch, self.rng
         mean = self.idle_w + (self.tdp - self.idle_w) * dyn * self.silicon
-        power = mean + rng.normal(0.0, 0.03, self.lay.gpus) * self.tdp * (dyn > 0)
+        power = mean + rng.normal(0.0, 0.03 * self.lay.spec.noise_scale, self.lay.gpus) * self.tdp * (dyn > 0)
         power = np.clip(power, self.idle_w * 0.9, sch.cap_watts[t])
         bits = np.where(phase == IDLE, BIT_IDLE, 0)
         bits |= np.where((sch.cap[t] < 1.0) & train, BIT_SW_POWER_CAP, 0)

@@ -4,8 +4,12 @@ The job's median SM activity (power where SM activity is unsupported) is compare
 percentile of its own healthy history. Utilization still high -> the GPUs spin in collectives:
 comm_bound. Utilization itself fell job-wide -> the GPUs idle waiting for data: input_bound. A power
 drop only counts while clocks hold and no power-cap bits dominate (a uniform operator power cap lowers
-power too, but by cutting clocks). Suppressed while anyone stands out or a straggler / thermal alert
-is open in the job: then that is the explanation, not the workload.
+power too, but by cutting clocks). Suppressed while a straggler / thermal alert is open in the job:
+then that is the explanation, not the workload. comm_bound is also suppressed while anyone stands out;
+input_bound only while someone stands out by idling below their peers (a host-bound node or rank). A
+GPU busier than its peers makes them spin in collectives at full utilization: it cannot make the
+whole job idle, and in a power-only A100 job idling half of each step, power noise set one GPU or
+another 4 % over its peers most ticks and held a 40 % input-bound drop back for good.
 """
 
 from __future__ import annotations
@@ -59,13 +63,14 @@ class WorkloadState:
         return self._fps
 
 
-def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set[int],
+def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set[int], idling: set[int],
            state: WorkloadState) -> Outcome:
     """Job-level comm_bound / input_bound findings; none in groups whose drop is explained (a straggler,
-    thermal throttling, a lost GPU) or where someone stands out. Only an explanation clears an open
-    alert: a GPU standing out at the weaker margins for a tick or two while the whole job idles or
-    spins is noise (at 10 s sampling it reset a pending input_bound every minute, which then fired
-    three minutes late); the lifecycle's pending grace carries the alert over it."""
+    thermal throttling, a lost GPU), nor where someone stands out (for input_bound: by idling, the groups
+    in `idling`). Only an explanation clears an open alert: a GPU standing out at the weaker margins for
+    a tick or two while the whole job idles or spins is noise (at 10 s sampling it reset a pending
+    input_bound every minute, which then fired three minutes late); the lifecycle's pending grace
+    carries the alert over it."""
     cfg = tick.config
     grp = tick.groups
     reg = tick.registry
@@ -76,15 +81,18 @@ def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set
     why = np.zeros(G, dtype=bool)         # the drop has an explanation
     if explained:
         why[list(explained)] = True
-    held = why.copy()                    # no finding now
+    held_comm, held_inp = why.copy(), why.copy()      # no finding now
     if standout:
-        held[list(standout)] = True
+        held_comm[list(standout)] = True
+    if idling:
+        held_inp[list(idling)] = True
     aged = tick.t - reg.first_seen[:G] >= cfg.startup_grace_seconds + cfg.min_history_seconds
-    ok = is_job & (grp.size >= 2) & aged & ~held
+    ok = is_job & (grp.size >= 2) & aged
     threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
-    dropped = drop >= threshold
-    comm = ok & dropped & (grp.util >= cfg.comm_min_utilization)
-    inp = (ok & dropped & ~comm & (base_u - grp.util >= cfg.input_utilization_drop)
+    dropped = ok & (drop >= threshold)
+    spinning = grp.util >= cfg.comm_min_utilization
+    comm = dropped & spinning & ~held_comm
+    inp = (dropped & ~spinning & ~held_inp & (base_u - grp.util >= cfg.input_utilization_drop)
            & (grp.util >= cfg.job_active_utilization))
     recovered = drop < threshold / 2
     comm_clear = recovered | (grp.util < cfg.comm_min_utilization - 0.1) | why

@@ -30,11 +30,13 @@ __all__ = ["Result", "StragglerState", "detect"]
 
 
 class Result:
-    """Straggler outcome plus which groups have someone standing out (suppresses comm/input-bound)."""
+    """Straggler outcome plus which groups have someone standing out (suppresses comm_bound), and which
+    have someone standing out by idling below their peers (suppresses input_bound too)."""
 
-    def __init__(self, outcome: Outcome, standout_groups: set[int]) -> None:
+    def __init__(self, outcome: Outcome, standout_groups: set[int], idle_groups: set[int]) -> None:
         self.outcome = outcome
         self.standout_groups = standout_groups
+        self.idle_groups = idle_groups
 
 
 def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: set[int] = frozenset()) -> Result:
@@ -44,7 +46,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     n = tick.windows.n
     state.fit(n)
     if tick.groups.n_groups == 0:
-        return Result(Outcome(), set())
+        return Result(Outcome(), set(), set())
     grp = tick.groups
     g = grp.gid
     reset_moved(state, g)
@@ -107,7 +109,8 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     holding = waiting | cross_holding & wait_util
     out = Outcome()
     standout = set(g[eligible & weak].tolist())
-    node_findings, node_standout, node_pairs = node_level(tick, state, halted)
+    node_findings, node_standout, idle_groups, node_pairs = node_level(tick, state, halted)
+    idle_groups |= set(g[(eligible | eligible_cross) & idle[1]].tolist())
     # A node standing out as a whole explains its group's waiting: no GPU of that group is named.
     for gid, _ in node_standout:
         on &= g != gid
@@ -131,7 +134,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     warm = (state.learned[:n] >= warm_ticks) & measured
     out.clear = _clear_test(tick, index, judged, warm, holding, weak, cross, node_pairs, node_standout)
     state.prune(tick.t)
-    return Result(out, standout)
+    return Result(out, standout, idle_groups)
 
 
 def _clear_test(tick: Tick, index: FingerprintIndex, judged: np.ndarray, warm: np.ndarray, holding: np.ndarray,

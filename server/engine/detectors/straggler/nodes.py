@@ -10,7 +10,7 @@ import numpy as np
 
 from server.alerts import AlertKind, Severity
 from server.engine.detectors import Finding, r3, subject_fingerprint
-from server.engine.detectors.straggler.common import (NOW_ROWS, PW, SM, UTIL, clock_cut, follow, learning_rate,
+from server.engine.detectors.straggler.common import (NOW_ROWS, PW, SCALES, SM, UTIL, clock_cut, follow, learning_rate,
                                                       newest)
 from server.engine.groups import JOB, GroupLayout
 from server.engine.reduce import equal, nan_median_first_axis, nan_to_zero
@@ -114,17 +114,18 @@ class _NodePairs:
 
 
 def node_level(tick: Tick, state: StragglerState,
-               halted: set[int] = frozenset()) -> tuple[list[Finding], set[tuple[int, int]], dict]:
+               halted: set[int] = frozenset()) -> tuple[list[Finding], set[tuple[int, int]], set[int], dict]:
     """Nodes holding their group back while the other nodes wait in collectives: their GPUs idle (host-
-    bound), busier than the others' (slow), or with their clocks cut."""
+    bound), busier than the others' (slow), or with their clocks cut. Returns the findings, the (group,
+    node) pairs standing out at the weaker margins, the groups where one of those idles, and the pairs."""
     cfg = tick.config
     w, grp = tick.windows, tick.groups
     sel = (grp.ngid >= 0) & ~np.isnan(tick.med["util"])
     if not sel.any():
-        return [], set(), {}
+        return [], set(), set(), {}
     lay = state.nodes.node_pairs(tick, grp.ngid, sel, w.slot_node_id[:w.n])
     if lay is None:
-        return [], set(), {}
+        return [], set(), set(), {}
     gids, nids, idx = lay.gids, lay.nids, lay.idx
     r = _pair_readings(tick, lay)
     # Without a baseline (a node idle or slow from the job's start) nothing has dropped. In one job every
@@ -161,8 +162,9 @@ def node_level(tick: Tick, state: StragglerState,
         stands &= live
         on &= live
     standout = {(int(gids[i]), int(nids[i])) for i in stands.nonzero()[0].tolist()}
+    idling = set(gids[stands & (r.idle >= SCALES[1, 0] * cfg.node_idle_gap)].tolist())
     findings = [f for i in on.nonzero()[0].tolist() if (f := _pair_finding(tick, state, lay, r, i)) is not None]
-    return findings, standout, dict(lay.pairs)
+    return findings, standout, idling, dict(lay.pairs)
 
 
 class _PairReadings:
