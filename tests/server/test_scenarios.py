@@ -272,6 +272,16 @@ def test_detection_doc_section_replaces_only_between_markers(tmp_path):
     assert doc.read_text() == expected
 
 
+def test_detection_eval_scores_noisier_traces_and_never_writes_them_into_the_document(tmp_path, capsys):
+    from bench.detection_eval import main
+    doc = tmp_path / "detection.md"
+    doc.write_text("untouched\n")
+    assert main(["--seeds", "1", "--scenarios", "decoy_jitter", "--noise-scale", "2", "--doc", str(doc)]) == 0
+    assert doc.read_text() == "untouched\n" and "decoy_jitter" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--noise-scale", "-1"])
+
+
 def test_benchmarks_doc_section_replaces_only_its_own_figures(tmp_path):
     from bench.replay_bench import BEGIN, END, HEADING, write_section
     doc = tmp_path / "benchmarks.md"

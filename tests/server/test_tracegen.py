@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
@@ -185,6 +186,20 @@ def test_training_reads_busy_and_idle_gpus_read_idle():
     assert all(r["utilization_ratio"] == 0 and r["throttle_reasons"] & 0x1 for r in idle)
     assert _median(idle, "power_watts", 0, 400) < 90
     assert _median(idle, "sm_clock_hertz", 0, 400) < _median(busy, "sm_clock_hertz", 120, 400)
+
+
+def test_noise_scale_scales_the_reading_noise_and_one_is_the_default():
+    base = _cluster(interval=1.0, duration=400.0)
+    assert generate(replace(base, noise_scale=1.0)).lines == _trace(base).lines
+
+    def spread(noise_scale):
+        series = _series(generate(replace(base, noise_scale=noise_scale)))
+        return np.array([[np.std([r[key] for r in rows if 150 <= r["_t"] < 400]) for rows in series.values()]
+                         for key in ("sm_active_ratio", "power_watts", "utilization_ratio")]).mean(axis=1)
+
+    one, two = spread(1.0), spread(2.0)
+    assert np.all(one > 0) and np.all((1.7 < two / one) & (two / one < 2.3))
+    assert np.allclose(spread(0.0), 0.0)
 
 
 def test_temperature_lags_power_with_a_thermal_time_constant():
