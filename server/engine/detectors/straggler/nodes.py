@@ -10,8 +10,8 @@ import numpy as np
 
 from server.alerts import AlertKind, Severity
 from server.engine.detectors import Finding, r3, subject_fingerprint
-from server.engine.detectors.straggler.common import (NOW_ROWS, PW, SCALES, SM, UTIL, clock_cut, follow, learning_rate,
-                                                      newest)
+from server.engine.detectors.straggler.common import (NOW_ROWS, PW, SCALES, SM, UTIL, clock_cut, follow,
+                                                      learning_rate, newest)
 from server.engine.groups import JOB, GroupLayout
 from server.engine.reduce import equal, nan_median_first_axis, nan_to_zero
 from server.engine.tick import Tick
