@@ -247,6 +247,20 @@ def test_silent_slow_gpu_stays_busy_while_its_peers_wait():
     assert all(r["throttle_reasons"] == 0 for r in culprit)
 
 
+def test_a_straggler_is_required_from_when_its_own_agent_reports():
+    # Nobody can name a culprit while its own agent is down; its peers' agents saw them wait meanwhile.
+    def required(*down):
+        trace = _trace(_cluster([Incident("slow_gpu", 300, 700, "n1", 5, severity=0.7)]
+                                + [Incident("agent_down", a, b, node) for a, b, node in down], duration=1000.0))
+        return [(round(t.start - T0), t.lead_s) for t in trace.truths if t.kind == "straggler" and t.required]
+
+    ((start, _),) = required()
+    assert start == pytest.approx(300, abs=10)
+    assert required((250, 400, "n1")) == [(400, 0.0)]
+    assert required((250, 400, "n0"))[0][0] == start    # a peer's agent down: nothing hides the culprit
+    assert required((250, 800, "n1")) == []
+
+
 def test_cooling_failure_heats_then_throttles_and_cuts_clocks():
     trace = _trace(_cluster([Incident("cooling_failure", 250, 1e9, "n0", 4, severity=2.4, count=60)],
                             interval=1.0, duration=900.0))

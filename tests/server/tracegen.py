@@ -932,9 +932,15 @@ def _straggler_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident,
     allowed = _runs(slow >= STRAGGLER_ALLOWED_SLOWDOWN, 1, 60)
     # Per-step noise makes single steps cross 10 %; what matters is the slowdown over half a minute.
     smooth = np.convolve(slow, np.ones(30) / 30.0)[:len(slow)]
+    down = sch.agent_down[:, lay._node(inc.node)]
     for a, b in _runs(smooth >= STRAGGLER_REQUIRED_SLOWDOWN, 45, 30):
-        lead = next((a - x for x, y in allowed if x <= a <= y), 0)
-        out.append(Truth("straggler", inc.node, gpu, hpc, t0 + a, t0 + b, True,
+        # While the culprit's own agent is down nothing says who it is: the truth starts when it is back.
+        seen = ~down[a:b + 1]
+        if not seen.any():
+            continue
+        back = int(np.argmax(seen))
+        lead = 0 if back else next((a - x for x, y in allowed if x <= a <= y), 0)
+        out.append(Truth("straggler", inc.node, gpu, hpc, t0 + a + back, t0 + b, True,
                          f"{_SLOWING[inc.kind]}: job slowed {float(np.median(slow[a:b + 1])):.0%}", lead))
     for a, b in allowed:
         out.append(Truth("straggler", inc.node, gpu, hpc, t0 + a, t0 + b + 60, False,
