@@ -149,7 +149,8 @@ class ClusterSpec:
 class Truth:
     """One thing a detector should (required) or may (not required) report.
 
-    A matching alert has the same kind and subject and its `started` within [start - lead, end + grace].
+    A matching alert has the same kind and subject and its `started` within
+    [start - lead - CLOCK_SLACK_S, end + grace] (see scenarios.score).
     """
 
     kind: str
