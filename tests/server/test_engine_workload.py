@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from server.replay import run_replay
 from tests.server.engine_samples import MAX_HZ, T0, cluster_lines
 
@@ -49,6 +51,41 @@ def test_input_bound_is_not_held_back_by_a_gpu_a_little_busier_than_its_peers():
         return kw
 
     assert _kinds(cluster_lines(800, override=spinning)) == []
+
+
+def _noisy_power(t: float, node: str, gpu: int, watts: float, spread: float) -> float:
+    """watts with a seeded per-reading normal noise of `spread` (relative): the same for the same arguments."""
+    z = np.random.default_rng([int(t), int(node[1:]), gpu]).standard_normal()
+    return watts * (1.0 + spread * z)
+
+
+def test_comm_bound_is_not_held_back_by_gpus_standing_out_within_the_noise():
+    # Power only, every GPU waiting in slow collectives at full utilization, each reading noisy: one GPU
+    # or another sits over the weaker margin most ticks, each within the spread of its peers. On the
+    # stop-27 engine this held comm_bound back: it fired 70 s after the drop with 5 % noise, never with 8 %.
+    def noisy_comm(spread):
+        def override(t, node, gpu):
+            kw = {"sm_active_ratio": None}
+            if 400 <= t < 800:
+                kw["power_watts"] = _noisy_power(t, node, gpu, 330.0, spread)
+            return kw
+        return override
+
+    alerts = run_replay(cluster_lines(1000, override=noisy_comm(0.05)))
+    assert [(a.kind.value, a.hpc_job) for a in alerts] == [("comm_bound", "j1")]
+    assert alerts[0].started <= T0 + 400 + 60
+    alerts = run_replay(cluster_lines(1000, override=noisy_comm(0.08)))
+    assert [(a.kind.value, a.hpc_job) for a in alerts] == [("comm_bound", "j1")]
+
+    # A GPU well beyond that spread may be a culprit forming: it still holds comm_bound back.
+    def culprit(t, node, gpu):
+        kw = noisy_comm(0.05)(t, node, gpu)
+        if 400 <= t < 800 and (node, gpu) == ("n1", 3):
+            kw["power_watts"] = 330.0 * 1.25
+        return kw
+
+    assert [(a.kind.value, a.node, a.gpu) for a in run_replay(cluster_lines(1000, override=culprit))] == [
+        ("straggler", "n1", 3)]
 
 
 def test_comm_bound_on_power_where_sm_activity_is_unsupported():

@@ -5,7 +5,8 @@ percentile of its own healthy history. Utilization still high -> the GPUs spin i
 comm_bound. Utilization itself fell job-wide -> the GPUs idle waiting for data: input_bound. A power
 drop only counts while clocks hold and no power-cap bits dominate (a uniform operator power cap lowers
 power too, but by cutting clocks). Suppressed while a straggler / thermal alert is open in the job:
-then that is the explanation, not the workload. comm_bound is also suppressed while anyone stands out;
+then that is the explanation, not the workload. comm_bound is also suppressed while anyone stands out
+(by activity alone, only beyond the noise of its group's readings: see straggler.gpus.excess_in_noise);
 input_bound only while someone stands out by idling below their peers (a host-bound node or rank). A
 GPU busier than its peers makes them spin in collectives at full utilization: it cannot make the
 whole job idle, and in a power-only A100 job idling half of each step, power noise set one GPU or

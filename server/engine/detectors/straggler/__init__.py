@@ -18,9 +18,9 @@ import numpy as np
 
 from server.engine.detectors import FingerprintIndex, Outcome
 from server.engine.detectors.straggler.common import PW, SCALES, SM, UTIL
-from server.engine.detectors.straggler.gpus import (cuts, deviation, gpu_finding, group_conditions, learn,
-                                                    mixed_fallback, reset_moved, shared_node, signals,
-                                                    standing_now)
+from server.engine.detectors.straggler.gpus import (SPREAD_K, cuts, deviation, excess_in_noise, gpu_finding,
+                                                    group_conditions, learn, mixed_fallback, reset_moved,
+                                                    shared_node, signals, standing_now)
 from server.engine.detectors.straggler.nodes import node_level, whole_node
 from server.engine.detectors.straggler.state import StragglerState
 from server.engine.reduce import nan_to_zero
@@ -85,7 +85,8 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     cross = in_job & ((plain >= 1.0) | cut | idle_cross)
     eligible_cross = ((busy & cross) | idle_cross) & cross_ok
     waiting = (dropped | cross) & wait_util
-    sig, weak = ((signals(cfg, ex, tick.levels[:PW + 1], state, gsm_unknown, m["slow"], gslow) | cut) & ~victim) | idle
+    culprit, other = signals(cfg, ex, tick.levels[:PW + 1], state, gsm_unknown, m["slow"], gslow)
+    sig, weak = ((culprit | cut) & ~victim) | idle
     on = (eligible | eligible_cross) & waiting & sig
     on &= standing_now(tick, cfg, state, gi, gsm_unknown, on)
     # Offsets are learned only from GPUs doing what their peers do: not from one with its clocks cut (nor
@@ -108,7 +109,10 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     cross_holding = in_job & (plain >= SCALES[1, 0])
     holding = waiting | cross_holding & wait_util
     out = Outcome()
-    standout = set(g[eligible & weak].tolist())
+    # Standing out by activity excess alone, within the noise of the group's excesses, holds nothing back.
+    noise = excess_in_noise(state, cfg, grp, np.where(gsm_unknown, ex[PW], ex[SM]), gi, in_group)
+    beyond = ((other[1] | cut) & ~victim) | idle[1] | shared.on[1] | (noise >= SPREAD_K)
+    standout = set(g[eligible & weak & beyond].tolist())
     node_findings, node_standout, idle_groups, node_pairs = node_level(tick, state, halted)
     idle_groups |= set(g[(eligible | eligible_cross) & idle[1]].tolist())
     # A node standing out as a whole explains its group's waiting: no GPU of that group is named.

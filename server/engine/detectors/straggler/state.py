@@ -11,14 +11,16 @@ _COST_KEEP_SECONDS = 600.0
 
 
 class StragglerState:
-    """Per GPU: structural offsets from its peers, its own usual SM activity and power, and time on the
-    job; per node, its NodeOffsets; per subject, the cost so far."""
+    """Per GPU: structural offsets from its peers, its own usual SM activity and power, time on the job,
+    and its group's recent spread of activity excesses; per node, its NodeOffsets; per subject, the cost
+    so far."""
 
     def __init__(self) -> None:
         self.offset = np.full((4, 0), np.nan)
         self.level = np.full((2, 0), np.nan)      # usual SM activity and power, rows as LEVELS' first two
         self.learned_gid = np.full(0, -1, dtype=np.int64)
         self.learned = np.zeros(0, dtype=np.int64)
+        self.spread = np.full(0, np.nan)           # its group's recent spread of activity excesses
         self.cost: dict[str, tuple[float, float]] = {}
         self._steady = np.full(0, np.nan)
         self.nodes = NodeOffsets()
@@ -30,6 +32,7 @@ class StragglerState:
             self.offset[:, slots] = np.nan
             self.level[:, slots] = np.nan
             self.learned[slots] = 0
+            self.spread[slots] = np.nan
 
     def fit(self, n: int) -> None:
         """Grow per-slot arrays to n slots."""
@@ -41,6 +44,7 @@ class StragglerState:
         self.level = np.concatenate([self.level, np.full((2, pad), np.nan)], axis=1)
         self.learned_gid = np.concatenate([self.learned_gid, np.full(pad, -1, dtype=np.int64)])
         self.learned = np.concatenate([self.learned, np.zeros(pad, dtype=np.int64)])
+        self.spread = np.concatenate([self.spread, np.full(pad, np.nan)])
 
     def add_cost(self, fp: str, t: float, gpu_hours: float) -> float:
         """Accumulate GPU-hours lost for a subject; returns the total so far."""
