@@ -219,24 +219,24 @@ def excess_in_noise(state: StragglerState, cfg, grp, act: np.ndarray, gi: np.nda
     A margin fixed in percent means less where readings are noisier. With the generator's noise tripled,
     a power-only job's power excesses spread by 2-4 % (one robust standard deviation) while it waited in
     slow collectives (power noise is the same in watts, so larger against the lower level), and one GPU
-    or another of its 16 stood out at the weaker 4.2 %
-    margin on half the ticks: comm_bound was held back for minutes, or for good. A culprit stands out
-    from the spread of peers that all wait alike; noise stands within it. At the generator's own noise
-    the spread is about 1.2 %, three of which stay under the weaker margins, so there this test rarely
-    decides anything. It does not gate naming a GPU: where offsets were never learned (a straggler
-    from the job's start) the excesses keep each GPU's structural offset, the spread with them, and
-    such culprits were named 25-70 s later. One tick's spread among 16
+    or another of its 16 stood out at the weaker 4.2 % margin on half the ticks: comm_bound was held
+    back for minutes, or for good. A culprit stands out from the spread of peers that all wait alike;
+    noise stands within it. At the generator's own noise the spread is about 1.2 %, three of which stay
+    under the weaker margins, so there this test rarely decides anything. One tick's spread among 16
     GPUs came out anywhere from 1.6 % to 4.3 % in that job, so the larger of it and its average over
     the last minute or so is taken.
+
+    It does not gate naming a GPU: where offsets were never learned (a straggler from the job's start)
+    each GPU's structural offset stays in its excess, and the spread with it; such culprits were named
+    15-70 s later.
     """
     layout = grp.members.layout
     center = layout.medians(act[None, :])[0][gi]
     sigma = _MAD_SIGMA * layout.medians(np.abs(act - center)[None, :])[0][gi]
     n = len(gi)
     alpha = 1.0 - math.exp(-cfg.tick_seconds / _SPREAD_TIME_CONSTANT_S)
-    state.spread[:n] = follow(state.spread[:n], sigma, in_group, np.full(n, alpha))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (act - center) / np.fmax(sigma, state.spread[:n])
+    state.spread[:n] = follow(state.spread[:n], sigma, in_group, alpha)
+    return (act - center) / np.fmax(sigma, state.spread[:n])
 
 
 def learn(state: StragglerState, cfg, dev: np.ndarray, own: np.ndarray, steady: np.ndarray,
