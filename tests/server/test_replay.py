@@ -85,6 +85,19 @@ def test_a_node_whose_clock_is_off_is_lined_up_with_the_others(caplog, seconds):
     assert note.node == "n1" and abs(note.offset_seconds - seconds) <= 5.0
 
 
+def test_a_node_whose_clock_is_off_is_lined_up_beside_nodes_at_other_phases(caplog):
+    # Four nodes: n1 47 s ahead, n2 sampling 4.5 s into each interval, n3's last sample an interval
+    # before the others'. The mean of the two middle last samples sat 7.25 s after n3's, beyond a
+    # 5 s node's slack, so only half the nodes agreed and n1 was left 47 s off: its job's peers then
+    # read as unreachable at the trace's end.
+    lines = _shifted(_shifted(cluster_lines(900, nodes=4), "n1", 47.0), "n2", 4.5)
+    lines = [line for line in lines if not (b'"node":"n3"' in line and orjson.loads(line)["time"] >= T0 + 895)]
+    caplog.set_level(logging.WARNING, logger="server.replay")
+    assert run_replay(lines) == []
+    (note,) = [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
+    assert note.node == "n1" and abs(note.offset_seconds - 47.0) <= 5.0
+
+
 def test_a_node_sampled_faster_than_the_others_is_lined_up_too(caplog):
     # n1 samples every second, the others every 5 s: their last samples come up to 4 s before its own,
     # so its two ends disagree by that much against theirs.
