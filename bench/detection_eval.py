@@ -1,7 +1,7 @@
 """Precision, recall and time to fire of the detection engine over the whole scenario catalog.
 
     python -m bench.detection_eval [--seeds N] [--first-seed N] [--scenarios a,b] [--no-write] [--without FIELD,...]
-                                   [--noise-scale X]
+                                   [--noise-scale X] [--mid-job SECONDS]
 
 Runs every scenario of tests/server/scenarios.py over N seeds through server.replay.run_replay, prints
 per-kind precision/recall/time-to-fire and a per-scenario table, and writes both into docs/detection.md
@@ -56,16 +56,18 @@ class Evaluation:
     replay_s: float
 
 
-def evaluate(run_replay, names: list[str], seeds: int, first_seed: int = 0, noise_scale: float = 1.0) -> Evaluation:
+def evaluate(run_replay, names: list[str], seeds: int, first_seed: int = 0, noise_scale: float = 1.0,
+             mid_job_s: float | None = None) -> Evaluation:
     """Generate, replay and score every (scenario, seed) for seeds first_seed .. first_seed + seeds - 1
-    (noise_scale: the generator's reading noise, scaled)."""
+    (noise_scale: the generator's reading noise, scaled; mid_job_s: see scenarios.mid_job)."""
     kinds = {k: scenarios.KindScore() for k in scenarios.ALERT_KINDS}
     kinds_5s = {k: scenarios.KindScore() for k in scenarios.ALERT_KINDS}
     rows, samples, replay_s = [], 0, 0.0
     for name in names:
         row = ScenarioResult(name)
         for seed in range(first_seed, first_seed + seeds):
-            trace = generate(replace(scenarios.BY_NAME[name].build(seed), noise_scale=noise_scale))
+            spec = replace(scenarios.BY_NAME[name].build(seed), noise_scale=noise_scale)
+            trace = generate(spec if mid_job_s is None else scenarios.mid_job(spec, mid_job_s))
             started = time.perf_counter()
             alerts = run_replay(trace.lines)
             replay_s += time.perf_counter() - started
@@ -201,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noise-scale", type=float, default=1.0, metavar="X",
                     help="scale the generator's per-second reading noise by X, a probe for noisier telemetry "
                          "(implies --no-write)")
+    ap.add_argument("--mid-job", type=float, default=None, metavar="SECONDS",
+                    help="record every trace from the middle of its jobs: jobs starting with the trace are past "
+                         "their start-up, and the incidents move so the first begins SECONDS in (implies --no-write)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     names = [n for n in args.scenarios.split(",") if n] or [s.name for s in scenarios.CATALOG]
@@ -209,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown scenario(s) {unknown}" if unknown else "--seeds must be at least 1, --first-seed at least 0")
     if not 0.0 <= args.noise_scale <= 10.0:
         ap.error("--noise-scale must be between 0 and 10")
+    if args.mid_job is not None and args.mid_job < 0:
+        ap.error("--mid-job must not be negative")
     try:
         from server.replay import run_replay
     except ModuleNotFoundError as exc:
@@ -216,11 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     fields = tuple(f for f in args.without.split(",") if f)
     replay = (lambda lines: run_replay(without_fields(lines, fields))) if fields else run_replay
-    ev = evaluate(replay, names, args.seeds, args.first_seed, args.noise_scale)
+    ev = evaluate(replay, names, args.seeds, args.first_seed, args.noise_scale, args.mid_job)
     body = render(ev)
     print(render(ev, max_failures=10**6))
     print("\n" + _summary(ev))
-    if not args.no_write and not fields and not args.first_seed and args.noise_scale == 1.0:
+    if (not args.no_write and not fields and not args.first_seed and args.noise_scale == 1.0
+            and args.mid_job is None):
         write_section(args.doc, body)
         print(f"\nwrote {args.doc}", file=sys.stderr)
     return 0

@@ -54,6 +54,7 @@ class _Draw:
     def __init__(self, name: str, seed: int):
         self.rng = np.random.default_rng([seed, sum(map(ord, name))])
         self.seed = seed
+        self._hpc_ids: set[str] = set()
 
     def u(self, a: float, b: float) -> float:
         return float(self.rng.uniform(a, b))
@@ -87,7 +88,13 @@ class _Draw:
         return Job(key, hpc, tuple((n, tuple(g)) for n, g in slots), start, end, **params)
 
     def hpc(self) -> str:
-        return str(self.i(70000, 99999))
+        """A job id not drawn before in this spec: two jobs under one id are one job to any attribution
+        (busy_8 seed 260 drew 70700 twice, and the engine rightly compared the two as one)."""
+        while True:
+            hpc = str(self.i(70000, 99999))
+            if hpc not in self._hpc_ids:
+                self._hpc_ids.add(hpc)
+                return hpc
 
     def spec(self, nodes, jobs, incidents, duration: float, **kw: Any) -> ClusterSpec:
         base = dict(interval_s=self.interval(), order=self.order(), drop_ratio=self.u(0.0, 0.01),
@@ -657,6 +664,25 @@ CATALOG: tuple[Scenario, ...] = (
              small=False),
 )
 BY_NAME = {s.name: s for s in CATALOG}
+
+
+def mid_job(spec: ClusterSpec, onset_s: float) -> ClusterSpec:
+    """The same cluster recorded from the middle of its jobs: a job that starts with the trace is past its
+    start-up at the first sample, and the incidents move earlier together (kept apart as they were) so
+    that the first begins onset_s into the trace. A probe for traces cut from longer recordings and for a
+    server restarted mid-job; an incident already earlier than onset_s stays where it is."""
+    jobs = tuple(replace(j, startup_s=0.0) if j.start_s <= 0 else j for j in spec.jobs)
+    if not spec.incidents:
+        return replace(spec, jobs=jobs)
+    shift = min(0.0, onset_s - min(i.start_s for i in spec.incidents))
+
+    def moved(inc: Incident) -> Incident:
+        # An open-ended incident (end 1e9) stays open; an instant one (a counter reset: end before start)
+        # keeps its end unused.
+        end = inc.end_s + shift if inc.start_s <= inc.end_s < 1e8 else inc.end_s
+        return replace(inc, start_s=inc.start_s + shift, end_s=end)
+
+    return replace(spec, jobs=jobs, incidents=tuple(moved(i) for i in spec.incidents))
 
 
 # ------------------------------------------------------------------------------------------ scoring

@@ -272,14 +272,33 @@ def test_detection_doc_section_replaces_only_between_markers(tmp_path):
     assert doc.read_text() == expected
 
 
-def test_detection_eval_scores_noisier_traces_and_never_writes_them_into_the_document(tmp_path, capsys):
+def test_mid_job_skips_the_start_up_of_jobs_starting_with_the_trace_and_moves_incidents_earlier_together():
+    from tests.server.tracegen import ClusterSpec, Incident, Job, NodeSpec
+    spec = ClusterSpec(
+        (NodeSpec("n0"),),
+        (Job("a", "1", (("n0", (0, 1, 2, 3)),)), Job("b", "2", (("n0", (4, 5, 6, 7)),), start_s=100.0)),
+        (Incident("slow_gpu", 300.0, 500.0, "n0", 1), Incident("jitter", 350.0, 360.0, "n0", 2),
+         Incident("gpu_lost", 400.0, 1e9, "n0", 3), Incident("counter_reset", 450.0, 0.0, "n0")))
+    out = scenarios.mid_job(spec, 60.0)
+    assert [(j.startup_s, j.start_s) for j in out.jobs] == [(0.0, 0.0), (spec.jobs[1].startup_s, 100.0)]
+    assert [(i.start_s, i.end_s) for i in out.incidents] == [(60.0, 260.0), (110.0, 120.0), (160.0, 1e9),
+                                                              (210.0, 0.0)]
+    # Incidents already earlier than the onset stay where they are.
+    assert scenarios.mid_job(spec, 400.0).incidents == spec.incidents
+
+
+@pytest.mark.parametrize("scenario, probe, bad", [
+    ("decoy_jitter", ["--noise-scale", "2"], ["--noise-scale", "-1"]),
+    ("comm_slowdown", ["--mid-job", "120"], ["--mid-job", "-5"]),
+])
+def test_detection_eval_probes_score_and_never_write_into_the_document(tmp_path, capsys, scenario, probe, bad):
     from bench.detection_eval import main
     doc = tmp_path / "detection.md"
     doc.write_text("untouched\n")
-    assert main(["--seeds", "1", "--scenarios", "decoy_jitter", "--noise-scale", "2", "--doc", str(doc)]) == 0
-    assert doc.read_text() == "untouched\n" and "decoy_jitter" in capsys.readouterr().out
+    assert main(["--seeds", "1", "--scenarios", scenario, *probe, "--doc", str(doc)]) == 0
+    assert doc.read_text() == "untouched\n" and scenario in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["--noise-scale", "-1"])
+        main(bad)
 
 
 def test_benchmarks_doc_section_replaces_only_its_own_figures(tmp_path):
