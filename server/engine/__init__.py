@@ -63,6 +63,7 @@ class Engine:
         self._regime_ticks = np.zeros(0, dtype=np.int64)
         self._last_busy_t = np.full(0, -np.inf)
         self._members: GroupMembers | None = None
+        self._dated = 0         # groups [0, _dated) have been checked by _date_running
 
     # -- input ------------------------------------------------------------------------------
     def ingest(self, sample: NodeSample) -> None:
@@ -135,6 +136,8 @@ class Engine:
             self._restart(gid, self.registry.restarted)
         groups = group_stats(gid, ngid, n_groups, levels, fractions, self._members)
         self._members = groups.members
+        if n_groups > self._dated:
+            self._date_running(t, groups)
         if self._ticks % _BASELINE_REFRESH_TICKS == 0 or self.history.base.shape[1] < n_groups:
             self.history.refresh(k, n_groups)
         self._regime(groups)
@@ -149,8 +152,9 @@ class Engine:
         strag = straggler.detect(tick, self._straggler, self._straggler_index, halted)
         outcomes[AlertKind.STRAGGLER] = strag.outcome
         explained = self._explained(tick, outcomes, halted)
-        work = workload.detect(tick, self.history, explained, strag.standout_groups, strag.idle_groups,
-                               self._workload)
+        silent = self._jobs_on_silent_nodes(t, healths[AlertKind.NODE_UNREACHABLE])
+        work = workload.detect(tick, self.history, explained, strag.standout_groups | silent,
+                               strag.idle_groups | silent, self._workload)
         outcomes[AlertKind.COMM_BOUND] = _only(work, AlertKind.COMM_BOUND)
         outcomes[AlertKind.INPUT_BOUND] = _only(work, AlertKind.INPUT_BOUND)
         outcomes.update(healths)
@@ -160,6 +164,28 @@ class Engine:
         self._last_t = t
         self._last_tick = tick
         return transitions
+
+    def _date_running(self, t: float, groups) -> None:
+        """Groups first seen in the engine's first moments, already spinning at full utilization, were
+        running before the engine started (a trace cut from a longer recording, a server restarted
+        mid-job): their start-up is behind them, so they are dated back by the start-up grace.
+
+        Otherwise the first 45 s of such a job were kept out of its baseline as start-up, its GPUs were
+        judged only after 90 s and its job-level drops only after 210 s. An incident in a trace's first
+        minutes then went unreported, or was named minutes late: a communication slowdown from +30 s
+        never, one from +120 s after 122 s; a silently slow GPU from +30 s never, since the job's
+        baseline learned only the slowed job. A job that starts while the engine watches begins idle
+        (its processes load before any kernel runs) and keeps its start-up grace; so does an
+        unattributed group restarted because its busy GPUs changed (not a new group).
+        """
+        cfg = self.config
+        new = np.arange(self._dated, groups.n_groups)
+        self._dated = groups.n_groups
+        if self._first is None or t - self._first > cfg.startup_grace_seconds / 2:
+            return
+        running = new[groups.util[new] >= cfg.straggler_waiting_utilization]
+        if len(running):
+            self.registry.backdate(running, cfg.startup_grace_seconds)
 
     def _restart(self, gid: np.ndarray, gids: list[int]) -> None:
         """Forget what was learned about groups whose work changed (see GroupRegistry._build)."""
@@ -228,6 +254,30 @@ class Engine:
             if slot is not None and self._last_busy_t[slot] >= opened - cfg.unattributed_idle_seconds:
                 halted |= self.registry.fallback_groups(int(self.windows.slot_model_id[slot]))
         return halted
+
+    def _jobs_on_silent_nodes(self, t: float, unreachable: Outcome) -> set[int]:
+        """Groups of the jobs last seen on a node that stopped answering.
+
+        A job missing a node's ranks is not judged as a whole: if the node crashed, the job hangs in its
+        collective until NCCL's timeout, utilization high and SM activity gone (a comm_bound's signature,
+        but node_unreachable is the alert); if only its agent stopped, what the job's other GPUs read is
+        still not the whole job. New job-level findings wait, and one already open is not cleared. At
+        10 s sampling a crashed node's last samples had not opened the pending node straggler that
+        otherwise explains the hang, and a comm_bound fired for it (unseen `node_crash` seed 270). As for
+        a lost GPU, a job still running lost_gpu_hang_seconds after the node went silent has gone on
+        without it, and is judged again.
+        """
+        if not unreachable.findings:
+            return set()
+        w = self.windows
+        since = t - self.config.lost_gpu_hang_seconds
+        nodes = []
+        for fp, f in unreachable.findings.items():
+            opened = self.lifecycle.opened(fp)
+            if f.node in w.node_ids and (opened is None or opened >= since):
+                nodes.append(w.node_ids[f.node])
+        on = np.isin(w.slot_node_id[:w.n], nodes)
+        return self._job_groups(w.job_names[c] for c in set(w.slot_job[:w.n][on].tolist()) if c >= 0)
 
     def _job_groups(self, jobs) -> set[int]:
         """Group ids of the named jobs that have a group now."""

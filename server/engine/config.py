@@ -70,7 +70,8 @@ class EngineConfig:
     unreachable_seconds: float = 30.0
     gpu_lost_seconds: float = 30.0
     # How long a job with a lost GPU is taken as hung in its collective (PyTorch's NCCL timeout is 10 or
-    # 30 minutes): no straggler, comm_bound or input_bound in it meanwhile.
+    # 30 minutes): no straggler, comm_bound or input_bound in it meanwhile. A job on a node that stopped
+    # answering opens no comm_bound or input_bound for as long.
     lost_gpu_hang_seconds: float = 1800.0
     xid_clear_seconds: float = 600.0
     ecc_clear_seconds: float = 600.0

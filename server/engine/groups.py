@@ -181,6 +181,10 @@ class GroupRegistry:
             self.is_job = np.append(self.is_job, key[0] == JOB)
         return gid
 
+    def backdate(self, gids: np.ndarray, seconds: float) -> None:
+        """Take these groups as first seen `seconds` earlier (work that was running before anyone watched)."""
+        self.first_seen[gids] -= seconds
+
     def job(self, gid: int) -> str | None:
         """The hpc_job of a job group, None for fallback groups."""
         key = self.keys[gid]

@@ -129,3 +129,48 @@ def test_gpus_waiting_under_a_cap_they_no_longer_reach_are_comm_bound():
         return kw
 
     assert _kinds(cluster_lines(900, override=waiting)) == [("comm_bound", "j1", None, None)]
+
+
+def test_a_trace_that_starts_mid_job_judges_the_job_from_its_first_minutes():
+    # The job spins at full utilization from the trace's first sample: it ran before the recording began.
+    # Its collectives slow from +60 s. Taken for a job starting, its first 45 s were kept out of its
+    # baseline as start-up, the baseline then learned only the slowed job, and comm_bound never fired.
+    def comm(t, node, gpu):
+        return {"sm_active_ratio": 0.55, "power_watts": 400.0} if 60 <= t < 700 else {}
+
+    (a,) = run_replay(cluster_lines(900, override=comm))
+    assert (a.kind.value, a.hpc_job) == ("comm_bound", "j1")
+    assert T0 + 60 < a.started <= T0 + 60 + 120
+
+
+def test_a_job_that_starts_while_watched_keeps_its_start_up_out_of_its_baseline():
+    # Its GPUs idle for 10 s (processes loading), then a warm-up at higher SM activity until +40 s, then
+    # steady 16 % lower. Dated back like a job already running, the warm-up would set its baseline and
+    # the steady job would read as communication-bound from +40 s on.
+    def warm_up(t, node, gpu):
+        if t < 10:
+            return {"utilization_ratio": 0.0, "sm_active_ratio": 0.0, "power_watts": 80.0}
+        return {"sm_active_ratio": 0.95, "power_watts": 600.0} if t < 40 else {}
+
+    assert _kinds(cluster_lines(900, override=warm_up)) == []
+    # The same warm-up as the trace's first sample is a job seen mid-run, and its drop is one.
+    assert _kinds(cluster_lines(900, override=lambda t, n, g: warm_up(t + 10, n, g))) == [
+        ("comm_bound", "j1", None, None)]
+
+
+def test_a_job_hung_by_a_node_that_went_silent_is_not_comm_bound():
+    # The job hangs at +400 s and n2, the cause, stops answering 20 s later for good; the other ranks spin
+    # in their collective until NCCL's timeout five minutes on: utilization high, SM activity gone.
+    # node_unreachable is the alert. With n2's last samples no busier than the rest, no pending node
+    # straggler explains the hang, and comm_bound fired for it.
+    def crash(t, node, gpu):
+        if node == "n2" and t >= 420:
+            return {"_absent": True}
+        if 400 <= t < 700:
+            return {"sm_active_ratio": 0.03, "power_watts": 110.0}
+        if t >= 700:
+            return {"utilization_ratio": 0.0, "sm_active_ratio": 0.0, "power_watts": 70.0}
+        return {}
+
+    assert _kinds(cluster_lines(900, interval=10.0, nodes=3, override=crash)) == [
+        ("node_unreachable", None, "n2", None)]

@@ -82,7 +82,10 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     idle_cross = starved & (u >= cfg.job_active_utilization) & (-dev[UTIL] >= 2 * cfg.node_idle_gap)
     idle = starved & (-ex[UTIL] >= SCALES * cfg.node_idle_gap) | idle_cross
     eligible |= idle[1] & judged_ok
-    cross = in_job & ((plain >= 1.0) | cut | idle_cross)
+    # A clock cut is the GPU's own hardware slowing it, whatever runs beside it: it counts in a fallback
+    # group too. Nothing is learned from a cut GPU, so one braked before its learning was done (a brake in
+    # the first minutes of a trace that starts mid-job) was never judged at all without attribution.
+    cross = in_job & ((plain >= 1.0) | idle_cross) | cut & in_group
     eligible_cross = ((busy & cross) | idle_cross) & cross_ok
     waiting = (dropped | cross) & wait_util
     culprit, other = signals(cfg, ex, tick.levels[:PW + 1], state, gsm_unknown, m["slow"], gslow)
