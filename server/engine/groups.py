@@ -166,6 +166,7 @@ class GroupRegistry:
         self.keys: list[tuple] = []
         self.first_seen = np.full(0, np.nan)
         self.is_job = np.zeros(0, dtype=bool)
+        self.dated = np.zeros(0, dtype=bool)       # dated back: running before it was first seen
         # Unattributed node groups restarted by the last build() (see _build), and each one's members.
         self.restarted: list[int] = []
         self._busy_sets: dict[int, tuple[int, ...]] = {}
@@ -179,11 +180,13 @@ class GroupRegistry:
             self.keys.append(key)
             self.first_seen = np.append(self.first_seen, t)
             self.is_job = np.append(self.is_job, key[0] == JOB)
+            self.dated = np.append(self.dated, False)
         return gid
 
     def backdate(self, gids: np.ndarray, seconds: float) -> None:
         """Take these groups as first seen `seconds` earlier (work that was running before anyone watched)."""
         self.first_seen[gids] -= seconds
+        self.dated[gids] = True
 
     def job(self, gid: int) -> str | None:
         """The hpc_job of a job group, None for fallback groups."""

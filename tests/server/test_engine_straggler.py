@@ -81,6 +81,17 @@ def test_rank_idling_on_its_host_is_named_not_read_as_comm_bound():
     assert set(alerts) == {"straggler"}
 
 
+def test_rank_idling_on_its_host_from_the_first_minute_of_a_trace_that_starts_mid_job_is_named():
+    # The job runs from the trace's first sample; GPU n1/3 waits on its host from +60 s. It had learned
+    # for 55 s, short of the 90 s a GPU learns before it is judged, and it learns nothing while it idles:
+    # it was never judged, its gap of 0.2 is under the cross-section's doubled margin, and the job's
+    # drop read as comm_bound.
+    alerts = _by_kind(cluster_lines(900, override=lambda t, n, g: _starved_rank(t + 340, n, g)))
+    (s,) = alerts["straggler"]
+    assert (s.node, s.gpu, s.evidence["pattern"]) == ("n1", 3, "host_idle") and s.started <= T0 + 60 + 150
+    assert set(alerts) == {"straggler"}
+
+
 def test_rank_idling_most_of_each_step_is_named_once():
     # Below the "busy" line (utilization 0.5) it is still the job's culprit: one alert, kept until it
     # recovers, not one per dip around that line.

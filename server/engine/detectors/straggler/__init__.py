@@ -59,9 +59,14 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: s
     dev = deviation(tick.levels, peers)
     (group_ok, cross_ok, dropped, wait_util, active, in_job,
      measured) = group_conditions(tick, state, cfg, halted)[:, gi] & in_group
-    warm_ticks = cfg.bins(cfg.startup_grace_seconds)
+    # Judged once learned (before this tick's learning): its offsets and usual levels mean something. The
+    # 90 s of learning also forget a job's ramp-up. A group already running when first seen has none, so
+    # there the fast learning's first 45 s suffice (0.7^9: 4 % of the first reading left). A rank of a
+    # trace recorded mid-job that idled on its host from +60 s had learned 55 s, and it never learns
+    # while it idles: it was never judged, and its job read as comm_bound.
+    warm_ticks = np.where(tick.registry.dated[gi] & in_group, cfg.bins(cfg.startup_grace_seconds / 2),
+                          cfg.bins(cfg.startup_grace_seconds))
     busy = (u >= cfg.busy_utilization) & in_group
-    # Judged once learned (before this tick's learning): its offsets and usual levels mean something.
     judged_ok = (state.learned[:n] >= warm_ticks) & group_ok
     eligible = busy & judged_ok
     gslow = grp.slow[gi]
