@@ -254,6 +254,7 @@ class GroupRegistry:
                 # (A group first seen now has nothing to forget.)
                 if self._busy_sets.get(g) != members and self.first_seen[g] < t:
                     self.first_seen[g] = t
+                    self.dated[g] = False
                     self.restarted.append(g)
             # A GPU idle for long is in no job: counted, it would drag its node's median towards idle
             # (a job on half of every node reads as half idle everywhere).

@@ -60,8 +60,12 @@ def test_an_unattributed_node_group_restarts_when_its_busy_set_changes():
 
     g, restarted = build(100.0, [True, True, False, False])
     assert restarted == [] and reg.first_seen[g] == 100.0
+    # Found already running when the engine started: dated back. The work that restarts it is new.
+    reg.backdate(np.array([g]), 90.0)
+    assert reg.first_seen[g] == 10.0 and reg.dated[g]
     assert build(105.0, [True, True, False, False]) == (g, [])
     assert build(300.0, [True, True, True, True]) == (g, [g]) and reg.first_seen[g] == 300.0
+    assert not reg.dated[g]
     assert build(400.0, [True, True, False, False]) == (g, [g])
     build(500.0, [False, False, False, False])             # the node idles: no group at all
     assert build(600.0, [True, True, False, False]) == (g, [g]) and reg.first_seen[g] == 600.0
