@@ -175,9 +175,11 @@ def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[No
     ref_last = _lower_median([span.last for span in spans.values()])
     ends = {node: (span.first - ref_first, span.last - ref_last,
                    (span.last - span.first) / max(span.count - 1, 1)) for node, span in spans.items()}
-    # A node's sampling phase moves both of its ends alike, by less than an interval.
-    in_step = sum(abs(early) <= interval + 2.0 and abs(late) <= interval + 2.0
-                  for early, late, interval in ends.values())
+    # A node's sampling phase moves both of its ends alike, by less than an interval; a clock offset moves
+    # both by the offset. One end agreeing is enough to count a node in step: a lost first line moves its
+    # first end by another interval (clock_skew seed 298, 10 s: 13.6 s, so only two of four nodes agreed
+    # and the node 62 s ahead was left as it was).
+    in_step = sum(min(abs(early), abs(late)) <= interval + 2.0 for early, late, interval in ends.values())
     if 2 * in_step <= len(ends):
         return samples
     # The median node's ends are known to within its own interval: agents sampling every 5 s beside one

@@ -98,6 +98,18 @@ def test_a_node_whose_clock_is_off_is_lined_up_beside_nodes_at_other_phases(capl
     assert note.node == "n1" and abs(note.offset_seconds - 47.0) <= 5.0
 
 
+def test_a_node_whose_clock_is_off_is_lined_up_beside_a_node_that_lost_its_first_line(caplog):
+    # 10 s sampling, four nodes: n3 60 s ahead, n2 sampling 9 s into each interval and missing its first
+    # line, so its first sample came 19 s after the others' while its last agreed with theirs. Counted
+    # out of step, it left only two of four nodes agreeing, and n3 was not lined up.
+    lines = _shifted(_shifted(cluster_lines(900, interval=10.0, nodes=4), "n3", 60.0), "n2", 9.0)
+    lines = [line for line in lines if not (b'"node":"n2"' in line and orjson.loads(line)["time"] < T0 + 10)]
+    caplog.set_level(logging.WARNING, logger="server.replay")
+    assert run_replay(lines) == []
+    (note,) = [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
+    assert note.node == "n3" and abs(note.offset_seconds - 60.0) <= 5.0
+
+
 def test_a_node_sampled_faster_than_the_others_is_lined_up_too(caplog):
     # n1 samples every second, the others every 5 s: their last samples come up to 4 s before its own,
     # so its two ends disagree by that much against theirs.
