@@ -167,10 +167,10 @@ def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[No
     """
     if len(spans) < 3:
         return samples
-    # The reference ends are one node's own (the lower middle one), not the mean of the two middle ones.
-    # Among four nodes, one 47 s ahead, that mean sat half a phase from the others' ends. A node whose
-    # last sample came an interval before theirs fell outside the slack, and with it half the nodes, so
-    # nothing was lined up (clock_skew seed 269).
+    # The reference ends are one node's own (the lower middle one), not the mean of the two middle ones,
+    # which can sit far from every node: among four, with one node 60 s ahead and one whose first line
+    # was lost 19 s in, that mean put the offset taken out at 53 s. (It also put a node outside the slack
+    # in clock_skew seed 269, before one agreeing end was enough, below.)
     ref_first = _lower_median([span.first for span in spans.values()])
     ref_last = _lower_median([span.last for span in spans.values()])
     ends = {node: (span.first - ref_first, span.last - ref_last,
