@@ -37,8 +37,9 @@ class Engine:
         cfg.validate()
         self.windows = Windows(cfg.tick_seconds, cfg.bins(cfg.window_seconds))
         self.registry = GroupRegistry()
+        # Noise is read from changes over twice the smoothing: readings that far apart share no sample.
         self.history = GroupHistory(cfg.bins(cfg.baseline_seconds), cfg.baseline_percentile,
-                                    cfg.bins(cfg.min_history_seconds))
+                                    cfg.bins(cfg.min_history_seconds), cfg.bins(2 * cfg.smooth_seconds))
         self.lifecycle = Lifecycle({
             AlertKind.THERMAL_THROTTLE: (cfg.thermal_for_seconds, cfg.thermal_clear_seconds),
             AlertKind.STRAGGLER: (cfg.straggler_for_seconds, cfg.straggler_clear_seconds),
@@ -301,7 +302,12 @@ class Engine:
         cfg = self.config
         grp = tick.groups
         threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
-        healthy = ((grp.util >= cfg.job_active_utilization) & ~(tick.slowdown >= threshold / 2)
+        # Ticks well below the history's median stay out of it. Measured from the baseline (a high
+        # percentile) instead, the cut fell inside a noisy job's ordinary range: only the upper half of
+        # its levels was kept, which raised the baseline further.
+        below = workload.below_median(grp, self.history, tick.slowdown_source)
+        sagging = np.where(np.isnan(below), tick.slowdown, below) >= threshold / 2
+        healthy = ((grp.util >= cfg.job_active_utilization) & ~sagging
                    & (tick.t - self.registry.first_seen[:grp.n_groups] >= cfg.startup_grace_seconds / 2))
         for g in suppressed:
             healthy[g] = False

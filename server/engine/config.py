@@ -56,6 +56,9 @@ class EngineConfig:
     workload_drop: float = 0.15
     # Power moves less than SM activity for the same slowdown (a waiting GPU still draws power).
     workload_power_drop: float = 0.08
+    # ... and it must also lie this many standard deviations of the job's own healthy history below
+    # that history's median: a noisy job's ordinary dips are not a drop.
+    workload_noise_sigmas: float = 3.0
     comm_for_seconds: float = 30.0
     input_for_seconds: float = 45.0
     workload_clear_seconds: float = 60.0

@@ -300,14 +300,19 @@ class GroupHistory:
 
     SERIES = ("sm", "power", "util", "clock")
     _LEVEL_ROWS = np.array(list(map(LEVELS.index, SERIES)))     # SERIES as rows of Groups.levels
+    _NOISE_SERIES = ("sm", "power")                              # the series a job-wide drop is read from
+    _NOISE_ROWS = np.array(list(map(SERIES.index, _NOISE_SERIES)))
 
-    def __init__(self, ring_ticks: int, percentile: float, min_ticks: int) -> None:
+    def __init__(self, ring_ticks: int, percentile: float, min_ticks: int, lag_ticks: int) -> None:
         self.ring = ring_ticks
         self.percentile = percentile
         self.min_ticks = min_ticks
+        self.lag = lag_ticks
         self.values = np.full((len(self.SERIES), 0, ring_ticks), np.nan)
         self.tick_of = np.full(ring_ticks, -1, dtype=np.int64)
         self.base = np.full((len(self.SERIES), 0), np.nan)
+        self.middle = np.full((len(self.SERIES), 0), np.nan)
+        self.noise = np.full((len(self._NOISE_ROWS), 0), np.nan)
         self.count = np.zeros(0, dtype=np.int64)
         self._starts = np.zeros(0, dtype=np.intp)
 
@@ -319,6 +324,8 @@ class GroupHistory:
         pad = n_groups - have
         self.values = np.concatenate([self.values, np.full((len(self.SERIES), pad, self.ring), np.nan)], axis=1)
         self.base = np.concatenate([self.base, np.full((len(self.SERIES), pad), np.nan)], axis=1)
+        self.middle = np.concatenate([self.middle, np.full((len(self.SERIES), pad), np.nan)], axis=1)
+        self.noise = np.concatenate([self.noise, np.full((len(self._NOISE_ROWS), pad), np.nan)], axis=1)
         self.count = np.concatenate([self.count, np.zeros(pad, dtype=np.int64)])
 
     def record(self, k: int, groups: Groups, healthy: np.ndarray) -> None:
@@ -335,13 +342,43 @@ class GroupHistory:
         vals = np.where(live[None, None, :], self.values, np.nan)
         srt = np.sort(vals, axis=2)
         cnt = (~np.isnan(srt)).sum(axis=2)
-        idx = np.minimum(np.maximum(np.floor((cnt - 1) * self.percentile / 100.0).astype(np.int64), 0),
-                         self.ring - 1)
-        pct = srt.reshape(-1)[(self._row_starts(cnt.size) + idx.ravel())].reshape(cnt.shape)
+        flat, starts = srt.reshape(-1), self._row_starts(cnt.size)
+        pct = flat[starts + self._rank(cnt, self.percentile)].reshape(cnt.shape)
+        mid = flat[starts + self._rank(cnt, 50.0)].reshape(cnt.shape)
         enough = cnt >= self.min_ticks
         # Keep the last good baseline while a long incident leaves too few healthy ticks.
         self.base = np.where(enough, pct, self.base)
+        self.middle = np.where(enough, mid, self.middle)
         self.count = cnt.max(axis=0)
+        self._refresh_noise(live)
+
+    def _refresh_noise(self, live: np.ndarray) -> None:
+        """Each group's noise in the drop series: the spread of the changes between healthy ticks
+        `lag` apart (1.4826 × their median absolute value, over √2: one reading's standard deviation).
+        Changes over a minute, not levels: a history holding a slow trend or a recovery from an
+        incident spreads its levels far wider than its noise. A job just back from a straggler, its
+        power still climbing, read a 4 % spread from its levels, and a 10 % communication drop was
+        taken for noise. Kept from the last refresh with enough pairs, like the baseline."""
+        ring = np.arange(self.ring)
+        partner = (ring - self.lag) % self.ring
+        paired = (live & live[partner] & (self.tick_of - self.tick_of[partner] == self.lag)).nonzero()[0]
+        # A level shift inside the history (a drop that came before the baseline could tell it) spans
+        # at most `lag` pairs; with three times as many the median change stays a healthy one.
+        need = max(self.min_ticks, 3 * self.lag)
+        if len(paired) < need:
+            return
+        v = self.values[self._NOISE_ROWS]
+        d = np.abs(v[:, :, paired] - v[:, :, partner[paired]])
+        d.sort(axis=2)
+        cnt = (~np.isnan(d)).sum(axis=2)
+        half = d.reshape(-1)[np.arange(cnt.size) * len(paired) + np.maximum(cnt - 1, 0).ravel() // 2]
+        sigma = half.reshape(cnt.shape) * (1.4826 / np.sqrt(2.0))
+        self.noise = np.where(cnt >= need, sigma, self.noise)
+
+    def _rank(self, cnt: np.ndarray, percentile: float) -> np.ndarray:
+        """Flat offset of a percentile within each sorted row of `cnt` values."""
+        idx = np.floor((cnt - 1) * percentile / 100.0).astype(np.int64)
+        return np.minimum(np.maximum(idx, 0), self.ring - 1).ravel()
 
     def _row_starts(self, rows: int) -> np.ndarray:
         """Flat start of each of `rows` rows of the ring (one row per series and group)."""
@@ -353,7 +390,18 @@ class GroupHistory:
         """Forget the history of groups whose operating regime changed (e.g. a new power cap)."""
         self.values[:, gids, :] = np.nan
         self.base[:, gids] = np.nan
+        self.middle[:, gids] = np.nan
+        self.noise[:, gids] = np.nan
 
     def baseline(self, name: str) -> np.ndarray:
         """Per-group baseline of one series (NaN until enough healthy history)."""
         return self.base[self.SERIES.index(name)]
+
+    def median(self, name: str) -> np.ndarray:
+        """Per-group median of one series over its healthy history (NaN until enough of it)."""
+        return self.middle[self.SERIES.index(name)]
+
+    def spread(self, name: str) -> np.ndarray:
+        """Per-group standard deviation of one drop series ("sm" or "power") in its healthy history
+        (NaN until enough of it)."""
+        return self.noise[self._NOISE_SERIES.index(name)]

@@ -88,6 +88,29 @@ def test_comm_bound_is_not_held_back_by_gpus_standing_out_within_the_noise():
         ("straggler", "n1", 3)]
 
 
+def _wandering(t: float, watts: float, spread: float) -> float:
+    """watts times a job-wide factor redrawn every 30 s, seeded: the whole job's power wanders together."""
+    z = np.random.default_rng([int(t) // 30, 10]).standard_normal()
+    return watts * (1.0 + spread * z)
+
+
+def test_a_job_whose_power_wanders_by_itself_is_not_comm_bound_until_it_drops_beyond_that():
+    # Power only; the whole job's power wanders by 3.5 % (one standard deviation) half a minute at a
+    # time, with nothing wrong. Its baseline, a high percentile, sits well above the usual level, so
+    # ordinary dips read over 8 % under it: on the stop-29 engine comm_bound fired at +450 s and +895 s.
+    # A drop well beyond the job's own wander is still comm_bound.
+    def wander(drop_from):
+        def override(t, node, gpu):
+            watts = _wandering(t, 330.0, 0.035) * (0.7 if t >= drop_from else 1.0)
+            return {"sm_active_ratio": None, "power_watts": _noisy_power(t, node, gpu, watts, 0.01)}
+        return override
+
+    assert _kinds(cluster_lines(1800, override=wander(1e9))) == []
+    alerts = run_replay(cluster_lines(1800, override=wander(1200)))
+    assert [(a.kind.value, a.hpc_job) for a in alerts] == [("comm_bound", "j1")]
+    assert T0 + 1200 < alerts[0].started <= T0 + 1200 + 90
+
+
 def test_comm_bound_on_power_where_sm_activity_is_unsupported():
     def comm(t, node, gpu):
         kw = {"sm_active_ratio": None}
