@@ -145,7 +145,8 @@ class Engine:
         drop, source = workload.job_drop(groups, self.history, cfg.workload_clock_ratio,
                                          cfg.workload_capped_clock_ratio)
         tick = Tick(k, t, cfg, w, latest, med, levels, has_data, groups, self.registry, drop, source,
-                    (self.history.baseline("sm"), self.history.baseline("power")), held)
+                    (self.history.baseline("sm"), self.history.baseline("power")), held,
+                    workload.sag(groups, self.history, drop, source))
         outcomes: dict[AlertKind, Outcome] = {}
         outcomes[AlertKind.THERMAL_THROTTLE] = thermal.detect(tick, self._thermal_index)
         healths = health.detect(tick, self._health, w.drain_events())
@@ -305,9 +306,7 @@ class Engine:
         # Ticks well below the history's median stay out of it. Measured from the baseline (a high
         # percentile) instead, the cut fell inside a noisy job's ordinary range: only the upper half of
         # its levels was kept, which raised the baseline further.
-        below = workload.below_median(grp, self.history, tick.slowdown_source)
-        sagging = np.where(np.isnan(below), tick.slowdown, below) >= threshold / 2
-        healthy = ((grp.util >= cfg.job_active_utilization) & ~sagging
+        healthy = ((grp.util >= cfg.job_active_utilization) & ~(tick.sag >= threshold / 2)
                    & (tick.t - self.registry.first_seen[:grp.n_groups] >= cfg.startup_grace_seconds / 2))
         for g in suppressed:
             healthy[g] = False

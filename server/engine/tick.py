@@ -36,6 +36,8 @@ class Tick:
     slowdown_source: np.ndarray     # per group: 0 = none, 1 = SM activity, 2 = power
     slowdown_baselines: tuple[np.ndarray, np.ndarray]   # per group baseline SM activity, power
     held: np.ndarray                # (bins, n) newest first: slot has a sample in bin k - i
+    sag: np.ndarray                 # per group: the same series' drop below its history's median (see
+                                    # workload.sag; the slowdown until the median is known)
 
     def seen(self, n_bins: int) -> np.ndarray:
         """Per slot: whether any sample fell into the last n_bins bins."""

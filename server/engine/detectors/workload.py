@@ -45,25 +45,27 @@ def job_drop(groups: Groups, history: GroupHistory, clock_ratio: float,
     return drop, source
 
 
-def below_median(groups: Groups, history: GroupHistory, source: np.ndarray) -> np.ndarray:
+def sag(groups: Groups, history: GroupHistory, drop: np.ndarray, source: np.ndarray) -> np.ndarray:
     """Per group: how far the drop's series (see job_drop) lies below the median of its healthy
-    history, as a fraction of that median; NaN where there is no source or no history yet."""
+    history, as a fraction of that median: the job's distance from its usual level, where the drop is
+    its distance from its best. Where the median is not known yet, the drop itself."""
     sm = source == 1
     level = np.where(sm, groups.sm, groups.power)
     middle = np.where(sm, history.median("sm"), history.median("power"))
-    return np.where(source > 0, 1.0 - level / middle, np.nan)
+    below = np.where(source > 0, 1.0 - level / middle, np.nan)
+    return np.where(np.isnan(below), drop, below)
 
 
-def beyond_noise(below: np.ndarray, history: GroupHistory, source: np.ndarray, sigmas: float) -> np.ndarray:
+def beyond_noise(sagged: np.ndarray, history: GroupHistory, source: np.ndarray, sigmas: float) -> np.ndarray:
     """Per group: does the level lie `sigmas` of the job's own noise below its history's median
-    (`below`, from below_median)? The baseline is a high percentile, so in a noisy series it sits well
+    (`sagged`, from sag)? The baseline is a high percentile, so in a noisy series it sits well
     above the usual level: with the generator's noise tripled, a power-only job's half-minute median
     wandered 5-9 % under its baseline with nothing changed, past the 8 % threshold for half a minute
     at a time. Where the noise is not known yet the threshold alone decides."""
     sm = source == 1
     noise = np.where(sm, history.spread("sm") / history.median("sm"),
                      history.spread("power") / history.median("power"))
-    return ~(below < sigmas * noise)
+    return ~(sagged < sigmas * noise)
 
 
 class WorkloadState:
@@ -111,8 +113,8 @@ def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set
     aged = tick.t - reg.first_seen[:G] >= cfg.startup_grace_seconds + cfg.min_history_seconds
     ok = is_job & (grp.size >= 2) & aged
     threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
-    below = below_median(grp, history, tick.slowdown_source)
-    dropped = ok & (drop >= threshold) & beyond_noise(below, history, tick.slowdown_source, cfg.workload_noise_sigmas)
+    dropped = ok & (drop >= threshold) & beyond_noise(tick.sag, history, tick.slowdown_source,
+                                                      cfg.workload_noise_sigmas)
     spinning = grp.util >= cfg.comm_min_utilization
     comm = dropped & spinning & ~held_comm
     inp = (dropped & ~spinning & ~held_inp & (base_u - grp.util >= cfg.input_utilization_drop)
@@ -120,7 +122,7 @@ def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set
     # Recovered once back within half the threshold of the job's usual level, its history's median.
     # Measured from the baseline, a noisy job rarely got there: at triple noise a comm_bound stayed
     # open 470 s past the end of its slowdown while the job's level wandered 4-6 % under the baseline.
-    recovered = np.where(np.isnan(below), drop, below) < threshold / 2
+    recovered = tick.sag < threshold / 2
     comm_clear = recovered | (grp.util < cfg.comm_min_utilization - 0.1) | why
     inp_clear = recovered | (base_u - grp.util < cfg.input_utilization_drop / 2) | why
     out = Outcome()
