@@ -35,11 +35,13 @@ NUMERIC_FIELDS = (
     "xid_errors_total",
     "last_xid",
     "ecc_uncorrected_errors_total",
+    "memory_temperature_celsius",
+    "memory_max_operating_temperature_celsius",
 )
 BOOL_FIELDS = ("up", "remapped_rows_pending", "remapped_rows_failure")
 FIELDS = NUMERIC_FIELDS + BOOL_FIELDS
 (UTIL, SM, TEMP, SLOWDOWN_TEMP, POWER, POWER_LIMIT, ENERGY, CLOCK, CLOCK_MAX, THROTTLE, XID_TOTAL,
- LAST_XID, ECC_UNCORRECTED, UP, REMAP_PENDING, REMAP_FAILURE) = range(len(FIELDS))
+ LAST_XID, ECC_UNCORRECTED, MEM_TEMP, MEM_MAX_TEMP, UP, REMAP_PENDING, REMAP_FAILURE) = range(len(FIELDS))
 N_FIELDS = len(FIELDS)
 
 # Plausible physical ranges; a value outside is a broken agent, not a reading to act on. NaN fails
@@ -58,6 +60,8 @@ _LIMITS = {
     "xid_errors_total": (0.0, 1e15),
     "last_xid": (0.0, 1e9),
     "ecc_uncorrected_errors_total": (0.0, 1e18),
+    "memory_temperature_celsius": (-60.0, 250.0),
+    "memory_max_operating_temperature_celsius": (-60.0, 250.0),
 }
 _NAN = float("nan")
 MAX_GPU_INDEX = 4096

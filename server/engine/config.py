@@ -40,6 +40,9 @@ class EngineConfig:
     thermal_clear_seconds: float = 30.0
     thermal_slowdown_margin_celsius: float = 2.0
     thermal_clock_cut_ratio: float = 0.85
+    # HBM at its own max operating temperature (less this margin) is hot whatever the die reads: the memory
+    # throttles there, and an HBM-heavy job or blocked airflow over the stacks can heat it alone.
+    thermal_memory_margin_celsius: float = 0.0
 
     straggler_for_seconds: float = 30.0
     straggler_clear_seconds: float = 60.0

@@ -17,18 +17,18 @@ from operator import attrgetter
 
 import numpy as np
 
-from server.contract import (CLOCK, CLOCK_MAX, ECC_UNCORRECTED, ENERGY, LAST_XID, POWER, POWER_LIMIT,
-                             REMAP_FAILURE, REMAP_PENDING, SLOWDOWN_TEMP, SM, TEMP, THROTTLE, UP, UTIL,
-                             XID_TOTAL, NodeSample)
+from server.contract import (CLOCK, CLOCK_MAX, ECC_UNCORRECTED, ENERGY, LAST_XID, MEM_MAX_TEMP, MEM_TEMP, POWER,
+                             POWER_LIMIT, REMAP_FAILURE, REMAP_PENDING, SLOWDOWN_TEMP, SM, TEMP, THROTTLE, UP,
+                             UTIL, XID_TOTAL, NodeSample)
 from server.engine.prepared import Prepared
 
 # Binned quantities (rows of the rings).
 (B_UTIL, B_SM, B_TEMP, B_SLOWDOWN, B_POWER, B_POWER_LIMIT, B_CLOCK_RATIO, B_UP, B_THERMAL, B_HW_THERMAL,
- B_SLOW, B_POWER_CAP, B_REMAP_PENDING, B_REMAP_FAILURE) = range(14)
-N_BINNED = 14
+ B_SLOW, B_POWER_CAP, B_REMAP_PENDING, B_REMAP_FAILURE, B_MEM_TEMP, B_MEM_MAX_TEMP) = range(16)
+N_BINNED = 16
 _DIRECT = ((B_UTIL, UTIL), (B_SM, SM), (B_TEMP, TEMP), (B_SLOWDOWN, SLOWDOWN_TEMP), (B_POWER, POWER),
            (B_POWER_LIMIT, POWER_LIMIT), (B_UP, UP), (B_REMAP_PENDING, REMAP_PENDING),
-           (B_REMAP_FAILURE, REMAP_FAILURE))
+           (B_REMAP_FAILURE, REMAP_FAILURE), (B_MEM_TEMP, MEM_TEMP), (B_MEM_MAX_TEMP, MEM_MAX_TEMP))
 THERMAL_BITS = 0x20 | 0x40
 HW_THERMAL_BIT = 0x40
 SLOW_BITS = 0x08 | 0x20 | 0x40 | 0x80

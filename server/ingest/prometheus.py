@@ -43,22 +43,26 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_LOOKBACK_SECONDS = 300.0
 DEFAULT_MAX_ANSWER_BYTES = 512 * 1024 * 1024
 
-# exposition metric -> (label that must match, its value, contract field); None: no label condition.
-_FIELDS: dict[str, tuple[str | None, str | None, str]] = {
-    "gpufleet_gpu_up": (None, None, "up"),
-    "gpufleet_gpu_utilization_ratio": (None, None, "utilization_ratio"),
-    "gpufleet_gpu_sm_active_ratio": (None, None, "sm_active_ratio"),
-    "gpufleet_gpu_temperature_celsius": (None, None, "temperature_celsius"),
-    "gpufleet_gpu_temperature_limit_celsius": ("limit", "slowdown", "slowdown_temperature_celsius"),
-    "gpufleet_gpu_power_watts": (None, None, "power_watts"),
-    "gpufleet_gpu_power_limit_watts": (None, None, "power_limit_watts"),
-    "gpufleet_gpu_energy_joules_total": (None, None, "energy_joules_total"),
-    "gpufleet_gpu_clock_hertz": ("clock", "sm", "sm_clock_hertz"),
-    "gpufleet_gpu_clock_max_hertz": ("clock", "sm", "sm_clock_max_hertz"),
-    "gpufleet_gpu_throttle_reasons": (None, None, "throttle_reasons"),
-    "gpufleet_gpu_ecc_errors_total": ("type", "uncorrected", "ecc_uncorrected_errors_total"),
-    "gpufleet_gpu_remapped_rows_pending": (None, None, "remapped_rows_pending"),
-    "gpufleet_gpu_remapped_rows_failure": (None, None, "remapped_rows_failure"),
+# exposition metric -> (label that tells its series apart or None, {that label's value: contract field});
+# without a label, the one field sits under None.
+_FIELDS: dict[str, tuple[str | None, dict[str | None, str]]] = {
+    "gpufleet_gpu_up": (None, {None: "up"}),
+    "gpufleet_gpu_utilization_ratio": (None, {None: "utilization_ratio"}),
+    "gpufleet_gpu_sm_active_ratio": (None, {None: "sm_active_ratio"}),
+    "gpufleet_gpu_temperature_celsius": (None, {None: "temperature_celsius"}),
+    "gpufleet_gpu_memory_temperature_celsius": (None, {None: "memory_temperature_celsius"}),
+    "gpufleet_gpu_temperature_limit_celsius": ("limit", {
+        "slowdown": "slowdown_temperature_celsius",
+        "memory_max_operating": "memory_max_operating_temperature_celsius"}),
+    "gpufleet_gpu_power_watts": (None, {None: "power_watts"}),
+    "gpufleet_gpu_power_limit_watts": (None, {None: "power_limit_watts"}),
+    "gpufleet_gpu_energy_joules_total": (None, {None: "energy_joules_total"}),
+    "gpufleet_gpu_clock_hertz": ("clock", {"sm": "sm_clock_hertz"}),
+    "gpufleet_gpu_clock_max_hertz": ("clock", {"sm": "sm_clock_max_hertz"}),
+    "gpufleet_gpu_throttle_reasons": (None, {None: "throttle_reasons"}),
+    "gpufleet_gpu_ecc_errors_total": ("type", {"uncorrected": "ecc_uncorrected_errors_total"}),
+    "gpufleet_gpu_remapped_rows_pending": (None, {None: "remapped_rows_pending"}),
+    "gpufleet_gpu_remapped_rows_failure": (None, {None: "remapped_rows_failure"}),
 }
 _BOOLS = frozenset({"up", "remapped_rows_pending", "remapped_rows_failure"})
 _JOB_INFO = "gpufleet_gpu_job_info"
@@ -444,8 +448,9 @@ def _target(name: str, labels: Mapping[str, Any]) -> tuple[str | None, bool, str
     if name in _ACTIVITY:
         return None, False, str(labels.get("reading")), _ACTIVITY[name], "", None
     if name in _FIELDS:
-        label, wanted, field = _FIELDS[name]
-        if label is None or labels.get(label) == wanted:
+        label, fields = _FIELDS[name]
+        field = fields.get(None if label is None else labels.get(label))
+        if field is not None:
             return field, field in _BOOLS, "", 0, "", None
         return None, False, "", 0, "", None
     return None

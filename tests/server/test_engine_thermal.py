@@ -59,3 +59,45 @@ def test_one_second_sampling_fires_the_same_alert():
 
     (a,) = _alerts(hot, seconds=500.0, interval=1.0)
     assert T0 + 330 <= a.started <= T0 + 340
+
+
+def test_hbm_at_its_own_limit_fires_critical_with_a_cool_die_and_resolves_with_hysteresis():
+    def hbm(t, node, gpu):
+        base = {"memory_temperature_celsius": 70.0, "memory_max_operating_temperature_celsius": 95.0}
+        if node == "n0" and gpu == 3:
+            if 300 <= t < 600:
+                base["memory_temperature_celsius"] = 95.0
+            elif 600 <= t < 700:
+                base["memory_temperature_celsius"] = 93.0     # under its limit, inside the hysteresis band
+        return base
+
+    (a,) = _alerts(hbm)
+    assert (a.node, a.gpu, a.severity.value) == ("n0", 3, "critical")
+    assert T0 + 330 <= a.started <= T0 + 345
+    assert a.resolved is not None and a.resolved >= T0 + 700 + 30
+    assert a.evidence["temperature_celsius"] == 60.0
+    assert a.evidence["memory_temperature_celsius"] == 95.0
+    assert a.evidence["memory_max_operating_temperature_celsius"] == 95.0
+    assert a.evidence["memory_at_limit"] is True
+    assert "HBM 95 °C" in a.summary
+
+
+def test_hbm_without_a_reported_limit_is_never_a_trigger():
+    def hbm(t, node, gpu):
+        return {"memory_temperature_celsius": 99.0} if node == "n0" and gpu == 3 and t >= 300 else {}
+
+    assert _alerts(hbm) == []
+
+
+def test_a_hot_die_alert_carries_the_hbm_reading_and_absent_stays_absent():
+    def hot(t, node, gpu):
+        if node == "n1" and t >= 300 and gpu in (4, 5):
+            extra = {"memory_temperature_celsius": 88.0, "memory_max_operating_temperature_celsius": 95.0}
+            return {"temperature_celsius": 84.5, **(extra if gpu == 4 else {})}
+        return {}
+
+    with_hbm, without = sorted(_alerts(hot), key=lambda a: a.gpu)
+    assert with_hbm.severity.value == "warning" and with_hbm.evidence["memory_at_limit"] is False
+    assert with_hbm.evidence["memory_temperature_celsius"] == 88.0 and "HBM" not in with_hbm.summary
+    assert without.evidence["memory_temperature_celsius"] is None
+    assert without.evidence["memory_max_operating_temperature_celsius"] is None

@@ -35,6 +35,8 @@ def gpu_series(node: str, gpu: int, times: list[float], *, util: float = 0.9, wi
            s("gpufleet_gpu_temperature_celsius", 70.0 + gpu),
            s("gpufleet_gpu_temperature_limit_celsius", 89.0, limit="slowdown"),
            s("gpufleet_gpu_temperature_limit_celsius", 92.0, limit="shutdown"),
+           s("gpufleet_gpu_temperature_limit_celsius", 95.0, limit="memory_max_operating"),
+           s("gpufleet_gpu_memory_temperature_celsius", 60.0 + gpu),
            s("gpufleet_gpu_power_watts", 650.0), s("gpufleet_gpu_power_limit_watts", 700.0),
            series("gpufleet_gpu_energy_joules_total", node, gpu, [(t, 1000.0 + 650.0 * t) for t in times], instance),
            s("gpufleet_gpu_clock_hertz", 1.98e9, clock="sm"), s("gpufleet_gpu_clock_hertz", 2.6e9, clock="memory"),
@@ -118,6 +120,8 @@ def test_each_scrape_of_a_node_becomes_one_snapshot_with_the_contract_readings()
     assert first.value(0, "utilization_ratio") == pytest.approx(0.9)
     assert first.value(0, "sm_clock_hertz") == 1.98e9                 # the sm clock, not the memory clock
     assert first.value(0, "slowdown_temperature_celsius") == 89.0      # slowdown, not shutdown
+    assert first.value(1, "memory_temperature_celsius") == 61.0       # HBM, beside the die's 71
+    assert first.value(0, "memory_max_operating_temperature_celsius") == 95.0
     assert first.value(0, "ecc_uncorrected_errors_total") == 0.0      # uncorrected only
     assert first.value(0, "energy_joules_total") == pytest.approx(1000.0 + 650.0 * 990.0)
     assert first.value(0, "up") == 1.0

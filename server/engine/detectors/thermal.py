@@ -1,9 +1,12 @@
-"""thermal_throttle: a GPU at or above the temperature threshold, or with thermal throttle bits set.
+"""thermal_throttle: a GPU at or above the temperature threshold, with its HBM at its own max operating
+temperature, or with thermal throttle bits set.
 
 The condition is read per bin (not smoothed) and must hold for thermal_for_seconds in the lifecycle, so a
 few seconds' spike never fires. Critical when clocks are cut (HW thermal slowdown bit, or SM clock well
-below max while thermally throttled) or the GPU is within a margin of its own slowdown temperature.
-Clears below threshold - margin with no thermal bits (hysteresis), held for thermal_clear_seconds.
+below max while thermally throttled), the GPU is within a margin of its own slowdown temperature, or its
+HBM is at its limit. Clears below threshold - margin, HBM below its limit - margin, with no thermal bits
+(hysteresis), held for thermal_clear_seconds. HBM reported without its limit (or not at all) is evidence
+only, never a trigger.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from server.alerts import AlertKind, Severity
 from server.engine.detectors import Finding, Outcome, FingerprintIndex, r3
 from server.engine.reduce import median
 from server.engine.tick import Tick, smoothed_row
-from server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_SLOWDOWN, B_TEMP, B_THERMAL, B_UTIL)
+from server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_MEM_MAX_TEMP, B_MEM_TEMP, B_SLOWDOWN, B_TEMP,
+                                   B_THERMAL, B_UTIL)
 
 
 def detect(tick: Tick, index: FingerprintIndex) -> Outcome:
@@ -22,8 +26,11 @@ def detect(tick: Tick, index: FingerprintIndex) -> Outcome:
     cfg = tick.config
     temp = tick.latest[B_TEMP]
     bits = tick.latest[B_THERMAL]
-    on = (temp >= cfg.thermal_temperature_celsius) | (bits > 0)
+    # NaN on either side (no HBM sensor, no limit reported) compares false: never hot, never in the way.
+    hbm_over = tick.latest[B_MEM_TEMP] - (tick.latest[B_MEM_MAX_TEMP] - cfg.thermal_memory_margin_celsius)
+    on = (temp >= cfg.thermal_temperature_celsius) | (bits > 0) | (hbm_over >= 0)
     clear = (~(temp >= cfg.thermal_temperature_celsius - cfg.thermal_clear_margin_celsius)
+             & ~(hbm_over >= -cfg.thermal_clear_margin_celsius)
              & ~(bits > 0) & ~(np.isnan(temp) & np.isnan(bits)))
     unknown = np.isnan(temp) & np.isnan(bits)
     out = Outcome()
@@ -51,10 +58,13 @@ def _finding(tick: Tick, slot: int) -> Finding:
     util = float(latest[B_UTIL, slot])
     hw = float(latest[B_HW_THERMAL, slot])
     thermal_bits = float(latest[B_THERMAL, slot])
+    hbm = float(latest[B_MEM_TEMP, slot])
+    hbm_max = float(latest[B_MEM_MAX_TEMP, slot])
     cut_by_bits = hw > 0
     cut_clock = thermal_bits > 0 and clock < cfg.thermal_clock_cut_ratio and util >= cfg.busy_utilization
     near_limit = slowdown == slowdown and temp >= slowdown - cfg.thermal_slowdown_margin_celsius
-    critical = cut_by_bits or cut_clock or near_limit
+    hbm_hot = hbm >= hbm_max - cfg.thermal_memory_margin_celsius
+    critical = cut_by_bits or cut_clock or near_limit or hbm_hot
     reasons = [r for r, hit in (("hw_thermal_slowdown", hw > 0),
                                 ("sw_thermal_slowdown", thermal_bits > 0 and not hw > 0)) if hit]
     gid = tick.groups.gid[slot]
@@ -67,6 +77,8 @@ def _finding(tick: Tick, slot: int) -> Finding:
     why = []
     if temp == temp:
         why.append(f"{temp:.0f} °C (threshold {cfg.thermal_temperature_celsius:.0f} °C)")
+    if hbm_hot:
+        why.append(f"HBM {hbm:.0f} °C (its max operating {hbm_max:.0f} °C)")
     if reasons:
         why.append("throttle " + "+".join(reasons))
     if clock == clock and clock < 1.0:
@@ -75,6 +87,9 @@ def _finding(tick: Tick, slot: int) -> Finding:
         "temperature_celsius": r3(temp),
         "threshold_celsius": cfg.thermal_temperature_celsius,
         "slowdown_temperature_celsius": r3(slowdown),
+        "memory_temperature_celsius": r3(hbm),
+        "memory_max_operating_temperature_celsius": r3(hbm_max),
+        "memory_at_limit": bool(hbm_hot),
         "peer_median_temperature_celsius": r3(peer_temp),
         "throttle_reasons": reasons,
         "sm_clock_ratio": r3(clock),
