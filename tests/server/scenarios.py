@@ -670,13 +670,33 @@ def mid_job(spec: ClusterSpec, onset_s: float) -> ClusterSpec:
     """The same cluster recorded from the middle of its jobs: a job that starts with the trace is past its
     start-up at the first sample, and the incidents move earlier together (kept apart as they were) so
     that the first begins onset_s into the trace. A probe for traces cut from longer recordings and for a
-    server restarted mid-job; an incident already earlier than onset_s stays where it is."""
+    server restarted mid-job; an incident already earlier than onset_s stays where it is.
+
+    An incident of a job that starts later in the trace stays where it is too: where the recording began
+    says nothing about when that job starts. Moved with the others, a communication slowdown or an input
+    starvation landed before its job's first step, so the job never ran healthy and there was no drop
+    to see (busy_32 seed 315, busy_8 seed 316)."""
     jobs = tuple(replace(j, startup_s=0.0) if j.start_s <= 0 else j for j in spec.jobs)
-    if not spec.incidents:
+    later_keys = {j.key for j in spec.jobs if j.start_s > 0}
+    slots = {(node, gpu): j.key in later_keys for j in spec.jobs for node, gpus in j.placement for gpu in gpus}
+
+    def of_later_job(inc: Incident) -> bool:
+        if inc.job is not None:
+            return inc.job in later_keys
+        if inc.gpu is not None:
+            return slots.get((inc.node, inc.gpu), False)
+        # A whole node: only where every job on it starts later.
+        on_node = [later for (node, _), later in slots.items() if node == inc.node]
+        return bool(on_node) and all(on_node)
+
+    moving = [i for i in spec.incidents if not of_later_job(i)]
+    if not moving:
         return replace(spec, jobs=jobs)
-    shift = min(0.0, onset_s - min(i.start_s for i in spec.incidents))
+    shift = min(0.0, onset_s - min(i.start_s for i in moving))
 
     def moved(inc: Incident) -> Incident:
+        if of_later_job(inc):
+            return inc
         # An open-ended incident (end 1e9) stays open; an instant one (a counter reset: end before start)
         # keeps its end unused.
         end = inc.end_s + shift if inc.start_s <= inc.end_s < 1e8 else inc.end_s

@@ -287,6 +287,21 @@ def test_mid_job_skips_the_start_up_of_jobs_starting_with_the_trace_and_moves_in
     assert scenarios.mid_job(spec, 400.0).incidents == spec.incidents
 
 
+def test_mid_job_leaves_the_incidents_of_a_job_starting_later_where_they_were():
+    from tests.server.tracegen import ClusterSpec, Incident, Job, NodeSpec
+    spec = ClusterSpec(
+        (NodeSpec("n0"), NodeSpec("n1")),
+        (Job("a", "1", (("n0", (0, 1, 2, 3)),)), Job("b", "2", (("n1", (0, 1, 2, 3)),), start_s=200.0)),
+        (Incident("comm_slowdown", 500.0, 900.0, job="b"), Incident("slow_gpu", 520.0, 800.0, "n1", 2),
+         Incident("cooling_failure", 400.0, 700.0, "n1"), Incident("slow_gpu", 300.0, 600.0, "n0", 1),
+         Incident("jitter", 350.0, 360.0, "n1", 5)))
+    out = scenarios.mid_job(spec, 60.0)
+    # Job b's slowdown, a GPU of b and a node b runs on keep their times; job a's straggler and a GPU
+    # no job uses move by the same 240 s.
+    assert [(i.start_s, i.end_s) for i in out.incidents] == [(500.0, 900.0), (520.0, 800.0), (400.0, 700.0),
+                                                              (60.0, 360.0), (110.0, 120.0)]
+
+
 @pytest.mark.parametrize("scenario, probe, bad", [
     ("decoy_jitter", ["--noise-scale", "2"], ["--noise-scale", "-1"]),
     ("comm_slowdown", ["--mid-job", "120"], ["--mid-job", "-5"]),
