@@ -123,6 +123,7 @@ class Prepared:
         power = w._counters(slots, times, values, np.ones(len(slots), dtype=bool), nonempty, by_slot, one_per_slot)
         chunk.events, w.events = w.events, outer
         chunk.derived = derived = w._derive(values, power)
+        chunk.limits = values[:, w.LIMIT_COLS]
         self._cells(chunk, np.floor(times / w.tick).astype(np.int64), slots, derived)
         return chunk
 
@@ -173,6 +174,7 @@ class Prepared:
         w.node_last_time[node_ids] = np.fmax(w.node_last_time[node_ids], sample_times)
         slots, times = chunk.slots[r0:r1], chunk.times[r0:r1]
         w._update_jobs(slots, chunk.codes[r0:r1], times, times >= w.slot_last_time[slots])
+        w.note_limits(slots, chunk.limits[r0:r1])
         if chunk.events:
             until = float(sample_times[-1])
             w.events.extend(ev for ev in chunk.events if ev.time <= until)
@@ -214,10 +216,11 @@ class Prepared:
 
 class _Chunk:
     """Prepared samples start..end: per-sample row offsets, times and node ids; per-row slots, job codes,
-    times and derived readings; counter events not yet released; and cells (bin, slot) in bin order."""
+    times, derived readings and limits; counter events not yet released; and cells (bin, slot) in bin
+    order."""
 
     __slots__ = ("start", "end", "row_start", "sample_time", "node_id", "slots", "codes", "times", "derived",
-                 "events", "cell_sums", "cell_rows", "cell_bin", "cell_flat", "cell_at")
+                 "limits", "events", "cell_sums", "cell_rows", "cell_bin", "cell_flat", "cell_at")
 
     def __init__(self, start: int, end: int, row_start: np.ndarray, sample_time: np.ndarray,
                  node_id: np.ndarray) -> None:

@@ -23,12 +23,17 @@ from server.contract import (CLOCK, CLOCK_MAX, ECC_UNCORRECTED, ENERGY, LAST_XID
 from server.engine.prepared import Prepared
 
 # Binned quantities (rows of the rings).
-(B_UTIL, B_SM, B_TEMP, B_SLOWDOWN, B_POWER, B_POWER_LIMIT, B_CLOCK_RATIO, B_UP, B_THERMAL, B_HW_THERMAL,
- B_SLOW, B_POWER_CAP, B_REMAP_PENDING, B_REMAP_FAILURE, B_MEM_TEMP, B_MEM_MAX_TEMP) = range(16)
-N_BINNED = 16
-_DIRECT = ((B_UTIL, UTIL), (B_SM, SM), (B_TEMP, TEMP), (B_SLOWDOWN, SLOWDOWN_TEMP), (B_POWER, POWER),
+(B_UTIL, B_SM, B_TEMP, B_MEM_TEMP, B_POWER, B_POWER_LIMIT, B_CLOCK_RATIO, B_UP, B_THERMAL, B_HW_THERMAL,
+ B_SLOW, B_POWER_CAP, B_REMAP_PENDING, B_REMAP_FAILURE) = range(14)
+N_BINNED = 14
+_DIRECT = ((B_UTIL, UTIL), (B_SM, SM), (B_TEMP, TEMP), (B_MEM_TEMP, MEM_TEMP), (B_POWER, POWER),
            (B_POWER_LIMIT, POWER_LIMIT), (B_UP, UP), (B_REMAP_PENDING, REMAP_PENDING),
-           (B_REMAP_FAILURE, REMAP_FAILURE), (B_MEM_TEMP, MEM_TEMP), (B_MEM_MAX_TEMP, MEM_MAX_TEMP))
+           (B_REMAP_FAILURE, REMAP_FAILURE))
+# A device's temperature limits do not change while it runs: the newest one reported is kept per GPU
+# (Windows.slot_limits) instead of a ring of bins, which at 8,000 GPUs and 10-minute windows would
+# hold 16 MB per limit. Rows of slot_limits:
+L_SLOWDOWN, L_MEM_MAX = range(2)
+LIMIT_COLS = np.array([SLOWDOWN_TEMP, MEM_MAX_TEMP])
 THERMAL_BITS = 0x20 | 0x40
 HW_THERMAL_BIT = 0x40
 SLOW_BITS = 0x08 | 0x20 | 0x40 | 0x80
@@ -68,6 +73,8 @@ class _NodeCache:
 
 class Windows:
     """Slot registry (one slot per node/GPU index) plus binned rings and counter state."""
+
+    LIMIT_COLS = LIMIT_COLS      # for server.engine.prepared, which cannot import this module
 
     def __init__(self, tick_seconds: float, ring_bins: int) -> None:
         self.tick = float(tick_seconds)
@@ -128,6 +135,7 @@ class Windows:
         self.slot_model_id = grow(None if first else self.slot_model_id, -1, (), np.int64)
         self._counter_val = grow(None if first else self._counter_val, np.nan, (3,))
         self._counter_time = grow(None if first else self._counter_time, -np.inf, (3,))
+        self.slot_limits = grow(None if first else self.slot_limits, np.nan, (len(LIMIT_COLS),))
         self._cap = cap
 
     def reserve(self, n_slots: int) -> None:
@@ -231,10 +239,19 @@ class Windows:
         in_order = times >= self.slot_last_time[slots]
         by_slot = np.argsort(slots, kind="stable")            # per slot, still in time order
         self._update_jobs(slots, codes, times, in_order, by_slot)
+        self.note_limits(slots, values[:, LIMIT_COLS])
         sorted_slots = slots[by_slot]
         one_per_slot = not (sorted_slots[1:] == sorted_slots[:-1]).any()
         power_from_energy = self._counters(slots, times, values, in_order, inbox, by_slot, one_per_slot)
         self._bin(slots, times, self._derive(values, power_from_energy), min_bin, one_per_slot)
+
+    def note_limits(self, slots: np.ndarray, limits: np.ndarray) -> None:
+        """Keep each GPU's newest reported limits (rows in time order: the last write wins); a limit
+        not reported leaves the one known before."""
+        known = ~np.isnan(limits)
+        for i in range(limits.shape[1]):
+            if known[:, i].any():
+                self.slot_limits[i, slots[known[:, i]]] = limits[known[:, i], i]
 
     def _update_jobs(self, slots: np.ndarray, codes: np.ndarray, times: np.ndarray,
                      in_order: np.ndarray, by_slot: np.ndarray | None = None) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from server.contract import parse_lines
 from server.engine import prepared as prepared_module
-from server.engine.windows import B_POWER, B_THERMAL, B_UTIL, N_BINNED, Windows
+from server.engine.windows import B_POWER, B_THERMAL, B_UTIL, L_MEM_MAX, L_SLOWDOWN, N_BINNED, Windows
 from tests.server.engine_samples import T0, healthy, sample, snapshot_line
 
 
@@ -25,6 +25,19 @@ def test_samples_in_one_bin_are_averaged_and_bits_become_fractions():
     assert win[B_UTIL, 0, 0] == np.float64(0.4).item() or abs(win[B_UTIL, 0, 0] - 0.4) < 1e-12
     assert abs(win[B_THERMAL, 0, 0] - 2 / 3) < 1e-12
     assert np.isnan(win[B_UTIL, 1, 0])                        # previous bin: no data
+
+
+def test_each_gpu_keeps_its_newest_reported_limits_and_a_limit_never_reported_stays_unknown():
+    w = _w()
+    w.add(sample("n0", T0, [healthy(0, memory_max_operating_temperature_celsius=95.0), healthy(1)]))
+    w.add(sample("n0", T0 + 1, [healthy(0, slowdown_temperature_celsius=None,
+                                        memory_max_operating_temperature_celsius=None), healthy(1)]))
+    w.flush(min_bin=0)
+    w.add(sample("n0", T0 + 6, [healthy(0, slowdown_temperature_celsius=86.0), healthy(1)]))
+    w.flush(min_bin=0)
+    # A sample without a limit leaves the one reported before; a newer report replaces it.
+    assert w.slot_limits[L_MEM_MAX, :2].tolist()[0] == 95.0 and np.isnan(w.slot_limits[L_MEM_MAX, 1])
+    assert w.slot_limits[L_SLOWDOWN, :2].tolist() == [86.0, 87.0]
 
 
 def test_ingest_order_and_chunking_do_not_change_the_bins():
@@ -148,7 +161,7 @@ def _state(w: Windows) -> tuple:
     return (n, list(w.slot_node), list(w.slot_uuid), list(w.job_names), w.samples, w.late_dropped,
             w.newest_time, w.resumed_time, w.node_last_time.tobytes(), w.slot_job[:n].tobytes(),
             w.slot_job_since[:n].tobytes(), w.slot_last_time[:n].tobytes(), w.bin_id.tobytes(), w.acc.tobytes(),
-            [(e.slot, e.time, e.kind, e.delta, e.codes) for e in w.drain_events()])
+            w.slot_limits[:, :n].tobytes(), [(e.slot, e.time, e.kind, e.delta, e.codes) for e in w.drain_events()])
 
 
 @pytest.mark.parametrize("chunk_rows", [7, 40, 100_000])

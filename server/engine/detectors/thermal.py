@@ -17,8 +17,8 @@ from server.alerts import AlertKind, Severity
 from server.engine.detectors import Finding, Outcome, FingerprintIndex, r3
 from server.engine.reduce import median
 from server.engine.tick import Tick, smoothed_row
-from server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_MEM_MAX_TEMP, B_MEM_TEMP, B_SLOWDOWN, B_TEMP,
-                                   B_THERMAL, B_UTIL)
+from server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_MEM_TEMP, B_TEMP, B_THERMAL, B_UTIL, L_MEM_MAX,
+                                   L_SLOWDOWN)
 
 
 def detect(tick: Tick, index: FingerprintIndex) -> Outcome:
@@ -27,7 +27,8 @@ def detect(tick: Tick, index: FingerprintIndex) -> Outcome:
     temp = tick.latest[B_TEMP]
     bits = tick.latest[B_THERMAL]
     # NaN on either side (no HBM sensor, no limit reported) compares false: never hot, never in the way.
-    hbm_over = tick.latest[B_MEM_TEMP] - (tick.latest[B_MEM_MAX_TEMP] - cfg.thermal_memory_margin_celsius)
+    hbm_limit = tick.windows.slot_limits[L_MEM_MAX, :tick.windows.n]
+    hbm_over = tick.latest[B_MEM_TEMP] - (hbm_limit - cfg.thermal_memory_margin_celsius)
     on = (temp >= cfg.thermal_temperature_celsius) | (bits > 0) | (hbm_over >= 0)
     clear = (~(temp >= cfg.thermal_temperature_celsius - cfg.thermal_clear_margin_celsius)
              & ~(hbm_over >= -cfg.thermal_clear_margin_celsius)
@@ -53,13 +54,13 @@ def _finding(tick: Tick, slot: int) -> Finding:
     w = tick.windows
     latest = tick.latest
     temp = float(latest[B_TEMP, slot])
-    slowdown = float(latest[B_SLOWDOWN, slot])
+    slowdown = float(w.slot_limits[L_SLOWDOWN, slot])
     clock = float(latest[B_CLOCK_RATIO, slot])
     util = float(latest[B_UTIL, slot])
     hw = float(latest[B_HW_THERMAL, slot])
     thermal_bits = float(latest[B_THERMAL, slot])
     hbm = float(latest[B_MEM_TEMP, slot])
-    hbm_max = float(latest[B_MEM_MAX_TEMP, slot])
+    hbm_max = float(w.slot_limits[L_MEM_MAX, slot])
     cut_by_bits = hw > 0
     cut_clock = thermal_bits > 0 and clock < cfg.thermal_clock_cut_ratio and util >= cfg.busy_utilization
     near_limit = slowdown == slowdown and temp >= slowdown - cfg.thermal_slowdown_margin_celsius
