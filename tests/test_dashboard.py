@@ -30,6 +30,7 @@ ALWAYS = {
     "Power per GPU": (10.0, 800.0),
     "SM clock per GPU": (1e8, 3e9),
     "Temperature": (20.0, 100.0),
+    "HBM temperature": (20.0, 110.0),
     "Stragglers by job": (0.0, 0.0),
     "Communication- / input-bound": (0.0, 1.0),
     "Agents up": (2.0, 2.0),
