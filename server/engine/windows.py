@@ -249,9 +249,11 @@ class Windows:
         """Keep each GPU's newest reported limits (rows in time order: the last write wins); a limit
         not reported leaves the one known before."""
         known = ~np.isnan(limits)
-        for i in range(limits.shape[1]):
-            if known[:, i].any():
-                self.slot_limits[i, slots[known[:, i]]] = limits[known[:, i], i]
+        if known.all():
+            self.slot_limits[:, slots] = limits.T
+        else:
+            r, c = np.nonzero(known)                      # row-major: a GPU's newer rows come later
+            self.slot_limits[c, slots[r]] = limits[r, c]
 
     def _update_jobs(self, slots: np.ndarray, codes: np.ndarray, times: np.ndarray,
                      in_order: np.ndarray, by_slot: np.ndarray | None = None) -> None:
