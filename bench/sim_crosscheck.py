@@ -23,8 +23,8 @@ Per run: *wrong* when a detection alert (straggler, thermal_throttle, comm_bound
 gpu_lost, node_unreachable) names anything but the incident's subject: a victim, a healthy job, or a kind the incident
 does not cause (a throttled GPU that slows its job may also be named a straggler). The expected alert
 is *required* by the scenario suite scorer's rules (a job slowed 10 % by a straggler or host, a step
-grown 25 % by communication, a GPU at >= 83 degC or thermal bits for 30 s): a marginal incident may go
-unseen, but must never name a wrong subject.
+grown 25 % by communication, a GPU at >= 83 degC, HBM at its limit or thermal bits for 30 s): a
+marginal incident may go unseen, but must never name a wrong subject.
 Writes the table between `<!-- crosscheck:begin -->` and `<!-- crosscheck:end -->` in
 docs/detection.md (`crosscheck:hard:`, `crosscheck:unattributed:` markers for those modes).
 """
@@ -76,7 +76,8 @@ class Case:
     def required(self, lines: list[bytes]) -> bool:
         """Whether the expected alert must be raised, by the suite's scorer's rules (tracegen): a
         straggler that slows its job by 10 %, a communication slowdown growing the step by 25 %, a GPU
-        that was at the thermal alert condition (>= 83 degC or thermal bits) for 30 s running."""
+        that was at the thermal alert condition (>= 83 degC, HBM at its limit, or thermal bits) for 30 s
+        running."""
         if self.expect is None:
             return False
         if self.kind == "cooling":
@@ -226,7 +227,9 @@ def _longest_hot_run_s(lines: list[bytes], node: str, gpu: int) -> int:
             continue
         for g in snap["gpus"]:
             if g["index"] == gpu:
-                hot = (g.get("temperature_celsius") or 0) >= HOT_CELSIUS or bool((g.get("throttle_reasons") or 0) & 0x60)
+                hbm, hbm_max = g.get("memory_temperature_celsius"), g.get("memory_max_operating_temperature_celsius")
+                hot = ((g.get("temperature_celsius") or 0) >= HOT_CELSIUS or bool((g.get("throttle_reasons") or 0) & 0x60)
+                       or (hbm is not None and hbm_max is not None and hbm >= hbm_max))
                 run = run + 1 if hot else 0
                 best = max(best, run)
     return best
