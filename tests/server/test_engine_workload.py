@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from server.replay import run_replay
 from tests.server.engine_samples import MAX_HZ, T0, cluster_lines
@@ -88,9 +89,9 @@ def test_comm_bound_is_not_held_back_by_gpus_standing_out_within_the_noise():
         ("straggler", "n1", 3)]
 
 
-def _wandering(t: float, watts: float, spread: float) -> float:
+def _wandering(t: float, watts: float, spread: float, salt: int = 10) -> float:
     """watts times a job-wide factor redrawn every 30 s, seeded: the whole job's power wanders together."""
-    z = np.random.default_rng([int(t) // 30, 10]).standard_normal()
+    z = np.random.default_rng([int(t) // 30, salt]).standard_normal()
     return watts * (1.0 + spread * z)
 
 
@@ -109,6 +110,22 @@ def test_a_job_whose_power_wanders_by_itself_is_not_comm_bound_until_it_drops_be
     alerts = run_replay(cluster_lines(1800, override=wander(1200)))
     assert [(a.kind.value, a.hpc_job) for a in alerts] == [("comm_bound", "j1")]
     assert T0 + 1200 < alerts[0].started <= T0 + 1200 + 90
+
+
+@pytest.mark.parametrize("salt", [0, 7])
+def test_a_job_that_wanders_by_itself_in_its_first_minutes_is_not_comm_bound_but_a_real_drop_then_is(salt):
+    # As above, in a job's first minutes of history, before its noise can be read from changes a minute
+    # apart: on the stop-30 engine comm_bound fired at +175 s (salt 0) and +155 s (salt 7).
+    def wander(drop_from):
+        def override(t, node, gpu):
+            watts = _wandering(t, 330.0, 0.035, salt) * (0.7 if t >= drop_from else 1.0)
+            return {"sm_active_ratio": None, "power_watts": _noisy_power(t, node, gpu, watts, 0.01)}
+        return override
+
+    assert _kinds(cluster_lines(600, override=wander(1e9))) == []
+    alerts = run_replay(cluster_lines(600, override=wander(200)))
+    assert [(a.kind.value, a.hpc_job) for a in alerts] == [("comm_bound", "j1")]
+    assert T0 + 200 < alerts[0].started <= T0 + 200 + 60
 
 
 def test_comm_bound_on_power_where_sm_activity_is_unsupported():

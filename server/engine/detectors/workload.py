@@ -15,6 +15,9 @@ another 4 % over its peers most ticks and held a 40 % input-bound drop back for 
 
 from __future__ import annotations
 
+import math
+from statistics import NormalDist
+
 import numpy as np
 
 from server.alerts import AlertKind, Severity
@@ -56,15 +59,27 @@ def sag(groups: Groups, history: GroupHistory, drop: np.ndarray, source: np.ndar
     return np.where(np.isnan(below), drop, below)
 
 
-def beyond_noise(sagged: np.ndarray, history: GroupHistory, source: np.ndarray, sigmas: float) -> np.ndarray:
+def beyond_noise(sagged: np.ndarray, history: GroupHistory, source: np.ndarray, sigmas: float,
+                 threshold: np.ndarray) -> np.ndarray:
     """Per group: does the level lie `sigmas` of the job's own noise below its history's median
     (`sagged`, from sag)? The baseline is a high percentile, so in a noisy series it sits well
     above the usual level: with the generator's noise tripled, a power-only job's half-minute median
     wandered 5-9 % under its baseline with nothing changed, past the 8 % threshold for half a minute
-    at a time. Where the noise is not known yet the threshold alone decides."""
+    at a time.
+
+    The noise is read from changes a minute apart once there are enough of them (GroupHistory.spread,
+    about 4 minutes of healthy history). Until then the levels' own spread stands in (the baseline's
+    distance above the median, over the normal quantile of its percentile), asking at most the drop's
+    own threshold below the median: at triple noise, jobs 4-5 % under their median (8-9 % under a
+    baseline 4.6 % above it) opened comm_bound 4-6 minutes in. The spread overstates the noise of a
+    history that holds a trend: a job climbing back from a straggler had its levels spread 5 %, and a
+    real 10 % drop below its median would have been taken for noise without that cap."""
     sm = source == 1
-    noise = np.where(sm, history.spread("sm") / history.median("sm"),
-                     history.spread("power") / history.median("power"))
+    middle = np.where(sm, history.median("sm"), history.median("power"))
+    noise = np.where(sm, history.spread("sm"), history.spread("power")) / middle
+    z = NormalDist().inv_cdf(history.percentile / 100.0) if 50.0 < history.percentile < 100.0 else math.nan
+    levels = (np.where(sm, history.baseline("sm"), history.baseline("power")) / middle - 1.0) / z
+    noise = np.where(np.isnan(noise), np.minimum(levels, threshold / sigmas), noise)
     return ~(sagged < sigmas * noise)
 
 
@@ -114,7 +129,7 @@ def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set
     ok = is_job & (grp.size >= 2) & aged
     threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
     dropped = ok & (drop >= threshold) & beyond_noise(tick.sag, history, tick.slowdown_source,
-                                                      cfg.workload_noise_sigmas)
+                                                      cfg.workload_noise_sigmas, threshold)
     spinning = grp.util >= cfg.comm_min_utilization
     comm = dropped & spinning & ~held_comm
     inp = (dropped & ~spinning & ~held_inp & (base_u - grp.util >= cfg.input_utilization_drop)
