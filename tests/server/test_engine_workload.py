@@ -95,19 +95,21 @@ def _wandering(t: float, watts: float, spread: float, salt: int = 10) -> float:
     return watts * (1.0 + spread * z)
 
 
+def _power_wander(drop_from: float, salt: int = 10):
+    """A power-only job of 330 W wandering by 3.5 % (see _wandering), 30 % lower from drop_from on."""
+    def override(t, node, gpu):
+        watts = _wandering(t, 330.0, 0.035, salt) * (0.7 if t >= drop_from else 1.0)
+        return {"sm_active_ratio": None, "power_watts": _noisy_power(t, node, gpu, watts, 0.01)}
+    return override
+
+
 def test_a_job_whose_power_wanders_by_itself_is_not_comm_bound_until_it_drops_beyond_that():
     # Power only; the whole job's power wanders by 3.5 % (one standard deviation) half a minute at a
     # time, with nothing wrong. Its baseline, a high percentile, sits well above the usual level, so
     # ordinary dips read over 8 % under it: on the stop-29 engine comm_bound fired at +450 s and +895 s.
     # A drop well beyond the job's own wander is still comm_bound.
-    def wander(drop_from):
-        def override(t, node, gpu):
-            watts = _wandering(t, 330.0, 0.035) * (0.7 if t >= drop_from else 1.0)
-            return {"sm_active_ratio": None, "power_watts": _noisy_power(t, node, gpu, watts, 0.01)}
-        return override
-
-    assert _kinds(cluster_lines(1800, override=wander(1e9))) == []
-    alerts = run_replay(cluster_lines(1800, override=wander(1200)))
+    assert _kinds(cluster_lines(1800, override=_power_wander(1e9))) == []
+    alerts = run_replay(cluster_lines(1800, override=_power_wander(1200)))
     assert [(a.kind.value, a.hpc_job) for a in alerts] == [("comm_bound", "j1")]
     assert T0 + 1200 < alerts[0].started <= T0 + 1200 + 90
 
@@ -116,14 +118,8 @@ def test_a_job_whose_power_wanders_by_itself_is_not_comm_bound_until_it_drops_be
 def test_a_job_that_wanders_by_itself_in_its_first_minutes_is_not_comm_bound_but_a_real_drop_then_is(salt):
     # As above, in a job's first minutes of history, before its noise can be read from changes a minute
     # apart: on the stop-30 engine comm_bound fired at +175 s (salt 0) and +155 s (salt 7).
-    def wander(drop_from):
-        def override(t, node, gpu):
-            watts = _wandering(t, 330.0, 0.035, salt) * (0.7 if t >= drop_from else 1.0)
-            return {"sm_active_ratio": None, "power_watts": _noisy_power(t, node, gpu, watts, 0.01)}
-        return override
-
-    assert _kinds(cluster_lines(600, override=wander(1e9))) == []
-    alerts = run_replay(cluster_lines(600, override=wander(200)))
+    assert _kinds(cluster_lines(600, override=_power_wander(1e9, salt))) == []
+    alerts = run_replay(cluster_lines(600, override=_power_wander(200, salt)))
     assert [(a.kind.value, a.hpc_job) for a in alerts] == [("comm_bound", "j1")]
     assert T0 + 200 < alerts[0].started <= T0 + 200 + 60
 
