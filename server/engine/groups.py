@@ -7,7 +7,9 @@ GPUs of the same model across nodes. Group ids are interned so a group's history
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -308,6 +310,9 @@ class GroupHistory:
         self.percentile = percentile
         self.min_ticks = min_ticks
         self.lag = lag_ticks
+        # How many standard deviations the baseline percentile sits above the median, were the levels
+        # normal (NaN where that says nothing: at or below the median, or the maximum).
+        self._z = NormalDist().inv_cdf(percentile / 100.0) if 50.0 < percentile < 100.0 else math.nan
         self.values = np.full((len(self.SERIES), 0, ring_ticks), np.nan)
         self.tick_of = np.full(ring_ticks, -1, dtype=np.int64)
         self.base = np.full((len(self.SERIES), 0), np.nan)
@@ -400,6 +405,13 @@ class GroupHistory:
     def median(self, name: str) -> np.ndarray:
         """Per-group median of one series over its healthy history (NaN until enough of it)."""
         return self.middle[self.SERIES.index(name)]
+
+    def level_spread(self, name: str) -> np.ndarray:
+        """Per-group standard deviation of one series read from its levels: the baseline's distance above
+        the median over the normal quantile of the baseline's percentile. Known as soon as the baseline
+        is, but a history holding a trend spreads its levels wider than its noise (see spread)."""
+        i = self.SERIES.index(name)
+        return (self.base[i] - self.middle[i]) / self._z
 
     def spread(self, name: str) -> np.ndarray:
         """Per-group standard deviation of one drop series ("sm" or "power") in its healthy history

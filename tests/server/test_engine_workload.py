@@ -89,16 +89,12 @@ def test_comm_bound_is_not_held_back_by_gpus_standing_out_within_the_noise():
         ("straggler", "n1", 3)]
 
 
-def _wandering(t: float, watts: float, spread: float, salt: int = 10) -> float:
-    """watts times a job-wide factor redrawn every 30 s, seeded: the whole job's power wanders together."""
-    z = np.random.default_rng([int(t) // 30, salt]).standard_normal()
-    return watts * (1.0 + spread * z)
-
-
 def _power_wander(drop_from: float, salt: int = 10):
-    """A power-only job of 330 W wandering by 3.5 % (see _wandering), 30 % lower from drop_from on."""
+    """A power-only job of 330 W times a job-wide factor redrawn every 30 s (seeded: the whole job's power
+    wanders together, by 3.5 %), 30 % lower from drop_from on."""
     def override(t, node, gpu):
-        watts = _wandering(t, 330.0, 0.035, salt) * (0.7 if t >= drop_from else 1.0)
+        z = np.random.default_rng([int(t) // 30, salt]).standard_normal()
+        watts = 330.0 * (1.0 + 0.035 * z) * (0.7 if t >= drop_from else 1.0)
         return {"sm_active_ratio": None, "power_watts": _noisy_power(t, node, gpu, watts, 0.01)}
     return override
 

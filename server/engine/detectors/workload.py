@@ -15,9 +15,6 @@ another 4 % over its peers most ticks and held a 40 % input-bound drop back for 
 
 from __future__ import annotations
 
-import math
-from statistics import NormalDist
-
 import numpy as np
 
 from server.alerts import AlertKind, Severity
@@ -68,8 +65,8 @@ def beyond_noise(sagged: np.ndarray, history: GroupHistory, source: np.ndarray, 
     at a time.
 
     The noise is read from changes a minute apart once there are enough of them (GroupHistory.spread,
-    about 4 minutes of healthy history). Until then the levels' own spread stands in (the baseline's
-    distance above the median, over the normal quantile of its percentile), asking at most the drop's
+    about 4 minutes of healthy history). Until then the levels' own spread stands in
+    (GroupHistory.level_spread), asking at most the drop's
     own threshold below the median: at triple noise, jobs 4-5 % under their median (8-9 % under a
     baseline 4.6 % above it) opened comm_bound 4-6 minutes in. The spread overstates the noise of a
     history that holds a trend: a job climbing back from a straggler had its levels spread 5 %, and a
@@ -77,8 +74,7 @@ def beyond_noise(sagged: np.ndarray, history: GroupHistory, source: np.ndarray, 
     sm = source == 1
     middle = np.where(sm, history.median("sm"), history.median("power"))
     noise = np.where(sm, history.spread("sm"), history.spread("power")) / middle
-    z = NormalDist().inv_cdf(history.percentile / 100.0) if 50.0 < history.percentile < 100.0 else math.nan
-    levels = (np.where(sm, history.baseline("sm"), history.baseline("power")) / middle - 1.0) / z
+    levels = np.where(sm, history.level_spread("sm"), history.level_spread("power")) / middle
     noise = np.where(np.isnan(noise), np.minimum(levels, threshold / sigmas), noise)
     return ~(sagged < sigmas * noise)
 
