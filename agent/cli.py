@@ -23,6 +23,7 @@ from agent.nvml_reader import NvmlReader
 from agent.record import Recorder
 from agent.sampler import Sampler
 from agent.store import SnapshotStore
+from agent.webconfig import WebConfig, WebConfigError, load_web_config
 from agent.webserver import AgentHttpServer
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Runtime:
     clock: Callable[[], float]
     wait: Callable[[float], None]
     cleanup: list[Callable[[], None]] = field(default_factory=list)
+    web: WebConfig | None = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,7 +77,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_runtime(config: AgentConfig) -> Runtime:
-    """The NVML object (pynvml or the simulator), the reader around it and job attribution."""
+    """The NVML object (pynvml or the simulator), the reader around it, job attribution and the web config."""
+    web = None
+    if config.web_config_file and not config.once:
+        # Read before NVML comes up: a broken file is a one-line error, not a half-started agent.
+        try:
+            web = load_web_config(config.web_config_file)
+        except WebConfigError as exc:
+            raise ConfigError(f"--web.config.file: {exc}") from None
     procfs = config.procfs
     cleanup: list[Callable[[], None]] = []
     if config.simulate:
@@ -91,7 +100,7 @@ def build_runtime(config: AgentConfig) -> Runtime:
         nvml, node, clock, wait = _pynvml(), config.node or default_node(), time.time, _sleep
     reader = NvmlReader(nvml, per_link_nvlink=config.nvlink_per_link)
     attributor = JobAttributor(procfs, config.hpc_job_mapping_dir, env_vars=config.hpc_job_env_vars)
-    return Runtime(node=node, reader=reader, attributor=attributor, clock=clock, wait=wait, cleanup=cleanup)
+    return Runtime(node=node, reader=reader, attributor=attributor, clock=clock, wait=wait, cleanup=cleanup, web=web)
 
 
 def _simulator(config: AgentConfig) -> tuple[Any, str, Callable[[], float]]:
@@ -162,7 +171,7 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
     store = SnapshotStore(config.snapshots_retention)
     try:
         server = AgentHttpServer(store, host=config.listen_host, port=config.listen_port,
-                                 interval=config.sample_interval, clock=runtime.clock)
+                                 interval=config.sample_interval, clock=runtime.clock, web=runtime.web)
     except OSError as exc:
         sys.stderr.write(f"{PROG}: error: --web.listen-address: cannot listen on "
                          f"{config.listen_host}:{config.listen_port}: {exc.strerror or exc}\n")
@@ -178,7 +187,8 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
     sampler.start()
     log.info("agent started", extra={"node": runtime.node, "version": __version__, "port": server.port,
                                      "address": server.host, "interval_seconds": config.sample_interval,
-                                     "simulate": config.simulate, "record": config.record})
+                                     "simulate": config.simulate, "record": config.record,
+                                     "tls": server.tls, "basic_auth": server.auth is not None})
     try:
         # Short waits keep the main thread responsive to signals.
         while not stop.wait(0.5):

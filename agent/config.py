@@ -50,6 +50,7 @@ class AgentConfig:
     nvlink_per_link: bool = False
     log_level: str = "info"
     log_format: str = "json"
+    web_config_file: str | None = None
     config_file: str | None = None
 
 
@@ -185,6 +186,9 @@ class _Option:
 OPTIONS: tuple[_Option, ...] = (
     _Option("web.listen-address", "listen_host", parse_listen_address,
             f"address to serve /metrics and the snapshot API on (default :{DEFAULT_PORT})", "HOST:PORT"),
+    _Option("web.config.file", "web_config_file", _path,
+            "TLS and basic auth for the endpoints: a Prometheus exporter-toolkit web config (docs/agent.md)",
+            "FILE"),
     _Option("sample.interval", "sample_interval", _interval, "seconds between NVML samples (default 1)", "SECONDS"),
     _Option("node", "node", _node, "node name on every series and snapshot (default: hostname)", "NAME"),
     _Option("simulate", "simulate", _path,

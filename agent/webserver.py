@@ -5,17 +5,19 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import ssl
 import threading
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Callable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
 
 from agent import exposition
 from agent.store import Publication, SnapshotStore
+from agent.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +25,9 @@ JSON = "application/json"
 # An idle keep-alive connection is dropped after this long, so stuck clients cannot pile up threads.
 IDLE_TIMEOUT_SECONDS = 30.0
 MIN_STALE_SECONDS = 10.0
+# Probes (kubelet, systemd, a load balancer) reach these without credentials: they tell whether sampling
+# is healthy, never a reading.
+OPEN_PATHS = frozenset(("/healthz",))
 
 
 class AgentHttpServer:
@@ -37,14 +42,19 @@ class AgentHttpServer:
         interval: float = 1.0,
         clock: Callable[[], float] = time.time,
         poll_interval: float = 0.5,
+        web: WebConfig | None = None,
     ) -> None:
         self.store = store
+        web = web or WebConfig()
+        self.tls = web.tls is not None
+        self.auth = web.authenticator()
+        self.headers: Mapping[str, str] = dict(web.headers)
         # How often the serve loop checks for shutdown; a few wakeups a second cost nothing measurable.
         self._poll_interval = poll_interval
         self.clock = clock
         # Stale after three missed samples, but never quicker than 10 s: a GC pause is not an outage.
         self.stale_after = max(3 * interval, MIN_STALE_SECONDS)
-        self._httpd = _make_server((host, port), self)
+        self._httpd = _make_server((host, port), self, web.tls)
         self._thread: threading.Thread | None = None
 
     @property
@@ -149,14 +159,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(send_body=False)
 
     def _not_allowed(self) -> None:
-        self._send(*_error(HTTPStatus.METHOD_NOT_ALLOWED, "method_not_allowed", "use GET"), True,
-                   {"Allow": "GET, HEAD"})
+        if self._authorized(urlsplit(self.path).path, True):
+            self._send(*_error(HTTPStatus.METHOD_NOT_ALLOWED, "method_not_allowed", "use GET"), True,
+                       {"Allow": "GET, HEAD"})
 
     do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed  # noqa: N815
 
     def _answer(self, send_body: bool) -> None:
         app: AgentHttpServer = self.server.app  # type: ignore[attr-defined]
         url = urlsplit(self.path)
+        if not self._authorized(url.path, send_body):
+            return
         try:
             if url.path == "/metrics":
                 response = app.metrics()
@@ -174,6 +187,15 @@ class _Handler(BaseHTTPRequestHandler):
             response = _error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal", "internal error")
         self._send(*response, send_body)
 
+    def _authorized(self, path: str, send_body: bool) -> bool:
+        """Basic auth where the web config asks for it; answers 401 itself when it fails."""
+        auth = self.server.app.auth  # type: ignore[attr-defined]
+        if auth is None or path in OPEN_PATHS or auth.allows(self.headers.get("Authorization")):
+            return True
+        self._send(*_error(HTTPStatus.UNAUTHORIZED, "unauthorized", "valid basic auth credentials required"),
+                   send_body, {"WWW-Authenticate": 'Basic realm="gpufleet-agent", charset="UTF-8"'})
+        return False
+
     def _send(self, status: int, content_type: str, body: bytes, send_body: bool,
               headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
@@ -181,6 +203,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
         for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        for key, value in self.server.app.headers.items():  # type: ignore[attr-defined]
             self.send_header(key, value)
         self.end_headers()
         if send_body:
@@ -199,8 +223,11 @@ def _error(status: HTTPStatus, code: str, message: str) -> tuple[int, str, bytes
     return status, JSON, orjson.dumps({"error": code, "message": message})
 
 
-def _make_server(address: tuple[str, int], app: AgentHttpServer) -> ThreadingHTTPServer:
-    """Bind; an empty host listens on every interface, IPv6 too where the kernel allows dual stack."""
+def _make_server(address: tuple[str, int], app: AgentHttpServer,
+                 tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
+    """Bind; an empty host listens on every interface, IPv6 too where the kernel allows dual stack. With
+    a TLS context every connection is wrapped in its own handler thread, so a client stalling in the
+    handshake holds up only itself, never the accept loop."""
     host, port = address
     family = socket.AF_INET
     if host == "" and socket.has_dualstack_ipv6():
@@ -216,6 +243,22 @@ def _make_server(address: tuple[str, int], app: AgentHttpServer) -> ThreadingHTT
             if self.address_family == socket.AF_INET6 and host == "::":
                 self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             super().server_bind()
+
+        def finish_request(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
+            if tls is None:
+                super().finish_request(request, client_address)
+                return
+            request.settimeout(IDLE_TIMEOUT_SECONDS)
+            try:
+                conn = tls.wrap_socket(request, server_side=True)
+            except (ssl.SSLError, OSError) as exc:
+                # A plain-HTTP client, a bad or missing client certificate, a port scanner.
+                log.debug("tls handshake failed", extra={"client": client_address[0], "reason": str(exc)})
+                return
+            try:
+                super().finish_request(conn, client_address)
+            finally:
+                conn.close()
 
     server = Server((host or "0.0.0.0", port), _Handler)
     server.app = app  # type: ignore[attr-defined]

@@ -6,15 +6,19 @@ import asyncio
 import logging
 import signal
 import socket
+import ssl
 import sys
+from dataclasses import replace
 import time
 from typing import Any, Callable, Sequence
 
 import uvicorn
 
 from agent.logs import configure_logging
+from agent.webconfig import WebConfigError, load_web_config
 from server.ingest.prometheus import PrometheusSource
 from server.ingest.puller import Puller
+from server.ingest.tls import client_context, read_password
 from server.ingest.targets import CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError, TargetSource
 from server.notify import Notifier
 from server.runtime import Runtime
@@ -70,10 +74,21 @@ def build_source(settings: ServerSettings, *, clock: Callable[[], float] = time.
                                 timeout_seconds=settings.pull_timeout_seconds,
                                 stale_after_seconds=settings.pull_stale_after_seconds, transport=transport,
                                 clock=clock, parse=parse)
+    tls = None
+    if settings.pull_scheme == "https":
+        tls = client_context(settings.pull_tls_ca_file, settings.pull_tls_cert_file, settings.pull_tls_key_file,
+                             settings.pull_tls_insecure_skip_verify)
+    auth = None
+    if settings.pull_basic_auth_username and settings.pull_basic_auth_password_file:
+        auth = (settings.pull_basic_auth_username, read_password(settings.pull_basic_auth_password_file))
+        if tls is None:
+            log.warning("pull.basic-auth over plain http: the password crosses the network readable; "
+                        "set pull.scheme https")
     return Puller(build_targets(settings), timeout_seconds=settings.pull_timeout_seconds,
                   max_payload_bytes=settings.pull_max_bytes, concurrency=settings.pull_concurrency,
                   stale_after_seconds=settings.pull_stale_after_seconds, transport=transport, clock=clock,
-                  parse=parse, clock_offset_min_seconds=settings.pull_clock_offset_min_seconds)
+                  parse=parse, clock_offset_min_seconds=settings.pull_clock_offset_min_seconds,
+                  scheme=settings.pull_scheme, tls=tls, basic_auth=auth)
 
 
 def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callable[[], float] = time.time,
@@ -106,11 +121,16 @@ def listen_socket(address: str) -> socket.socket:
     return sock
 
 
-def uvicorn_server(settings: ServerSettings, app: Any) -> uvicorn.Server:
-    """A uvicorn server for the app that leaves logging and signals to us."""
+def uvicorn_server(settings: ServerSettings, app: Any, tls: ssl.SSLContext | None = None) -> uvicorn.Server:
+    """A uvicorn server for the app that leaves logging and signals to us (HTTPS with `tls`)."""
     host, _, port = settings.listen_address.rpartition(":")
     config = uvicorn.Config(app, host=host or "0.0.0.0", port=int(port), log_config=None, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=5)
+    if tls is not None:
+        # The context from --web.config.file as it is (minimum version, client CA): uvicorn's own options
+        # cannot say all of that. serve() loads a config only once, so this one stands.
+        config.load()
+        config.ssl = tls
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     return server
@@ -139,6 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv)
+        try:
+            web = load_web_config(settings.web_config_file) if settings.web_config_file else None
+        except WebConfigError as exc:
+            raise ConfigError(f"--web.config.file: {exc}") from None
+        if web is not None and web.tls is not None and not settings.external_url:
+            settings = replace(settings, external_url=settings.public_url().replace("http://", "https://", 1))
         configure_logging(settings.log_level, settings.log_format)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pull would drown the log
         runtime = build_runtime(settings)
@@ -157,9 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif not runtime.puller.source.sources:  # type: ignore[union-attr]
         log.warning("no targets configured: use --targets, --targets.file-sd, --targets.dns "
                     "or --ingest.prometheus-url")
-    app = create_app(settings, runtime=runtime)
+    app = create_app(settings, runtime=runtime, web=web)
     log.info("gpufleet-server listening", extra={"address": settings.listen_address,
                                                  "storage": settings.storage_path, "url": settings.public_url()})
     with sock:
-        asyncio.run(serve_until_signalled(uvicorn_server(settings, app), [sock]))
+        asyncio.run(serve_until_signalled(uvicorn_server(settings, app, web.tls if web else None), [sock]))
     return 0

@@ -90,6 +90,26 @@ def parse_positive_int(text: Any) -> int:
     return value
 
 
+def parse_bool(text: Any) -> bool:
+    """true/false (also yes/no, 1/0)."""
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("true", "yes", "1"):
+        return True
+    if value in ("false", "no", "0"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def parse_file(text: Any) -> str:
+    """The path of a readable file."""
+    path = str(text)
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        raise ValueError("no readable file there")
+    return path
+
+
 def _choice(*options: str) -> Callable[[Any], str]:
     """A parser accepting one of `options`."""
     def parse(text: Any) -> str:
@@ -114,12 +134,20 @@ class ServerSettings:
     pull_concurrency: int = 256
     pull_stale_after_seconds: float = 30.0
     pull_clock_offset_min_seconds: float = 10.0
+    pull_scheme: str = "http"
+    pull_tls_ca_file: str | None = None
+    pull_tls_cert_file: str | None = None
+    pull_tls_key_file: str | None = None
+    pull_tls_insecure_skip_verify: bool = False
+    pull_basic_auth_username: str | None = None
+    pull_basic_auth_password_file: str | None = None
     storage_path: str = "gpufleet.db"
     storage_retention_seconds: float = 7 * 86400.0
     alertmanager_url: str | None = None
     alertmanager_resend_interval_seconds: float = 60.0
     webhook_url: str | None = None
     external_url: str | None = None
+    web_config_file: str | None = None
     log_level: str = "info"
     log_format: str = "json"
     engine: Mapping[str, Any] = field(default_factory=dict)
@@ -136,6 +164,8 @@ class ServerSettings:
 FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "web.listen-address": ("listen_address", parse_listen, "address for the API and /metrics (default :9472)"),
     "web.external-url": ("external_url", parse_url, "URL this server is reached at, for links in notifications"),
+    "web.config.file": ("web_config_file", parse_file,
+                        "TLS and basic auth for the API and /metrics: a Prometheus exporter-toolkit web config"),
     "targets": ("targets", parse_targets, "comma-separated agent addresses HOST:PORT"),
     "targets.file-sd": ("targets_file_sd", str, "Prometheus file_sd JSON/YAML file of agents, reloaded on change"),
     "targets.dns": ("targets_dns", str, "NAME:PORT resolving to every agent (e.g. a headless Service)"),
@@ -150,6 +180,16 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "pull.clock-offset-min": ("pull_clock_offset_min_seconds", parse_duration_or_off,
                               "take an agent's clock offset out of its sample times once it is this large "
                               "(default 10s; 0s: never)"),
+    "pull.scheme": ("pull_scheme", _choice("http", "https"), "http or https, for every agent (default http)"),
+    "pull.tls.ca-file": ("pull_tls_ca_file", parse_file,
+                         "CA certificate(s) the agents' TLS certificates are checked against (default: system store)"),
+    "pull.tls.cert-file": ("pull_tls_cert_file", parse_file, "client certificate for agents that ask for one"),
+    "pull.tls.key-file": ("pull_tls_key_file", parse_file, "the client certificate's key"),
+    "pull.tls.insecure-skip-verify": ("pull_tls_insecure_skip_verify", parse_bool,
+                                      "do not check the agents' certificates (testing only; default false)"),
+    "pull.basic-auth.username": ("pull_basic_auth_username", str, "user for agents behind basic auth"),
+    "pull.basic-auth.password-file": ("pull_basic_auth_password_file", parse_file,
+                                      "file holding that user's password (first line)"),
     "storage.path": ("storage_path", str, "SQLite file for alerts (default gpufleet.db)"),
     "storage.retention": ("storage_retention_seconds", parse_duration, "keep resolved alerts this long (default 7d)"),
     "alertmanager.url": ("alertmanager_url", parse_url, "Alertmanager base URL, e.g. http://alertmanager:9093"),
@@ -199,11 +239,24 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> 
         # As Prometheus refuses a scrape timeout above its interval: pulls would pile up behind each other.
         raise ConfigError(f"pull.timeout ({settings.pull_timeout_seconds:g}s) must not exceed pull.interval "
                           f"({settings.pull_interval_seconds:g}s)")
+    _check_pull_security(settings)
     if settings.prometheus_url and (settings.targets or settings.targets_file_sd or settings.targets_dns):
         # Two sources for the same agents would feed the engine every sample twice, under two timestamps.
         raise ConfigError("ingest.prometheus-url reads the agents through Prometheus: drop targets, "
                           "targets.file-sd and targets.dns, or drop ingest.prometheus-url")
     return settings
+
+
+def _check_pull_security(settings: ServerSettings) -> None:
+    """TLS and basic-auth settings that only make sense together."""
+    tls = (settings.pull_tls_ca_file, settings.pull_tls_cert_file, settings.pull_tls_key_file,
+           settings.pull_tls_insecure_skip_verify)
+    if settings.pull_scheme != "https" and any(tls):
+        raise ConfigError("pull.tls.* settings need pull.scheme https")
+    if bool(settings.pull_tls_cert_file) != bool(settings.pull_tls_key_file):
+        raise ConfigError("pull.tls.cert-file and pull.tls.key-file go together")
+    if bool(settings.pull_basic_auth_username) != bool(settings.pull_basic_auth_password_file):
+        raise ConfigError("pull.basic-auth.username and pull.basic-auth.password-file go together")
 
 
 def _read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:

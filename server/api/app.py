@@ -9,14 +9,18 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from agent.webconfig import WebConfig
 from server.api import alerts, fleet, health
+from server.api.auth import WebGuard
 from server.metrics import build_registry
 from server.runtime import Runtime
 from server.settings import ServerSettings
 
 
-def create_app(settings: ServerSettings, *, runtime: Runtime, run_pipeline: bool = True) -> FastAPI:
-    """An app serving `runtime`; with run_pipeline the lifespan starts and stops its pull loop."""
+def create_app(settings: ServerSettings, *, runtime: Runtime, run_pipeline: bool = True,
+               web: WebConfig | None = None) -> FastAPI:
+    """An app serving `runtime`; with run_pipeline the lifespan starts and stops its pull loop; `web`: basic
+    auth and headers from --web.config.file (TLS itself is the HTTP server's, see serve.uvicorn_server)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -48,4 +52,6 @@ def create_app(settings: ServerSettings, *, runtime: Runtime, run_pipeline: bool
         body = await run_in_threadpool(generate_latest, registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    if web is not None and (web.users or web.headers):
+        app.add_middleware(WebGuard, auth=web.authenticator(), headers=web.headers)
     return app

@@ -126,6 +126,8 @@ class Puller(IngestAccounting):
         parse: Callable[[Mapping[str, Any]], Any] | None = None,
         scheme: str = "http",
         clock_offset_min_seconds: float = DEFAULT_MIN_OFFSET_SECONDS,
+        tls: ssl.SSLContext | None = None,
+        basic_auth: tuple[str, str] | None = None,
     ) -> None:
         super().__init__()
         self.source = source
@@ -142,7 +144,8 @@ class Puller(IngestAccounting):
         # One small client per target: httpcore's pool scans every connection on each request, so a
         # single pool over a thousand agents costs O(n^2) per cycle; per-target pools stay O(1).
         self._clients: dict[str, httpx.AsyncClient] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = tls
+        self._auth = httpx.BasicAuth(*basic_auth) if basic_auth else None
         self._health: dict[str, TargetHealth] = {}
         self.clocks = ClockOffsets(clock_offset_min_seconds)
 
@@ -159,6 +162,7 @@ class Puller(IngestAccounting):
                 self._ssl = ssl.create_default_context()  # building one per client would load the CA store 1000 times
             client = httpx.AsyncClient(
                 transport=self._transport, timeout=self._timeout, follow_redirects=False, verify=self._ssl,
+                auth=self._auth,
                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=300),
                 headers={"accept": "application/json"},
             )
@@ -246,6 +250,12 @@ class Puller(IngestAccounting):
             raise PullError("connect", str(exc)) from None
         except httpx.HTTPError as exc:
             raise PullError("http_error", exc.__class__.__name__) from None
+        except ssl.SSLError as exc:
+            # Under TLS 1.3 an agent refusing our client certificate says so after the handshake, on the
+            # first read, which httpx passes on as it is.
+            raise PullError("tls", str(exc)) from None
+        except OSError as exc:
+            raise PullError("connect", str(exc)) from None
 
     async def _get(self, target: str, since: float | None) -> bytearray:
         """The body of one `/snapshots` answer; PullError on a non-200 status or a body over the limit."""

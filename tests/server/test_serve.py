@@ -12,6 +12,7 @@ from server.serve import build_runtime, main
 from server.settings import ConfigError, ServerSettings, load_settings, parse_duration
 from server.store import AlertQuery
 from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
+from tests.server.processes import free_port, serving
 
 
 def test_defaults() -> None:
@@ -208,29 +209,13 @@ def test_real_engine_fires_thermal_alert_through_the_live_pipeline(tmp_path) -> 
 def test_sigterm_stops_the_server_cleanly(tmp_path) -> None:
     """A real `serve` process: it comes up, answers /healthz, and exits 0 on SIGTERM."""
     import signal
-    import socket
-    import subprocess
-    import sys
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--web.listen-address", f"127.0.0.1:{port}",
-         "--targets", "127.0.0.1:1", "--storage.path", str(tmp_path / "s.db"), "--log.level", "info"],
-        stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stderr:  # logged once the socket is bound
-            if "gpufleet-server listening" in line:
-                break
+    port = free_port()
+    with serving(port, "--targets", "127.0.0.1:1", "--storage.path", str(tmp_path / "s.db")) as (proc, _):
         health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
         assert health.json()["targets"] in (0, 1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert (tmp_path / "s.db").exists()
 
 
