@@ -24,14 +24,18 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import logging
+import os
 import ssl
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import yaml
 
+log = logging.getLogger(__name__)
 _TLS_KEYS = frozenset(("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version"))
 _REFUSED_TLS_KEYS = frozenset(("cipher_suites", "curve_preferences", "prefer_server_cipher_suites",
                                "client_allowed_sans"))
@@ -65,14 +69,16 @@ class WebConfig:
     tls: ssl.SSLContext | None = None
     users: Mapping[str, bytes] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
+    reloading: "ReloadingTls | None" = None     # what keeps `tls` following its files (None: it does not)
 
     def authenticator(self, check: Callable[[bytes, bytes], bool] | None = None) -> "BasicAuth | None":
         """The basic-auth check for these users (None when the file names none)."""
         return BasicAuth(self.users, check) if self.users else None
 
 
-def load_web_config(path: str) -> WebConfig:
-    """Read and validate a web config file; WebConfigError says what is wrong with it."""
+def load_web_config(path: str, *, clock: Callable[[], float] = time.monotonic) -> WebConfig:
+    """Read and validate a web config file; WebConfigError says what is wrong with it. `clock` paces the
+    checks for renewed certificate files (see ReloadingTls)."""
     try:
         with open(path, "rb") as fh:
             doc = yaml.safe_load(fh)
@@ -84,10 +90,10 @@ def load_web_config(path: str) -> WebConfig:
         return WebConfig()
     _mapping(doc, path, "the file")
     _known(doc, _TOP_KEYS, path, "")
-    tls = _tls_context(doc.get("tls_server_config"), path)
+    reloading = _tls(doc.get("tls_server_config"), path, clock)
     users = _users(doc.get("basic_auth_users"), path)
     headers = _headers(doc.get("http_server_config"), path)
-    return WebConfig(tls, users, headers)
+    return WebConfig(reloading.front if reloading else None, users, headers, reloading)
 
 
 def _mapping(value: Any, path: str, what: str) -> Mapping[str, Any]:
@@ -102,8 +108,107 @@ def _known(doc: Mapping[str, Any], keys: frozenset[str], path: str, prefix: str)
             raise WebConfigError(f"{path}: unknown key '{prefix}{key}'")
 
 
-def _tls_context(section: Any, path: str) -> ssl.SSLContext | None:
-    """The server context for tls_server_config (None when the section is absent or empty)."""
+@dataclass(frozen=True)
+class _TlsSpec:
+    """tls_server_config, validated: what a server context is built from, again whenever its files change."""
+
+    path: str
+    cert: str
+    key: str
+    ca: str | None
+    mode: ssl.VerifyMode
+    minimum: ssl.TLSVersion
+    maximum: ssl.TLSVersion | None
+
+    def build(self) -> ssl.SSLContext:
+        """A fresh server context from the files as they are now; WebConfigError when they cannot be used."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = self.minimum
+        if self.maximum is not None:
+            ctx.maximum_version = self.maximum
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as exc:
+            raise WebConfigError(f"{self.path}: cannot load cert_file {self.cert} / key_file {self.key}: "
+                                 f"{_reason(exc)}") from None
+        if self.ca is not None:
+            try:
+                ctx.load_verify_locations(cafile=self.ca)
+            except (OSError, ssl.SSLError) as exc:
+                raise WebConfigError(f"{self.path}: cannot load client_ca_file {self.ca}: {_reason(exc)}") from None
+            ctx.verify_mode = self.mode
+        return ctx
+
+    def stamp(self) -> tuple:
+        """What says the files changed: each one's inode, size and modification time (None: missing)."""
+        out = []
+        for name in (self.cert, self.key, self.ca):
+            try:
+                st = os.stat(name) if name else None
+            except OSError:
+                st = None
+            out.append(None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(out)
+
+
+class ReloadingTls:
+    """The server context for tls_server_config, following its files: cert-manager and its kind renew a
+    certificate in place every few weeks, and that must not need a restart of every agent.
+
+    The servers hold one front context for good (uvicorn binds its context at start). Its SNI callback,
+    which OpenSSL calls in every handshake (with a name or without), hands the connection the newest
+    context, rebuilt at most once every `min_interval` seconds when a file's inode, size or time
+    changed. A rebuild that fails (a half-written pair, a key from another certificate) is logged and
+    the last good context stays."""
+
+    def __init__(self, spec: _TlsSpec, *, clock: Callable[[], float] = time.monotonic,
+                 min_interval: float = 1.0) -> None:
+        self._spec = spec
+        self._clock = clock
+        self._min_interval = min_interval
+        self._lock = threading.Lock()
+        self._stamp = spec.stamp()
+        self._current = spec.build()
+        self._checked = clock()
+        self._failed_stamp: tuple | None = None
+        self.front = spec.build()
+        self.front.sni_callback = self._switch
+        self.reloads = 0
+
+    def current(self) -> ssl.SSLContext:
+        """The newest good context."""
+        now = self._clock()
+        if now - self._checked < self._min_interval:
+            return self._current
+        with self._lock:
+            if now - self._checked >= self._min_interval:
+                self._checked = now
+                self._reload_if_changed()
+            return self._current
+
+    def _reload_if_changed(self) -> None:
+        stamp = self._spec.stamp()
+        if stamp == self._stamp or stamp == self._failed_stamp:
+            return
+        try:
+            ctx = self._spec.build()
+        except WebConfigError as exc:
+            self._failed_stamp = stamp
+            log.warning("tls files changed but cannot be used; keeping the last good ones", extra={"reason": str(exc)})
+            return
+        self._current, self._stamp, self._failed_stamp = ctx, stamp, None
+        self.reloads += 1
+        log.info("tls certificate reloaded", extra={"cert_file": self._spec.cert})
+
+    def _switch(self, conn: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, ctx: ssl.SSLContext) -> None:
+        try:
+            conn.context = self.current()
+        except Exception:  # a reload bug must not fail handshakes: the front context still serves
+            log.exception("tls context switch failed")
+
+
+def _tls(section: Any, path: str, clock: Callable[[], float]) -> ReloadingTls | None:
+    """tls_server_config checked and loaded (None when the section is absent or empty)."""
     if not section:
         return None
     _mapping(section, path, "tls_server_config")
@@ -115,14 +220,6 @@ def _tls_context(section: Any, path: str) -> ssl.SSLContext | None:
     cert, key = section.get("cert_file"), section.get("key_file")
     if not cert or not key:
         raise WebConfigError(f"{path}: tls_server_config needs both cert_file and key_file")
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = _version(section.get("min_version", "TLS12"), path, "min_version")
-    if "max_version" in section:
-        ctx.maximum_version = _version(section["max_version"], path, "max_version")
-    try:
-        ctx.load_cert_chain(str(cert), str(key))
-    except (OSError, ssl.SSLError) as exc:
-        raise WebConfigError(f"{path}: cannot load cert_file {cert} / key_file {key}: {_reason(exc)}") from None
     auth = section.get("client_auth_type", "NoClientCert")
     if auth not in _CLIENT_AUTH:
         raise WebConfigError(f"{path}: tls_server_config.client_auth_type {auth!r} is not one of "
@@ -132,18 +229,15 @@ def _tls_context(section: Any, path: str) -> ssl.SSLContext | None:
         raise WebConfigError(f"{path}: client_auth_type {auth} (a client certificate asked for but not verified) "
                              "is not supported; use VerifyClientCertIfGiven or RequireAndVerifyClientCert")
     ca = section.get("client_ca_file")
-    if mode != ssl.CERT_NONE:
-        if not ca:
-            raise WebConfigError(f"{path}: client_auth_type {auth} needs client_ca_file")
-        try:
-            ctx.load_verify_locations(cafile=str(ca))
-        except (OSError, ssl.SSLError) as exc:
-            raise WebConfigError(f"{path}: cannot load client_ca_file {ca}: {_reason(exc)}") from None
-        ctx.verify_mode = mode
-    elif ca:
+    if mode != ssl.CERT_NONE and not ca:
+        raise WebConfigError(f"{path}: client_auth_type {auth} needs client_ca_file")
+    if mode == ssl.CERT_NONE and ca:
         raise WebConfigError(f"{path}: client_ca_file is set but client_auth_type is NoClientCert: set "
                              "client_auth_type: RequireAndVerifyClientCert (or VerifyClientCertIfGiven)")
-    return ctx
+    maximum = _version(section["max_version"], path, "max_version") if "max_version" in section else None
+    spec = _TlsSpec(path, str(cert), str(key), str(ca) if ca else None, mode,
+                    _version(section.get("min_version", "TLS12"), path, "min_version"), maximum)
+    return ReloadingTls(spec, clock=clock)
 
 
 def _version(value: Any, path: str, key: str) -> ssl.TLSVersion:

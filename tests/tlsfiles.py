@@ -23,6 +23,8 @@ class Pki:
     client_cert: Path
     client_key: Path
     other_ca_cert: Path      # a CA that signed neither certificate
+    next_cert: Path          # the server's renewed certificate (CN server-next), as cert-manager would write it
+    next_key: Path
 
 
 def make_pki(root: Path) -> Pki:
@@ -54,4 +56,6 @@ def make_pki(root: Path) -> Pki:
                                    "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
     client_cert, client_key = leaf("client", ca_cert, ca_key, "extendedKeyUsage=clientAuth\n")
     other_cert, _ = ca("other-ca")
-    return Pki(ca_cert, server_cert, server_key, client_cert, client_key, other_cert)
+    next_cert, next_key = leaf("server-next", ca_cert, ca_key,
+                               "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    return Pki(ca_cert, server_cert, server_key, client_cert, client_key, other_cert, next_cert, next_key)

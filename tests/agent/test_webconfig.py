@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import shutil
 import ssl
 
 import bcrypt
@@ -226,3 +227,69 @@ def test_the_agent_refuses_a_bad_web_config_in_one_line(tmp_path, capsys):
     assert main(["--simulate", "hgx-h100", "--web.listen-address", "127.0.0.1:0", "--web.config.file", path]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("gpufleet-agent: error: --web.config.file:") and "bcrypt" in err and "\n" not in err
+
+
+# --- renewed certificates ---------------------------------------------------------------------------------
+
+def renewable(pki, tmp_path):
+    """The server's certificate and key copied where a renewal can overwrite them, a hand-moved clock, and
+    a web config serving them."""
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    shutil.copy(pki.server_cert, cert)
+    shutil.copy(pki.server_key, key)
+    now = [0.0]
+    web = load_web_config(write(tmp_path, f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"),
+                          clock=lambda: now[0])
+    return cert, key, now, web
+
+
+def peer_name(server, pki) -> str:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+        with client_context(pki).wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+            return dict(item[0] for item in conn.getpeercert()["subject"])["commonName"]
+
+
+@needs_openssl
+def test_a_renewed_certificate_is_served_without_a_restart(serve, pki, tmp_path):
+    cert, key, now, web = renewable(pki, tmp_path)
+    server = serve(web)
+    assert peer_name(server, pki) == "server"
+    # cert-manager writes the pair anew: the key first, so for a moment it does not match the certificate.
+    shutil.copy(pki.next_key, key)
+    now[0] += 5
+    assert peer_name(server, pki) == "server" and web.reloading.reloads == 0
+    shutil.copy(pki.next_cert, cert)
+    assert peer_name(server, pki) == "server"          # checked at most once a second
+    now[0] += 5
+    assert peer_name(server, pki) == "server-next" and web.reloading.reloads == 1
+
+
+@needs_openssl
+def test_an_asyncio_server_holding_the_context_serves_the_renewed_certificate_too(pki, tmp_path):
+    """uvicorn binds its context once, at start: the switch must work on asyncio's TLS as well."""
+    import asyncio
+    cert, key, now, web = renewable(pki, tmp_path)
+
+    async def scenario() -> list[str]:
+        async def answer(reader, writer):
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=web.tls)
+        port = server.sockets[0].getsockname()[1]
+        names = []
+        for step in range(2):
+            _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_context(pki),
+                                                      server_hostname="127.0.0.1")
+            subject = writer.get_extra_info("peercert")["subject"]
+            names.append(dict(item[0] for item in subject)["commonName"])
+            writer.close()
+            shutil.copy(pki.next_cert, cert)
+            shutil.copy(pki.next_key, key)
+            now[0] += 5
+        server.close()
+        await server.wait_closed()
+        return names
+
+    assert asyncio.run(scenario()) == ["server", "server-next"]
