@@ -95,8 +95,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def prometheus_process(tmp_path: Path, targets: list[int]) -> Iterator[tuple[subprocess.Popen, int, Path]]:
-    """A real Prometheus on 127.0.0.1 scraping the given local ports every second; yields (process, port, log)."""
+def prometheus_process(tmp_path: Path, targets: list[int],
+                       scrape: str = "") -> Iterator[tuple[subprocess.Popen, int, Path]]:
+    """A real Prometheus on 127.0.0.1 scraping the given local ports every second (`scrape`: more lines of
+    the job's scrape config, indented as its keys); yields (process, port, log)."""
     assert PROMETHEUS is not None
     port = free_port()
     config = tmp_path / "prometheus.yml"
@@ -105,7 +107,7 @@ def prometheus_process(tmp_path: Path, targets: list[int]) -> Iterator[tuple[sub
         "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
         "  - job_name: gpufleet-agent\n"
-        f"    static_configs: [{{targets: [{listed}]}}]\n"
+        f"    static_configs: [{{targets: [{listed}]}}]\n" + scrape
     )
     log_path = tmp_path / "prometheus.log"
     with log_path.open("wb") as log_file:

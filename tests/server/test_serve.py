@@ -11,8 +11,8 @@ import pytest
 from server.serve import build_runtime, main
 from server.settings import ConfigError, ServerSettings, load_settings, parse_duration
 from server.store import AlertQuery
+from tests.agent.running import server_process
 from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
-from tests.server.processes import free_port, serving
 
 
 def test_defaults() -> None:
@@ -210,13 +210,12 @@ def test_sigterm_stops_the_server_cleanly(tmp_path) -> None:
     """A real `serve` process: it comes up, answers /healthz, and exits 0 on SIGTERM."""
     import signal
 
-    port = free_port()
-    with serving(port, "--targets", "127.0.0.1:1", "--storage.path", str(tmp_path / "s.db")) as (proc, _):
+    with server_process(tmp_path, "--targets", "127.0.0.1:1") as (proc, port):
         health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
         assert health.json()["targets"] in (0, 1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-    assert (tmp_path / "s.db").exists()
+    assert (tmp_path / "server.db").exists()
 
 
 def test_agent_down_since_start_alerts_through_the_pipeline_and_keeps_its_alert_across_a_restart(tmp_path) -> None:

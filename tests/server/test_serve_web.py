@@ -19,8 +19,8 @@ from server.runtime import Runtime
 from server.serve import main
 from server.settings import ServerSettings
 from server.store import AlertStore
+from tests.agent.running import server_process
 from tests.server.live_fakes import StubEngine, parse_dict
-from tests.server.processes import free_port, serving
 from tests.tlsfiles import OPENSSL, make_pki
 
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4))
@@ -67,10 +67,7 @@ def test_a_real_server_answers_https_with_basic_auth_and_stops_on_sigterm(tmp_pa
     web = tmp_path / "web.yml"
     web.write_text(f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
                    f"basic_auth_users:\n  grafana: '{HASH.decode()}'\n")
-    port = free_port()
-    with serving(port, "--web.config.file", str(web), "--targets", "127.0.0.1:1",
-                 "--storage.path", str(tmp_path / "s.db")) as (proc, listening):
-        assert f"https://127.0.0.1:{port}" in listening
+    with server_process(tmp_path, "--web.config.file", str(web), "--targets", "127.0.0.1:1") as (proc, port):
         with httpx.Client(verify=ssl.create_default_context(cafile=str(pki.ca_cert)), timeout=10) as http:
             assert "targets" in http.get(f"https://127.0.0.1:{port}/healthz").json()
             assert http.get(f"https://127.0.0.1:{port}/alerts").status_code == 401
