@@ -52,6 +52,9 @@ _CLIENT_AUTH = {
 _VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1, "TLS12": ssl.TLSVersion.TLSv1_2,
              "TLS13": ssl.TLSVersion.TLSv1_3}
 _BCRYPT_PREFIXES = (b"$2a$", b"$2b$", b"$2y$")
+# Paths basic auth leaves open, on the agent and the server alike: probes (kubelet, systemd, a load
+# balancer) reach them without credentials, and they tell whether the daemon is healthy, never a reading.
+OPEN_PATHS = frozenset(("/healthz",))
 # Answers of the bcrypt check are kept for this many (user, password) pairs: a scraper sends the same
 # credentials every few seconds, and each check costs tens of milliseconds by design.
 _AUTH_CACHE_SIZE = 256

@@ -17,7 +17,7 @@ import orjson
 
 from agent import exposition
 from agent.store import Publication, SnapshotStore
-from agent.webconfig import WebConfig
+from agent.webconfig import OPEN_PATHS, WebConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,6 @@ JSON = "application/json"
 # An idle keep-alive connection is dropped after this long, so stuck clients cannot pile up threads.
 IDLE_TIMEOUT_SECONDS = 30.0
 MIN_STALE_SECONDS = 10.0
-# Probes (kubelet, systemd, a load balancer) reach these without credentials: they tell whether sampling
-# is healthy, never a reading.
-OPEN_PATHS = frozenset(("/healthz",))
 
 
 class AgentHttpServer:

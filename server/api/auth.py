@@ -7,10 +7,8 @@ from typing import Any, Callable, Mapping
 import orjson
 from starlette.concurrency import run_in_threadpool
 
-from agent.webconfig import BasicAuth
+from agent.webconfig import OPEN_PATHS, BasicAuth
 
-# Probes reach these without credentials: they say whether the pipeline runs, not what it found.
-OPEN_PATHS = frozenset(("/healthz",))
 _UNAUTHORIZED = orjson.dumps({"detail": "valid basic auth credentials required"})
 
 

@@ -111,8 +111,9 @@ class CountingCheck:
 
 
 def test_basic_auth_takes_the_right_password_only():
-    auth = BasicAuth({"prometheus": HASH.encode()})
-    assert auth.allows(creds("prometheus", "s3cret"))
+    # htpasswd writes $2y$ hashes, exporter-toolkit's documentation too.
+    auth = BasicAuth({"prometheus": HASH.encode(), "grafana": b"$2y$" + HASH.encode()[4:]})
+    assert auth.allows(creds("prometheus", "s3cret")) and auth.allows(creds("grafana", "s3cret"))
     assert not auth.allows(creds("prometheus", "s3cret "))
     assert not auth.allows(creds("nobody", "s3cret"))
 
