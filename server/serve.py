@@ -8,8 +8,8 @@ import signal
 import socket
 import ssl
 import sys
-from dataclasses import replace
 import time
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import uvicorn
@@ -18,8 +18,8 @@ from agent.logs import configure_logging
 from agent.webconfig import WebConfigError, load_web_config
 from server.ingest.prometheus import PrometheusSource
 from server.ingest.puller import Puller
-from server.ingest.tls import client_context, read_password
 from server.ingest.targets import CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError, TargetSource
+from server.ingest.tls import client_context, read_password
 from server.notify import Notifier
 from server.runtime import Runtime
 from server.settings import ConfigError, ServerSettings, load_settings
