@@ -171,11 +171,12 @@ class ReloadingTls:
         self._min_interval = min_interval
         self._lock = threading.Lock()
         self._stamp = spec.stamp()
-        self._current = spec.build()
         self._checked = clock()
         self._failed_stamp: tuple | None = None
         self.front = spec.build()
         self.front.sni_callback = self._switch
+        # Until the files change the front context serves as it is (switching a connection to it is a no-op).
+        self._current = self.front
         self.reloads = 0
 
     def current(self) -> ssl.SSLContext:
@@ -309,24 +310,13 @@ class BasicAuth:
 
     def allows(self, header: str | None) -> bool:
         """Whether `Authorization: Basic ...` names a configured user with the right password."""
-        if not header:
+        creds = _credentials(header)
+        if creds is None:
             return False
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "basic":
-            return False
-        try:
-            user, sep, password = base64.b64decode(token.strip(), validate=True).decode("utf-8").partition(":")
-        except (binascii.Error, UnicodeDecodeError):
-            return False
-        if not sep:
-            return False
-        # The cache key holds no password, only a digest of it together with the user.
-        key = hashlib.sha256(user.encode() + b"\0" + password.encode()).digest()
-        with self._lock:
-            known = self._cache.get(key)
-            if known is not None:
-                self._cache.move_to_end(key)
-                return known
+        key, user, password = creds
+        known = self._known(key)
+        if known is not None:
+            return known
         hashed = self._users.get(user)
         try:
             ok = self._check(password.encode(), hashed or _DUMMY_HASH) and hashed is not None
@@ -337,3 +327,33 @@ class BasicAuth:
             while len(self._cache) > _AUTH_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return ok
+
+    def cached(self, header: str | None) -> bool | None:
+        """allows() where that needs no bcrypt check (a malformed header, credentials seen before); None
+        where it does, so an event loop can hand only those to a thread."""
+        creds = _credentials(header)
+        return False if creds is None else self._known(creds[0])
+
+    def _known(self, key: bytes) -> bool | None:
+        with self._lock:
+            known = self._cache.get(key)
+            if known is not None:
+                self._cache.move_to_end(key)
+            return known
+
+
+def _credentials(header: str | None) -> tuple[bytes, str, str] | None:
+    """(cache key, user, password) of a basic Authorization header; None when it is not one. The key
+    holds no password, only a digest of it together with the user."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user, sep, password = base64.b64decode(token.strip(), validate=True).decode("utf-8").partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    if not sep:
+        return None
+    return hashlib.sha256(user.encode() + b"\0" + password.encode()).digest(), user, password

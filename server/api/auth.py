@@ -27,8 +27,11 @@ class WebGuard:
         reply = self._with_headers(send) if self.headers else send
         if self.auth is not None and scope["path"] not in OPEN_PATHS:
             given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
-            # bcrypt runs tens of milliseconds on a credentials cache miss: off the event loop.
-            if not await run_in_threadpool(self.auth.allows, given):
+            ok = self.auth.cached(given)
+            if ok is None:
+                # bcrypt runs tens of milliseconds for credentials not seen before: off the event loop.
+                ok = await run_in_threadpool(self.auth.allows, given)
+            if not ok:
                 await reply({"type": "http.response.start", "status": 401, "headers": [
                     (b"content-type", b"application/json"), (b"content-length", str(len(_UNAUTHORIZED)).encode()),
                     (b"www-authenticate", b'Basic realm="gpufleet-server", charset="UTF-8"')]})
