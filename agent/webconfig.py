@@ -143,15 +143,21 @@ class _TlsSpec:
         return ctx
 
     def stamp(self) -> tuple:
-        """What says the files changed: each one's inode, size and modification time (None: missing)."""
-        out = []
-        for name in (self.cert, self.key, self.ca):
-            try:
-                st = os.stat(name) if name else None
-            except OSError:
-                st = None
-            out.append(None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns))
-        return tuple(out)
+        """What says the files changed (see files_stamp)."""
+        return files_stamp(self.cert, self.key, self.ca)
+
+
+def files_stamp(*paths: str | None) -> tuple:
+    """What says files changed: each one's inode, size and modification time (None: missing or unnamed).
+    The inode matters because Kubernetes swaps a Secret's files by renaming a directory link."""
+    out = []
+    for name in paths:
+        try:
+            st = os.stat(name) if name else None
+        except OSError:
+            st = None
+        out.append(None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 class ReloadingTls:

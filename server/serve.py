@@ -19,10 +19,10 @@ from agent.webconfig import WebConfigError, load_web_config
 from server.ingest.prometheus import PrometheusSource
 from server.ingest.puller import Puller
 from server.ingest.targets import CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError, TargetSource
-from server.ingest.tls import client_context, read_password
 from server.notify import Notifier
+from server.outbound import Outbound
 from server.runtime import Runtime
-from server.settings import ConfigError, ServerSettings, load_settings
+from server.settings import ClientAuth, ConfigError, ServerSettings, load_settings
 from server.store import AlertStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -58,37 +58,40 @@ def build_notifiers(settings: ServerSettings, *, transport: Any = None) -> list[
 
     out: list[Notifier] = []
     if settings.alertmanager_url:
+        am = outbound(settings.alertmanager_client, "alertmanager", settings.alertmanager_url.startswith("https://"))
         out.append(AlertmanagerNotifier(settings.alertmanager_url, external_url=settings.public_url(),
                                         resend_interval_seconds=settings.alertmanager_resend_interval_seconds,
-                                        transport=transport))
+                                        transport=transport, verify=am.ssl_context, auth=am.auth))
     if settings.webhook_url:
-        out.append(WebhookNotifier(settings.webhook_url, transport=transport))
+        hook = outbound(settings.webhook_client, "webhook", settings.webhook_url.startswith("https://"))
+        out.append(WebhookNotifier(settings.webhook_url, transport=transport, verify=hook.ssl_context,
+                                   auth=hook.auth))
     return out
+
+
+def outbound(auth: ClientAuth, prefix: str, https: bool) -> Outbound:
+    """One peer's TLS context and credentials; ValueError names a file that cannot be used."""
+    if auth.sends_credentials() and not https:
+        log.warning("credentials over plain http: they cross the network readable; use https",
+                    extra={"peer": prefix})
+    return Outbound(auth, prefix)
 
 
 def build_source(settings: ServerSettings, *, clock: Callable[[], float] = time.time, transport: Any = None,
                  parse: Callable[[Any], Any] | None = None) -> Puller | PrometheusSource:
     """Where samples come from: the agents themselves, or Prometheus's scrapes of them."""
     if settings.prometheus_url:
+        prom = outbound(settings.prometheus_client, "ingest.prometheus", settings.prometheus_url.startswith("https://"))
         return PrometheusSource(settings.prometheus_url, interval_seconds=settings.pull_interval_seconds,
                                 timeout_seconds=settings.pull_timeout_seconds,
                                 stale_after_seconds=settings.pull_stale_after_seconds, transport=transport,
-                                clock=clock, parse=parse)
-    tls = None
-    if settings.pull_scheme == "https":
-        tls = client_context(settings.pull_tls_ca_file, settings.pull_tls_cert_file, settings.pull_tls_key_file,
-                             settings.pull_tls_insecure_skip_verify)
-    auth = None
-    if settings.pull_basic_auth_username and settings.pull_basic_auth_password_file:
-        auth = (settings.pull_basic_auth_username, read_password(settings.pull_basic_auth_password_file))
-        if tls is None:
-            log.warning("pull.basic-auth over plain http: the password crosses the network readable; "
-                        "set pull.scheme https")
+                                clock=clock, parse=parse, verify=prom.ssl_context, auth=prom.auth)
+    agents = outbound(settings.pull_client, "pull", settings.pull_scheme == "https")
     return Puller(build_targets(settings), timeout_seconds=settings.pull_timeout_seconds,
                   max_payload_bytes=settings.pull_max_bytes, concurrency=settings.pull_concurrency,
                   stale_after_seconds=settings.pull_stale_after_seconds, transport=transport, clock=clock,
                   parse=parse, clock_offset_min_seconds=settings.pull_clock_offset_min_seconds,
-                  scheme=settings.pull_scheme, tls=tls, basic_auth=auth)
+                  scheme=settings.pull_scheme, verify=agents.ssl_context, auth=agents.auth)
 
 
 def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callable[[], float] = time.time,

@@ -11,7 +11,7 @@ import argparse
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -120,6 +120,36 @@ def _choice(*options: str) -> Callable[[Any], str]:
 
 
 @dataclass(frozen=True)
+class ClientAuth:
+    """What the server shows one peer: the settings `PREFIX.tls.*`, `PREFIX.basic-auth.*`, `PREFIX.bearer-token-file`."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    insecure_skip_verify: bool = False
+    basic_auth_username: str | None = None
+    basic_auth_password_file: str | None = None
+    bearer_token_file: str | None = None
+
+    def uses_tls(self) -> bool:
+        """Whether any TLS setting is made (they mean nothing over plain http)."""
+        return bool(self.ca_file or self.cert_file or self.key_file or self.insecure_skip_verify)
+
+    def sends_credentials(self) -> bool:
+        return bool(self.basic_auth_password_file or self.bearer_token_file)
+
+    def problem(self, prefix: str) -> str | None:
+        """What does not fit together, worded for a one-line error (None: nothing)."""
+        if bool(self.cert_file) != bool(self.key_file):
+            return f"{prefix}.tls.cert-file and {prefix}.tls.key-file go together"
+        if bool(self.basic_auth_username) != bool(self.basic_auth_password_file):
+            return f"{prefix}.basic-auth.username and {prefix}.basic-auth.password-file go together"
+        if self.basic_auth_password_file and self.bearer_token_file:
+            return f"{prefix}.basic-auth.* and {prefix}.bearer-token-file exclude each other: pick one"
+        return None
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """Everything `gpufleet-server serve` can be told."""
 
@@ -135,17 +165,15 @@ class ServerSettings:
     pull_stale_after_seconds: float = 30.0
     pull_clock_offset_min_seconds: float = 10.0
     pull_scheme: str = "http"
-    pull_tls_ca_file: str | None = None
-    pull_tls_cert_file: str | None = None
-    pull_tls_key_file: str | None = None
-    pull_tls_insecure_skip_verify: bool = False
-    pull_basic_auth_username: str | None = None
-    pull_basic_auth_password_file: str | None = None
+    pull_client: ClientAuth = ClientAuth()
+    prometheus_client: ClientAuth = ClientAuth()
     storage_path: str = "gpufleet.db"
     storage_retention_seconds: float = 7 * 86400.0
     alertmanager_url: str | None = None
     alertmanager_resend_interval_seconds: float = 60.0
+    alertmanager_client: ClientAuth = ClientAuth()
     webhook_url: str | None = None
+    webhook_client: ClientAuth = ClientAuth()
     external_url: str | None = None
     web_config_file: str | None = None
     log_level: str = "info"
@@ -160,7 +188,27 @@ class ServerSettings:
         return f"http://{host if host not in ('', '0.0.0.0', '::') else 'localhost'}:{port}"
 
 
-# flag name -> (settings field, parser, help)
+def client_flags(prefix: str, dest: str, peer: str, *,
+                 bearer: bool = True) -> dict[str, tuple[str, Callable[[Any], Any], str]]:
+    """The TLS and credential flags of one peer the server connects to; their dests are `dest.FIELD`."""
+    flags = {
+        "tls.ca-file": ("ca_file", parse_file, f"CA certificate(s) to check the TLS certificates of {peer} against "
+                                               "(default: the system store)"),
+        "tls.cert-file": ("cert_file", parse_file, f"client certificate, for {peer} wanting one"),
+        "tls.key-file": ("key_file", parse_file, "the client certificate's key"),
+        "tls.insecure-skip-verify": ("insecure_skip_verify", parse_bool,
+                                     f"do not check the certificates of {peer} (testing only; default false)"),
+        "basic-auth.username": ("basic_auth_username", str, f"user, for {peer} behind basic auth"),
+        "basic-auth.password-file": ("basic_auth_password_file", parse_file,
+                                     "file holding that user's password (first line; read again when it changes)"),
+    }
+    if bearer:
+        flags["bearer-token-file"] = ("bearer_token_file", parse_file,
+                                      f"file holding a bearer token for {peer} (first line; read again when it changes)")
+    return {f"{prefix}.{name}": (f"{dest}.{field_}", parse, doc) for name, (field_, parse, doc) in flags.items()}
+
+
+# flag name -> (settings field, parser, help); a field `a.b` is field b of the ClientAuth in field a
 FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "web.listen-address": ("listen_address", parse_listen, "address for the API and /metrics (default :9472)"),
     "web.external-url": ("external_url", parse_url, "URL this server is reached at, for links in notifications"),
@@ -181,21 +229,16 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
                               "take an agent's clock offset out of its sample times once it is this large "
                               "(default 10s; 0s: never)"),
     "pull.scheme": ("pull_scheme", _choice("http", "https"), "http or https, for every agent (default http)"),
-    "pull.tls.ca-file": ("pull_tls_ca_file", parse_file,
-                         "CA certificate(s) the agents' TLS certificates are checked against (default: system store)"),
-    "pull.tls.cert-file": ("pull_tls_cert_file", parse_file, "client certificate for agents that ask for one"),
-    "pull.tls.key-file": ("pull_tls_key_file", parse_file, "the client certificate's key"),
-    "pull.tls.insecure-skip-verify": ("pull_tls_insecure_skip_verify", parse_bool,
-                                      "do not check the agents' certificates (testing only; default false)"),
-    "pull.basic-auth.username": ("pull_basic_auth_username", str, "user for agents behind basic auth"),
-    "pull.basic-auth.password-file": ("pull_basic_auth_password_file", parse_file,
-                                      "file holding that user's password (first line)"),
     "storage.path": ("storage_path", str, "SQLite file for alerts (default gpufleet.db)"),
     "storage.retention": ("storage_retention_seconds", parse_duration, "keep resolved alerts this long (default 7d)"),
     "alertmanager.url": ("alertmanager_url", parse_url, "Alertmanager base URL, e.g. http://alertmanager:9093"),
     "alertmanager.resend-interval": ("alertmanager_resend_interval_seconds", parse_duration,
                                      "re-send firing alerts this often (default 1m)"),
     "webhook.url": ("webhook_url", parse_url, "URL receiving a JSON POST per alert state change"),
+    **client_flags("pull", "pull_client", "the agents", bearer=False),
+    **client_flags("ingest.prometheus", "prometheus_client", "Prometheus (ingest.prometheus-url)"),
+    **client_flags("alertmanager", "alertmanager_client", "Alertmanager"),
+    **client_flags("webhook", "webhook_client", "the webhook receiver"),
     "log.level": ("log_level", _choice("debug", "info", "warning", "error"), "debug|info|warning|error"),
     "log.format": ("log_format", _choice("json", "text"), "json|text"),
 }
@@ -234,12 +277,15 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> 
                 except (ValueError, TypeError) as exc:
                     raise ConfigError(f"bad value for {origin}: {raw!r} ({exc})") from None
                 break
+    for dest in [d for d in values if "." in d]:
+        outer, inner = dest.split(".")
+        values[outer] = replace(values.get(outer, ClientAuth()), **{inner: values.pop(dest)})
     settings = ServerSettings(**values)
     if settings.pull_timeout_seconds > settings.pull_interval_seconds:
         # As Prometheus refuses a scrape timeout above its interval: pulls would pile up behind each other.
         raise ConfigError(f"pull.timeout ({settings.pull_timeout_seconds:g}s) must not exceed pull.interval "
                           f"({settings.pull_interval_seconds:g}s)")
-    _check_pull_security(settings)
+    _check_clients(settings)
     if settings.prometheus_url and (settings.targets or settings.targets_file_sd or settings.targets_dns):
         # Two sources for the same agents would feed the engine every sample twice, under two timestamps.
         raise ConfigError("ingest.prometheus-url reads the agents through Prometheus: drop targets, "
@@ -247,16 +293,24 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> 
     return settings
 
 
-def _check_pull_security(settings: ServerSettings) -> None:
-    """TLS and basic-auth settings that only make sense together."""
-    tls = (settings.pull_tls_ca_file, settings.pull_tls_cert_file, settings.pull_tls_key_file,
-           settings.pull_tls_insecure_skip_verify)
-    if settings.pull_scheme != "https" and any(tls):
-        raise ConfigError("pull.tls.* settings need pull.scheme https")
-    if bool(settings.pull_tls_cert_file) != bool(settings.pull_tls_key_file):
-        raise ConfigError("pull.tls.cert-file and pull.tls.key-file go together")
-    if bool(settings.pull_basic_auth_username) != bool(settings.pull_basic_auth_password_file):
-        raise ConfigError("pull.basic-auth.username and pull.basic-auth.password-file go together")
+def _check_clients(settings: ServerSettings) -> None:
+    """TLS and credential settings that only make sense together, or with a peer to use them on."""
+    peers = (("pull", settings.pull_client, "https" if settings.pull_scheme == "https" else None, "pull.scheme"),
+             ("ingest.prometheus", settings.prometheus_client, settings.prometheus_url, "ingest.prometheus-url"),
+             ("alertmanager", settings.alertmanager_client, settings.alertmanager_url, "alertmanager.url"),
+             ("webhook", settings.webhook_client, settings.webhook_url, "webhook.url"))
+    for prefix, auth, url, url_flag in peers:
+        problem = auth.problem(prefix)
+        if problem:
+            raise ConfigError(problem)
+        if prefix == "pull":
+            if auth.uses_tls() and url is None:
+                raise ConfigError("pull.tls.* settings need pull.scheme https")
+            continue
+        if url is None and auth != ClientAuth():
+            raise ConfigError(f"{prefix}.* settings need {url_flag}")
+        if auth.uses_tls() and url is not None and not url.startswith("https://"):
+            raise ConfigError(f"{prefix}.tls.* settings need an https:// {url_flag}")
 
 
 def _read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -25,6 +25,8 @@ class Pki:
     other_ca_cert: Path      # a CA that signed neither certificate
     next_cert: Path          # the server's renewed certificate (CN server-next), as cert-manager would write it
     next_key: Path
+    next_client_cert: Path   # the client's renewed certificate (CN client-next)
+    next_client_key: Path
 
 
 def make_pki(root: Path) -> Pki:
@@ -58,4 +60,18 @@ def make_pki(root: Path) -> Pki:
     other_cert, _ = ca("other-ca")
     next_cert, next_key = leaf("server-next", ca_cert, ca_key,
                                "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
-    return Pki(ca_cert, server_cert, server_key, client_cert, client_key, other_cert, next_cert, next_key)
+    next_client_cert, next_client_key = leaf("client-next", ca_cert, ca_key, "extendedKeyUsage=clientAuth\n")
+    return Pki(ca_cert, server_cert, server_key, client_cert, client_key, other_cert, next_cert, next_key,
+               next_client_cert, next_client_key)
+
+
+def web_config_file(path: Path, pki: Pki, user: str, password: str) -> Path:
+    """An exporter-toolkit web config at path: HTTPS with the server certificate, client certificates from the
+    test CA required, basic auth for one user (bcrypt at its cheapest cost: these are tests)."""
+    import bcrypt
+
+    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(4)).decode()
+    path.write_text(f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
+                    f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca_cert}\n"
+                    f"basic_auth_users:\n  {user}: '{hashed}'\n")
+    return path

@@ -27,6 +27,7 @@ import asyncio
 import logging
 import math
 import re
+import ssl
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -147,6 +148,8 @@ class PrometheusSource(IngestAccounting):
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.time,
         parse: Callable[[Mapping[str, Any]], Any] | None = None,
+        verify: ssl.SSLContext | bool = True,
+        auth: httpx.Auth | None = None,
     ) -> None:
         super().__init__()
         self.url = url.rstrip("/")
@@ -158,7 +161,8 @@ class PrometheusSource(IngestAccounting):
         self._parse = parse or _default_parse()
         self._timeout_seconds = timeout_seconds
         self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds),
-                                         follow_redirects=False, headers={"accept": "application/json"})
+                                         follow_redirects=False, headers={"accept": "application/json"},
+                                         verify=verify, auth=auth)
         self._last_query: float | None = None
         self._range_cap = max_lookback_seconds
         self._newest: dict[str, float] = {}          # node -> newest sample time already delivered
@@ -266,6 +270,12 @@ class PrometheusSource(IngestAccounting):
             raise PullError("connect", str(exc)) from None
         except httpx.HTTPError as exc:
             raise PullError("http_error", exc.__class__.__name__) from None
+        except ssl.SSLError as exc:
+            # Under TLS 1.3 a server refusing our client certificate says so on the first read, which httpx
+            # passes on as it is.
+            raise PullError("tls", str(exc)) from None
+        except OSError as exc:
+            raise PullError("connect", str(exc)) from None
 
     def _matrix(self, buf: bytes | bytearray, status: int) -> list[_Series]:
         """A range query's series, typed; malformed series and points are counted and left out."""
@@ -461,6 +471,9 @@ def _result(buf: bytes | bytearray, status: int) -> list[Any]:
     try:
         doc = orjson.loads(buf)
     except orjson.JSONDecodeError:
+        if status != 200:
+            # Not Prometheus's API answering: a proxy, or its web config refusing our credentials (401, 403).
+            raise PullError("http_status", f"HTTP {status}: {bytes(buf[:200]).decode(errors='replace').strip()}") from None
         raise PullError("malformed_json", f"HTTP {status}") from None
     if not isinstance(doc, dict) or doc.get("status") != "success":
         error = doc.get("error") if isinstance(doc, dict) else None

@@ -126,8 +126,8 @@ class Puller(IngestAccounting):
         parse: Callable[[Mapping[str, Any]], Any] | None = None,
         scheme: str = "http",
         clock_offset_min_seconds: float = DEFAULT_MIN_OFFSET_SECONDS,
-        tls: ssl.SSLContext | None = None,
-        basic_auth: tuple[str, str] | None = None,
+        verify: ssl.SSLContext | None = None,
+        auth: httpx.Auth | None = None,
     ) -> None:
         super().__init__()
         self.source = source
@@ -144,8 +144,8 @@ class Puller(IngestAccounting):
         # One small client per target: httpcore's pool scans every connection on each request, so a
         # single pool over a thousand agents costs O(n^2) per cycle; per-target pools stay O(1).
         self._clients: dict[str, httpx.AsyncClient] = {}
-        self._ssl = tls
-        self._auth = httpx.BasicAuth(*basic_auth) if basic_auth else None
+        self._ssl = verify
+        self._auth = auth
         self._health: dict[str, TargetHealth] = {}
         self.clocks = ClockOffsets(clock_offset_min_seconds)
 

@@ -41,7 +41,9 @@ async def post_with_retry(client: httpx.AsyncClient, url: str, body: bytes, *, a
                 return True
             retryable = response.status_code >= 500 or response.status_code == 429
             error = f"HTTP {response.status_code}"
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, OSError) as exc:
+            # OSError covers ssl.SSLError: under TLS 1.3 a receiver refusing our client certificate says so
+            # on the first read, which httpx passes on as it is.
             retryable, error = True, f"{exc.__class__.__name__}: {exc}"
         log.warning("notification failed", extra={"notifier": what, "url": url, "attempt": attempt,
                                                   "error": error[:300], "retrying": retryable and attempt < attempts})

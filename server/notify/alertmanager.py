@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -65,7 +66,8 @@ class AlertmanagerNotifier:
 
     def __init__(self, url: str, *, resend_interval_seconds: float = 60.0, external_url: str = "http://localhost:9472",
                  timeout_seconds: float = 10.0, attempts: int = 4, backoff_seconds: float = 1.0,
-                 transport: httpx.AsyncBaseTransport | None = None, clock: Callable[[], float] = time.time,
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 verify: ssl.SSLContext | bool = True, auth: httpx.Auth | None = None, clock: Callable[[], float] = time.time,
                  sleep: Sleep = asyncio.sleep, tick_seconds: float = 1.0) -> None:
         self.url = url.rstrip("/") + "/api/v2/alerts"
         self.resend_interval_seconds = resend_interval_seconds
@@ -75,7 +77,8 @@ class AlertmanagerNotifier:
         self.tick_seconds = tick_seconds
         self._clock = clock
         self._sleep = sleep
-        self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds))
+        self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds), verify=verify,
+                                         auth=auth)
         self._firing: dict[str, Alert] = {}     # alert id -> latest firing state
         # (alert id, severity) -> state to send on the next step; the severity is part of the key because it
         # is a label: an escalated alert's old label set must be ended alongside the new one being sent.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections import deque
 from typing import Any, Sequence
 
@@ -33,13 +34,15 @@ class WebhookNotifier:
 
     def __init__(self, url: str, *, timeout_seconds: float = 10.0, attempts: int = 4, backoff_seconds: float = 1.0,
                  max_queue: int = 10_000, transport: httpx.AsyncBaseTransport | None = None,
+                 verify: ssl.SSLContext | bool = True, auth: httpx.Auth | None = None,
                  sleep: Sleep = asyncio.sleep, tick_seconds: float = 1.0) -> None:
         self.url = url
         self.attempts = attempts
         self.backoff_seconds = backoff_seconds
         self.tick_seconds = tick_seconds
         self._sleep = sleep
-        self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds))
+        self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds), verify=verify,
+                                         auth=auth)
         self._queue: deque[Transition] = deque()
         self._max_queue = max_queue
         self.sent_total = 0

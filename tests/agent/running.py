@@ -1,5 +1,5 @@
 """Real processes for end-to-end tests: a `gpufleet-agent` (finding the port it bound), a `gpufleet-server`,
-and a Prometheus scraping them."""
+a Prometheus scraping them, an Alertmanager."""
 
 from __future__ import annotations
 
@@ -95,10 +95,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def prometheus_process(tmp_path: Path, targets: list[int],
-                       scrape: str = "") -> Iterator[tuple[subprocess.Popen, int, Path]]:
+def prometheus_process(tmp_path: Path, targets: list[int], scrape: str = "", *, web_config: Path | None = None,
+                       client: dict | None = None) -> Iterator[tuple[subprocess.Popen, int, Path]]:
     """A real Prometheus on 127.0.0.1 scraping the given local ports every second (`scrape`: more lines of
-    the job's scrape config, indented as its keys); yields (process, port, log)."""
+    the job's scrape config, indented as its keys; `web_config`: serve HTTPS behind that exporter-toolkit
+    file, which `client`'s httpx options get past); yields (process, port, log)."""
     assert PROMETHEUS is not None
     port = free_port()
     config = tmp_path / "prometheus.yml"
@@ -109,16 +110,24 @@ def prometheus_process(tmp_path: Path, targets: list[int],
         "  - job_name: gpufleet-agent\n"
         f"    static_configs: [{{targets: [{listed}]}}]\n" + scrape
     )
-    log_path = tmp_path / "prometheus.log"
+    cmd = [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+           f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
+    if web_config is not None:
+        cmd.append(f"--web.config.file={web_config}")
+    with _daemon("Prometheus", cmd, port, tmp_path / "prometheus.log", "https" if web_config else "http",
+                 client) as (proc, log_path):
+        yield proc, port, log_path
+
+
+@contextlib.contextmanager
+def _daemon(what: str, cmd: list[str], port: int, log_path: Path, scheme: str,
+            client: dict | None) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """Run a Prometheus-family binary logging to log_path until it is ready; stop it on the way out."""
     with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=log_file,
-        )
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file)
         try:
-            _wait_ready(proc, port, log_path)
-            yield proc, port, log_path
+            _wait_ready(proc, port, log_path, what=what, scheme=scheme, client=client)
+            yield proc, log_path
         finally:
             proc.terminate()
             try:
@@ -128,15 +137,38 @@ def prometheus_process(tmp_path: Path, targets: list[int],
                 proc.wait()
 
 
-def _wait_ready(proc: subprocess.Popen, port: int, log_path: Path, timeout: float = 60.0) -> None:
-    """Until Prometheus answers /-/ready with 200. It listens before it has opened its TSDB and answers
-    503 "Service Unavailable" meanwhile; a query in that gap failed a test on a loaded CI machine."""
+def _wait_ready(proc: subprocess.Popen, port: int, log_path: Path, timeout: float = 60.0, *,
+                what: str, scheme: str, client: dict | None) -> None:
+    """Until it answers /-/ready with 200 (`client`: httpx options, for one behind a web config). Prometheus
+    listens before it has opened its TSDB and answers 503 "Service Unavailable" meanwhile; a query in that
+    gap failed a test on a loaded CI machine."""
     waiter = threading.Event()
     for _ in range(int(timeout / 0.2)):
         if proc.poll() is not None:
             break
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{scheme}://127.0.0.1:{port}/-/ready", timeout=2, **(client or {})).status_code == 200:
                 return
         waiter.wait(0.2)
-    raise AssertionError("Prometheus never became ready: " + log_path.read_text(errors="replace")[-2000:])
+    raise AssertionError(f"{what} never became ready: " + log_path.read_text(errors="replace")[-2000:])
+
+
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+requires_alertmanager = pytest.mark.skipif(
+    ALERTMANAGER is None, reason="alertmanager binary not installed (apt-get install prometheus-alertmanager)")
+
+
+@contextlib.contextmanager
+def alertmanager_process(tmp_path: Path, web_config: Path,
+                         client: dict) -> Iterator[tuple[subprocess.Popen, int, Path]]:
+    """A real Alertmanager on 127.0.0.1 behind `web_config` (HTTPS), routing everything nowhere, without
+    clustering; `client` holds the httpx options that get past its web config. Yields (process, port, log)."""
+    assert ALERTMANAGER is not None
+    port = free_port()
+    config = tmp_path / "alertmanager.yml"
+    config.write_text("route: {receiver: nowhere}\nreceivers: [{name: nowhere}]\n")
+    cmd = [ALERTMANAGER, f"--config.file={config}", f"--storage.path={tmp_path / 'am-data'}",
+           f"--web.listen-address=127.0.0.1:{port}", f"--web.config.file={web_config}",
+           "--cluster.listen-address=", "--log.level=warn"]
+    with _daemon("Alertmanager", cmd, port, tmp_path / "alertmanager.log", "https", client) as (proc, log_path):
+        yield proc, port, log_path

@@ -275,7 +275,9 @@ def test_a_sample_scraped_again_after_a_slower_answer_is_still_the_same_sample()
 @pytest.mark.parametrize("answer, reason", [
     (httpx.ConnectError("refused"), "connect"),
     (httpx.ReadTimeout("slow"), "timeout"),
-    (httpx.Response(503, content=b"<html>unavailable</html>"), "malformed_json"),
+    (httpx.Response(503, content=b"<html>unavailable</html>"), "http_status"),
+    (httpx.Response(401, content=b"Unauthorized\n"), "http_status"),
+    (httpx.Response(200, content=b"<html>a login page</html>"), "malformed_json"),
     # A broken proxy's bytes inside a string: the typed decoder raises UnicodeDecodeError, not DecodeError.
     (httpx.Response(200, content=b'{"status":"success","data":{"resultType":"matrix","result":'
                                  b'[{"metric":{"node":"dgx-\xb8"},"values":[]}]}}'), "malformed_json"),

@@ -96,7 +96,7 @@ def test_an_agent_certificate_from_another_ca_is_not_trusted(agent, pki, tmp_pat
                            "--pull.tls.ca-file", str(pki.other_ca_cert),
                            "--pull.tls.cert-file", str(pki.client_cert), "--pull.tls.key-file", str(pki.client_key),
                            "--pull.basic-auth.username", "gpufleet",
-                           "--pull.basic-auth.password-file", settings.pull_basic_auth_password_file], env={})
+                           "--pull.basic-auth.password-file", settings.pull_client.basic_auth_password_file], env={})
     result, health, errors = pull(other)
     assert not result.samples and "certificate verify failed" in health.last_error.lower()
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import orjson
 import pytest
 
 from server.serve import build_runtime, main
-from server.settings import ConfigError, ServerSettings, load_settings, parse_duration
+from server.settings import FLAGS, ConfigError, ServerSettings, load_settings, parse_duration
 from server.store import AlertQuery
 from tests.agent.running import server_process
 from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
@@ -160,6 +161,10 @@ def test_shipped_example_config_is_valid() -> None:
     s = load_settings(["--config.file", str(example)], env={})
     assert s.pull_interval_seconds == 5.0 and s.storage_retention_seconds == 7 * 86400
     assert "window_seconds" in s.engine
+    # The commented-out examples must be settings too, or uncommenting one stops the server.
+    commented = re.findall(r"^# ([a-z][a-z0-9.-]*): \S+$", example.read_text(), flags=re.MULTILINE)
+    assert "alertmanager.basic-auth.password-file" in commented
+    assert [key for key in commented if key not in FLAGS] == []
 
 
 def _thermal_agents(now: list[float], hot, first_since):
