@@ -173,15 +173,16 @@ class ServerCollector(Collector):
 
     def _notifiers(self) -> Iterator[Metric]:
         """Delivery counters per notifier."""
-        sent = CounterMetricFamily("gpufleet_server_notifications_sent", "Alerts delivered.", labels=["notifier"])
+        labels = ["notifier", "url"]     # several Alertmanagers: one notifier each
+        sent = CounterMetricFamily("gpufleet_server_notifications_sent", "Alerts delivered.", labels=labels)
         failed = CounterMetricFamily("gpufleet_server_notifications_failed", "Alerts not delivered after retries.",
-                                     labels=["notifier"])
+                                     labels=labels)
         dropped = CounterMetricFamily("gpufleet_server_notifications_dropped", "Alerts dropped from a full queue.",
-                                      labels=["notifier"])
+                                      labels=labels)
         for n in self.runtime.notifiers:
-            sent.add_metric([n.name], n.sent_total)
-            failed.add_metric([n.name], n.failed_total)
-            dropped.add_metric([n.name], n.dropped_total)
+            sent.add_metric([n.name, n.url], n.sent_total)
+            failed.add_metric([n.name, n.url], n.failed_total)
+            dropped.add_metric([n.name, n.url], n.dropped_total)
         yield from (sent, failed, dropped)
 
 

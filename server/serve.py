@@ -57,11 +57,14 @@ def build_notifiers(settings: ServerSettings, *, transport: Any = None) -> list[
     from server.notify.webhook import WebhookNotifier
 
     out: list[Notifier] = []
-    if settings.alertmanager_url:
-        am = outbound(settings.alertmanager_client, "alertmanager", settings.alertmanager_url.startswith("https://"))
-        out.append(AlertmanagerNotifier(settings.alertmanager_url, external_url=settings.public_url(),
+    if settings.alertmanager_urls:
+        # The replicas of one HA cluster share their web config, so one context and one credential serve them all.
+        am = outbound(settings.alertmanager_client, "alertmanager",
+                      all(url.startswith("https://") for url in settings.alertmanager_urls))
+        out.extend(AlertmanagerNotifier(url, external_url=settings.public_url(),
                                         resend_interval_seconds=settings.alertmanager_resend_interval_seconds,
-                                        transport=transport, verify=am.ssl_context, auth=am.auth))
+                                        transport=transport, verify=am.ssl_context, auth=am.auth)
+                   for url in settings.alertmanager_urls)
     if settings.webhook_url:
         hook = outbound(settings.webhook_client, "webhook", settings.webhook_url.startswith("https://"))
         out.append(WebhookNotifier(settings.webhook_url, transport=transport, verify=hook.ssl_context,

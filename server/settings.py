@@ -65,11 +65,25 @@ def parse_listen(text: Any) -> str:
 
 
 def parse_url(text: Any) -> str:
-    """An http(s) URL."""
+    """An http(s) URL without credentials in it."""
     value = str(text).strip()
     if not re.match(r"^https?://[^/\s]+", value):
         raise ValueError("expected an http:// or https:// URL")
+    if "@" in value.split("/")[2]:
+        raise ValueError("no credentials in the URL (they would show in ps and in logs): use the "
+                         "basic-auth.* or bearer-token-file settings")
     return value.rstrip("/")
+
+
+def parse_urls(text: Any) -> tuple[str, ...]:
+    """One or more http(s) URLs: a comma-separated string or a list."""
+    items = str(text).split(",") if isinstance(text, str) else list(text)
+    urls = tuple(parse_url(item) for item in items if str(item).strip())
+    if not urls:
+        raise ValueError("expected at least one http:// or https:// URL")
+    if len(set(urls)) != len(urls):
+        raise ValueError("the same URL twice")
+    return urls
 
 
 def parse_targets(text: Any) -> tuple[str, ...]:
@@ -169,7 +183,7 @@ class ServerSettings:
     prometheus_client: ClientAuth = ClientAuth()
     storage_path: str = "gpufleet.db"
     storage_retention_seconds: float = 7 * 86400.0
-    alertmanager_url: str | None = None
+    alertmanager_urls: tuple[str, ...] = ()
     alertmanager_resend_interval_seconds: float = 60.0
     alertmanager_client: ClientAuth = ClientAuth()
     webhook_url: str | None = None
@@ -231,7 +245,9 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "pull.scheme": ("pull_scheme", _choice("http", "https"), "http or https, for every agent (default http)"),
     "storage.path": ("storage_path", str, "SQLite file for alerts (default gpufleet.db)"),
     "storage.retention": ("storage_retention_seconds", parse_duration, "keep resolved alerts this long (default 7d)"),
-    "alertmanager.url": ("alertmanager_url", parse_url, "Alertmanager base URL, e.g. http://alertmanager:9093"),
+    "alertmanager.url": ("alertmanager_urls", parse_urls,
+                         "Alertmanager base URL, e.g. http://alertmanager:9093; comma-separated for every replica "
+                         "of an HA cluster (each gets every alert, as from Prometheus)"),
     "alertmanager.resend-interval": ("alertmanager_resend_interval_seconds", parse_duration,
                                      "re-send firing alerts this often (default 1m)"),
     "webhook.url": ("webhook_url", parse_url, "URL receiving a JSON POST per alert state change"),
@@ -295,22 +311,26 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> 
 
 def _check_clients(settings: ServerSettings) -> None:
     """TLS and credential settings that only make sense together, or with a peer to use them on."""
-    peers = (("pull", settings.pull_client, "https" if settings.pull_scheme == "https" else None, "pull.scheme"),
-             ("ingest.prometheus", settings.prometheus_client, settings.prometheus_url, "ingest.prometheus-url"),
-             ("alertmanager", settings.alertmanager_client, settings.alertmanager_url, "alertmanager.url"),
-             ("webhook", settings.webhook_client, settings.webhook_url, "webhook.url"))
-    for prefix, auth, url, url_flag in peers:
+    peers = (("pull", settings.pull_client, ("https://",) if settings.pull_scheme == "https" else (), "pull.scheme"),
+             ("ingest.prometheus", settings.prometheus_client, _listed(settings.prometheus_url), "ingest.prometheus-url"),
+             ("alertmanager", settings.alertmanager_client, settings.alertmanager_urls, "alertmanager.url"),
+             ("webhook", settings.webhook_client, _listed(settings.webhook_url), "webhook.url"))
+    for prefix, auth, urls, url_flag in peers:
         problem = auth.problem(prefix)
         if problem:
             raise ConfigError(problem)
         if prefix == "pull":
-            if auth.uses_tls() and url is None:
+            if auth.uses_tls() and not urls:
                 raise ConfigError("pull.tls.* settings need pull.scheme https")
             continue
-        if url is None and auth != ClientAuth():
+        if not urls and auth != ClientAuth():
             raise ConfigError(f"{prefix}.* settings need {url_flag}")
-        if auth.uses_tls() and url is not None and not url.startswith("https://"):
+        if auth.uses_tls() and any(not url.startswith("https://") for url in urls):
             raise ConfigError(f"{prefix}.tls.* settings need an https:// {url_flag}")
+
+
+def _listed(url: str | None) -> tuple[str, ...]:
+    return (url,) if url else ()
 
 
 def _read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -19,6 +19,7 @@ class Notifier(Protocol):
     """Receives transitions without blocking; delivers them from its own task."""
 
     name: str
+    url: str                # where it delivers (no credentials: the settings refuse them in URLs)
     sent_total: int
     failed_total: int
     dropped_total: int

@@ -45,6 +45,10 @@ def test_durations(text, seconds) -> None:
     (["--targets", "a:1,b:http"], {}, "--targets"),
     (["--pull.interval", "5s", "--pull.timeout", "10s"], {}, "pull.timeout"),
     (["--alertmanager.url", "am:9093"], {}, "--alertmanager.url"),
+    (["--alertmanager.url", "http://am:9093,http://am:9093"], {}, "the same URL twice"),
+    (["--alertmanager.url", " , "], {}, "at least one"),
+    (["--alertmanager.url", "http://am-0:9093,https://gpufleet:s3cret@am-1:9093"], {}, "no credentials in the URL"),
+    (["--ingest.prometheus-url", "https://reader:s3cret@prom:9090"], {}, "basic-auth"),
     (["--log.level", "loud"], {}, "--log.level"),
     (["--pull.max-bytes", "lots"], {}, "--pull.max-bytes"),
     ([], {"GPUFLEET_SERVER_PULL_TIMEOUT": "-1"}, "GPUFLEET_SERVER_PULL_TIMEOUT"),
@@ -122,7 +126,7 @@ def test_wired_pipeline_with_mock_agents_and_injected_clock(tmp_path) -> None:
         return httpx.Response(200, content=orjson.dumps(envelope(node, snaps)))
 
     settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "w.db"),
-                              alertmanager_url="http://am:9093")
+                              alertmanager_urls=("http://am:9093",))
     engine = StubEngine()
     runtime = build_runtime(settings, engine=engine, clock=lambda: now[0], transport=httpx.MockTransport(handler),
                             parse=parse_dict)
@@ -299,3 +303,11 @@ def test_real_engine_keeps_an_alert_across_a_restart_and_resolves_it_under_the_s
     asyncio.run(cycles(second, 40))
     [after] = second.store.query(AlertQuery()).alerts
     assert (after.id, after.state.value) == (fired.id, "resolved") and after.resolved > hot_until[0]
+
+
+def test_alertmanager_replicas_from_a_list_in_the_file_or_commas_in_a_flag(tmp_path) -> None:
+    config = tmp_path / "server.yaml"
+    config.write_text("alertmanager.url: [http://am-0:9093, 'http://am-1:9093/']\n")
+    replicas = ("http://am-0:9093", "http://am-1:9093")
+    assert load_settings(["--config.file", str(config)], env={}).alertmanager_urls == replicas
+    assert load_settings(["--alertmanager.url", "http://am-0:9093, http://am-1:9093"], env={}).alertmanager_urls == replicas

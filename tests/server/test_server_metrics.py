@@ -9,11 +9,13 @@ import orjson
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.alerts import AlertState
+from server.alerts import AlertState, Transition
 from server.ingest.puller import Puller
 from server.ingest.targets import StaticTargets
 from server.metrics import build_registry
 from server.runtime import FleetView, Runtime
+from server.serve import build_notifiers
+from server.settings import load_settings
 from server.store import AlertStore
 from tests.server.live_fakes import StubEngine, envelope, make_alert, parse_dict, snapshot
 
@@ -87,3 +89,40 @@ def test_empty_runtime_exposes_no_unknown_values(tmp_path) -> None:
     assert ("gpufleet_server_engine_tick_duration_seconds", ()) not in got
     assert ("gpufleet_server_pull_cycle_duration_seconds", ()) not in got
     assert got[("gpufleet_server_cycles_total", ())] == 0
+
+
+def test_every_alertmanager_replica_gets_every_alert_and_its_own_counters(tmp_path) -> None:
+    """An HA Alertmanager pair: both are sent everything (they de-duplicate between themselves), and one being
+    down neither holds back nor hides the other."""
+    received: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "am-1":
+            return httpx.Response(400)       # refused: not retried, counted
+        received.append(orjson.loads(request.content)[0]["labels"]["alertname"])
+        return httpx.Response(200)
+
+    settings = load_settings(["--alertmanager.url", "http://am-0:9093,http://am-1:9093/", "--webhook.url",
+                              "http://hooks/x"], env={})
+    notifiers = build_notifiers(settings, transport=httpx.MockTransport(handler))
+    assert [n.url for n in notifiers] == ["http://am-0:9093/api/v2/alerts", "http://am-1:9093/api/v2/alerts",
+                                          "http://hooks/x"]
+
+    async def deliver() -> None:
+        for n in notifiers[:2]:
+            n.submit([Transition(make_alert(1), None)])
+            await n.step()
+            await n.aclose()
+        await notifiers[2].aclose()
+
+    asyncio.run(deliver())
+    assert received == ["GpufleetStraggler"]
+    runtime = Runtime(engine=StubEngine(), puller=Puller(StaticTargets(()), transport=httpx.MockTransport(handler)),
+                      store=AlertStore(tmp_path / "n.db"), notifiers=notifiers, clock=lambda: 100.0)
+    got = samples(build_registry(runtime))
+    sent, failed = "gpufleet_server_notifications_sent_total", "gpufleet_server_notifications_failed_total"
+    assert got[(sent, (("notifier", "alertmanager"), ("url", "http://am-0:9093/api/v2/alerts")))] == 1
+    assert got[(failed, (("notifier", "alertmanager"), ("url", "http://am-1:9093/api/v2/alerts")))] == 1
+    assert got[(sent, (("notifier", "alertmanager"), ("url", "http://am-1:9093/api/v2/alerts")))] == 0
+    assert got[(sent, (("notifier", "webhook"), ("url", "http://hooks/x")))] == 0
+    runtime.store.close()
