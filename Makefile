@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo clean
+.PHONY: demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,16 @@ crosscheck: $(STAMP)
 	$(BIN)/python -m bench.sim_crosscheck --seeds 12
 	$(BIN)/python -m bench.sim_crosscheck --seeds 12 --hard
 	$(BIN)/python -m bench.sim_crosscheck --seeds 8 --unattributed
+
+# Wheels for bench/hardware_check.sh on a lent GPU machine (CPython 3.12 there, nothing to download from):
+# the agent's and replay's packages its image lacks, at the versions the tests here ran. Into .whl, which
+# git ignores; the device call carries it.
+WHEEL_PLATFORMS := $(foreach n,28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
+hardware-wheels: $(STAMP)
+	rm -rf .whl
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(WHEEL_PLATFORMS) -d .whl $$($(BIN)/python -m pip list --format=freeze 2>/dev/null \
+		| grep -i -E '^(orjson|bcrypt|msgspec|nvidia-ml-py)==')
 
 clean:
 	rm -rf $(VENV) build *.egg-info
