@@ -182,7 +182,11 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
     stop = threading.Event()
     sampler = Sampler(runtime.reader, store, node=runtime.node, interval=config.sample_interval,
                       attributor=runtime.attributor, recorder=recorder, clock=runtime.clock, stop=stop)
+    hangup = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # SIGHUP would end the agent by default, and systemd counts that as a clean exit, never restarting it;
+    # logrotate sends it after moving a file away.
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: hangup.set())
     server.start()
     sampler.start()
     log.info("agent started", extra={"node": runtime.node, "version": __version__, "port": server.port,
@@ -192,7 +196,12 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
     try:
         # Short waits keep the main thread responsive to signals.
         while not stop.wait(0.5):
-            pass
+            if hangup.is_set():
+                hangup.clear()
+                if recorder is not None:
+                    recorder.reopen()
+                log.info("SIGHUP: record file reopened; TLS and auth files are re-read when they change",
+                         extra={"record": config.record})
     finally:
         sampler.stop()
         if recorder is not None:

@@ -42,6 +42,9 @@ class Recorder:
             if self._closed:
                 return False
             try:
+                if self._file is not None and self._moved():
+                    log.info("record file moved away, starting a new one", extra={"path": self._path})
+                    self._drop_file()
                 if self._file is None:
                     self._file = open(self._path, "ab")  # noqa: SIM115 - held open across writes
                 self._file.write(snapshot_json + b"\n")
@@ -50,6 +53,23 @@ class Recorder:
             except (OSError, ValueError) as exc:
                 self._fail(exc)
                 return False
+
+    def _moved(self) -> bool:
+        """Whether the path no longer names the open file: logrotate (or a person) renamed or deleted it.
+        Checked before every write, as logging's WatchedFileHandler does: one stat a second costs nothing,
+        and the agent then needs no signal to follow a rotation."""
+        assert self._file is not None
+        try:
+            on_disk = os.stat(self._path)
+        except FileNotFoundError:
+            return True
+        held = os.fstat(self._file.fileno())
+        return (on_disk.st_dev, on_disk.st_ino) != (held.st_dev, held.st_ino)
+
+    def reopen(self) -> None:
+        """Start writing the path afresh at the next write (SIGHUP: what log rotation sends)."""
+        with self._lock:
+            self._drop_file()
 
     def _fail(self, exc: Exception) -> None:
         self._errors += 1

@@ -150,12 +150,17 @@ async def serve_until_signalled(server: uvicorn.Server, sockets: list[socket.soc
         log.info("shutting down")
         server.should_exit = True
 
+    def hangup() -> None:
+        # By default SIGHUP would end the server, which systemd counts as a clean exit and does not restart.
+        log.info("SIGHUP: nothing to reload; target, TLS and credential files are re-read when they change")
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
+    loop.add_signal_handler(signal.SIGHUP, hangup)
     try:
         await server.serve(sockets=sockets)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
 
 

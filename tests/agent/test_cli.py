@@ -120,8 +120,8 @@ def get(port: int, path: str) -> tuple[int, bytes]:
         conn.close()
 
 
-def test_serves_and_exits_0_on_sigterm(tmp_path):
-    trace = tmp_path / "trace.jsonl"
+def test_serves_survives_sighup_and_a_rotation_and_exits_0_on_sigterm(tmp_path):
+    trace, rotated = tmp_path / "trace.jsonl", tmp_path / "trace.jsonl.1"
     with agent_process("--simulate", "hgx-h100", "--sample.interval", "0.2", "--record", str(trace)) as (proc, port):
         waiter = threading.Event()
         deadline = 150  # 150 x 0.1 s at most: the first sample lands within one interval
@@ -130,10 +130,20 @@ def test_serves_and_exits_0_on_sigterm(tmp_path):
             deadline -= 1
         status, body = get(port, "/metrics")
         assert status == 200 and body.count(b"gpufleet_gpu_utilization_ratio{") == 8
+
+        # logrotate: move the file away, then SIGHUP (which would end a process that does not handle it).
+        trace.rename(rotated)
+        proc.send_signal(signal.SIGHUP)
+        deadline = 150
+        while not trace.exists() and proc.poll() is None and deadline:
+            waiter.wait(0.1)
+            deadline -= 1
+        assert proc.poll() is None and get(port, "/healthz")[0] == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-    lines = trace.read_bytes().splitlines()
-    assert lines and all(orjson.loads(line)["schema"] == 1 for line in lines)
+    for path in (rotated, trace):
+        lines = path.read_bytes().splitlines()
+        assert lines and all(orjson.loads(line)["schema"] == 1 for line in lines)
 
 
 NO_DRIVER = ctypes.util.find_library("nvidia-ml") is None

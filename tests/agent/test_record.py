@@ -37,3 +37,29 @@ def test_recovers_when_the_directory_appears(tmp_path):
     assert rec.write(b'{"x":1}')
     assert target.read_bytes() == b'{"x":1}\n'
     rec.close()
+
+
+def test_follows_a_rotation_by_rename_or_delete(tmp_path):
+    """logrotate's default: rename the file away and expect the writer to start a new one."""
+    path = tmp_path / "trace.jsonl"
+    rec = Recorder(path)
+    assert rec.write(b'{"a":1}')
+    path.rename(tmp_path / "trace.jsonl.1")
+    assert rec.write(b'{"b":2}')
+    path.unlink()
+    assert rec.write(b'{"c":3}')
+    rec.close()
+    assert (tmp_path / "trace.jsonl.1").read_bytes() == b'{"a":1}\n'
+    assert path.read_bytes() == b'{"c":3}\n' and rec.errors == 0
+
+
+def test_copytruncate_and_reopen_keep_appending_to_the_path(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    rec = Recorder(path)
+    assert rec.write(b'{"a":1}')
+    path.write_bytes(b"")                  # logrotate copytruncate: same file, emptied
+    assert rec.write(b'{"b":2}')
+    rec.reopen()                           # what SIGHUP asks for
+    assert rec.write(b'{"c":3}')
+    rec.close()
+    assert path.read_bytes() == b'{"b":2}\n{"c":3}\n'

@@ -215,13 +215,17 @@ def test_real_engine_fires_thermal_alert_through_the_live_pipeline(tmp_path) -> 
     assert runtime.view.stats["samples_ingested"] == 2 * 201 * 4  # GPU-samples: every one pulled, none twice
 
 
-def test_sigterm_stops_the_server_cleanly(tmp_path) -> None:
-    """A real `serve` process: it comes up, answers /healthz, and exits 0 on SIGTERM."""
+def test_sigterm_stops_the_server_cleanly_and_sighup_does_not(tmp_path) -> None:
+    """A real `serve` process: it comes up, answers /healthz, shrugs off SIGHUP (which would end a process
+    that does not handle it), and exits 0 on SIGTERM."""
     import signal
 
     with server_process(tmp_path, "--targets", "127.0.0.1:1") as (proc, port):
         health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
         assert health.json()["targets"] in (0, 1)
+        proc.send_signal(signal.SIGHUP)
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code in (200, 503)
+        assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     assert (tmp_path / "server.db").exists()
