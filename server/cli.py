@@ -1,4 +1,4 @@
-"""`gpufleet-server` entry point: `serve` (default), `replay TRACE...`, `demo`."""
+"""`gpufleet-server` entry point: `serve` (default), `replay TRACE...`, `demo`, `check-config`."""
 
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ def main(argv: list[str] | None = None) -> int:
         from server.demo import main as run
     elif command == "serve":
         from server.serve import main as run
+    elif command == "check-config":
+        from server.serve import check_config as run
     else:
-        print(f"gpufleet-server: unknown command {command!r} (use serve, replay or demo)", file=sys.stderr)
+        print(f"gpufleet-server: unknown command {command!r} (use serve, replay, demo or check-config)",
+              file=sys.stderr)
         return 2
     return run(rest)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import ssl
@@ -18,7 +19,8 @@ from agent.logs import configure_logging
 from agent.webconfig import WebConfigError, load_web_config
 from server.ingest.prometheus import PrometheusSource
 from server.ingest.puller import Puller
-from server.ingest.targets import CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError, TargetSource
+from server.ingest.targets import (CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError,
+                                   TargetSource, parse_file_sd)
 from server.notify import Notifier
 from server.outbound import Outbound
 from server.runtime import Runtime
@@ -59,14 +61,13 @@ def build_notifiers(settings: ServerSettings, *, transport: Any = None) -> list[
     out: list[Notifier] = []
     if settings.alertmanager_urls:
         # The replicas of one HA cluster share their web config, so one context and one credential serve them all.
-        am = outbound(settings.alertmanager_client, "alertmanager",
-                      all(url.startswith("https://") for url in settings.alertmanager_urls))
+        am = outbound(settings.alertmanager_client, "alertmanager", _https(*settings.alertmanager_urls))
         out.extend(AlertmanagerNotifier(url, external_url=settings.public_url(),
                                         resend_interval_seconds=settings.alertmanager_resend_interval_seconds,
                                         transport=transport, verify=am.ssl_context, auth=am.auth)
                    for url in settings.alertmanager_urls)
     if settings.webhook_url:
-        hook = outbound(settings.webhook_client, "webhook", settings.webhook_url.startswith("https://"))
+        hook = outbound(settings.webhook_client, "webhook", _https(settings.webhook_url))
         out.append(WebhookNotifier(settings.webhook_url, transport=transport, verify=hook.ssl_context,
                                    auth=hook.auth))
     return out
@@ -84,7 +85,7 @@ def build_source(settings: ServerSettings, *, clock: Callable[[], float] = time.
                  parse: Callable[[Any], Any] | None = None) -> Puller | PrometheusSource:
     """Where samples come from: the agents themselves, or Prometheus's scrapes of them."""
     if settings.prometheus_url:
-        prom = outbound(settings.prometheus_client, "ingest.prometheus", settings.prometheus_url.startswith("https://"))
+        prom = outbound(settings.prometheus_client, "ingest.prometheus", _https(settings.prometheus_url))
         return PrometheusSource(settings.prometheus_url, interval_seconds=settings.pull_interval_seconds,
                                 timeout_seconds=settings.pull_timeout_seconds,
                                 stale_after_seconds=settings.pull_stale_after_seconds, transport=transport,
@@ -162,6 +163,56 @@ async def serve_until_signalled(server: uvicorn.Server, sockets: list[socket.soc
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+
+
+def check_config(argv: Sequence[str] | None = None) -> int:
+    """`gpufleet-server check-config [serve's flags]`: everything serve would refuse at start, without starting:
+    settings, the web config, the engine's settings, the file_sd file, every TLS and credential file, and the
+    storage folder. Exit 0 with one summary line, or 2 with the first problem, as `promtool check config`."""
+    try:
+        settings = load_settings(sys.argv[1:] if argv is None else argv)
+        if settings.web_config_file:
+            try:
+                load_web_config(settings.web_config_file)
+            except WebConfigError as exc:
+                raise ConfigError(f"--web.config.file: {exc}") from None
+        build_engine(settings)
+        targets = len(settings.targets)
+        if settings.targets_file_sd:
+            try:
+                with open(settings.targets_file_sd, "rb") as fh:
+                    targets += len(parse_file_sd(fh.read(), name=settings.targets_file_sd))
+            except OSError as exc:
+                raise ConfigError(f"--targets.file-sd {settings.targets_file_sd}: {exc.strerror or exc}") from None
+        for auth, prefix in _peers(settings):
+            Outbound(auth, prefix)
+        folder = os.path.dirname(os.path.abspath(settings.storage_path))
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ConfigError(f"--storage.path {settings.storage_path}: cannot write in {folder}")
+    except (ConfigError, TargetError, ValueError) as exc:
+        print(f"gpufleet-server: {exc}", file=sys.stderr)
+        return 2
+    source = "prometheus" if settings.prometheus_url else "agents"
+    print(f"config OK: reading {source}, {targets} listed target(s)"
+          f"{' and ' + settings.targets_dns if settings.targets_dns else ''}, "
+          f"{len(settings.alertmanager_urls)} Alertmanager(s), webhook {'on' if settings.webhook_url else 'off'}, "
+          f"TLS {'on' if settings.web_config_file else 'off'} for the API")
+    return 0
+
+
+def _peers(settings: ServerSettings) -> list[tuple[ClientAuth, str]]:
+    """The settings and prefix of every peer the server will call."""
+    out = [(settings.prometheus_client, "ingest.prometheus") if settings.prometheus_url else
+           (settings.pull_client, "pull")]
+    if settings.alertmanager_urls:
+        out.append((settings.alertmanager_client, "alertmanager"))
+    if settings.webhook_url:
+        out.append((settings.webhook_client, "webhook"))
+    return out
+
+
+def _https(*urls: str | None) -> bool:
+    return all(url is not None and url.startswith("https://") for url in urls)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -315,3 +315,32 @@ def test_alertmanager_replicas_from_a_list_in_the_file_or_commas_in_a_flag(tmp_p
     replicas = ("http://am-0:9093", "http://am-1:9093")
     assert load_settings(["--config.file", str(config)], env={}).alertmanager_urls == replicas
     assert load_settings(["--alertmanager.url", "http://am-0:9093, http://am-1:9093"], env={}).alertmanager_urls == replicas
+
+
+def test_check_config_says_ok_or_names_the_first_problem(tmp_path, capsys) -> None:
+    """`gpufleet-server check-config`: serve's flags, validated without starting anything."""
+    from server.cli import main as cli
+
+    file_sd = tmp_path / "agents.yml"
+    file_sd.write_text("- targets: [dgx-01:9471, dgx-02:9471]\n")
+    ok = ["check-config", "--targets", "dgx-03:9471", "--targets.file-sd", str(file_sd),
+          "--alertmanager.url", "http://am-0:9093,http://am-1:9093", "--storage.path", str(tmp_path / "a.db")]
+    assert cli(ok) == 0
+    assert capsys.readouterr().out.startswith("config OK: reading agents, 3 listed target(s), 2 Alertmanager(s)")
+    assert not (tmp_path / "a.db").exists()         # nothing opened, nothing started
+
+    file_sd.write_text("- targets: [dgx-01:http]\n")
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    engine = tmp_path / "server.yml"
+    engine.write_text("engine: {thermal_celsius: hot}\n")
+    for argv, fragment in [
+        (["--targets.file-sd", str(file_sd)], "dgx-01:http"),
+        (["--webhook.url", "http://hooks/x", "--webhook.bearer-token-file", str(empty)], "is empty"),
+        (["--config.file", str(engine)], "thermal_celsius"),
+        (["--storage.path", str(tmp_path / "missing" / "a.db")], "cannot write in"),
+        (["--pull.interval", "soon"], "--pull.interval"),
+    ]:
+        assert cli(["check-config", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert fragment in err and err.count("\n") == 1, err
