@@ -114,8 +114,9 @@ class Engine:
     def _evaluate(self, k: int) -> list[Transition]:
         """Run every detector on closed bin k."""
         # NaN is "unknown" throughout (unsupported, no data, no baseline yet), and comparisons with it
-        # are simply False: the whole tick runs with numpy's warnings about it off, set once.
-        with np.errstate(invalid="ignore", divide="ignore"):
+        # are simply False: the whole tick runs with numpy's warnings about it off, set once. So does an
+        # excess over a spread of nearly nothing: it overflows to inf, which compares as the outlier it is.
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             return self._evaluate_tick(k)
 
     def _evaluate_tick(self, k: int) -> list[Transition]:

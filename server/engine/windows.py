@@ -389,7 +389,9 @@ class Windows:
         out[B_CLOCK_RATIO] = np.where(values[:, CLOCK_MAX] > 0, ratio, np.nan)
         throttle = values[:, THROTTLE]
         known = ~np.isnan(throttle)
-        bits = np.where(known, throttle, 0).astype(np.int64)
+        # The bits tested are the low ones; NVML's "unknown" reason is bit 63, beyond int64 (and beyond a
+        # float's 53-bit mantissa, which has already lost the low bits of such a value).
+        bits = np.fmod(np.where(known, throttle, 0.0), 2.0**32).astype(np.int64)
         out[_BIT_ROWS] = np.where(known, (bits & _BIT_MASKS) != 0, np.nan)
         return out
 

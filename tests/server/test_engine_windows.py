@@ -27,6 +27,16 @@ def test_samples_in_one_bin_are_averaged_and_bits_become_fractions():
     assert np.isnan(win[B_UTIL, 1, 0])                        # previous bin: no data
 
 
+def test_a_mask_with_nvmls_unknown_reason_bit_63_is_read_without_an_invalid_cast():
+    w = _w()
+    with np.errstate(all="raise"):
+        for i, bits in enumerate([2**63, 2**63 + 2**62, 0x20 | 0x40]):
+            w.add(sample("n0", T0 + i, [healthy(0, throttle_reasons=bits)]))
+        w.flush(min_bin=0)
+    # Bit 63 alone says nothing of the thermal bits (a float has lost a 64-bit value's low bits anyway).
+    assert abs(w.window(int(T0 // 5), 1)[B_THERMAL, 0, 0] - 1 / 3) < 1e-12
+
+
 def test_each_gpu_keeps_its_newest_reported_limits_and_a_limit_never_reported_stays_unknown():
     w = _w()
     w.add(sample("n0", T0, [healthy(0, memory_max_operating_temperature_celsius=95.0), healthy(1)]))
