@@ -43,7 +43,7 @@ class Outbound:
         self._min_interval = min_interval
         self._secret_file = auth.basic_auth_password_file or auth.bearer_token_file
         self._stamp = self._files_stamp()
-        self._failed_stamp: tuple | None = None
+        self._failed: dict[int, tuple] = {}         # first index of a part of the stamp -> its unusable state
         self._checked = clock()
         self.ssl_context = self._build_context()
         self.header = self._authorization(self._read_secret()) if self._secret_file else None
@@ -51,28 +51,38 @@ class Outbound:
         self.reloads = 0
 
     def refresh(self) -> None:
-        """Take up changed files (see the class)."""
+        """Take up changed files (see the class): the certificate pair, the CA file and the secret each on
+        their own, so that a half-written pair holds back neither a renewed password nor a new CA."""
         now = self._clock()
         if now - self._checked < self._min_interval:
             return
         self._checked = now
         stamp = self._files_stamp()
-        if stamp == self._stamp or stamp == self._failed_stamp:
+        if stamp == self._stamp:
             return
-        try:
-            header = self._authorization(self._read_secret()) if self._secret_file else None
-            if stamp[:2] != self._stamp[:2] and self.settings.cert_file and self.settings.key_file:
-                self._reload_cert_chain()
-            if stamp[2] != self._stamp[2] and self.settings.ca_file:
-                self._load_ca()
-        except ValueError as exc:
-            self._failed_stamp = stamp
-            log.warning("client credentials changed but cannot be used; keeping the last good ones",
-                        extra={"peer": self.prefix, "reason": str(exc)})
-            return
-        self.header, self._stamp, self._failed_stamp = header, stamp, None
-        self.reloads += 1
-        log.info("client credentials reloaded", extra={"peer": self.prefix})
+        s = self.settings
+        taken = list(self._stamp)
+        for what, part, load in (("client certificate", slice(0, 2),
+                                  self._reload_cert_chain if s.cert_file and s.key_file else None),
+                                 ("CA file", slice(2, 3), self._load_ca if s.ca_file else None),
+                                 ("secret", slice(3, 4), self._reload_secret if self._secret_file else None)):
+            if load is None or stamp[part] == self._stamp[part] or stamp[part] == self._failed.get(part.start):
+                continue
+            try:
+                load()
+            except ValueError as exc:
+                self._failed[part.start] = stamp[part]
+                log.warning("client credentials changed but cannot be used; keeping the last good ones",
+                            extra={"peer": self.prefix, "file": what, "reason": str(exc)})
+                continue
+            self._failed.pop(part.start, None)
+            taken[part] = stamp[part]
+            self.reloads += 1
+            log.info("client credentials reloaded", extra={"peer": self.prefix, "file": what})
+        self._stamp = tuple(taken)
+
+    def _reload_secret(self) -> None:
+        self.header = self._authorization(self._read_secret())
 
     def _files_stamp(self) -> tuple:
         s = self.settings

@@ -214,3 +214,24 @@ def test_a_renewed_client_certificate_is_shown_without_a_restart(pki, tmp_path, 
         clock.advance(1.0)
         assert client.get(mtls_server).text == "client-next"
         assert out.reloads == 1
+
+
+def test_a_half_written_certificate_pair_does_not_hold_back_a_renewed_secret(pki, tmp_path, caplog):
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    shutil.copy(pki.client_cert, cert)
+    shutil.copy(pki.client_key, key)
+    token = secret_file(tmp_path, "first\n")
+    clock = FakeClock()
+    out = Outbound(ClientAuth(cert_file=str(cert), key_file=str(key), bearer_token_file=str(token)), "webhook",
+                   clock=clock.monotonic)
+    shutil.copy(pki.next_client_cert, cert)               # the key is still the old one
+    token.write_text("second\n")
+    clock.advance(1.0)
+    with caplog.at_level(logging.WARNING, logger="server.outbound"):
+        assert headers_sent(out) == ["Bearer second"]
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.file == "client certificate" and out.reloads == 1
+
+    shutil.copy(pki.next_client_key, key)
+    clock.advance(1.0)
+    assert headers_sent(out) == ["Bearer second"] and out.reloads == 2   # the pair, now whole
