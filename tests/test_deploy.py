@@ -83,3 +83,16 @@ def test_the_kubernetes_job_example_gives_its_pods_the_job_the_agent_reads(tmp_p
 def test_the_annotated_agent_config_loads_and_states_the_defaults():
     path = str(ROOT / "deploy" / "agent.yaml")
     assert agent_config.load_config(["--config.file", path], environ={}) == agent_config.AgentConfig(config_file=path)
+
+
+def test_the_kubernetes_config_maps_hold_settings_the_daemons_accept_commented_examples_included(tmp_path):
+    """Each ConfigMap's file is loaded as the daemon would load it; a commented-out example, uncommented,
+    must be a setting too (its value may name a file that only exists in the pod)."""
+    maps = {doc["metadata"]["name"]: doc["data"] for doc in _manifests() if doc["kind"] == "ConfigMap"}
+    (server_file,) = maps["gpufleet-server"].values()
+    path = tmp_path / "server.yaml"
+    path.write_text(server_file)
+    assert server_settings.load_settings(["--config.file", str(path)], env={}).targets_dns
+    commented = re.findall(r"^\s*# ([a-z][a-z0-9.-]*): \S", server_file, flags=re.MULTILINE)
+    assert "alertmanager.basic-auth.password-file" in commented
+    assert [key for key in commented if key not in server_settings.FLAGS] == []
