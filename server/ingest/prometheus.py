@@ -23,7 +23,6 @@ The same surface as the direct-mode Puller (pull_once, health, counters), so the
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import re
@@ -37,7 +36,7 @@ import httpx
 import msgspec
 import orjson
 
-from server.ingest.puller import IngestAccounting, PullError, PullResult, TargetHealth, _default_parse
+from server.ingest.puller import IngestAccounting, PullError, PullResult, TargetHealth, _default_parse, bounded
 
 log = logging.getLogger(__name__)
 
@@ -254,28 +253,14 @@ class PrometheusSource(IngestAccounting):
 
     async def _fetch(self, promql: str, at: float) -> tuple[bytes | bytearray, int]:
         """One instant query's raw answer and HTTP status; PullError when it cannot be had in time."""
-        try:
-            # httpx's timeout bounds each read; this bounds the whole answer, as for a pull.
-            async with asyncio.timeout(self._timeout_seconds), self._client.stream(
-                    "GET", f"{self.url}/api/v1/query", params={"query": promql, "time": f"{at:.3f}"}) as response:
-                buf = bytearray()
-                async for chunk in response.aiter_bytes():
-                    buf += chunk
-                    if len(buf) > self.max_answer_bytes:
-                        raise PullError("oversized", f"over {self.max_answer_bytes} bytes")
-                return buf, response.status_code
-        except (httpx.TimeoutException, TimeoutError):
-            raise PullError("timeout") from None
-        except httpx.ConnectError as exc:
-            raise PullError("connect", str(exc)) from None
-        except httpx.HTTPError as exc:
-            raise PullError("http_error", exc.__class__.__name__) from None
-        except ssl.SSLError as exc:
-            # Under TLS 1.3 a server refusing our client certificate says so on the first read, which httpx
-            # passes on as it is.
-            raise PullError("tls", str(exc)) from None
-        except OSError as exc:
-            raise PullError("connect", str(exc)) from None
+        async with bounded(self._timeout_seconds), self._client.stream(
+                "GET", f"{self.url}/api/v1/query", params={"query": promql, "time": f"{at:.3f}"}) as response:
+            buf = bytearray()
+            async for chunk in response.aiter_bytes():
+                buf += chunk
+                if len(buf) > self.max_answer_bytes:
+                    raise PullError("oversized", f"over {self.max_answer_bytes} bytes")
+            return buf, response.status_code
 
     def _matrix(self, buf: bytes | bytearray, status: int) -> list[_Series]:
         """A range query's series, typed; malformed series and points are counted and left out."""

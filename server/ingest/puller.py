@@ -10,12 +10,13 @@ engine, and never moves a target's `since` somewhere its good samples cannot fol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import httpx
 import orjson
@@ -67,6 +68,31 @@ class PullResult:
     targets: int
     failed_targets: int
     rejected_snapshots: int
+
+
+@contextlib.asynccontextmanager
+async def bounded(timeout_seconds: float) -> AsyncIterator[None]:
+    """One fetch from an agent or Prometheus: the whole answer within timeout_seconds, and every transport
+    failure as a PullError with its reason.
+
+    httpx's timeout bounds each connect or read, not the whole answer: a peer trickling a byte at a time
+    would hold the cycle (and every other target's samples) for minutes.
+    """
+    try:
+        async with asyncio.timeout(timeout_seconds):
+            yield
+    except (httpx.TimeoutException, TimeoutError):
+        raise PullError("timeout") from None
+    except httpx.ConnectError as exc:
+        raise PullError("connect", str(exc)) from None
+    except httpx.HTTPError as exc:
+        raise PullError("http_error", exc.__class__.__name__) from None
+    except ssl.SSLError as exc:
+        # Under TLS 1.3 a peer refusing our client certificate says so after the handshake, on the first
+        # read, which httpx passes on as it is.
+        raise PullError("tls", str(exc)) from None
+    except OSError as exc:
+        raise PullError("connect", str(exc)) from None
 
 
 class IngestAccounting:
@@ -239,23 +265,8 @@ class Puller(IngestAccounting):
 
     async def _fetch(self, target: str, since: float | None) -> bytearray:
         """GET the target's snapshots newer than `since` within the pull timeout, refusing oversized bodies."""
-        try:
-            # httpx's timeout bounds each connect or read, not the whole answer: an agent trickling a byte
-            # at a time would hold the cycle (and every other target's samples) for minutes. This bounds it.
-            async with asyncio.timeout(self._timeout_seconds):
-                return await self._get(target, since)
-        except (httpx.TimeoutException, TimeoutError):
-            raise PullError("timeout") from None
-        except httpx.ConnectError as exc:
-            raise PullError("connect", str(exc)) from None
-        except httpx.HTTPError as exc:
-            raise PullError("http_error", exc.__class__.__name__) from None
-        except ssl.SSLError as exc:
-            # Under TLS 1.3 an agent refusing our client certificate says so after the handshake, on the
-            # first read, which httpx passes on as it is.
-            raise PullError("tls", str(exc)) from None
-        except OSError as exc:
-            raise PullError("connect", str(exc)) from None
+        async with bounded(self._timeout_seconds):
+            return await self._get(target, since)
 
     async def _get(self, target: str, since: float | None) -> bytearray:
         """The body of one `/snapshots` answer; PullError on a non-200 status or a body over the limit."""
