@@ -96,20 +96,28 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def prometheus_process(tmp_path: Path, targets: list[int], scrape: str = "", *, web_config: Path | None = None,
-                       client: dict | None = None) -> Iterator[tuple[subprocess.Popen, int, Path]]:
-    """A real Prometheus on 127.0.0.1 scraping the given local ports every second (`scrape`: more lines of
-    the job's scrape config, indented as its keys; `web_config`: serve HTTPS behind that exporter-toolkit
-    file, which `client`'s httpx options get past); yields (process, port, log)."""
+                       client: dict | None = None, servers: list[int] | None = None,
+                       rule_files: list[Path] | None = None) -> Iterator[tuple[subprocess.Popen, int, Path]]:
+    """A real Prometheus on 127.0.0.1 scraping the given local ports every second as job gpufleet-agent
+    (`scrape`: more lines of that job's scrape config, indented as its keys), `servers` as job
+    gpufleet-server, and evaluating `rule_files` every second (`web_config`: serve HTTPS behind that
+    exporter-toolkit file, which `client`'s httpx options get past); yields (process, port, log)."""
     assert PROMETHEUS is not None
     port = free_port()
     config = tmp_path / "prometheus.yml"
-    listed = ", ".join(f"'127.0.0.1:{p}'" for p in targets)
-    config.write_text(
-        "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
-        "scrape_configs:\n"
-        "  - job_name: gpufleet-agent\n"
-        f"    static_configs: [{{targets: [{listed}]}}]\n" + scrape
-    )
+
+    def listed(ports: list[int]) -> str:
+        return ", ".join(f"'127.0.0.1:{p}'" for p in ports)
+
+    text = ("global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
+            "scrape_configs:\n"
+            "  - job_name: gpufleet-agent\n"
+            f"    static_configs: [{{targets: [{listed(targets)}]}}]\n" + scrape)
+    if servers:
+        text += f"  - job_name: gpufleet-server\n    static_configs: [{{targets: [{listed(servers)}]}}]\n"
+    if rule_files:
+        text += "rule_files: [" + ", ".join(f"'{path}'" for path in rule_files) + "]\n"
+    config.write_text(text)
     cmd = [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
            f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
     if web_config is not None:
