@@ -1,7 +1,8 @@
 """How the server proves itself to what it calls: agents, Prometheus, Alertmanager, a webhook receiver.
 
-One ClientAuth per peer says which CAs to trust, which client certificate to show, and which credentials
-to send (basic auth or a bearer token, read from files: a flag would show in `ps`). An Outbound turns it
+One ClientAuth per peer says which CAs to trust, which client certificate to show, which credentials
+to send (basic auth or a bearer token, read from files: a flag would show in `ps`), and which extra
+headers (a tenant id). An Outbound turns it
 into what httpx takes, and reads the files again when they change, as Prometheus does for its own
 clients: cert-manager renews certificates and Kubernetes rewrites Secrets in place, and neither should
 take a restart of the server.
@@ -156,13 +157,15 @@ class Outbound:
 
 
 class _Authorization(httpx.Auth):
-    """Picks up changed files, then sets the peer's Authorization header, if it has one."""
+    """Picks up changed files, then sets the peer's Authorization header, if it has one, and its extra
+    headers."""
 
     def __init__(self, outbound: Outbound) -> None:
         self._outbound = outbound
 
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
         self._outbound.refresh()
+        request.headers.update(self._outbound.settings.headers)
         if self._outbound.header is not None:
             request.headers["Authorization"] = self._outbound.header
         yield request

@@ -96,6 +96,43 @@ def parse_targets(text: Any) -> tuple[str, ...]:
         raise ValueError(str(exc)) from None
 
 
+# RFC 9110 token characters: what a header name may hold.
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# Set by the server itself, or by the credential settings (a secret does not belong in a flag).
+_RESERVED_HEADERS = frozenset(("authorization", "host", "content-length", "content-type", "transfer-encoding",
+                               "connection", "user-agent"))
+
+
+def parse_headers(value: Any) -> tuple[tuple[str, str], ...]:
+    """Extra request headers: a mapping (config file) or "Name=value,Name=value" (flag, environment)."""
+    if isinstance(value, Mapping):
+        pairs = [(str(k), "" if v is None else str(v)) for k, v in value.items()]
+    else:
+        pairs = []
+        for item in str(value).split(","):
+            if item.strip():
+                name, sep, text = item.partition("=")
+                if not sep:
+                    raise ValueError(f"{item.strip()!r} is not Name=value")
+                pairs.append((name, text))
+    out: dict[str, tuple[str, str]] = {}
+    for name, text in pairs:
+        name, text = name.strip(), text.strip()
+        if not _HEADER_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not a header name")
+        if name.lower() in _RESERVED_HEADERS:
+            raise ValueError(f"{name} is set by the server"
+                             + (" (use basic-auth.* or bearer-token-file)" if name.lower() == "authorization" else ""))
+        if not text or not text.isprintable() or not text.isascii():
+            raise ValueError(f"header {name} needs a printable ASCII value")
+        if name.lower() in out:
+            raise ValueError(f"header {name} twice")
+        out[name.lower()] = (name, text)
+    if not out:
+        raise ValueError("expected at least one Name=value")
+    return tuple(out.values())
+
+
 def parse_positive_int(text: Any) -> int:
     """A positive integer."""
     value = int(str(text))
@@ -135,7 +172,8 @@ def _choice(*options: str) -> Callable[[Any], str]:
 
 @dataclass(frozen=True)
 class ClientAuth:
-    """What the server shows one peer: the settings `PREFIX.tls.*`, `PREFIX.basic-auth.*`, `PREFIX.bearer-token-file`."""
+    """What the server shows one peer: the settings `PREFIX.tls.*`, `PREFIX.basic-auth.*`,
+    `PREFIX.bearer-token-file` and `PREFIX.http-headers`."""
 
     ca_file: str | None = None
     cert_file: str | None = None
@@ -144,6 +182,8 @@ class ClientAuth:
     basic_auth_username: str | None = None
     basic_auth_password_file: str | None = None
     bearer_token_file: str | None = None
+    # Sent with every request, e.g. the tenant (X-Scope-OrgID) of a multi-tenant Mimir, Cortex or Thanos.
+    headers: tuple[tuple[str, str], ...] = ()
 
     def uses_tls(self) -> bool:
         """Whether any TLS setting is made (they mean nothing over plain http)."""
@@ -219,6 +259,9 @@ def client_flags(prefix: str, dest: str, peer: str, *,
     if bearer:
         flags["bearer-token-file"] = ("bearer_token_file", parse_file,
                                       f"file holding a bearer token for {peer} (first line; read again when it changes)")
+    flags["http-headers"] = ("headers", parse_headers,
+                             f"extra headers for every request to {peer}, Name=value[,Name=value] (a mapping "
+                             "in the file), e.g. X-Scope-OrgID=team-a")
     return {f"{prefix}.{name}": (f"{dest}.{field_}", parse, doc) for name, (field_, parse, doc) in flags.items()}
 
 

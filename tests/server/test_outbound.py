@@ -120,16 +120,16 @@ def test_client_settings_come_from_flags_environment_and_the_config_file(tmp_pat
 
 
 @pytest.mark.parametrize("kind", ["alertmanager", "webhook"])
-def test_notifiers_send_their_credentials(tmp_path, kind):
+def test_notifiers_send_their_credentials_and_headers(tmp_path, kind):
     token = secret_file(tmp_path, "hunter2\n")
-    seen: list[str | None] = []
+    seen: list[tuple[str | None, str | None]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request.headers.get("authorization"))
+        seen.append((request.headers.get("authorization"), request.headers.get("x-scope-orgid")))
         return httpx.Response(200)
 
-    settings = load_settings([f"--{kind}.url", f"http://{kind}:9093", f"--{kind}.bearer-token-file", str(token)],
-                             env={})
+    settings = load_settings([f"--{kind}.url", f"http://{kind}:9093", f"--{kind}.bearer-token-file", str(token),
+                              f"--{kind}.http-headers", "X-Scope-OrgID=gpu-team"], env={})
     (notifier,) = build_notifiers(settings, transport=httpx.MockTransport(handler))
 
     async def deliver():
@@ -138,19 +138,23 @@ def test_notifiers_send_their_credentials(tmp_path, kind):
         await notifier.aclose()
 
     asyncio.run(deliver())
-    assert seen == ["Bearer hunter2"]
+    assert seen == [("Bearer hunter2", "gpu-team")]
 
 
-def test_the_prometheus_source_sends_its_credentials(tmp_path):
+def test_the_prometheus_source_sends_its_credentials_and_headers(tmp_path):
     password = secret_file(tmp_path, "pw\n")
-    seen: list[str | None] = []
+    seen: list[tuple[str | None, str | None]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request.headers.get("authorization"))
+        assert request.url.path == "/prometheus/api/v1/query"        # Mimir's prefix kept
+        seen.append((request.headers.get("authorization"), request.headers.get("x-scope-orgid")))
         return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": []}})
 
-    settings = load_settings(["--ingest.prometheus-url", "http://prom:9090", "--ingest.prometheus.basic-auth.username",
-                              "reader", "--ingest.prometheus.basic-auth.password-file", str(password)], env={})
+    config = tmp_path / "server.yml"
+    config.write_text("ingest.prometheus.http-headers: {X-Scope-OrgID: 'team-a|team-b'}\n")
+    settings = load_settings(["--config.file", str(config), "--ingest.prometheus-url", "http://mimir:8080/prometheus",
+                              "--ingest.prometheus.basic-auth.username", "reader",
+                              "--ingest.prometheus.basic-auth.password-file", str(password)], env={})
     source = build_source(settings, transport=httpx.MockTransport(handler))
 
     async def once():
@@ -160,7 +164,34 @@ def test_the_prometheus_source_sends_its_credentials(tmp_path):
             await source.aclose()
 
     asyncio.run(once())
-    assert seen and set(seen) == {"Basic " + base64.b64encode(b"reader:pw").decode()}
+    assert seen and set(seen) == {("Basic " + base64.b64encode(b"reader:pw").decode(), "team-a|team-b")}
+
+
+def test_headers_from_flags_environment_and_file():
+    settings = load_settings(["--alertmanager.url", "http://am:9093", "--alertmanager.http-headers",
+                              " X-Scope-OrgID = a , X-Extra=b=c "],
+                             env={"GPUFLEET_SERVER_PULL_HTTP_HEADERS": "X-Forwarded-Proto=https"})
+    assert settings.alertmanager_client.headers == (("X-Scope-OrgID", "a"), ("X-Extra", "b=c"))
+    assert settings.pull_client.headers == (("X-Forwarded-Proto", "https"),)
+    assert headers_sent(Outbound(settings.pull_client, "pull")) == [None]      # no Authorization of its own
+    with pytest.raises(ConfigError, match=r"webhook\.\* settings need webhook\.url"):
+        load_settings(["--webhook.http-headers", "X-A=1"], env={})
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("X-Scope-OrgID", "is not Name=value"),
+    ("Bad Name=x", "is not a header name"),
+    ("Authorization=Bearer x", "set by the server \\(use basic-auth"),
+    ("host=elsewhere", "set by the server"),
+    ("X-A=", "printable ASCII value"),
+    ("X-A=\u00e9t\u00e9", "printable ASCII value"),
+    ("X-A=1,x-a=2", "twice"),
+    (",", "at least one"),
+])
+def test_bad_headers_are_refused_naming_the_setting(value, fragment):
+    with pytest.raises(ConfigError, match=r"ingest\.prometheus\.http-headers.*" + fragment):
+        load_settings(["--ingest.prometheus-url", "http://prom:9090", "--ingest.prometheus.http-headers", value],
+                      env={})
 
 
 class _WhoAmI(BaseHTTPRequestHandler):
