@@ -133,12 +133,12 @@ class _TlsSpec:
             ctx.load_cert_chain(self.cert, self.key)
         except (OSError, ssl.SSLError) as exc:
             raise WebConfigError(f"{self.path}: cannot load cert_file {self.cert} / key_file {self.key}: "
-                                 f"{_reason(exc)}") from None
+                                 f"{error_reason(exc)}") from None
         if self.ca is not None:
             try:
                 ctx.load_verify_locations(cafile=self.ca)
             except (OSError, ssl.SSLError) as exc:
-                raise WebConfigError(f"{self.path}: cannot load client_ca_file {self.ca}: {_reason(exc)}") from None
+                raise WebConfigError(f"{self.path}: cannot load client_ca_file {self.ca}: {error_reason(exc)}") from None
             ctx.verify_mode = self.mode
         return ctx
 
@@ -256,7 +256,8 @@ def _version(value: Any, path: str, key: str) -> ssl.TLSVersion:
     return _VERSIONS[value]
 
 
-def _reason(exc: BaseException) -> str:
+def error_reason(exc: BaseException) -> str:
+    """A loading error in a few words: the OS's for a file, the library's message otherwise."""
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return str(exc) or exc.__class__.__name__

@@ -20,7 +20,7 @@ from typing import Callable, Generator
 
 import httpx
 
-from agent.webconfig import files_stamp
+from agent.webconfig import error_reason, files_stamp
 from server.settings import ClientAuth
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class Outbound:
         try:
             ctx = ssl.create_default_context(cafile=s.ca_file)
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"{self.prefix}.tls.ca-file {s.ca_file}: cannot load it ({_reason(exc)})") from None
+            raise ValueError(f"{self.prefix}.tls.ca-file {s.ca_file}: cannot load it ({error_reason(exc)})") from None
         if s.cert_file and s.key_file:
             try:
                 ctx.load_cert_chain(s.cert_file, s.key_file)
@@ -129,12 +129,12 @@ class Outbound:
             self.ssl_context.load_verify_locations(cafile=self.settings.ca_file)
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"{self.prefix}.tls.ca-file {self.settings.ca_file}: cannot load it "
-                             f"({_reason(exc)})") from None
+                             f"({error_reason(exc)})") from None
 
     def _pair_error(self, exc: BaseException) -> str:
         s = self.settings
         return (f"{self.prefix}.tls.cert-file {s.cert_file} / {self.prefix}.tls.key-file {s.key_file}: "
-                f"cannot load them ({_reason(exc)})")
+                f"cannot load them ({error_reason(exc)})")
 
     def _read_secret(self) -> str:
         """The secret file's first line (the newline `echo` leaves is not part of it)."""
@@ -144,7 +144,7 @@ class Outbound:
             with open(str(path), encoding="utf-8") as fh:
                 secret = fh.readline().rstrip("\r\n")
         except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{self.prefix}.{flag} {path}: cannot read it ({_reason(exc)})") from None
+            raise ValueError(f"{self.prefix}.{flag} {path}: cannot read it ({error_reason(exc)})") from None
         if not secret:
             raise ValueError(f"{self.prefix}.{flag} {path} is empty")
         return secret
@@ -169,7 +169,3 @@ class _Authorization(httpx.Auth):
         if self._outbound.header is not None:
             request.headers["Authorization"] = self._outbound.header
         yield request
-
-
-def _reason(exc: BaseException) -> str:
-    return getattr(exc, "strerror", None) or str(exc) or exc.__class__.__name__
