@@ -11,6 +11,11 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_malloc()           # every subcommand runs the engine's numpy ticks
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["--version"]:
+        from server import __version__
+
+        print(f"gpufleet-server {__version__}")
+        return 0
     command = args[0] if args and not args[0].startswith("-") else "serve"
     rest = args[1:] if args and args[0] == command else args
     if command == "replay":

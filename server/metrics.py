@@ -7,6 +7,7 @@ alert that resolves or a job that ends simply stops being exported.
 from __future__ import annotations
 
 import math
+import platform
 from collections import Counter
 from typing import Any, Iterator
 
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from server import __version__
 from server.alerts import AlertState
 from server.runtime import Runtime
 
@@ -51,6 +53,10 @@ class ServerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Every server family, freshly built."""
+        info = GaugeMetricFamily("gpufleet_server_build_info", "Always 1; the labels say what runs.",
+                                 labels=["version", "python"])
+        info.add_metric([__version__, platform.python_version()], 1)
+        yield info
         yield from self._alerts()
         yield from self._jobs()
         yield from self._nodes()

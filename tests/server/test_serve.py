@@ -86,6 +86,14 @@ def test_main_exits_2_with_one_line(capsys, tmp_path) -> None:
     assert "cannot open alert store" in capsys.readouterr().err
 
 
+def test_version(capsys) -> None:
+    from server import __version__
+    from server.cli import main as cli
+
+    assert cli(["--version"]) == 0
+    assert capsys.readouterr().out == f"gpufleet-server {__version__}\n"
+
+
 def test_taken_listen_address_exits_2_before_pulling_anything(capsys, tmp_path) -> None:
     import socket
 

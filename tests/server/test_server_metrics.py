@@ -9,6 +9,7 @@ import orjson
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from server import __version__
 from server.alerts import AlertState, Transition
 from server.ingest.puller import Puller
 from server.ingest.targets import StaticTargets
@@ -58,6 +59,8 @@ def test_alerts_jobs_and_ingest_series(tmp_path) -> None:
     assert got[("gpufleet_server_target_clock_offset_seconds", (("target", "a:1"),))] == -1.0
     assert ("gpufleet_server_target_clock_offset_seconds", (("target", "b:1"),)) not in got
     assert got[("gpufleet_server_pull_errors_total", (("reason", "malformed_json"), ("target", "b:1")))] == 1
+    (info,) = [dict(k[1]) for k in got if k[0] == "gpufleet_server_build_info"]
+    assert info["version"] == __version__ and info["python"].startswith("3.")
     assert got[("gpufleet_server_rejected_total", (("reason", "malformed_json"),))] == 1
     assert got[("gpufleet_server_samples_ingested_total", ())] == 1
     assert got[("gpufleet_server_pulls_total", ())] == 2
