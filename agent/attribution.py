@@ -20,6 +20,13 @@ _CGROUP_JOB = re.compile(r"/job_(\d+)(?:/|$)")
 DEFAULT_ENV_VARS: tuple[str, ...] = ("SLURM_JOB_ID", "GPUFLEET_JOB")
 # Slurm ids, and Kubernetes NAMESPACE/NAME (63 characters each); anything else is ignored, not exported.
 _JOB_ID = re.compile(r"^[0-9A-Za-z_.+:/-]{1,128}$")
+# Every rank of a PyTorch job (torchrun, the Kubeflow training operator, DeepSpeed, Accelerate) is told its
+# rendezvous, as is every process of a multi-host JAX job, and no two running jobs share one: the job's
+# own identity where nothing else names it (a Kubernetes pod without GPUFLEET_JOB).
+_MASTER_ADDR, _MASTER_PORT, _JAX_COORDINATOR = b"MASTER_ADDR=", b"MASTER_PORT=", b"JAX_COORDINATOR_ADDRESS="
+_RENDEZVOUS_PREFIXES = (_MASTER_ADDR, _MASTER_PORT, _JAX_COORDINATOR)
+_HOST = re.compile(r"^[0-9A-Za-z_.:-]{1,100}$")
+_LOCAL_HOSTS = frozenset(("localhost", "localhost.localdomain", "ip6-localhost", "0.0.0.0", "::"))
 # environ can be large (module systems); a job id is near the start, and the read stays bounded.
 _MAX_READ = 1 << 20
 _REWARN_SECONDS = 600.0
@@ -54,7 +61,9 @@ class JobAttributor:
     """Maps a GPU to the job of its compute processes; the mapping directory, when set, wins.
 
     A process's job is the first of `env_vars` its environment sets to a valid id, else the Slurm job of
-    its cgroup.
+    its cgroup, else (with `rendezvous`) its job's rendezvous endpoint, HOST:PORT: a short host name is
+    completed with the process's first DNS search domain (in a Kubernetes pod, NAMESPACE.svc.DOMAIN: jobs
+    of one name in two namespaces stay apart), a loopback one is put under `node` (a one-node job).
     """
 
     def __init__(
@@ -63,11 +72,15 @@ class JobAttributor:
         mapping_dir: str | os.PathLike[str] | None = None,
         *,
         env_vars: tuple[str, ...] = DEFAULT_ENV_VARS,
+        rendezvous: bool = True,
+        node: str = "localhost",
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._procfs = Path(procfs)
         self._mapping_dir = Path(mapping_dir) if mapping_dir is not None else None
         self._env_prefixes = tuple(f"{name}=".encode() for name in env_vars)
+        self._rendezvous = rendezvous
+        self._node = node
         self._cache: dict[int, str | None] = {}
         self._seen: set[int] = set()
         self.warn = WarnOnce(log, monotonic)
@@ -95,25 +108,57 @@ class JobAttributor:
         self._seen.add(pid)
         if pid in self._cache:
             return self._cache[pid]
-        job = self._job_from_environ(pid)
+        found = self._environ(pid)
+        job = next((job for job in (_valid_job(found[p].decode("ascii", "replace"))
+                                    for p in self._env_prefixes if p in found) if job is not None), None)
         if job is None:
             job = self._job_from_cgroup(pid)
+        if job is None and self._rendezvous:
+            job = self._job_from_rendezvous(pid, found)
         self._cache[pid] = job
         return job
 
-    def _job_from_environ(self, pid: int) -> str | None:
+    def _environ(self, pid: int) -> dict[bytes, bytes]:
+        """The variables of the process's environment that can name its job, by `NAME=` prefix."""
         data = self._read(self._procfs / str(pid) / "environ", "environ")
         if data is None:
-            return None
+            return {}
+        wanted = self._env_prefixes + _RENDEZVOUS_PREFIXES
         found: dict[bytes, bytes] = {}
         for entry in data.split(b"\0"):
-            for prefix in self._env_prefixes:
+            for prefix in wanted:
                 if entry.startswith(prefix):
                     found.setdefault(prefix, entry[len(prefix):])  # the first wins, as getenv(3) reads it
-        for prefix in self._env_prefixes:
-            job = _valid_job(found[prefix].decode("ascii", "replace")) if prefix in found else None
-            if job is not None:
-                return job
+        return found
+
+    def _job_from_rendezvous(self, pid: int, found: dict[bytes, bytes]) -> str | None:
+        if _MASTER_ADDR in found and _MASTER_PORT in found:
+            host, port = found[_MASTER_ADDR], found[_MASTER_PORT]
+        elif _JAX_COORDINATOR in found:
+            host, _, port = found[_JAX_COORDINATOR].rpartition(b":")
+        else:
+            return None
+        host_text = host.decode("ascii", "replace").strip().strip("[]").lower()
+        port_text = port.decode("ascii", "replace").strip()
+        if not _HOST.match(host_text) or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            return None
+        if host_text in _LOCAL_HOSTS or host_text.startswith("127.") or host_text == "::1":
+            return _valid_job(f"{self._node}/{host_text}:{port_text}")
+        if "." not in host_text and ":" not in host_text:
+            domain = self._search_domain(pid)
+            if domain:
+                host_text = f"{host_text}.{domain}"
+        return _valid_job(f"{host_text}:{port_text}")
+
+    def _search_domain(self, pid: int) -> str | None:
+        """The first search domain of the process's own resolv.conf: what its resolver appends to a short
+        name, so the name it connects to."""
+        data = self._read(self._procfs / str(pid) / "root" / "etc" / "resolv.conf", "resolv.conf", missing_ok=True)
+        for line in (data or b"").decode("ascii", "replace").splitlines():
+            words = line.split()
+            if len(words) >= 2 and words[0] in ("search", "domain"):
+                domain = words[1].strip(".").lower()
+                return domain if _HOST.match(domain) else None
         return None
 
     def _job_from_cgroup(self, pid: int) -> str | None:

@@ -99,7 +99,8 @@ def build_runtime(config: AgentConfig) -> Runtime:
     else:
         nvml, node, clock, wait = _pynvml(), config.node or default_node(), time.time, _sleep
     reader = NvmlReader(nvml, per_link_nvlink=config.nvlink_per_link)
-    attributor = JobAttributor(procfs, config.hpc_job_mapping_dir, env_vars=config.hpc_job_env_vars)
+    attributor = JobAttributor(procfs, config.hpc_job_mapping_dir, env_vars=config.hpc_job_env_vars,
+                               rendezvous=config.hpc_job_rendezvous, node=node)
     return Runtime(node=node, reader=reader, attributor=attributor, clock=clock, wait=wait, cleanup=cleanup, web=web)
 
 

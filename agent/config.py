@@ -46,6 +46,7 @@ class AgentConfig:
     once: bool = False
     hpc_job_mapping_dir: str | None = None
     hpc_job_env_vars: tuple[str, ...] = DEFAULT_ENV_VARS
+    hpc_job_rendezvous: bool = True
     procfs: str = "/proc"
     nvlink_per_link: bool = False
     log_level: str = "info"
@@ -206,6 +207,9 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("hpc-job-env-vars", "hpc_job_env_vars", _env_vars,
             "environment variables of a GPU's processes that name its job, first set wins "
             f"(default {','.join(DEFAULT_ENV_VARS)})", "VAR[,VAR...]"),
+    _Option("hpc-job-rendezvous", "hpc_job_rendezvous", _bool,
+            "without a job variable or Slurm cgroup, name a job by its ranks' rendezvous, MASTER_ADDR:MASTER_PORT "
+            "or JAX_COORDINATOR_ADDRESS (default true)", "BOOL"),
     _Option("path.procfs", "procfs", _path, "procfs mount point for job attribution (default /proc)", "DIR"),
     _Option("nvlink.per-link", "nvlink_per_link", _bool, "also export NVLink byte counters per link"),
     _Option("log.level", "log_level", _choice(LOG_LEVELS), "debug, info, warning or error (default info)", "LEVEL"),

@@ -187,7 +187,8 @@ class SimNvml:
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
     def materialize_procfs(self, root: Path) -> tuple[int, ...]:
-        """Write <root>/<pid>/environ and cgroup for every compute process this node's GPUs can report."""
+        """Write <root>/<pid>/environ and cgroup (and a pod's root/etc/resolv.conf) for every compute process
+        this node's GPUs can report."""
         root = Path(root)
         written = []
         for job in self.scenario.jobs:
@@ -198,9 +199,12 @@ class SimNvml:
                 proc = root / str(pid)
                 proc.mkdir(parents=True, exist_ok=True)
                 process = _pod_process if job.scheduler == "kubernetes" else _slurm_process
-                env, cgroup = process(job, node, gpu, rank)
+                env, cgroup, resolv = process(job, node, gpu, rank)
                 (proc / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
                 (proc / "cgroup").write_text(cgroup)
+                if resolv is not None:
+                    (proc / "root" / "etc").mkdir(parents=True, exist_ok=True)
+                    (proc / "root" / "etc" / "resolv.conf").write_text(resolv)
                 written.append(pid)
         log.debug("materialized simulated procfs", extra={"root": str(root), "pids": len(written)})
         return tuple(written)
@@ -685,20 +689,21 @@ def _copy_pynvml_names() -> None:
 _copy_pynvml_names()
 
 
-def _slurm_process(job: JobSpec, node: str, gpu: int, rank: int) -> tuple[dict[str, str], str]:
+def _slurm_process(job: JobSpec, node: str, gpu: int, rank: int) -> tuple[dict[str, str], str, None]:
     """A job step's task as slurmstepd starts it (cgroup v2)."""
     env = {
         "SLURM_JOB_ID": job.id, "SLURM_JOB_USER": job.user, "SLURM_STEP_ID": "0",
         "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(gpu), "SLURM_NODEID": str(job.nodes.index(node)),
         "CUDA_VISIBLE_DEVICES": str(gpu), "HOME": f"/home/{job.user}", "PATH": "/usr/bin:/bin",
     }
-    return env, f"0::/system.slice/slurmstepd.scope/job_{job.id}/step_0/user/task_0\n"
+    return env, f"0::/system.slice/slurmstepd.scope/job_{job.id}/step_0/user/task_0\n", None
 
 
-def _pod_process(job: JobSpec, node: str, gpu: int, rank: int) -> tuple[dict[str, str], str]:
+def _pod_process(job: JobSpec, node: str, gpu: int, rank: int) -> tuple[dict[str, str], str, str]:
     """A training pod's process as a Kubernetes operator starts it, with the GPUFLEET_JOB variable that
-    docs/agent.md asks the pod template to set from the job's label; one pod per node of the job."""
-    name = job.id.rpartition("/")[2]
+    docs/agent.md asks the pod template to set from the job's label, and the resolv.conf the kubelet
+    writes into the pod (a job id NAMESPACE/NAME runs in NAMESPACE); one pod per node of the job."""
+    namespace, _, name = job.id.rpartition("/")
     node_rank = job.nodes.index(node)
     pod = f"{name}-worker-{node_rank}"
     uid = hashlib.blake2b(f"{job.id}/{node}".encode(), digest_size=16).hexdigest()
@@ -713,4 +718,5 @@ def _pod_process(job: JobSpec, node: str, gpu: int, rank: int) -> tuple[dict[str
         "GPUFLEET_JOB": job.id,
     }
     cgroup = f"0::/kubepods.slice/kubepods-pod{pod_uid}.slice/cri-containerd-{container}.scope\n"
-    return env, cgroup
+    search = f"{namespace or 'default'}.svc.cluster.local svc.cluster.local cluster.local"
+    return env, cgroup, f"search {search}\nnameserver 10.96.0.10\noptions ndots:5\n"

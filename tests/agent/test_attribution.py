@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
+import pytest
 
 from agent.attribution import JobAttributor
 
@@ -49,6 +50,63 @@ def test_a_kubernetes_pod_without_the_variable_has_no_job_rather_than_its_pod(tm
     # A pod is one node's share of a job: as a "job" it would split every multi-node job per node.
     proc(tmp_path, 15, b"HOSTNAME=llama-worker-3\0KUBERNETES_SERVICE_HOST=10.96.0.1\0RANK=24\0", POD_CGROUP)
     assert JobAttributor(tmp_path).job_for(0, "GPU-a", (15,)) is None
+
+
+def pod(root, pid, environ: bytes, namespace: str | None):
+    d = proc(root, pid, b"HOSTNAME=p\0KUBERNETES_SERVICE_HOST=10.96.0.1\0" + environ, POD_CGROUP)
+    if namespace is not None:
+        (d / "root" / "etc").mkdir(parents=True)
+        (d / "root" / "etc" / "resolv.conf").write_text(
+            f"# written by the kubelet\nnameserver 10.96.0.10\nsearch {namespace}.svc.cluster.local "
+            "svc.cluster.local cluster.local\noptions ndots:5\n")
+    return d
+
+
+def test_a_pytorch_job_without_the_variable_is_named_by_its_rendezvous_in_its_namespace(tmp_path):
+    # The Kubeflow training operator gives every pod of a PyTorchJob MASTER_ADDR=<job>-master-0: the same on
+    # every node, different between jobs, and between namespaces once completed as the pod's resolver does.
+    for pid, rank in ((20, 8), (21, 9)):
+        pod(tmp_path, pid, b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0RANK=%d\0" % rank, "research")
+    pod(tmp_path, 22, b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0RANK=8\0", "vision")
+    att = JobAttributor(tmp_path, node="gpu-07")
+    assert att.job_for(0, "GPU-a", (20,)) == att.job_for(1, "GPU-b", (21,)) \
+        == "llama-master-0.research.svc.cluster.local:23456"
+    assert att.job_for(2, "GPU-c", (22,)) == "llama-master-0.vision.svc.cluster.local:23456"
+    assert JobAttributor(tmp_path, rendezvous=False).job_for(0, "GPU-a", (20,)) is None
+
+
+def test_a_rendezvous_yields_to_a_job_variable_and_a_slurm_cgroup(tmp_path):
+    pod(tmp_path, 23, b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0GPUFLEET_JOB=research/llama\0", "research")
+    proc(tmp_path, 24, b"MASTER_ADDR=node017\0MASTER_PORT=29500\0",
+         "0::/system.slice/slurmstepd.scope/job_4242/step_0\n")
+    att = JobAttributor(tmp_path)
+    assert att.job_for(0, "GPU-a", (23,)) == "research/llama"
+    assert att.job_for(1, "GPU-b", (24,)) == "4242"
+
+
+@pytest.mark.parametrize("environ, namespace, job", [
+    # Host networking or an IP: the address is already unique.
+    (b"MASTER_ADDR=10.1.4.17\0MASTER_PORT=29500\0", "research", "10.1.4.17:29500"),
+    (b"MASTER_ADDR=dgx-03.cluster.example\0MASTER_PORT=29500\0", "research", "dgx-03.cluster.example:29500"),
+    (b"MASTER_ADDR=[fd00::7]\0MASTER_PORT=29500\0", None, "fd00::7:29500"),
+    # A short name with no resolv.conf to complete it stays as it is.
+    (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0", None, "llama-master-0:23456"),
+    # One node's job on loopback: put under the node, or every node's would be one job.
+    (b"MASTER_ADDR=localhost\0MASTER_PORT=29500\0", "research", "gpu-07/localhost:29500"),
+    (b"MASTER_ADDR=127.0.0.1\0MASTER_PORT=29501\0", None, "gpu-07/127.0.0.1:29501"),
+    # Multi-host JAX.
+    (b"JAX_COORDINATOR_ADDRESS=jax-trainer-0.jax-trainer:1234\0", "research", "jax-trainer-0.jax-trainer:1234"),
+    (b"JAX_COORDINATOR_ADDRESS=coord:1234\0", "ml", "coord.ml.svc.cluster.local:1234"),
+    # Half a rendezvous, or nonsense, names nothing.
+    (b"MASTER_ADDR=llama-master-0\0", "research", None),
+    (b"MASTER_PORT=29500\0", "research", None),
+    (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=99999\0", "research", None),
+    (b"MASTER_ADDR=bad host\0MASTER_PORT=1\0", "research", None),
+    (b"JAX_COORDINATOR_ADDRESS=nocolon\0", "research", None),
+])
+def test_rendezvous_forms(tmp_path, environ, namespace, job):
+    pod(tmp_path, 25, environ, namespace)
+    assert JobAttributor(tmp_path, node="gpu-07").job_for(0, "GPU-a", (25,)) == job
 
 
 def test_the_first_listed_variable_that_holds_a_job_id_wins(tmp_path):
