@@ -36,7 +36,7 @@ class Engine:
         cfg = self.config = config or EngineConfig()
         cfg.validate()
         self.windows = Windows(cfg.tick_seconds, cfg.bins(cfg.window_seconds))
-        self.registry = GroupRegistry()
+        self.registry = GroupRegistry(cfg.group_retention_seconds)
         # Noise is read from changes over twice the smoothing: readings that far apart share no sample.
         self.history = GroupHistory(cfg.bins(cfg.baseline_seconds), cfg.baseline_percentile,
                                     cfg.bins(cfg.min_history_seconds), cfg.bins(2 * cfg.smooth_seconds))
@@ -134,8 +134,10 @@ class Engine:
         gid, ngid = self.registry.build(t, w.slot_job[:n], w.slot_node_id[:n], w.slot_model_id[:n],
                                         w.job_names, has_data, busy, self._engaged(t, busy, med["util"]))
         n_groups = len(self.registry.keys)
-        if self.registry.restarted:
-            self._restart(gid, self.registry.restarted)
+        if self.registry.recycled:
+            self._recycle(self.registry.recycled)
+        if self.registry.restarted or self.registry.recycled:
+            self._restart(gid, self.registry.restarted + [g for g, _ in self.registry.recycled])
         groups = group_stats(gid, ngid, n_groups, levels, fractions, self._members)
         self._members = groups.members
         if n_groups > self._dated:
@@ -195,6 +197,17 @@ class Engine:
         restarted = np.array(gids, dtype=np.int64)
         self.history.reset(restarted[restarted < self.history.base.shape[1]])
         self._straggler.forget(np.flatnonzero(np.isin(gid, restarted)))
+
+    def _recycle(self, recycled: list[tuple[int, tuple]]) -> None:
+        """Drop what is keyed by the groups whose ids went to new groups (the rest is in _restart)."""
+        for gid, old in recycled:
+            if old[0] == JOB:
+                self._job_ticks.pop(old[1], None)
+            if gid < len(self._regime_ticks):
+                self._regime_ticks[gid] = 0
+            self._workload.recycle(gid, old)
+            self._straggler.recycle(gid, self.registry.job(gid), self.windows.node_names)
+        self._members = None
 
     def _engaged(self, t: float, busy: np.ndarray, util: np.ndarray) -> np.ndarray:
         """Per slot: busy at some evaluation within the last unattributed_idle_seconds, and running kernels

@@ -79,6 +79,9 @@ class EngineConfig:
     # 30 minutes): no straggler, comm_bound or input_bound in it meanwhile. A job on a node that stopped
     # answering opens no comm_bound or input_bound for as long.
     lost_gpu_hang_seconds: float = 1800.0
+    # A group (a job, or a fallback) without members this long gives its id, and what was learned under
+    # it, to the next new group: the engine's per-group state stays as large as the live jobs need.
+    group_retention_seconds: float = 3600.0
     xid_clear_seconds: float = 600.0
     ecc_clear_seconds: float = 600.0
 
@@ -108,6 +111,8 @@ class EngineConfig:
             raise ValueError("smooth_seconds must be >= tick_seconds")
         if self.window_seconds < max(self.smooth_seconds, self.unreachable_seconds, self.gpu_lost_seconds) + 2 * self.tick_seconds:
             raise ValueError("window_seconds must exceed smooth/unreachable/gpu_lost seconds by two ticks")
+        if self.group_retention_seconds < max(self.baseline_seconds, self.window_seconds):
+            raise ValueError("group_retention_seconds must be >= baseline_seconds and window_seconds")
         if self.baseline_seconds < self.min_history_seconds:
             raise ValueError("baseline_seconds must be >= min_history_seconds")
         if not 0 < self.baseline_percentile <= 100:

@@ -161,9 +161,17 @@ class Groups:
 
 
 class GroupRegistry:
-    """Interns group keys to ids and remembers when each group was first seen."""
+    """Interns group keys to ids and remembers when each group was first seen.
 
-    def __init__(self) -> None:
+    Every job ever seen is a group, and every per-group array in the engine is as long as the number of
+    ids: on a cluster running thousands of jobs a day, a server up for weeks would grow without bound and
+    slow down tick by tick. So the id of a group without members for `retention_seconds` is given to the
+    next new group (listed in `recycled` with the key it had), and the engine forgets what it knew
+    under that id. A group that comes back before its id is taken keeps its history.
+    """
+
+    def __init__(self, retention_seconds: float = math.inf) -> None:
+        self.retention_seconds = retention_seconds
         self.ids: dict[tuple, int] = {}
         self.keys: list[tuple] = []
         self.first_seen = np.full(0, np.nan)
@@ -171,19 +179,44 @@ class GroupRegistry:
         self.dated = np.zeros(0, dtype=bool)       # dated back: running before it was first seen
         # Unattributed node groups restarted by the last build() (see _build), and each one's members.
         self.restarted: list[int] = []
+        # Ids given to new groups by the last build(), each with the key it had before.
+        self.recycled: list[tuple[int, tuple]] = []
         self._busy_sets: dict[int, tuple[int, ...]] = {}
         self._last_build: tuple | None = None
+        self._present: set[int] = set()
+        self._vacated: dict[int, float] = {}       # group without members -> since when (insertion order)
 
     def intern(self, key: tuple, t: float) -> int:
         """Id for a group key, registering it (first seen at t) when new."""
         gid = self.ids.get(key)
         if gid is None:
-            gid = self.ids[key] = len(self.keys)
-            self.keys.append(key)
-            self.first_seen = np.append(self.first_seen, t)
-            self.is_job = np.append(self.is_job, key[0] == JOB)
-            self.dated = np.append(self.dated, False)
+            gid = self._retired(t)
+            if gid is None:
+                gid = len(self.keys)
+                self.keys.append(key)
+                self.first_seen = np.append(self.first_seen, t)
+                self.is_job = np.append(self.is_job, key[0] == JOB)
+                self.dated = np.append(self.dated, False)
+            else:
+                old = self.keys[gid]
+                del self.ids[old]
+                self.recycled.append((gid, old))
+                self.keys[gid] = key
+                self.first_seen[gid] = t
+                self.is_job[gid] = key[0] == JOB
+                self.dated[gid] = False
+                self._busy_sets.pop(gid, None)
+            self.ids[key] = gid
         return gid
+
+    def _retired(self, t: float) -> int | None:
+        """The id vacated longest ago, if that was retention_seconds before t (and take it off the list)."""
+        for gid, since in self._vacated.items():
+            if t - since >= self.retention_seconds:
+                del self._vacated[gid]
+                return gid
+            return None
+        return None
 
     def backdate(self, gids: np.ndarray, seconds: float) -> None:
         """Take these groups as first seen `seconds` earlier (work that was running before anyone watched)."""
@@ -218,11 +251,23 @@ class GroupRegistry:
         # Membership rarely changes between ticks; the same inputs give the same (already interned) ids.
         if last is not None and all(equal(a, b) for a, b in zip(inputs, last[0])):
             self.restarted = []
+            self.recycled = []
             return last[1]
+        self.recycled = []
         gid, ngid = self._build(t, slot_job, slot_node, slot_model, job_names, has_data, busy, engaged)
+        self._note_presence(t, gid, ngid)
         gid.flags.writeable = ngid.flags.writeable = False
         self._last_build = (tuple(a.copy() for a in inputs), (gid, ngid))
         return gid, ngid
+
+    def _note_presence(self, t: float, gid: np.ndarray, ngid: np.ndarray) -> None:
+        """Date the groups that lost their last member (membership only changes in _build)."""
+        present = set(np.unique(np.concatenate([gid[gid >= 0], ngid[ngid >= 0]])).tolist())
+        for g in self._present - present:
+            self._vacated[g] = t
+        for g in present - self._present:
+            self._vacated.pop(g, None)
+        self._present = present
 
     def _build(self, t: float, slot_job: np.ndarray, slot_node: np.ndarray, slot_model: np.ndarray,
                job_names: list[str], has_data: np.ndarray, busy: np.ndarray,

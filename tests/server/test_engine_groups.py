@@ -165,3 +165,29 @@ def test_build_reuses_ids_for_unchanged_inputs_and_rebuilds_on_change():
     busy[3] = False
     changed, _ = reg.build(110.0, slot_job, node, model, ["j"], has, busy)
     assert changed is not gid and changed[3] == -1 and changed[0] == gid[0]
+
+
+def test_the_id_of_a_group_gone_for_the_retention_goes_to_the_next_new_group():
+    reg = GroupRegistry(retention_seconds=900.0)
+    node = np.zeros(2, dtype=np.int64)
+    model = np.zeros(2, dtype=np.int64)
+    seen = np.ones(2, dtype=bool)
+    idle = np.zeros(2, dtype=bool)
+
+    def build(t, jobs, names):
+        gid, _ = reg.build(t, np.array(jobs), node, model, names, seen, idle)
+        return gid.tolist()
+
+    a, b = build(0.0, [0, 1], ["a", "b"])
+    assert reg.recycled == [] and a != b
+    build(100.0, [-1, 1], ["a", "b"])                       # a has no member from 100 s on
+    assert build(900.0, [2, 1], ["a", "b", "c"])[0] != a     # 800 s later: not yet
+    build(950.0, [-1, 1], ["a", "b", "c"])                  # c leaves too
+    ids = len(reg.keys)
+    (d, _) = build(1000.0, [3, 1], ["a", "b", "c", "d"])      # 900 s after a left: its id is d's
+    assert d == a and reg.recycled == [(a, (JOB, "a"))] and len(reg.keys) == ids
+    assert reg.keys[a] == (JOB, "d") and (JOB, "a") not in reg.ids and reg.first_seen[a] == 1000.0
+    # A group back before its id was taken keeps it, and its first sighting.
+    assert build(1100.0, [-1, 1], ["a", "b", "c", "d"]) == [-1, b]
+    assert build(1200.0, [2, 1], ["a", "b", "c", "d"])[0] == reg.ids[(JOB, "c")] and reg.recycled == []
+    assert reg.first_seen[reg.ids[(JOB, "c")]] == 900.0

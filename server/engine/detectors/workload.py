@@ -19,7 +19,7 @@ import numpy as np
 
 from server.alerts import AlertKind, Severity
 from server.engine.detectors import Finding, Outcome, r3, subject_fingerprint
-from server.engine.groups import GroupHistory, Groups
+from server.engine.groups import JOB, GroupHistory, Groups
 from server.engine.tick import Tick
 
 
@@ -96,6 +96,16 @@ class WorkloadState:
                 self._fps[subject_fingerprint(AlertKind.INPUT_BOUND, None, None, job)] = (gid, False)
         self._known = len(is_job)
         return self._fps
+
+    def recycle(self, gid: int, old_key: tuple) -> None:
+        """The group id went from old_key to a new group: forget the old job's fingerprints and tallies,
+        and register the new group's at the next fingerprints()."""
+        if old_key[0] == JOB:
+            for kind in (AlertKind.COMM_BOUND, AlertKind.INPUT_BOUND):
+                fp = subject_fingerprint(kind, None, None, old_key[1])
+                self._fps.pop(fp, None)
+                self.cost.pop(fp, None)
+        self._known = min(self._known, gid)
 
 
 def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set[int], idling: set[int],

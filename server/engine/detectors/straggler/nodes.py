@@ -76,6 +76,17 @@ class NodeOffsets:
             self.pair_learned = np.append(self.pair_learned, 0)
         return i
 
+    def recycle(self, gid: int, job: str | None, node_names: list[str]) -> None:
+        """The group id went to a new group (job `job`): its pairs keep their slots, but start learning
+        afresh under the new job's fingerprints."""
+        for (g, nid), i in self.pair_index.items():
+            if g == gid:
+                self.pair_offset[:, i] = np.nan
+                self.pair_learned[i] = 0
+                fp = subject_fingerprint(AlertKind.STRAGGLER, node_names[nid], None, job)
+                self.pair_fps[i] = self._node_fps[(g, nid)] = fp
+        self._node_layout = None
+
     def node_fingerprint(self, tick: Tick, gid: int, nid: int) -> str:
         """Memoised fingerprint of a node-level straggler subject."""
         fp = self._node_fps.get((gid, nid))

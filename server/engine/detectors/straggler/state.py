@@ -46,6 +46,13 @@ class StragglerState:
         self.learned = np.concatenate([self.learned, np.zeros(pad, dtype=np.int64)])
         self.spread = np.concatenate([self.spread, np.full(pad, np.nan)])
 
+    def recycle(self, gid: int, job: str | None, node_names: list[str]) -> None:
+        """The group id went to a new group: what was learned about the old one's nodes and its waiting
+        streak is not the new one's (its GPUs' offsets go in forget())."""
+        if gid < len(self._steady):
+            self._steady[gid] = np.nan
+        self.nodes.recycle(gid, job, node_names)
+
     def add_cost(self, fp: str, t: float, gpu_hours: float) -> float:
         """Accumulate GPU-hours lost for a subject; returns the total so far."""
         total, _ = self.cost.get(fp, (0.0, t))
