@@ -26,6 +26,7 @@ from server.engine.windows import Windows
 __all__ = ["Engine", "EngineConfig", "EngineStats", "JobHealth", "NodeHealth"]
 
 _BASELINE_REFRESH_TICKS = 3
+_PRUNE_TICKS = 720
 _SUPPRESSING = (AlertKind.STRAGGLER, AlertKind.THERMAL_THROTTLE)
 
 
@@ -164,6 +165,8 @@ class Engine:
         outcomes[AlertKind.INPUT_BOUND] = _only(work, AlertKind.INPUT_BOUND)
         outcomes.update(healths)
         transitions = self.lifecycle.step(t, outcomes)
+        if self._ticks % _PRUNE_TICKS == 0:
+            self._straggler_index.prune(set(self.lifecycle.records))
         self._record_history(tick, explained, outcomes)
         self._ticks += 1
         self._last_t = t

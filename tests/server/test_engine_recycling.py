@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from server.alerts import AlertKind
 from server.contract import parse_line
 from server.engine import Engine, EngineConfig
+from server.engine.detectors import FingerprintIndex, subject_fingerprint
 from server.engine.groups import JOB
 from server.replay import run_replay
 from tests.server.engine_samples import T0, cluster_lines
@@ -74,3 +78,31 @@ def test_groups_stay_as_many_as_the_jobs_of_the_retention_need():
         assert engine.history.values.shape[1] <= sizes[retention]
     assert sizes[math.inf] == 8 * 36                               # every job ever seen
     assert sizes[RETENTION_S] <= 8 * (RETENTION_S / 150 + 2)       # those of the last retention
+
+
+class _Windows:
+    """What FingerprintIndex reads of the windows: each slot's node, GPU index and job."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.slot_node = ["n0"] * n
+        self.slot_index = list(range(n))
+        self.slot_job = np.full(n, -1, dtype=np.int64)
+        self.job_names: list[str] = []
+
+
+def test_the_straggler_index_forgets_jobs_its_gpus_left_but_not_an_open_alert():
+    w = _Windows(4)
+    index = FingerprintIndex(AlertKind.STRAGGLER)
+    fps = []
+    for k in range(50):                            # every GPU starts a new job, fifty times over
+        w.job_names += [f"{k}-{s}" for s in range(4)]
+        w.slot_job[:] = np.arange(4) + 4 * k
+        fps.append(subject_fingerprint(AlertKind.STRAGGLER, "n0", 1, f"{k}-1"))
+        assert index.get(w, fps[-1]) == (1, 4 * k + 1)
+    still_open = fps[3]                            # an alert about GPU 1's fourth job, not yet resolved
+    index.prune({still_open})
+    assert index.get(w, still_open) == (1, 13)     # its clear test still finds the GPU (and the job moved on)
+    assert index.get(w, fps[-1]) == (1, 197)       # the jobs the GPUs run now are kept
+    assert index.get(w, fps[10]) is None
+    assert len(index._map) == 5

@@ -95,6 +95,13 @@ class FingerprintIndex:
         self._sync(windows)
         return self._map.get(fp)
 
+    def prune(self, keep: set[str]) -> None:
+        """Forget the fingerprints of jobs a GPU no longer runs, except those in `keep` (open alerts): a
+        job-keyed index otherwise gains one entry each time any GPU starts another job, for good."""
+        if len(self._map) > 2 * len(self._done):
+            self._map = {fp: (s, code) for fp, (s, code) in self._map.items()
+                         if fp in keep or self._done[s] == code}
+
     def _sync(self, w: Any) -> None:
         """Add fingerprints for new slots and slots that changed job."""
         n = w.n
