@@ -132,14 +132,12 @@ class ServerCollector(Collector):
         yield from (up, stale, failures, last_ok, last_sample, offset)
         errors = CounterMetricFamily("gpufleet_server_pull_errors", "Rejected pulls and snapshots by target and reason.",
                                      labels=["target", "reason"])
-        by_reason: Counter[str] = Counter()
         for (target, reason), n in sorted(puller.errors.items()):
             errors.add_metric([target, reason], n)
-            by_reason[reason] += n
         yield errors
         rejected = CounterMetricFamily("gpufleet_server_rejected", "Rejected pulls and snapshots by reason.",
                                        labels=["reason"])
-        for reason, n in sorted(by_reason.items()):
+        for reason, n in sorted(puller.errors_by_reason().items()):
             rejected.add_metric([reason], n)
         yield rejected
         yield CounterMetricFamily("gpufleet_server_pulls", "Pull attempts over all targets.", value=puller.pulls_total)

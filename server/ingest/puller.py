@@ -99,7 +99,8 @@ class IngestAccounting:
     """What every sample source counts for /metrics, and its error log that cannot flood."""
 
     def __init__(self) -> None:
-        self.errors: Counter[tuple[str, str]] = Counter()   # (target, reason) -> count
+        self.errors: Counter[tuple[str, str]] = Counter()   # (target, reason) -> count, current targets
+        self._gone_errors: Counter[str] = Counter()          # reason -> count, targets since removed
         self.pulls_total = 0
         self.samples_total = 0
         self.cycles_total = 0
@@ -111,6 +112,19 @@ class IngestAccounting:
         self.samples_total += len(result.samples)
         self.last_cycle = result
         return result
+
+    def errors_by_reason(self) -> Counter[str]:
+        """Every rejection ever counted, by reason (never decreasing: gone targets' counts included)."""
+        total = Counter(self._gone_errors)
+        for (_, reason), n in self.errors.items():
+            total[reason] += n
+        return total
+
+    def _forget_target(self, target: str) -> None:
+        """A target left discovery: its per-target series go (on Kubernetes every agent restart is a new
+        address, and they would pile up), its counts stay in the per-reason totals."""
+        for key in [k for k in self.errors if k[0] == target]:
+            self._gone_errors[key[1]] += self.errors.pop(key)
 
     def _count_error(self, key: tuple[str, str], detail: str, message: str, extra: Mapping[str, Any]) -> None:
         """Count one rejection under (target, reason); log the 1st, 2nd, 4th, 8th... of each to bound noise."""
@@ -207,6 +221,8 @@ class Puller(IngestAccounting):
         for gone in set(self._health) - set(targets):
             del self._health[gone]
             self.clocks.forget(gone)
+        for gone in {t for t, _ in self.errors} - set(targets):
+            self._forget_target(gone)
         for gone in set(self._clients) - set(targets):
             await self._clients.pop(gone).aclose()
         outcomes = await asyncio.gather(*(self._pull_target(t) for t in targets))

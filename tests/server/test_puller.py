@@ -182,6 +182,29 @@ def test_removed_targets_are_forgotten_and_discovery_errors_keep_last_set() -> N
     assert [h.target for h in puller.health()] == ["a:1"]
 
 
+def test_a_removed_target_takes_its_error_series_along_but_not_its_counts() -> None:
+    # On Kubernetes every agent restart is a new pod address: per-target series of the gone ones would
+    # pile up in /metrics, while the totals by reason must never go down (Prometheus reads that as a reset).
+    agents = FakeAgents({"a:1": "n1", "b:1": "n2"})
+    agents.override["b:1"] = httpx.Response(200, content=b"garbage")
+    answers = [["a:1", "b:1"], ["a:1", "b:1"], ["a:1"]]
+
+    class Shrinking:
+        def targets(self) -> list[str]:
+            return answers.pop(0)
+
+    puller = Puller(Shrinking(), transport=httpx.MockTransport(agents.handler), parse=parse_dict)
+
+    async def cycles(n):
+        for _ in range(n):
+            await puller.pull_once()
+
+    run(cycles(2))
+    assert puller.errors == {("b:1", "malformed_json"): 2} and puller.errors_by_reason() == {"malformed_json": 2}
+    run(cycles(1))
+    assert puller.errors == {} and puller.errors_by_reason() == {"malformed_json": 2}
+
+
 def test_real_parser_rejects_contract_violations_when_available() -> None:
     """With the engine's own contract parser, a snapshot missing required fields is rejected, not raised."""
     import pytest
