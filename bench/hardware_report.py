@@ -75,8 +75,11 @@ def report(trace: tuple[list[dict[str, Any]], list[str]]) -> list[str]:
 def _gpu_report(index: int, samples: list[dict[str, Any]]) -> list[str]:
     busy = [g for g in samples if (g.get("utilization_ratio") or 0.0) > BUSY_UTILIZATION]
     idle = [g for g in samples if g not in busy]
+    jobs = sorted({str(g["hpc_job"]) for g in busy if g.get("hpc_job")})
     lines = ["", f"GPU {index} {samples[0].get('model')} {samples[0].get('uuid')}: {len(samples)} samples, "
-                 f"{len(busy)} busy", f"{'reading':46} {'present':>9} {'idle':>24} {'busy':>24}"]
+                 f"{len(busy)} busy", f"job while busy: {', '.join(jobs) or 'none'} "
+                 f"({sum(1 for g in busy if g.get('hpc_job'))}/{len(busy)} busy samples attributed)",
+             f"{'reading':46} {'present':>9} {'idle':>24} {'busy':>24}"]
     never = []
     for field in SCALARS:
         present = [g for g in samples if g.get(field) is not None]

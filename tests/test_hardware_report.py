@@ -20,8 +20,9 @@ def lines_of(*gpus: dict) -> list[str]:
 
 def test_a_clean_trace_lists_readings_and_what_was_never_present() -> None:
     text = "\n".join(report(read_trace(lines_of(gpu(0), gpu(1, utilization_ratio=0.9, sm_active_ratio=0.7,
-                                                              temperature_celsius=71.0)))))
+                                                              temperature_celsius=71.0, hpc_job="n/localhost:29555")))))
     assert "2 snapshots, 1 GPU(s)" in text and "driver 580.1" in text
+    assert "job while busy: n/localhost:29555 (1/1 busy samples attributed)" in text
     assert "1 busy" in text and "PROBLEM" not in text
     temperature = next(line for line in text.splitlines() if line.startswith("temperature_celsius"))
     assert temperature.split()[1:] == ["2/2", "40", "71"]      # present, idle range, busy range
