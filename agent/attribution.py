@@ -8,6 +8,7 @@ import os
 import re
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -26,6 +27,13 @@ _JOB_ID = re.compile(r"^[0-9A-Za-z_.+:/-]{1,128}$")
 _MASTER_ADDR, _MASTER_PORT, _JAX_COORDINATOR = b"MASTER_ADDR=", b"MASTER_PORT=", b"JAX_COORDINATOR_ADDRESS="
 _RENDEZVOUS_PREFIXES = (_MASTER_ADDR, _MASTER_PORT, _JAX_COORDINATOR)
 _HOST = re.compile(r"^[0-9A-Za-z_.:-]{1,100}$")
+# A pod's process: its cgroup is under the kubelet's kubepods hierarchy (cgroup v1 and v2, either driver).
+_KUBEPODS = b"kubepods"
+_HOSTNAME = b"HOSTNAME="
+# Kubernetes object names (RFC 1123): a namespace is a DNS label, a pod name a DNS subdomain.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_SERVICE_ACCOUNT_NAMESPACE = Path("var/run/secrets/kubernetes.io/serviceaccount/namespace")
 _LOCAL_HOSTS = frozenset(("localhost", "localhost.localdomain", "ip6-localhost", "0.0.0.0", "::"))
 # environ can be large (module systems); a job id is near the start, and the read stays bounded.
 _MAX_READ = 1 << 20
@@ -57,6 +65,14 @@ class WarnOnce:
         return frozenset(self._last)
 
 
+@dataclass(frozen=True, slots=True)
+class Pod:
+    """The Kubernetes pod a GPU's processes run in."""
+
+    namespace: str
+    name: str
+
+
 class JobAttributor:
     """Maps a GPU to the job of its compute processes; the mapping directory, when set, wins.
 
@@ -81,7 +97,7 @@ class JobAttributor:
         self._env_prefixes = tuple(f"{name}=".encode() for name in env_vars)
         self._rendezvous = rendezvous
         self._node = node
-        self._cache: dict[int, str | None] = {}
+        self._cache: dict[int, tuple[str | None, Pod | None]] = {}
         self._seen: set[int] = set()
         self.warn = WarnOnce(log, monotonic)
         self.errors: Counter[str] = Counter()
@@ -95,8 +111,16 @@ class JobAttributor:
         """The job using GPU `index`; None when no process on it belongs to a job we can see."""
         if self._mapping_dir is not None:
             return self._from_mapping(index, uuid)
-        jobs = [job for job in (self._pid_job(pid) for pid in pids) if job is not None]
+        jobs = [job for job in (self._pid_entry(pid)[0] for pid in pids) if job is not None]
         return _pick(jobs)
+
+    def pod_for(self, pids: Iterable[int]) -> Pod | None:
+        """The pod of the GPU's processes (the one with most of them); None outside Kubernetes, with a
+        mapping directory, or where the pod cannot be told (host networking hides its name)."""
+        if self._mapping_dir is not None:
+            return None
+        pods = Counter(pod for pod in (self._pid_entry(pid)[1] for pid in pids) if pod is not None)
+        return max(pods, key=lambda p: (pods[p], p.namespace, p.name)) if pods else None
 
     def end_cycle(self) -> None:
         """Forget pids that no GPU reported this cycle: their ids may be reused by unrelated processes."""
@@ -104,26 +128,45 @@ class JobAttributor:
             del self._cache[pid]
         self._seen.clear()
 
-    def _pid_job(self, pid: int) -> str | None:
+    def _pid_entry(self, pid: int) -> tuple[str | None, Pod | None]:
+        """(job, pod) of one process, read once while NVML keeps reporting it."""
         self._seen.add(pid)
-        if pid in self._cache:
-            return self._cache[pid]
-        found = self._environ(pid)
-        job = next((job for job in (_valid_job(found[p].decode("ascii", "replace"))
-                                    for p in self._env_prefixes if p in found) if job is not None), None)
-        if job is None:
-            job = self._job_from_cgroup(pid)
-        if job is None and self._rendezvous:
-            job = self._job_from_rendezvous(pid, found)
-        self._cache[pid] = job
-        return job
+        entry = self._cache.get(pid)
+        if entry is None:
+            found = self._environ(pid)
+            cgroup = self._read(self._procfs / str(pid) / "cgroup", "cgroup")
+            job = next((job for job in (_valid_job(found[p].decode("ascii", "replace"))
+                                        for p in self._env_prefixes if p in found) if job is not None), None)
+            if job is None:
+                job = _slurm_job(cgroup)
+            if job is None and self._rendezvous:
+                job = self._job_from_rendezvous(pid, found)
+            pod = self._pod(pid, found) if cgroup is not None and _KUBEPODS in cgroup else None
+            entry = self._cache[pid] = (job, pod)
+        return entry
+
+    def _pod(self, pid: int, found: dict[bytes, bytes]) -> Pod | None:
+        """A pod process's namespace (its service account's, else its resolver's NAMESPACE.svc search
+        domain) and name (its hostname, unless that is the node's: host networking)."""
+        name = found.get(_HOSTNAME, b"").decode("ascii", "replace").strip().lower()
+        node = self._node.lower()
+        if not _DNS_SUBDOMAIN.match(name) or name.split(".")[0] == node.split(".")[0]:
+            return None
+        root = self._procfs / str(pid) / "root"
+        data = self._read(root / _SERVICE_ACCOUNT_NAMESPACE, "namespace", missing_ok=True)
+        namespace = (data or b"").decode("ascii", "replace").strip()
+        if not namespace:
+            domain = self._search_domain(pid) or ""
+            head, sep, _ = domain.partition(".svc.")
+            namespace = head if sep else ""
+        return Pod(namespace, name) if _DNS_LABEL.match(namespace) else None
 
     def _environ(self, pid: int) -> dict[bytes, bytes]:
         """The variables of the process's environment that can name its job, by `NAME=` prefix."""
         data = self._read(self._procfs / str(pid) / "environ", "environ")
         if data is None:
             return {}
-        wanted = self._env_prefixes + _RENDEZVOUS_PREFIXES
+        wanted = self._env_prefixes + _RENDEZVOUS_PREFIXES + (_HOSTNAME,)
         found: dict[bytes, bytes] = {}
         for entry in data.split(b"\0"):
             for prefix in wanted:
@@ -161,15 +204,6 @@ class JobAttributor:
                 return domain if _HOST.match(domain) else None
         return None
 
-    def _job_from_cgroup(self, pid: int) -> str | None:
-        data = self._read(self._procfs / str(pid) / "cgroup", "cgroup")
-        if data is None:
-            return None
-        for line in data.decode("utf-8", "replace").splitlines():
-            match = _CGROUP_JOB.search(line)
-            if match:
-                return match.group(1)
-        return None
 
     def _from_mapping(self, index: int, uuid: str) -> str | None:
         assert self._mapping_dir is not None
@@ -202,6 +236,15 @@ class JobAttributor:
     def _note(self, what: str, code: str, message: str, **context: object) -> None:
         self.errors[f"{what}:{code}"] += 1
         self.warn(f"{what}:{code}", message, **context)
+
+
+def _slurm_job(cgroup: bytes | None) -> str | None:
+    """The job of a Slurm cgroup path (/proc/PID/cgroup's contents), if it is one."""
+    for line in (cgroup or b"").decode("utf-8", "replace").splitlines():
+        match = _CGROUP_JOB.search(line)
+        if match:
+            return match.group(1)
+    return None
 
 
 def _valid_job(text: str) -> str | None:

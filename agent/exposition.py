@@ -213,6 +213,7 @@ def _gpu_families(snap: NodeSnapshot, health: AgentHealth, activity: ActivityTot
     yield up
     yield _info_family(snap, ids)
     yield _job_family(snap)
+    yield _pod_family(snap)
     for name, help_text, attr in GAUGES:
         fam = Family(name, "gauge", help_text)
         rows = fam.rows
@@ -264,6 +265,16 @@ def _job_family(snap: NodeSnapshot) -> Family:
     for g in snap.gpus:
         if g.hpc_job:
             fam.add(("node", "gpu", "uuid", "hpc_job"), (snap.node, str(g.index), g.uuid, g.hpc_job), 1.0)
+    return fam
+
+
+def _pod_family(snap: NodeSnapshot) -> Family:
+    fam = Family("gpufleet_gpu_pod", "info",
+                 "Kubernetes pod using the GPU, to join with kube-state-metrics on (namespace, pod).")
+    for g in snap.gpus:
+        if g.kubernetes_namespace and g.kubernetes_pod:
+            fam.add(("node", "gpu", "uuid", "namespace", "pod"),
+                    (snap.node, str(g.index), g.uuid, g.kubernetes_namespace, g.kubernetes_pod), 1.0)
     return fam
 
 

@@ -52,6 +52,9 @@ class GpuSample:
     model: str
     up: bool = True
     hpc_job: str | None = None
+    # The Kubernetes pod of the GPU's processes, where there is one (see agent.attribution.Pod).
+    kubernetes_namespace: str | None = None
+    kubernetes_pod: str | None = None
     pci_bus_id: str | None = None
     serial: str | None = None
     vbios_version: str | None = None

@@ -155,7 +155,11 @@ class Sampler:
                 except Exception as exc:
                     self._errors[("compute_processes", type(exc).__name__)] += 1
             job = attributor.job_for(gpu.index, gpu.uuid, pids)
-            out.append(dataclasses.replace(gpu, hpc_job=job) if job != gpu.hpc_job else gpu)
+            pod = attributor.pod_for(pids)
+            namespace, name = (pod.namespace, pod.name) if pod is not None else (None, None)
+            if (job, namespace, name) != (gpu.hpc_job, gpu.kubernetes_namespace, gpu.kubernetes_pod):
+                gpu = dataclasses.replace(gpu, hpc_job=job, kubernetes_namespace=namespace, kubernetes_pod=name)
+            out.append(gpu)
         attributor.end_cycle()
         return tuple(out)
 

@@ -187,8 +187,8 @@ class SimNvml:
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
     def materialize_procfs(self, root: Path) -> tuple[int, ...]:
-        """Write <root>/<pid>/environ and cgroup (and a pod's root/etc/resolv.conf) for every compute process
-        this node's GPUs can report."""
+        """Write <root>/<pid>/environ and cgroup (and a pod's resolv.conf and service account namespace
+        under root/) for every compute process this node's GPUs can report."""
         root = Path(root)
         written = []
         for job in self.scenario.jobs:
@@ -205,6 +205,9 @@ class SimNvml:
                 if resolv is not None:
                     (proc / "root" / "etc").mkdir(parents=True, exist_ok=True)
                     (proc / "root" / "etc" / "resolv.conf").write_text(resolv)
+                    account = proc / "root" / "var" / "run" / "secrets" / "kubernetes.io" / "serviceaccount"
+                    account.mkdir(parents=True, exist_ok=True)
+                    (account / "namespace").write_text(job.id.rpartition("/")[0] or "default")
                 written.append(pid)
         log.debug("materialized simulated procfs", extra={"root": str(root), "pids": len(written)})
         return tuple(written)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from agent.attribution import JobAttributor
+from agent.attribution import JobAttributor, Pod
 
 
 def proc(root, pid, environ: bytes | None = None, cgroup: str | None = None):
@@ -52,8 +52,8 @@ def test_a_kubernetes_pod_without_the_variable_has_no_job_rather_than_its_pod(tm
     assert JobAttributor(tmp_path).job_for(0, "GPU-a", (15,)) is None
 
 
-def pod(root, pid, environ: bytes, namespace: str | None):
-    d = proc(root, pid, b"HOSTNAME=p\0KUBERNETES_SERVICE_HOST=10.96.0.1\0" + environ, POD_CGROUP)
+def pod(root, pid, environ: bytes, namespace: str | None, hostname: bytes = b"p"):
+    d = proc(root, pid, b"HOSTNAME=" + hostname + b"\0KUBERNETES_SERVICE_HOST=10.96.0.1\0" + environ, POD_CGROUP)
     if namespace is not None:
         (d / "root" / "etc").mkdir(parents=True)
         (d / "root" / "etc" / "resolv.conf").write_text(
@@ -226,3 +226,36 @@ def test_missing_mapping_dir_warns_once(tmp_path, caplog):
             assert att.job_for(i, f"GPU-{i}", ()) is None
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
     assert att.errors["mapping:ENOENT"] == 5
+
+
+def test_a_pod_process_names_its_pod_and_namespace(tmp_path):
+    d = pod(tmp_path, 30, b"RANK=3\0", "research", hostname=b"llama-worker-3")
+    assert JobAttributor(tmp_path, node="gpu-07").pod_for((30,)) == Pod("research", "llama-worker-3")
+    # The pod's service account knows its namespace for certain; the resolver's search list is the fallback.
+    account = d / "root" / "var" / "run" / "secrets" / "kubernetes.io" / "serviceaccount"
+    account.mkdir(parents=True)
+    (account / "namespace").write_text("vision")
+    att = JobAttributor(tmp_path, node="gpu-07")
+    assert att.pod_for((30,)) == Pod("vision", "llama-worker-3")
+    assert att.job_for(0, "GPU-a", (30,)) is None                  # a pod is not a job
+    assert JobAttributor(tmp_path, mapping_dir=tmp_path / "none").pod_for((30,)) is None
+
+
+@pytest.mark.parametrize("environ, cgroup, namespace, hostname", [
+    # Not in a pod: a Slurm task with the same variables.
+    (b"HOSTNAME=llama-worker-3\0", "0::/system.slice/slurmstepd.scope/job_1/step_0\n", "research", None),
+    # Host networking: the pod's hostname is the node's, bare or qualified.
+    (b"", POD_CGROUP, "research", b"gpu-07"),
+    (b"", POD_CGROUP, "research", b"GPU-07.cluster.example"),
+    # No namespace to be found, or names that are not Kubernetes names.
+    (b"", POD_CGROUP, None, b"llama-worker-3"),
+    (b"", POD_CGROUP, "research", b"Not_A_Pod"),
+])
+def test_no_pod_where_it_cannot_be_told(tmp_path, environ, cgroup, namespace, hostname):
+    if hostname is None:
+        d = proc(tmp_path, 33, environ, cgroup)
+        (d / "root" / "etc").mkdir(parents=True)
+        (d / "root" / "etc" / "resolv.conf").write_text(f"search {namespace}.svc.cluster.local\n")
+    else:
+        pod(tmp_path, 33, environ, namespace, hostname=hostname)
+    assert JobAttributor(tmp_path, node="gpu-07").pod_for((33,)) is None

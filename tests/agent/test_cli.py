@@ -96,6 +96,7 @@ def test_a_kubernetes_job_is_named_by_the_variables_the_agent_is_told_to_read(ca
                         "jobs: [{id: research/llama, nodes: [n1], scheduler: kubernetes}]\n")
     doc = once(capsys, "--simulate", str(scenario))
     assert [g["hpc_job"] for g in doc["gpus"]] == ["research/llama"] * 2
+    assert [(g["kubernetes_namespace"], g["kubernetes_pod"]) for g in doc["gpus"]] == [("research", "llama-worker-0")] * 2
     # Without the variable, the job's rendezvous (the operator's MASTER_ADDR, in the pod's namespace) names it.
     doc = once(capsys, "--simulate", str(scenario), "--hpc-job-env-vars", "SLURM_JOB_ID")
     assert [g["hpc_job"] for g in doc["gpus"]] == ["llama-worker-0.research.svc.cluster.local:29500"] * 2

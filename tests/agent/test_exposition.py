@@ -18,8 +18,9 @@ EXPECTED = Path(__file__).parent / "expected"
 
 
 def fixed_snapshot() -> NodeSnapshot:
-    """GPU 0 full with per-link NVLink and a job; GPU 1 partly unsupported; GPU 2 lost."""
-    g0 = gpu(0, hpc_job="4242", nvlink_link_tx_bytes_total=(1000, 2000), nvlink_link_rx_bytes_total=(3000, None))
+    """GPU 0 full with per-link NVLink, a job and a pod; GPU 1 partly unsupported; GPU 2 lost."""
+    g0 = gpu(0, hpc_job="4242", kubernetes_namespace="research", kubernetes_pod="llama-worker-3",
+             nvlink_link_tx_bytes_total=(1000, 2000), nvlink_link_rx_bytes_total=(3000, None))
     g1 = gpu(1, sm_active_ratio=None, sm_occupancy_ratio=None, memory_temperature_celsius=None,
              memory_max_operating_temperature_celsius=None, throttle_seconds_total={}, xid_errors_by_code={},
              xid_errors_total=0, model='Odd "model"\\name', serial=None, throttle_reasons=0x1)
@@ -97,6 +98,12 @@ def test_job_is_its_own_info_series():
     s = series(render(fixed_snapshot(), fixed_health()))
     assert [(x.labels["gpu"], x.labels["hpc_job"]) for x in s["gpufleet_gpu_job_info"]] == [("0", "4242")]
     assert all("hpc_job" not in x.labels for x in s["gpufleet_gpu_power_watts"])
+
+
+def test_pod_is_its_own_info_series():
+    s = series(render(fixed_snapshot(), fixed_health()))
+    assert [(x.labels["gpu"], x.labels["namespace"], x.labels["pod"]) for x in s["gpufleet_gpu_pod_info"]] == \
+        [("0", "research", "llama-worker-3")]
 
 
 def test_nvml_down_serves_only_agent_health():
