@@ -1,4 +1,5 @@
-"""Which job uses each GPU: a dcgm-exporter style mapping directory, or the GPU's processes in procfs."""
+"""Which job uses each GPU (a dcgm-exporter style mapping directory, or the GPU's processes in procfs), and
+in which Kubernetes pod its processes run."""
 
 from __future__ import annotations
 
@@ -203,7 +204,6 @@ class JobAttributor:
                 domain = words[1].strip(".").lower()
                 return domain if _HOST.match(domain) else None
         return None
-
 
     def _from_mapping(self, index: int, uuid: str) -> str | None:
         assert self._mapping_dir is not None

@@ -211,12 +211,11 @@ class GroupRegistry:
 
     def _retired(self, t: float) -> int | None:
         """The id vacated longest ago, if that was retention_seconds before t (and take it off the list)."""
-        for gid, since in self._vacated.items():
-            if t - since >= self.retention_seconds:
-                del self._vacated[gid]
-                return gid
+        oldest = next(iter(self._vacated.items()), None)
+        if oldest is None or t - oldest[1] < self.retention_seconds:
             return None
-        return None
+        del self._vacated[oldest[0]]
+        return oldest[0]
 
     def backdate(self, gids: np.ndarray, seconds: float) -> None:
         """Take these groups as first seen `seconds` earlier (work that was running before anyone watched)."""
