@@ -72,6 +72,9 @@ _AGE = "gpufleet_agent_sample_age_seconds"
 # by however long the answer took. The same sample scraped again then reads up to that much newer (on a
 # busy host, tenths of a second); a new one is a sampling period or more newer.
 _SAME_SAMPLE_SECONDS = 0.5
+# An instance Prometheus stopped listing (its target left discovery: on Kubernetes every agent restart is
+# a new pod address) and that sends nothing is forgotten after this long, with its per-target series.
+_FORGET_INSTANCE_SECONDS = 600.0
 # activity counter -> which of the pair; the `reading` label -> the contract field its mean replaces
 _ACTIVITY = {"gpufleet_gpu_active_seconds_total": 0, "gpufleet_gpu_active_sampled_seconds_total": 1}
 _ACTIVITY_FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio"}
@@ -170,6 +173,7 @@ class PrometheusSource(IngestAccounting):
         self._instances: dict[str, str] = {}         # instance -> node it scrapes
         self._jobs: set[str] = set()                 # Prometheus scrape jobs the agents are in
         self._health: dict[str, TargetHealth] = {}
+        self._unlisted_since: dict[str, float] = {}   # instance -> since when `up` has not listed it
 
     async def aclose(self) -> None:
         """Close the connection to Prometheus."""
@@ -426,6 +430,16 @@ class PrometheusSource(IngestAccounting):
                 last_success=now if is_up else previous.last_success, last_new_data=last_new,
                 last_sample_time=newest, consecutive_failures=0 if is_up else previous.consecutive_failures + 1,
                 last_error=None if is_up else "prometheus reports the scrape failing (up == 0)")
+        if state:       # `up` answered (an empty answer, or a failed query, says nothing about who left)
+            self._forget_unlisted(state, arrived, now)
+
+    def _forget_unlisted(self, listed: Mapping[str, bool], arrived: Mapping[str, float], now: float) -> None:
+        for instance in list(self._health):
+            if instance in listed or instance in arrived:
+                self._unlisted_since.pop(instance, None)
+            elif now - self._unlisted_since.setdefault(instance, now) >= _FORGET_INSTANCE_SECONDS:
+                del self._health[instance], self._unlisted_since[instance]
+                self._instances.pop(instance, None)
 
     def _record_error(self, reason: str, detail: str) -> None:
         """Count one failed query or rejected series, under the Prometheus URL as the target."""

@@ -381,6 +381,28 @@ def test_an_agent_that_stops_being_scraped_turns_stale() -> None:
     assert src.health()[0].stale
 
 
+def test_an_agent_prometheus_no_longer_lists_is_forgotten_after_ten_minutes() -> None:
+    # A Kubernetes agent pod restarted elsewhere: its old address leaves discovery, the new one takes over.
+    prom = FakePrometheus()
+    prom.stored = gpu_series("dgx-01", 0, [998.0], instance="10.0.0.1:9471")
+    prom.up = {"10.0.0.1:9471": "1"}
+    src, now = make_source(prom)
+    run(src.pull_once())
+    prom.up = {"10.0.0.7:9471": "1"}
+    for t in (1300.0, 1899.0):                   # unlisted from 1300 s on
+        now[0] = t
+        run(src.pull_once())
+        assert [h.target for h in src.health()] == ["10.0.0.1:9471", "10.0.0.7:9471"]
+    prom.override = httpx.Response(503)          # a failed `up` says nothing about who left
+    now[0] = 1900.0
+    run(src.pull_once())
+    assert len(src.health()) == 2
+    prom.override = None
+    now[0] = 1901.0
+    run(src.pull_once())
+    assert [h.target for h in src.health()] == ["10.0.0.7:9471"]
+
+
 def test_settings_choose_prometheus_and_refuse_it_together_with_agent_targets(tmp_path) -> None:
     settings = load_settings(["--ingest.prometheus-url", "http://prom:9090/", "--storage.path", str(tmp_path / "a.db")],
                              env={})
