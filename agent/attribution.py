@@ -26,7 +26,8 @@ _JOB_ID = re.compile(r"^[0-9A-Za-z_.+:/-]{1,128}$")
 # rendezvous, as is every process of a multi-host JAX job, and no two running jobs share one: the job's
 # own identity where nothing else names it (a Kubernetes pod without GPUFLEET_JOB).
 _MASTER_ADDR, _MASTER_PORT, _JAX_COORDINATOR = b"MASTER_ADDR=", b"MASTER_PORT=", b"JAX_COORDINATOR_ADDRESS="
-_RENDEZVOUS_PREFIXES = (_MASTER_ADDR, _MASTER_PORT, _JAX_COORDINATOR)
+_WORLD_SIZE = b"WORLD_SIZE="
+_RENDEZVOUS_PREFIXES = (_MASTER_ADDR, _MASTER_PORT, _JAX_COORDINATOR, _WORLD_SIZE)
 _HOST = re.compile(r"^[0-9A-Za-z_.:-]{1,100}$")
 # A pod's process: its cgroup is under the kubelet's kubepods hierarchy (cgroup v1 and v2, either driver).
 _KUBEPODS = b"kubepods"
@@ -80,7 +81,8 @@ class JobAttributor:
     A process's job is the first of `env_vars` its environment sets to a valid id, else the Slurm job of
     its cgroup, else (with `rendezvous`) its job's rendezvous endpoint, HOST:PORT: a short host name is
     completed with the process's first DNS search domain (in a Kubernetes pod, NAMESPACE.svc.DOMAIN: jobs
-    of one name in two namespaces stay apart), a loopback one is put under `node` (a one-node job).
+    of one name in two namespaces stay apart), a loopback one is put under its pod, or else under `node`
+    (a one-node job). A process told WORLD_SIZE=1 has no job to share.
     """
 
     def __init__(
@@ -140,9 +142,9 @@ class JobAttributor:
                                         for p in self._env_prefixes if p in found) if job is not None), None)
             if job is None:
                 job = _slurm_job(cgroup)
-            if job is None and self._rendezvous:
-                job = self._job_from_rendezvous(pid, found)
             pod = self._pod(pid, found) if cgroup is not None and _KUBEPODS in cgroup else None
+            if job is None and self._rendezvous:
+                job = self._job_from_rendezvous(pid, found, pod)
             entry = self._cache[pid] = (job, pod)
         return entry
 
@@ -175,7 +177,9 @@ class JobAttributor:
                     found.setdefault(prefix, entry[len(prefix):])  # the first wins, as getenv(3) reads it
         return found
 
-    def _job_from_rendezvous(self, pid: int, found: dict[bytes, bytes]) -> str | None:
+    def _job_from_rendezvous(self, pid: int, found: dict[bytes, bytes], pod: Pod | None) -> str | None:
+        if found.get(_WORLD_SIZE, b"").strip() == b"1":
+            return None         # a job of one process: anything sharing its rendezvous is unrelated
         if _MASTER_ADDR in found and _MASTER_PORT in found:
             host, port = found[_MASTER_ADDR], found[_MASTER_PORT]
         elif _JAX_COORDINATOR in found:
@@ -187,7 +191,10 @@ class JobAttributor:
         if not _HOST.match(host_text) or not port_text.isdigit() or not 0 < int(port_text) < 65536:
             return None
         if host_text in _LOCAL_HOSTS or host_text.startswith("127.") or host_text == "::1":
-            return _valid_job(f"{self._node}/{host_text}:{port_text}")
+            # Loopback is one network namespace's: a pod's own (pods on one node may all say localhost:29500),
+            # else the node's.
+            scope = f"{pod.namespace}/{pod.name}" if pod is not None else self._node
+            return _valid_job(f"{scope}/{host_text}:{port_text}")
         if "." not in host_text and ":" not in host_text:
             domain = self._search_domain(pid)
             if domain:

@@ -60,7 +60,8 @@ fetch "http://127.0.0.1:$PORT/metrics" > "$OUT/metrics-idle.txt" || echo "no /me
 
 echo "== load for ${LOAD_SECONDS}s"
 # As torchrun would tell a rank where its job meets: the agent should name the load's job by it
-# (--hpc-job-rendezvous), "<node>/localhost:29555", through NVML's compute processes and their environ.
+# (--hpc-job-rendezvous), "<node>/localhost:29555" (in a pod, "<namespace>/<pod>/localhost:29555"),
+# through NVML's compute processes and their environ.
 MASTER_ADDR=localhost MASTER_PORT=29555 "$PY" - "$LOAD_SECONDS" <<'EOF' &
 import sys, threading, time
 try:

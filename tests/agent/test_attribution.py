@@ -91,9 +91,14 @@ def test_a_rendezvous_yields_to_a_job_variable_and_a_slurm_cgroup(tmp_path):
     (b"MASTER_ADDR=[fd00::7]\0MASTER_PORT=29500\0", None, "fd00::7:29500"),
     # A short name with no resolv.conf to complete it stays as it is.
     (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0", None, "llama-master-0:23456"),
-    # One node's job on loopback: put under the node, or every node's would be one job.
-    (b"MASTER_ADDR=localhost\0MASTER_PORT=29500\0", "research", "gpu-07/localhost:29500"),
+    # One pod's job on loopback: put under the pod, or every pod's on every node would be one job.
+    (b"MASTER_ADDR=localhost\0MASTER_PORT=29500\0", "research", "research/p/localhost:29500"),
+    # ... under the node where the pod cannot be told (host networking: the node's loopback).
     (b"MASTER_ADDR=127.0.0.1\0MASTER_PORT=29501\0", None, "gpu-07/127.0.0.1:29501"),
+    # A process alone in its job shares a rendezvous with nobody (a template's leftover variables).
+    (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0WORLD_SIZE=1\0", "research", None),
+    (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0WORLD_SIZE=16\0", "research",
+     "llama-master-0.research.svc.cluster.local:23456"),
     # Multi-host JAX.
     (b"JAX_COORDINATOR_ADDRESS=jax-trainer-0.jax-trainer:1234\0", "research", "jax-trainer-0.jax-trainer:1234"),
     (b"JAX_COORDINATOR_ADDRESS=coord:1234\0", "ml", "coord.ml.svc.cluster.local:1234"),
@@ -259,3 +264,8 @@ def test_no_pod_where_it_cannot_be_told(tmp_path, environ, cgroup, namespace, ho
     else:
         pod(tmp_path, 33, environ, namespace, hostname=hostname)
     assert JobAttributor(tmp_path, node="gpu-07").pod_for((33,)) is None
+
+
+def test_a_one_node_job_on_loopback_is_its_nodes_outside_a_pod(tmp_path):
+    proc(tmp_path, 34, b"MASTER_ADDR=localhost\0MASTER_PORT=29500\0WORLD_SIZE=8\0", "0::/user.slice/session-2.scope\n")
+    assert JobAttributor(tmp_path, node="gpu-07").job_for(0, "GPU-a", (34,)) == "gpu-07/localhost:29500"
