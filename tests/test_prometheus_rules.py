@@ -38,6 +38,16 @@ DEADLINE_SECONDS = 60.0
 POLL_SECONDS = 0.5
 
 
+def on_server(summary: str, severity: str, **labels: str) -> tuple[dict[str, str], str]:
+    """An alert expected about the server of SERVER: its labels besides alertname, and its summary."""
+    return {"job": "gpufleet-server", "instance": "srv:9472", **labels, "severity": severity}, summary
+
+
+def on_agent(summary: str, severity: str, **labels: str) -> tuple[dict[str, str], str]:
+    """The same about the agent of AGENT."""
+    return {"job": "gpufleet-agent", "instance": "dgx-01:9471", "node": "dgx-01", **labels, "severity": severity}, summary
+
+
 @dataclass(frozen=True)
 class Case:
     """Series sampled every minute (promtool's expanding notation), and at `at` minutes the alerts of
@@ -53,73 +63,63 @@ CASES = [
     # Down from minute 2, `for: 2m`: pending at 3, firing at 5.
     Case("GpufleetServerDown", {f"up{{{SERVER}}}": "1 1 0x10"}, 3),
     Case("GpufleetServerDown", {f"up{{{SERVER}}}": "1 1 0x10", 'up{job="gpufleet-agent", instance="a"}': "0x12"}, 5,
-         [({"job": "gpufleet-server", "instance": "srv:9472", "severity": "critical"},
-           "gpufleet-server srv:9472 does not answer scrapes")]),
+         [on_server("gpufleet-server srv:9472 does not answer scrapes", "critical")]),
     Case("GpufleetServerAbsent", {f"up{{{SERVER}}}": "1x20"}, 15),
     Case("GpufleetServerAbsent", {'up{job="gpufleet-agent", instance="a"}': "1x20"}, 11,
          [({"job": "gpufleet-server", "severity": "critical"}, "Prometheus has no gpufleet-server target to scrape")]),
     # The last tick is 300 s into the test, then frozen: 120 s late from minute 7, `for: 2m`.
     Case("GpufleetEngineStalled", {f"gpufleet_server_engine_last_tick_timestamp_seconds{{{SERVER}}}": "0+60x5 300x20"}, 8),
     Case("GpufleetEngineStalled", {f"gpufleet_server_engine_last_tick_timestamp_seconds{{{SERVER}}}": "0+60x5 300x20"}, 10,
-         [({"job": "gpufleet-server", "instance": "srv:9472", "severity": "critical"},
-           "gpufleet-server srv:9472 has not evaluated its engine for 5m 0s")]),
+         [on_server("gpufleet-server srv:9472 has not evaluated its engine for 5m 0s", "critical")]),
     Case("GpufleetEngineStalled", {f"gpufleet_server_engine_last_tick_timestamp_seconds{{{SERVER}}}": "0+60x30"}, 30),
     Case("GpufleetCyclesFailing", {f"gpufleet_server_cycle_failures_total{{{SERVER}}}": "0x10 0x10"}, 20),
     Case("GpufleetCyclesFailing", {f"gpufleet_server_cycle_failures_total{{{SERVER}}}": "0x14 1x6"}, 20,
-         [({"job": "gpufleet-server", "instance": "srv:9472", "severity": "warning"},
-           "gpufleet-server srv:9472 had 1 failed cycles in 10 minutes")]),
+         [on_server("gpufleet-server srv:9472 had 1 failed cycles in 10 minutes", "warning")]),
     # 5 s pulls are 12 cycles a minute: 1 overrun a minute is 8 %, 3 are 25 %.
     Case("GpufleetFallingBehind", {f"gpufleet_server_cycles_total{{{SERVER}}}": "0+12x40",
                                    f"gpufleet_server_cycle_overruns_total{{{SERVER}}}": "0+1x40"}, 40),
     Case("GpufleetFallingBehind", {f"gpufleet_server_cycles_total{{{SERVER}}}": "0+12x40",
                                    f"gpufleet_server_cycle_overruns_total{{{SERVER}}}": "0x10 3+3x29"}, 30,
-         [({"job": "gpufleet-server", "instance": "srv:9472", "severity": "warning"},
-           "gpufleet-server srv:9472 overruns its pull interval in 25% of cycles")]),
+         [on_server("gpufleet-server srv:9472 overruns its pull interval in 25% of cycles", "warning")]),
     Case("GpufleetAgentsUnreachable", {f'gpufleet_server_target_up{{{SERVER}, target="{t}"}}': v
                                        for t, v in zip("abcd", ("0x10", "1x10", "1x10", "1x10"))}, 10),
     Case("GpufleetAgentsUnreachable", {f'gpufleet_server_target_up{{{SERVER}, target="{t}"}}': v
                                        for t, v in zip("abcd", ("0x10", "0x10", "1x10", "1x10"))}, 6,
-         [({"job": "gpufleet-server", "instance": "srv:9472", "severity": "critical"},
-           "gpufleet-server srv:9472 cannot pull 50% of its agents")]),
+         [on_server("gpufleet-server srv:9472 cannot pull 50% of its agents", "critical")]),
     # Unreachable agents are the node_unreachable alert's business, not this one's.
     Case("GpufleetPayloadsRejected", {f'gpufleet_server_rejected_total{{{SERVER}, reason="timeout"}}': "0x10 2+2x9",
                                       f'gpufleet_server_rejected_total{{{SERVER}, reason="connect"}}': "0x10 2+2x9"}, 20),
     Case("GpufleetPayloadsRejected", {f'gpufleet_server_rejected_total{{{SERVER}, reason="timeout"}}': "0x10 2+2x9",
                                       f'gpufleet_server_rejected_total{{{SERVER}, reason="schema"}}': "0x10 2+2x9"}, 20,
-         [({"job": "gpufleet-server", "instance": "srv:9472", "reason": "schema", "severity": "warning"},
-           "gpufleet-server srv:9472 rejected 20 pulls or snapshots (schema)")]),
+         [on_server("gpufleet-server srv:9472 rejected 20 pulls or snapshots (schema)", "warning", reason="schema")]),
     Case("GpufleetAgentClockSkew", {f'gpufleet_server_target_clock_offset_seconds{{{SERVER}, target="a"}}': "-30x30"}, 14),
     Case("GpufleetAgentClockSkew", {f'gpufleet_server_target_clock_offset_seconds{{{SERVER}, target="a"}}': "-30x30",
                                     f'gpufleet_server_target_clock_offset_seconds{{{SERVER}, target="b"}}': "9x30"}, 16,
-         [({"job": "gpufleet-server", "instance": "srv:9472", "target": "a", "severity": "warning"},
-           "The clock of agent a is 30 s off the server's")]),
+         [on_server("The clock of agent a is 30 s off the server's", "warning", target="a")]),
     Case("GpufleetNotificationsFailing",
          {f'gpufleet_server_notifications_failed_total{{{SERVER}, notifier="alertmanager", url="http://am:9093"}}':
           "0x10 1+1x20"}, 14),
     Case("GpufleetNotificationsFailing",
          {f'gpufleet_server_notifications_failed_total{{{SERVER}, notifier="alertmanager", url="http://am:9093"}}':
           "0x10 1+1x20"}, 25,
-         [({"job": "gpufleet-server", "instance": "srv:9472", "notifier": "alertmanager", "url": "http://am:9093",
-            "severity": "critical"}, "gpufleet-server srv:9472 cannot deliver alerts to alertmanager http://am:9093")]),
+         [on_server("gpufleet-server srv:9472 cannot deliver alerts to alertmanager http://am:9093", "critical",
+                    notifier="alertmanager", url="http://am:9093")]),
     Case("GpufleetNotificationsDropped",
          {f'gpufleet_server_notifications_dropped_total{{{SERVER}, notifier="webhook", url="http://hook"}}': "0x20"}, 20),
     Case("GpufleetNotificationsDropped",
          {f'gpufleet_server_notifications_dropped_total{{{SERVER}, notifier="webhook", url="http://hook"}}':
           "0x10 5x10"}, 15,
-         [({"job": "gpufleet-server", "instance": "srv:9472", "notifier": "webhook", "url": "http://hook",
-            "severity": "critical"}, "gpufleet-server srv:9472 dropped 5 alerts for webhook http://hook")]),
+         [on_server("gpufleet-server srv:9472 dropped 5 alerts for webhook http://hook", "critical",
+                    notifier="webhook", url="http://hook")]),
     Case("GpufleetStoreErrors", {f"gpufleet_server_store_errors_total{{{SERVER}}}": "0x20"}, 20),
     Case("GpufleetStoreErrors", {f"gpufleet_server_store_errors_total{{{SERVER}}}": "0x10 1x10"}, 15,
-         [({"job": "gpufleet-server", "instance": "srv:9472", "severity": "warning"},
-           "gpufleet-server srv:9472 cannot write its alert store")]),
+         [on_server("gpufleet-server srv:9472 cannot write its alert store", "warning")]),
     Case("GpufleetAgentNvmlDown", {f"gpufleet_agent_nvml_up{{{AGENT}}}": "1 1 0x10"}, 3),
     Case("GpufleetAgentNvmlDown", {f"gpufleet_agent_nvml_up{{{AGENT}}}": "1 1 0x10"}, 5,
-         [({"job": "gpufleet-agent", "instance": "dgx-01:9471", "node": "dgx-01", "severity": "critical"},
-           "gpufleet-agent on dgx-01 cannot read NVML")]),
+         [on_agent("gpufleet-agent on dgx-01 cannot read NVML", "critical")]),
     Case("GpufleetAgentSamplingStuck", {f"gpufleet_agent_sample_age_seconds{{{AGENT}}}": "1x3 29x10"}, 10),
     Case("GpufleetAgentSamplingStuck", {f"gpufleet_agent_sample_age_seconds{{{AGENT}}}": "1x3 60x10"}, 7,
-         [({"job": "gpufleet-agent", "instance": "dgx-01:9471", "node": "dgx-01", "severity": "critical"},
-           "gpufleet-agent on dgx-01 took its last sample 1m 0s ago")]),
+         [on_agent("gpufleet-agent on dgx-01 took its last sample 1m 0s ago", "critical")]),
     # An NVML reading unsupported or failing on one GPU is the reading's own business (reading_supported).
     Case("GpufleetAgentErrors", {f'gpufleet_agent_errors_total{{{AGENT}, reading="sm_active", error="Unknown"}}':
                                  "0x10 1+1x10"}, 20),
@@ -127,9 +127,8 @@ CASES = [
                                  "0x10 1+1x10",
                                  f'gpufleet_agent_errors_total{{{AGENT}, reading="attribution", error="environ:EACCES"}}':
                                  "0x10 1+1x10"}, 20,
-         [({"job": "gpufleet-agent", "instance": "dgx-01:9471", "node": "dgx-01", "reading": "attribution",
-            "error": "environ:EACCES", "severity": "warning"},
-           "gpufleet-agent on dgx-01 reports attribution errors (environ:EACCES)")]),
+         [on_agent("gpufleet-agent on dgx-01 reports attribution errors (environ:EACCES)", "warning",
+                   reading="attribution", error="environ:EACCES")]),
 ]
 
 
