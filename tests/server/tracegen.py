@@ -651,7 +651,7 @@ def _static_gpu(lay: _Layout, g: int) -> dict[str, Any]:
     bus = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)[lay.local[g] % 8]
     return {
         "index": int(lay.local[g]), "uuid": uuid, "model": m.name, "up": True, "hpc_job": None,
-        "pci_bus_id": f"00000000:{bus:02X}:00.0", "serial": str(int(h[32:44], 16))[:13],
+        "kubernetes_namespace": None, "kubernetes_pod": None, "pci_bus_id": f"00000000:{bus:02X}:00.0", "serial": str(int(h[32:44], 16))[:13],
         "vbios_version": m.vbios_version, "memory_total_bytes": m.memory_total_bytes,
         "slowdown_temperature_celsius": m.slowdown_celsius,
         "shutdown_temperature_celsius": m.shutdown_celsius,
