@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -269,3 +272,42 @@ def test_no_pod_where_it_cannot_be_told(tmp_path, environ, cgroup, namespace, ho
 def test_a_one_node_job_on_loopback_is_its_nodes_outside_a_pod(tmp_path):
     proc(tmp_path, 34, b"MASTER_ADDR=localhost\0MASTER_PORT=29500\0WORLD_SIZE=8\0", "0::/user.slice/session-2.scope\n")
     assert JobAttributor(tmp_path, node="gpu-07").job_for(0, "GPU-a", (34,)) == "gpu-07/localhost:29500"
+
+
+@pytest.fixture()
+def sleeper():
+    """A real process with a training rank's rendezvous in its environment."""
+    procs = []
+
+    def start(**env):
+        proc = subprocess.Popen(["sleep", "60"], env={"PATH": os.environ.get("PATH", "/bin"), **env})
+        procs.append(proc)
+        return proc.pid
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _search_domain() -> str | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/etc/resolv.conf").read_text().splitlines():
+            words = line.split()
+            if len(words) >= 2 and words[0] in ("search", "domain"):
+                return words[1].strip(".").lower()
+    return None
+
+
+def test_a_real_process_is_named_by_its_rendezvous_through_the_real_procfs(sleeper):
+    if b"kubepods" in Path("/proc/self/cgroup").read_bytes():
+        pytest.skip("runs inside a Kubernetes pod: the loopback's scope there is the pod, not the node")
+    remote = sleeper(MASTER_ADDR="trainer-0", MASTER_PORT="29500", WORLD_SIZE="16")
+    local = sleeper(MASTER_ADDR="localhost", MASTER_PORT="29501", WORLD_SIZE="8")
+    alone = sleeper(MASTER_ADDR="localhost", MASTER_PORT="29502", WORLD_SIZE="1")
+    att = JobAttributor("/proc", node="gpu-07")
+    domain = _search_domain()
+    assert att.job_for(0, "GPU-a", (remote,)) == (f"trainer-0.{domain}:29500" if domain else "trainer-0:29500")
+    assert att.job_for(1, "GPU-b", (local,)) == "gpu-07/localhost:29501"
+    assert att.job_for(2, "GPU-c", (alone,)) is None
+    assert att.pod_for((remote, local)) is None and not att.errors
