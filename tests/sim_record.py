@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from agent.attribution import JobAttributor
+from agent.attribution import DEFAULT_ENV_VARS, JobAttributor
 from agent.cli import SettableClock
 from agent.nvml_reader import NvmlReader
 from agent.record import Recorder
@@ -25,30 +25,31 @@ T0 = 1_763_800_000.0
 
 
 def record_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: float,
-                interval_seconds: float = 1.0) -> tuple[Path, list[float]]:
+                interval_seconds: float = 1.0, env_vars: tuple[str, ...] = DEFAULT_ENV_VARS) -> tuple[Path, list[float]]:
     """Sample one simulated node from T0 for duration_seconds; returns its --record file and the
     offsets (seconds from T0) of the cycles that produced no sample (NVML down, by the scenario)."""
     trace = workdir / f"{node}.jsonl"
     missing = [now - T0 for now, snapshot, _ in sample_node(scenario, node, workdir, duration_seconds,
-                                                            interval_seconds, trace) if snapshot is None]
+                                                            interval_seconds, trace, env_vars) if snapshot is None]
     return trace, missing
 
 
 def record_cluster(scenario: Scenario, workdir: Path, duration_seconds: float,
-                   interval_seconds: float = 1.0) -> list[bytes]:
+                   interval_seconds: float = 1.0, env_vars: tuple[str, ...] = DEFAULT_ENV_VARS) -> list[bytes]:
     """Every node recorded, then the files joined node after node as `cat` would: the replay input.
-    A node that missed a sample fails the caller, since the scenarios recorded this way expect none."""
+    A node that missed a sample fails the caller, since the scenarios recorded this way expect none.
+    `env_vars`: the agent's --hpc-job-env-vars."""
     files = []
     for node in scenario.nodes:
-        trace, missing = record_node(scenario, node, workdir, duration_seconds, interval_seconds)
+        trace, missing = record_node(scenario, node, workdir, duration_seconds, interval_seconds, env_vars)
         assert not missing, f"{node}: no sample at +{missing[0]:.0f}s"
         files.append(trace)
     return b"".join(f.read_bytes() for f in files).splitlines()
 
 
 def sample_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: float,
-                interval_seconds: float = 1.0,
-                record_to: Path | None = None) -> Iterator[tuple[float, NodeSnapshot | None, Publication]]:
+                interval_seconds: float = 1.0, record_to: Path | None = None,
+                env_vars: tuple[str, ...] = DEFAULT_ENV_VARS) -> Iterator[tuple[float, NodeSnapshot | None, Publication]]:
     """Each cycle's (simulated time, new snapshot or None, the store's publication after it)."""
     clock = SettableClock(T0)
     nvml = SimNvml(scenario, node, clock=clock, epoch=T0)
@@ -57,7 +58,8 @@ def sample_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: 
     recorder = Recorder(record_to, monotonic=clock) if record_to is not None else None
     store = SnapshotStore()
     sampler = Sampler(NvmlReader(nvml, xid_wait_ms=50), store, node=node, interval=interval_seconds,
-                      attributor=JobAttributor(procfs, monotonic=clock), recorder=recorder, clock=clock,
+                      attributor=JobAttributor(procfs, env_vars=env_vars, node=node, monotonic=clock),
+                      recorder=recorder, clock=clock,
                       monotonic=clock)
     try:
         while clock.now - T0 <= duration_seconds:

@@ -2,15 +2,18 @@
 over the simulator's procfs -> --record lines -> replay engine -> alerts.
 
 The Kubernetes job's pods carry GPUFLEET_JOB=NAMESPACE/NAME (docs/agent.md asks the pod template to set it
-from the job's label); nothing else in a pod names its job, and a pod is only one node's share of it. The
-test checks that the agent's default attribution turns that into one job across both nodes, so the engine
-compares the two pods' GPUs as peers and names the slow GPU, with the job, as for a Slurm job; and that
-the job-wide communication slowdown, which only a known job can show, is seen at all.
+from the job's label), and the rendezvous its operator gives every pod (MASTER_ADDR, MASTER_PORT); a pod
+is only one node's share of the job. The test checks that the agent's default attribution turns either
+into one job across both nodes, so the engine compares the two pods' GPUs as peers and names the slow
+GPU, with the job, as for a Slurm job; and that the job-wide communication slowdown, which only a known
+job can show, is seen at all.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 
+import orjson
 import pytest
 
 from agent.sim import Scenario, parse_scenario
@@ -20,6 +23,8 @@ from server.replay import run_replay
 from tests.sim_record import T0, record_cluster
 
 K8S_JOB = "research/llama-70b"
+# The same job without GPUFLEET_JOB: the operator's MASTER_ADDR, completed with the pods' namespace.
+K8S_RENDEZVOUS = "llama-70b-worker-0.research.svc.cluster.local:29500"
 SLURM_JOB = "71003"
 
 # The demo's timetable (agent/sim/scenarios/demo.yaml explains it): ramp-up and baselines first, the
@@ -72,3 +77,19 @@ def test_the_kubernetes_jobs_incidents_are_named_with_the_job(alerts: list[Alert
         started = alert.started - T0
         assert start_s <= started <= end_s, f"{alert.kind.value} fired at +{started:.0f}s, outside its incident"
         assert alert.resolved is not None and alert.resolved - T0 > end_s
+
+
+def test_without_the_variable_the_job_is_its_rendezvous_and_its_incidents_are_named_with_it(
+        scenario: Scenario, tmp_path: Path) -> None:
+    trace = record_cluster(scenario, tmp_path, float(SCENARIO["duration_s"]), env_vars=("SLURM_JOB_ID",))
+    pods: dict[str, set] = {}
+    for line in trace:
+        snapshot = orjson.loads(line)
+        pods.setdefault(snapshot["node"], set()).update(
+            (g["hpc_job"], g["kubernetes_namespace"], g["kubernetes_pod"]) for g in snapshot["gpus"])
+    assert pods == {"gpu-a": {(K8S_RENDEZVOUS, "research", "llama-70b-worker-0")},
+                    "gpu-b": {(K8S_RENDEZVOUS, "research", "llama-70b-worker-1")},
+                    "gpu-c": {(SLURM_JOB, None, None)}}
+    described = [(a.kind.value, a.node, a.gpu, a.hpc_job) for a in run_replay(trace)]
+    assert described == [("straggler", "gpu-b", 5, K8S_RENDEZVOUS), ("comm_bound", None, None, K8S_RENDEZVOUS)]
+
