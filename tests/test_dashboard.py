@@ -1,5 +1,5 @@
 """The shipped Grafana dashboard against what it reads: every query run on a real Prometheus scraping two
-real agents (demo nodes of two jobs) and a real server pulling them, over loopback.
+real agents (demo nodes of two jobs) and an HA pair of real servers pulling them both, over loopback.
 
 A dashboard is only as good as its queries: a renamed metric, a join that matches many-to-many or a
 typo in a label shows as an empty panel, which nobody notices until an incident. Grafana's own
@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.agent.running import agent_process, prometheus_process, requires_prometheus, server_process
+from tests.test_prometheus_rules import PROMTOOL, requires_promtool
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "gpufleet.json"
 DEADLINE_SECONDS = 90.0
@@ -37,6 +40,8 @@ ALWAYS = {
     "Pull cycle and engine tick": (0.0, 5.0),
 }
 PER_GPU = {"SM activity per GPU", "Utilization per GPU", "Power per GPU", "SM clock per GPU"}
+# Panels of the servers' own job series: one series per job (and query), however many replicas report it.
+PER_JOB = {"Stragglers by job", "Communication- / input-bound"}
 
 
 def panels(doc: dict) -> list[dict]:
@@ -45,6 +50,12 @@ def panels(doc: dict) -> list[dict]:
         out.append(panel)
         out.extend(panels(panel) if "panels" in panel else [])
     return out
+
+
+def panel_exprs(doc: dict, title: str) -> list[str]:
+    """The queries of the panel so titled, as Grafana sends them."""
+    (panel,) = [p for p in panels(doc) if p.get("title") == title]
+    return [grafana(target["expr"]) for target in panel["targets"]]
 
 
 def grafana(expr: str) -> str:
@@ -74,11 +85,17 @@ def test_panels_are_well_formed(dashboard: dict) -> None:
 
 @requires_prometheus
 def test_every_query_runs_on_real_prometheus_and_the_panels_have_data(dashboard: dict, tmp_path) -> None:
+    """Two servers pull the same agents, as an HA pair does: every panel shows each agent, job and alert
+    once, not once per replica."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
     with agent_process("--simulate", "demo", "--node", "dgx-01") as (_, port_a), \
             agent_process("--simulate", "demo", "--node", "dgx-03") as (_, port_b), \
-            server_process(tmp_path, "--targets", f"127.0.0.1:{port_a},127.0.0.1:{port_b}",
+            server_process(tmp_path / "a", "--targets", f"127.0.0.1:{port_a},127.0.0.1:{port_b}",
                            "--pull.interval", "1s", "--pull.timeout", "1s") as (_, port_s), \
-            prometheus_process(tmp_path, [port_a, port_b, port_s]) as (prom, prom_port, log_path):
+            server_process(tmp_path / "b", "--targets", f"127.0.0.1:{port_a},127.0.0.1:{port_b}",
+                           "--pull.interval", "1s", "--pull.timeout", "1s") as (_, port_t), \
+            prometheus_process(tmp_path, [port_a, port_b], servers=[port_s, port_t]) as (prom, prom_port, log_path):
         api = httpx.Client(base_url=f"http://127.0.0.1:{prom_port}/api/v1", timeout=10)
 
         def query(expr: str) -> list[dict]:
@@ -96,15 +113,15 @@ def test_every_query_runs_on_real_prometheus_and_the_panels_have_data(dashboard:
                 jobs = len(query("gpufleet_job_stragglers"))
             except httpx.TransportError:      # Prometheus not listening yet
                 counted = jobs = 0
-            if counted == 2 * GPUS and jobs == 2:       # two readings per GPU
+            if counted == 2 * GPUS and jobs == 2 * 2:       # two readings per GPU; two jobs per server
                 break
             waiter.wait(POLL_SECONDS)
         else:
             pytest.fail(f"Prometheus never had three scrapes of both agents ({counted} of {2 * GPUS} series) "
-                        f"and the server's job gauges ({jobs} of 2 jobs)")
+                        f"and the servers' job gauges ({jobs} of 2 jobs on each of 2 servers)")
 
         exported = set()
-        for port in (port_a, port_b, port_s):
+        for port in (port_a, port_b, port_s, port_t):
             body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
             for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", body, re.M):
                 exported |= {name, f"{name}_total"} if kind == "counter" else {name}
@@ -132,3 +149,41 @@ def test_every_query_runs_on_real_prometheus_and_the_panels_have_data(dashboard:
                     assert len(keys) == len(result) == GPUS, (panel["title"], [s["metric"] for s in result])
                     if "hpc_job" in expr:
                         assert {s["metric"]["hpc_job"] for s in result} == {"71001", "71002"}, panel["title"]
+                if panel["title"] in PER_JOB:
+                    assert sorted(s["metric"]["hpc_job"] for s in result) == ["71001", "71002"], \
+                        (panel["title"], expr, [s["metric"] for s in result])
+
+
+@requires_promtool
+def test_an_ha_pair_shows_each_alert_once(dashboard: dict, tmp_path) -> None:
+    """The alert panels over two replicas' series (no alert fires in the live test above): an alert both
+    replicas hold is one row and counts once; one that only one replica holds yet (it saw the incident
+    a tick sooner) is there too."""
+    both = {"straggler": ("warning", "n1", "3", "71001", "st-1"), "thermal_throttle": ("critical", "n2", "5", "", "th-1")}
+    series = {}
+    for replica in ("srv-0:9472", "srv-1:9472"):
+        server = f'job="gpufleet-server", instance="{replica}"'
+        for kind, (severity, node, gpu, job, alert_id) in both.items():
+            series[f'gpufleet_alerts{{{server}, kind="{kind}", severity="{severity}", state="firing"}}'] = "1x5"
+            series[f'gpufleet_alert_active{{{server}, kind="{kind}", severity="{severity}", node="{node}", '
+                   f'gpu="{gpu}", hpc_job="{job}", alert_id="{alert_id}"}}'] = "1x5"
+    first = 'job="gpufleet-server", instance="srv-0:9472"'
+    series[f'gpufleet_alerts{{{first}, kind="straggler", severity="critical", state="firing"}}'] = "1x5"
+    series[f'gpufleet_alert_active{{{first}, kind="straggler", severity="critical", node="n4", gpu="", '
+           f'hpc_job="71002", alert_id="st-2"}}'] = "1x5"
+    (by_kind,) = panel_exprs(dashboard, "Firing alerts by kind")
+    (active,) = panel_exprs(dashboard, "Active alerts")
+    rows = [*both.values(), ("critical", "n4", "", "71002", "st-2")]
+    kinds = ["straggler", "thermal_throttle", "straggler"]
+    expected = [{"expr": by_kind, "eval_time": "2m", "exp_samples": [
+                    {"labels": '{kind="straggler"}', "value": 2}, {"labels": '{kind="thermal_throttle"}', "value": 1}]},
+                {"expr": active, "eval_time": "2m", "exp_samples": [
+                    {"labels": "{" + ", ".join(f'{k}="{v}"' for k, v in zip(
+                        ("kind", "severity", "node", "gpu", "hpc_job", "alert_id"), (kind, *row)) if v) + "}", "value": 1}
+                    for kind, row in zip(kinds, rows)]}]
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": [{"series": k, "values": v} for k, v in series.items()],
+        "promql_expr_test": expected}]}))
+    result = subprocess.run([PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -34,12 +34,28 @@ def _parse(command: list[str]) -> None:
 
 
 def test_every_container_runs_an_installed_command_with_flags_it_knows():
-    containers = [c for doc in _manifests() if doc["kind"] in ("Deployment", "DaemonSet")
+    containers = [c for doc in _manifests() if doc["kind"] in ("StatefulSet", "DaemonSet")
                   for c in doc["spec"]["template"]["spec"]["containers"]]
     assert {c["command"][0] for c in containers} == {"gpufleet-agent", "gpufleet-server"}
     for c in containers:
         assert c["command"][0] in SCRIPTS
         _parse(c["command"] + c.get("args", []))
+
+
+def test_each_server_replica_has_its_own_alert_store(tmp_path):
+    # Scaled to an HA pair, a Deployment's replicas would share one volume, and one SQLite file.
+    docs = _manifests()
+    (server,) = [d for d in docs if d["metadata"]["name"] == "gpufleet-server" and "template" in d.get("spec", {})]
+    assert server["kind"] == "StatefulSet"
+    (claim,) = server["spec"]["volumeClaimTemplates"]
+    (container,) = server["spec"]["template"]["spec"]["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    (config,) = [d["data"]["server.yaml"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gpufleet-server"]
+    (tmp_path / "server.yaml").write_text(config)
+    settings = server_settings.load_settings(["--config.file", str(tmp_path / "server.yaml")], env={})
+    assert container["args"] == ["serve", "--config.file", f"{mounts['config']}/server.yaml"]
+    assert Path(settings.storage_path).parent == Path(mounts[claim["metadata"]["name"]])
+    assert claim["metadata"]["name"] not in {v["name"] for v in server["spec"]["template"]["spec"]["volumes"]}
 
 
 def test_the_agents_headless_service_lists_agents_that_are_not_ready():

@@ -19,11 +19,11 @@ def _incident(t, node, gpu):
     return kw
 
 
-def _drive(samples, step=5.0, end=None):
+def _drive(samples, step=5.0, end=None, phase=0.0):
     eng = Engine()
     transitions = []
     end = end or max(s.time for s in samples) + step
-    t = T0
+    t = T0 + phase
     pending = sorted(samples, key=lambda s: s.time)
     i = 0
     while t <= end:
@@ -36,15 +36,26 @@ def _drive(samples, step=5.0, end=None):
             eng.ingest(s)
         transitions += eng.advance(t)
         t += step
-    return eng, [(tr.alert.id, tr.alert.state, tr.alert.started, tr.alert.resolved) for tr in transitions]
+    return eng, [(tr.alert.id, tr.alert.state, tr.alert.started, tr.alert.resolved, tr.alert.severity) for tr in transitions]
 
 
 def test_same_samples_same_alerts_whatever_the_ingest_chunking():
     samples = [parse_line(line) for line in cluster_lines(700, override=_incident)]
     _, a = _drive(samples, step=5.0)
     _, b = _drive(samples, step=15.0)
-    fired = lambda ts: sorted((i, s.value, st, r) for i, s, st, r in ts if s is not AlertState.PENDING)
+    fired = lambda ts: sorted((i, s.value, st, r, sev.value) for i, s, st, r, sev in ts if s is not AlertState.PENDING)
     assert fired(a) == fired(b) and fired(a)
+
+
+def test_two_replicas_pulling_at_other_moments_raise_the_same_alerts_under_the_same_ids():
+    # An HA pair: each server pulls on its own schedule. Alertmanager merges their alerts only if the
+    # labels (kind, severity, node, gpu, job) agree, and the dashboard's table only if the ids do.
+    samples = [parse_line(line) for line in cluster_lines(700, override=_incident)]
+    _, a = _drive(samples, step=5.0)
+    _, b = _drive(samples, step=5.0, phase=2.5)
+    _, c = _drive(samples, step=1.0, phase=0.4)
+    fired = lambda ts: sorted((i, s.value, st, r, sev.value) for i, s, st, r, sev in ts if s is not AlertState.PENDING)
+    assert fired(a) == fired(b) == fired(c) and fired(a)
 
 
 def test_views_report_jobs_nodes_and_stats():
