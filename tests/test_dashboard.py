@@ -18,8 +18,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.agent.running import agent_process, prometheus_process, requires_prometheus, server_process
-from tests.test_prometheus_rules import PROMTOOL, requires_promtool
+from tests.agent.running import (PROMTOOL, agent_process, prometheus_process, requires_prometheus, requires_promtool,
+                                 server_process)
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "gpufleet.json"
 DEADLINE_SECONDS = 90.0

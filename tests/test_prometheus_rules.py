@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -25,11 +24,10 @@ import httpx
 import pytest
 import yaml
 
-from tests.agent.running import agent_process, prometheus_process, requires_prometheus, server_process
+from tests.agent.running import (PROMTOOL, agent_process, prometheus_process, requires_prometheus, requires_promtool,
+                                 server_process)
 
 RULES = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "gpufleet-rules.yaml"
-PROMTOOL = shutil.which("promtool")
-requires_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
 SERVER = 'job="gpufleet-server", instance="srv:9472"'
 AGENT = 'job="gpufleet-agent", instance="dgx-01:9471", node="dgx-01"'
 # A healthy demo agent counts no error, and an empty family is not exported at all.

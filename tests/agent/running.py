@@ -85,6 +85,8 @@ def _started(what: str, cmd: list[str], ready_from: Callable[[bytes], int | None
 PROMETHEUS = shutil.which("prometheus")
 requires_prometheus = pytest.mark.skipif(PROMETHEUS is None,
                                          reason="prometheus binary not installed (apt-get install prometheus)")
+PROMTOOL = shutil.which("promtool")
+requires_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
 
 
 def free_port() -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
@@ -14,10 +13,10 @@ from agent.sampler import Sampler
 from agent.sim import SimNvml, load_scenario
 from agent.store import SnapshotStore
 from tests.agent.fakes import FakeClock
+from tests.agent.running import PROMTOOL, requires_promtool
 from tests.agent.test_exposition import fixed_health, fixed_snapshot
 
-PROMTOOL = shutil.which("promtool")
-pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
+pytestmark = requires_promtool
 
 
 def promtool(body: bytes) -> subprocess.CompletedProcess:
