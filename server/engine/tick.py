@@ -9,7 +9,8 @@ import numpy as np
 from server.engine.config import EngineConfig
 from server.engine.groups import LEVELS, GroupRegistry, Groups
 from server.engine.reduce import nan_mean_first_axis, nan_median_first_axis
-from server.engine.windows import B_CLOCK_RATIO, B_POWER, B_POWER_CAP, B_SLOW, B_SM, B_UTIL, Windows
+from server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_POWER, B_POWER_CAP, B_SLOW, B_SM, B_THERMAL, B_UTIL,
+                                   Windows)
 
 # Only what detectors read every tick is smoothed; the temperature median is needed just for the
 # evidence of a thermal finding and is taken on demand (smoothed_row).
@@ -70,3 +71,28 @@ def smoothed_row(tick: Tick, row: int, slots: np.ndarray) -> np.ndarray:
     n_bins = tick.config.bins(tick.config.smooth_seconds)
     held = tick.held[:n_bins] if len(tick.held) >= n_bins else None
     return nan_median_first_axis(tick.windows.recent(tick.k, n_bins, [row], held)[:, 0, slots])
+
+
+# What slows a GPU's clocks, from the shares of the smoothing window's samples with each kind of bit:
+# the throttle indicators the windows keep tell heat (SW 0x20, HW 0x40) from HW slowdown or power brake
+# (0x08, 0x80: the board's power delivery, or a power draw too high) and the power cap (0x04).
+_SHARE_ROWS = [B_HW_THERMAL, B_THERMAL, B_SLOW, B_POWER_CAP]
+THROTTLE_CAUSES = {
+    "hw_thermal_slowdown": "HW thermal slowdown (heat)",
+    "sw_thermal_slowdown": "SW thermal slowdown (heat)",
+    "hw_slowdown_or_power_brake": "HW slowdown or power brake, not heat (power delivery, or power draw too high)",
+    "sw_power_cap": "SW power cap",
+}
+
+
+def throttle_causes(tick: Tick, slots: np.ndarray) -> list[str]:
+    """The throttle causes (keys of THROTTLE_CAUSES) present in at least half of the smoothing window's
+    samples of these slots, taken together; for the wording of a finding, never for deciding one."""
+    n_bins = tick.config.bins(tick.config.smooth_seconds)
+    held = tick.held[:n_bins] if len(tick.held) >= n_bins else None
+    shares = nan_mean_first_axis(tick.windows.recent(tick.k, n_bins, _SHARE_ROWS, held)[:, :, slots].transpose(0, 2, 1)
+                                 .reshape(-1, len(_SHARE_ROWS)))
+    hw_thermal, thermal, slow, power_cap = shares.tolist()
+    # Heat's bits are among the slowdown bits, so the samples slowed by anything else are the difference.
+    hits = (hw_thermal >= 0.5, thermal >= 0.5 and not hw_thermal >= 0.5, slow - thermal >= 0.5, power_cap >= 0.5)
+    return [cause for cause, hit in zip(THROTTLE_CAUSES, hits) if hit]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from server.replay import run_replay
 from tests.server.engine_samples import MAX_HZ, T0, cluster_lines
 
@@ -335,6 +337,32 @@ def test_unattributed_gpu_braked_in_the_first_minute_of_a_trace_is_named():
     (s,) = _by_kind(cluster_lines(900, override=braked, job=None))["straggler"]
     assert (s.node, s.gpu, s.hpc_job) == ("n1", 3, None) and s.evidence["pattern"] == "gpu_clocks_cut"
     assert s.started <= T0 + 40 + 120 and s.resolved is not None
+
+
+@pytest.mark.parametrize("bits,causes,words", [
+    (0x88, ["hw_slowdown_or_power_brake"], "power brake, not heat"),
+    (0x48, ["hw_thermal_slowdown"], "HW thermal slowdown (heat)"),
+    (0x20, ["sw_thermal_slowdown"], "SW thermal slowdown (heat)"),
+    (0x8C, ["hw_slowdown_or_power_brake", "sw_power_cap"], "power brake, not heat (power delivery, or power draw "
+                                                          "too high); SW power cap"),
+])
+def test_a_gpu_whose_clocks_are_cut_is_named_with_what_cut_them(bits, causes, words):
+    # What an operator does next depends on it: cooling for heat, the power supply for a brake.
+    def cut(t, node, gpu):
+        if t < 400 or t >= 800:
+            return {}
+        if (node, gpu) == ("n1", 3):
+            return {"sm_clock_hertz": 0.7 * MAX_HZ, "throttle_reasons": bits, "power_watts": 330.0}
+        return {"sm_active_ratio": 0.6, "power_watts": 410.0}
+
+    (s,) = _by_kind(cluster_lines(1000, override=cut))["straggler"]
+    assert (s.node, s.gpu, s.evidence["pattern"]) == ("n1", 3, "gpu_clocks_cut")
+    assert s.evidence["throttle_causes"] == causes and words in s.summary
+
+
+def test_a_straggler_with_no_throttle_bits_names_no_cause():
+    (s,) = _by_kind(cluster_lines(1000, override=_slow_gpu))["straggler"]
+    assert s.evidence["throttle_causes"] == [] and "throttle" not in s.summary
 
 
 def _lost_at_380(busy: bool):

@@ -146,6 +146,8 @@ def test_a_slowed_node_is_named_not_the_node_spinning_at_full_clocks(run_replay,
     stragglers = [a for a in run_replay(trace.lines) if a.kind.value == "straggler"]
     assert [(a.node, a.gpu) for a in stragglers] == [(spec.incidents[0].node, None)]
     assert stragglers[0].evidence["pattern"] == "node_clocks_cut"
+    cause = {"node_brake": "hw_slowdown_or_power_brake", "node_power_cap": "sw_power_cap"}[name]
+    assert stragglers[0].evidence["throttle_causes"] == [cause], stragglers[0].summary
 
 
 def test_row_remap_xid_allows_the_pending_remap_ecc_alert(run_replay):

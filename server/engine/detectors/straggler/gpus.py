@@ -15,7 +15,7 @@ from server.engine.detectors.straggler.common import (CLK, NOW_ROWS, PW, SCALES,
 from server.engine.detectors.straggler.state import StragglerState
 from server.engine.groups import JOB
 from server.engine.reduce import nan_to_zero
-from server.engine.tick import Tick
+from server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
 
 # Sign of the culprit direction of the SM, power and clock offsets (a culprit's clock is lower).
 _CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
@@ -306,8 +306,11 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
         reasons.append(f"SM clock {m['clock'][slot] * 100:.0f} % of max vs peers {grp.clock[gid] * 100:.0f} %")
     if math.isnan(grp.sm[gid]) and ex[PW] >= cfg.straggler_power_excess:
         reasons.append(f"power {m['power'][slot]:.0f} W vs peers {grp.power[gid]:.0f} W")
+    causes = throttle_causes(tick, np.array([slot]))
     if m["slow"][slot] >= 0.5:
-        reasons.append("throttle/slowdown bits set")
+        # Heat and the rest can each hold under half the samples while slowing bits hold most of them.
+        reasons.append("throttled: " + "; ".join(map(THROTTLE_CAUSES.get, causes)) if causes
+                       else "throttle/slowdown bits set")
     if idle:
         reasons.append(f"utilization {m['util'][slot]:.2f} vs peers {grp.util[gid]:.2f}: idle, waiting on its host")
     # A shared-node culprit's slowdown is read from its waiting peers' own levels, not the group's baseline.
@@ -326,6 +329,7 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
         "power_watts": r3(m["power"][slot]), "peer_median_power_watts": r3(grp.power[gid]),
         "utilization_ratio": r3(m["util"][slot]), "peer_median_utilization_ratio": r3(grp.util[gid]),
         "slow_throttle_bits_share": r3(m["slow"][slot]),
+        "throttle_causes": causes,
         "excess_vs_own_baseline": {"sm_active": r3(ex[SM]), "power": r3(ex[PW]), "sm_clock": r3(ex[CLK]),
                                    "utilization": r3(ex[UTIL])},
         "pattern": "host_idle" if idle else "gpu_clocks_cut" if cut else "gpu_slow",

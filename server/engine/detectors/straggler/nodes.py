@@ -14,7 +14,7 @@ from server.engine.detectors.straggler.common import (NOW_ROWS, PW, SCALES, SM, 
                                                       learning_rate, newest)
 from server.engine.groups import JOB, GroupLayout
 from server.engine.reduce import equal, nan_median_first_axis, nan_to_zero
-from server.engine.tick import Tick
+from server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
 
 if TYPE_CHECKING:
     from server.engine.detectors.straggler.state import StragglerState
@@ -378,6 +378,7 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
     # Medians over the node's GPUs and over the other nodes' GPUs, rows as tick.levels (None: unknown).
     node_sm, node_pw, node_clk, node_u = map(r3, nan_median_first_axis(tick.levels[:, slots].T).tolist())
     rest_sm, rest_pw, rest_clk, rest_u = map(r3, nan_median_first_axis(tick.levels[:, others].T).tolist())
+    causes = throttle_causes(tick, slots)
     evidence = {
         "peer_group": tick.registry.kind(gid), "peer_group_size": size, "node_gpus": int(len(slots)),
         "node_median_sm_active_ratio": node_sm, "other_nodes_sm_active_ratio": rest_sm,
@@ -391,10 +392,11 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
                 f"{evidence['other_nodes_utilization_ratio']}), host-bound")
     elif pattern == "cut":
         what = (f"its GPUs' clocks are cut, with throttle bits the other nodes lack (SM clock {_pct(node_clk)} "
-                f"of max vs {_pct(rest_clk)})")
+                f"of max vs {_pct(rest_clk)}" + "".join("; " + THROTTLE_CAUSES[c] for c in causes) + ")")
     else:
         what = "its GPUs stay busy"
     evidence["pattern"] = {"idle": "host_idle", "cut": "node_clocks_cut"}.get(pattern, "node_slow")
+    evidence["throttle_causes"] = causes
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
     summary = (f"node {node} holds back {'job ' + job if job else 'its peer nodes'}: {what} while "
