@@ -87,6 +87,26 @@ class Alert:
         }
 
 
+def cause(alert: Alert) -> str:
+    """The short why of an alert, from a small fixed vocabulary (a label value: a metric series per
+    alert must not carry free text): how a straggler holds its job back and what cut its clocks, what
+    made a GPU thermal, an XID's code. Empty where the kind says it all."""
+    ev = alert.evidence
+    if alert.kind is AlertKind.STRAGGLER:
+        return "+".join([str(ev.get("pattern") or "")] + list(ev.get("throttle_causes") or ())).strip("+")
+    if alert.kind is AlertKind.THERMAL_THROTTLE:
+        hot = [part for part, hit in (("temperature", _at_least(ev.get("temperature_celsius"), ev.get("threshold_celsius"))),
+                                      ("hbm_temperature", ev.get("memory_at_limit"))) if hit]
+        return "+".join(hot + list(ev.get("throttle_reasons") or ()))
+    if alert.kind is AlertKind.XID and ev.get("code") is not None:
+        return f"xid_{ev['code']}"
+    return ""
+
+
+def _at_least(value: Any, limit: Any) -> bool:
+    return isinstance(value, (int, float)) and isinstance(limit, (int, float)) and value >= limit
+
+
 @dataclass(frozen=True, slots=True)
 class Transition:
     """An alert that changed state (or was refreshed while firing) during one engine step."""

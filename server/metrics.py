@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from server import __version__
-from server.alerts import AlertState
+from server.alerts import AlertState, cause
 from server.runtime import Runtime
 
 # (metric suffix, JobHealth key, help) for per-job gauges; a key the engine does not report is skipped,
@@ -73,12 +73,12 @@ class ServerCollector(Collector):
                 (a.kind.value, a.severity.value, a.state.value) for a in alerts).items()):
             counts.add_metric([kind, severity, state], n)
         yield counts
-        active = GaugeMetricFamily("gpufleet_alert_active", "1 for each firing alert, labelled by its subject.",
-                                   labels=["kind", "severity", "node", "gpu", "hpc_job", "alert_id"])
+        active = GaugeMetricFamily("gpufleet_alert_active", "1 for each firing alert, labelled by its subject and cause.",
+                                   labels=["kind", "severity", "node", "gpu", "hpc_job", "alert_id", "cause"])
         for a in alerts:
             if a.state is AlertState.FIRING:
                 active.add_metric([a.kind.value, a.severity.value, a.node or "",
-                                   "" if a.gpu is None else str(a.gpu), a.hpc_job or "", a.id], 1)
+                                   "" if a.gpu is None else str(a.gpu), a.hpc_job or "", a.id, cause(a)], 1)
         yield active
 
     def _jobs(self) -> Iterator[Metric]:

@@ -159,28 +159,29 @@ def test_an_ha_pair_shows_each_alert_once(dashboard: dict, tmp_path) -> None:
     """The alert panels over two replicas' series (no alert fires in the live test above): an alert both
     replicas hold is one row and counts once; one that only one replica holds yet (it saw the incident
     a tick sooner) is there too."""
-    both = {"straggler": ("warning", "n1", "3", "71001", "st-1"), "thermal_throttle": ("critical", "n2", "5", "", "th-1")}
+    both = {"straggler": ("warning", "n1", "3", "71001", "gpu_clocks_cut+hw_slowdown_or_power_brake", "st-1"),
+            "thermal_throttle": ("critical", "n2", "5", "", "temperature+hw_thermal_slowdown", "th-1")}
+    names = ("kind", "severity", "node", "gpu", "hpc_job", "cause", "alert_id")
     series = {}
     for replica in ("srv-0:9472", "srv-1:9472"):
         server = f'job="gpufleet-server", instance="{replica}"'
-        for kind, (severity, node, gpu, job, alert_id) in both.items():
-            series[f'gpufleet_alerts{{{server}, kind="{kind}", severity="{severity}", state="firing"}}'] = "1x5"
-            series[f'gpufleet_alert_active{{{server}, kind="{kind}", severity="{severity}", node="{node}", '
-                   f'gpu="{gpu}", hpc_job="{job}", alert_id="{alert_id}"}}'] = "1x5"
+        for kind, row in both.items():
+            series[f'gpufleet_alerts{{{server}, kind="{kind}", severity="{row[0]}", state="firing"}}'] = "1x5"
+            series["gpufleet_alert_active{" + server + ", " + ", ".join(f'{k}="{v}"' for k, v in zip(names, (kind, *row)))
+                   + "}"] = "1x5"
     first = 'job="gpufleet-server", instance="srv-0:9472"'
+    late = ("critical", "n4", "", "71002", "host_idle", "st-2")
     series[f'gpufleet_alerts{{{first}, kind="straggler", severity="critical", state="firing"}}'] = "1x5"
-    series[f'gpufleet_alert_active{{{first}, kind="straggler", severity="critical", node="n4", gpu="", '
-           f'hpc_job="71002", alert_id="st-2"}}'] = "1x5"
+    series["gpufleet_alert_active{" + first + ", " + ", ".join(f'{k}="{v}"' for k, v in zip(names, ("straggler", *late)))
+           + "}"] = "1x5"
     (by_kind,) = panel_exprs(dashboard, "Firing alerts by kind")
     (active,) = panel_exprs(dashboard, "Active alerts")
-    rows = [*both.values(), ("critical", "n4", "", "71002", "st-2")]
-    kinds = ["straggler", "thermal_throttle", "straggler"]
+    rows = [("straggler", *both["straggler"]), ("thermal_throttle", *both["thermal_throttle"]), ("straggler", *late)]
     expected = [{"expr": by_kind, "eval_time": "2m", "exp_samples": [
                     {"labels": '{kind="straggler"}', "value": 2}, {"labels": '{kind="thermal_throttle"}', "value": 1}]},
                 {"expr": active, "eval_time": "2m", "exp_samples": [
-                    {"labels": "{" + ", ".join(f'{k}="{v}"' for k, v in zip(
-                        ("kind", "severity", "node", "gpu", "hpc_job", "alert_id"), (kind, *row)) if v) + "}", "value": 1}
-                    for kind, row in zip(kinds, rows)]}]
+                    {"labels": "{" + ", ".join(f'{k}="{v}"' for k, v in zip(names, row) if v) + "}", "value": 1}
+                    for row in rows]}]
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": [{"series": k, "values": v} for k, v in series.items()],
         "promql_expr_test": expected}]}))

@@ -50,6 +50,7 @@ def test_alerts_jobs_and_ingest_series(tmp_path) -> None:
     assert len(active) == 1
     labels = dict(active[0][1])
     assert (labels["kind"], labels["node"], labels["gpu"], labels["hpc_job"]) == ("thermal_throttle", "dgx-01", "0", "j1")
+    assert labels["cause"] == ""        # the stub's evidence has no threshold to be over
     assert got[("gpufleet_alerts", (("kind", "thermal_throttle"), ("severity", "warning"), ("state", "firing")))] == 1
     assert got[("gpufleet_job_gpus", (("hpc_job", "j1"),))] == 2
     assert got[("gpufleet_job_comm_bound", (("hpc_job", "j1"),))] == 0
