@@ -3,8 +3,9 @@
 Alertmanager forgets an alert that is not re-sent, so every firing alert is re-sent each resend
 interval with an `endsAt` a few intervals ahead (if gpufleet dies, its alerts expire on their own),
 and a resolved alert is sent once more with `endsAt` set to when it resolved. Alertmanager tells
-alerts apart by their labels, so an alert whose severity escalates is sent at once under its new
-labels, and its old label set is ended in the same POST rather than left firing until it expires.
+alerts apart by their labels, so an alert whose severity escalates (its cause may change with it) is sent
+at once under its new labels, and its old label set is ended in the same POST rather than left firing
+until it expires.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Callable, Sequence
 import httpx
 import orjson
 
-from server.alerts import Alert, AlertState, Transition
+from server.alerts import Alert, AlertState, Transition, cause
 from server.notify import Sleep, deliver_until_stopped, post_with_retry
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,11 @@ def alertname(alert: Alert) -> str:
 
 def to_alertmanager(alert: Alert, *, now: float, resend_interval_seconds: float, external_url: str) -> dict[str, Any]:
     """One alert in Alertmanager's postable shape; null subjects are left out of the labels."""
+    # `cause` is a label so that routes can send, say, power-brake stragglers to whoever runs the racks. It
+    # comes from evidence that is frozen once firing, but for an escalation, when severity changes too.
     labels = {"alertname": alertname(alert), "kind": alert.kind.value, "severity": alert.severity.value,
               "node": alert.node, "gpu": None if alert.gpu is None else str(alert.gpu), "hpc_job": alert.hpc_job,
-              "source": "gpufleet"}
+              "cause": cause(alert) or None, "source": "gpufleet"}
     body: dict[str, Any] = {
         "labels": {k: v for k, v in labels.items() if v is not None},
         "annotations": {

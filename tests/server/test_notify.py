@@ -71,7 +71,7 @@ def test_job_level_alert_omits_null_labels_and_pending_is_not_sent() -> None:
     asyncio.run(notifier.step())
     [[body]] = rec.bodies
     assert body["labels"]["alertname"] == "GpufleetCommBound"
-    assert "node" not in body["labels"] and "gpu" not in body["labels"]
+    assert "node" not in body["labels"] and "gpu" not in body["labels"] and "cause" not in body["labels"]
     assert alertname(pending) == "GpufleetStraggler"
 
 
@@ -101,11 +101,14 @@ def test_resend_while_firing_and_ends_at_on_resolve() -> None:
 
 
 def test_escalation_is_sent_at_once_and_ends_the_old_label_set() -> None:
-    """Severity is a label, so Alertmanager sees an escalation as a new alert; the warning one must end then."""
+    """Severity is a label, so Alertmanager sees an escalation as a new alert; the warning one must end then.
+    The cause, a label too, changes with it: the old label set is ended with the old cause."""
     rec, now = Recorder(), [1000.0]
     notifier = am(rec, now, resend_interval_seconds=60)
-    warning = firing(1, kind=AlertKind.THERMAL_THROTTLE)
-    critical = replace(warning, severity=Severity.CRITICAL, updated=1020.0)
+    warning = replace(firing(1, kind=AlertKind.THERMAL_THROTTLE), evidence={
+        "temperature_celsius": 84.0, "threshold_celsius": 83.0, "throttle_reasons": ["sw_thermal_slowdown"]})
+    critical = replace(warning, severity=Severity.CRITICAL, updated=1020.0, evidence={
+        "temperature_celsius": 88.0, "threshold_celsius": 83.0, "throttle_reasons": ["hw_thermal_slowdown"]})
 
     async def scenario():
         notifier.submit([Transition(warning, AlertState.PENDING)])
@@ -118,10 +121,11 @@ def test_escalation_is_sent_at_once_and_ends_the_old_label_set() -> None:
         await notifier.step()
 
     asyncio.run(scenario())
-    sent = [[(b["labels"]["severity"], b["endsAt"]) for b in body] for body in rec.bodies]
-    assert sent == [[("warning", rfc3339(1240.0))],
-                    [("warning", rfc3339(1020.0)), ("critical", rfc3339(1021.0 + 240.0))],
-                    [("critical", rfc3339(1029.0))]]
+    sent = [[(b["labels"]["severity"], b["labels"]["cause"], b["endsAt"]) for b in body] for body in rec.bodies]
+    hot, hotter = "temperature+sw_thermal_slowdown", "temperature+hw_thermal_slowdown"
+    assert sent == [[("warning", hot, rfc3339(1240.0))],
+                    [("warning", hot, rfc3339(1020.0)), ("critical", hotter, rfc3339(1021.0 + 240.0))],
+                    [("critical", hotter, rfc3339(1029.0))]]
 
 
 def test_retries_with_backoff_then_counts_failure_and_keeps_resolution() -> None:
