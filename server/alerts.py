@@ -83,6 +83,7 @@ class Alert:
             "resolved": self.resolved,
             "updated": self.updated,
             "summary": self.summary,
+            "cause": cause(self),
             "evidence": dict(self.evidence),
         }
 

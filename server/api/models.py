@@ -27,6 +27,10 @@ class AlertModel(BaseModel):
     resolved: float | None
     updated: float
     summary: str
+    cause: str = Field(description="The short why, from a fixed vocabulary joined by '+': a straggler's pattern "
+                                   "and what cut its clocks, what made a GPU thermal, an XID's code; empty "
+                                   "where the kind says it all.",
+                       examples=["gpu_clocks_cut+hw_slowdown_or_power_brake"])
     evidence: dict[str, Any] = Field(description="The numbers that triggered it, against peers or baseline.")
 
     @classmethod

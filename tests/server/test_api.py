@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import httpx
 import orjson
@@ -55,6 +56,17 @@ def test_filters(seeded) -> None:
     body = seeded.get("/alerts", params={"kind": "comm_bound"}).json()["alerts"][0]
     assert body["node"] is None and body["gpu"] is None and body["state"] == "resolved"
     assert body["evidence"] == {"n": 3, "peers_median": 0.5}
+
+
+def test_an_alert_says_its_cause_and_the_schema_documents_it(tmp_path) -> None:
+    runtime, client = build(tmp_path)
+    braked = replace(make_alert(1), evidence={"pattern": "gpu_clocks_cut", "throttle_causes": ["hw_slowdown_or_power_brake"]})
+    runtime.store.upsert([braked])
+    (body,) = client.get("/alerts").json()["alerts"]
+    assert body["cause"] == "gpu_clocks_cut+hw_slowdown_or_power_brake"
+    assert client.get(f"/alerts/{braked.id}").json()["cause"] == body["cause"]
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["AlertModel"]["properties"]["cause"]
+    assert "fixed vocabulary" in schema["description"]
 
 
 def test_a_kubernetes_job_filters_whether_the_client_escapes_its_slash_or_not(tmp_path) -> None:
