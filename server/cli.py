@@ -1,4 +1,4 @@
-"""`gpufleet-server` entry point: `serve` (default), `replay TRACE...`, `demo`, `check-config`."""
+"""`gpufleet-server` entry point: `serve` (default), `replay TRACE...`, `demo`, `check-config`, `status`."""
 
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         from server.serve import main as run
     elif command == "check-config":
         from server.serve import check_config as run
+    elif command == "status":
+        from server.status import main as run
     else:
-        print(f"gpufleet-server: unknown command {command!r} (use serve, replay, demo or check-config)",
+        print(f"gpufleet-server: unknown command {command!r} (use serve, replay, demo, check-config or status)",
               file=sys.stderr)
         return 2
     return run(rest)

@@ -315,7 +315,7 @@ def print_banner(base: str, nodes: Sequence[str], scenario: Scenario | None, epo
     print(f"gpufleet demo: {len(nodes)} simulated nodes ({', '.join(nodes)}){jobs}; "
           f"scenario {SCENARIO!r}, pulled every {args.pull_interval:g}s", flush=True)
     print(f"  alerts:  {base}/alerts\n  docs:    {base}/docs\n  metrics: {base}/metrics\n"
-          f"  jobs:    {base}/jobs", flush=True)
+          f"  jobs:    {base}/jobs\n  in another terminal: gpufleet-server status --url {base}", flush=True)
     if scenario is not None and scenario.incidents:
         print("Timeline (scenario time since start; the jobs warm up first so the server learns their "
               "healthy baseline):", flush=True)
