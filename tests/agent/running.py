@@ -169,16 +169,19 @@ requires_alertmanager = pytest.mark.skipif(
 
 
 @contextlib.contextmanager
-def alertmanager_process(tmp_path: Path, web_config: Path,
-                         client: dict) -> Iterator[tuple[subprocess.Popen, int, Path]]:
-    """A real Alertmanager on 127.0.0.1 behind `web_config` (HTTPS), routing everything nowhere, without
-    clustering; `client` holds the httpx options that get past its web config. Yields (process, port, log)."""
+def alertmanager_process(tmp_path: Path, web_config: Path | None = None,
+                         client: dict | None = None) -> Iterator[tuple[subprocess.Popen, int, Path]]:
+    """A real Alertmanager on 127.0.0.1, routing everything nowhere, without clustering; behind
+    `web_config` (HTTPS) when given, `client` holding the httpx options that get past it. Yields
+    (process, port, log)."""
     assert ALERTMANAGER is not None
     port = free_port()
     config = tmp_path / "alertmanager.yml"
     config.write_text("route: {receiver: nowhere}\nreceivers: [{name: nowhere}]\n")
     cmd = [ALERTMANAGER, f"--config.file={config}", f"--storage.path={tmp_path / 'am-data'}",
-           f"--web.listen-address=127.0.0.1:{port}", f"--web.config.file={web_config}",
-           "--cluster.listen-address=", "--log.level=warn"]
-    with _daemon("Alertmanager", cmd, port, tmp_path / "alertmanager.log", "https", client) as (proc, log_path):
+           f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"]
+    if web_config is not None:
+        cmd.append(f"--web.config.file={web_config}")
+    with _daemon("Alertmanager", cmd, port, tmp_path / "alertmanager.log", "https" if web_config else "http",
+                 client) as (proc, log_path):
         yield proc, port, log_path
