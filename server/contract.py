@@ -67,20 +67,27 @@ _NAN = float("nan")
 MAX_GPU_INDEX = 4096
 
 # The wire schema, compiled once: msgspec validates types and ranges in C while decoding and skips
-# every field the engine does not read without building Python objects for it. Readings come first so
-# that a row's tuple starts with the matrix columns; an absent reading defaults to NaN (unsupported),
-# an explicit null decodes to None, which numpy also turns into NaN.
-_GpuRow = msgspec.defstruct(
-    "GpuRow",
-    [(f, Optional[Annotated[float, Meta(ge=_LIMITS[f][0], le=_LIMITS[f][1])]], _NAN) for f in NUMERIC_FIELDS]
-    + [(f, Optional[bool], _NAN) for f in BOOL_FIELDS]
-    + [("index", Annotated[int, Meta(ge=0, lt=MAX_GPU_INDEX)]),
-       ("uuid", str),
-       ("model", str),
-       ("hpc_job", Union[str, int, None], None),
-       # Keys are strings in JSON and ints in the agent's own model: checked in _xid_map.
-       ("xid_errors_by_code", Optional[dict[Any, Any]], None)],
-    kw_only=True, gc=False)
+# every field the engine does not read without building Python objects for it. An absent reading
+# defaults to NaN (unsupported); an explicit null decodes to None, which numpy also turns into NaN.
+_GPU_TYPES: dict[str, Any] = {
+    **{f: (Optional[Annotated[float, Meta(ge=_LIMITS[f][0], le=_LIMITS[f][1])]], _NAN) for f in NUMERIC_FIELDS},
+    **{f: (Optional[bool], _NAN) for f in BOOL_FIELDS},
+    "index": (Annotated[int, Meta(ge=0, lt=MAX_GPU_INDEX)],),
+    "uuid": (str,),
+    "model": (str,),
+    "hpc_job": (Union[str, int, None], None),
+    # Keys are strings in JSON and ints in the agent's own model: checked in _xid_map.
+    "xid_errors_by_code": (Optional[dict[Any, Any]], None),
+}
+# Declared in the order the agent writes them (agent/model.py, GpuSample): msgspec looks for each key at
+# the position after the previous one first, which took a fifth off decoding such lines.
+GPU_FIELD_ORDER = ("index", "uuid", "model", "up", "hpc_job", "utilization_ratio", "sm_active_ratio",
+                   "temperature_celsius", "memory_temperature_celsius", "slowdown_temperature_celsius",
+                   "memory_max_operating_temperature_celsius", "power_watts", "power_limit_watts",
+                   "energy_joules_total", "sm_clock_hertz", "sm_clock_max_hertz", "throttle_reasons",
+                   "ecc_uncorrected_errors_total", "remapped_rows_pending", "remapped_rows_failure",
+                   "xid_errors_total", "xid_errors_by_code", "last_xid")
+_GpuRow = msgspec.defstruct("GpuRow", [(f, *_GPU_TYPES[f]) for f in GPU_FIELD_ORDER], kw_only=True, gc=False)
 
 
 class _Snapshot(msgspec.Struct, gc=False):
@@ -92,7 +99,10 @@ class _Snapshot(msgspec.Struct, gc=False):
 
 _DECODER = msgspec.json.Decoder(_Snapshot)
 _astuple = msgspec.structs.astuple
-(_I_INDEX, _I_UUID, _I_MODEL, _I_JOB, _I_XID) = range(N_FIELDS, N_FIELDS + 5)
+# Positions in a decoded row's tuple: the matrix columns in FIELDS order, then the identity and XIDs.
+_COLUMNS = [GPU_FIELD_ORDER.index(f) for f in FIELDS]
+(_I_INDEX, _I_UUID, _I_MODEL, _I_JOB, _I_XID) = map(GPU_FIELD_ORDER.index, ("index", "uuid", "model", "hpc_job",
+                                                                        "xid_errors_by_code"))
 # Lines are turned into matrices in batches of about this many GPU rows: enough to amortise numpy's
 # per-call cost, small enough that the batch's Python objects stay in the CPU cache.
 CHUNK_GPUS = 512
@@ -206,11 +216,11 @@ def _build(snapshots: list[_Snapshot], identities: dict | None = None) -> list[N
     if rows:
         cols = list(zip(*rows))
         # None (an explicit null) becomes NaN here, like the absent readings' NaN default.
-        matrix = np.array(cols[:N_FIELDS], dtype=np.float64).T
+        matrix = np.array([cols[i] for i in _COLUMNS], dtype=np.float64).T
         np.minimum(matrix[:, UTIL:SM + 1], 1.0, out=matrix[:, UTIL:SM + 1])
         odd_jobs = _needs_job_normalising(cols[_I_JOB])
     else:
-        cols, matrix, odd_jobs = [()] * (N_FIELDS + 5), np.empty((0, N_FIELDS)), False
+        cols, matrix, odd_jobs = [()] * len(GPU_FIELD_ORDER), np.empty((0, N_FIELDS)), False
     has_xids = any(cols[_I_XID])
     out: list[NodeSample | ContractError] = []
     start = 0

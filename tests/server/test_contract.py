@@ -147,3 +147,16 @@ def test_lines_of_one_node_share_its_identity_and_a_job_change_is_kept():
     assert (before.jobs, after.jobs) == (("j1", "j1"), ("j1", "77"))
     assert after.uuids == first.uuids
     assert isinstance(dup, ContractError) and "duplicate gpu index" in str(dup)
+
+
+def test_the_decoder_expects_fields_in_the_order_the_agent_writes_them():
+    # msgspec finds keys fastest in declaration order; every field the agent writes and the server reads
+    # is declared in the agent's order.
+    from dataclasses import fields
+
+    from agent.model import GpuSample
+    from server.contract import GPU_FIELD_ORDER
+
+    written = [f.name for f in fields(GpuSample)]
+    assert set(GPU_FIELD_ORDER) <= set(written)
+    assert list(GPU_FIELD_ORDER) == [name for name in written if name in GPU_FIELD_ORDER]
