@@ -192,6 +192,7 @@ class TerminalPrinter:
     """A notifier that prints a line when an alert starts firing and when it resolves."""
 
     name = "terminal"
+    url = "stdout"          # where it delivers, as every notifier says: /metrics labels the counters by it
 
     def __init__(self, epoch: float, out: TextIO = sys.stdout) -> None:
         self.epoch = epoch

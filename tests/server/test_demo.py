@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import io
+import re
 import socket
 import subprocess
 import sys
 from dataclasses import replace
 
-import pytest
+import httpx
 
 from server.alerts import AlertKind, AlertState, Transition
 from server.demo import TerminalPrinter, incident_subject, main, server_socket, subject, timeline
@@ -74,19 +75,37 @@ def test_incident_subject_for_several_gpus_and_whole_nodes() -> None:
     assert "XID errors on b GPU 3" in timeline(scenario, 0.0)[2]
 
 
-def test_demo_runs_and_stops_by_itself() -> None:
-    """Real agent processes and the real server for a few seconds; --duration makes it exit 0 by itself."""
-    pytest.importorskip("agent.sim", reason="simulator not available")
-    engine = pytest.importorskip("server.engine", reason="engine not available")
-    if not hasattr(engine, "Engine"):
-        pytest.skip("engine not available")
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "demo", "--duration", "6",
-                           "--web.listen-address", "127.0.0.1:0"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "/alerts" in proc.stdout and "/docs" in proc.stdout and "/metrics" in proc.stdout
-    assert "Timeline" in proc.stdout and "expect comm_bound" in proc.stdout
-    assert "gpufleet demo: stopped" in proc.stdout
+def test_demo_runs_serves_what_it_prints_and_stops_by_itself() -> None:
+    """Real agent processes and the real server for a few seconds: every URL the banner prints answers 200
+    (the demo's own terminal notifier once broke /metrics), so does `gpufleet-server status`, and
+    --duration makes it exit 0 by itself."""
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "demo", "--duration", "12",
+                             "--web.listen-address", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = []
+        for line in proc.stdout:
+            banner.append(line)
+            if "Alerts as they fire and resolve" in line:
+                break
+        printed = dict(re.findall(r"^  (alerts|docs|metrics|jobs): +(http://\S+)$", "".join(banner), re.M))
+        assert set(printed) == {"alerts", "docs", "metrics", "jobs"}, banner
+        for url in printed.values():
+            assert httpx.get(url, timeout=10).status_code == 200, url
+        assert "gpufleet_server_notifications_sent_total" in httpx.get(printed["metrics"], timeout=10).text
+        base = printed["alerts"].removesuffix("/alerts")
+        status = subprocess.run([sys.executable, "-m", "server.cli", "status", "--url", base],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and status.stdout.startswith(f"gpufleet-server {base}: "), status.stderr
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-2000:]
+    text = "".join(banner) + out
+    assert "Timeline" in text and "expect comm_bound" in text
+    assert "gpufleet demo: stopped" in text
 
 
 def test_taken_address_exits_2_before_any_agent_starts(capsys) -> None:
