@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", default="http://127.0.0.1:9472", help="the server's API (default http://127.0.0.1:9472)")
     parser.add_argument("--timeout", default="10", metavar="SECONDS", help="give up on a request after this long (default 10)")
     for flag, (dest, _, doc) in _CLIENT_FLAGS.items():
-        parser.add_argument(f"--{flag}", dest=dest, help=doc)
+        parser.add_argument(f"--{flag}", dest=dest, metavar="VALUE", help=doc)
     return parser
 
 
