@@ -9,8 +9,9 @@ from typing import Any
 
 import orjson
 
-# LogRecord attributes that are plumbing, not context the caller attached with `extra=`.
-_RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+# LogRecord attributes that are plumbing, not context the caller attached with `extra=`; uvicorn attaches
+# `color_message`, its message again with terminal colour codes.
+_RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "color_message"}
 
 
 class JsonFormatter(logging.Formatter):
