@@ -225,7 +225,7 @@ def _open_trace(path: str, handles: list) -> Iterable[bytes]:
 
     unpacked = io.BufferedReader(gzip.GzipFile(fileobj=fh, mode="rb"), buffer_size=_READ_BUFFER_BYTES)
     handles.append(unpacked)
-    return _until_damaged(_past_bom(unpacked), path)
+    return _until_damaged(unpacked, path)
 
 
 def _past_bom(fh):
@@ -236,13 +236,14 @@ def _past_bom(fh):
     return fh
 
 
-def _until_damaged(lines: Iterable[bytes], path: str) -> Iterator[bytes]:
+def _until_damaged(fh, path: str) -> Iterator[bytes]:
     """Lines up to where a compressed stream breaks off (a file still being written, a bad copy): what
-    was read is replayed, and the break logged."""
+    was read is replayed, and the break logged. One broken in its very header (peeked at for a byte-order
+    mark) has no line to replay."""
     import zlib
 
     try:
-        yield from lines
+        yield from _past_bom(fh)
     except (EOFError, OSError, zlib.error) as exc:
         log.error("compressed trace breaks off; replaying what was read",
                   extra={"file": path, "reason": str(exc) or exc.__class__.__name__})
@@ -312,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config) if args.config else EngineConfig()
         for trace in args.traces:
             if trace != "-" and not Path(trace).is_file():
-                raise ValueError(f"trace file not found: {trace}")
+                raise ValueError(f"trace is not a file: {trace}" if Path(trace).exists() else
+                                 f"trace file not found: {trace}")
         if args.traces.count("-") > 1:
             raise ValueError("standard input (-) can be read once")
     except ValueError as exc:

@@ -221,9 +221,22 @@ def test_a_compressed_trace_that_breaks_off_replays_what_was_read(tmp_path, caps
     assert "compressed trace breaks off" in err and "cut.jsonl.gz" in err
 
 
+def test_a_compressed_trace_broken_in_its_header_is_logged_and_the_others_replayed(tmp_path, capsys):
+    # gzip's magic, then garbage: it breaks while the header is read, before any line.
+    broken, good = tmp_path / "broken.jsonl.gz", tmp_path / "good.jsonl"
+    broken.write_bytes(b"\x1f\x8b\x08garbage")
+    good.write_bytes(b"\n".join(cluster_lines(400, override=_hot)) + b"\n")
+    assert main([str(broken), str(good)]) == 0
+    out, err = capsys.readouterr()
+    assert [orjson.loads(line)["kind"] for line in out.splitlines()] == ["thermal_throttle"]
+    assert "compressed trace breaks off" in err and "broken.jsonl.gz" in err
+
+
 def test_cli_missing_file_and_bad_config_exit_2(tmp_path, capsys):
     assert main([str(tmp_path / "nope.jsonl")]) == 2
     assert "not found" in capsys.readouterr().err
+    assert main([str(tmp_path)]) == 2
+    assert f"trace is not a file: {tmp_path}" in capsys.readouterr().err
     trace = tmp_path / "t.jsonl"
     trace.write_bytes(b"")
     cfg = tmp_path / "c.yaml"
