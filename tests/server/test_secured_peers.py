@@ -1,6 +1,7 @@
 """The server's clients against the real thing behind an exporter-toolkit web config (HTTPS, client
-certificates required, basic auth): Alertmanager receiving our alerts, and Prometheus read by
-`--ingest.prometheus-url`. Both binaries take the same web config file format as our agent."""
+certificates required, basic auth): Alertmanager receiving our alerts, Prometheus read by
+`--ingest.prometheus-url`, and our own server read by `gpufleet-server status`. All take the same web
+config file format as our agent."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from server.ingest.prometheus import PrometheusSource
 from server.notify.alertmanager import AlertmanagerNotifier
 from server.serve import build_notifiers, build_source
 from server.settings import load_settings
+from server.status import main as status
 from tests.agent.running import (agent_process, alertmanager_process, prometheus_process, requires_alertmanager,
-                                 requires_prometheus)
+                                 requires_prometheus, server_process)
 from tests.server.live_fakes import make_alert
 from tests.tlsfiles import make_pki, needs_openssl, web_config_file
 
@@ -116,3 +118,19 @@ def test_the_pipeline_reads_a_prometheus_behind_mutual_tls_and_basic_auth(pki, t
     assert samples and {s.node for s in samples} == {"dgx-01"}, dict(source.errors)
     assert not source.errors
     assert {reason for _, reason in wrong.errors} == {"http_status"}
+
+
+@needs_openssl
+def test_status_reads_a_server_behind_mutual_tls_and_basic_auth(pki, tmp_path, capsys):
+    web = web_config_file(tmp_path / "web.yml", pki, USER, PASSWORD)
+    with server_process(tmp_path, "--web.config.file", str(web)) as (_, port):
+        url = f"https://127.0.0.1:{port}"
+        assert status(["--url", url, *flags("api", pki, tmp_path)]) == 0
+        out, _ = capsys.readouterr()
+        assert out.startswith(f"gpufleet-server {url}: 0 of 0 agents up") and "nothing firing" in out
+        assert status(["--url", url, *flags("api", pki, tmp_path, password="guess")]) == 1
+        assert "wants credentials" in capsys.readouterr().err
+        no_cert = flags("api", pki, tmp_path)[:2] + flags("api", pki, tmp_path)[6:]     # CA and credentials only
+        assert "--api.tls.cert-file" not in no_cert and "--api.basic-auth.username" in no_cert
+        assert status(["--url", url, *no_cert]) == 1
+        assert f"cannot read {url}" in capsys.readouterr().err
