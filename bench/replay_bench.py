@@ -1,15 +1,17 @@
 """Replay throughput: GPU-samples per second through `gpufleet-server replay`, start-up included.
 
     python -m bench.replay_bench [--nodes 64] [--minutes 30] [--fast-minutes 10] [--big-nodes 256]
-                                 [--big-minutes 20] [--small-nodes 8] [--small-minutes 30] [--repeat 3]
-                                 [--stages] [--no-write]
+                                 [--big-minutes 20] [--small-nodes 8] [--small-minutes 30]
+                                 [--small-slow-minutes 60] [--repeat 3] [--stages] [--no-write]
 
 Generates large traces with tests/server/tracegen.py (N nodes x 8 GPUs at 5 s sampling, a 1 s variant,
 a bigger cluster at 5 s, since the per-tick cost is shared by more GPUs there, and a small cluster at
-1 s, where it is shared by fewest), each twice: as the agent records it (every field, ~1.5 KB per GPU)
+1 s and at 5 s, where it is shared by fewest), each twice: as the agent records it (every field, ~1.5 KB per GPU)
 and cut down to the snapshot contract's example fields (~0.7 KB per GPU). Then times (a) the CLI as a
 subprocess end to end (interpreter start, imports, parsing, engine, JSON out) and (b)
-server.replay.run_replay in-process, each pinned to one CPU core. Writes the figures
+server.replay.run_replay in-process, each pinned to one CPU core, and (c) what the CLI costs with no
+engine at all: its start-up on an empty trace, and its start-up, imports, reading and parsing of the
+trace without running the engine. (c) is the most any engine can leave of the floor. Writes the figures
 under `## Server: replay` in docs/benchmarks.md (other sections are left alone).
 """
 
@@ -58,6 +60,7 @@ class Timing:
     cli_cpu_s: float
     inproc_wall_s: float
     alerts: int
+    no_engine_s: float       # start-up, imports, read and parse as the CLI does them, no engine
     stages_s: dict[str, float] = field(default_factory=dict)   # fastest of the repeats, per stage
 
     @property
@@ -130,6 +133,37 @@ def time_cli(path: Path) -> tuple[float, float, int]:
         raise RuntimeError(f"replay exited {proc.returncode}: {proc.stderr.decode()[-2000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu, len([line for line in proc.stdout.splitlines() if line.strip()])
+
+
+# The CLI's imports and its loading of the trace (read, decode, validate, sort), stopping before the
+# engine: the part of a replay that a faster engine cannot make faster.
+_NO_ENGINE = """
+import sys
+import server.cli
+from server.replay import _gc_paused, _load, _open_trace
+handles = []
+with _gc_paused():
+    _load([(sys.argv[1], _open_trace(sys.argv[1], handles))])
+"""
+
+
+def time_no_engine(path: Path) -> float:
+    """Wall seconds of a subprocess that starts, imports and loads the trace as the CLI does, on one core,
+    and runs no engine."""
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _NO_ENGINE, str(path)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, preexec_fn=_pin, check=False)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"loading without the engine exited {proc.returncode}: {proc.stderr.decode()[-2000:]}")
+    return wall
+
+
+def time_startup(tmp: Path, repeat: int) -> float:
+    """Median wall seconds of the CLI replaying an empty trace: interpreter, imports, nothing to do."""
+    empty = tmp / "empty.jsonl"
+    empty.write_bytes(b"")
+    return statistics.median(time_cli(empty)[0] for _ in range(repeat))
 
 
 def time_inproc(path: Path) -> float:
@@ -215,13 +249,15 @@ def run_one(label: str, spec: ClusterSpec, repeat: int, path: Path, with_stages:
         path, label = slim, label + ", contract fields"
     cli = [time_cli(path) for _ in range(repeat)]
     inproc = [time_inproc(path) for _ in range(repeat)]
+    no_engine = [time_no_engine(path) for _ in range(repeat)]
     stages = [time_stages(path) for _ in range(repeat)] if with_stages else []
     return Timing(label, samples, lines, path.stat().st_size, statistics.median(c[0] for c in cli),
                   statistics.median(c[1] for c in cli), statistics.median(inproc), cli[0][2],
+                  statistics.median(no_engine),
                   {k: min(st[k] for st in stages) for k in stages[0]} if stages else {})
 
 
-def render(results: list[Timing], repeat: int) -> str:
+def render(results: list[Timing], repeat: int, startup_s: float) -> str:
     cpu = _cpu_model()
     out = [
         f"`python -m bench.replay_bench` on {cpu} ({os.cpu_count()} CPUs, load average "
@@ -251,6 +287,17 @@ def render(results: list[Timing], repeat: int) -> str:
             parser = us["parse"] - us["decode"]
             out.append(f"| {r.label} | {us['read']:.2f} | {us['decode']:.2f} | {parser:.2f} | {us['engine']:.2f} | "
                        f"{us['read'] + us['parse'] + us['engine']:.2f} |")
+    out += ["", f"What the floor leaves an engine (median of {repeat} runs, one core). *start-up + load* is the CLI's "
+            "interpreter start-up, imports, reading, decoding, validating and sorting of the trace, with no engine "
+            f"run (the CLI on an empty trace takes {startup_s:.2f} s). *left for the engine* is what the floor "
+            "allows the whole replay less that: negative means no engine, however fast, meets the floor behind "
+            "this start-up and parser.", "",
+            "| trace | GPU-samples | the floor allows (s) | start-up + load (s) | left for the engine (s) | "
+            "whole replay (s) | GPU-samples/s with no engine |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        allowed = r.gpu_samples / FLOOR
+        out.append(f"| {r.label} | {r.gpu_samples:,} | {allowed:.2f} | {r.no_engine_s:.2f} | "
+                   f"{allowed - r.no_engine_s:+.2f} | {r.cli_wall_s:.2f} | {r.gpu_samples / r.no_engine_s:,.0f} |")
     worst = min(r.cli_rate for r in results)
     verdict = "meets the goal" if worst >= GOAL else "meets the floor, not the goal" if worst >= FLOOR \
         else "is BELOW the floor"
@@ -299,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big-minutes", type=float, default=20.0, help="length of the big 5 s trace")
     ap.add_argument("--small-nodes", type=int, default=8, help="nodes of the small 1 s trace (0: skip)")
     ap.add_argument("--small-minutes", type=float, default=30.0, help="length of the small 1 s trace")
+    ap.add_argument("--small-slow-minutes", type=float, default=60.0,
+                    help="length of the small cluster's 5 s trace (0: skip)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--stages", action="store_true", help="also time read / decode / parse / engine in-process")
     ap.add_argument("--no-write", action="store_true")
@@ -321,10 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.small_nodes >= 8:
         configs.append((f"{args.small_nodes} nodes × 8 GPUs, {args.small_minutes:g} min @ 1 s",
                         bench_spec(args.small_nodes, args.small_minutes, 1.0)))
+    if args.small_nodes >= 8 and args.small_slow_minutes > 0:
+        configs.append((f"{args.small_nodes} nodes × 8 GPUs, {args.small_slow_minutes:g} min @ 5 s",
+                        bench_spec(args.small_nodes, args.small_slow_minutes, 5.0)))
     _compile_bytecode()
     from server.allocator import tune_malloc
     tune_malloc()           # as the CLI does, so that in-process figures compare with it
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        startup_s = time_startup(Path(tmp), args.repeat)
         results = []
         for k, (label, spec, contract) in enumerate((lb, sp, c) for lb, sp in configs for c in (False, True)):
             try:
@@ -335,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print(f"{label}: CLI {results[-1].cli_rate:,.0f} GPU-samples/s, in-process "
                   f"{results[-1].inproc_rate:,.0f}", file=sys.stderr)
-    section = render(results, args.repeat)
+    section = render(results, args.repeat, startup_s)
     print(section)
     if not args.no_write:
         write_section(args.doc, section)

@@ -38,13 +38,18 @@ def agent_process(*args: str, timeout: float = 30.0) -> Iterator[tuple[subproces
 
 @contextlib.contextmanager
 def server_process(tmp_path: Path, *args: str, timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen, int]]:
-    """Run `gpufleet-server serve` on a free 127.0.0.1 port with its alert store in tmp_path; yields once
-    it logged that it listens."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--web.listen-address", f"127.0.0.1:{port}",
-           "--storage.path", str(tmp_path / "server.db"), "--log.level", "info", *args]
-    with _started("server", cmd, lambda line: port if b"gpufleet-server listening" in line else None,
-                  timeout) as started:
+    """Run `gpufleet-server serve` on 127.0.0.1:0 with its alert store in tmp_path; yields once it logged
+    that it listens, with the port it was given."""
+    def port_of(line: bytes) -> int | None:
+        with contextlib.suppress(ValueError):
+            record = orjson.loads(line)
+            if record.get("msg") == "gpufleet-server listening":
+                return int(record["address"].rpartition(":")[2])
+        return None
+
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--web.listen-address", "127.0.0.1:0",
+           "--storage.path", str(tmp_path / "server.db"), "--log.level", "info", "--log.format", "json", *args]
+    with _started("server", cmd, port_of, timeout) as started:
         yield started
 
 

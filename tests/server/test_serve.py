@@ -108,6 +108,20 @@ def test_taken_listen_address_exits_2_before_pulling_anything(capsys, tmp_path) 
     assert f"127.0.0.1:{port}" in err and "in use" in err
 
 
+def test_port_0_is_named_by_the_port_the_kernel_gave() -> None:
+    """The log line and the links in notifications (public_url) name the bound port, not ':0'."""
+    from dataclasses import replace
+
+    from server.serve import bound_address, listen_socket
+
+    with listen_socket("127.0.0.1:0") as sock:
+        port = sock.getsockname()[1]
+        assert port != 0 and bound_address("127.0.0.1:0", sock) == f"127.0.0.1:{port}"
+        settings = replace(ServerSettings(), listen_address=bound_address(":0", sock))
+        assert settings.public_url() == f"http://localhost:{port}"
+        assert bound_address("127.0.0.1:9472", sock) == "127.0.0.1:9472"
+
+
 def test_bad_engine_section_exits_2(capsys, tmp_path) -> None:
     engine = pytest.importorskip("server.engine", reason="engine not written yet")
     if not hasattr(engine, "EngineConfig"):
