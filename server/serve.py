@@ -231,27 +231,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             web = load_web_config(settings.web_config_file) if settings.web_config_file else None
         except WebConfigError as exc:
             raise ConfigError(f"--web.config.file: {exc}") from None
-    except (ConfigError, ValueError) as exc:
-        print(f"gpufleet-server: {exc}", file=sys.stderr)
-        return 2
-    try:
-        sock = listen_socket(settings.listen_address)
-    except OSError as exc:
-        print(f"gpufleet-server: cannot listen on --web.listen-address {settings.listen_address!r}: "
-              f"{exc.strerror or exc}", file=sys.stderr)
-        return 2
-    # Port 0 asks the kernel for one: the links in notifications and the log name the port it gave.
-    settings = replace(settings, listen_address=bound_address(settings.listen_address, sock))
-    try:
         if web is not None and web.tls is not None and not settings.external_url:
             settings = replace(settings, external_url=settings.public_url().replace("http://", "https://", 1))
         configure_logging(settings.log_level, settings.log_format)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pull would drown the log
         runtime = build_runtime(settings)
     except (ConfigError, TargetError, StoreError, ValueError) as exc:
-        sock.close()
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
+    try:
+        sock = listen_socket(settings.listen_address)
+    except OSError as exc:
+        runtime.store.close()
+        print(f"gpufleet-server: cannot listen on --web.listen-address {settings.listen_address!r}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 2
+    # Port 0 asks the kernel for one: the log names the port it gave. (Notification links were made
+    # before the bind, so that a bad setting is reported without taking a port: they keep ':0'. Set
+    # --web.external-url where that matters.)
+    settings = replace(settings, listen_address=bound_address(settings.listen_address, sock))
     if settings.prometheus_url:
         log.info("reading agents through Prometheus", extra={"url": settings.prometheus_url})
     elif not runtime.puller.source.sources:  # type: ignore[union-attr]

@@ -109,7 +109,7 @@ def test_taken_listen_address_exits_2_before_pulling_anything(capsys, tmp_path) 
 
 
 def test_port_0_is_named_by_the_port_the_kernel_gave() -> None:
-    """The log line and the links in notifications (public_url) name the bound port, not ':0'."""
+    """The log line (address and url) names the bound port, not ':0'."""
     from dataclasses import replace
 
     from server.serve import bound_address, listen_socket
