@@ -91,6 +91,20 @@ class ServerCollector(Collector):
                 if value is not None and job.get("hpc_job") is not None:
                     family.add_metric([str(job["hpc_job"])], value)
             yield family
+        # A counter: what a job lost since the server started watching it. It starts again from 0 after a
+        # restart, which Prometheus's increase() and rate() read as a counter reset.
+        lost = CounterMetricFamily("gpufleet_job_gpu_hours_lost",
+                                   "GPU-hours the job lost while a straggler, input_bound or comm_bound alert of it "
+                                   "fired, by that alert's kind.", labels=["hpc_job", "kind"])
+        for job in jobs:
+            by_kind = job.get("gpu_hours_lost_by_kind")
+            if job.get("hpc_job") is None or not isinstance(by_kind, dict):
+                continue
+            for kind, hours in sorted(by_kind.items()):
+                value = _number(hours)
+                if value is not None:
+                    lost.add_metric([str(job["hpc_job"]), str(kind)], value)
+        yield lost
 
     def _nodes(self) -> Iterator[Metric]:
         """Per-node gauges from the engine's NodeHealth."""

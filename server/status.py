@@ -28,12 +28,12 @@ def render(jobs: dict[str, Any], alerts: dict[str, Any], nodes: dict[str, Any], 
     when = "not evaluated yet" if now is None else f"evaluated at {_clock(now)}"
     lines = [f"gpufleet-server {url}: {sum(t['up'] for t in targets)} of {len(targets)} agents up, "
              f"{len(nodes.get('nodes') or [])} nodes, {when}", ""]
-    rows = [("JOB", "GPUS", "NODES", "UTIL", "SM", "BASELINE", "SLOWER", "NOW")]
+    rows = [("JOB", "GPUS", "NODES", "UTIL", "SM", "BASELINE", "SLOWER", "LOST(GPU-H)", "NOW")]
     for job in sorted(jobs.get("jobs") or [], key=lambda j: str(j.get("hpc_job"))):
         rows.append((str(job.get("hpc_job")), str(job.get("gpus") or 0), str(len(job.get("nodes") or [])),
                      _ratio(job.get("utilization_ratio")), _ratio(job.get("sm_active_ratio")),
                      _ratio(job.get("baseline_sm_active_ratio")), _percent(job.get("estimated_slowdown_ratio")),
-                     _state(job)))
+                     _hours(job.get("gpu_hours_lost")), _state(job)))
     lines += _table(rows) if len(rows) > 1 else ["no job attributed yet"]
     firing = alerts.get("alerts") or []
     lines += ["", f"FIRING ({alerts.get('total', len(firing))})" if firing else "nothing firing"]
@@ -67,6 +67,10 @@ def _ratio(value: float | None) -> str:
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.0f} %"
+
+
+def _hours(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _since(started: float | None, now: float | None) -> str:

@@ -59,8 +59,9 @@ def panel_exprs(doc: dict, title: str) -> list[str]:
 
 
 def grafana(expr: str) -> str:
-    """The query Grafana sends with every variable at All (allValue `.*`) and 1 s scrapes."""
-    return expr.replace("$node", ".*").replace("$hpc_job", ".*").replace("$__rate_interval", "10s")
+    """The query Grafana sends with every variable at All (allValue `.*`), 1 s scrapes and the last hour shown."""
+    return (expr.replace("$node", ".*").replace("$hpc_job", ".*").replace("$__rate_interval", "10s")
+            .replace("$__range", "1h"))
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,10 @@ class JobModel(BaseModel):
     input_bound: bool | None = None
     comm_bound_share: float | None = Field(None, description="Share of evaluated ticks spent communication-bound.")
     evaluated_ticks: int | None = None
+    gpu_hours_lost: float | None = Field(None, description="GPU-hours the job lost while a straggler, input_bound or "
+                                                            "comm_bound alert of it fired, since the engine first saw it.")
+    gpu_hours_lost_by_kind: dict[str, float] = Field(default_factory=dict,
+                                                     description="gpu_hours_lost by the kind of alert it is put down to.")
 
 
 class NodeModel(BaseModel):

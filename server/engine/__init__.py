@@ -28,6 +28,9 @@ __all__ = ["Engine", "EngineConfig", "EngineStats", "JobHealth", "NodeHealth"]
 _BASELINE_REFRESH_TICKS = 3
 _PRUNE_TICKS = 720
 _SUPPRESSING = (AlertKind.STRAGGLER, AlertKind.THERMAL_THROTTLE)
+# The kinds whose findings estimate what they cost their job, in the order a tick's loss is put down to
+# them when several fire for one job at once.
+_COSTING = (AlertKind.STRAGGLER, AlertKind.INPUT_BOUND, AlertKind.COMM_BOUND)
 
 
 class Engine:
@@ -62,6 +65,7 @@ class Engine:
         self._last_t: float | None = None
         self._last_tick: Tick | None = None
         self._job_ticks: dict[str, list[int]] = {}
+        self._job_lost: dict[str, dict[AlertKind, float]] = {}
         self._regime_ticks = np.zeros(0, dtype=np.int64)
         self._last_busy_t = np.full(0, -np.inf)
         self._members: GroupMembers | None = None
@@ -165,6 +169,7 @@ class Engine:
         outcomes[AlertKind.INPUT_BOUND] = _only(work, AlertKind.INPUT_BOUND)
         outcomes.update(healths)
         transitions = self.lifecycle.step(t, outcomes)
+        self._count_losses(outcomes)
         if self._ticks % _PRUNE_TICKS == 0:
             self._straggler_index.prune(set(self.lifecycle.records))
         self._record_history(tick, explained, outcomes)
@@ -172,6 +177,25 @@ class Engine:
         self._last_t = t
         self._last_tick = tick
         return transitions
+
+    def _count_losses(self, outcomes: dict[AlertKind, Outcome]) -> None:
+        """Add this tick's GPU-hours lost to each job whose problem has a firing alert: the largest cost
+        among its firing findings, put down to that finding's kind. Two stragglers of one job each
+        estimate the same job-wide loss; summed, the job would lose more than its GPUs' time. Pending
+        findings count nothing: a condition that never fires is not a problem the job had."""
+        records = self.lifecycle.records
+        worst: dict[str, tuple[float, AlertKind]] = {}
+        for kind in _COSTING:
+            for fp, f in outcomes[kind].findings.items():
+                rec = records.get(fp)
+                cost = f.cost_gpu_hours
+                if (f.hpc_job is None or rec is None or rec.state is not AlertState.FIRING
+                        or not cost > worst.get(f.hpc_job, (0.0, kind))[0] or cost == math.inf):
+                    continue
+                worst[f.hpc_job] = (cost, kind)
+        for job, (cost, kind) in worst.items():
+            lost = self._job_lost.setdefault(job, {})
+            lost[kind] = lost.get(kind, 0.0) + cost
 
     def _date_running(self, t: float, groups) -> None:
         """Groups first seen in the engine's first moments, already spinning at full utilization, were
@@ -206,6 +230,7 @@ class Engine:
         for gid, old in recycled:
             if old[0] == JOB:
                 self._job_ticks.pop(old[1], None)
+                self._job_lost.pop(old[1], None)
             if gid < len(self._regime_ticks):
                 self._regime_ticks[gid] = 0
             self._workload.recycle(gid, old)
@@ -357,13 +382,15 @@ class Engine:
             members = np.flatnonzero(grp.gid == gid)
             mine = [a for a in open_alerts if a.hpc_job == job and a.state is AlertState.FIRING]
             counts = self._job_ticks.get(job, [0, 0])
+            lost = self._job_lost.get(job, {})
             out.append(JobHealth(
                 job, int(grp.size[gid]), tuple(sorted({w.slot_node[s] for s in members.tolist()})),
                 _f(grp.util[gid]), _f(grp.sm[gid]), _f(base_sm[gid]) if gid < len(base_sm) else None,
                 _f(grp.power[gid]), _f(tick.slowdown[gid]),
                 tuple({"node": a.node, "gpu": a.gpu} for a in mine if a.kind is AlertKind.STRAGGLER),
                 any(a.kind is AlertKind.COMM_BOUND for a in mine), any(a.kind is AlertKind.INPUT_BOUND for a in mine),
-                counts[1] / counts[0] if counts[0] else 0.0, counts[0]))
+                counts[1] / counts[0] if counts[0] else 0.0, counts[0],
+                tuple((kind.value, round(lost[kind], 4)) for kind in _COSTING if kind in lost)))
         return sorted(out, key=lambda j: j.hpc_job)
 
     def nodes(self) -> list[NodeHealth]:

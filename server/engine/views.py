@@ -23,12 +23,20 @@ class JobHealth:
     input_bound: bool
     comm_bound_share: float               # share of evaluated ticks the job was comm-bound
     evaluated_ticks: int
+    # (kind, GPU-hours) lost while that kind's alert fired for the job, since the engine first saw it
+    gpu_hours_lost_by_kind: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def gpu_hours_lost(self) -> float:
+        return round(sum(hours for _, hours in self.gpu_hours_lost_by_kind), 4)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON shape."""
         d = asdict(self)
         d["nodes"] = list(self.nodes)
         d["stragglers"] = [dict(s) for s in self.stragglers]
+        d["gpu_hours_lost"] = self.gpu_hours_lost
+        d["gpu_hours_lost_by_kind"] = dict(self.gpu_hours_lost_by_kind)
         return d
 
 

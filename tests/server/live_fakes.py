@@ -86,7 +86,8 @@ class StubEngine:
     def jobs(self) -> list[_Health]:
         jobs = sorted({job for _, _, job in self._latest.values() if job})
         return [_Health({"hpc_job": j, "gpus": sum(1 for *_, jj in self._latest.values() if jj == j),
-                         "stragglers": [], "comm_bound": False, "estimated_slowdown_ratio": 0.0}) for j in jobs]
+                         "stragglers": [], "comm_bound": False, "estimated_slowdown_ratio": 0.0,
+                         "gpu_hours_lost": 0.5, "gpu_hours_lost_by_kind": {"straggler": 0.5}}) for j in jobs]
 
     def nodes(self) -> list[_Health]:
         return [_Health({"node": n, "gpus": sum(1 for (nn, _) in self._latest if nn == n)})

@@ -136,6 +136,7 @@ def test_nodes_jobs_health_after_a_cycle(tmp_path) -> None:
     assert nodes["targets"][0]["target"] == "a:1" and nodes["targets"][0]["node"] == "dgx-01"
     jobs = client.get("/jobs").json()
     assert jobs["jobs"][0]["hpc_job"] == "j1" and jobs["jobs"][0]["gpus"] == 2 and jobs["evaluated_at"] == 5000.0
+    assert (jobs["jobs"][0]["gpu_hours_lost"], jobs["jobs"][0]["gpu_hours_lost_by_kind"]) == (0.5, {"straggler": 0.5})
     firing = client.get("/alerts", params={"state": "firing"}).json()
     assert firing["total"] == 1 and firing["alerts"][0]["gpu"] == 0
 

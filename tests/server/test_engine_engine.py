@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from server.alerts import AlertState
+from server.alerts import AlertKind, AlertState
 from server.contract import parse_line
 from server.engine import Engine, EngineConfig
 from tests.server.engine_samples import T0, cluster_lines
@@ -69,6 +69,49 @@ def test_views_report_jobs_nodes_and_stats():
     st = eng.stats()
     assert st.samples_ingested == len(samples) * 8 and st.gpus == 16 and st.firing_alerts >= 2
     assert st.to_dict()["ticks"] == st.ticks
+
+
+def _hot(*culprits):
+    """_incident with any number of hot, clock-cut GPUs holding the job back."""
+    def override(t, node, gpu):
+        kw = {}
+        if (node, gpu) in culprits and t >= 400:
+            kw.update(temperature_celsius=86.0, throttle_reasons=0x40, sm_clock_hertz=1.4e9, sm_active_ratio=0.8)
+        elif t >= 400:
+            kw.update(sm_active_ratio=0.6, power_watts=420.0)
+        return kw
+    return override
+
+
+def _losses(override):
+    """(first straggler firing time, the job's gpu_hours_lost after each 5 s tick, its last JobHealth)."""
+    samples = sorted((parse_line(line) for line in cluster_lines(700, override=override)), key=lambda s: s.time)
+    eng, i, t, fired, lost = Engine(), 0, T0, None, []
+    while t <= samples[-1].time + 5:
+        while i < len(samples) and samples[i].time < t:
+            eng.ingest(samples[i])
+            i += 1
+        for tr in eng.advance(t):
+            if tr.alert.kind is AlertKind.STRAGGLER and tr.alert.state is AlertState.FIRING and fired is None:
+                fired = tr.alert.started
+        jobs = eng.jobs()
+        lost.append((t, jobs[0].gpu_hours_lost if jobs else 0.0))
+        t += 5.0
+    return fired, lost, eng.jobs()[0]
+
+
+def test_a_job_counts_the_gpu_hours_lost_while_its_straggler_fires_and_once_for_two_culprits():
+    fired, lost, job = _losses(_hot(("n1", 3)))
+    assert fired is not None
+    # Pending counts nothing; from the firing tick on the job loses at most all its 16 GPUs' time.
+    assert all(hours == 0.0 for t, hours in lost if t < fired) and lost[-1][1] > 0
+    assert lost[-1][1] <= 16 * (lost[-1][0] - fired + 5.0) / 3600.0
+    assert [h for _, h in lost] == sorted(h for _, h in lost)
+    assert job.to_dict()["gpu_hours_lost_by_kind"] == {"straggler": job.gpu_hours_lost}
+    # Two culprits each estimate the same job-wide loss: the job does not lose it twice.
+    fired_two, lost_two, job_two = _losses(_hot(("n1", 3), ("n0", 5)))
+    assert fired_two == fired and job_two.gpu_hours_lost == job.gpu_hours_lost
+    assert len(job_two.stragglers) == 2
 
 
 def test_restore_after_restart_keeps_ids_of_open_alerts():

@@ -76,15 +76,19 @@ def test_resolved_alerts_and_ended_jobs_disappear(tmp_path) -> None:
     runtime = make_runtime(tmp_path, lambda r: httpx.Response(200, content=b'{"schema":1,"snapshots":[]}'))
     registry = build_registry(runtime)
     runtime.view = FleetView(alerts=(make_alert(1), make_alert(2, state=AlertState.PENDING)),
-                             jobs=({"hpc_job": "7", "gpus": 8, "estimated_slowdown_ratio": float("nan"), "stragglers": [{"node": "a", "gpu": 1}]},))
+                             jobs=({"hpc_job": "7", "gpus": 8, "estimated_slowdown_ratio": float("nan"), "stragglers": [{"node": "a", "gpu": 1}],
+                                    "gpu_hours_lost_by_kind": {"straggler": 1.25, "comm_bound": 0.5}},))
     first = samples(registry)
+    assert first[("gpufleet_job_gpu_hours_lost_total", (("hpc_job", "7"), ("kind", "straggler")))] == 1.25
+    assert first[("gpufleet_job_gpu_hours_lost_total", (("hpc_job", "7"), ("kind", "comm_bound")))] == 0.5
     assert sum(1 for k in first if k[0] == "gpufleet_alert_active") == 1
     assert ("gpufleet_job_gpus", (("hpc_job", "7"),)) in first
     assert first[("gpufleet_job_stragglers", (("hpc_job", "7"),))] == 1  # a list of culprits counts as its length
     assert not any(k[0] == "gpufleet_job_slowdown_ratio" for k in first)  # NaN means unknown: no series
     runtime.view = FleetView()
     second = samples(registry)
-    assert not any(k[0] in ("gpufleet_alert_active", "gpufleet_alerts", "gpufleet_job_gpus") for k in second)
+    assert not any(k[0] in ("gpufleet_alert_active", "gpufleet_alerts", "gpufleet_job_gpus",
+                            "gpufleet_job_gpu_hours_lost_total") for k in second)
 
 
 def test_empty_runtime_exposes_no_unknown_values(tmp_path) -> None:

@@ -16,10 +16,10 @@ from tests.agent.running import agent_process, server_process
 JOBS = {"evaluated_at": 1763800600.0, "jobs": [
     {"hpc_job": "71002", "gpus": 16, "nodes": ["dgx-03", "dgx-04"], "utilization_ratio": 1.0, "sm_active_ratio": 0.55,
      "baseline_sm_active_ratio": 0.7, "estimated_slowdown_ratio": 0.214, "stragglers": [{"node": "dgx-03", "gpu": 5}],
-     "comm_bound": False, "input_bound": False},
+     "comm_bound": False, "input_bound": False, "gpu_hours_lost": 3.46},
     {"hpc_job": "71001", "gpus": 16, "nodes": ["dgx-01", "dgx-02"], "utilization_ratio": 1.0, "sm_active_ratio": 0.52,
      "baseline_sm_active_ratio": 0.69, "estimated_slowdown_ratio": 0.25, "stragglers": [], "comm_bound": True,
-     "input_bound": False},
+     "input_bound": False, "gpu_hours_lost": 0.0},
     {"hpc_job": "80000", "gpus": 8, "nodes": ["dgx-05"], "utilization_ratio": None, "sm_active_ratio": None,
      "baseline_sm_active_ratio": None, "estimated_slowdown_ratio": None, "stragglers": [{"node": "dgx-05", "gpu": None}],
      "comm_bound": False, "input_bound": False},
@@ -41,11 +41,11 @@ def test_the_report_names_each_job_what_holds_it_back_and_what_fires():
     assert lines[0] == ("gpufleet-server http://gpufleet:9472: 4 of 5 agents up, 5 nodes, "
                         "evaluated at 2025-11-22 08:36:40 UTC")
     rows = {line.split()[0]: line for line in lines[2:6]}
-    assert rows["JOB"].split() == ["JOB", "GPUS", "NODES", "UTIL", "SM", "BASELINE", "SLOWER", "NOW"]
-    assert rows["71001"].split() == ["71001", "16", "2", "1.00", "0.52", "0.69", "25", "%", "comm_bound"]
-    assert rows["71002"].split()[-2:] == ["straggler", "dgx-03/5"]
+    assert rows["JOB"].split() == ["JOB", "GPUS", "NODES", "UTIL", "SM", "BASELINE", "SLOWER", "LOST(GPU-H)", "NOW"]
+    assert rows["71001"].split() == ["71001", "16", "2", "1.00", "0.52", "0.69", "25", "%", "0.0", "comm_bound"]
+    assert rows["71002"].split()[-3:] == ["3.5", "straggler", "dgx-03/5"]
     # Unknown is "-", never 0; a whole node holding its job back is named by the node alone.
-    assert rows["80000"].split() == ["80000", "8", "1", "-", "-", "-", "-", "straggler", "dgx-05"]
+    assert rows["80000"].split() == ["80000", "8", "1", "-", "-", "-", "-", "-", "straggler", "dgx-05"]
     assert [line.split()[0] for line in lines[3:6]] == ["71001", "71002", "80000"]
     assert lines[7] == "FIRING (2)"
     assert lines[8].split() == ["critical", "straggler", "dgx-03/5", "71002", "2m10s"]

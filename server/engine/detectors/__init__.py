@@ -24,6 +24,8 @@ class Finding:
     summary: str
     evidence: Mapping[str, Any] = field(default_factory=dict)
     extra: str = ""
+    # GPU-hours the subject cost its job at this tick alone (evidence's gpu_hours_lost is the running total).
+    cost_gpu_hours: float = 0.0
 
     @property
     def fingerprint(self) -> str:

@@ -174,7 +174,8 @@ def _finding(tick: Tick, state: WorkloadState, gid: int, kind: AlertKind, base_u
     drop = float(tick.slowdown[gid])
     by_sm = tick.slowdown_source[gid] == 1
     fp = subject_fingerprint(kind, None, None, job)
-    lost = state.cost.get(fp, 0.0) + drop * int(grp.size[gid]) * cfg.tick_seconds / 3600.0
+    cost = drop * int(grp.size[gid]) * cfg.tick_seconds / 3600.0
+    lost = state.cost.get(fp, 0.0) + cost
     state.cost[fp] = lost
     signal = "sm_active_ratio" if by_sm else "power_watts"
     base = history.baseline("sm" if by_sm else "power")[gid]
@@ -192,4 +193,4 @@ def _finding(tick: Tick, state: WorkloadState, gid: int, kind: AlertKind, base_u
         summary = (f"job {job} is input-bound: {signal} -{drop * 100:.0f} % and utilization "
                    f"{grp.util[gid]:.2f} vs {base_util:.2f} job-wide")
     sev = Severity.WARNING if drop < 0.3 else Severity.CRITICAL
-    return Finding(kind, None, None, None, job, sev, summary, evidence)
+    return Finding(kind, None, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)

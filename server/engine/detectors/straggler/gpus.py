@@ -321,7 +321,8 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
                        f"level while GPUs {', '.join(map(str, waiting_peers))} of this node fell "
                        f"{shared.drop[slot] * 100:.0f} % below theirs")
     fp = subject_fingerprint(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], job)
-    lost = state.add_cost(fp, tick.t, max(slowdown, 0.0) * slowed_gpus * cfg.tick_seconds / 3600.0)
+    cost = max(slowdown, 0.0) * slowed_gpus * cfg.tick_seconds / 3600.0
+    lost = state.add_cost(fp, tick.t, cost)
     evidence = {
         "peer_group": tick.registry.kind(gid), "peer_group_size": size,
         "sm_active_ratio": r3(m["sm"][slot]), "peer_median_sm_active_ratio": r3(grp.sm[gid]),
@@ -347,4 +348,4 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
     summary = (f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} holds back "
                f"{'job ' + job if job else 'its peers'} (~{slowdown * 100:.0f} % slower): " + "; ".join(reasons))
     return Finding(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], job, sev,
-                   summary, evidence)
+                   summary, evidence, cost_gpu_hours=cost)

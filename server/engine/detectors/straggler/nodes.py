@@ -373,7 +373,8 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
     known = slowdown == slowdown        # NaN: the job has no baseline yet (a node slow from its start)
     size = int(tick.groups.size[gid])
     fp = subject_fingerprint(AlertKind.STRAGGLER, node, None, job)
-    lost = state.add_cost(fp, tick.t, (max(slowdown, 0.0) if known else 0.0) * size * cfg.tick_seconds / 3600.0)
+    cost = (max(slowdown, 0.0) if known else 0.0) * size * cfg.tick_seconds / 3600.0
+    lost = state.add_cost(fp, tick.t, cost)
 
     # Medians over the node's GPUs and over the other nodes' GPUs, rows as tick.levels (None: unknown).
     node_sm, node_pw, node_clk, node_u = map(r3, nan_median_first_axis(tick.levels[:, slots].T).tolist())
@@ -402,7 +403,7 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
     summary = (f"node {node} holds back {'job ' + job if job else 'its peer nodes'}: {what} while "
                f"the other nodes wait" + (f" (~{slowdown * 100:.0f} % slower)" if known else ""))
     sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
-    return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence)
+    return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
 
 
 def _pct(ratio: float | None) -> str:
