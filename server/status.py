@@ -70,7 +70,7 @@ def _percent(value: float | None) -> str:
 
 
 def _hours(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _since(started: float | None, now: float | None) -> str:

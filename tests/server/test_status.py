@@ -42,8 +42,8 @@ def test_the_report_names_each_job_what_holds_it_back_and_what_fires():
                         "evaluated at 2025-11-22 08:36:40 UTC")
     rows = {line.split()[0]: line for line in lines[2:6]}
     assert rows["JOB"].split() == ["JOB", "GPUS", "NODES", "UTIL", "SM", "BASELINE", "SLOWER", "LOST(GPU-H)", "NOW"]
-    assert rows["71001"].split() == ["71001", "16", "2", "1.00", "0.52", "0.69", "25", "%", "0.0", "comm_bound"]
-    assert rows["71002"].split()[-3:] == ["3.5", "straggler", "dgx-03/5"]
+    assert rows["71001"].split() == ["71001", "16", "2", "1.00", "0.52", "0.69", "25", "%", "0.00", "comm_bound"]
+    assert rows["71002"].split()[-3:] == ["3.46", "straggler", "dgx-03/5"]
     # Unknown is "-", never 0; a whole node holding its job back is named by the node alone.
     assert rows["80000"].split() == ["80000", "8", "1", "-", "-", "-", "-", "-", "straggler", "dgx-05"]
     assert [line.split()[0] for line in lines[3:6]] == ["71001", "71002", "80000"]
