@@ -66,7 +66,8 @@ def _ratio(value: float | None) -> str:
 
 
 def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:.0f} %"
+    # Rounded as an int: a job a hair faster than its baseline reads "0 %", not "-0 %".
+    return "-" if value is None else f"{round(value * 100)} %"
 
 
 def _hours(value: float | None) -> str:

@@ -54,6 +54,12 @@ def test_the_report_names_each_job_what_holds_it_back_and_what_fires():
     assert lines[11] == "    job 71001 is communication-bound"
 
 
+def test_a_job_a_hair_faster_than_its_baseline_reads_0_not_minus_0():
+    job = dict(JOBS["jobs"][0], estimated_slowdown_ratio=-0.004, stragglers=[])
+    row = render({"evaluated_at": 1763800600.0, "jobs": [job]}, {"total": 0, "alerts": []}, NODES, url="u")
+    assert row.splitlines()[3].split()[6:8] == ["0", "%"]
+
+
 def test_a_server_with_nothing_yet_says_so():
     text = render({"evaluated_at": None, "jobs": []}, {"total": 0, "alerts": []}, {"nodes": [], "targets": []},
                   url="http://s:9472")
