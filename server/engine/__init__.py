@@ -189,10 +189,10 @@ class Engine:
             for fp, f in outcomes[kind].findings.items():
                 rec = records.get(fp)
                 cost = f.cost_gpu_hours
-                if (f.hpc_job is None or rec is None or rec.state is not AlertState.FIRING
-                        or not cost > worst.get(f.hpc_job, (0.0, kind))[0] or cost == math.inf):
+                if f.hpc_job is None or rec is None or rec.state is not AlertState.FIRING or not math.isfinite(cost):
                     continue
-                worst[f.hpc_job] = (cost, kind)
+                if cost > worst.get(f.hpc_job, (0.0, kind))[0]:
+                    worst[f.hpc_job] = (cost, kind)
         for job, (cost, kind) in worst.items():
             lost = self._job_lost.setdefault(job, {})
             lost[kind] = lost.get(kind, 0.0) + cost

@@ -28,6 +28,7 @@ class JobHealth:
 
     @property
     def gpu_hours_lost(self) -> float:
+        """GPU-hours lost, every kind together."""
         return round(sum(hours for _, hours in self.gpu_hours_lost_by_kind), 4)
 
     def to_dict(self) -> dict[str, Any]:
