@@ -189,3 +189,23 @@ def test_an_ha_pair_shows_each_alert_once(dashboard: dict, tmp_path) -> None:
     result = subprocess.run([PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@requires_promtool
+def test_gpu_hours_lost_counts_each_job_and_cause_once_over_an_ha_pair(dashboard: dict, tmp_path) -> None:
+    """Both replicas count the same loss: the panel shows it once per job and cause, not summed."""
+    series = {}
+    for replica in ("srv-0:9472", "srv-1:9472"):
+        server = f'job="gpufleet-server", instance="{replica}"'
+        series[f'gpufleet_job_gpu_hours_lost_total{{{server}, hpc_job="71001", kind="straggler"}}'] = "0+1x120"
+        series[f'gpufleet_job_gpu_hours_lost_total{{{server}, hpc_job="71001", kind="comm_bound"}}'] = "0+2x120"
+    (lost,) = panel_exprs(dashboard, "GPU-hours lost in the time range, by job and cause")
+    expected = [{"expr": lost, "eval_time": "120m", "exp_samples": [
+        {"labels": '{hpc_job="71001", kind="comm_bound"}', "value": 120},
+        {"labels": '{hpc_job="71001", kind="straggler"}', "value": 60}]}]
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": [{"series": k, "values": v} for k, v in series.items()],
+        "promql_expr_test": expected}]}))
+    result = subprocess.run([PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
