@@ -298,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(_serve(uvicorn_server(settings, create_app(settings, runtime=runtime)), args.duration, sock))
         print(f"gpufleet demo: stopped after {time.time() - epoch:.0f}s; "
               f"{printer.fired_total} alerts fired, {printer.resolved_total} resolved", flush=True)
+        losses = loss_summary(runtime.view.jobs)
+        if losses:
+            print(losses, flush=True)
         return 0
     except KeyboardInterrupt:  # Ctrl-C before the server took over the signal
         print("gpufleet demo: stopped", flush=True)
@@ -306,6 +309,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop_agents(agents)
         sock.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def loss_summary(jobs: Sequence[dict]) -> str:
+    """One line: the GPU-hours each job lost while its alerts fired, by kind ('' without jobs)."""
+    parts = []
+    for job in sorted(jobs, key=lambda j: str(j.get("hpc_job"))):
+        by_kind = job.get("gpu_hours_lost_by_kind") or {}
+        detail = ", ".join(f"{kind} {hours:.2f}" for kind, hours in by_kind.items())
+        parts.append(f"job {job.get('hpc_job')} {job.get('gpu_hours_lost') or 0.0:.2f}" + (f" ({detail})" if detail else ""))
+    return "GPU-hours lost while alerts fired: " + "; ".join(parts) if parts else ""
 
 
 def print_banner(base: str, nodes: Sequence[str], scenario: Scenario | None, epoch: float,

@@ -12,7 +12,7 @@ from dataclasses import replace
 import httpx
 
 from server.alerts import AlertKind, AlertState, Transition
-from server.demo import TerminalPrinter, incident_subject, main, server_socket, subject, timeline
+from server.demo import TerminalPrinter, incident_subject, loss_summary, main, server_socket, subject, timeline
 from tests.server.live_fakes import make_alert
 
 
@@ -73,6 +73,14 @@ def test_incident_subject_for_several_gpus_and_whole_nodes() -> None:
     assert incident_subject(scenario, node) == "b"
     assert incident_subject(scenario, unattributed) == "b GPU 3"
     assert "XID errors on b GPU 3" in timeline(scenario, 0.0)[2]
+
+
+def test_loss_summary_names_each_job_and_what_it_lost_to() -> None:
+    jobs = ({"hpc_job": "71002", "gpu_hours_lost": 0.2447, "gpu_hours_lost_by_kind": {"straggler": 0.1242, "comm_bound": 0.1205}},
+            {"hpc_job": "71001", "gpu_hours_lost": 0.0, "gpu_hours_lost_by_kind": {}})
+    assert loss_summary(jobs) == ("GPU-hours lost while alerts fired: job 71001 0.00; "
+                                  "job 71002 0.24 (straggler 0.12, comm_bound 0.12)")
+    assert loss_summary(()) == ""
 
 
 def test_demo_runs_serves_what_it_prints_and_stops_by_itself() -> None:
