@@ -155,6 +155,16 @@ def test_every_query_runs_on_real_prometheus_and_the_panels_have_data(dashboard:
                         (panel["title"], expr, [s["metric"] for s in result])
 
 
+def promql_expr_tests(tmp_path: Path, series: dict[str, str], expected: list[dict]) -> None:
+    """Run promtool's promql_expr_test of `expected` over `series` (1 m apart), asserting it passes."""
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": [{"series": k, "values": v} for k, v in series.items()],
+        "promql_expr_test": expected}]}))
+    result = subprocess.run([PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @requires_promtool
 def test_an_ha_pair_shows_each_alert_once(dashboard: dict, tmp_path) -> None:
     """The alert panels over two replicas' series (no alert fires in the live test above): an alert both
@@ -183,12 +193,7 @@ def test_an_ha_pair_shows_each_alert_once(dashboard: dict, tmp_path) -> None:
                 {"expr": active, "eval_time": "2m", "exp_samples": [
                     {"labels": "{" + ", ".join(f'{k}="{v}"' for k, v in zip(names, row) if v) + "}", "value": 1}
                     for row in rows]}]
-    (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [{
-        "interval": "1m", "input_series": [{"series": k, "values": v} for k, v in series.items()],
-        "promql_expr_test": expected}]}))
-    result = subprocess.run([PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
+    promql_expr_tests(tmp_path, series, expected)
 
 
 @requires_promtool
@@ -203,9 +208,4 @@ def test_gpu_hours_lost_counts_each_job_and_cause_once_over_an_ha_pair(dashboard
     expected = [{"expr": lost, "eval_time": "120m", "exp_samples": [
         {"labels": '{hpc_job="71001", kind="comm_bound"}', "value": 120},
         {"labels": '{hpc_job="71001", kind="straggler"}', "value": 60}]}]
-    (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [{
-        "interval": "1m", "input_series": [{"series": k, "values": v} for k, v in series.items()],
-        "promql_expr_test": expected}]}))
-    result = subprocess.run([PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
+    promql_expr_tests(tmp_path, series, expected)
