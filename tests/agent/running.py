@@ -24,15 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @contextlib.contextmanager
 def agent_process(*args: str, timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen, int]]:
     """Run the agent on 127.0.0.1:0 with JSON logs (info level or lower: the start line carries the port)."""
-    def port_of(line: bytes) -> int | None:
-        with contextlib.suppress(ValueError):
-            record = orjson.loads(line)
-            if record.get("msg") == "agent started":
-                return int(record["port"])
-        return None
-
     cmd = [sys.executable, "-m", "agent.cli", "--web.listen-address", "127.0.0.1:0", "--log.format", "json", *args]
-    with _started("agent", cmd, port_of, timeout) as (proc, port):
+    with _started("agent", cmd, _logged_port("agent started", lambda r: r["port"]), timeout) as (proc, port):
         yield proc, port
 
 
@@ -40,17 +33,23 @@ def agent_process(*args: str, timeout: float = 30.0) -> Iterator[tuple[subproces
 def server_process(tmp_path: Path, *args: str, timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen, int]]:
     """Run `gpufleet-server serve` on 127.0.0.1:0 with its alert store in tmp_path; yields once it logged
     that it listens, with the port it was given."""
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--web.listen-address", "127.0.0.1:0",
+           "--storage.path", str(tmp_path / "server.db"), "--log.level", "info", "--log.format", "json", *args]
+    port_of = _logged_port("gpufleet-server listening", lambda r: r["address"].rpartition(":")[2])
+    with _started("server", cmd, port_of, timeout) as started:
+        yield started
+
+
+def _logged_port(msg: str, port: Callable[[dict], object]) -> Callable[[bytes], int | None]:
+    """Reads the port, with `port`, from the JSON log record whose message is `msg`."""
     def port_of(line: bytes) -> int | None:
         with contextlib.suppress(ValueError):
             record = orjson.loads(line)
-            if record.get("msg") == "gpufleet-server listening":
-                return int(record["address"].rpartition(":")[2])
+            if record.get("msg") == msg:
+                return int(port(record))
         return None
 
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--web.listen-address", "127.0.0.1:0",
-           "--storage.path", str(tmp_path / "server.db"), "--log.level", "info", "--log.format", "json", *args]
-    with _started("server", cmd, port_of, timeout) as started:
-        yield started
+    return port_of
 
 
 @contextlib.contextmanager
