@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m compileall -q agent server >/dev/null
+	$(BIN)/python -m compileall -q core agent server >/dev/null
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,3 +1,3 @@
 """gpufleet node agent: samples NVML, attributes GPUs to jobs, serves /metrics and snapshots."""
 
-__version__ = "0.1.0"
+from gpufleet import __version__  # noqa: F401 - one version for the distribution

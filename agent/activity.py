@@ -14,7 +14,7 @@ import math
 from types import MappingProxyType
 from typing import Mapping
 
-from agent.model import NodeSnapshot
+from gpufleet.agent.model import NodeSnapshot
 
 # reading label -> GpuSample field
 READINGS: tuple[tuple[str, str], ...] = (("utilization", "utilization_ratio"), ("sm_active", "sm_active_ratio"))

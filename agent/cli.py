@@ -15,16 +15,16 @@ from typing import Any, Callable, Sequence
 
 import orjson
 
-from agent import __version__
-from agent.attribution import JobAttributor
-from agent.config import PROG, AgentConfig, ConfigError, default_node, load_config
-from agent.logs import configure_logging
-from agent.nvml_reader import NvmlReader
-from agent.record import Recorder
-from agent.sampler import Sampler
-from agent.store import SnapshotStore
-from agent.webconfig import WebConfig, WebConfigError, load_web_config
-from agent.webserver import AgentHttpServer
+from gpufleet.agent import __version__
+from gpufleet.agent.attribution import JobAttributor
+from gpufleet.agent.config import PROG, AgentConfig, ConfigError, default_node, load_config
+from gpufleet.logs import configure_logging
+from gpufleet.agent.nvml_reader import NvmlReader
+from gpufleet.agent.record import Recorder
+from gpufleet.agent.sampler import Sampler
+from gpufleet.agent.store import SnapshotStore
+from gpufleet.webconfig import WebConfig, WebConfigError, load_web_config
+from gpufleet.agent.webserver import AgentHttpServer
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def build_runtime(config: AgentConfig) -> Runtime:
 
 
 def _simulator(config: AgentConfig) -> tuple[Any, str, Callable[[], float]]:
-    from agent.sim import ScenarioError, SimNvml, load_scenario
+    from gpufleet.agent.sim import ScenarioError, SimNvml, load_scenario
 
     try:
         scenario = load_scenario(config.simulate)

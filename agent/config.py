@@ -12,9 +12,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
-from agent import __version__
-from agent.attribution import DEFAULT_ENV_VARS
-from agent.sim.scenario import BUILTIN_SCENARIOS
+from gpufleet.agent import __version__
+from gpufleet.agent.attribution import DEFAULT_ENV_VARS
+from gpufleet.agent.sim.scenario import BUILTIN_SCENARIOS
 
 PROG = "gpufleet-agent"
 ENV_PREFIX = "GPUFLEET_AGENT_"

@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from agent.activity import NO_TOTALS, ActivityTotals
-from agent.health import AgentHealth
-from agent.model import GpuSample, NodeSnapshot, ThrottleReason
+from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
+from gpufleet.agent.health import AgentHealth
+from gpufleet.agent.model import GpuSample, NodeSnapshot, ThrottleReason
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GPU_LABELS = ("node", "gpu", "uuid", "model")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pynvml
 
-from agent.nvml_errors import SUCCESS
+from gpufleet.agent.nvml_errors import SUCCESS
 
 GPM_METRICS = (
     ("sm_active_ratio", "NVML_GPM_METRIC_SM_UTIL"),

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from agent.model import ThrottleReason
-from agent.nvml_errors import SUCCESS
+from gpufleet.agent.model import ThrottleReason
+from gpufleet.agent.nvml_errors import SUCCESS
 
 ALL_LINKS = 0xFFFFFFFF  # scope id that asks NVLink fields for the sum over all links
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
-from agent.gpm import GPM_READINGS, GpmSampler
-from agent.model import GpuSample
-from agent.nvml_calls import IDENTITY, POLLED, STATIC, cuda_version_text, text
-from agent.nvml_errors import (
+from gpufleet.agent.gpm import GPM_READINGS, GpmSampler
+from gpufleet.agent.model import GpuSample
+from gpufleet.agent.nvml_calls import IDENTITY, POLLED, STATIC, cuda_version_text, text
+from gpufleet.agent.nvml_errors import (
     GPU_IS_LOST,
     INVALID_VALUE,
     NOT_SUPPORTED,
@@ -27,9 +27,9 @@ from agent.nvml_errors import (
     error_name,
     is_library_fatal,
 )
-from agent.nvml_fields import FieldBatch, batch_entries, read_link_count
-from agent.nvml_values import INVALID, CounterTracker, base_name, convert
-from agent.xid import XID_READING, XidStore, XidWatcher
+from gpufleet.agent.nvml_fields import FieldBatch, batch_entries, read_link_count
+from gpufleet.agent.nvml_values import INVALID, CounterTracker, base_name, convert
+from gpufleet.agent.xid import XID_READING, XidStore, XidWatcher
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,14 @@ from typing import Any, Callable, Mapping, Protocol
 
 import orjson
 
-from agent import __version__, exposition
-from agent.activity import NO_TOTALS, ActivityIntegrator, ActivityTotals
-from agent.attribution import JobAttributor
-from agent.health import AgentHealth
-from agent.model import GpuSample, NodeSnapshot
-from agent.nvml_reader import NvmlUnavailable
-from agent.record import Recorder
-from agent.store import Publication, SnapshotStore
+from gpufleet.agent import __version__, exposition
+from gpufleet.agent.activity import NO_TOTALS, ActivityIntegrator, ActivityTotals
+from gpufleet.agent.attribution import JobAttributor
+from gpufleet.agent.health import AgentHealth
+from gpufleet.agent.model import GpuSample, NodeSnapshot
+from gpufleet.agent.nvml_reader import NvmlUnavailable
+from gpufleet.agent.record import Recorder
+from gpufleet.agent.store import Publication, SnapshotStore
 
 log = logging.getLogger(__name__)
 

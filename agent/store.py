@@ -7,9 +7,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from agent.activity import NO_TOTALS, ActivityTotals
-from agent.health import AgentHealth
-from agent.model import NodeSnapshot
+from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
+from gpufleet.agent.health import AgentHealth
+from gpufleet.agent.model import NodeSnapshot
 
 MIN_RETENTION_SECONDS = 120.0
 # A hard cap on buffered snapshots whatever the interval, so memory stays bounded (10 Hz for an hour).

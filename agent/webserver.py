@@ -15,9 +15,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import orjson
 
-from agent import exposition
-from agent.store import Publication, SnapshotStore
-from agent.webconfig import OPEN_PATHS, WebConfig
+from gpufleet.agent import exposition
+from gpufleet.agent.store import Publication, SnapshotStore
+from gpufleet.webconfig import OPEN_PATHS, WebConfig
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Hashable, Mapping
 
-from agent.nvml_errors import TIMEOUT, ErrorCounts, error_code, error_name
+from gpufleet.agent.nvml_errors import TIMEOUT, ErrorCounts, error_code, error_name
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from typing import Any
 
 import orjson
 
-from agent.attribution import JobAttributor
-from agent.exposition import Renderer, render_age
-from agent.nvml_reader import NvmlReader
-from agent.sampler import Sampler
-from agent.sim import SimNvml, load_scenario
-from agent.store import SnapshotStore
-from agent.webserver import AgentHttpServer
+from gpufleet.agent.attribution import JobAttributor
+from gpufleet.agent.exposition import Renderer, render_age
+from gpufleet.agent.nvml_reader import NvmlReader
+from gpufleet.agent.sampler import Sampler
+from gpufleet.agent.sim import SimNvml, load_scenario
+from gpufleet.agent.store import SnapshotStore
+from gpufleet.agent.webserver import AgentHttpServer
 
 SCENARIO = "hgx-h100"
 SCRAPE_EVERY_S = 15.0
@@ -178,7 +178,7 @@ def _status(pid: int, key: str) -> float:
 
 def bench_process(duration: float, per_link: bool) -> dict[str, float]:
     """The real agent process (simulated node, per-link on) scraped every 15 s and pulled every 5 s."""
-    cmd = [sys.executable, "-m", "agent.cli", "--simulate", SCENARIO, "--web.listen-address", "127.0.0.1:0",
+    cmd = [sys.executable, "-m", "gpufleet.agent.cli", "--simulate", SCENARIO, "--web.listen-address", "127.0.0.1:0",
            "--log.level", "info"] + (["--nvlink.per-link"] if per_link else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     try:

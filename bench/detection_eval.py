@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.server import scenarios
-from tests.server.tracegen import generate, without_fields
+from bench import scenarios
+from bench.tracegen import generate, without_fields
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mid_job is not None and args.mid_job < 0:
         ap.error("--mid-job must not be negative")
     try:
-        from server.replay import run_replay
+        from gpufleet.server.replay import run_replay
     except ModuleNotFoundError as exc:
         print(f"detection_eval: the engine is not available ({exc})", file=sys.stderr)
         return 1

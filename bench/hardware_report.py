@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.model import ThrottleReason
+from gpufleet.agent.model import ThrottleReason
 
 SCALARS = (
     "utilization_ratio", "memory_utilization_ratio", "sm_active_ratio", "sm_occupancy_ratio", "memory_used_bytes",

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.server.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSpec, Trace, write_trace
+from bench.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSpec, Trace, write_trace
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADING = "## Server: replay"
@@ -102,7 +102,7 @@ def bench_spec(nodes: int, minutes: float, interval_s: float, seed: int = 7) -> 
 
 def _cli() -> list[str]:
     exe = Path(sys.executable).with_name("gpufleet-server")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "server.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "gpufleet.server.cli"]
 
 
 def _compile_bytecode() -> None:
@@ -139,8 +139,8 @@ def time_cli(path: Path) -> tuple[float, float, int]:
 # engine: the part of a replay that a faster engine cannot make faster.
 _NO_ENGINE = """
 import sys
-import server.cli
-from server.replay import _gc_paused, _load, _open_trace
+import gpufleet.server.cli
+from gpufleet.server.replay import _gc_paused, _load, _open_trace
 handles = []
 with _gc_paused():
     _load([(sys.argv[1], _open_trace(sys.argv[1], handles))])
@@ -168,7 +168,7 @@ def time_startup(tmp: Path, repeat: int) -> float:
 
 def time_inproc(path: Path) -> float:
     """Wall seconds for reading the file and run_replay over its lines, on one core."""
-    from server.replay import run_replay
+    from gpufleet.server.replay import run_replay
 
     saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     _pin()
@@ -191,9 +191,9 @@ def time_stages(path: Path) -> dict[str, float]:
     """
     import gc
 
-    from server.contract import _decode, parse_lines
-    from server.engine import EngineConfig
-    from server.replay import _load, _run
+    from gpufleet.server.contract import _decode, parse_lines
+    from gpufleet.server.engine import EngineConfig
+    from gpufleet.server.replay import _load, _run
 
     saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     _pin()
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes < 8 or args.minutes <= 0 or args.repeat < 1:
         ap.error("need --nodes >= 8, --minutes > 0, --repeat >= 1")
     try:
-        importlib.import_module("server.replay")
+        importlib.import_module("gpufleet.server.replay")
     except ModuleNotFoundError as exc:
         print(f"replay_bench: the engine is not available ({exc})", file=sys.stderr)
         return 1
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         configs.append((f"{args.small_nodes} nodes × 8 GPUs, {args.small_slow_minutes:g} min @ 5 s",
                         bench_spec(args.small_nodes, args.small_slow_minutes, 5.0)))
     _compile_bytecode()
-    from server.allocator import tune_malloc
+    from gpufleet.server.allocator import tune_malloc
     tune_malloc()           # as the CLI does, so that in-process figures compare with it
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         startup_s = time_startup(Path(tmp), args.repeat)

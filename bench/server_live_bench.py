@@ -35,9 +35,9 @@ from typing import Any
 import httpx
 import orjson
 
-from agent.exposition import Renderer, render_age
-from agent.health import AgentHealth
-from agent.model import GpuSample, NodeSnapshot
+from gpufleet.agent.exposition import Renderer, render_age
+from gpufleet.agent.health import AgentHealth
+from gpufleet.agent.model import GpuSample, NodeSnapshot
 
 GPUS_PER_NODE = 8
 RETENTION_SECONDS = 300
@@ -215,7 +215,7 @@ def run_one(count: int, duration: float, interval: float, server_cpus: set[int] 
         config.write_text(f"{source}web.listen-address: 127.0.0.1:{port}\n"
                           f"pull.interval: {interval}\nstorage.path: {work / 'alerts.db'}\nlog.level: warning\n"
                           f"{engine_yaml}")
-        server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config.file", str(config)])
+        server = subprocess.Popen([sys.executable, "-m", "gpufleet.server.cli", "serve", "--config.file", str(config)])
         if server_cpus:
             os.sched_setaffinity(server.pid, server_cpus)
         row = measure(server, helper, f"http://127.0.0.1:{port}/metrics", count, duration, interval, prometheus)

@@ -10,7 +10,7 @@ nodes of H100, A100 or L40S, one job on every GPU or on half of each node (then 
 job), random step time and compute share, and one incident of each kind, or a decoy (a power cap on
 the whole job, nothing at all, a counter reset, an application XID, the job ending, one node's agent
 silent for minutes while its job runs on). Every node is recorded through
-the production agent pipeline in simulated time (tests/sim_record.py), the node files are concatenated
+the production agent pipeline in simulated time (bench/sim_record.py), the node files are concatenated
 as `cat` would, cut to 1, 5 or 10 s sampling, and replayed. `--hard` draws marginal severities (a GPU
 5-20 % slow, a communication slowdown of 1.3-2x, a host idling 8-30 % of each step, a mild cooling
 failure) and puts 30 % of the incidents other than comm_slowdown in the job's first minute.
@@ -43,10 +43,10 @@ from typing import Any
 
 import orjson
 
-from agent.sim import parse_scenario
-from server.replay import run_replay
-from tests.server.tracegen import COMM_REQUIRED_GROWTH, STRAGGLER_REQUIRED_SLOWDOWN
-from tests.sim_record import T0, record_node
+from gpufleet.agent.sim import parse_scenario
+from gpufleet.server.replay import run_replay
+from bench.tracegen import COMM_REQUIRED_GROWTH, STRAGGLER_REQUIRED_SLOWDOWN
+from bench.sim_record import T0, record_node
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "detection.md"
 BEGIN, END = "<!-- crosscheck:begin -->", "<!-- crosscheck:end -->"

@@ -1,3 +1,3 @@
 """gpufleet server: pulls agents, detects stragglers, throttling and communication stalls."""
 
-__version__ = "0.1.0"
+from gpufleet import __version__  # noqa: F401 - one version for the distribution

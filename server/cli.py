@@ -7,27 +7,27 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to the subcommand's own main; each parses its own flags."""
-    from server.allocator import tune_malloc
+    from gpufleet.server.allocator import tune_malloc
 
     tune_malloc()           # every subcommand runs the engine's numpy ticks
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["--version"]:
-        from server import __version__
+        from gpufleet.server import __version__
 
         print(f"gpufleet-server {__version__}")
         return 0
     command = args[0] if args and not args[0].startswith("-") else "serve"
     rest = args[1:] if args and args[0] == command else args
     if command == "replay":
-        from server.replay import main as run
+        from gpufleet.server.replay import main as run
     elif command == "demo":
-        from server.demo import main as run
+        from gpufleet.server.demo import main as run
     elif command == "serve":
-        from server.serve import main as run
+        from gpufleet.server.serve import main as run
     elif command == "check-config":
-        from server.serve import check_config as run
+        from gpufleet.server.serve import check_config as run
     elif command == "status":
-        from server.status import main as run
+        from gpufleet.server.status import main as run
     else:
         print(f"gpufleet-server: unknown command {command!r} (use serve, replay, demo, check-config or status)",
               file=sys.stderr)

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Sequence, TextIO
 
 import httpx
 
-from agent.logs import configure_logging
-from server.alerts import Alert, AlertState, Transition
-from server.settings import ServerSettings, parse_duration, parse_listen
+from gpufleet.logs import configure_logging
+from gpufleet.server.alerts import Alert, AlertState, Transition
+from gpufleet.server.settings import ServerSettings, parse_duration, parse_listen
 
 if TYPE_CHECKING:
-    from agent.sim import Scenario
-    from agent.sim.scenario import Incident
+    from gpufleet.agent.sim import Scenario
+    from gpufleet.agent.sim.scenario import Incident
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def server_socket(listen: str | None) -> socket.socket:
 
     Bound before anything starts, so a taken address fails at once and the printed URLs are the real ones.
     """
-    from server.serve import listen_socket
+    from gpufleet.server.serve import listen_socket
 
     if listen:
         return listen_socket(parse_listen(listen))
@@ -80,7 +80,7 @@ RESOLVE_MARGIN_SECONDS = 90.0
 def load_demo_scenario() -> Scenario | None:
     """The demo scenario, or None if the simulator is not importable (the agents will say why)."""
     try:
-        from agent.sim import load_scenario
+        from gpufleet.agent.sim import load_scenario
 
         return load_scenario(SCENARIO)
     except Exception:  # noqa: BLE001 - the agents will report a broken simulator themselves
@@ -135,7 +135,7 @@ def start_agents(nodes: Sequence[str], epoch: float) -> list[Agent]:
     agents = []
     for node in nodes:
         address = f"127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "agent.cli", "--simulate", SCENARIO, "--node", node,
+        cmd = [sys.executable, "-m", "gpufleet.agent.cli", "--simulate", SCENARIO, "--node", node,
                "--simulate.epoch", repr(epoch), "--web.listen-address", address, "--log.level", "warning"]
         # own session: a terminal Ctrl-C reaches the demo, which then stops the agents in order
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
@@ -262,8 +262,8 @@ async def _serve(server: "object", duration: float | None, sock: socket.socket) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; 0 on a clean stop (Ctrl-C included), 1 if the agents fail to start, 2 if the address is taken."""
-    from server.api import create_app
-    from server.serve import build_runtime, uvicorn_server
+    from gpufleet.server.api import create_app
+    from gpufleet.server.serve import build_runtime, uvicorn_server
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.log_level, "text")

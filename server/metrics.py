@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from server import __version__
-from server.alerts import AlertState, cause
-from server.runtime import Runtime
+from gpufleet.server import __version__
+from gpufleet.server.alerts import AlertState, cause
+from gpufleet.server.runtime import Runtime
 
 # (metric suffix, JobHealth key, help) for per-job gauges; a key the engine does not report is skipped,
 # and a list (the job's nodes, its stragglers) is exported as its length.

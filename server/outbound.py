@@ -20,8 +20,8 @@ from typing import Callable, Generator
 
 import httpx
 
-from agent.webconfig import error_reason, files_stamp
-from server.settings import ClientAuth
+from gpufleet.webconfig import error_reason, files_stamp
+from gpufleet.server.settings import ClientAuth
 
 log = logging.getLogger(__name__)
 

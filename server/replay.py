@@ -24,10 +24,10 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import orjson
 
-from server.alerts import Alert, AlertState
-from server.contract import ContractError, NodeSample, parse_lines
-from server.engine import Engine, EngineConfig, EngineStats
-from server.engine.reduce import median
+from gpufleet.server.alerts import Alert, AlertState
+from gpufleet.server.contract import ContractError, NodeSample, parse_lines
+from gpufleet.server.engine import Engine, EngineConfig, EngineStats
+from gpufleet.server.engine.reduce import median
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log.format", dest="log_format", default="text")
     args = parser.parse_args(argv)
     try:
-        from agent.logs import configure_logging
+        from gpufleet.logs import configure_logging
         configure_logging(args.log_level, args.log_format)
         cfg = load_config(args.config) if args.config else EngineConfig()
         for trace in args.traces:

@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, Sequence
 
-from server.alerts import Alert, AlertKind, AlertState, Transition
-from server.ingest.agent_alerts import AgentAlerts, is_ours
-from server.ingest.puller import PullResult, TargetHealth
-from server.notify import Notifier
-from server.store import AlertStore
+from gpufleet.server.alerts import Alert, AlertKind, AlertState, Transition
+from gpufleet.server.ingest.agent_alerts import AgentAlerts, is_ours
+from gpufleet.server.ingest.puller import PullResult, TargetHealth
+from gpufleet.server.notify import Notifier
+from gpufleet.server.store import AlertStore
 
 log = logging.getLogger(__name__)
 

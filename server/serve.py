@@ -15,17 +15,17 @@ from typing import Any, Callable, Sequence
 
 import uvicorn
 
-from agent.logs import configure_logging
-from agent.webconfig import WebConfigError, load_web_config
-from server.ingest.prometheus import PrometheusSource
-from server.ingest.puller import Puller
-from server.ingest.targets import (CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError,
+from gpufleet.logs import configure_logging
+from gpufleet.webconfig import WebConfigError, load_web_config
+from gpufleet.server.ingest.prometheus import PrometheusSource
+from gpufleet.server.ingest.puller import Puller
+from gpufleet.server.ingest.targets import (CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError,
                                    TargetSource, parse_file_sd)
-from server.notify import Notifier
-from server.outbound import Outbound
-from server.runtime import Runtime
-from server.settings import ClientAuth, ConfigError, ServerSettings, load_settings
-from server.store import AlertStore, StoreError
+from gpufleet.server.notify import Notifier
+from gpufleet.server.outbound import Outbound
+from gpufleet.server.runtime import Runtime
+from gpufleet.server.settings import ClientAuth, ConfigError, ServerSettings, load_settings
+from gpufleet.server.store import AlertStore, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def build_targets(settings: ServerSettings) -> TargetSource:
 
 def build_engine(settings: ServerSettings) -> Any:
     """The detection engine, configured from the config file's `engine:` mapping."""
-    from server.engine import Engine, EngineConfig
+    from gpufleet.server.engine import Engine, EngineConfig
 
     mapping = dict(settings.engine)
     # Live samples reach the engine up to one pull interval (plus a slow pull) after they were taken;
@@ -55,8 +55,8 @@ def build_engine(settings: ServerSettings) -> Any:
 
 def build_notifiers(settings: ServerSettings, *, transport: Any = None) -> list[Notifier]:
     """Alertmanager and webhook notifiers, where configured."""
-    from server.notify.alertmanager import AlertmanagerNotifier
-    from server.notify.webhook import WebhookNotifier
+    from gpufleet.server.notify.alertmanager import AlertmanagerNotifier
+    from gpufleet.server.notify.webhook import WebhookNotifier
 
     out: list[Notifier] = []
     if settings.alertmanager_urls:
@@ -223,7 +223,7 @@ def _https(*urls: str | None) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse settings, build the pipeline and serve until SIGTERM; exit 2 on bad configuration."""
-    from server.api import create_app
+    from gpufleet.server.api import create_app
 
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv)

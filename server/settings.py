@@ -88,7 +88,7 @@ def parse_urls(text: Any) -> tuple[str, ...]:
 
 def parse_targets(text: Any) -> tuple[str, ...]:
     """A comma-separated string or a list of HOST:PORT."""
-    from server.ingest.targets import StaticTargets, TargetError
+    from gpufleet.server.ingest.targets import StaticTargets, TargetError
 
     try:
         return StaticTargets.parse(text if isinstance(text, str) else [str(t) for t in text]).addresses

@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 import httpx
 
-from server.outbound import Outbound
-from server.settings import ClientAuth, client_flags, parse_url
+from gpufleet.server.outbound import Outbound
+from gpufleet.server.settings import ClientAuth, client_flags, parse_url
 
 _PREFIX = "api"
 

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import orjson
 
-from server.alerts import Alert, AlertKind, AlertState, Severity
+from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from agent import config as agent_config
-from agent.attribution import JobAttributor
-from server import settings as server_settings
+from gpufleet.agent import config as agent_config
+from gpufleet.agent.attribution import JobAttributor
+from gpufleet.server import settings as server_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.sim import Scenario, load_scenario
-from agent.sim.scenario import Incident
-from server.alerts import Alert, AlertKind
-from server.contract import parse_line
-from server.replay import run_replay
+from gpufleet.agent.sim import Scenario, load_scenario
+from gpufleet.agent.sim.scenario import Incident
+from gpufleet.server.alerts import Alert, AlertKind
+from gpufleet.server.contract import parse_line
+from gpufleet.server.replay import run_replay
 from tests.agent.running import agent_process
-from tests.sim_record import T0, record_cluster
+from bench.sim_record import T0, record_cluster
 
 SAMPLE_INTERVAL_SECONDS = 1.0
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from agent.sim import Scenario, parse_scenario
-from server.alerts import Alert
-from server.contract import parse_line
-from server.replay import run_replay
-from tests.sim_record import T0, record_cluster
+from gpufleet.agent.sim import Scenario, parse_scenario
+from gpufleet.server.alerts import Alert
+from gpufleet.server.contract import parse_line
+from gpufleet.server.replay import run_replay
+from bench.sim_record import T0, record_cluster
 
 K8S_JOB = "research/llama-70b"
 # The same job without GPUFLEET_JOB: the operator's MASTER_ADDR, completed with the pods' namespace.

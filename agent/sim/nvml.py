@@ -18,10 +18,10 @@ from typing import Any, Callable, Sequence
 
 import pynvml
 
-from agent.sim import physics as ph
-from agent.sim.hardware import GpuModel
-from agent.sim.physics import Timeline, build_world, stable_key
-from agent.sim.scenario import Incident, JobSpec, Scenario
+from gpufleet.agent.sim import physics as ph
+from gpufleet.agent.sim.hardware import GpuModel
+from gpufleet.agent.sim.physics import Timeline, build_world, stable_key
+from gpufleet.agent.sim.scenario import Incident, JobSpec, Scenario
 
 log = logging.getLogger(__name__)
 

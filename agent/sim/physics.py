@@ -15,8 +15,9 @@ import operator
 from dataclasses import dataclass
 from typing import Iterable
 
-from agent.sim.hardware import GpuModel
-from agent.sim.scenario import GpuRef, Incident, JobSpec, Scenario
+from gpufleet.reasons import ThrottleReason
+from gpufleet.agent.sim.hardware import GpuModel
+from gpufleet.agent.sim.scenario import GpuRef, Incident, JobSpec, Scenario
 
 # Per-phase weights: what a GPU shows while computing vs. spinning in (or running) a collective.
 SM_BUSY, SM_WAIT = 0.85, 0.05
@@ -38,7 +39,10 @@ CHECKPOINT_EVERY = 600
 WINDOW_BUCKETS = 1200
 
 # Throttle (clocks-event) bits.
-IDLE, SW_POWER_CAP, HW_SLOWDOWN, SW_THERMAL, HW_THERMAL, HW_POWER_BRAKE = 0x1, 0x4, 0x8, 0x20, 0x40, 0x80
+IDLE, SW_POWER_CAP, HW_SLOWDOWN, SW_THERMAL, HW_THERMAL, HW_POWER_BRAKE = (
+    int(r) for r in (ThrottleReason.GPU_IDLE, ThrottleReason.SW_POWER_CAP, ThrottleReason.HW_SLOWDOWN,
+                     ThrottleReason.SW_THERMAL_SLOWDOWN, ThrottleReason.HW_THERMAL_SLOWDOWN,
+                     ThrottleReason.HW_POWER_BRAKE_SLOWDOWN))
 
 # Layout of the per-second rate vector (and of its running integral).
 (UTIL, MEM_UTIL, SM, OCC, TENSOR, POWER_W, SM_CLOCK_MHZ, MEM_CLOCK_MHZ, NVLINK_TX_KIB, NVLINK_RX_KIB,

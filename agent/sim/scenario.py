@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from agent.sim.hardware import MODELS, GpuModel
+from gpufleet.agent.sim.hardware import MODELS, GpuModel
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 BUILTIN_SCENARIOS: tuple[str, ...] = ("hgx-h100", "a100", "pcie", "demo", "cluster-incidents")

@@ -1,5 +1,5 @@
 """The server's HTTP API: an app factory and one router per resource."""
 
-from server.api.app import create_app
+from gpufleet.server.api.app import create_app
 
 __all__ = ["create_app"]

@@ -7,10 +7,10 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query
 from starlette.concurrency import run_in_threadpool
 
-from server.alerts import AlertKind, AlertState, Severity
-from server.api.deps import RuntimeDep
-from server.api.models import AlertModel, AlertPageModel, ErrorModel
-from server.store import MAX_PAGE, AlertQuery
+from gpufleet.server.alerts import AlertKind, AlertState, Severity
+from gpufleet.server.api.deps import RuntimeDep
+from gpufleet.server.api.models import AlertModel, AlertPageModel, ErrorModel
+from gpufleet.server.store import MAX_PAGE, AlertQuery
 
 router = APIRouter(tags=["alerts"])
 

@@ -9,12 +9,12 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from agent.webconfig import WebConfig
-from server.api import alerts, fleet, health
-from server.api.auth import WebGuard
-from server.metrics import build_registry
-from server.runtime import Runtime
-from server.settings import ServerSettings
+from gpufleet.webconfig import WebConfig
+from gpufleet.server.api import alerts, fleet, health
+from gpufleet.server.api.auth import WebGuard
+from gpufleet.server.metrics import build_registry
+from gpufleet.server.runtime import Runtime
+from gpufleet.server.settings import ServerSettings
 
 
 def create_app(settings: ServerSettings, *, runtime: Runtime, run_pipeline: bool = True,

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 import orjson
 from starlette.concurrency import run_in_threadpool
 
-from agent.webconfig import OPEN_PATHS, BasicAuth
+from gpufleet.webconfig import OPEN_PATHS, BasicAuth
 
 _UNAUTHORIZED = orjson.dumps({"detail": "valid basic auth credentials required"})
 

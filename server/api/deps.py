@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from server.runtime import Runtime
+from gpufleet.server.runtime import Runtime
 
 
 def get_runtime(request: Request) -> Runtime:

@@ -6,8 +6,8 @@ from dataclasses import asdict
 
 from fastapi import APIRouter
 
-from server.api.deps import RuntimeDep
-from server.api.models import JobModel, JobsModel, NodeModel, NodesModel, TargetModel
+from gpufleet.server.api.deps import RuntimeDep
+from gpufleet.server.api.models import JobModel, JobsModel, NodeModel, NodesModel, TargetModel
 
 router = APIRouter(tags=["fleet"])
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from server.api.deps import RuntimeDep
-from server.api.models import HealthModel
+from gpufleet.server.api.deps import RuntimeDep
+from gpufleet.server.api.models import HealthModel
 
 router = APIRouter(tags=["health"])
 

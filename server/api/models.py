@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.alerts import Alert, AlertKind, AlertState, Severity
+from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity
 
 
 class AlertModel(BaseModel):

@@ -12,16 +12,16 @@ from typing import Iterable
 
 import numpy as np
 
-from server.alerts import Alert, AlertKind, AlertState, Transition
-from server.contract import NodeSample
-from server.engine.config import EngineConfig
-from server.engine.detectors import FingerprintIndex, Outcome
-from server.engine.detectors import health, straggler, thermal, workload
-from server.engine.groups import JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
-from server.engine.lifecycle import Lifecycle
-from server.engine.tick import Tick, read_windows, smoothed
-from server.engine.views import EngineStats, JobHealth, NodeHealth
-from server.engine.windows import Windows
+from gpufleet.server.alerts import Alert, AlertKind, AlertState, Transition
+from gpufleet.server.contract import NodeSample
+from gpufleet.server.engine.config import EngineConfig
+from gpufleet.server.engine.detectors import FingerprintIndex, Outcome
+from gpufleet.server.engine.detectors import health, straggler, thermal, workload
+from gpufleet.server.engine.groups import JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
+from gpufleet.server.engine.lifecycle import Lifecycle
+from gpufleet.server.engine.tick import Tick, read_windows, smoothed
+from gpufleet.server.engine.views import EngineStats, JobHealth, NodeHealth
+from gpufleet.server.engine.windows import Windows
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "JobHealth", "NodeHealth"]
 

@@ -13,8 +13,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from server.engine.reduce import equal
-from server.engine.windows import NO_JOB
+from gpufleet.server.engine.reduce import equal
+from gpufleet.server.engine.windows import NO_JOB
 
 JOB = "hpc_job"
 # The smoothed per-GPU readings that are compared with peers, as rows of one array (see Tick.levels).

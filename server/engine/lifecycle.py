@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from server.alerts import Alert, AlertKind, AlertState, Severity, Transition
-from server.engine.detectors import Finding, Outcome
+from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Transition
+from gpufleet.server.engine.detectors import Finding, Outcome
 
 _LIVE_KEYS = frozenset(("gpu_hours_lost", "silent_seconds", "count", "last_event_time", "uncorrected_errors_new",
                         "remapped_rows_pending", "remapped_rows_failure"))

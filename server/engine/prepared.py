@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from server.contract import NodeSample
+from gpufleet.server.contract import NodeSample
 
 if TYPE_CHECKING:
-    from server.engine.windows import CounterEvent, Windows
+    from gpufleet.server.engine.windows import CounterEvent, Windows
 
 # About this many GPU rows are prepared at a time: enough to spread numpy's per-call cost over tens to
 # hundreds of ticks of a small cluster, few enough to keep a chunk's arrays to a few megabytes.

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.engine.config import EngineConfig
-from server.engine.groups import LEVELS, GroupRegistry, Groups
-from server.engine.reduce import nan_mean_first_axis, nan_median_first_axis
-from server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_POWER, B_POWER_CAP, B_SLOW, B_SM, B_THERMAL, B_UTIL,
+from gpufleet.server.engine.config import EngineConfig
+from gpufleet.server.engine.groups import LEVELS, GroupRegistry, Groups
+from gpufleet.server.engine.reduce import nan_mean_first_axis, nan_median_first_axis
+from gpufleet.server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_POWER, B_POWER_CAP, B_SLOW, B_SM, B_THERMAL, B_UTIL,
                                    Windows)
 
 # Only what detectors read every tick is smoothed; the temperature median is needed just for the

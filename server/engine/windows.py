@@ -17,10 +17,11 @@ from operator import attrgetter
 
 import numpy as np
 
-from server.contract import (CLOCK, CLOCK_MAX, ECC_UNCORRECTED, ENERGY, LAST_XID, MEM_MAX_TEMP, MEM_TEMP, POWER,
+from gpufleet.reasons import CLOCK_CUT_REASONS, THERMAL_REASONS, ThrottleReason
+from gpufleet.server.contract import (CLOCK, CLOCK_MAX, ECC_UNCORRECTED, ENERGY, LAST_XID, MEM_MAX_TEMP, MEM_TEMP, POWER,
                              POWER_LIMIT, REMAP_FAILURE, REMAP_PENDING, SLOWDOWN_TEMP, SM, TEMP, THROTTLE, UP,
                              UTIL, XID_TOTAL, NodeSample)
-from server.engine.prepared import Prepared
+from gpufleet.server.engine.prepared import Prepared
 
 # Binned quantities (rows of the rings).
 (B_UTIL, B_SM, B_TEMP, B_MEM_TEMP, B_POWER, B_POWER_LIMIT, B_CLOCK_RATIO, B_UP, B_THERMAL, B_HW_THERMAL,
@@ -34,10 +35,10 @@ _DIRECT = ((B_UTIL, UTIL), (B_SM, SM), (B_TEMP, TEMP), (B_MEM_TEMP, MEM_TEMP), (
 # hold 16 MB per limit. Rows of slot_limits:
 L_SLOWDOWN, L_MEM_MAX = range(2)
 LIMIT_COLS = np.array([SLOWDOWN_TEMP, MEM_MAX_TEMP])
-THERMAL_BITS = 0x20 | 0x40
-HW_THERMAL_BIT = 0x40
-SLOW_BITS = 0x08 | 0x20 | 0x40 | 0x80
-POWER_CAP_BIT = 0x04
+THERMAL_BITS = int(THERMAL_REASONS)
+HW_THERMAL_BIT = int(ThrottleReason.HW_THERMAL_SLOWDOWN)
+SLOW_BITS = int(CLOCK_CUT_REASONS | ThrottleReason.SW_THERMAL_SLOWDOWN)
+POWER_CAP_BIT = int(ThrottleReason.SW_POWER_CAP)
 _COUNTER_COLS = np.array([ENERGY, XID_TOTAL, ECC_UNCORRECTED])     # _counters' column i is counter i
 _DIRECT_ROWS = np.array([b for b, _ in _DIRECT])
 _DIRECT_COLS = np.array([c for _, c in _DIRECT])

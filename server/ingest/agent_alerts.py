@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Collection, Iterable, Mapping, Sequence
 
-from server.alerts import Alert, AlertKind, AlertState, Severity, Transition, fingerprint
-from server.ingest.puller import TargetHealth
+from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Transition, fingerprint
+from gpufleet.server.ingest.puller import TargetHealth
 
 SOURCE = "ingest"
 

@@ -36,7 +36,7 @@ import httpx
 import msgspec
 import orjson
 
-from server.ingest.puller import IngestAccounting, PullError, PullResult, TargetHealth, _default_parse, bounded
+from gpufleet.server.ingest.puller import IngestAccounting, PullError, PullResult, TargetHealth, _default_parse, bounded
 
 log = logging.getLogger(__name__)
 

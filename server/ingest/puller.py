@@ -21,8 +21,8 @@ from typing import Any, AsyncIterator, Callable, Mapping
 import httpx
 import orjson
 
-from server.ingest.clocks import DEFAULT_MIN_OFFSET_SECONDS, ClockOffsets
-from server.ingest.targets import TargetSource
+from gpufleet.server.ingest.clocks import DEFAULT_MIN_OFFSET_SECONDS, ClockOffsets
+from gpufleet.server.ingest.targets import TargetSource
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _number(value: Any) -> float | None:
 
 def _default_parse() -> Callable[[Mapping[str, Any]], Any]:
     """The engine's contract parser, imported late so the puller does not pull numpy in at import."""
-    from server.contract import parse_snapshot
+    from gpufleet.server.contract import parse_snapshot
 
     return parse_snapshot
 

@@ -8,7 +8,7 @@ from typing import Awaitable, Callable, Protocol, Sequence
 
 import httpx
 
-from server.alerts import Transition
+from gpufleet.server.alerts import Transition
 
 log = logging.getLogger(__name__)
 

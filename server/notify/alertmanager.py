@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 import httpx
 import orjson
 
-from server.alerts import Alert, AlertState, Transition, cause
-from server.notify import Sleep, deliver_until_stopped, post_with_retry
+from gpufleet.server.alerts import Alert, AlertState, Transition, cause
+from gpufleet.server.notify import Sleep, deliver_until_stopped, post_with_retry
 
 log = logging.getLogger(__name__)
 

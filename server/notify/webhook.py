@@ -11,8 +11,8 @@ from typing import Any, Sequence
 import httpx
 import orjson
 
-from server.alerts import Transition
-from server.notify import Sleep, deliver_until_stopped, post_with_retry
+from gpufleet.server.alerts import Transition
+from gpufleet.server.notify import Sleep, deliver_until_stopped, post_with_retry
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from agent.model import GpuSample, NodeSnapshot
-from agent.nvml_reader import NvmlUnavailable
+from gpufleet.agent.model import GpuSample, NodeSnapshot
+from gpufleet.agent.nvml_reader import NvmlUnavailable
 
 H100 = "NVIDIA H100 80GB HBM3"
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @contextlib.contextmanager
 def agent_process(*args: str, timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen, int]]:
     """Run the agent on 127.0.0.1:0 with JSON logs (info level or lower: the start line carries the port)."""
-    cmd = [sys.executable, "-m", "agent.cli", "--web.listen-address", "127.0.0.1:0", "--log.format", "json", *args]
+    cmd = [sys.executable, "-m", "gpufleet.agent.cli", "--web.listen-address", "127.0.0.1:0", "--log.format", "json", *args]
     with _started("agent", cmd, _logged_port("agent started", lambda r: r["port"]), timeout) as (proc, port):
         yield proc, port
 
@@ -33,7 +33,7 @@ def agent_process(*args: str, timeout: float = 30.0) -> Iterator[tuple[subproces
 def server_process(tmp_path: Path, *args: str, timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen, int]]:
     """Run `gpufleet-server serve` on 127.0.0.1:0 with its alert store in tmp_path; yields once it logged
     that it listens, with the port it was given."""
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--web.listen-address", "127.0.0.1:0",
+    cmd = [sys.executable, "-m", "gpufleet.server.cli", "serve", "--web.listen-address", "127.0.0.1:0",
            "--storage.path", str(tmp_path / "server.db"), "--log.level", "info", "--log.format", "json", *args]
     port_of = _logged_port("gpufleet-server listening", lambda r: r["address"].rpartition(":")[2])
     with _started("server", cmd, port_of, timeout) as started:

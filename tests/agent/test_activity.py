@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.activity import ActivityIntegrator
-from agent.exposition import render, render_reference
-from agent.health import AgentHealth
-from agent.model import GpuSample, NodeSnapshot
+from gpufleet.agent.activity import ActivityIntegrator
+from gpufleet.agent.exposition import render, render_reference
+from gpufleet.agent.health import AgentHealth
+from gpufleet.agent.model import GpuSample, NodeSnapshot
 
 
 def snap(t: float, *gpus: GpuSample) -> NodeSnapshot:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.attribution import JobAttributor, Pod
+from gpufleet.agent.attribution import JobAttributor, Pod
 
 
 def proc(root, pid, environ: bytes | None = None, cgroup: str | None = None):

@@ -11,7 +11,7 @@ import threading
 import orjson
 import pytest
 
-from agent.cli import main
+from gpufleet.agent.cli import main
 from tests.agent.running import agent_process
 
 # The snapshot contract (schema 1) of issue 2: GPU fields and the JSON types each may take.

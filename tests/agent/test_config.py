@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.cli import main
-from agent.config import AgentConfig, ConfigError, default_node, env_name, load_config
+from gpufleet.agent.cli import main
+from gpufleet.agent.config import AgentConfig, ConfigError, default_node, env_name, load_config
 
 
 # main() points the root logger at stderr with its own level (see conftest.py).

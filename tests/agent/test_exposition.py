@@ -9,9 +9,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.exposition import render, render_age, render_reference
-from agent.health import AgentHealth
-from agent.model import GpuSample, NodeSnapshot
+from gpufleet.agent.exposition import render, render_age, render_reference
+from gpufleet.agent.health import AgentHealth
+from gpufleet.agent.model import GpuSample, NodeSnapshot
 from tests.agent.fakes import gpu, snapshot
 
 EXPECTED = Path(__file__).parent / "expected"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from agent.gpm import GpmSampler
+from gpufleet.agent.gpm import GpmSampler
 from tests.agent.fake_nvml import FakeNvml, h100
 
 

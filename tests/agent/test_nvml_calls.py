@@ -7,8 +7,8 @@ import re
 
 import pynvml
 
-from agent.nvml_calls import IDENTITY, POLLED, STATIC, cuda_version_text, text
-from agent.model import GpuSample
+from gpufleet.agent.nvml_calls import IDENTITY, POLLED, STATIC, cuda_version_text, text
+from gpufleet.agent.model import GpuSample
 
 DEPRECATED = ("nvmlDeviceGetTemperature(", "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetViolationStatus",
               "nvmlDeviceGetNvLinkUtilizationCounter", "nvmlDeviceGetPcieThroughput", "nvmlDeviceGetDetailedEccErrors")

@@ -7,7 +7,7 @@ import threading
 import pynvml
 import pytest
 
-from agent.nvml_errors import ErrorCounts, error_code, error_name, is_library_fatal
+from gpufleet.agent.nvml_errors import ErrorCounts, error_code, error_name, is_library_fatal
 
 
 @pytest.mark.parametrize(

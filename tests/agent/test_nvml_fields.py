@@ -5,7 +5,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from agent.nvml_fields import ALL_LINKS, FieldBatch, FieldEntry, batch_entries, decode, fetch, read_link_count
+from gpufleet.agent.nvml_fields import ALL_LINKS, FieldBatch, FieldEntry, batch_entries, decode, fetch, read_link_count
 from tests.agent.fake_nvml import FakeNvml, h100
 
 

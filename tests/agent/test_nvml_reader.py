@@ -8,7 +8,7 @@ import math
 import pynvml
 import pytest
 
-from agent.nvml_reader import NvmlReader, NvmlUnavailable
+from gpufleet.agent.nvml_reader import NvmlReader, NvmlUnavailable
 from tests.agent.fake_nvml import FakeNvml, FakeGpu, h100
 
 FIELD_SCOPE = 0xFFFFFFFF
@@ -190,7 +190,7 @@ def test_gpu_lost_mid_run_others_keep_reporting(two_gpus, caplog):
     fake, reader = two_gpus
     reader.read()
     fake.gpus[0].lost = True
-    caplog.set_level(logging.WARNING, logger="agent.nvml_reader")
+    caplog.set_level(logging.WARNING, logger="gpufleet.agent.nvml_reader")
     samples = [reader.read() for _ in range(3)]
     calls_on_0 = fake.called("nvmlDeviceGetUtilizationRates", 0)
     reader.read()
@@ -301,7 +301,7 @@ def test_field_values_with_mixed_per_entry_return_codes(caplog):
     codes[(pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, 0)] = pynvml.NVML_ERROR_TIMEOUT
     codes[(pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, 0)] = pynvml.NVML_ERROR_UNKNOWN
     del fake.gpus[0].fields[(pynvml.NVML_FI_DEV_MEMORY_TEMP, 0)]  # answers NOT_SUPPORTED per entry
-    caplog.set_level(logging.INFO, logger="agent.nvml_reader")
+    caplog.set_level(logging.INFO, logger="gpufleet.agent.nvml_reader")
     reader = opened(fake)
     gpu = reader.read()[0]
     assert (gpu.power_watts, gpu.energy_joules_total, gpu.pcie_tx_bytes_total) == (None, None, None)
@@ -330,7 +330,7 @@ def test_unsupported_readings_logged_once_per_gpu(caplog):
     fake = FakeNvml([gpu, h100(1)])
     fake.inject("nvmlDeviceGetSerial", pynvml.NVML_ERROR_NOT_SUPPORTED, index=0)
     fake.inject("nvmlDeviceGetRemappedRows", pynvml.NVML_ERROR_NOT_SUPPORTED, index=0)
-    caplog.set_level(logging.INFO, logger="agent.nvml_reader")
+    caplog.set_level(logging.INFO, logger="gpufleet.agent.nvml_reader")
     reader = opened(fake)
     for _ in range(3):
         sample = reader.read()[0]

@@ -7,8 +7,8 @@ from types import MappingProxyType
 
 import pytest
 
-from agent.model import GpuSample
-from agent.nvml_values import INVALID, RULES, CounterTracker, base_name, convert
+from gpufleet.agent.model import GpuSample
+from gpufleet.agent.nvml_values import INVALID, RULES, CounterTracker, base_name, convert
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,12 @@ import subprocess
 
 import pytest
 
-from agent.exposition import render, render_age, render_reference
-from agent.health import AgentHealth
-from agent.nvml_reader import NvmlReader
-from agent.sampler import Sampler
-from agent.sim import SimNvml, load_scenario
-from agent.store import SnapshotStore
+from gpufleet.agent.exposition import render, render_age, render_reference
+from gpufleet.agent.health import AgentHealth
+from gpufleet.agent.nvml_reader import NvmlReader
+from gpufleet.agent.sampler import Sampler
+from gpufleet.agent.sim import SimNvml, load_scenario
+from gpufleet.agent.store import SnapshotStore
 from tests.agent.fakes import FakeClock
 from tests.agent.running import PROMTOOL, requires_promtool
 from tests.agent.test_exposition import fixed_health, fixed_snapshot

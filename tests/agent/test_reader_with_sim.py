@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from agent.model import GpuSample
-from agent.nvml_reader import NvmlReader
-from agent.sim import SimNvml, load_scenario
+from gpufleet.agent.model import GpuSample
+from gpufleet.agent.nvml_reader import NvmlReader
+from gpufleet.agent.sim import SimNvml, load_scenario
 
 EPOCH = 1_763_800_000.0
 

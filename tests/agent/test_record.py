@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from agent.record import Recorder
+from gpufleet.agent.record import Recorder
 
 
 def test_appends_one_line_per_write(tmp_path):

@@ -6,11 +6,11 @@ import logging
 
 import orjson
 
-from agent.attribution import JobAttributor
-from agent.nvml_reader import NvmlUnavailable
-from agent.record import Recorder
-from agent.sampler import Sampler
-from agent.store import SnapshotStore
+from gpufleet.agent.attribution import JobAttributor
+from gpufleet.agent.nvml_reader import NvmlUnavailable
+from gpufleet.agent.record import Recorder
+from gpufleet.agent.sampler import Sampler
+from gpufleet.agent.store import SnapshotStore
 from tests.agent.fakes import FakeClock, FakeStop, StubReader
 
 

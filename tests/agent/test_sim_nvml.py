@@ -7,7 +7,7 @@ import ctypes
 import pynvml
 import pytest
 
-from agent.sim import SimNvml, load_scenario, parse_scenario
+from gpufleet.agent.sim import SimNvml, load_scenario, parse_scenario
 
 UINT_MAX = 0xFFFFFFFF
 

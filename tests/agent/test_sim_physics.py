@@ -6,10 +6,10 @@ import statistics
 
 import pytest
 
-from agent.sim import load_scenario
-from agent.sim import physics as ph
-from agent.sim.hardware import A100_SXM4, H100_SXM
-from agent.sim.physics import Thermal, Timeline, build_world, related_gpus, step, thermal_clock
+from gpufleet.agent.sim import load_scenario
+from gpufleet.agent.sim import physics as ph
+from gpufleet.agent.sim.hardware import A100_SXM4, H100_SXM
+from gpufleet.agent.sim.physics import Thermal, Timeline, build_world, related_gpus, step, thermal_clock
 
 
 def _timeline(scenario: str, node: str, seed: int = 0) -> Timeline:

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from agent.sim import BUILTIN_SCENARIOS, ScenarioError, load_scenario
-from agent.sim.scenario import parse_scenario
+from gpufleet.agent.sim import BUILTIN_SCENARIOS, ScenarioError, load_scenario
+from gpufleet.agent.sim.scenario import parse_scenario
 
 BASE = {
     "name": "t",
@@ -51,7 +51,7 @@ def test_demo_layout():
 
 
 def test_cluster_incidents_covers_every_kind():
-    from agent.sim.scenario import INCIDENT_KINDS
+    from gpufleet.agent.sim.scenario import INCIDENT_KINDS
 
     assert {i.kind for i in load_scenario("cluster-incidents").incidents} == set(INCIDENT_KINDS)
 

@@ -7,8 +7,8 @@ import threading
 import orjson
 import pytest
 
-from agent.health import AgentHealth
-from agent.store import MIN_RETENTION_SECONDS, Publication, SnapshotStore
+from gpufleet.agent.health import AgentHealth
+from gpufleet.agent.store import MIN_RETENTION_SECONDS, Publication, SnapshotStore
 from tests.agent.fakes import snapshot
 
 HEALTH = AgentHealth(node="dgx-017", version="0.1.0", nvml_up=True)

@@ -9,9 +9,9 @@ import threading
 import orjson
 import pytest
 
-from agent.sampler import Sampler
-from agent.store import SnapshotStore
-from agent.webserver import AgentHttpServer
+from gpufleet.agent.sampler import Sampler
+from gpufleet.agent.store import SnapshotStore
+from gpufleet.agent.webserver import AgentHttpServer
 from tests.agent.fakes import FakeClock, StubReader
 
 

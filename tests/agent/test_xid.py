@@ -8,9 +8,9 @@ import logging
 import pynvml
 import pytest
 
-from agent.nvml_errors import ErrorCounts
-from agent.nvml_reader import NvmlReader
-from agent.xid import XidStore, XidWatcher, handle_key
+from gpufleet.agent.nvml_errors import ErrorCounts
+from gpufleet.agent.nvml_reader import NvmlReader
+from gpufleet.agent.xid import XidStore, XidWatcher, handle_key
 from tests.agent.fake_nvml import FakeNvml, h100
 
 
@@ -48,7 +48,7 @@ def test_xid_counts_survive_reopen(fake_and_reader):
 
 def test_event_for_unknown_handle_is_ignored(fake_and_reader, caplog):
     fake, reader = fake_and_reader
-    caplog.set_level(logging.DEBUG, logger="agent.xid")
+    caplog.set_level(logging.DEBUG, logger="gpufleet.agent.xid")
     fake.push_xid(None, 79, address=0xDEAD)
     assert fake.wait_drained()
     assert all(g.xid_errors_total == 0 for g in reader.read())
@@ -59,7 +59,7 @@ def test_registration_not_supported_means_no_xid_reading(caplog):
     gpus = [h100(0), h100(1)]
     gpus[1].xid_supported = False
     fake = FakeNvml(gpus)
-    caplog.set_level(logging.INFO, logger="agent.nvml_reader")
+    caplog.set_level(logging.INFO, logger="gpufleet.agent.nvml_reader")
     reader = NvmlReader(fake, xid_wait_ms=20)
     reader.open()
     fake.push_xid(0, 31)
@@ -88,7 +88,7 @@ def test_no_gpu_supports_events_starts_no_thread():
 
 def test_wait_errors_are_counted_logged_once_and_survived(fake_and_reader, caplog):
     fake, reader = fake_and_reader
-    caplog.set_level(logging.WARNING, logger="agent.xid")
+    caplog.set_level(logging.WARNING, logger="gpufleet.agent.xid")
     fake.push_wait_error(pynvml.NVML_ERROR_UNKNOWN)
     fake.push_wait_error(pynvml.NVML_ERROR_UNKNOWN)
     fake.push_xid(0, 79)

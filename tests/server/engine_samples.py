@@ -6,8 +6,8 @@ from typing import Any, Callable
 
 import orjson
 
-from agent.model import GpuSample, NodeSnapshot
-from server.contract import NodeSample, parse_line
+from gpufleet.agent.model import GpuSample, NodeSnapshot
+from gpufleet.server.contract import NodeSample, parse_line
 
 T0 = 1_763_800_000.0
 MAX_HZ = 1.98e9

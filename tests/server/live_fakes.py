@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from server.alerts import Alert, AlertKind, AlertState, Severity, Transition, fingerprint
+from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Transition, fingerprint
 
 
 def snapshot(node: str, t: float, *, temps: tuple[float, ...] = (60.0, 60.0), job: str | None = "j1") -> dict:

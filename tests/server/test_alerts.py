@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from server.alerts import AlertKind, cause
+from gpufleet.server.alerts import AlertKind, cause
 from tests.server.live_fakes import make_alert
 
 

@@ -4,7 +4,7 @@ import platform
 
 import pytest
 
-from server import allocator
+from gpufleet.server import allocator
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's")

@@ -10,14 +10,14 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 
-from server.alerts import AlertKind, AlertState, Severity
-from server.api import create_app
-from server.ingest.puller import Puller
-from server.notify.alertmanager import AlertmanagerNotifier
-from server.ingest.targets import StaticTargets
-from server.runtime import Runtime
-from server.settings import ServerSettings
-from server.store import AlertStore
+from gpufleet.server.alerts import AlertKind, AlertState, Severity
+from gpufleet.server.api import create_app
+from gpufleet.server.ingest.puller import Puller
+from gpufleet.server.notify.alertmanager import AlertmanagerNotifier
+from gpufleet.server.ingest.targets import StaticTargets
+from gpufleet.server.runtime import Runtime
+from gpufleet.server.settings import ServerSettings
+from gpufleet.server.store import AlertStore
 from tests.server.live_fakes import StubEngine, envelope, make_alert, parse_dict, snapshot
 
 

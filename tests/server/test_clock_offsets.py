@@ -9,11 +9,11 @@ import httpx
 import orjson
 import pytest
 
-from server.ingest.clocks import ClockOffsets
-from server.ingest.puller import Puller
-from server.ingest.targets import StaticTargets
-from server.serve import build_runtime
-from server.settings import ServerSettings, load_settings
+from gpufleet.server.ingest.clocks import ClockOffsets
+from gpufleet.server.ingest.puller import Puller
+from gpufleet.server.ingest.targets import StaticTargets
+from gpufleet.server.serve import build_runtime
+from gpufleet.server.settings import ServerSettings, load_settings
 from tests.server.engine_samples import T0, cluster_lines
 from tests.server.live_fakes import envelope, parse_dict, snapshot
 
@@ -37,7 +37,7 @@ def test_an_offset_is_measured_from_the_least_delayed_answer(offset):
 
 
 def test_jitter_does_not_move_the_offset_and_a_corrected_clock_is_trusted_again(caplog):
-    caplog.set_level(logging.INFO, logger="server.ingest.clocks")
+    caplog.set_level(logging.INFO, logger="gpufleet.server.ingest.clocks")
     clocks = ClockOffsets()
     t = 1000.0
     for delay in (0.1, 1.5, 0.9, 1.9):

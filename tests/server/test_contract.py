@@ -7,7 +7,7 @@ import math
 import orjson
 import pytest
 
-from server.contract import ContractError, parse_line, parse_lines, parse_snapshot
+from gpufleet.server.contract import ContractError, parse_line, parse_lines, parse_snapshot
 from tests.server.engine_samples import T0, healthy, snapshot_line
 
 
@@ -154,8 +154,8 @@ def test_the_decoder_expects_fields_in_the_order_the_agent_writes_them():
     # is declared in the agent's order.
     from dataclasses import fields
 
-    from agent.model import GpuSample
-    from server.contract import GPU_FIELD_ORDER
+    from gpufleet.agent.model import GpuSample
+    from gpufleet.server.contract import GPU_FIELD_ORDER
 
     written = [f.name for f in fields(GpuSample)]
     assert set(GPU_FIELD_ORDER) <= set(written)

@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import httpx
 
-from server.alerts import AlertKind, AlertState, Transition
-from server.demo import TerminalPrinter, incident_subject, loss_summary, main, server_socket, subject, timeline
+from gpufleet.server.alerts import AlertKind, AlertState, Transition
+from gpufleet.server.demo import TerminalPrinter, incident_subject, loss_summary, main, server_socket, subject, timeline
 from tests.server.live_fakes import make_alert
 
 
@@ -41,7 +41,7 @@ def test_printer_shows_firing_and_resolved_only() -> None:
 
 
 def test_timeline_lists_the_demo_incidents_in_order_with_what_to_expect() -> None:
-    from agent.sim import load_scenario
+    from gpufleet.agent.sim import load_scenario
 
     demo = load_scenario("demo")
     lines = timeline(demo, epoch=1000.0)
@@ -59,7 +59,7 @@ def test_timeline_lists_the_demo_incidents_in_order_with_what_to_expect() -> Non
 
 
 def test_incident_subject_for_several_gpus_and_whole_nodes() -> None:
-    from agent.sim import parse_scenario
+    from gpufleet.agent.sim import parse_scenario
 
     scenario = parse_scenario({
         "nodes": [{"name": "a"}, {"name": "b"}],
@@ -87,7 +87,7 @@ def test_demo_runs_serves_what_it_prints_and_stops_by_itself() -> None:
     """Real agent processes and the real server for a few seconds: every URL the banner prints answers 200
     (the demo's own terminal notifier once broke /metrics), so does `gpufleet-server status`, and
     --duration makes it exit 0 by itself."""
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "demo", "--duration", "12",
+    proc = subprocess.Popen([sys.executable, "-m", "gpufleet.server.cli", "demo", "--duration", "12",
                              "--web.listen-address", "127.0.0.1:0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -102,7 +102,7 @@ def test_demo_runs_serves_what_it_prints_and_stops_by_itself() -> None:
             assert httpx.get(url, timeout=10).status_code == 200, url
         assert "gpufleet_server_notifications_sent_total" in httpx.get(printed["metrics"], timeout=10).text
         base = printed["alerts"].removesuffix("/alerts")
-        status = subprocess.run([sys.executable, "-m", "server.cli", "status", "--url", base],
+        status = subprocess.run([sys.executable, "-m", "gpufleet.server.cli", "status", "--url", base],
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0 and status.stdout.startswith(f"gpufleet-server {base}: "), status.stderr
         out, err = proc.communicate(timeout=120)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine import EngineConfig
+from gpufleet.server.engine import EngineConfig
 
 
 def test_defaults_and_overrides():

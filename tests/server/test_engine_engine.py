@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from server.alerts import AlertKind, AlertState
-from server.contract import parse_line
-from server.engine import Engine, EngineConfig
+from gpufleet.server.alerts import AlertKind, AlertState
+from gpufleet.server.contract import parse_line
+from gpufleet.server.engine import Engine, EngineConfig
 from tests.server.engine_samples import T0, cluster_lines
 
 

@@ -10,8 +10,8 @@ import warnings
 import numpy as np
 import pytest
 
-from server.contract import ContractError, parse_snapshot
-from server.engine import Engine, EngineConfig
+from gpufleet.server.contract import ContractError, parse_snapshot
+from gpufleet.server.engine import Engine, EngineConfig
 
 READINGS = ("utilization_ratio", "sm_active_ratio", "temperature_celsius", "slowdown_temperature_celsius",
             "power_watts", "power_limit_watts", "energy_joules_total", "sm_clock_hertz", "sm_clock_max_hertz",

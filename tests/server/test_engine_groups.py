@@ -6,7 +6,7 @@ import numpy as np
 
 import pytest
 
-from server.engine.groups import (CLUSTER_MODEL, JOB, NODE_MODEL, GroupLayout, GroupMembers, GroupRegistry,
+from gpufleet.server.engine.groups import (CLUSTER_MODEL, JOB, NODE_MODEL, GroupLayout, GroupMembers, GroupRegistry,
                                   group_mean, group_means, group_median, group_medians, group_stats)
 
 

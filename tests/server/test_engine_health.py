@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from server.engine.detectors.health import XID_MEANINGS
-from server.replay import run_replay
+from gpufleet.server.engine.detectors.health import XID_MEANINGS
+from gpufleet.server.replay import run_replay
 from tests.server.engine_samples import T0, cluster_lines
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.engine.groups import LEVELS, GroupHistory, Groups
+from gpufleet.server.engine.groups import LEVELS, GroupHistory, Groups
 
 RING, MIN_TICKS, LAG = 180, 24, 12
 

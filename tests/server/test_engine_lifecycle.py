@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from server.alerts import AlertKind, AlertState, Severity
-from server.engine.detectors import Finding, Outcome
-from server.engine.lifecycle import Lifecycle
+from gpufleet.server.alerts import AlertKind, AlertState, Severity
+from gpufleet.server.engine.detectors import Finding, Outcome
+from gpufleet.server.engine.lifecycle import Lifecycle
 
 K = AlertKind.THERMAL_THROTTLE
 

@@ -8,12 +8,12 @@ import math
 
 import numpy as np
 
-from server.alerts import AlertKind
-from server.contract import parse_line
-from server.engine import Engine, EngineConfig
-from server.engine.detectors import FingerprintIndex, subject_fingerprint
-from server.engine.groups import JOB
-from server.replay import run_replay
+from gpufleet.server.alerts import AlertKind
+from gpufleet.server.contract import parse_line
+from gpufleet.server.engine import Engine, EngineConfig
+from gpufleet.server.engine.detectors import FingerprintIndex, subject_fingerprint
+from gpufleet.server.engine.groups import JOB
+from gpufleet.server.replay import run_replay
 from tests.server.engine_samples import T0, cluster_lines
 
 RETENTION_S = 900.0

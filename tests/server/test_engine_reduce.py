@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from server.engine.reduce import (equal, median, nan_mean_first_axis, nan_median_first_axis, nan_to_zero,
+from gpufleet.server.engine.reduce import (equal, median, nan_mean_first_axis, nan_median_first_axis, nan_to_zero,
                                   sorted_nan_last)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.replay import run_replay
+from gpufleet.server.replay import run_replay
 from tests.server.engine_samples import MAX_HZ, T0, cluster_lines
 
 

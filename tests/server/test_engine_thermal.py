@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.replay import run_replay
+from gpufleet.server.replay import run_replay
 from tests.server.engine_samples import T0, cluster_lines
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.contract import parse_lines
-from server.engine import prepared as prepared_module
-from server.engine.windows import B_POWER, B_THERMAL, B_UTIL, L_MEM_MAX, L_SLOWDOWN, N_BINNED, Windows
+from gpufleet.server.contract import parse_lines
+from gpufleet.server.engine import prepared as prepared_module
+from gpufleet.server.engine.windows import B_POWER, B_THERMAL, B_UTIL, L_MEM_MAX, L_SLOWDOWN, N_BINNED, Windows
 from tests.server.engine_samples import T0, healthy, sample, snapshot_line
 
 

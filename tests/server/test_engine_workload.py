@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.replay import run_replay
+from gpufleet.server.replay import run_replay
 from tests.server.engine_samples import MAX_HZ, T0, cluster_lines
 
 

@@ -8,10 +8,10 @@ import random
 
 import httpx
 
-from server.alerts import AlertState, cause
-from server.contract import parse_line
-from server.engine import Engine, EngineConfig
-from server.notify.alertmanager import AlertmanagerNotifier
+from gpufleet.server.alerts import AlertState, cause
+from gpufleet.server.contract import parse_line
+from gpufleet.server.engine import Engine, EngineConfig
+from gpufleet.server.notify.alertmanager import AlertmanagerNotifier
 from tests.agent.running import alertmanager_process, requires_alertmanager
 from tests.server.engine_samples import MAX_HZ, T0, cluster_lines
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import httpx
 
-from server.alerts import AlertKind, AlertState, Severity, Transition
-from server.notify.alertmanager import AlertmanagerNotifier, alertname, rfc3339
-from server.notify.webhook import WebhookNotifier
+from gpufleet.server.alerts import AlertKind, AlertState, Severity, Transition
+from gpufleet.server.notify.alertmanager import AlertmanagerNotifier, alertname, rfc3339
+from gpufleet.server.notify.webhook import WebhookNotifier
 from tests.server.live_fakes import make_alert
 
 

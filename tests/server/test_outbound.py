@@ -1,4 +1,4 @@
-"""server.outbound: the TLS context and credentials the server shows Prometheus, Alertmanager, a webhook
+"""gpufleet.server.outbound: the TLS context and credentials the server shows Prometheus, Alertmanager, a webhook
 receiver and the agents, their settings, and how renewed files are taken up without a restart."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from server.alerts import Transition
-from server.outbound import Outbound
-from server.serve import build_notifiers, build_source
-from server.settings import ClientAuth, ConfigError, load_settings
+from gpufleet.server.alerts import Transition
+from gpufleet.server.outbound import Outbound
+from gpufleet.server.serve import build_notifiers, build_source
+from gpufleet.server.settings import ClientAuth, ConfigError, load_settings
 from tests.agent.fakes import FakeClock
 from tests.server.live_fakes import make_alert
 from tests.tlsfiles import OPENSSL, make_pki
@@ -72,7 +72,7 @@ def test_a_rotated_secret_is_sent_once_noticed_and_a_broken_one_is_not(tmp_path,
 
     path.write_text("")                                  # a Secret caught half-written
     clock.advance(1.0)
-    with caplog.at_level(logging.WARNING, logger="server.outbound"):
+    with caplog.at_level(logging.WARNING, logger="gpufleet.server.outbound"):
         assert headers_sent(out) == ["Bearer new-and-longer"]
     assert "cannot be used" in caplog.text and "is empty" in caplog.records[-1].reason
 
@@ -237,7 +237,7 @@ def test_a_renewed_client_certificate_is_shown_without_a_restart(pki, tmp_path, 
 
         shutil.copy(pki.next_client_cert, cert)          # cert-manager writes the certificate first...
         clock.advance(1.0)
-        with caplog.at_level(logging.WARNING, logger="server.outbound"):
+        with caplog.at_level(logging.WARNING, logger="gpufleet.server.outbound"):
             assert client.get(mtls_server).text == "client"   # ...a pair that does not match is not taken
         assert "cannot load them" in caplog.records[-1].reason
 
@@ -258,7 +258,7 @@ def test_a_half_written_certificate_pair_does_not_hold_back_a_renewed_secret(pki
     shutil.copy(pki.next_client_cert, cert)               # the key is still the old one
     token.write_text("second\n")
     clock.advance(1.0)
-    with caplog.at_level(logging.WARNING, logger="server.outbound"):
+    with caplog.at_level(logging.WARNING, logger="gpufleet.server.outbound"):
         assert headers_sent(out) == ["Bearer second"]
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
     assert warning.file == "client certificate" and out.reloads == 1

@@ -9,9 +9,9 @@ import threading
 import httpx
 import pytest
 
-from server.ingest.prometheus import PrometheusSource
-from server.serve import build_runtime
-from server.settings import load_settings
+from gpufleet.server.ingest.prometheus import PrometheusSource
+from gpufleet.server.serve import build_runtime
+from gpufleet.server.settings import load_settings
 from tests.agent.running import agent_process, prometheus_process, requires_prometheus
 
 DEADLINE_SECONDS = 60.0

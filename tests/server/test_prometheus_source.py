@@ -10,10 +10,10 @@ import httpx
 import orjson
 import pytest
 
-from server.contract import parse_snapshot
-from server.ingest.prometheus import PrometheusSource
-from server.serve import build_source
-from server.settings import ConfigError, load_settings
+from gpufleet.server.contract import parse_snapshot
+from gpufleet.server.ingest.prometheus import PrometheusSource
+from gpufleet.server.serve import build_source
+from gpufleet.server.settings import ConfigError, load_settings
 
 MODEL = "NVIDIA H100 80GB HBM3"
 

@@ -9,12 +9,12 @@ import asyncio
 import bcrypt
 import pytest
 
-from agent.sampler import Sampler
-from agent.store import SnapshotStore
-from agent.webconfig import load_web_config
-from agent.webserver import AgentHttpServer
-from server.serve import build_source
-from server.settings import ConfigError, load_settings
+from gpufleet.agent.sampler import Sampler
+from gpufleet.agent.store import SnapshotStore
+from gpufleet.webconfig import load_web_config
+from gpufleet.agent.webserver import AgentHttpServer
+from gpufleet.server.serve import build_source
+from gpufleet.server.settings import ConfigError, load_settings
 from tests.agent.fakes import FakeClock, StubReader
 from tests.tlsfiles import OPENSSL, make_pki
 

@@ -8,10 +8,10 @@ import json
 import httpx
 import orjson
 
-from server.alerts import AlertKind, AlertState, Severity
-from server.ingest.agent_alerts import AgentAlerts, is_ours
-from server.ingest.puller import Puller, TargetHealth
-from server.ingest.targets import StaticTargets
+from gpufleet.server.alerts import AlertKind, AlertState, Severity
+from gpufleet.server.ingest.agent_alerts import AgentAlerts, is_ours
+from gpufleet.server.ingest.puller import Puller, TargetHealth
+from gpufleet.server.ingest.targets import StaticTargets
 from tests.server.live_fakes import envelope, make_alert, parse_dict, snapshot
 
 
@@ -209,7 +209,7 @@ def test_real_parser_rejects_contract_violations_when_available() -> None:
     """With the engine's own contract parser, a snapshot missing required fields is rejected, not raised."""
     import pytest
 
-    contract = pytest.importorskip("server.contract", reason="engine contract module not written yet")
+    contract = pytest.importorskip("gpufleet.server.contract", reason="engine contract module not written yet")
     agents = FakeAgents({"a:1": "n1"})
     good = snapshot("n1", 1.0)
     agents.buffers["a:1"] = [{"schema": 1, "node": "n1", "time": "soon"}, good]

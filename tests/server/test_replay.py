@@ -11,11 +11,11 @@ import sys
 import orjson
 import pytest
 
-from server.engine import Engine
-from server.replay import _load, _node_spans, alert_json, main, run_replay
-from tests.server import scenarios
+from gpufleet.server.engine import Engine
+from gpufleet.server.replay import _load, _node_spans, alert_json, main, run_replay
+from bench import scenarios
 from tests.server.engine_samples import T0, cluster_lines
-from tests.server.tracegen import generate
+from bench.tracegen import generate
 
 
 def _hot(t, node, gpu):
@@ -34,7 +34,7 @@ def test_line_order_does_not_matter_and_open_alerts_have_no_resolved():
 
 def test_the_closing_log_line_counts_the_gpu_samples_and_states_the_rate(caplog):
     lines = cluster_lines(400, override=_hot)
-    caplog.set_level(logging.INFO, logger="server.replay")
+    caplog.set_level(logging.INFO, logger="gpufleet.server.replay")
     run_replay(lines + [b"{broken"])
     (done,) = [r for r in caplog.records if r.getMessage() == "replay done"]
     gpus = sum(len(orjson.loads(line)["gpus"]) for line in lines)
@@ -79,7 +79,7 @@ def test_a_node_whose_clock_is_off_is_lined_up_with_the_others(caplog, seconds):
     # Left as recorded, the trace ends sooner in sample time for the nodes whose clocks run behind,
     # and those read as unreachable for its last seconds.
     lines = _shifted(cluster_lines(900, nodes=3), "n1", seconds)
-    caplog.set_level(logging.WARNING, logger="server.replay")
+    caplog.set_level(logging.WARNING, logger="gpufleet.server.replay")
     assert run_replay(lines) == []
     (note,) = [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
     assert note.node == "n1" and abs(note.offset_seconds - seconds) <= 5.0
@@ -92,7 +92,7 @@ def test_a_node_whose_clock_is_off_is_lined_up_beside_nodes_at_other_phases(capl
     # read as unreachable at the trace's end.
     lines = _shifted(_shifted(cluster_lines(900, nodes=4), "n1", 47.0), "n2", 4.5)
     lines = [line for line in lines if not (b'"node":"n3"' in line and orjson.loads(line)["time"] >= T0 + 895)]
-    caplog.set_level(logging.WARNING, logger="server.replay")
+    caplog.set_level(logging.WARNING, logger="gpufleet.server.replay")
     assert run_replay(lines) == []
     (note,) = [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
     assert note.node == "n1" and abs(note.offset_seconds - 47.0) <= 5.0
@@ -104,7 +104,7 @@ def test_a_node_whose_clock_is_off_is_lined_up_beside_a_node_that_lost_its_first
     # out of step, it left only two of four nodes agreeing, and n3 was not lined up.
     lines = _shifted(_shifted(cluster_lines(900, interval=10.0, nodes=4), "n3", 60.0), "n2", 9.0)
     lines = [line for line in lines if not (b'"node":"n2"' in line and orjson.loads(line)["time"] < T0 + 10)]
-    caplog.set_level(logging.WARNING, logger="server.replay")
+    caplog.set_level(logging.WARNING, logger="gpufleet.server.replay")
     assert run_replay(lines) == []
     (note,) = [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
     assert note.node == "n3" and abs(note.offset_seconds - 60.0) <= 5.0
@@ -115,7 +115,7 @@ def test_a_node_sampled_faster_than_the_others_is_lined_up_too(caplog):
     # so its two ends disagree by that much against theirs.
     lines = cluster_lines(900, interval=1.0, nodes=3)
     thinned = [line for i, line in enumerate(lines) if b'"node":"n1"' in line or (i // 3) % 5 == 0]
-    caplog.set_level(logging.WARNING, logger="server.replay")
+    caplog.set_level(logging.WARNING, logger="gpufleet.server.replay")
     assert run_replay(_shifted(thinned, "n1", -60.0)) == []
     (note,) = [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
     assert note.node == "n1" and abs(note.offset_seconds + 60.0) <= 5.0
@@ -125,7 +125,7 @@ def test_a_node_that_falls_silent_or_joins_late_is_not_taken_for_a_clock_offset(
     def silent_or_late(t, node, gpu):
         return {"_absent": True} if (node == "n1" and t >= 840) or (node == "n2" and t < 120) else {}
 
-    caplog.set_level(logging.WARNING, logger="server.replay")
+    caplog.set_level(logging.WARNING, logger="gpufleet.server.replay")
     alerts = run_replay(cluster_lines(900, nodes=5, override=silent_or_late))
     assert [(a.kind.value, a.node) for a in alerts] == [("node_unreachable", "n1")]
     assert not [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
@@ -137,7 +137,7 @@ def test_agents_started_and_stopped_one_after_another_keep_their_clocks(caplog):
         k = int(node[1:])
         return {"_absent": True} if not 20 * k <= t < 840 + 20 * k else {}
 
-    caplog.set_level(logging.WARNING, logger="server.replay")
+    caplog.set_level(logging.WARNING, logger="gpufleet.server.replay")
     run_replay(cluster_lines(900, nodes=4, override=staggered))
     assert not [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
 
@@ -147,7 +147,7 @@ def test_a_trace_passed_twice_gives_the_alerts_of_one(caplog):
     # instantaneous power into the average from energy, and the straggler fired 10 s earlier.
     trace = generate(scenarios.BY_NAME["power_brake"].build(3))
     once = [a.to_dict() for a in run_replay(trace.lines)]
-    caplog.set_level(logging.WARNING, logger="server.replay")
+    caplog.set_level(logging.WARNING, logger="gpufleet.server.replay")
     twice = [a.to_dict() for a in run_replay(list(trace.lines) * 2)]
     assert twice == once and [a["kind"] for a in once] == ["straggler"]
     (note,) = [r for r in caplog.records if r.getMessage() == "repeated snapshots dropped"]

@@ -1,6 +1,6 @@
 """Every catalog scenario through replay: required alerts fire on the right subject in time, nothing else.
 
-The traces come from tests/server/tracegen.py (physics, not the engine's rules); the ground truth and
+The traces come from bench/tracegen.py (physics, not the engine's rules); the ground truth and
 the matching rules are in tests/server/scenarios.py. Bigger, busier scenarios run in bench/detection_eval.
 """
 
@@ -12,8 +12,8 @@ import sys
 import orjson
 import pytest
 
-from tests.server import scenarios
-from tests.server.tracegen import generate, without_fields
+from bench import scenarios
+from bench.tracegen import generate, without_fields
 
 SEEDS = (0, 1)
 SMALL = [s.name for s in scenarios.CATALOG if s.small]
@@ -21,11 +21,11 @@ SMALL = [s.name for s in scenarios.CATALOG if s.small]
 
 @pytest.fixture(scope="module")
 def run_replay():
-    """server.replay.run_replay, or a skip while the engine does not exist yet."""
+    """gpufleet.server.replay.run_replay, or a skip while the engine does not exist yet."""
     try:
-        from server.replay import run_replay as fn
+        from gpufleet.server.replay import run_replay as fn
     except ModuleNotFoundError as exc:
-        if exc.name in ("server.replay", "server.engine"):
+        if exc.name in ("gpufleet.server.replay", "gpufleet.server.engine"):
             pytest.skip("engine not written yet (server.replay is missing)")
         raise
     return fn
@@ -84,7 +84,7 @@ def test_a_job_is_taken_as_hung_only_for_lost_gpu_hang_seconds(run_replay):
     # A job still running that long after losing a GPU has gone on without it (an elastic restart under
     # the same job id) and is judged again: with a 60 s window, the 7-minute hang of seed 0 reads as
     # comm_bound from about 60 s + comm_for_seconds after the loss.
-    from server.engine import EngineConfig
+    from gpufleet.server.engine import EngineConfig
 
     trace = generate(scenarios.BY_NAME["gpu_lost_hang"].build(0))
     lost_at = trace.spec.t0 + next(i.start_s for i in trace.spec.incidents if i.kind == "gpu_lost")
@@ -165,7 +165,7 @@ def test_replay_cli_prints_one_json_alert_per_line(run_replay, tmp_path):
     trace = generate(scenarios.BY_NAME["cooling_failure"].build(0))
     path = tmp_path / "trace.jsonl"
     path.write_bytes(b"".join(line + b"\n" for line in trace.lines) + b"{not json\n")
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "replay", str(path)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "gpufleet.server.cli", "replay", str(path)], capture_output=True,
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     alerts = [orjson.loads(line) for line in proc.stdout.splitlines() if line.strip()]
@@ -181,7 +181,7 @@ def test_replay_cli_prints_one_json_alert_per_line(run_replay, tmp_path):
 # ------------------------------------------------------------------ the scoring rules (no engine needed)
 
 def _truth(kind="straggler", node="n0", gpu=3, job="7", start=1000.0, end=1400.0, required=True, lead=0.0):
-    from tests.server.tracegen import Truth
+    from bench.tracegen import Truth
     return Truth(kind, node, gpu, job, start, end, required, "", lead)
 
 
@@ -257,7 +257,7 @@ def test_score_allowed_truths_are_neutral_and_job_alerts_match_on_hpc_job():
 
 
 def test_score_accepts_alert_objects():
-    from server.alerts import Alert, AlertKind, AlertState, Severity
+    from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity
     alert = Alert("x", "f", AlertKind.STRAGGLER, Severity.WARNING, AlertState.FIRING, "n0", 3, None, "7",
                   1030.0, 1040.0, None, 1040.0, "s")
     assert scenarios.score([alert], [_truth()]).kinds["straggler"].tp == 1
@@ -275,7 +275,7 @@ def test_detection_doc_section_replaces_only_between_markers(tmp_path):
 
 
 def test_mid_job_skips_the_start_up_of_jobs_starting_with_the_trace_and_moves_incidents_earlier_together():
-    from tests.server.tracegen import ClusterSpec, Incident, Job, NodeSpec
+    from bench.tracegen import ClusterSpec, Incident, Job, NodeSpec
     spec = ClusterSpec(
         (NodeSpec("n0"),),
         (Job("a", "1", (("n0", (0, 1, 2, 3)),)), Job("b", "2", (("n0", (4, 5, 6, 7)),), start_s=100.0)),
@@ -290,7 +290,7 @@ def test_mid_job_skips_the_start_up_of_jobs_starting_with_the_trace_and_moves_in
 
 
 def test_mid_job_leaves_the_incidents_of_a_job_starting_later_where_they_were():
-    from tests.server.tracegen import ClusterSpec, Incident, Job, NodeSpec
+    from bench.tracegen import ClusterSpec, Incident, Job, NodeSpec
     spec = ClusterSpec(
         (NodeSpec("n0"), NodeSpec("n1")),
         (Job("a", "1", (("n0", (0, 1, 2, 3)),)), Job("b", "2", (("n1", (0, 1, 2, 3)),), start_s=200.0)),

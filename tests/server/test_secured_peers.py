@@ -11,12 +11,12 @@ import threading
 
 import pytest
 
-from server.alerts import Transition
-from server.ingest.prometheus import PrometheusSource
-from server.notify.alertmanager import AlertmanagerNotifier
-from server.serve import build_notifiers, build_source
-from server.settings import load_settings
-from server.status import main as status
+from gpufleet.server.alerts import Transition
+from gpufleet.server.ingest.prometheus import PrometheusSource
+from gpufleet.server.notify.alertmanager import AlertmanagerNotifier
+from gpufleet.server.serve import build_notifiers, build_source
+from gpufleet.server.settings import load_settings
+from gpufleet.server.status import main as status
 from tests.agent.running import (agent_process, alertmanager_process, prometheus_process, requires_alertmanager,
                                  requires_prometheus, server_process)
 from tests.server.live_fakes import make_alert

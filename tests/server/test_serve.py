@@ -9,9 +9,9 @@ import httpx
 import orjson
 import pytest
 
-from server.serve import build_runtime, main
-from server.settings import FLAGS, ConfigError, ServerSettings, load_settings, parse_duration
-from server.store import AlertQuery
+from gpufleet.server.serve import build_runtime, main
+from gpufleet.server.settings import FLAGS, ConfigError, ServerSettings, load_settings, parse_duration
+from gpufleet.server.store import AlertQuery
 from tests.agent.running import server_process
 from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
 
@@ -87,8 +87,8 @@ def test_main_exits_2_with_one_line(capsys, tmp_path) -> None:
 
 
 def test_version(capsys) -> None:
-    from server import __version__
-    from server.cli import main as cli
+    from gpufleet.server import __version__
+    from gpufleet.server.cli import main as cli
 
     assert cli(["--version"]) == 0
     assert capsys.readouterr().out == f"gpufleet-server {__version__}\n"
@@ -112,7 +112,7 @@ def test_port_0_is_named_by_the_port_the_kernel_gave() -> None:
     """The log line (address and url) names the bound port, not ':0'."""
     from dataclasses import replace
 
-    from server.serve import bound_address, listen_socket
+    from gpufleet.server.serve import bound_address, listen_socket
 
     with listen_socket("127.0.0.1:0") as sock:
         port = sock.getsockname()[1]
@@ -123,7 +123,7 @@ def test_port_0_is_named_by_the_port_the_kernel_gave() -> None:
 
 
 def test_bad_engine_section_exits_2(capsys, tmp_path) -> None:
-    engine = pytest.importorskip("server.engine", reason="engine not written yet")
+    engine = pytest.importorskip("gpufleet.server.engine", reason="engine not written yet")
     if not hasattr(engine, "EngineConfig"):
         pytest.skip("engine not written yet")
     config = tmp_path / "s.yaml"
@@ -216,7 +216,7 @@ def _thermal_agents(now: list[float], hot, first_since):
 
 def test_real_engine_fires_thermal_alert_through_the_live_pipeline(tmp_path) -> None:
     """Mock agents -> real contract parser and engine (settle from the pull interval) -> store and /alerts view."""
-    pytest.importorskip("server.engine", reason="engine not written yet")
+    pytest.importorskip("gpufleet.server.engine", reason="engine not written yet")
     now = [10_000.0]
     start = now[0]
     handler = _thermal_agents(now, lambda node, i, t: node == "dgx-02" and i == 1 and t >= start + 60,
@@ -300,7 +300,7 @@ def test_agent_down_since_start_alerts_through_the_pipeline_and_keeps_its_alert_
 
 def test_real_engine_keeps_an_alert_across_a_restart_and_resolves_it_under_the_same_id(tmp_path) -> None:
     """Fire with the real engine, restart on the same SQLite file (agents re-send their buffers), cool down."""
-    pytest.importorskip("server.engine", reason="engine not written yet")
+    pytest.importorskip("gpufleet.server.engine", reason="engine not written yet")
     now = [10_000.0]
     start, hot_until = now[0], [float("inf")]
     handler = _thermal_agents(now, lambda node, i, t: node == "dgx-02" and i == 1 and start + 60 <= t < hot_until[0],
@@ -341,7 +341,7 @@ def test_alertmanager_replicas_from_a_list_in_the_file_or_commas_in_a_flag(tmp_p
 
 def test_check_config_says_ok_or_names_the_first_problem(tmp_path, capsys) -> None:
     """`gpufleet-server check-config`: serve's flags, validated without starting anything."""
-    from server.cli import main as cli
+    from gpufleet.server.cli import main as cli
 
     file_sd = tmp_path / "agents.yml"
     file_sd.write_text("- targets: [dgx-01:9471, dgx-02:9471]\n")

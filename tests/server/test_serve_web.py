@@ -11,14 +11,14 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from agent.webconfig import WebConfig
-from server.api import create_app
-from server.ingest.puller import Puller
-from server.ingest.targets import StaticTargets
-from server.runtime import Runtime
-from server.serve import main
-from server.settings import ServerSettings
-from server.store import AlertStore
+from gpufleet.webconfig import WebConfig
+from gpufleet.server.api import create_app
+from gpufleet.server.ingest.puller import Puller
+from gpufleet.server.ingest.targets import StaticTargets
+from gpufleet.server.runtime import Runtime
+from gpufleet.server.serve import main
+from gpufleet.server.settings import ServerSettings
+from gpufleet.server.store import AlertStore
 from tests.agent.running import server_process
 from tests.server.live_fakes import StubEngine, parse_dict
 from tests.tlsfiles import OPENSSL, make_pki

@@ -9,15 +9,15 @@ import orjson
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server import __version__
-from server.alerts import AlertState, Transition
-from server.ingest.puller import Puller
-from server.ingest.targets import StaticTargets
-from server.metrics import build_registry
-from server.runtime import FleetView, Runtime
-from server.serve import build_notifiers
-from server.settings import load_settings
-from server.store import AlertStore
+from gpufleet.server import __version__
+from gpufleet.server.alerts import AlertState, Transition
+from gpufleet.server.ingest.puller import Puller
+from gpufleet.server.ingest.targets import StaticTargets
+from gpufleet.server.metrics import build_registry
+from gpufleet.server.runtime import FleetView, Runtime
+from gpufleet.server.serve import build_notifiers
+from gpufleet.server.settings import load_settings
+from gpufleet.server.store import AlertStore
 from tests.server.live_fakes import StubEngine, envelope, make_alert, parse_dict, snapshot
 
 

@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from server.status import main, render
+from gpufleet.server.status import main, render
 from tests.agent.running import agent_process, server_process
 
 JOBS = {"evaluated_at": 1763800600.0, "jobs": [
@@ -121,7 +121,7 @@ def test_against_a_real_server_pulling_real_agents(tmp_path):
                            "--pull.interval", "1s", "--pull.timeout", "1s") as (_, port_s):
         waiter = threading.Event()
         for _ in range(120):
-            done = subprocess.run([sys.executable, "-m", "server.cli", "status", "--url", f"http://127.0.0.1:{port_s}"],
+            done = subprocess.run([sys.executable, "-m", "gpufleet.server.cli", "status", "--url", f"http://127.0.0.1:{port_s}"],
                                   capture_output=True, text=True, timeout=30)
             assert done.returncode == 0, done.stderr
             if "71001" in done.stdout and "71002" in done.stdout:

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from server.alerts import AlertKind, AlertState, Severity
-from server.store import MAX_PAGE, AlertQuery, AlertStore, StoreError
+from gpufleet.server.alerts import AlertKind, AlertState, Severity
+from gpufleet.server.store import MAX_PAGE, AlertQuery, AlertStore, StoreError
 from tests.server.live_fakes import make_alert
 
 

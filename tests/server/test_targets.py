@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from server.ingest.targets import (CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError,
+from gpufleet.server.ingest.targets import (CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError,
                                    parse_address, parse_file_sd)
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import orjson
 import pytest
 
-from agent.model import GpuSample, NodeSnapshot
-from tests.server import scenarios
-from tests.server.tracegen import (A100, H100, ClusterSpec, Incident, Job, NodeSpec, SpecError, Trace,
+from gpufleet.agent.model import GpuSample, NodeSnapshot
+from bench import scenarios
+from bench.tracegen import (A100, H100, ClusterSpec, Incident, Job, NodeSpec, SpecError, Trace,
                                    generate, write_trace)
 
 T0 = 1_763_800_000.0
@@ -65,7 +65,7 @@ def test_every_line_is_a_valid_schema_1_snapshot():
 
 
 def test_lines_parse_with_the_server_contract_parser():
-    contract = pytest.importorskip("server.contract", reason="server.contract not written yet")
+    contract = pytest.importorskip("gpufleet.server.contract", reason="gpufleet.server.contract not written yet")
     trace = _trace(_cluster([Incident("gpu_lost", 400, 1e9, "n1", 3, severity=20)]))
     for line in trace.lines:
         contract.parse_line(line)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from server.alerts import AlertKind, Severity, fingerprint
+from gpufleet.server.alerts import AlertKind, Severity, fingerprint
 
 
 @dataclass(slots=True)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.alerts import AlertKind, Severity
-from server.engine.detectors import FingerprintIndex, Finding, Outcome, subject_fingerprint
-from server.engine.tick import Tick
-from server.engine.windows import B_REMAP_FAILURE, B_REMAP_PENDING, B_UP, CounterEvent
+from gpufleet.server.alerts import AlertKind, Severity
+from gpufleet.server.engine.detectors import FingerprintIndex, Finding, Outcome, subject_fingerprint
+from gpufleet.server.engine.tick import Tick
+from gpufleet.server.engine.windows import B_REMAP_FAILURE, B_REMAP_PENDING, B_UP, CounterEvent
 
 XID_MEANINGS = {
     8: "GPU stopped processing (timeout)",

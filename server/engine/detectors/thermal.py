@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.alerts import AlertKind, Severity
-from server.engine.detectors import Finding, Outcome, FingerprintIndex, r3
-from server.engine.reduce import median
-from server.engine.tick import Tick, smoothed_row
-from server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_MEM_TEMP, B_TEMP, B_THERMAL, B_UTIL, L_MEM_MAX,
+from gpufleet.server.alerts import AlertKind, Severity
+from gpufleet.server.engine.detectors import Finding, Outcome, FingerprintIndex, r3
+from gpufleet.server.engine.reduce import median
+from gpufleet.server.engine.tick import Tick, smoothed_row
+from gpufleet.server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_MEM_TEMP, B_TEMP, B_THERMAL, B_UTIL, L_MEM_MAX,
                                    L_SLOWDOWN)
 
 

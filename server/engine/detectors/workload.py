@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.alerts import AlertKind, Severity
-from server.engine.detectors import Finding, Outcome, r3, subject_fingerprint
-from server.engine.groups import JOB, GroupHistory, Groups
-from server.engine.tick import Tick
+from gpufleet.server.alerts import AlertKind, Severity
+from gpufleet.server.engine.detectors import Finding, Outcome, r3, subject_fingerprint
+from gpufleet.server.engine.groups import JOB, GroupHistory, Groups
+from gpufleet.server.engine.tick import Tick
 
 
 def job_drop(groups: Groups, history: GroupHistory, clock_ratio: float,

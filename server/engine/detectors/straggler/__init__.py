@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.engine.detectors import FingerprintIndex, Outcome
-from server.engine.detectors.straggler.common import PW, SCALES, SM, UTIL
-from server.engine.detectors.straggler.gpus import (SPREAD_K, cuts, deviation, excess_in_noise, gpu_finding,
+from gpufleet.server.engine.detectors import FingerprintIndex, Outcome
+from gpufleet.server.engine.detectors.straggler.common import PW, SCALES, SM, UTIL
+from gpufleet.server.engine.detectors.straggler.gpus import (SPREAD_K, cuts, deviation, excess_in_noise, gpu_finding,
                                                     group_conditions, learn, mixed_fallback, reset_moved,
                                                     shared_node, signals, standing_now)
-from server.engine.detectors.straggler.nodes import node_level, whole_node
-from server.engine.detectors.straggler.state import StragglerState
-from server.engine.reduce import nan_to_zero
-from server.engine.tick import Tick
+from gpufleet.server.engine.detectors.straggler.nodes import node_level, whole_node
+from gpufleet.server.engine.detectors.straggler.state import StragglerState
+from gpufleet.server.engine.reduce import nan_to_zero
+from gpufleet.server.engine.tick import Tick
 
 __all__ = ["Result", "StragglerState", "detect"]
 

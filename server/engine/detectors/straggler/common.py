@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from server.engine.tick import Tick
-from server.engine.windows import B_CLOCK_RATIO, B_POWER, B_SLOW, B_SM, B_UTIL
+from gpufleet.server.engine.tick import Tick
+from gpufleet.server.engine.windows import B_CLOCK_RATIO, B_POWER, B_SLOW, B_SM, B_UTIL
 
 # Rows of the levels, as groups.LEVELS.
 SM, PW, CLK, UTIL = range(4)

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.alerts import AlertKind, Severity
-from server.engine.detectors import Finding, r3, subject_fingerprint
-from server.engine.detectors.straggler.common import (CLK, NOW_ROWS, PW, SCALES, SM, UTIL, clock_cut, follow,
+from gpufleet.server.alerts import AlertKind, Severity
+from gpufleet.server.engine.detectors import Finding, r3, subject_fingerprint
+from gpufleet.server.engine.detectors.straggler.common import (CLK, NOW_ROWS, PW, SCALES, SM, UTIL, clock_cut, follow,
                                                       learning_rate, newest)
-from server.engine.detectors.straggler.state import StragglerState
-from server.engine.groups import JOB
-from server.engine.reduce import nan_to_zero
-from server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
+from gpufleet.server.engine.detectors.straggler.state import StragglerState
+from gpufleet.server.engine.groups import JOB
+from gpufleet.server.engine.reduce import nan_to_zero
+from gpufleet.server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
 
 # Sign of the culprit direction of the SM, power and clock offsets (a culprit's clock is lower).
 _CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])

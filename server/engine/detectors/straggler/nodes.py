@@ -8,16 +8,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from server.alerts import AlertKind, Severity
-from server.engine.detectors import Finding, r3, subject_fingerprint
-from server.engine.detectors.straggler.common import (NOW_ROWS, PW, SCALES, SM, UTIL, clock_cut, follow,
+from gpufleet.server.alerts import AlertKind, Severity
+from gpufleet.server.engine.detectors import Finding, r3, subject_fingerprint
+from gpufleet.server.engine.detectors.straggler.common import (NOW_ROWS, PW, SCALES, SM, UTIL, clock_cut, follow,
                                                       learning_rate, newest)
-from server.engine.groups import JOB, GroupLayout
-from server.engine.reduce import equal, nan_median_first_axis, nan_to_zero
-from server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
+from gpufleet.server.engine.groups import JOB, GroupLayout
+from gpufleet.server.engine.reduce import equal, nan_median_first_axis, nan_to_zero
+from gpufleet.server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
 
 if TYPE_CHECKING:
-    from server.engine.detectors.straggler.state import StragglerState
+    from gpufleet.server.engine.detectors.straggler.state import StragglerState
 
 _PAIR_KEY = 1 << 24
 

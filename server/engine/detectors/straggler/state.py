@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.engine.detectors.straggler.nodes import NodeOffsets
-from server.engine.tick import Tick
+from gpufleet.server.engine.detectors.straggler.nodes import NodeOffsets
+from gpufleet.server.engine.tick import Tick
 
 _COST_KEEP_SECONDS = 600.0
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from agent.attribution import DEFAULT_ENV_VARS, JobAttributor
-from agent.cli import SettableClock
-from agent.nvml_reader import NvmlReader
-from agent.record import Recorder
-from agent.sampler import Sampler
-from agent.sim import Scenario, SimNvml
-from agent.model import NodeSnapshot
-from agent.store import Publication, SnapshotStore
+from gpufleet.agent.attribution import DEFAULT_ENV_VARS, JobAttributor
+from gpufleet.agent.cli import SettableClock
+from gpufleet.agent.nvml_reader import NvmlReader
+from gpufleet.agent.record import Recorder
+from gpufleet.agent.sampler import Sampler
+from gpufleet.agent.sim import Scenario, SimNvml
+from gpufleet.agent.model import NodeSnapshot
+from gpufleet.agent.store import Publication, SnapshotStore
 
 T0 = 1_763_800_000.0
 

@@ -12,11 +12,11 @@ import bcrypt
 import orjson
 import pytest
 
-from agent.cli import main
-from agent.sampler import Sampler
-from agent.store import SnapshotStore
-from agent.webconfig import BasicAuth, WebConfig, WebConfigError, load_web_config
-from agent.webserver import AgentHttpServer
+from gpufleet.agent.cli import main
+from gpufleet.agent.sampler import Sampler
+from gpufleet.agent.store import SnapshotStore
+from gpufleet.webconfig import BasicAuth, WebConfig, WebConfigError, load_web_config
+from gpufleet.agent.webserver import AgentHttpServer
 from tests.agent.fakes import FakeClock, StubReader
 from tests.tlsfiles import OPENSSL, make_pki, needs_openssl
 

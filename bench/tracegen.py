@@ -20,13 +20,19 @@ from typing import Any
 import numpy as np
 import orjson
 
+from gpufleet.reasons import ThrottleReason
+
 IDLE, STARTUP, TRAIN, WINDDOWN, HANG = range(5)
 
-THROTTLE_LABELS = ("sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown",
-                   "hw_power_brake_slowdown", "sync_boost")
-BIT_IDLE, BIT_SW_POWER_CAP, BIT_HW_SLOWDOWN = 0x1, 0x4, 0x8
-BIT_SW_THERMAL, BIT_HW_THERMAL, BIT_POWER_BRAKE = 0x20, 0x40, 0x80
-_LABEL_BITS = (BIT_SW_POWER_CAP, BIT_SW_THERMAL, BIT_HW_THERMAL, BIT_POWER_BRAKE, 0x10)
+_LABELLED = (ThrottleReason.SW_POWER_CAP, ThrottleReason.SW_THERMAL_SLOWDOWN, ThrottleReason.HW_THERMAL_SLOWDOWN,
+             ThrottleReason.HW_POWER_BRAKE_SLOWDOWN, ThrottleReason.SYNC_BOOST)
+THROTTLE_LABELS = tuple(reason.label for reason in _LABELLED)
+BIT_IDLE, BIT_SW_POWER_CAP, BIT_HW_SLOWDOWN = (int(r) for r in (ThrottleReason.GPU_IDLE, ThrottleReason.SW_POWER_CAP,
+                                                                ThrottleReason.HW_SLOWDOWN))
+BIT_SW_THERMAL, BIT_HW_THERMAL, BIT_POWER_BRAKE = (int(r) for r in (ThrottleReason.SW_THERMAL_SLOWDOWN,
+                                                                    ThrottleReason.HW_THERMAL_SLOWDOWN,
+                                                                    ThrottleReason.HW_POWER_BRAKE_SLOWDOWN))
+_LABEL_BITS = tuple(int(reason) for reason in _LABELLED)
 
 THERMAL_ALERT_CELSIUS = 83.0      # the contract's default thermal threshold
 THERMAL_ALERT_FOR_S = 30.0        # ... and its default `for` duration
@@ -986,12 +992,12 @@ def truths_to_json(trace: Trace) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tests.server.tracegen SCENARIO [--seed N] --out FILE`: write a catalog trace + truth."""
+    """`python -m bench.tracegen SCENARIO [--seed N] --out FILE`: write a catalog trace + truth."""
     import argparse
 
-    from tests.server.scenarios import BY_NAME
+    from bench.scenarios import BY_NAME
 
-    ap = argparse.ArgumentParser(prog="python -m tests.server.tracegen", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench.tracegen", description=main.__doc__)
     ap.add_argument("scenario", choices=sorted(BY_NAME))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True, help="JSONL trace; truth goes to OUT.truth.json")
