@@ -65,6 +65,10 @@ class Alert:
     updated: float
     summary: str
     evidence: Mapping[str, Any] = field(default_factory=dict)
+    # Routing labels set where the alert leaves the server (server/routing.py), never by the engine:
+    # the configured external labels and the Kubernetes namespace/pod of its subject.
+    labels: Mapping[str, str] = field(default_factory=dict)
+    runbook_url: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The replay / REST shape of an alert."""
@@ -83,7 +87,10 @@ class Alert:
             "resolved": self.resolved,
             "updated": self.updated,
             "summary": self.summary,
+            "description": description(self),
             "cause": cause(self),
+            "labels": dict(self.labels),
+            "runbook_url": self.runbook_url,
             "evidence": dict(self.evidence),
         }
 
@@ -102,6 +109,34 @@ def cause(alert: Alert) -> str:
     if alert.kind is AlertKind.XID and ev.get("code") is not None:
         return f"xid_{ev['code']}"
     return ""
+
+
+# What to look at, by kind: the second half of an alert's description (its first half is the summary).
+_ADVICE = {
+    AlertKind.THERMAL_THROTTLE: "The GPU cuts its clocks while this hot: check the node's cooling (fans, airflow, "
+                                "inlet temperature).",
+    AlertKind.STRAGGLER: "Its peers wait for it at every synchronisation, so the whole job runs at its pace: "
+                         "drain it, or restart the job without it.",
+    AlertKind.COMM_BOUND: "Every GPU of the job waits in collectives: check the fabric (NVLink, InfiniBand or "
+                          "RoCE errors, congestion, a changed topology).",
+    AlertKind.INPUT_BOUND: "The GPUs starve for input: check data loading, storage and the hosts' CPUs.",
+    AlertKind.NODE_UNREACHABLE: "Its GPUs are not monitored: check the node, its network and gpufleet-agent there.",
+    AlertKind.GPU_LOST: "The GPU stopped answering (fell off the bus, XID 79 in the kernel log): drain the node.",
+    AlertKind.XID: "The driver reported an XID error: NVIDIA's XID catalogue says what the code means.",
+    AlertKind.ECC: "Its memory has uncorrectable errors: drain the GPU and check its remapped rows.",
+}
+
+
+def description(alert: Alert) -> str:
+    """One line for a person reading a notification: the summary, where it is, and what to look at."""
+    where = [f"node {alert.node}" if alert.node else "",
+             f"GPU {alert.gpu}" + (f" ({alert.uuid})" if alert.uuid else "") if alert.gpu is not None else "",
+             f"job {alert.hpc_job}" if alert.hpc_job else "",
+             "pod {}/{}".format(alert.labels["namespace"], alert.labels["pod"])
+             if "namespace" in alert.labels and "pod" in alert.labels else ""]
+    subject = ", ".join(part for part in where if part)
+    return " ".join(part for part in (alert.summary.rstrip(".") + ".", f"On {subject}." if subject else "",
+                                      _ADVICE.get(alert.kind, "")) if part)
 
 
 def _at_least(value: Any, limit: Any) -> bool:

@@ -19,6 +19,7 @@ SCHEMA_VERSION = 1
 MAX_LINE_BYTES = 4 * 1024 * 1024
 MAX_GPUS_PER_NODE = 256
 MAX_NODE_NAME = 256
+MAX_K8S_NAME = 253          # a Kubernetes object name (DNS subdomain) is at most 253 characters
 
 # Column order of NodeSample.values; the engine indexes by these constants.
 NUMERIC_FIELDS = (
@@ -76,12 +77,16 @@ _GPU_TYPES: dict[str, Any] = {
     "uuid": (str,),
     "model": (str,),
     "hpc_job": (Union[str, int, None], None),
+    # Not readings: where alerts about the GPU are routed (the Kubernetes pod of its processes).
+    "kubernetes_namespace": (Optional[Annotated[str, Meta(max_length=MAX_K8S_NAME)]], None),
+    "kubernetes_pod": (Optional[Annotated[str, Meta(max_length=MAX_K8S_NAME)]], None),
     # Keys are strings in JSON and ints in the agent's own model: checked in _xid_map.
     "xid_errors_by_code": (Optional[dict[Any, Any]], None),
 }
 # Declared in the order the agent writes them (agent/model.py, GpuSample): msgspec looks for each key at
 # the position after the previous one first (4 % fewer instructions parsing, docs/benchmarks.md stop 35).
-GPU_FIELD_ORDER = ("index", "uuid", "model", "up", "hpc_job", "utilization_ratio", "sm_active_ratio",
+GPU_FIELD_ORDER = ("index", "uuid", "model", "up", "hpc_job", "kubernetes_namespace", "kubernetes_pod",
+                   "utilization_ratio", "sm_active_ratio",
                    "temperature_celsius", "memory_temperature_celsius", "slowdown_temperature_celsius",
                    "memory_max_operating_temperature_celsius", "power_watts", "power_limit_watts",
                    "energy_joules_total", "sm_clock_hertz", "sm_clock_max_hertz", "throttle_reasons",
@@ -101,8 +106,9 @@ _DECODER = msgspec.json.Decoder(_Snapshot)
 _astuple = msgspec.structs.astuple
 # Positions in a decoded row's tuple: the matrix columns in FIELDS order, then the identity and XIDs.
 _COLUMNS = [GPU_FIELD_ORDER.index(f) for f in FIELDS]
-(_I_INDEX, _I_UUID, _I_MODEL, _I_JOB, _I_XID) = map(GPU_FIELD_ORDER.index, ("index", "uuid", "model", "hpc_job",
-                                                                        "xid_errors_by_code"))
+(_I_INDEX, _I_UUID, _I_MODEL, _I_JOB, _I_NAMESPACE, _I_POD, _I_XID) = map(
+    GPU_FIELD_ORDER.index, ("index", "uuid", "model", "hpc_job", "kubernetes_namespace", "kubernetes_pod",
+                            "xid_errors_by_code"))
 # Lines are turned into matrices in batches of about this many GPU rows: enough to amortise numpy's
 # per-call cost, small enough that the batch's Python objects stay in the CPU cache.
 CHUNK_GPUS = 512
@@ -113,14 +119,18 @@ class ContractError(ValueError):
     """A payload that violates the snapshot contract; str() is the reason."""
 
 
+Pod = tuple[str, str]      # (namespace, pod name)
+
+
 class NodeSample:
     """One validated snapshot of one node: identities per GPU plus a float matrix of readings."""
 
-    __slots__ = ("node", "time", "indices", "uuids", "models", "jobs", "values", "xid_by_code")
+    __slots__ = ("node", "time", "indices", "uuids", "models", "jobs", "values", "xid_by_code", "pods")
 
     def __init__(self, node: str, time: float, indices: tuple[int, ...], uuids: tuple[str, ...],
                  models: tuple[str, ...], jobs: tuple[str | None, ...], values: np.ndarray,
-                 xid_by_code: tuple[Mapping[int, int] | None, ...] | None = None) -> None:
+                 xid_by_code: tuple[Mapping[int, int] | None, ...] | None = None,
+                 pods: tuple[Pod | None, ...] | None = None) -> None:
         self.node = node
         self.time = time
         self.indices = indices
@@ -129,6 +139,7 @@ class NodeSample:
         self.jobs = jobs
         self.values = values
         self.xid_by_code = xid_by_code
+        self.pods = pods      # per GPU, the (namespace, pod) its processes run in; None where no GPU has one
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -243,15 +254,15 @@ def _sample(s: _Snapshot, matrix: np.ndarray, cols: list[tuple], start: int, end
     after line: `identities` maps it to one shared copy, so a trace's samples hold one set of those
     strings per node instead of one per line (most of replay's memory, and its page faults)."""
     key = (s.node, cols[_I_INDEX][start:end], cols[_I_UUID][start:end], cols[_I_MODEL][start:end],
-           cols[_I_JOB][start:end])
+           cols[_I_JOB][start:end], cols[_I_NAMESPACE][start:end], cols[_I_POD][start:end])
     ident = identities.get(key)
     if ident is None:
         indices = key[1]
         if len(set(indices)) != len(indices):
             return ContractError(f"duplicate gpu index in {indices!r}")
         jobs = tuple(_job(j) for j in key[4]) if odd_jobs else key[4]
-        ident = identities[key] = key[:4] + (jobs,)
-    node, indices, uuids, models, jobs = ident
+        ident = identities[key] = key[:4] + (jobs, _pods(key[5], key[6]))
+    node, indices, uuids, models, jobs, pods = ident
     xids = None
     xid_raw = cols[_I_XID][start:end] if has_xids else ()
     if any(xid_raw):
@@ -259,7 +270,14 @@ def _sample(s: _Snapshot, matrix: np.ndarray, cols: list[tuple], start: int, end
             xids = tuple(_xid_map(x) for x in xid_raw)
         except ContractError as exc:
             return exc
-    return NodeSample(node, s.time, indices, uuids, models, jobs, matrix[start:end], xids)
+    return NodeSample(node, s.time, indices, uuids, models, jobs, matrix[start:end], xids, pods)
+
+
+def _pods(namespaces: tuple, names: tuple) -> tuple[Pod | None, ...] | None:
+    """(namespace, pod) per GPU where the agent names both; None when no GPU of the line has a pod."""
+    if not any(names):
+        return None
+    return tuple((ns, pod) if ns and pod else None for ns, pod in zip(namespaces, names))
 
 
 def _job(value: Any) -> str | None:

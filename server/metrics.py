@@ -73,12 +73,15 @@ class ServerCollector(Collector):
                 (a.kind.value, a.severity.value, a.state.value) for a in alerts).items()):
             counts.add_metric([kind, severity, state], n)
         yield counts
+        # The external labels are the same on every alert; namespace and pod are empty where not known.
+        extra = list(self.runtime.routing.external_labels) + ["namespace", "pod"]
         active = GaugeMetricFamily("gpufleet_alert_active", "1 for each firing alert, labelled by its subject and cause.",
-                                   labels=["kind", "severity", "node", "gpu", "hpc_job", "alert_id", "cause"])
+                                   labels=["kind", "severity", "node", "gpu", "hpc_job", "alert_id", "cause", *extra])
         for a in alerts:
             if a.state is AlertState.FIRING:
                 active.add_metric([a.kind.value, a.severity.value, a.node or "",
-                                   "" if a.gpu is None else str(a.gpu), a.hpc_job or "", a.id, cause(a)], 1)
+                                   "" if a.gpu is None else str(a.gpu), a.hpc_job or "", a.id, cause(a),
+                                   *(a.labels.get(name, "") for name in extra)], 1)
         yield active
 
     def _jobs(self) -> Iterator[Metric]:

@@ -18,6 +18,7 @@ from gpufleet.server.alerts import Alert, AlertKind, AlertState, Transition
 from gpufleet.server.ingest.agent_alerts import AgentAlerts, is_ours
 from gpufleet.server.ingest.puller import PullResult, TargetHealth
 from gpufleet.server.notify import Notifier
+from gpufleet.server.routing import AlertRouting
 from gpufleet.server.store import AlertStore
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,10 @@ class Runtime:
 
     def __init__(self, *, engine: Any, puller: SampleSource, store: AlertStore, notifiers: Sequence[Notifier] = (),
                  pull_interval_seconds: float = 5.0, clock: Callable[[], float] = time.time,
-                 prune_interval_seconds: float = 3600.0, agent_alerts: AgentAlerts | None = None) -> None:
+                 prune_interval_seconds: float = 3600.0, agent_alerts: AgentAlerts | None = None,
+                 routing: AlertRouting | None = None) -> None:
         self.engine = engine
+        self.routing = routing or AlertRouting()
         self.puller = puller
         # Agents the engine has no samples from (down or silent since we started) alert from here.
         self.agent_alerts = agent_alerts or AgentAlerts(after_seconds=puller.stale_after_seconds)
@@ -91,7 +94,7 @@ class Runtime:
 
     def restore(self) -> int:
         """Hand the store's open alerts back to the engine after a restart; returns how many."""
-        alerts = self.store.open_alerts()
+        alerts = [self.routing.label(a) for a in self.store.open_alerts()]
         self.agent_alerts.restore(alerts, self.store.target_nodes())
         if alerts:
             self.engine.restore([a for a in alerts if not is_ours(a)])
@@ -140,6 +143,7 @@ class Runtime:
     def _step(self, samples: list[Any], now: float) -> list[Transition]:
         """Engine ingest + advance, then persistence; runs on the engine thread."""
         t0 = time.perf_counter()
+        self.routing.observe(samples)
         for sample in samples:
             self.engine.ingest(sample)
         transitions = list(self.engine.advance(now))
@@ -151,6 +155,10 @@ class Runtime:
             transitions += agent_transitions
             engine_alerts = tuple(a for a in view.alerts if not is_ours(a))
             view = replace(view, alerts=engine_alerts + tuple(self.agent_alerts.alerts()))
+        # Labelled on the way out, in the order the engine made them: an alert's first labels are the ones it keeps.
+        transitions = [Transition(self.routing.label(t.alert), t.previous) for t in transitions]
+        view = replace(view, alerts=tuple(self.routing.label(a) for a in view.alerts))
+        self.routing.retain(a.id for a in view.alerts)
         self.stats.tick_duration_seconds = time.perf_counter() - t0
         self.stats.last_tick = now
         self.stats.cycles_total += 1

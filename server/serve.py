@@ -23,6 +23,7 @@ from gpufleet.server.ingest.targets import (CombinedTargets, DnsTargets, FileSdT
                                    TargetSource, parse_file_sd)
 from gpufleet.server.notify import Notifier
 from gpufleet.server.outbound import Outbound
+from gpufleet.server.routing import AlertRouting
 from gpufleet.server.runtime import Runtime
 from gpufleet.server.settings import ClientAuth, ConfigError, ServerSettings, load_settings
 from gpufleet.server.store import AlertStore, StoreError
@@ -106,7 +107,8 @@ def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callab
     store = AlertStore(settings.storage_path, retention_seconds=settings.storage_retention_seconds)
     notifiers = build_notifiers(settings, transport=transport) + list(extra_notifiers)
     return Runtime(engine=engine if engine is not None else build_engine(settings), puller=puller, store=store,
-                   notifiers=notifiers, pull_interval_seconds=settings.pull_interval_seconds, clock=clock)
+                   notifiers=notifiers, pull_interval_seconds=settings.pull_interval_seconds, clock=clock,
+                   routing=AlertRouting(settings.alert_external_labels, settings.alert_runbook_url))
 
 
 def listen_socket(address: str) -> socket.socket:

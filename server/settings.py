@@ -86,6 +86,35 @@ def parse_urls(text: Any) -> tuple[str, ...]:
     return urls
 
 
+def parse_external_labels(text: Any) -> dict[str, str]:
+    """NAME=value pairs (comma-separated, or a mapping in the file) with Prometheus label names."""
+    from gpufleet.server.routing import RESERVED_LABELS
+
+    pairs = (list(text.items()) if isinstance(text, Mapping)
+             else [item.partition("=")[::2] for item in str(text).split(",") if item.strip()])
+    labels: dict[str, str] = {}
+    for name, value in pairs:
+        name, value = str(name).strip(), str(value).strip()
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name) or name.startswith("__"):
+            raise ValueError(f"{name!r} is not a label name (letters, digits and _, not starting with __)")
+        if name in RESERVED_LABELS:
+            raise ValueError(f"{name!r} is a label the server sets itself")
+        if not value:
+            raise ValueError(f"label {name!r} has no value")
+        labels[name] = value
+    return labels
+
+
+def parse_runbook_url(text: Any) -> str:
+    """An http(s) URL template with the placeholders routing.RUNBOOK_FIELDS."""
+    from gpufleet.server.routing import check_runbook_template
+
+    value = str(text).strip()
+    if not re.match(r"^https?://[^/\s]+", value):
+        raise ValueError("expected an http:// or https:// URL")
+    return check_runbook_template(value)
+
+
 def parse_targets(text: Any) -> tuple[str, ...]:
     """A comma-separated string or a list of HOST:PORT."""
     from gpufleet.server.ingest.targets import StaticTargets, TargetError
@@ -229,6 +258,8 @@ class ServerSettings:
     webhook_url: str | None = None
     webhook_client: ClientAuth = ClientAuth()
     external_url: str | None = None
+    alert_external_labels: Mapping[str, str] = field(default_factory=dict)
+    alert_runbook_url: str | None = None
     web_config_file: str | None = None
     log_level: str = "info"
     log_format: str = "json"
@@ -298,6 +329,12 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     **client_flags("alertmanager", "alertmanager_client", "Alertmanager"),
     "webhook.url": ("webhook_url", parse_url, "URL receiving a JSON POST per alert state change"),
     **client_flags("webhook", "webhook_client", "the webhook receiver"),
+    "alert.external-labels": ("alert_external_labels", parse_external_labels,
+                              "labels added to every alert (Alertmanager, webhook, REST, /metrics), "
+                              "NAME=value[,NAME=value] (a mapping in the file), e.g. cluster=eu-1,site=ams"),
+    "alert.runbook-url": ("alert_runbook_url", parse_runbook_url,
+                          "runbook link template for every alert, with {kind}, {alertname}, {cause}, {id}, {node}, "
+                          "{gpu}, {hpc_job}, e.g. https://wiki.example.com/gpu/{kind}"),
     "log.level": ("log_level", _choice("debug", "info", "warning", "error"), "debug|info|warning|error"),
     "log.format": ("log_format", _choice("json", "text"), "json|text"),
 }

@@ -37,7 +37,8 @@ CREATE TABLE IF NOT EXISTS alerts (
     resolved REAL,
     updated REAL NOT NULL,
     summary TEXT NOT NULL,
-    evidence BLOB NOT NULL
+    evidence BLOB NOT NULL,
+    labels BLOB NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS alerts_state ON alerts(state);
 CREATE INDEX IF NOT EXISTS alerts_order ON alerts(pending_since DESC, id);
@@ -49,7 +50,7 @@ CREATE TABLE IF NOT EXISTS target_nodes (
 """
 
 _COLUMNS = ("id, fingerprint, kind, severity, state, node, gpu, uuid, hpc_job, pending_since, started, "
-            "resolved, updated, summary, evidence")
+            "resolved, updated, summary, evidence, labels")
 
 
 class StoreError(RuntimeError):
@@ -93,6 +94,7 @@ class AlertStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            _add_missing_columns(self._db)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open alert store {self.path!r}: {exc}") from None
 
@@ -202,7 +204,7 @@ def _to_row(a: Alert) -> Sequence[object]:
     """An alert as a table row."""
     return (a.id, a.fingerprint, a.kind.value, a.severity.value, a.state.value, a.node, a.gpu, a.uuid,
             a.hpc_job, a.pending_since, a.started, a.resolved, a.updated, a.summary,
-            orjson.dumps(dict(a.evidence), option=orjson.OPT_NON_STR_KEYS, default=str))
+            orjson.dumps(dict(a.evidence), option=orjson.OPT_NON_STR_KEYS, default=str), orjson.dumps(dict(a.labels)))
 
 
 def _from_row(r: Sequence[object]) -> Alert:
@@ -210,5 +212,12 @@ def _from_row(r: Sequence[object]) -> Alert:
     return Alert(
         id=r[0], fingerprint=r[1], kind=AlertKind(r[2]), severity=Severity(r[3]), state=AlertState(r[4]),
         node=r[5], gpu=r[6], uuid=r[7], hpc_job=r[8], pending_since=r[9], started=r[10], resolved=r[11],
-        updated=r[12], summary=r[13], evidence=orjson.loads(r[14]),
+        updated=r[12], summary=r[13], evidence=orjson.loads(r[14]), labels=orjson.loads(r[15]),
     )
+
+
+def _add_missing_columns(db: sqlite3.Connection) -> None:
+    """Bring a store written by an older version up to the current table (columns only ever get added)."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(alerts)")}
+    if "labels" not in have:
+        db.execute("ALTER TABLE alerts ADD COLUMN labels BLOB NOT NULL DEFAULT '{}'")

@@ -27,10 +27,18 @@ class AlertModel(BaseModel):
     resolved: float | None
     updated: float
     summary: str
+    description: str = Field(description="One line for a person: the summary, where it is (node, GPU, job, pod) "
+                                         "and what to look at.")
     cause: str = Field(description="The short why, from a fixed vocabulary joined by '+': a straggler's pattern "
                                    "and what cut its clocks, what made a GPU thermal, an XID's code; empty "
                                    "where the kind says it all.",
                        examples=["gpu_clocks_cut+hw_slowdown_or_power_brake"])
+    labels: dict[str, str] = Field(description="Routing labels: the server's configured external labels "
+                                               "(--alert.external-labels) and, on Kubernetes, the namespace and "
+                                               "pod of the subject where all its GPUs agree on them.",
+                                   examples=[{"cluster": "eu-1", "namespace": "research", "pod": "llama-worker-3"}])
+    runbook_url: str | None = Field(description="Link from --alert.runbook-url for this alert; null when not "
+                                                "configured.")
     evidence: dict[str, Any] = Field(description="The numbers that triggered it, against peers or baseline.")
 
     @classmethod

@@ -21,8 +21,9 @@ from typing import Any, Callable, Sequence
 import httpx
 import orjson
 
-from gpufleet.server.alerts import Alert, AlertState, Transition, cause
+from gpufleet.server.alerts import Alert, AlertState, Transition, cause, description
 from gpufleet.server.notify import Sleep, deliver_until_stopped, post_with_retry
+from gpufleet.server.routing import alertname
 
 log = logging.getLogger(__name__)
 
@@ -32,22 +33,18 @@ def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def alertname(alert: Alert) -> str:
-    """The `alertname` label: Gpufleet + the kind in CamelCase, e.g. GpufleetThermalThrottle."""
-    return "Gpufleet" + "".join(part.capitalize() for part in alert.kind.value.split("_"))
-
-
 def to_alertmanager(alert: Alert, *, now: float, resend_interval_seconds: float, external_url: str) -> dict[str, Any]:
     """One alert in Alertmanager's postable shape; null subjects are left out of the labels."""
     # `cause` is a label so that routes can send, say, power-brake stragglers to whoever runs the racks. It
     # comes from evidence that is frozen once firing, but for an escalation, when severity changes too.
     labels = {"alertname": alertname(alert), "kind": alert.kind.value, "severity": alert.severity.value,
               "node": alert.node, "gpu": None if alert.gpu is None else str(alert.gpu), "hpc_job": alert.hpc_job,
-              "cause": cause(alert) or None, "source": "gpufleet"}
+              "cause": cause(alert) or None, "source": "gpufleet", **alert.labels}
     body: dict[str, Any] = {
         "labels": {k: v for k, v in labels.items() if v is not None},
         "annotations": {
             "summary": alert.summary,
+            "description": description(alert),
             "evidence": orjson.dumps(dict(alert.evidence), option=orjson.OPT_NON_STR_KEYS, default=str).decode(),
         },
         "startsAt": rfc3339(alert.started if alert.started is not None else alert.pending_since),
@@ -55,6 +52,8 @@ def to_alertmanager(alert: Alert, *, now: float, resend_interval_seconds: float,
     }
     if alert.uuid:
         body["annotations"]["uuid"] = alert.uuid
+    if alert.runbook_url:
+        body["annotations"]["runbook_url"] = alert.runbook_url
     if alert.state is AlertState.RESOLVED:
         body["endsAt"] = rfc3339(alert.resolved if alert.resolved is not None else now)
     else:
