@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
+.PHONY: operator-manifests demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ hardware-wheels: $(STAMP)
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		$(WHEEL_PLATFORMS) -d .whl $$($(BIN)/python -m pip list --format=freeze 2>/dev/null \
 		| grep -i -E '^(orjson|bcrypt|msgspec|nvidia-ml-py)==')
+
+# The PrometheusRule and the Grafana dashboard ConfigMap for the Prometheus Operator, from their sources.
+operator-manifests: $(STAMP)
+	$(BIN)/python deploy/kubernetes/operator/render.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

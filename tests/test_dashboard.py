@@ -81,7 +81,24 @@ def test_panels_are_well_formed(dashboard: dict) -> None:
             assert target["datasource"]["uid"] == "${datasource}", panel["title"]
             assert target["expr"].count("(") == target["expr"].count(")"), panel["title"]
     names = {v["name"] for v in dashboard["templating"]["list"]}
-    assert names == {"datasource", "node", "hpc_job"}
+    assert names == {"datasource", "node", "hpc_job", "gpufleet_url"}
+
+
+# Panels that count events: with nothing to count their query returns no series, and the truth is 0.
+COUNTS = ("Firing alerts by kind", "Rejected pulls/snapshots by reason", "GPU-hours lost in the time range, by job and cause")
+
+
+def test_panels_that_count_show_zero_not_no_data(dashboard: dict) -> None:
+    by_title = {p.get("title"): p for p in panels(dashboard)}
+    for title in COUNTS:
+        assert by_title[title]["fieldConfig"]["defaults"].get("noValue") == "0", title
+
+
+def test_alert_links_open_on_the_gpufleet_server_not_on_the_grafana_host(dashboard: dict) -> None:
+    (url_var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "gpufleet_url"]
+    assert url_var["type"] == "textbox" and re.match(r"^https?://", url_var["query"])
+    links = [link["url"] for p in panels(dashboard) for link in p.get("fieldConfig", {}).get("defaults", {}).get("links", [])]
+    assert links and all(link.startswith("${gpufleet_url}/") for link in links), links
 
 
 @requires_prometheus

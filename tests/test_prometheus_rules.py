@@ -28,7 +28,8 @@ from tests.agent.running import (PROMTOOL, agent_process, prometheus_process, re
                                  server_process)
 
 RULES = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "gpufleet-rules.yaml"
-SERVER = 'job="gpufleet-server", instance="srv:9472"'
+# Not the static config's job name: the rules must not depend on it (a ServiceMonitor names it NAMESPACE/NAME).
+SERVER = 'job="monitoring/gpufleet-server", instance="srv:9472"'
 AGENT = 'job="gpufleet-agent", instance="dgx-01:9471", node="dgx-01"'
 # A healthy demo agent counts no error, and an empty family is not exported at all.
 ONCE_COUNTED = {"gpufleet_agent_errors_total"}
@@ -38,7 +39,7 @@ POLL_SECONDS = 0.5
 
 def on_server(summary: str, severity: str, **labels: str) -> tuple[dict[str, str], str]:
     """An alert expected about the server of SERVER: its labels besides alertname, and its summary."""
-    return {"job": "gpufleet-server", "instance": "srv:9472", **labels, "severity": severity}, summary
+    return {"job": "monitoring/gpufleet-server", "instance": "srv:9472", **labels, "severity": severity}, summary
 
 
 def on_agent(summary: str, severity: str, **labels: str) -> tuple[dict[str, str], str]:
@@ -59,12 +60,14 @@ class Case:
 
 CASES = [
     # Down from minute 2, `for: 2m`: pending at 3, firing at 5.
-    Case("GpufleetServerDown", {f"up{{{SERVER}}}": "1 1 0x10"}, 3),
-    Case("GpufleetServerDown", {f"up{{{SERVER}}}": "1 1 0x10", 'up{job="gpufleet-agent", instance="a"}': "0x12"}, 5,
+    Case("GpufleetServerDown", {f"up{{{SERVER}}}": "1 1 0x10", f"gpufleet_server_build_info{{{SERVER}}}": "1 1"}, 3),
+    # An agent that is down is not a server: only targets that exported the server's build info count.
+    Case("GpufleetServerDown", {f"up{{{SERVER}}}": "1 1 0x10", f"gpufleet_server_build_info{{{SERVER}}}": "1 1",
+                                'up{job="gpufleet-agent", instance="a"}': "0x12"}, 5,
          [on_server("gpufleet-server srv:9472 does not answer scrapes", "critical")]),
-    Case("GpufleetServerAbsent", {f"up{{{SERVER}}}": "1x20"}, 15),
+    Case("GpufleetServerAbsent", {f"gpufleet_server_build_info{{{SERVER}}}": "1x20"}, 15),
     Case("GpufleetServerAbsent", {'up{job="gpufleet-agent", instance="a"}': "1x20"}, 11,
-         [({"job": "gpufleet-server", "severity": "critical"}, "Prometheus has no gpufleet-server target to scrape")]),
+         [({"severity": "critical"}, "Prometheus has no gpufleet-server target to scrape")]),
     # The last tick is 300 s into the test, then frozen: 120 s late from minute 7, `for: 2m`.
     Case("GpufleetEngineStalled", {f"gpufleet_server_engine_last_tick_timestamp_seconds{{{SERVER}}}": "0+60x5 300x20"}, 8),
     Case("GpufleetEngineStalled", {f"gpufleet_server_engine_last_tick_timestamp_seconds{{{SERVER}}}": "0+60x5 300x20"}, 10,
