@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: operator-manifests demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
+.PHONY: lint operator-manifests demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,19 @@ demo: $(STAMP)
 agent-demo: $(STAMP)
 	$(BIN)/gpufleet-agent --simulate hgx-h100 --once
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q
+
+# mypy checks modules under their installed names (gpufleet, gpufleet.server.engine): .mypy-src lays the
+# folders out so, with links, since the editable install maps them by an import hook mypy does not run.
+MYPY_TARGETS := -p gpufleet.server.engine -m gpufleet.server.contract $(foreach f,$(basename $(notdir $(wildcard core/*.py))),-m gpufleet$(if $(filter __init__,$(f)),,.$(f)))
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	rm -rf .mypy-src && mkdir -p .mypy-src/gpufleet
+	for f in core/*.py; do ln -s ../../$$f .mypy-src/gpufleet/; done
+	ln -s ../../agent .mypy-src/gpufleet/agent && ln -s ../../server .mypy-src/gpufleet/server
+	cd .mypy-src && ../$(BIN)/mypy --config-file ../pyproject.toml $(MYPY_TARGETS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.agent_bench

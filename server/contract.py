@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 MAX_LINE_BYTES = 4 * 1024 * 1024
 MAX_GPUS_PER_NODE = 256
 MAX_NODE_NAME = 256

@@ -89,7 +89,7 @@ def test_the_kubernetes_job_example_gives_its_pods_the_job_the_agent_reads(tmp_p
                 if "valueFrom" in var:
                     env[var["name"]] = pod[var["valueFrom"]["fieldRef"]["fieldPath"]]
                 else:  # $(VAR) refers to a variable defined earlier in the list; anything else stays as written
-                    env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), var["value"])
+                    env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m, env=env: env.get(m[1], m[0]), var["value"])
             pid = tmp_path / str(len(list(tmp_path.iterdir())) + 1)
             pid.mkdir()
             (pid / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))

@@ -133,7 +133,7 @@ class Engine:
         held = w.held(k, max(smooth_bins, cfg.bins(cfg.gpu_lost_seconds)))
         latest, levels, fractions = read_windows(w, k, smooth_bins, held)
         med = smoothed(levels, fractions)
-        has_data = held[:smooth_bins].any(axis=0)
+        has_data = np.asarray(held[:smooth_bins].any(axis=0))
         busy = med["util"] >= cfg.busy_utilization
         n = w.n
         gid, ngid = self.registry.build(t, w.slot_job[:n], w.slot_node_id[:n], w.slot_model_id[:n],

@@ -221,6 +221,17 @@ class _Chunk:
 
     __slots__ = ("start", "end", "row_start", "sample_time", "node_id", "slots", "codes", "times", "derived",
                  "limits", "events", "cell_sums", "cell_rows", "cell_bin", "cell_flat", "cell_at")
+    # Set once the chunk has rows (_chunk_of); an empty chunk has none of them.
+    slots: np.ndarray
+    codes: np.ndarray
+    times: np.ndarray
+    derived: np.ndarray
+    limits: np.ndarray
+    cell_sums: np.ndarray
+    cell_rows: np.ndarray
+    cell_bin: np.ndarray
+    cell_flat: np.ndarray
+    cell_at: np.ndarray
 
     def __init__(self, start: int, end: int, row_start: np.ndarray, sample_time: np.ndarray,
                  node_id: np.ndarray) -> None:

@@ -43,7 +43,7 @@ class Tick:
     def seen(self, n_bins: int) -> np.ndarray:
         """Per slot: whether any sample fell into the last n_bins bins."""
         if n_bins <= len(self.held):
-            return self.held[:n_bins].any(axis=0)
+            return np.asarray(self.held[:n_bins].any(axis=0))
         return self.windows.has_data(self.k, n_bins)
 
 

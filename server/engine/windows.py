@@ -76,13 +76,26 @@ class Windows:
     """Slot registry (one slot per node/GPU index) plus binned rings and counter state."""
 
     LIMIT_COLS = LIMIT_COLS      # for server.engine.prepared, which cannot import this module
+    # Per-slot (last axis) arrays, reallocated by _grow as slots are added.
+    acc: np.ndarray
+    bin_id: np.ndarray
+    slot_job: np.ndarray
+    slot_job_since: np.ndarray
+    slot_last_job: np.ndarray
+    slot_last_time: np.ndarray
+    slot_node_id: np.ndarray
+    slot_model_id: np.ndarray
+    _counter_val: np.ndarray
+    _counter_time: np.ndarray
+    slot_limits: np.ndarray
 
     def __init__(self, tick_seconds: float, ring_bins: int) -> None:
         self.tick = float(tick_seconds)
         self.ring = int(ring_bins)
         self.n = 0
         self._cap = 0
-        self.slot_of: dict[tuple[str, int], int] = {}
+        # Looked up with a finding's subject too, whose node or GPU may be None (no slot then).
+        self.slot_of: dict[tuple[str | None, int | None], int] = {}
         self.slot_node: list[str] = []
         self.slot_index: list[int] = []
         self.slot_uuid: list[str] = []
@@ -466,7 +479,8 @@ class Windows:
         ks = last_bin - np.arange(n_bins)
         return self.bin_id[ks % self.ring, :self.n] == ks[:, None]
 
-    def recent(self, last_bin: int, n_bins: int, rows: np.ndarray, held: np.ndarray | None = None) -> np.ndarray:
+    def recent(self, last_bin: int, n_bins: int, rows: np.ndarray | list[int],
+               held: np.ndarray | None = None) -> np.ndarray:
         """Bin means of some binned rows, shape (n_bins, len(rows), n) newest first; NaN where no sample
         or unsupported. `held` is self.held(last_bin, n_bins) when the caller has it already."""
         if held is None:
@@ -483,7 +497,7 @@ class Windows:
 
     def has_data(self, last_bin: int, n_bins: int) -> np.ndarray:
         """Per slot: whether any sample fell into the last n_bins bins."""
-        return self.held(last_bin, n_bins).any(axis=0)
+        return np.asarray(self.held(last_bin, n_bins).any(axis=0))
 
     def drain_events(self) -> list[CounterEvent]:
         """Counter events since the last call."""

@@ -47,7 +47,7 @@ def test_init_failure_backs_off_doubling_then_recovers():
     assert b"gpufleet_gpu_" not in pub.metrics
     # jitter 0.5 means exactly the base delay: 1 s, then 2 s, then 4 s.
     delays = [sampler.next_open_delay]
-    for expected_next in (2.0, 4.0):
+    for _ in (2.0, 4.0):
         clock.advance(0.5)
         assert sampler.run_once() is None  # not due yet: no open attempt
         clock.advance(delays[-1] - 0.5)

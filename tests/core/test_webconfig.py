@@ -280,7 +280,7 @@ def test_an_asyncio_server_holding_the_context_serves_the_renewed_certificate_to
         server = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=web.tls)
         port = server.sockets[0].getsockname()[1]
         names = []
-        for step in range(2):
+        for _ in range(2):
             _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_context(pki),
                                                       server_hostname="127.0.0.1")
             subject = writer.get_extra_info("peercert")["subject"]

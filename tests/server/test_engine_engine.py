@@ -39,12 +39,16 @@ def _drive(samples, step=5.0, end=None, phase=0.0):
     return eng, [(tr.alert.id, tr.alert.state, tr.alert.started, tr.alert.resolved, tr.alert.severity) for tr in transitions]
 
 
+
+def _fired(transitions: list) -> list:
+    """The transitions past pending, comparable across replicas."""
+    return sorted((i, s.value, st, r, sev.value) for i, s, st, r, sev in transitions if s is not AlertState.PENDING)
+
 def test_same_samples_same_alerts_whatever_the_ingest_chunking():
     samples = [parse_line(line) for line in cluster_lines(700, override=_incident)]
     _, a = _drive(samples, step=5.0)
     _, b = _drive(samples, step=15.0)
-    fired = lambda ts: sorted((i, s.value, st, r, sev.value) for i, s, st, r, sev in ts if s is not AlertState.PENDING)
-    assert fired(a) == fired(b) and fired(a)
+    assert _fired(a) == _fired(b) and _fired(a)
 
 
 def test_two_replicas_pulling_at_other_moments_raise_the_same_alerts_under_the_same_ids():
@@ -54,8 +58,7 @@ def test_two_replicas_pulling_at_other_moments_raise_the_same_alerts_under_the_s
     _, a = _drive(samples, step=5.0)
     _, b = _drive(samples, step=5.0, phase=2.5)
     _, c = _drive(samples, step=1.0, phase=0.4)
-    fired = lambda ts: sorted((i, s.value, st, r, sev.value) for i, s, st, r, sev in ts if s is not AlertState.PENDING)
-    assert fired(a) == fired(b) == fired(c) and fired(a)
+    assert _fired(a) == _fired(b) == _fired(c) and _fired(a)
 
 
 def test_views_report_jobs_nodes_and_stats():

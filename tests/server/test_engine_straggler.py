@@ -123,7 +123,7 @@ def test_rank_less_utilized_all_along_is_structural_not_a_straggler():
     # twice it) is the job's shape: a later job-wide comm slowdown is comm_bound, not blamed on it. So is
     # one a little less utilized (a gap learned as its offset).
     for util in (0.80, 0.90):
-        def rank0(t, node, gpu):
+        def rank0(t, node, gpu, util=util):
             kw = {"utilization_ratio": util} if (node, gpu) == ("n0", 0) else {}
             if 400 <= t < 700:
                 kw.update(sm_active_ratio=0.6, power_watts=420.0)

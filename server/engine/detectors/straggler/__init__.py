@@ -14,6 +14,8 @@ whole is active and measurably slowed (which also rules out jitter, wind-down an
 
 from __future__ import annotations
 
+from typing import AbstractSet
+
 import numpy as np
 
 from gpufleet.server.engine.detectors import FingerprintIndex, Outcome
@@ -39,7 +41,7 @@ class Result:
         self.idle_groups = idle_groups
 
 
-def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: set[int] = frozenset()) -> Result:
+def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: AbstractSet[int] = frozenset()) -> Result:
     """GPU-level and node-level straggler findings for this tick (none in halted groups: a job hung by a
     lost GPU has no straggler among the GPUs left)."""
     cfg = tick.config

@@ -44,7 +44,7 @@ def learning_rate(cfg, warming: np.ndarray) -> np.ndarray:
     return np.where(warming, _FAST_ALPHA, 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds))
 
 
-def follow(cur: np.ndarray, x: np.ndarray, learn: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+def follow(cur: np.ndarray, x: np.ndarray, learn: np.ndarray, alpha: np.ndarray | float) -> np.ndarray:
     """Exponential moving average step where learning and x is known; the first value is taken as is."""
     ok = learn & ~np.isnan(x)
     return np.where(ok, np.where(np.isnan(cur), x, cur + alpha * (x - cur)), cur)

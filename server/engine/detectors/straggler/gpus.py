@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import AbstractSet
 
 import numpy as np
 
@@ -48,7 +49,9 @@ def standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_unk
     now = newest(tick, NOW_ROWS)
     if now is None:
         return np.ones_like(on)
-    peers = tick.groups.members.layout.medians(now[:UTIL + 1])[:, gi]
+    members = tick.groups.members
+    assert members is not None      # Engine.advance builds them with every tick's groups
+    peers = members.layout.medians(now[:UTIL + 1])[:, gi]
     dev = deviation(now[:UTIL + 1], peers)
     ex = dev - nan_to_zero(state.offset[:, :len(on)])
     weak = SCALES[1, 0]
@@ -68,7 +71,7 @@ def deviation(levels: np.ndarray, peers: np.ndarray) -> np.ndarray:
     return dev
 
 
-def group_conditions(tick: Tick, state: StragglerState, cfg, halted: set[int]) -> np.ndarray:
+def group_conditions(tick: Tick, state: StragglerState, cfg, halted: AbstractSet[int]) -> np.ndarray:
     """Per-group conditions of detect(), stacked (7, n_groups) so one gather maps them to slots: old
     and big enough to judge; steady long enough for the cross-section test; peers slowed against the
     baseline; peers spinning; group active; a job group; slowdown measured."""
@@ -170,6 +173,7 @@ def cuts(tick: Tick, cfg, dev: np.ndarray, gslow: np.ndarray, gi: np.ndarray,
     bits = slow >= 0.5
     grp = tick.groups
     if (bits & (gslow >= 0.25)).any():
+        assert grp.members is not None
         free_clock = grp.members.layout.medians(np.where(bits, np.nan, tick.levels[CLK])[None, :])[0]
         dev_free = tick.levels[CLK] / free_clock[gi] - 1.0
         # Where clocks are not reported, the bits alone, as long as the group has GPUs reporting none.
@@ -309,14 +313,14 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
     causes = throttle_causes(tick, np.array([slot]))
     if m["slow"][slot] >= 0.5:
         # Heat and the rest can each hold under half the samples while slowing bits hold most of them.
-        reasons.append("throttled: " + "; ".join(map(THROTTLE_CAUSES.get, causes)) if causes
+        reasons.append("throttled: " + "; ".join(THROTTLE_CAUSES[c] for c in causes) if causes
                        else "throttle/slowdown bits set")
     if idle:
         reasons.append(f"utilization {m['util'][slot]:.2f} vs peers {grp.util[gid]:.2f}: idle, waiting on its host")
     # A shared-node culprit's slowdown is read from its waiting peers' own levels, not the group's baseline.
     sm_known = not math.isnan(grp.sm[gid]) if waiting_peers else tick.slowdown_source[gid] == 1
     measured_by = "sm_active" if sm_known else "power"
-    if waiting_peers:
+    if waiting_peers and shared is not None:
         reasons.append(f"{'SM activity' if sm_known else 'power'} {shared.rise[slot] * 100:.0f} % above its usual "
                        f"level while GPUs {', '.join(map(str, waiting_peers))} of this node fell "
                        f"{shared.drop[slot] * 100:.0f} % below theirs")
@@ -338,7 +342,7 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
         "slowdown_measured_by": measured_by,
         "gpu_hours_lost": round(lost, 4),
     }
-    if waiting_peers:
+    if waiting_peers and shared is not None:
         evidence["waiting_peers"] = waiting_peers
         evidence["peer_drop_vs_own_baseline"] = r3(shared.drop[slot])
         evidence["own_rise_vs_own_baseline"] = r3(shared.rise[slot])

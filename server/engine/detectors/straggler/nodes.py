@@ -4,7 +4,7 @@ node standing out together (the node is named, not each GPU)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AbstractSet
 
 import numpy as np
 
@@ -110,7 +110,8 @@ class _NodePairs:
         self.usable = self if multi.any() else None
         self.sel_pairs = np.flatnonzero(multi)
         self.gids, self.nids = self.pair_group[self.sel_pairs], pair_node[self.sel_pairs]
-        self.idx = state.pair_slots(tick, self.gids, self.nids) if self.usable else self.sel_pairs
+        self.idx: np.ndarray | slice = (state.pair_slots(tick, self.gids, self.nids) if self.usable
+                                        else self.sel_pairs)
         # Pairs are registered in the order first seen, so the index is usually a plain range: a slice
         # reads and writes the learned offsets without copying through fancy indexing.
         if len(self.idx) and np.array_equal(self.idx, np.arange(self.idx[0], self.idx[0] + len(self.idx))):
@@ -125,7 +126,7 @@ class _NodePairs:
 
 
 def node_level(tick: Tick, state: StragglerState,
-               halted: set[int] = frozenset()) -> tuple[list[Finding], set[tuple[int, int]], set[int], dict]:
+               halted: AbstractSet[int] = frozenset()) -> tuple[list[Finding], set[tuple[int, int]], set[int], dict]:
     """Nodes holding their group back while the other nodes wait in collectives: their GPUs idle (host-
     bound), busier than the others' (slow), or with their clocks cut. Returns the findings, the (group,
     node) pairs standing out at the weaker margins, the groups where one of those idles, and the pairs."""
@@ -184,6 +185,19 @@ class _PairReadings:
 
     __slots__ = ("waiting_drop", "min_drop", "gap", "steady", "act", "act_margin", "clk_dev", "cut",
                  "others_cut", "node_busy", "cross", "idle", "busier")
+    waiting_drop: np.ndarray
+    min_drop: np.ndarray
+    gap: np.ndarray
+    steady: np.ndarray
+    act: np.ndarray
+    act_margin: np.ndarray
+    clk_dev: np.ndarray
+    cut: np.ndarray
+    others_cut: np.ndarray
+    node_busy: np.ndarray
+    cross: np.ndarray
+    idle: np.ndarray
+    busier: np.ndarray
 
 
 def _pair_readings(tick: Tick, lay: _NodePairs) -> _PairReadings:
