@@ -169,7 +169,7 @@ def _once_failed(sampler: Sampler) -> int:
 
 def serve(config: AgentConfig, runtime: Runtime) -> int:
     """Run until SIGTERM/SIGINT: HTTP first (so health answers while NVML comes up), then sampling."""
-    store = SnapshotStore(config.snapshots_retention)
+    store = SnapshotStore(config.snapshots_retention, clock=runtime.clock)
     try:
         server = AgentHttpServer(store, host=config.listen_host, port=config.listen_port,
                                  interval=config.sample_interval, clock=runtime.clock, web=runtime.web)

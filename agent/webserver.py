@@ -108,10 +108,12 @@ class AgentHttpServer:
                 return _error(HTTPStatus.BAD_REQUEST, "bad_since", "since must be unix seconds, e.g. 1763800000.5")
         pub = self.store.latest()
         node = pub.health.node if pub is not None else ""
-        bodies = self.store.since(since)
+        now = self.clock()
+        # Retention counts back from now: a ring kept through an NVML outage is not served as recent.
+        bodies = self.store.since(since, now=now)
         # The answer's own time lets the server measure this node's clock against its own (a node whose
         # clock runs behind would otherwise deliver every sample after the server judged its bin).
-        head = (b'{"schema":1,"node":' + orjson.dumps(node) + b',"time":' + orjson.dumps(round(self.clock(), 3))
+        head = (b'{"schema":1,"node":' + orjson.dumps(node) + b',"time":' + orjson.dumps(round(now, 3))
                 + b',"snapshots":[')
         return HTTPStatus.OK, JSON, head + b",".join(bodies) + b"]}"
 

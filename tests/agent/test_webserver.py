@@ -230,3 +230,30 @@ def test_snapshot_endpoint_never_touches_the_reader(agent):
     for path in ("/metrics", "/snapshot", "/snapshots", "/healthz"):
         assert get(server, path)[0] == 200
     assert reader.reads == reads
+
+
+def test_the_pre_outage_ring_is_not_served_after_nvml_comes_back(agent):
+    server, sampler, clock, reader, store = agent
+    before = clock.now
+    for _ in range(3):
+        sampler.run_once()
+        clock.advance(1)
+
+    def gone() -> None:
+        from gpufleet.agent.nvml_reader import NvmlUnavailable
+        raise NvmlUnavailable("GPU is lost")
+
+    reader.read_effects = [gone]
+    sampler.run_once()                      # NVML goes away; the last snapshot stays published
+    reader.open_failures = 10**6
+    for _ in range(40):                     # an outage well past the 300 s retention
+        clock.advance(10)
+        sampler.run_once()
+    doc = orjson.loads(get(server, "/snapshots")[2])
+    assert doc["snapshots"] == [] and len(store) == 0
+    reader.open_failures = 0                # NVML is back
+    clock.advance(60)                       # past the open backoff
+    snap = sampler.run_once()
+    assert snap is not None
+    doc = orjson.loads(get(server, "/snapshots")[2])
+    assert [s["time"] for s in doc["snapshots"]] == [snap.time] and snap.time > before + 400
