@@ -29,9 +29,9 @@ JSON = "application/json"
 # Each request must arrive whole (request line, headers, body) within this long of its connection going
 # idle, the first request of a connection included; an idle or trickling client is then disconnected.
 IDLE_TIMEOUT_SECONDS = 30.0
-# Connections served at once, one thread each; more are closed unanswered until one ends. A node is scraped
-# by a handful of clients: this leaves room for a burst while keeping threads and descriptors bounded
-# (systemd's LimitNOFILE for the agent is set above it).
+# Connections served at once, one thread each; more wait in the listen backlog (costing the process no
+# descriptor) until one ends. A node is scraped by a handful of clients: this leaves room for a burst
+# while keeping threads and descriptors bounded (systemd's LimitNOFILE for the agent is set above it).
 MAX_CONNECTIONS = 64
 LISTEN_BACKLOG = max(128, socket.SOMAXCONN)
 MAX_REQUEST_LINE_BYTES = 8192
@@ -74,7 +74,7 @@ class AgentHttpServer:
         # Stale after three missed samples, but never quicker than 10 s: a GC pause is not an outage.
         self.stale_after = max(3 * interval, MIN_STALE_SECONDS)
         self.gzip = GzipCache()
-        self.limits = _Limits(max_connections, idle_timeout_seconds, monotonic, pause)
+        self.limits = _Limits(max_connections, idle_timeout_seconds, monotonic, pause, poll_interval)
         self._httpd = _make_server((host, port), self, web.tls, self.limits)
         self._thread: threading.Thread | None = None
 
@@ -443,9 +443,20 @@ def _make_server(address: tuple[str, int], app: AgentHttpServer, tls: ssl.SSLCon
             super().server_bind()
 
         def get_request(self):  # type: ignore[no-untyped-def]
+            if not limits.acquire():
+                # Every worker is busy: the connection waits in the kernel's backlog, costing this process
+                # neither a thread nor a descriptor, until one is free (checked again on the next loop).
+                limits.warn("connections:limit", "connection limit reached; new connections wait in the backlog",
+                            max_connections=limits.max_connections)
+                limits.saturated.set()
+                raise _AllBusy()
             try:
                 return super().get_request()
             except OSError as exc:
+                limits.release()
+                if exc.errno in _CLIENT_GONE:
+                    log.debug("http client left before accept", extra={"error": str(exc)})
+                    raise
                 code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
                 limits.warn(f"accept:{code}", "cannot accept connections", error=str(exc))
                 if exc.errno in _OUT_OF_RESOURCES:
@@ -455,14 +466,8 @@ def _make_server(address: tuple[str, int], app: AgentHttpServer, tls: ssl.SSLCon
                 raise
 
         def process_request(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
-            if not limits.acquire():
-                # Closed unanswered: reading the request to answer it would itself hold a slot.
-                limits.warn("connections:limit", "connection limit reached; closing new connections",
-                            max_connections=limits.max_connections, client=client_address[0])
-                self.shutdown_request(request)
-                return
             try:
-                super().process_request(request, client_address)
+                super().process_request(request, client_address)  # holds the slot get_request took
             except BaseException:
                 limits.release()
                 raise
@@ -505,6 +510,12 @@ def _make_server(address: tuple[str, int], app: AgentHttpServer, tls: ssl.SSLCon
 
 
 _OUT_OF_RESOURCES = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
+# A client that reset its connection while it waited in the backlog: its business, not the agent's.
+_CLIENT_GONE = frozenset((errno.ECONNABORTED, errno.EPROTO))
+
+
+class _AllBusy(OSError):
+    """Raised by get_request instead of accepting; socketserver's loop takes any OSError as "try again"."""
 
 
 class _Limits:
@@ -512,23 +523,22 @@ class _Limits:
     rate-limited warning, and the pause after running out of descriptors."""
 
     def __init__(self, max_connections: int, idle_timeout_seconds: float, monotonic: Callable[[], float],
-                 pause: Callable[[float], None]) -> None:
+                 pause: Callable[[float], None], wait_seconds: float) -> None:
         self.max_connections = max_connections
         self.idle_timeout_seconds = idle_timeout_seconds
         self.monotonic = monotonic
         self.pause = pause
         self.warn = RateLimitedLog(log, LOG_EVERY_SECONDS, monotonic)
+        # Set the first time a connection had to wait for a worker (tests wait on it).
+        self.saturated = threading.Event()
+        # How long the accept loop waits for a free worker before it looks for shutdown again.
+        self._wait_seconds = wait_seconds
         self._active = 0
         self._changed = threading.Condition()
 
-    @property
-    def active(self) -> int:
-        with self._changed:
-            return self._active
-
     def acquire(self) -> bool:
         with self._changed:
-            if self._active >= self.max_connections:
+            if not self._changed.wait_for(lambda: self._active < self.max_connections, self._wait_seconds):
                 return False
             self._active += 1
             return True

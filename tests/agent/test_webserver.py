@@ -391,30 +391,27 @@ def test_the_listen_backlog_suits_a_scrape_fleet(agent):
     assert server._httpd.request_queue_size >= 128
 
 
-def test_connections_beyond_the_limit_are_closed_and_the_held_ones_still_served():
-    store = SnapshotStore()
-    server = AgentHttpServer(store, host="127.0.0.1", port=0, poll_interval=0.01, max_connections=2)
+def test_connections_beyond_the_limit_wait_in_the_backlog_until_a_worker_is_free():
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, poll_interval=0.01, max_connections=2)
     server.start()
     held = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(2)]
+    waiting = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     try:
-        extra = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-        with extra:
-            extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
-            try:
-                assert extra.recv(100) == b""       # closed unanswered
-            except ConnectionResetError:
-                pass
-        for sock in held:
+        waiting.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert server.limits.saturated.wait(10)          # both workers busy: not accepted
+        waiting.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            waiting.recv(100)
+        waiting.setblocking(True)
+        for sock in held:                                 # the held connections are still served
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
             assert sock.recv(100).startswith(b"HTTP/1.1 503 ")  # no sample yet: starting
-        assert server.limits.warn.totals["connections:limit"] == 1
+        held.pop().close()                                # a worker is free: the waiting one is served
+        assert waiting.recv(100).startswith(b"HTTP/1.1 503 ")
+        assert server.limits.warn.totals["connections:limit"] >= 1
     finally:
-        for sock in held:
+        for sock in (*held, waiting):
             sock.close()
-    try:
-        assert server.limits.wait_for(0, timeout=10)
-        assert get(server, "/healthz")[0] == 503
-    finally:
         server.close()
 
 
@@ -491,3 +488,21 @@ def test_a_client_reset_is_one_structured_debug_line_not_a_traceback(agent, capl
     assert lost[-1].error == "BrokenPipeError" and lost[-1].client == "127.0.0.1"
     assert "Traceback" not in capfd.readouterr().err
     assert get(server, "/healthz")[0] == 200
+
+
+def test_a_client_gone_before_accept_is_not_an_accept_failure(caplog):
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, pause=lambda s: pytest.fail("paused"))
+    real = server._httpd.socket
+
+    class Aborted:
+        def accept(self):
+            raise ConnectionAbortedError(errno.ECONNABORTED, "Software caused connection abort")
+
+    server._httpd.socket = Aborted()
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpufleet.agent.webserver"):
+            server._httpd._handle_request_noblock()
+    finally:
+        server._httpd.socket = real
+        server.close()
+    assert not caplog.records and not server.limits.warn.totals
