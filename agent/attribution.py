@@ -7,11 +7,13 @@ import errno
 import logging
 import os
 import re
+import stat
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterable
+from pathlib import Path, PurePosixPath
+from typing import Callable, Iterable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,13 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _SERVICE_ACCOUNT_NAMESPACE = Path("var/run/secrets/kubernetes.io/serviceaccount/namespace")
 _LOCAL_HOSTS = frozenset(("localhost", "localhost.localdomain", "ip6-localhost", "0.0.0.0", "::"))
 # environ can be large (module systems); a job id is near the start, and the read stays bounded.
-_MAX_READ = 1 << 20
+MAX_READ_BYTES = 1 << 20
+# A namespace file or resolv.conf inside a container is a few hundred bytes; more is not read.
+MAX_CONTAINER_FILE_BYTES = 64 << 10
+# As the kernel's own limit on symlinks followed in one lookup.
+MAX_SYMLINKS = 40
+_OPEN_FILE = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _REWARN_SECONDS = 600.0
 
 
@@ -155,14 +163,18 @@ class JobAttributor:
         node = self._node.lower()
         if not _DNS_SUBDOMAIN.match(name) or name.split(".")[0] == node.split(".")[0]:
             return None
-        root = self._procfs / str(pid) / "root"
-        data = self._read(root / _SERVICE_ACCOUNT_NAMESPACE, "namespace", missing_ok=True)
+        data = self._read(_SERVICE_ACCOUNT_NAMESPACE, "namespace", missing_ok=True, root=self._root(pid),
+                          limit=MAX_CONTAINER_FILE_BYTES)
         namespace = (data or b"").decode("ascii", "replace").strip()
         if not namespace:
             domain = self._search_domain(pid) or ""
             head, sep, _ = domain.partition(".svc.")
             namespace = head if sep else ""
         return Pod(namespace, name) if _DNS_LABEL.match(namespace) else None
+
+    def _root(self, pid: int) -> Path:
+        """The process's root directory: its container's file system as the process sees it."""
+        return self._procfs / str(pid) / "root"
 
     def _environ(self, pid: int) -> dict[bytes, bytes]:
         """The variables of the process's environment that can name its job, by `NAME=` prefix."""
@@ -204,7 +216,8 @@ class JobAttributor:
     def _search_domain(self, pid: int) -> str | None:
         """The first search domain of the process's own resolv.conf: what its resolver appends to a short
         name, so the name it connects to."""
-        data = self._read(self._procfs / str(pid) / "root" / "etc" / "resolv.conf", "resolv.conf", missing_ok=True)
+        data = self._read(Path("etc/resolv.conf"), "resolv.conf", missing_ok=True, root=self._root(pid),
+                          limit=MAX_CONTAINER_FILE_BYTES)
         for line in (data or b"").decode("ascii", "replace").splitlines():
             words = line.split()
             if len(words) >= 2 and words[0] in ("search", "domain"):
@@ -225,15 +238,21 @@ class JobAttributor:
             self._note("mapping", "ENOENT", "hpc job mapping directory is missing", path=str(self._mapping_dir))
         return None
 
-    def _read(self, path: Path, what: str, *, missing_ok: bool = False) -> bytes | None:
+    def _read(self, path: Path, what: str, *, missing_ok: bool = False, root: Path | None = None,
+              limit: int = MAX_READ_BYTES) -> bytes | None:
+        """A regular file's first `limit` bytes, or None; with `root`, `path` is taken inside that container
+        root. Never blocks on a FIFO or device, and never raises: a failure is counted and warned about."""
         try:
-            with open(path, "rb") as fh:
-                return fh.read(_MAX_READ)
+            return read_regular(path, limit) if root is None else read_in_root(root, path, limit)
         except FileNotFoundError:
             # A process that exited between NVML's answer and our read is normal, not a warning;
             # a procfs root that is not there at all (container without hostPID, wrong --path.procfs) is.
             if not missing_ok and not self._procfs.is_dir():
                 self._note("procfs", "ENOENT", "procfs root is missing", path=str(self._procfs))
+            return None
+        except NotRegularFile as exc:
+            self._note(what, "not_regular_file", "not a regular file; not read for job attribution",
+                       path=str(path), kind=exc.kind)
             return None
         except OSError as exc:
             code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
@@ -243,6 +262,208 @@ class JobAttributor:
     def _note(self, what: str, code: str, message: str, **context: object) -> None:
         self.errors[f"{what}:{code}"] += 1
         self.warn(f"{what}:{code}", message, **context)
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """What the attributor found for one GPU, and for which processes."""
+
+    uuid: str
+    pids: tuple[int, ...]
+    job: str | None
+    pod: Pod | None
+
+
+class BackgroundAttributor:
+    """A JobAttributor run on its own thread, off the sampler's critical path: the sampler's questions get
+    the last answer known for each GPU at once, and every cycle's questions are handed to the thread to
+    answer for the next. Reading /proc/PID/environ blocks while the process's memory map is locked (a
+    process stuck in the kernel), and a container's files are the container's to break: either would
+    otherwise stop sampling. While the thread is stuck only the newest cycle's questions wait, and a GPU
+    keeps its last answer; a GPU whose processes have all gone has no job at once."""
+
+    def __init__(self, inner: JobAttributor, *, start: bool = True) -> None:
+        self._inner = inner
+        self.uses_mapping_dir = inner.uses_mapping_dir
+        self._asked: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self._current: int | None = None
+        self._answers: Mapping[int, _Answer] = {}
+        self._errors: Mapping[str, int] = {}
+        self._changed = threading.Condition()
+        self._pending: dict[int, tuple[str, tuple[int, ...]]] | None = None
+        self._busy = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="gpufleet-attribution", daemon=True)
+            self._thread.start()
+
+    @property
+    def errors(self) -> Mapping[str, int]:
+        """The inner attributor's error counts as of its last finished cycle."""
+        return self._errors
+
+    def job_for(self, index: int, uuid: str, pids: Iterable[int]) -> str | None:
+        """The last known job of GPU `index`; records the question for the thread."""
+        answer = self._ask(index, uuid, tuple(pids))
+        return answer.job if answer is not None else None
+
+    def pod_for(self, pids: Iterable[int]) -> Pod | None:
+        """The last known pod of the GPU just asked about with job_for (the sampler asks both in turn)."""
+        if self._current is None or self.uses_mapping_dir:
+            return None
+        uuid, asked = self._asked[self._current]
+        answer = self._known(self._current, uuid, asked)
+        return answer.pod if answer is not None else None
+
+    def end_cycle(self) -> None:
+        """Hand this cycle's questions to the thread, replacing any it has not started on."""
+        with self._changed:
+            self._pending, self._asked, self._current = self._asked, {}, None
+            self._changed.notify_all()
+
+    def resolve_pending(self) -> bool:
+        """Answer the waiting cycle's questions on the calling thread (the thread's loop; tests without it)."""
+        with self._changed:
+            batch, self._pending = self._pending, None
+            if batch is None:
+                return False
+            self._busy = True
+        try:
+            answers = {}
+            for index, (uuid, pids) in batch.items():
+                try:
+                    job = self._inner.job_for(index, uuid, pids)
+                    pod = self._inner.pod_for(pids)
+                except Exception as exc:  # a bug in one answer must not end attribution
+                    self._inner._note("attribution", type(exc).__name__, "job attribution failed",
+                                      error=repr(exc))
+                    job, pod = None, None
+                answers[index] = _Answer(uuid, pids, job, pod)
+            self._inner.end_cycle()
+            # Swapped whole: the sampler reads them without a lock, never half-updated.
+            self._answers, self._errors = answers, dict(self._inner.errors)
+        finally:
+            with self._changed:
+                self._busy = False
+                self._changed.notify_all()
+        return True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until every cycle handed over has been answered (tests, shutdown); False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._pending is None and not self._busy, timeout)
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the thread; one stuck in a read is left behind (it is a daemon)."""
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _ask(self, index: int, uuid: str, pids: tuple[int, ...]) -> _Answer | None:
+        self._asked[index] = (uuid, pids)
+        self._current = index
+        return self._known(index, uuid, pids)
+
+    def _known(self, index: int, uuid: str, pids: tuple[int, ...]) -> _Answer | None:
+        if not pids and not self.uses_mapping_dir:
+            return None  # no process on the GPU: no job, whatever was there before
+        answer = self._answers.get(index)
+        # Processes that changed since are still taken as the last job's until the thread has looked:
+        # a job label that blinked away for a cycle would split every series it is on.
+        return answer if answer is not None and answer.uuid == uuid else None
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending is not None or self._stopped)
+                if self._stopped:
+                    return
+            try:
+                self.resolve_pending()
+            except Exception:  # belt and braces: resolve_pending contains its own failures
+                log.exception("job attribution cycle failed")
+
+
+class NotRegularFile(OSError):
+    """A FIFO, socket or device where a regular file was expected: opening or reading it could block."""
+
+    def __init__(self, path: str, mode: int) -> None:
+        self.kind = _KINDS.get(stat.S_IFMT(mode), "other")
+        super().__init__(errno.EINVAL, f"not a regular file ({self.kind})", path)
+
+
+_KINDS = {stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket", stat.S_IFCHR: "char_device", stat.S_IFBLK: "block_device",
+          stat.S_IFDIR: "directory", stat.S_IFLNK: "symlink"}
+
+
+def read_regular(path: os.PathLike[str] | str, limit: int, *, dir_fd: int | None = None,
+                 follow_symlinks: bool = True) -> bytes:
+    """The first `limit` bytes of a regular file. Anything else raises NotRegularFile before it is opened
+    (a FIFO would block the reader until a writer came, a device may act on open) and again after (in case
+    it was swapped in between); the open itself is non-blocking."""
+    st = os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(str(path), st.st_mode)
+    flags = _OPEN_FILE if not follow_symlinks else _OPEN_FILE & ~os.O_NOFOLLOW
+    fd = os.open(path, flags, dir_fd=dir_fd)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(str(path), mode)
+        chunks, left = [], limit
+        while left > 0:
+            chunk = os.read(fd, min(left, 65536))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_in_root(root: Path, path: os.PathLike[str] | str, limit: int) -> bytes:
+    """read_regular of `path` inside the directory tree `root` (a container's /proc/PID/root) as a process
+    chrooted there would see it: every symlink on the way, absolute or relative, resolves against `root`,
+    and ".." stops at it, so nothing outside the container is ever opened. Each component is opened with
+    O_NOFOLLOW relative to its parent's descriptor; symlinks are read and walked by hand."""
+    # Following /proc/PID/root itself is the point: the kernel's link to the process's root directory.
+    dirs = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    try:
+        pending = _components(str(path))
+        followed = 0
+        while pending:
+            name = pending.pop()
+            if name == "..":
+                if len(dirs) > 1:
+                    os.close(dirs.pop())
+                continue
+            st = os.stat(name, dir_fd=dirs[-1], follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                followed += 1
+                if followed > MAX_SYMLINKS:
+                    raise OSError(errno.ELOOP, "too many levels of symbolic links", str(path))
+                target = os.readlink(name, dir_fd=dirs[-1])
+                if target.startswith("/"):
+                    while len(dirs) > 1:
+                        os.close(dirs.pop())
+                pending.extend(_components(target))
+            elif not pending:
+                return read_regular(name, limit, dir_fd=dirs[-1], follow_symlinks=False)
+            else:
+                dirs.append(os.open(name, _OPEN_DIR, dir_fd=dirs[-1]))
+        raise NotRegularFile(str(path), stat.S_IFDIR)
+    finally:
+        for fd in dirs:
+            os.close(fd)
+
+
+def _components(path: str) -> list[str]:
+    """Path components to walk, as a stack (the first on top); "." and empty ones dropped."""
+    return [part for part in reversed(PurePosixPath(path).parts) if part not in ("/", ".", "")]
 
 
 def _slurm_job(cgroup: bytes | None) -> str | None:

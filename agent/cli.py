@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import orjson
 
 from gpufleet.agent import __version__
-from gpufleet.agent.attribution import JobAttributor
+from gpufleet.agent.attribution import BackgroundAttributor, JobAttributor
 from gpufleet.agent.config import PROG, AgentConfig, ConfigError, default_node, load_config
 from gpufleet.logs import configure_logging
 from gpufleet.agent.nvml_reader import NvmlReader
@@ -169,7 +169,7 @@ def _once_failed(sampler: Sampler) -> int:
 
 def serve(config: AgentConfig, runtime: Runtime) -> int:
     """Run until SIGTERM/SIGINT: HTTP first (so health answers while NVML comes up), then sampling."""
-    store = SnapshotStore(config.snapshots_retention)
+    store = SnapshotStore(config.snapshots_retention, clock=runtime.clock)
     try:
         server = AgentHttpServer(store, host=config.listen_host, port=config.listen_port,
                                  interval=config.sample_interval, clock=runtime.clock, web=runtime.web)
@@ -181,8 +181,11 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
     # A scrape that arrives mid-cycle waits for the GIL; hand it over after 0.5 ms rather than 5 ms.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     stop = threading.Event()
+    # Files of other processes and their containers are read on a thread of their own: a process stuck in
+    # the kernel must not stop sampling. A job shows one cycle after its processes first do.
+    attributor = BackgroundAttributor(runtime.attributor)
     sampler = Sampler(runtime.reader, store, node=runtime.node, interval=config.sample_interval,
-                      attributor=runtime.attributor, recorder=recorder, clock=runtime.clock, stop=stop)
+                      attributor=attributor, recorder=recorder, clock=runtime.clock, stop=stop)
     hangup = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     # SIGHUP would end the agent by default, and systemd counts that as a clean exit, never restarting it;
@@ -205,6 +208,7 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
                          extra={"record": config.record})
     finally:
         sampler.stop()
+        attributor.close()
         if recorder is not None:
             recorder.close()
         server.close()

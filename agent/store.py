@@ -6,6 +6,7 @@ import bisect
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
 from gpufleet.agent.health import AgentHealth
@@ -31,12 +32,19 @@ class Publication:
 
 
 class SnapshotStore:
-    """Latest publication plus recent snapshot JSON for /snapshots?since=; a read costs a lock and a copy."""
+    """Latest publication plus recent snapshot JSON for /snapshots?since=; a read costs a lock and a copy.
 
-    def __init__(self, retention_seconds: float = 300.0) -> None:
+    The ring spans `retention_seconds` back from now, not from its newest snapshot: while NVML is down no
+    snapshot joins it, and what it held before the outage ages out instead of being served as recent once a
+    reader asks. "Now" is `clock` (the agent's wall clock), or a reader's own `now`; without either, the
+    newest snapshot's time (offline use: recording, benchmarks).
+    """
+
+    def __init__(self, retention_seconds: float = 300.0, *, clock: Callable[[], float] | None = None) -> None:
         if not retention_seconds >= MIN_RETENTION_SECONDS:
             raise ValueError(f"retention must be at least {MIN_RETENTION_SECONDS:g} s, got {retention_seconds!r}")
         self._retention = float(retention_seconds)
+        self._clock = clock
         self._lock = threading.Lock()
         self._latest: Publication | None = None
         self._times: deque[float] = deque()
@@ -48,20 +56,27 @@ class SnapshotStore:
         return self._retention
 
     def publish(self, publication: Publication) -> None:
-        """Swap in a new publication; a new snapshot also joins the ring (older ones past retention leave)."""
+        """Swap in a new publication; a new snapshot also joins the ring. Snapshots past retention leave on
+        every publish, a repeated or missing snapshot (NVML down) included."""
         snap = publication.snapshot
+        now = self._clock() if self._clock is not None else None
         with self._lock:
             previous = self._latest.snapshot if self._latest else None
             self._latest = publication
-            if snap is None or snap is previous or publication.snapshot_json is None:
-                return
-            if self._times and snap.time <= self._times[-1]:
-                # The wall clock stepped back: the ring must stay ordered for bisect, so start it afresh.
-                self._times.clear()
-                self._bodies.clear()
-            self._times.append(snap.time)
-            self._bodies.append(publication.snapshot_json)
-            self._evict(snap.time - self._retention)
+            if snap is not None and snap is not previous and publication.snapshot_json is not None:
+                if self._times and snap.time <= self._times[-1]:
+                    # The wall clock stepped back: the ring must stay ordered for bisect, so start it afresh.
+                    self._times.clear()
+                    self._bodies.clear()
+                self._times.append(snap.time)
+                self._bodies.append(publication.snapshot_json)
+            self._evict(self._horizon(now))
+
+    def _horizon(self, now: float | None) -> float:
+        """The oldest time the ring may hold: retention back from now, else from its newest snapshot."""
+        if now is None:
+            now = self._times[-1] if self._times else float("-inf")
+        return now - self._retention
 
     def _evict(self, horizon: float) -> None:
         while self._times and (self._times[0] < horizon or len(self._times) > MAX_BUFFERED):
@@ -73,9 +88,13 @@ class SnapshotStore:
         with self._lock:
             return self._latest
 
-    def since(self, since: float | None) -> list[bytes]:
-        """JSON of every buffered snapshot with time > since (all when None), oldest first."""
+    def since(self, since: float | None, *, now: float | None = None) -> list[bytes]:
+        """JSON of every buffered snapshot with time > since (all when None), oldest first; never one older
+        than retention before `now` (default: the store's clock)."""
+        if now is None and self._clock is not None:
+            now = self._clock()
         with self._lock:
+            self._evict(self._horizon(now))
             if since is None:
                 return list(self._bodies)
             start = bisect.bisect_right(self._times, since)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 
-from gpufleet.agent.attribution import JobAttributor, Pod
+from gpufleet.agent.attribution import (MAX_CONTAINER_FILE_BYTES, BackgroundAttributor, JobAttributor,
+                                        NotRegularFile, Pod, read_in_root, read_regular)
 
 
 def proc(root, pid, environ: bytes | None = None, cgroup: str | None = None):
@@ -165,14 +168,14 @@ def test_unreadable_environ_warns_once_and_falls_back_to_cgroup(tmp_path, caplog
         (d / "environ").chmod(0)
     if os.geteuid() == 0:
         # root reads mode-0 files anyway; make environ fail the way it does for an unprivileged agent.
-        real_open = open
+        real_open = os.open
 
         def denying_open(path, *args, **kwargs):
             if str(path).endswith("environ"):
                 raise PermissionError(13, "Permission denied", str(path))
             return real_open(path, *args, **kwargs)
 
-        monkeypatch.setattr("builtins.open", denying_open)
+        monkeypatch.setattr(os, "open", denying_open)
     att = JobAttributor(tmp_path)
     with caplog.at_level(logging.WARNING):
         assert att.job_for(0, "GPU-a", (30,)) == "30"
@@ -311,3 +314,157 @@ def test_a_real_process_is_named_by_its_rendezvous_through_the_real_procfs(sleep
     assert att.job_for(1, "GPU-b", (local,)) == "gpu-07/localhost:29501"
     assert att.job_for(2, "GPU-c", (alone,)) is None
     assert att.pod_for((remote, local)) is None and not att.errors
+
+
+# --- files inside containers: regular files only, never blocking, never outside the container's root --------
+
+def bounded(call, timeout: float = 10.0):
+    """Run call on a thread; fail (rather than hang the suite) if it blocks."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), "blocked"
+    return result[0]
+
+
+def account_dir(d: Path) -> Path:
+    account = d / "root" / "var" / "run" / "secrets" / "kubernetes.io" / "serviceaccount"
+    account.mkdir(parents=True)
+    return account
+
+
+def test_a_fifo_as_a_pods_namespace_file_is_skipped_not_waited_on(tmp_path, caplog):
+    d = pod(tmp_path, 70, b"RANK=3\0", "research", hostname=b"llama-worker-3")
+    os.mkfifo(account_dir(d) / "namespace")  # no writer: a plain open() would wait forever
+    att = JobAttributor(tmp_path, node="gpu-07")
+    with caplog.at_level(logging.WARNING):
+        assert bounded(lambda: att.pod_for((70,))) == Pod("research", "llama-worker-3")  # resolv.conf's
+    assert att.errors["namespace:not_regular_file"] == 1
+    assert [r.kind for r in caplog.records if r.getMessage().startswith("not a regular file")] == ["fifo"]
+
+
+def test_a_fifo_as_resolv_conf_is_skipped_not_waited_on(tmp_path):
+    d = pod(tmp_path, 71, b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0", None)
+    (d / "root" / "etc").mkdir(parents=True)
+    os.mkfifo(d / "root" / "etc" / "resolv.conf")
+    att = JobAttributor(tmp_path, node="gpu-07")
+    assert bounded(lambda: att.job_for(0, "GPU-a", (71,))) == "llama-master-0:23456"
+    assert att.errors["resolv.conf:not_regular_file"] >= 1
+
+
+def test_an_absolute_symlink_in_a_container_resolves_inside_it_not_on_the_host(tmp_path):
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "namespace").write_text("kube-system")      # what the host (or another pod) holds there
+    procfs = tmp_path / "proc"
+    procfs.mkdir()
+    d = pod(procfs, 72, b"RANK=3\0", "research", hostname=b"llama-worker-3")
+    (account_dir(d) / "namespace").symlink_to(host / "namespace")   # an absolute link, from the container
+    att = JobAttributor(procfs, node="gpu-07")
+    assert att.pod_for((72,)) == Pod("research", "llama-worker-3")  # not kube-system: resolv.conf's
+    # The same path inside the container is what the link means there.
+    inside = d / "root" / str(host).lstrip("/")
+    inside.mkdir(parents=True)
+    (inside / "namespace").write_text("vision")
+    assert JobAttributor(procfs, node="gpu-07").pod_for((72,)) == Pod("vision", "llama-worker-3")
+
+
+def test_dot_dot_stops_at_the_container_root(tmp_path):
+    procfs = tmp_path / "proc"
+    procfs.mkdir()
+    (tmp_path / "namespace").write_text("kube-system")
+    d = pod(procfs, 73, b"RANK=3\0", "research", hostname=b"llama-worker-3")
+    (account_dir(d) / "namespace").symlink_to("../" * 12 + "namespace")
+    assert JobAttributor(procfs, node="gpu-07").pod_for((73,)) == Pod("research", "llama-worker-3")
+    (d / "root" / "namespace").write_text("vision")  # the container's own /namespace
+    assert JobAttributor(procfs, node="gpu-07").pod_for((73,)) == Pod("vision", "llama-worker-3")
+
+
+def test_symlinks_inside_the_container_are_followed(tmp_path):
+    # systemd-resolved images: /etc/resolv.conf -> ../run/systemd/resolve/stub-resolv.conf, or absolute.
+    d = pod(tmp_path, 74, b"MASTER_ADDR=coord\0MASTER_PORT=1234\0", None)
+    stub = d / "root" / "run" / "systemd" / "resolve"
+    stub.mkdir(parents=True)
+    (stub / "stub-resolv.conf").write_text("search ml.svc.cluster.local\n")
+    (d / "root" / "etc").mkdir(parents=True)
+    (d / "root" / "etc" / "resolv.conf").symlink_to("/run/systemd/resolve/stub-resolv.conf")
+    assert JobAttributor(tmp_path, node="gpu-07").job_for(0, "GPU-a", (74,)) == "coord.ml.svc.cluster.local:1234"
+    (d / "root" / "etc" / "resolv.conf").unlink()
+    (d / "root" / "etc" / "resolv.conf").symlink_to("../run/./systemd/resolve/stub-resolv.conf")
+    assert JobAttributor(tmp_path, node="gpu-07").job_for(0, "GPU-a", (74,)) == "coord.ml.svc.cluster.local:1234"
+
+
+def test_a_symlink_loop_is_an_error_not_a_hang(tmp_path):
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "a").symlink_to("b")
+    (root / "etc" / "b").symlink_to("/etc/a")
+    with pytest.raises(OSError) as info:
+        read_in_root(root, "etc/a", 100)
+    assert info.value.errno == errno.ELOOP
+
+
+def test_reads_are_capped_and_only_regular_files_are_opened(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "big").write_bytes(b"x" * (MAX_CONTAINER_FILE_BYTES * 4))
+    assert len(read_in_root(root, "/big", MAX_CONTAINER_FILE_BYTES)) == MAX_CONTAINER_FILE_BYTES
+    with pytest.raises(NotRegularFile) as info:
+        read_regular("/dev/zero", 10)     # endless, and a device: refused before it is opened
+    assert info.value.kind == "char_device"
+    with pytest.raises(NotRegularFile):
+        read_in_root(root, ".", 10)
+
+
+# --- off the sampler's critical path -------------------------------------------------------------------
+
+def test_the_background_attributor_answers_from_the_last_finished_cycle(tmp_path):
+    proc(tmp_path, 80, b"SLURM_JOB_ID=4242\0")
+    proc(tmp_path, 81, b"SLURM_JOB_ID=4243\0")
+    att = BackgroundAttributor(JobAttributor(tmp_path), start=False)
+    assert att.job_for(0, "GPU-a", (80,)) is None           # not looked at yet
+    att.end_cycle()
+    assert att.resolve_pending()
+    assert att.job_for(0, "GPU-a", (80,)) == "4242"
+    assert att.job_for(0, "GPU-a", (81,)) == "4242"         # new processes: the last answer until looked at
+    assert att.job_for(1, "GPU-b", ()) is None              # no processes: no job at once
+    att.end_cycle()
+    att.resolve_pending()
+    assert att.job_for(0, "GPU-a", (81,)) == "4243"
+    assert att.job_for(0, "GPU-z", (81,)) is None           # another GPU at that index: nothing carried over
+
+
+def test_a_read_stuck_in_the_kernel_does_not_stop_sampling(tmp_path):
+    from gpufleet.agent.sampler import Sampler
+    from gpufleet.agent.store import SnapshotStore
+    from tests.agent.fakes import FakeClock, StubReader
+
+    proc(tmp_path, 90, b"SLURM_JOB_ID=4242\0")
+    inner = JobAttributor(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+    real_environ = inner._environ
+
+    def stuck_environ(pid):  # /proc/PID/environ of a process whose mmap lock is held
+        entered.set()
+        release.wait(30)
+        return real_environ(pid)
+
+    inner._environ = stuck_environ
+    att = BackgroundAttributor(inner)
+    clock = FakeClock()
+    sampler = Sampler(StubReader(gpus=1, pids={0: (90,)}), SnapshotStore(), node="n", attributor=att,
+                      clock=clock.time, monotonic=clock.monotonic)
+    try:
+        assert bounded(sampler.run_once).gpus[0].hpc_job is None
+        assert entered.wait(10)
+        for _ in range(3):                                   # the thread is stuck; sampling is not
+            clock.advance(1)
+            assert bounded(sampler.run_once).gpus[0].hpc_job is None
+        release.set()
+        assert att.wait_idle(10)
+        clock.advance(1)
+        assert sampler.run_once().gpus[0].hpc_job == "4242"
+    finally:
+        release.set()
+        att.close()

@@ -102,3 +102,37 @@ def test_concurrent_publish_and_read_stay_consistent():
         th.join(timeout=10)
     assert not errors
     assert times(store.since(None))[-1] == 1999.0
+
+
+def test_a_ring_kept_through_an_nvml_outage_ages_out_by_the_clock():
+    # NVML down: the sampler republishes its last snapshot (or none); the ring must still age by the clock.
+    now = [100.0]
+    store = SnapshotStore(120.0, clock=lambda: now[0])
+    for t in (100.0, 101.0, 102.0):
+        now[0] = t
+        store.publish(pub(t))
+    last = store.latest()
+    now[0] = 221.5
+    store.publish(Publication(last.snapshot, HEALTH, b"metrics", last.snapshot_json))  # unchanged snapshot
+    assert times(store.since(None)) == [102.0]
+    now[0] = 400.0
+    store.publish(Publication(None, HEALTH, b"metrics", None))
+    assert len(store) == 0 and store.since(None) == []
+
+
+def test_a_read_never_serves_snapshots_older_than_retention_before_now():
+    store = SnapshotStore(120.0)
+    for t in (100.0, 101.0, 102.0):
+        store.publish(pub(t))
+    assert times(store.since(None, now=221.5)) == [102.0]
+    assert store.since(50.0, now=10_000.0) == [] and len(store) == 0
+
+
+def test_the_store_clock_bounds_reads_without_a_publish():
+    now = [100.0]
+    store = SnapshotStore(120.0, clock=lambda: now[0])
+    store.publish(pub(100.0))
+    now[0] = 220.0
+    assert times(store.since(None)) == [100.0]
+    now[0] = 220.5
+    assert store.since(None) == []

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import gzip
 import http.client
+import logging
+import socket
+import struct
 import threading
 
 import orjson
@@ -11,7 +16,7 @@ import pytest
 
 from gpufleet.agent.sampler import Sampler
 from gpufleet.agent.store import SnapshotStore
-from gpufleet.agent.webserver import AgentHttpServer
+from gpufleet.agent.webserver import AgentHttpServer, _DeadlineReader
 from tests.agent.fakes import FakeClock, StubReader
 
 
@@ -230,3 +235,274 @@ def test_snapshot_endpoint_never_touches_the_reader(agent):
     for path in ("/metrics", "/snapshot", "/snapshots", "/healthz"):
         assert get(server, path)[0] == 200
     assert reader.reads == reads
+
+
+def test_the_pre_outage_ring_is_not_served_after_nvml_comes_back(agent):
+    server, sampler, clock, reader, store = agent
+    before = clock.now
+    for _ in range(3):
+        sampler.run_once()
+        clock.advance(1)
+
+    def gone() -> None:
+        from gpufleet.agent.nvml_reader import NvmlUnavailable
+        raise NvmlUnavailable("GPU is lost")
+
+    reader.read_effects = [gone]
+    sampler.run_once()                      # NVML goes away; the last snapshot stays published
+    reader.open_failures = 10**6
+    for _ in range(40):                     # an outage well past the 300 s retention
+        clock.advance(10)
+        sampler.run_once()
+    doc = orjson.loads(get(server, "/snapshots")[2])
+    assert doc["snapshots"] == [] and len(store) == 0
+    reader.open_failures = 0                # NVML is back
+    clock.advance(60)                       # past the open backoff
+    snap = sampler.run_once()
+    assert snap is not None
+    doc = orjson.loads(get(server, "/snapshots")[2])
+    assert [s["time"] for s in doc["snapshots"]] == [snap.time] and snap.time > before + 400
+
+
+# --- methods, bodies and framing ------------------------------------------------------------------------
+
+def raw_exchange(server, data: bytes) -> bytes:
+    """Send raw bytes, read until the server closes the connection."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(data)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("method", ["TRACE", "CONNECT", "OPTIONS", "PROPFIND", "POST"])
+def test_every_method_but_get_and_head_is_405_json_with_allow(agent, method):
+    server, *_ = agent
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request(method, "/metrics")
+        resp = conn.getresponse()
+        body = resp.read()
+        assert resp.status == 405 and resp.getheader("Content-Type") == "application/json"
+        assert resp.getheader("Allow") == "GET, HEAD" and orjson.loads(body)["error"] == "method_not_allowed"
+    finally:
+        conn.close()
+
+
+def test_a_request_after_a_body_on_one_connection_is_read_as_its_own(agent):
+    server, sampler, *_ = agent
+    sampler.run_once()
+    answer = raw_exchange(server, b"POST /metrics HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello"
+                                  b"GET /healthz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    first, second = answer.split(b"HTTP/1.1 ")[1:]
+    assert first.startswith(b"405 ") and second.startswith(b"200 ")
+    assert b'"status":"ok"' in second and b"400" not in answer
+
+
+def test_a_body_over_the_limit_is_answered_and_the_connection_closed(agent):
+    server, *_ = agent
+    # The body is never sent: the answer must not wait for it, and the connection must not be reused.
+    answer = raw_exchange(server, b"POST /metrics HTTP/1.1\r\nHost: a\r\nContent-Length: 10000000\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 405 ") and b"\r\nConnection: close\r\n" in answer
+    answer = raw_exchange(server, b"GET /healthz HTTP/1.1\r\nHost: a\r\nContent-Length: 10000000\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 413 ") and b'"error":"body_too_large"' in answer
+
+
+def test_a_chunked_request_is_answered_then_closed(agent):
+    server, *_ = agent
+    answer = raw_exchange(server, b"GET /healthz HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                  b"5\r\nhello\r\n0\r\n\r\nGET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 ") == 1 and b"\r\nConnection: close\r\n" in answer
+
+
+@pytest.mark.parametrize("headers", [b"Content-Length: 5\r\nContent-Length: 6\r\n", b"Content-Length: -1\r\n",
+                                     b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n"])
+def test_ambiguous_body_framing_is_400_json(agent, headers):
+    server, *_ = agent
+    answer = raw_exchange(server, b"POST /metrics HTTP/1.1\r\nHost: a\r\n" + headers + b"\r\nhello")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"Content-Type: application/json" in head
+    assert orjson.loads(body)["error"] == "bad_request"
+
+
+def test_http_server_errors_are_json(agent):
+    server, *_ = agent
+    answer = raw_exchange(server, b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 414 ") and orjson.loads(body)["error"] == "request_uri_too_long"
+    answer = raw_exchange(server, b"GET /metrics HTTP/2.0\r\n\r\n")
+    assert orjson.loads(answer.partition(b"\r\n\r\n")[2])["error"] == "http_version_not_supported"
+
+
+# --- gzip -----------------------------------------------------------------------------------------------
+
+def get_metrics(server, accept_encoding: str | None, method: str = "GET"):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request(method, "/metrics", headers={"Accept-Encoding": accept_encoding} if accept_encoding else {})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def test_metrics_are_gzipped_when_the_client_accepts_gzip(agent):
+    server, sampler, clock, *_ = agent
+    sampler.run_once()
+    clock.advance(1.5)
+    _, plain_headers, plain = get_metrics(server, None)
+    # What Prometheus sends.
+    status, headers, body = get_metrics(server, "gzip")
+    assert status == 200 and headers["Content-Encoding"] == "gzip" and headers["Vary"] == "Accept-Encoding"
+    assert "Content-Encoding" not in plain_headers and plain_headers["Vary"] == "Accept-Encoding"
+    assert gzip.decompress(body) == plain and int(headers["Content-Length"]) == len(body) < len(plain) / 4
+    assert body[:2] == b"\x1f\x8b"
+
+
+@pytest.mark.parametrize("value", ["identity", "gzip;q=0", "deflate, br", "x-gzip;q=bad"])
+def test_metrics_are_plain_unless_gzip_is_accepted(agent, value):
+    server, sampler, *_ = agent
+    sampler.run_once()
+    status, headers, body = get_metrics(server, value)
+    assert status == 200 and "Content-Encoding" not in headers and body.startswith(b"# HELP")
+
+
+def test_a_body_is_compressed_once_however_often_it_is_scraped(agent):
+    server, sampler, clock, *_ = agent
+    sampler.run_once()
+    bodies = []
+    for _ in range(3):
+        clock.advance(0.5)  # each scrape carries its own sample age
+        bodies.append(gzip.decompress(get_metrics(server, "deflate, gzip;q=0.5")[2]))
+    assert server.gzip.compressions == 1
+    assert [b.rsplit(b" ", 1)[1] for b in bodies] == [b"0.5\n", b"1.0\n", b"1.5\n"]
+    status, headers, body = get_metrics(server, "gzip", method="HEAD")
+    assert status == 200 and body == b"" and headers["Content-Encoding"] == "gzip"
+    sampler.run_once()
+    assert gzip.decompress(get_metrics(server, "gzip")[2]) == get_metrics(server, None)[2]
+    assert server.gzip.compressions == 2
+
+
+# --- connections ----------------------------------------------------------------------------------------
+
+def test_the_listen_backlog_suits_a_scrape_fleet(agent):
+    server, *_ = agent
+    assert server._httpd.request_queue_size >= 128
+
+
+def test_connections_beyond_the_limit_wait_in_the_backlog_until_a_worker_is_free():
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, poll_interval=0.01, max_connections=2)
+    server.start()
+    held = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(2)]
+    waiting = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    try:
+        waiting.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert server.limits.saturated.wait(10)          # both workers busy: not accepted
+        waiting.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            waiting.recv(100)
+        waiting.setblocking(True)
+        for sock in held:                                 # the held connections are still served
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+            assert sock.recv(100).startswith(b"HTTP/1.1 503 ")  # no sample yet: starting
+        held.pop().close()                                # a worker is free: the waiting one is served
+        assert waiting.recv(100).startswith(b"HTTP/1.1 503 ")
+        assert server.limits.warn.totals["connections:limit"] >= 1
+    finally:
+        for sock in (*held, waiting):
+            sock.close()
+        server.close()
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout():
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, poll_interval=0.01,
+                             idle_timeout_seconds=0.2)
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            assert sock.recv(100) == b""
+        assert server.limits.wait_for(0, timeout=10)
+    finally:
+        server.close()
+
+
+def test_a_request_must_arrive_whole_before_its_deadline_however_it_trickles():
+    a, b = socket.socketpair()
+    now = [0.0]
+    with a, b:
+        reader = _DeadlineReader(a, lambda: now[0])
+        reader.deadline = 30.0
+        buffer = bytearray(100)
+        b.sendall(b"GET")
+        assert reader.readinto(buffer) == 3
+        now[0] = 29.0
+        b.sendall(b" /")                  # each byte in time for a per-read timeout...
+        assert reader.readinto(buffer) == 2
+        now[0] = 30.5
+        b.sendall(b"metrics")
+        with pytest.raises(TimeoutError):  # ...but not for the request's deadline
+            reader.readinto(buffer)
+
+
+def test_repeated_accept_errors_are_logged_once_per_interval_with_a_count(caplog):
+    mono, pauses = [100.0], []
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, monotonic=lambda: mono[0],
+                             pause=pauses.append)
+    real = server._httpd.socket
+
+    class OutOfDescriptors:
+        def accept(self):
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    server._httpd.socket = OutOfDescriptors()
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpufleet.agent.webserver"):
+            for _ in range(1000):
+                server._httpd._handle_request_noblock()
+            mono[0] += 60.0
+            server._httpd._handle_request_noblock()
+    finally:
+        server._httpd.socket = real
+        server.close()
+    lines = [r for r in caplog.records if r.getMessage() == "cannot accept connections"]
+    assert [(r.kind, r.count) for r in lines] == [("accept:EMFILE", 1), ("accept:EMFILE", 1000)]
+    assert pauses == [0.1] * 1001          # the accept loop backs off instead of spinning
+
+
+def test_a_client_reset_is_one_structured_debug_line_not_a_traceback(agent, caplog, capfd):
+    server, sampler, *_ = agent
+    sampler.run_once()
+    with caplog.at_level(logging.DEBUG, logger="gpufleet.agent.webserver"):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: a\r\n")   # headers not finished
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()                                              # RST
+        assert server.limits.wait_for(0, timeout=10)
+        try:
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+        except BrokenPipeError:
+            server._httpd.handle_error(None, ("127.0.0.1", 40000))
+    lost = [r for r in caplog.records if r.getMessage() == "http client connection lost"]
+    assert lost and all(r.levelno == logging.DEBUG and r.exc_info is None for r in lost)
+    assert lost[-1].error == "BrokenPipeError" and lost[-1].client == "127.0.0.1"
+    assert "Traceback" not in capfd.readouterr().err
+    assert get(server, "/healthz")[0] == 200
+
+
+def test_a_client_gone_before_accept_is_not_an_accept_failure(caplog):
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, pause=lambda s: pytest.fail("paused"))
+    real = server._httpd.socket
+
+    class Aborted:
+        def accept(self):
+            raise ConnectionAbortedError(errno.ECONNABORTED, "Software caused connection abort")
+
+    server._httpd.socket = Aborted()
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpufleet.agent.webserver"):
+            server._httpd._handle_request_noblock()
+    finally:
+        server._httpd.socket = real
+        server.close()
+    assert not caplog.records and not server.limits.warn.totals
