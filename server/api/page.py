@@ -43,7 +43,7 @@ th{background:#eef0f3;font-weight:600;white-space:nowrap}td.n{text-align:right;f
 .sev-info{color:#fff;background:#55708c;padding:1px 6px;border-radius:3px}
 .ev{font-size:12px;color:#3d4650;margin-top:3px}.ev span{margin-right:12px;white-space:nowrap}
 dl{display:grid;grid-template-columns:max-content 1fr;gap:4px 16px;background:#fff;padding:10px 14px;margin:0}
-dt{font-weight:600}dd{margin:0}code{font-size:12px}
+.nw{white-space:nowrap}dt{font-weight:600}dd{margin:0}code{font-size:12px}
 """
 
 
@@ -169,7 +169,7 @@ def _firing(page: AlertPageModel, now: float | None) -> str:
     more = f" <span class=muted>(newest {len(page.alerts)} of {page.total})</span>" if page.total > len(page.alerts) else ""
     rows = "".join(
         f"<tr><td>{_severity(a.severity.value)}</td><td>{escape(a.kind.value)}</td>"
-        f"<td><a href=\"{_alert_href(a)}\"><b>{escape(subject(a))}</b></a></td>"
+        f"<td class=nw><a href=\"{_alert_href(a)}\"><b>{escape(subject(a))}</b></a></td>"
         f"<td>{_ago(a.started, now, suffix='')}</td>"
         f"<td>{escape(a.summary)}<div class=ev>{_evidence_line(a.evidence)}</div></td></tr>" for a in page.alerts)
     return (f"<h2>Firing alerts ({page.total}){more}</h2><table><tr><th>severity</th><th>kind</th><th>subject</th>"
@@ -199,7 +199,8 @@ def _document(title: str, refresh: int, body: str, now: float | None = None) -> 
 
 def _evidence_line(evidence: dict[str, Any]) -> str:
     """Scalar evidence as `key value` pairs, for the overview; the alert's page shows all of it."""
-    return "".join(f"<span>{escape(k)} <b>{_value(v)}</b></span>" for k, v in evidence.items()
+    # Spaces between the pairs: the line wraps there instead of widening the table past the screen.
+    return " ".join(f"<span>{escape(k)} <b>{_value(v)}</b></span>" for k, v in evidence.items()
                    if v is None or isinstance(v, (str, int, float, bool)))
 
 
