@@ -172,3 +172,21 @@ def test_page_and_docs_want_the_apis_credentials(tmp_path, path) -> None:
     assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic ")
     assert client.get(path, auth=("grafana", "wrong")).status_code == 401
     assert client.get(path, auth=("grafana", "s3cret")).status_code in (200, 404)
+
+
+def test_agents_not_answering_are_listed_with_their_error(tmp_path) -> None:
+    settings = ServerSettings(storage_path=str(tmp_path / "page.db"))
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "10.0.0.9":
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, content=b'{"schema":1,"snapshots":[]}')
+
+    puller = Puller(StaticTargets(("10.0.0.3:9471", "10.0.0.9:9471")), transport=httpx.MockTransport(refuse),
+                    parse=parse_dict, clock=lambda: 5000.0)
+    runtime = Runtime(engine=StubEngine(), puller=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0)
+    asyncio.run(puller.pull_once())
+    html = TestClient(create_app(settings, runtime=runtime, run_pipeline=False)).get("/").text
+    assert "1 of 2</b><span class=muted>agents up" in html
+    section = html.split("Agents not answering", 1)[1]
+    assert "10.0.0.9:9471" in section and "<td class=bad>down</td>" in section and "10.0.0.3:9471" not in section
