@@ -52,9 +52,10 @@ def test_the_docs_tables_name_every_metric_served(tmp_path: Path) -> None:
                        "--nvlink.per-link") as (_, agent_port):
         # GPM needs two samples before SM activity is read; the sample age only exists after the first.
         agent = scrape_until(f"http://127.0.0.1:{agent_port}/metrics",
-                             lambda t: "gpufleet_gpu_sm_active_ratio{" in t and "gpufleet_agent_sample_age_seconds " in t)
-        with server_process(tmp_path, "--targets", f"127.0.0.1:{agent_port}", "--pull.interval", "1s", "--pull.timeout", "1s",
-                            "--webhook.url", "http://127.0.0.1:9/hook") as (_, server_port):
+                             lambda t: "gpufleet_gpu_sm_active_ratio{" in t
+                             and "gpufleet_agent_sample_age_seconds " in t)
+        with server_process(tmp_path, "--targets", f"127.0.0.1:{agent_port}", "--pull.interval", "1s",
+                            "--pull.timeout", "1s", "--webhook.url", "http://127.0.0.1:9/hook") as (_, server_port):
             # Per-job and per-node families appear once the engine has evaluated a tick with samples.
             server = scrape_until(f"http://127.0.0.1:{server_port}/metrics",
                                   lambda t: "gpufleet_job_gpus{" in t and "gpufleet_node_gpus{" in t
@@ -72,4 +73,5 @@ def test_table_names_are_read_from_table_rows_only(tmp_path: Path) -> None:
     doc.write_text("Prose naming `gpufleet_not_in_a_table` is not a row.\n\n| series | meaning |\n|---|---|\n"
                    "| `gpufleet_a_total`, `gpufleet_b` | prefix `gpufleet_` alone is no name |\n")
     assert documented(doc) == {"gpufleet_a_total", "gpufleet_b"}
-    assert served("# HELP gpufleet_a_total x\n# TYPE gpufleet_a_total counter\ngpufleet_a_total 1\n") == {"gpufleet_a_total"}
+    exposition = "# HELP gpufleet_a_total x\n# TYPE gpufleet_a_total counter\ngpufleet_a_total 1\n"
+    assert served(exposition) == {"gpufleet_a_total"}

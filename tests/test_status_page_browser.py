@@ -104,7 +104,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Runt
 
 
 def chromium_dom(url: str, tmp_path: Path, *, js_budget_ms: int = 0) -> str:
-    """The DOM Chromium built for `url` (after `js_budget_ms` of virtual time for scripts), offline but for 127.0.0.1."""
+    """The DOM Chromium built for `url` (after `js_budget_ms` of virtual time for scripts), offline but for
+    127.0.0.1."""
     assert CHROMIUM is not None
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -36,7 +36,8 @@ header h1{font-size:18px;margin:0}header a{color:#cfe3ff}main{max-width:1280px;m
 h2{font-size:16px;margin:22px 0 8px}table{border-collapse:collapse;width:100%;background:#fff}
 th,td{text-align:left;padding:5px 8px;border-bottom:1px solid #e3e6ea;vertical-align:top}
 th{background:#eef0f3;font-weight:600;white-space:nowrap}td.n{text-align:right;font-variant-numeric:tabular-nums}
-.cards{display:flex;gap:12px;flex-wrap:wrap}.card{background:#fff;border:1px solid #e3e6ea;padding:8px 14px;min-width:120px}
+.cards{display:flex;gap:12px;flex-wrap:wrap}
+.card{background:#fff;border:1px solid #e3e6ea;padding:8px 14px;min-width:120px}
 .card b{display:block;font-size:22px}.muted{color:#66707a}.ok{color:#1a7f37}.bad{color:#b42318;font-weight:600}
 .sev-critical{color:#fff;background:#b42318;padding:1px 6px;border-radius:3px}
 .sev-warning{color:#1d2329;background:#f5c451;padding:1px 6px;border-radius:3px}
@@ -85,9 +86,10 @@ def render_overview(nodes: NodesModel, jobs: JobsModel, firing: AlertPageModel, 
 
 def render_alert(alert: AlertModel, now: float | None, refresh: int) -> str:
     """The `/ui/alerts/{id}` page."""
-    facts = [("state", _state(alert)), ("severity", _severity(alert.severity.value)), ("kind", escape(alert.kind.value)),
-             ("subject", escape(subject(alert))), ("GPU UUID", escape(alert.uuid or "-")),
-             ("job", escape(alert.hpc_job or "-")), ("cause", escape(alert.cause or "-")),
+    facts = [("state", _state(alert)), ("severity", _severity(alert.severity.value)),
+             ("kind", escape(alert.kind.value)), ("subject", escape(subject(alert))),
+             ("GPU UUID", escape(alert.uuid or "-")), ("job", escape(alert.hpc_job or "-")),
+             ("cause", escape(alert.cause or "-")),
              ("pending since", _time(alert.pending_since)), ("firing since", _time(alert.started)),
              ("resolved", _time(alert.resolved)), ("updated", _time(alert.updated)),
              ("id", f"<code>{escape(alert.id)}</code> (<a href=\"/alerts/{_path(alert.id)}\">JSON</a>)")]
@@ -158,7 +160,8 @@ def _health(job: JobModel, firing: list[AlertModel]) -> str:
         alert = next((a for a in firing if a.kind.value == "straggler" and a.hpc_job == job.hpc_job
                       and a.node == ref.node and a.gpu == ref.gpu), None)
         text = f"straggler {escape(where or '-')}"
-        parts.append(f"<a class=bad href=\"{_alert_href(alert)}\">{text}</a>" if alert else f"<span class=bad>{text}</span>")
+        parts.append(f"<a class=bad href=\"{_alert_href(alert)}\">{text}</a>" if alert
+                     else f"<span class=bad>{text}</span>")
     parts += [f"<span class=bad>{flag}</span>" for flag in ("comm_bound", "input_bound") if getattr(job, flag)]
     return ", ".join(parts) or "<span class=ok>ok</span>"
 
@@ -166,7 +169,8 @@ def _health(job: JobModel, firing: list[AlertModel]) -> str:
 def _firing(page: AlertPageModel, now: float | None) -> str:
     if not page.alerts:
         return "<h2>Firing alerts</h2><p class=ok>nothing firing</p>"
-    more = f" <span class=muted>(newest {len(page.alerts)} of {page.total})</span>" if page.total > len(page.alerts) else ""
+    shown = len(page.alerts)
+    more = f" <span class=muted>(newest {shown} of {page.total})</span>" if page.total > shown else ""
     rows = "".join(
         f"<tr><td>{_severity(a.severity.value)}</td><td>{escape(a.kind.value)}</td>"
         f"<td class=nw><a href=\"{_alert_href(a)}\"><b>{escape(subject(a))}</b></a></td>"

@@ -129,8 +129,8 @@ def test_what_agents_report_is_escaped(tmp_path) -> None:
     evil = "<script>alert(1)</script>"
     alert = make_alert(1, node=evil, gpu=0, hpc_job="j\"><img src=x>")
     runtime.store.upsert([alert])
-    runtime.view = FleetView(jobs=({**JOB, "hpc_job": evil, "nodes": [evil], "stragglers": [{"node": evil, "gpu": 0}]},),
-                             evaluated_at=1100.0)
+    job = {**JOB, "hpc_job": evil, "nodes": [evil], "stragglers": [{"node": evil, "gpu": 0}]}
+    runtime.view = FleetView(jobs=(job,), evaluated_at=1100.0)
     for path in ("/", f"/ui/alerts/{alert.id}"):
         html = client.get(path).text
         assert evil not in html and "<img src=x>" not in html, path
