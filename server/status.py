@@ -28,7 +28,7 @@ def render(jobs: dict[str, Any], alerts: dict[str, Any], nodes: dict[str, Any], 
     when = "not evaluated yet" if now is None else f"evaluated at {_clock(now)}"
     lines = [f"gpufleet-server {url}: {sum(t['up'] for t in targets)} of {len(targets)} agents up, "
              f"{len(nodes.get('nodes') or [])} nodes, {when}", ""]
-    rows = [("JOB", "GPUS", "NODES", "UTIL", "SM", "BASELINE", "SLOWER", "LOST(GPU-H)", "NOW")]
+    rows = [("JOB", "GPUS", "NODES", "UTIL", "SM", "BASELINE", "SLOWER-VS-BASELINE", "LOST(GPU-H)", "NOW")]
     for job in sorted(jobs.get("jobs") or [], key=lambda j: str(j.get("hpc_job"))):
         rows.append((str(job.get("hpc_job")), str(job.get("gpus") or 0), str(len(job.get("nodes") or [])),
                      _ratio(job.get("utilization_ratio")), _ratio(job.get("sm_active_ratio")),

@@ -6,11 +6,12 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from gpufleet.webconfig import WebConfig
-from gpufleet.server.api import alerts, fleet, health
+from gpufleet.server.api import alerts, fleet, health, page
 from gpufleet.server.api.auth import WebGuard
 from gpufleet.server.metrics import build_registry
 from gpufleet.server.runtime import Runtime
@@ -32,7 +33,10 @@ def create_app(settings: ServerSettings, *, runtime: Runtime, run_pipeline: bool
             if run_pipeline:
                 await runtime.stop()
 
-    app = FastAPI(
+    # /docs from the Swagger UI files fastapi-offline installs, served by this app: GPU clusters are often
+    # air-gapped, and FastAPI's default page loads Swagger UI from a CDN.
+    app = FastAPIOffline(
+        docs_url="/docs", redoc_url=None, static_url="/docs/assets",
         title="gpufleet server",
         summary="Stragglers, thermal throttling and communication-bound drops in GPU training clusters.",
         version="0.1.0",
@@ -44,6 +48,7 @@ def create_app(settings: ServerSettings, *, runtime: Runtime, run_pipeline: bool
     app.include_router(alerts.router)
     app.include_router(fleet.router)
     app.include_router(health.router)
+    app.include_router(page.router)
 
     @app.get("/metrics", tags=["metrics"], summary="Prometheus exposition",
              response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})

@@ -75,7 +75,11 @@ class JobModel(BaseModel):
     sm_active_ratio: float | None = None
     baseline_sm_active_ratio: float | None = Field(None, description="The job's own recent SM activity baseline.")
     power_watts: float | None = None
-    estimated_slowdown_ratio: float | None = Field(None, description="Slowdown against the job's own baseline.")
+    estimated_slowdown_ratio: float | None = Field(None, description=(
+        "The job's step-time slowdown now (0-1): how far its GPUs' SM activity (power where that is not "
+        "reported) sits below the job's own baseline at evaluated_at. A straggler alert's 'by ~N % per step' "
+        "is another figure: the slowdown put down to its culprit GPU or node, estimated from it against its "
+        "peers as the alert fired."))
     stragglers: list[StragglerRef] = Field(default_factory=list)
     comm_bound: bool | None = None
     input_bound: bool | None = None

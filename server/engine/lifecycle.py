@@ -16,7 +16,7 @@ from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Trans
 from gpufleet.server.engine.detectors import Finding, Outcome
 
 _LIVE_KEYS = frozenset(("gpu_hours_lost", "silent_seconds", "count", "last_event_time", "uncorrected_errors_new",
-                        "remapped_rows_pending", "remapped_rows_failure"))
+                        "last_error_time", "remapped_rows_pending", "remapped_rows_failure"))
 _RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2}
 
 
@@ -97,6 +97,8 @@ class Lifecycle:
         else:
             # Once firing, the evidence that fired it stays; only running tallies keep counting.
             rec.evidence = {**rec.evidence, **{k: v for k, v in f.evidence.items() if k in _LIVE_KEYS}}
+            if f.live_summary:
+                rec.summary = f.summary
         if escalated:
             rec.severity = f.severity
         if rec.state is AlertState.PENDING and t - rec.pending_since - rec.off_seconds >= for_s:

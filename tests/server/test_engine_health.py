@@ -102,3 +102,23 @@ def test_pending_remap_holds_one_alert_through_bins_without_a_sample():
         (a,) = [a for a in run_replay(lines) if a.kind.value == "ecc"]
         assert (a.node, a.gpu) == ("n1", 7)
         assert T0 + 300 <= a.started <= T0 + 310 and T0 + 600 <= a.resolved <= T0 + 615, interval
+
+
+def test_ecc_summary_counts_what_its_evidence_counts_with_the_right_plural():
+    # One uncorrected error, then a second while the alert fires: the summary follows the evidence's figure.
+    def ecc(t, node, gpu):
+        if (node, gpu) != ("n1", 7) or t < 300:
+            return {}
+        return {"ecc_uncorrected_errors_total": 1 if t < 400 else 2}
+
+    def first_error_only(t, node, gpu):
+        return ecc(t, node, gpu) and {"ecc_uncorrected_errors_total": 1}
+
+    (one,) = _of("ecc", first_error_only)
+    assert one.evidence["uncorrected_errors_new"] == 1
+    assert one.summary == "GPU 7 on n1: 1 uncorrected ECC error"
+    (two,) = _of("ecc", ecc)
+    assert two.started < T0 + 400, "the second error must come while the alert fires"
+    assert two.evidence["uncorrected_errors_new"] == 2
+    assert two.summary == "GPU 7 on n1: 2 uncorrected ECC errors"
+    assert T0 + 400 <= two.evidence["last_error_time"] <= T0 + 410

@@ -26,7 +26,7 @@ JOBS = {"evaluated_at": 1763800600.0, "jobs": [
 ]}
 ALERTS = {"total": 2, "alerts": [
     {"severity": "critical", "kind": "straggler", "node": "dgx-03", "gpu": 5, "hpc_job": "71002",
-     "started": 1763800470.0, "summary": "GPU 5 on dgx-03 holds back job 71002 (~21 % slower): SM clock 61 % of max "
+     "started": 1763800470.0, "summary": "GPU 5 on dgx-03 holds back job 71002 by ~21 % per step (estimated as it fired): SM clock 61 % of max "
                                          "vs peers 100 %; throttled: HW slowdown or power brake, not heat (power delivery)"},
     {"severity": "warning", "kind": "comm_bound", "node": None, "gpu": None, "hpc_job": "71001",
      "started": 1763800535.0, "summary": "job 71001 is communication-bound"},
@@ -41,7 +41,7 @@ def test_the_report_names_each_job_what_holds_it_back_and_what_fires():
     assert lines[0] == ("gpufleet-server http://gpufleet:9472: 4 of 5 agents up, 5 nodes, "
                         "evaluated at 2025-11-22 08:36:40 UTC")
     rows = {line.split()[0]: line for line in lines[2:6]}
-    assert rows["JOB"].split() == ["JOB", "GPUS", "NODES", "UTIL", "SM", "BASELINE", "SLOWER", "LOST(GPU-H)", "NOW"]
+    assert rows["JOB"].split() == ["JOB", "GPUS", "NODES", "UTIL", "SM", "BASELINE", "SLOWER-VS-BASELINE", "LOST(GPU-H)", "NOW"]
     assert rows["71001"].split() == ["71001", "16", "2", "1.00", "0.52", "0.69", "25", "%", "0.00", "comm_bound"]
     assert rows["71002"].split()[-3:] == ["3.46", "straggler", "dgx-03/5"]
     # Unknown is "-", never 0; a whole node holding its job back is named by the node alone.

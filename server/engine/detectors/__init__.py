@@ -26,6 +26,9 @@ class Finding:
     extra: str = ""
     # GPU-hours the subject cost its job at this tick alone (evidence's gpu_hours_lost is the running total).
     cost_gpu_hours: float = 0.0
+    # The summary quotes only running tallies (the evidence's live keys), so a firing alert takes each new
+    # one with them: a summary kept from when it fired would contradict the evidence beside it.
+    live_summary: bool = False
 
     @property
     def fingerprint(self) -> str:

@@ -209,7 +209,7 @@ def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
         when, count = state.ecc_last.get(slot, (None, 0))
         why = []
         if slot in fresh:
-            why.append(f"{count} uncorrected ECC errors")
+            why.append(f"{count} uncorrected ECC error{'' if count == 1 else 's'}")
         if pending[slot]:
             why.append("row remapping pending (reset needed)")
         if failure[slot]:
@@ -217,7 +217,8 @@ def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
         out.add(Finding(AlertKind.ECC, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], _job_of(tick, slot),
                         Severity.CRITICAL, f"GPU {w.slot_index[slot]} on {w.slot_node[slot]}: " + ", ".join(why),
                         {"uncorrected_errors_new": count, "last_error_time": when,
-                         "remapped_rows_pending": bool(pending[slot]), "remapped_rows_failure": bool(failure[slot])}))
+                         "remapped_rows_pending": bool(pending[slot]), "remapped_rows_failure": bool(failure[slot])},
+                        live_summary=True))
 
     def test(fp: str) -> bool | None:
         hit = state.ecc_index.get(w, fp)

@@ -349,7 +349,10 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
     sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
+    # "By ~N % per step": the slowdown put down to this GPU, as it fires (the summary stays as it fired). Not
+    # the job's figure in /jobs, which is the job now against its own baseline: the two may differ.
+    by = f"by ~{evidence['estimated_job_slowdown_ratio'] * 100:.0f} % per step (estimated as it fired)"
     summary = (f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} holds back "
-               f"{'job ' + job if job else 'its peers'} (~{slowdown * 100:.0f} % slower): " + "; ".join(reasons))
+               f"{'job ' + job if job else 'its peers'} {by}: " + "; ".join(reasons))
     return Finding(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], job, sev,
                    summary, evidence, cost_gpu_hours=cost)

@@ -414,8 +414,11 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
     evidence["throttle_causes"] = causes
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
-    summary = (f"node {node} holds back {'job ' + job if job else 'its peer nodes'}: {what} while "
-               f"the other nodes wait" + (f" (~{slowdown * 100:.0f} % slower)" if known else ""))
+    # Worded as a GPU straggler's figure (see gpu_finding): the slowdown put down to this node, as it fires.
+    share = evidence["estimated_job_slowdown_ratio"]
+    by = f" by ~{share * 100:.0f} % per step (estimated as it fired)" if known else ""
+    subject = f"job {job}" if job else "its peer nodes"
+    summary = f"node {node} holds back {subject}{by}: {what} while the other nodes wait"
     sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
     return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
 
