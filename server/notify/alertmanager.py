@@ -48,7 +48,7 @@ def to_alertmanager(alert: Alert, *, now: float, resend_interval_seconds: float,
             "evidence": orjson.dumps(dict(alert.evidence), option=orjson.OPT_NON_STR_KEYS, default=str).decode(),
         },
         "startsAt": rfc3339(alert.started if alert.started is not None else alert.pending_since),
-        "generatorURL": f"{external_url.rstrip('/')}/alerts/{alert.id}",
+        "generatorURL": f"{external_url.rstrip('/')}/ui/alerts/{alert.id}",   # the alert's page, for a person
     }
     if alert.uuid:
         body["annotations"]["uuid"] = alert.uuid

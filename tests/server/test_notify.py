@@ -59,7 +59,7 @@ def test_alertmanager_payload_shape() -> None:
     assert json.loads(body["annotations"]["evidence"]) == {"n": 1, "peers_median": 0.5}
     assert body["startsAt"] == rfc3339(alert.started) == "1970-01-01T00:16:51.000Z"
     assert body["endsAt"] == rfc3339(2000.0 + 240.0)
-    assert body["generatorURL"] == f"http://gpufleet:9472/alerts/{alert.id}"
+    assert body["generatorURL"] == f"http://gpufleet:9472/ui/alerts/{alert.id}"
 
 
 def test_job_level_alert_omits_null_labels_and_pending_is_not_sent() -> None:
