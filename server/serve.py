@@ -176,7 +176,7 @@ def check_config(argv: Sequence[str] | None = None) -> int:
     settings, the web config, the engine's settings, the file_sd file, every TLS and credential file, and the
     storage folder. Exit 0 with one summary line, or 2 with the first problem, as `promtool check config`."""
     try:
-        settings = load_settings(sys.argv[1:] if argv is None else argv)
+        settings = load_settings(sys.argv[1:] if argv is None else argv, prog="gpufleet-server check-config")
         if settings.web_config_file:
             try:
                 load_web_config(settings.web_config_file)

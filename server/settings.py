@@ -261,7 +261,10 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
 
 def build_parser(prog: str = "gpufleet-server serve") -> argparse.ArgumentParser:
     """The serve command's flags; every value is a raw string, validated in load_settings."""
-    parser = OneLineParser(prog=prog, description="Pull gpufleet agents, detect stragglers, serve alerts.",
+    description = ("Check serve's settings and the files they name without starting; exit 0 with one summary "
+                   "line, or 2 with the first problem." if prog.endswith("check-config")
+                   else "Pull gpufleet agents, detect stragglers, serve alerts.")
+    parser = OneLineParser(prog=prog, description=description,
                            allow_abbrev=False)
     parser.add_argument("--config.file", dest="config.file", metavar="FILE", help="YAML config file")
     for flag, (_, _, doc) in FLAGS.items():
@@ -269,10 +272,11 @@ def build_parser(prog: str = "gpufleet-server serve") -> argparse.ArgumentParser
     return parser
 
 
-def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ServerSettings:
+def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None,
+                  prog: str = "gpufleet-server serve") -> ServerSettings:
     """Merge flags, environment and config file; raises ConfigError naming the first bad setting."""
     env = os.environ if env is None else env
-    args = vars(build_parser().parse_args(list(argv)))
+    args = vars(build_parser(prog).parse_args(list(argv)))
     config_file = args.pop("config.file") or env.get(ENV_PREFIX + "CONFIG_FILE") or None
     file_values, engine = _read_config_file(config_file) if config_file else ({}, {})
     parsed = layered({flag: parse for flag, (_, parse, _) in FLAGS.items()}, flags=args, environ=env,
