@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import orjson
 
@@ -20,12 +20,17 @@ from gpufleet.agent.attribution import JobAttributor
 from gpufleet.agent.config import PROG, AgentConfig, ConfigError, default_node, load_config
 from gpufleet.extras import AGENT_MODULES, missing_extra
 from gpufleet.logs import configure_logging
-from gpufleet.agent.nvml_reader import NvmlReader
 from gpufleet.agent.record import Recorder
-from gpufleet.agent.sampler import Sampler
 from gpufleet.agent.store import SnapshotStore
 from gpufleet.webconfig import WebConfig, WebConfigError, load_web_config
 from gpufleet.agent.webserver import AgentHttpServer
+
+if TYPE_CHECKING:
+    from gpufleet.agent.nvml_reader import NvmlReader
+    from gpufleet.agent.sampler import Sampler
+
+# The NVML reader and the sampler import nvidia-ml-py: they load inside the functions, after main() has
+# checked that the agent extra is installed, so that its absence is one line and not a traceback.
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +115,8 @@ def print_scenario(config: AgentConfig) -> int:
 
 def build_runtime(config: AgentConfig) -> Runtime:
     """The NVML object (pynvml or the simulator), the reader around it, job attribution and the web config."""
+    from gpufleet.agent.nvml_reader import NvmlReader
+
     web = None
     if config.web_config_file and not config.once:
         # Read before NVML comes up: a broken file is a one-line error, not a half-started agent.
@@ -170,6 +177,8 @@ def _sleep(seconds: float) -> None:
 
 def run_once(config: AgentConfig, runtime: Runtime) -> int:
     """Sample twice an interval apart (so GPM SM activity has a value), print the second snapshot."""
+    from gpufleet.agent.sampler import Sampler
+
     store = SnapshotStore(config.snapshots_retention)
     sampler = Sampler(runtime.reader, store, node=runtime.node, interval=config.sample_interval,
                       attributor=runtime.attributor, clock=runtime.clock)
@@ -200,6 +209,8 @@ def _once_failed(sampler: Sampler) -> int:
 
 def serve(config: AgentConfig, runtime: Runtime) -> int:
     """Run until SIGTERM/SIGINT: HTTP first (so health answers while NVML comes up), then sampling."""
+    from gpufleet.agent.sampler import Sampler
+
     store = SnapshotStore(config.snapshots_retention)
     try:
         server = AgentHttpServer(store, host=config.listen_host, port=config.listen_port,
