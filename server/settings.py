@@ -2,7 +2,9 @@
 
 Flag names are dotted like Prometheus exporters' (`--pull.interval`); the same names without the
 dashes are the config file's keys, and GPUFLEET_SERVER_PULL_INTERVAL style names the environment's.
-The config file may also hold an `engine:` mapping handed to EngineConfig.from_mapping.
+The config file may also hold an `engine:` mapping handed to EngineConfig.from_mapping. How values are
+spelled (booleans, durations, sizes, addresses) and how the layers combine is gpufleet.config, shared
+with the agent.
 """
 
 from __future__ import annotations
@@ -15,9 +17,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gpufleet.config import (ConfigError, OneLineParser, format_address, layered, parse_bool, parse_duration,
                              parse_listen_address, parse_size, read_config_file)
-
-__all__ = ["ConfigError", "ServerSettings", "ClientAuth", "FLAGS", "load_settings", "parse_bool", "parse_duration",
-           "parse_duration_or_off", "parse_listen", "parse_size", "build_parser"]
 
 ENV_PREFIX = "GPUFLEET_SERVER_"
 
