@@ -11,20 +11,26 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import orjson
 
 from gpufleet.agent import __version__
 from gpufleet.agent.attribution import BackgroundAttributor, JobAttributor
 from gpufleet.agent.config import PROG, AgentConfig, ConfigError, default_node, load_config
+from gpufleet.extras import AGENT_MODULES, missing_extra
 from gpufleet.logs import configure_logging
-from gpufleet.agent.nvml_reader import NvmlReader
 from gpufleet.agent.record import Recorder
-from gpufleet.agent.sampler import Sampler
 from gpufleet.agent.store import SnapshotStore
 from gpufleet.webconfig import WebConfig, WebConfigError, load_web_config
 from gpufleet.agent.webserver import AgentHttpServer
+
+if TYPE_CHECKING:
+    from gpufleet.agent.nvml_reader import NvmlReader
+    from gpufleet.agent.sampler import Sampler
+
+# The NVML reader and the sampler import nvidia-ml-py: they load inside the functions, after main() has
+# checked that the agent extra is installed, so that its absence is one line and not a traceback.
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +66,16 @@ class Runtime:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the gpufleet-agent console script; returns the exit code."""
+    missing = missing_extra("agent", AGENT_MODULES)
+    if missing:
+        # Even --help: every path of the agent, the simulator included, runs on nvidia-ml-py.
+        sys.stderr.write(f"{PROG}: error: {missing}\n")
+        return 2
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        config = load_config(argv)
+        config = load_config(args, scenarios=_builtin_scenarios() if {"-h", "--help"} & set(args) else ())
+        if config.print_scenario:
+            return print_scenario(config)
         configure_logging(config.log_level, config.log_format)
         runtime = build_runtime(config)
     except ConfigError as exc:
@@ -76,8 +90,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             step()
 
 
+def _builtin_scenarios() -> tuple[str, ...]:
+    from gpufleet.agent.sim.scenario import BUILTIN_SCENARIOS
+
+    return BUILTIN_SCENARIOS
+
+
+def print_scenario(config: AgentConfig) -> int:
+    """--print-scenario: the scenario's nodes, jobs and incident timetable as one JSON document on stdout.
+
+    How the demo (in the server, which never imports the agent) learns what will happen when.
+    """
+    from gpufleet.agent.sim import ScenarioError, load_scenario
+    from gpufleet.agent.sim.scenario import timetable
+
+    try:
+        scenario = load_scenario(config.simulate)
+    except ScenarioError as exc:
+        raise ConfigError(f"--simulate: {exc}") from None
+    sys.stdout.buffer.write(orjson.dumps(timetable(scenario)) + b"\n")
+    sys.stdout.flush()
+    return 0
+
+
 def build_runtime(config: AgentConfig) -> Runtime:
     """The NVML object (pynvml or the simulator), the reader around it, job attribution and the web config."""
+    from gpufleet.agent.nvml_reader import NvmlReader
+
     web = None
     if config.web_config_file and not config.once:
         # Read before NVML comes up: a broken file is a one-line error, not a half-started agent.
@@ -128,8 +167,7 @@ def _pynvml() -> Any:
     try:
         import pynvml
     except ImportError:
-        raise ConfigError("nvidia-ml-py is not installed: pip install 'gpufleet[agent]' "
-                          "(or use --simulate SCENARIO)") from None
+        raise ConfigError(missing_extra("agent", AGENT_MODULES) or "nvidia-ml-py cannot be imported") from None
     return pynvml
 
 
@@ -139,6 +177,8 @@ def _sleep(seconds: float) -> None:
 
 def run_once(config: AgentConfig, runtime: Runtime) -> int:
     """Sample twice an interval apart (so GPM SM activity has a value), print the second snapshot."""
+    from gpufleet.agent.sampler import Sampler
+
     store = SnapshotStore(config.snapshots_retention)
     sampler = Sampler(runtime.reader, store, node=runtime.node, interval=config.sample_interval,
                       attributor=runtime.attributor, clock=runtime.clock)
@@ -169,6 +209,8 @@ def _once_failed(sampler: Sampler) -> int:
 
 def serve(config: AgentConfig, runtime: Runtime) -> int:
     """Run until SIGTERM/SIGINT: HTTP first (so health answers while NVML comes up), then sampling."""
+    from gpufleet.agent.sampler import Sampler
+
     store = SnapshotStore(config.snapshots_retention, clock=runtime.clock)
     try:
         server = AgentHttpServer(store, host=config.listen_host, port=config.listen_port,
@@ -176,7 +218,7 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
     except OSError as exc:
         sys.stderr.write(f"{PROG}: error: --web.listen-address: cannot listen on "
                          f"{config.listen_host}:{config.listen_port}: {exc.strerror or exc}\n")
-        return 1
+        return 2
     recorder = Recorder(config.record) if config.record else None
     # A scrape that arrives mid-cycle waits for the GIL; hand it over after 0.5 ms rather than 5 ms.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)

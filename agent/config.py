@@ -10,11 +10,11 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-import yaml
-
 from gpufleet.agent import __version__
 from gpufleet.agent.attribution import DEFAULT_ENV_VARS
-from gpufleet.agent.sim.scenario import BUILTIN_SCENARIOS
+from gpufleet.config import (ConfigError, OneLineParser, layered, parse_bool, parse_duration, parse_listen_address,
+                             read_config_file)
+from gpufleet.config import env_name as _env_name
 
 PROG = "gpufleet-agent"
 ENV_PREFIX = "GPUFLEET_AGENT_"
@@ -23,10 +23,6 @@ MIN_RETENTION_SECONDS = 120.0
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "text")
 _ENV_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class ConfigError(ValueError):
-    """A bad flag, environment variable or config file entry; str() is the one-line message to print."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,36 +49,22 @@ class AgentConfig:
     log_format: str = "json"
     web_config_file: str | None = None
     config_file: str | None = None
+    print_scenario: bool = False
 
 
 # --- value parsers: each takes a flag string, env string or YAML value, returns the typed value ----------
-
-
-def parse_listen_address(value: Any) -> tuple[str, int]:
-    """'HOST:PORT', ':PORT' or '[v6]:PORT' -> (host, port); empty host means every interface."""
-    text = _text(value)
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not port_text.isdigit():
-        raise ValueError(f"want HOST:PORT (e.g. :{DEFAULT_PORT}), got {text!r}")
-    port = int(port_text)
-    if port > 65535:
-        raise ValueError(f"port must be 0-65535, got {port}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"write IPv6 hosts in brackets, e.g. [::1]:{port}, got {text!r}")
-    return host, port
+# Booleans, durations and addresses are spelled as core's config module spells them, as the server's are.
 
 
 def _interval(value: Any) -> float:
-    seconds = _number(value)
+    seconds = parse_duration(value)
     if not 0.1 <= seconds <= 3600:
         raise ValueError(f"must be between 0.1 and 3600 seconds, got {value!r}")
     return seconds
 
 
 def _retention(value: Any) -> float:
-    seconds = _number(value)
+    seconds = parse_duration(value)
     if not MIN_RETENTION_SECONDS <= seconds <= 86400:
         raise ValueError(f"must be between {MIN_RETENTION_SECONDS:g} and 86400 seconds, got {value!r}")
     return seconds
@@ -104,17 +86,6 @@ def _seed(value: Any) -> int:
         raise ValueError(f"must be an integer, got {value!r}") from None
 
 
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    lowered = _text(value).lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"must be true or false, got {value!r}")
-
-
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         text = _text(value).lower()
@@ -130,6 +101,21 @@ def _path(value: Any) -> str:
     if "\0" in text:
         raise ValueError("must not contain NUL")
     return text
+
+
+def _record_file(value: Any) -> str:
+    """A file the agent can append to: checked at start, not at the first write a second later."""
+    path = _path(value)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"cannot write {path}")
+    if not os.path.exists(path) and not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot create a file in {folder}")
+    return path
 
 
 def _env_vars(value: Any) -> tuple[str, ...]:
@@ -158,7 +144,7 @@ def _number(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError(f"must be a number, got {value!r}")
     try:
-        number = float(str(value).strip().removesuffix("s"))
+        number = float(str(value).strip())
     except ValueError:
         raise ValueError(f"must be a number of seconds, got {value!r}") from None
     if not math.isfinite(number):
@@ -193,25 +179,25 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("sample.interval", "sample_interval", _interval, "seconds between NVML samples (default 1)", "SECONDS"),
     _Option("node", "node", _node, "node name on every series and snapshot (default: hostname)", "NAME"),
     _Option("simulate", "simulate", _path,
-            f"use the NVML simulator: built-in scenario ({', '.join(BUILTIN_SCENARIOS)}) or a YAML/JSON file",
+            "use the NVML simulator: built-in scenario or a YAML/JSON file",
             "SCENARIO"),
     _Option("simulate.epoch", "simulate_epoch", _epoch, "scenario time zero, unix seconds (default: agent start)",
             "UNIX_SECONDS"),
     _Option("simulate.seed", "simulate_seed", _seed, "simulator random seed (default 0)", "N"),
     _Option("snapshots.retention", "snapshots_retention", _retention,
             "seconds of snapshots kept for /snapshots?since= (default 300, at least 120)", "SECONDS"),
-    _Option("record", "record", _path, "append every snapshot as one JSON line to FILE", "FILE"),
-    _Option("once", "once", _bool, "print one snapshot as JSON and exit"),
+    _Option("record", "record", _record_file, "append every snapshot as one JSON line to FILE", "FILE"),
+    _Option("once", "once", parse_bool, "print one snapshot as JSON and exit"),
     _Option("hpc-job-mapping-dir", "hpc_job_mapping_dir", _path,
             "dcgm-exporter style directory: one file per GPU index listing job ids (wins over /proc)", "DIR"),
     _Option("hpc-job-env-vars", "hpc_job_env_vars", _env_vars,
             "environment variables of a GPU's processes that name its job, first set wins "
             f"(default {','.join(DEFAULT_ENV_VARS)})", "VAR[,VAR...]"),
-    _Option("hpc-job-rendezvous", "hpc_job_rendezvous", _bool,
+    _Option("hpc-job-rendezvous", "hpc_job_rendezvous", parse_bool,
             "without a job variable or Slurm cgroup, name a job by its ranks' rendezvous, MASTER_ADDR:MASTER_PORT "
             "or JAX_COORDINATOR_ADDRESS (default true)", "BOOL"),
     _Option("path.procfs", "procfs", _path, "procfs mount point for job attribution (default /proc)", "DIR"),
-    _Option("nvlink.per-link", "nvlink_per_link", _bool, "also export NVLink byte counters per link"),
+    _Option("nvlink.per-link", "nvlink_per_link", parse_bool, "also export NVLink byte counters per link"),
     _Option("log.level", "log_level", _choice(LOG_LEVELS), "debug, info, warning or error (default info)", "LEVEL"),
     _Option("log.format", "log_format", _choice(LOG_FORMATS), "json or text (default json)", "FORMAT"),
 )
@@ -221,81 +207,56 @@ CONFIG_FILE_KEY = "config.file"
 
 def env_name(key: str) -> str:
     """GPUFLEET_AGENT_ + the flag name upper-cased with dots and dashes as underscores."""
-    return ENV_PREFIX + key.upper().replace(".", "_").replace("-", "_")
+    return _env_name(ENV_PREFIX, key)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage and exiting."""
+def build_parser(scenarios: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The flag parser; flags absent from argv are absent from the namespace (so env and file can fill in).
 
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The flag parser; flags absent from argv are absent from the namespace (so env and file can fill in)."""
-    parser = _Parser(prog=PROG, description="gpufleet node agent: NVML sampling, /metrics and snapshots.",
-                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    `scenarios` are the simulator's built-in scenario names for --simulate's help; the caller looks them
+    up only when help is asked for, so that reading the config never loads the simulator.
+    """
+    parser = OneLineParser(prog=PROG, description="gpufleet node agent: NVML sampling, /metrics and snapshots.",
+                           argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config.file", dest=CONFIG_FILE_KEY, metavar="FILE",
                         help="YAML file whose keys are flag names without dashes")
     for opt in OPTIONS:
+        doc = opt.help
+        if opt.key == "simulate" and scenarios:
+            doc = doc.replace("built-in scenario", f"built-in scenario ({', '.join(scenarios)})")
         if opt.metavar is None:
-            parser.add_argument(f"--{opt.key}", dest=opt.key, action="store_const", const=True, help=opt.help)
+            parser.add_argument(f"--{opt.key}", dest=opt.key, action="store_const", const=True, help=doc)
         else:
-            parser.add_argument(f"--{opt.key}", dest=opt.key, metavar=opt.metavar, help=opt.help)
+            parser.add_argument(f"--{opt.key}", dest=opt.key, metavar=opt.metavar, help=doc)
+    parser.add_argument("--print-scenario", dest="print_scenario", action="store_const", const=True,
+                        help="with --simulate: print the scenario's nodes, jobs and incident timetable as JSON "
+                             "and exit")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     return parser
 
 
-def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> AgentConfig:
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+                scenarios: Sequence[str] = ()) -> AgentConfig:
     """Flags > environment > config file > defaults, validated; ConfigError names the offending source."""
     environ = os.environ if environ is None else environ
-    flags = vars(build_parser().parse_args(list(argv) if argv is not None else None))
+    flags = vars(build_parser(scenarios).parse_args(list(argv) if argv is not None else None))
+    print_scenario = bool(flags.pop("print_scenario", False))
     config_file = flags.pop(CONFIG_FILE_KEY, None) or environ.get(env_name(CONFIG_FILE_KEY)) or None
-    layers: list[tuple[str, Mapping[str, Any]]] = []
-    if config_file:
-        layers.append((f"config file {config_file}: key", _read_file(config_file)))
-    layers.append(("environment", {k: environ[env_name(k)] for k in _BY_KEY if env_name(k) in environ}))
-    layers.append(("flag", flags))
+    file_values = read_config_file(config_file, _BY_KEY) if config_file else {}
+    parsed = layered({o.key: o.parse for o in OPTIONS}, flags=flags, environ=environ, env_prefix=ENV_PREFIX,
+                     file_values=file_values, file_path=config_file)
     values: dict[str, Any] = {}
-    for source, layer in layers:
-        for key, raw in layer.items():
-            values.update(_parse_one(source, key, raw))
-    return AgentConfig(config_file=config_file, **values)
+    for key, value in parsed.items():
+        if key == "web.listen-address":
+            values["listen_host"], values["listen_port"] = value
+        else:
+            values[_BY_KEY[key].field] = value
+    if print_scenario and "simulate" not in values:
+        raise ConfigError("--print-scenario needs --simulate SCENARIO")
+    return AgentConfig(config_file=config_file, print_scenario=print_scenario, **values)
 
 
 def default_node(hostname: Callable[[], str] = socket.gethostname) -> str:
     """The short hostname, as node_exporter users see it in their dashboards."""
     name = (hostname() or "localhost").split(".", 1)[0]
     return name or "localhost"
-
-
-def _parse_one(source: str, key: str, raw: Any) -> dict[str, Any]:
-    opt = _BY_KEY[key]
-    try:
-        value = opt.parse(raw)
-    except ValueError as exc:
-        name = {"flag": f"--{key}", "environment": env_name(key)}.get(source, f"{source} '{key}'")
-        raise ConfigError(f"{name}: {exc}") from None
-    if opt.field == "listen_host":
-        return {"listen_host": value[0], "listen_port": value[1]}
-    return {opt.field: value}
-
-
-def _read_file(path: str) -> Mapping[str, Any]:
-    try:
-        with open(path, "rb") as fh:
-            data = yaml.safe_load(fh)
-    except OSError as exc:
-        raise ConfigError(f"--config.file: cannot read {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"--config.file: {path}{where} is not valid YAML") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config.file: {path} must hold a mapping of flag names to values")
-    for key in data:
-        if key not in _BY_KEY:
-            raise ConfigError(f"config file {path}: unknown key {key!r} (keys are flag names without dashes)")
-    return data

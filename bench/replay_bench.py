@@ -121,15 +121,15 @@ def _pin() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 
-def time_cli(path: Path) -> tuple[float, float, int]:
-    """(wall s, child CPU s, alerts printed) for one end-to-end CLI replay."""
+def time_cli(path: Path, expect_code: int = 0) -> tuple[float, float, int]:
+    """(wall s, child CPU s, alerts printed) for one end-to-end CLI replay that exits with expect_code."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     proc = subprocess.run([*_cli(), "replay", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           preexec_fn=_pin, check=False)
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
+    if proc.returncode != expect_code:
         raise RuntimeError(f"replay exited {proc.returncode}: {proc.stderr.decode()[-2000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu, len([line for line in proc.stdout.splitlines() if line.strip()])
@@ -140,10 +140,9 @@ def time_cli(path: Path) -> tuple[float, float, int]:
 _NO_ENGINE = """
 import sys
 import gpufleet.server.cli
-from gpufleet.server.replay import _gc_paused, _load, _open_trace
+from gpufleet.server.replay import load_samples, open_trace
 handles = []
-with _gc_paused():
-    _load([(sys.argv[1], _open_trace(sys.argv[1], handles))])
+load_samples([(sys.argv[1], open_trace(sys.argv[1], handles))])
 """
 
 
@@ -163,7 +162,8 @@ def time_startup(tmp: Path, repeat: int) -> float:
     """Median wall seconds of the CLI replaying an empty trace: interpreter, imports, nothing to do."""
     empty = tmp / "empty.jsonl"
     empty.write_bytes(b"")
-    return statistics.median(time_cli(empty)[0] for _ in range(repeat))
+    # An empty trace exits 1 (no valid snapshot read) once everything is imported and read.
+    return statistics.median(time_cli(empty, expect_code=1)[0] for _ in range(repeat))
 
 
 def time_inproc(path: Path) -> float:
@@ -191,9 +191,9 @@ def time_stages(path: Path) -> dict[str, float]:
     """
     import gc
 
-    from gpufleet.server.contract import _decode, parse_lines
+    from gpufleet.server.contract import decode_line, parse_lines
     from gpufleet.server.engine import EngineConfig
-    from gpufleet.server.replay import _load, _run
+    from gpufleet.server.replay import load_samples, run_samples
 
     saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     _pin()
@@ -206,16 +206,16 @@ def time_stages(path: Path) -> dict[str, float]:
         out["read"] = time.perf_counter() - started
         started = time.perf_counter()
         for line in lines:
-            _decode(line)
+            decode_line(line)
         out["decode"] = time.perf_counter() - started
         started = time.perf_counter()
         for _ in parse_lines(lines):
             pass
         out["parse"] = time.perf_counter() - started
-        samples = _load([(str(path), lines)])
+        samples = load_samples([(str(path), lines)])
         del lines
         started = time.perf_counter()
-        _run(samples, EngineConfig())
+        run_samples(samples, EngineConfig())
         out["engine"] = time.perf_counter() - started
         return out
     finally:

@@ -1,10 +1,11 @@
 """`gpufleet-server demo`: simulated agents in separate processes, the server pulling them, alerts on screen.
 
-The agents run the simulator's built-in `demo` scenario (two jobs; a cooling failure, a straggler
-and a communication slowdown on a timetable) on real loopback HTTP, all sharing one scenario
-epoch so their incidents line up; the server is the real one, in this process, with a temporary
-SQLite file. The scenario's timetable is printed up front, then each alert as it starts firing and
-as it resolves.
+The agents are `gpufleet-agent --simulate demo` processes started through the agent's own command
+(the server never imports the agent), serving real loopback HTTP and sharing one scenario epoch so
+their incidents line up; the scenario (two jobs; a cooling failure, a straggler and a communication
+slowdown on a timetable) comes from `gpufleet-agent --simulate demo --print-scenario`. The server is
+the real one, in this process, with a temporary SQLite file. The timetable is printed up front, then
+each alert as it starts firing and as it resolves.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -21,22 +23,98 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, TextIO
+from pathlib import Path
+from typing import Any, Sequence, TextIO
 
 import httpx
+import orjson
 
 from gpufleet.logs import configure_logging
 from gpufleet.server.alerts import Alert, AlertState, Transition
 from gpufleet.server.settings import ServerSettings, parse_duration, parse_listen
 
-if TYPE_CHECKING:
-    from gpufleet.agent.sim import Scenario
-    from gpufleet.agent.sim.scenario import Incident
-
 log = logging.getLogger(__name__)
 
 SCENARIO = "demo"
-FALLBACK_NODES = ("dgx-01", "dgx-02", "dgx-03", "dgx-04")
+
+
+class DemoError(RuntimeError):
+    """The demo cannot start; str() is the one line to print, `code` the exit status."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def sibling_command(script: str, module: str) -> list[str]:
+    """How to run one of gpufleet's console scripts from this very installation: the script next to
+    sys.executable (the venv's bin/, which need not be on PATH), else `python -m` its module."""
+    path = Path(sys.executable).parent / script
+    if path.is_file() and os.access(path, os.X_OK):
+        return [str(path)]
+    return [sys.executable, "-m", module]
+
+
+def agent_command() -> list[str]:
+    """The gpufleet-agent command of this installation."""
+    return sibling_command("gpufleet-agent", "gpufleet.agent.cli")
+
+
+def server_command() -> list[str]:
+    """The gpufleet-server command of this installation, as a person would type it in another terminal."""
+    return sibling_command("gpufleet-server", "gpufleet.server.cli")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job of the scenario: its id and the (node, GPU index) pairs it runs on."""
+
+    id: str
+    gpus: tuple[tuple[str, int], ...]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(node for node, _ in self.gpus))
+
+
+@dataclass(frozen=True)
+class Incident:
+    """One timed incident of the scenario, as the agent's --print-scenario describes it."""
+
+    kind: str
+    start_s: float
+    end_s: float | None
+    gpus: tuple[tuple[str, int], ...] = ()
+    job: str | None = None
+    nodes: tuple[str, ...] = ()
+    silent: bool = True
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What the demo prints up front: the nodes, the jobs and the incident timetable."""
+
+    name: str
+    nodes: tuple[str, ...]
+    jobs: tuple[Job, ...]
+    incidents: tuple[Incident, ...]
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Scenario":
+        """From `gpufleet-agent --simulate NAME --print-scenario`'s output; ValueError if it is not that."""
+        try:
+            def refs(items: Any) -> tuple[tuple[str, int], ...]:
+                return tuple((str(node), int(index)) for node, index in items)
+
+            return cls(name=str(data["name"]), nodes=tuple(str(n) for n in data["nodes"]),
+                       jobs=tuple(Job(str(j["id"]), refs(j["gpus"])) for j in data["jobs"]),
+                       incidents=tuple(Incident(kind=str(i["kind"]), start_s=float(i["start_s"]),
+                                                end_s=None if i.get("end_s") is None else float(i["end_s"]),
+                                                gpus=refs(i.get("gpus", ())), job=i.get("job"),
+                                                nodes=tuple(i.get("nodes", ())), silent=bool(i.get("silent", True)))
+                                       for i in data["incidents"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a scenario timetable ({exc.__class__.__name__}: {exc})") from None
 
 
 def free_port() -> int:
@@ -77,14 +155,25 @@ INCIDENT_TEXT = {
 RESOLVE_MARGIN_SECONDS = 90.0
 
 
-def load_demo_scenario() -> Scenario | None:
-    """The demo scenario, or None if the simulator is not importable (the agents will say why)."""
-    try:
-        from gpufleet.agent.sim import load_scenario
+def load_demo_scenario(timeout_seconds: float = 60.0) -> Scenario:
+    """The demo scenario's timetable, asked of the agent command (the server never imports the agent).
 
-        return load_scenario(SCENARIO)
-    except Exception:  # noqa: BLE001 - the agents will report a broken simulator themselves
-        return None
+    DemoError with the agent's own one-line complaint (a missing extra, say) when it cannot answer.
+    """
+    cmd = agent_command() + ["--simulate", SCENARIO, "--print-scenario"]
+    try:
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_seconds,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DemoError(f"cannot run {' '.join(cmd)}: {exc}") from None
+    if proc.returncode != 0:
+        lines = proc.stderr.decode(errors="replace").strip().splitlines()
+        reason = lines[-1] if lines else f"exit code {proc.returncode}"
+        raise DemoError(reason, code=2 if proc.returncode == 2 else 1)
+    try:
+        return Scenario.from_json(orjson.loads(proc.stdout))
+    except (orjson.JSONDecodeError, ValueError) as exc:
+        raise DemoError(f"{' '.join(cmd)} printed no scenario timetable: {exc}") from None
 
 
 def incident_subject(scenario: Scenario, incident: Incident) -> str:
@@ -135,8 +224,8 @@ def start_agents(nodes: Sequence[str], epoch: float) -> list[Agent]:
     agents = []
     for node in nodes:
         address = f"127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "gpufleet.agent.cli", "--simulate", SCENARIO, "--node", node,
-               "--simulate.epoch", repr(epoch), "--web.listen-address", address, "--log.level", "warning"]
+        cmd = agent_command() + ["--simulate", SCENARIO, "--node", node, "--simulate.epoch", repr(epoch),
+                                 "--web.listen-address", address, "--log.level", "warning"]
         # own session: a terminal Ctrl-C reaches the demo, which then stops the agents in order
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         agents.append(Agent(node, address, process))
@@ -276,8 +365,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    scenario = load_demo_scenario()
-    nodes = FALLBACK_NODES if scenario is None else tuple(scenario.nodes)
+    try:
+        scenario = load_demo_scenario()
+    except DemoError as exc:
+        sock.close()
+        print(f"gpufleet-server demo: {exc}", file=sys.stderr)
+        return exc.code
+    nodes = scenario.nodes
     epoch = time.time()
     workdir = tempfile.mkdtemp(prefix="gpufleet-demo-")
     agents = start_agents(nodes, epoch)
@@ -321,16 +415,16 @@ def loss_summary(jobs: Sequence[dict]) -> str:
     return "GPU-hours lost while alerts fired: " + "; ".join(parts) if parts else ""
 
 
-def print_banner(base: str, nodes: Sequence[str], scenario: Scenario | None, epoch: float,
+def print_banner(base: str, nodes: Sequence[str], scenario: Scenario, epoch: float,
                  args: argparse.Namespace) -> None:
     """Where to look, and what will happen when."""
-    jobs = "" if scenario is None else ", jobs " + ", ".join(
-        f"{j.id} on {'+'.join(j.nodes)}" for j in scenario.jobs)
+    jobs = ", jobs " + ", ".join(f"{j.id} on {'+'.join(j.nodes)}" for j in scenario.jobs) if scenario.jobs else ""
     print(f"gpufleet demo: {len(nodes)} simulated nodes ({', '.join(nodes)}){jobs}; "
           f"scenario {SCENARIO!r}, pulled every {args.pull_interval:g}s", flush=True)
     print(f"  alerts:  {base}/alerts\n  docs:    {base}/docs\n  metrics: {base}/metrics\n"
-          f"  jobs:    {base}/jobs\n  in another terminal: gpufleet-server status --url {base}", flush=True)
-    if scenario is not None and scenario.incidents:
+          f"  jobs:    {base}/jobs\n  in another terminal: {shlex.join(server_command())} status --url {base}",
+          flush=True)
+    if scenario.incidents:
         print("Timeline (scenario time since start; the jobs warm up first so the server learns their "
               "healthy baseline):", flush=True)
         print("\n".join(timeline(scenario, epoch)), flush=True)

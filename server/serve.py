@@ -103,11 +103,13 @@ def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callab
                   transport: Any = None, parse: Callable[[Any], Any] | None = None,
                   extra_notifiers: Sequence[Notifier] = ()) -> Runtime:
     """The whole pipeline; engine, clock, HTTP transport and snapshot parser are injectable for tests."""
+    engine = engine if engine is not None else build_engine(settings)
     puller = build_source(settings, clock=clock, transport=transport, parse=parse)
-    store = AlertStore(settings.storage_path, retention_seconds=settings.storage_retention_seconds)
     notifiers = build_notifiers(settings, transport=transport) + list(extra_notifiers)
-    return Runtime(engine=engine if engine is not None else build_engine(settings), puller=puller, store=store,
-                   notifiers=notifiers, pull_interval_seconds=settings.pull_interval_seconds, clock=clock,
+    # Last: the store creates its file, which a start refused for any other reason must not leave behind.
+    store = AlertStore(settings.storage_path, retention_seconds=settings.storage_retention_seconds)
+    return Runtime(engine=engine, puller=puller, store=store, notifiers=notifiers,
+                   pull_interval_seconds=settings.pull_interval_seconds, clock=clock,
                    routing=AlertRouting(settings.alert_external_labels, settings.alert_runbook_url))
 
 
@@ -178,7 +180,7 @@ def check_config(argv: Sequence[str] | None = None) -> int:
     settings, the web config, the engine's settings, the file_sd file, every TLS and credential file, and the
     storage folder. Exit 0 with one summary line, or 2 with the first problem, as `promtool check config`."""
     try:
-        settings = load_settings(sys.argv[1:] if argv is None else argv)
+        settings = load_settings(sys.argv[1:] if argv is None else argv, prog="gpufleet-server check-config")
         if settings.web_config_file:
             try:
                 load_web_config(settings.web_config_file)
@@ -194,9 +196,7 @@ def check_config(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"--targets.file-sd {settings.targets_file_sd}: {exc.strerror or exc}") from None
         for auth, prefix in _peers(settings):
             Outbound(auth, prefix)
-        folder = os.path.dirname(os.path.abspath(settings.storage_path))
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise ConfigError(f"--storage.path {settings.storage_path}: cannot write in {folder}")
+        check_storage_folder(settings)
     except (ConfigError, TargetError, ValueError) as exc:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
@@ -206,6 +206,16 @@ def check_config(argv: Sequence[str] | None = None) -> int:
           f"{len(settings.alertmanager_urls)} Alertmanager(s), webhook {'on' if settings.webhook_url else 'off'}, "
           f"TLS {'on' if settings.web_config_file else 'off'} for the API")
     return 0
+
+
+def check_storage_folder(settings: ServerSettings) -> None:
+    """ConfigError unless the alert store's file can be created (or opened) where --storage.path says."""
+    folder = os.path.dirname(os.path.abspath(settings.storage_path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"cannot open alert store --storage.path {settings.storage_path}: "
+                          f"cannot write in {folder}: it does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot open alert store --storage.path {settings.storage_path}: cannot write in {folder}")
 
 
 def _peers(settings: ServerSettings) -> list[tuple[ClientAuth, str]]:
@@ -233,25 +243,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             web = load_web_config(settings.web_config_file) if settings.web_config_file else None
         except WebConfigError as exc:
             raise ConfigError(f"--web.config.file: {exc}") from None
-        if web is not None and web.tls is not None and not settings.external_url:
-            settings = replace(settings, external_url=settings.public_url().replace("http://", "https://", 1))
         configure_logging(settings.log_level, settings.log_format)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pull would drown the log
-        runtime = build_runtime(settings)
+        check_storage_folder(settings)
     except (ConfigError, TargetError, StoreError, ValueError) as exc:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
+    # Settings first, then the port, then the pipeline and its store: a refused start (a bad setting, a
+    # taken port) creates nothing, not even the SQLite file.
     try:
         sock = listen_socket(settings.listen_address)
     except OSError as exc:
-        runtime.store.close()
         print(f"gpufleet-server: cannot listen on --web.listen-address {settings.listen_address!r}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return 2
-    # Port 0 asks the kernel for one: the log names the port it gave. (Notification links were made
-    # before the bind, so that a bad setting is reported without taking a port: they keep ':0'. Set
-    # --web.external-url where that matters.)
+    # Port 0 asks the kernel for one: the log and notification links name the port it gave.
     settings = replace(settings, listen_address=bound_address(settings.listen_address, sock))
+    if web is not None and web.tls is not None and not settings.external_url:
+        settings = replace(settings, external_url=settings.public_url().replace("http://", "https://", 1))
+    try:
+        runtime = build_runtime(settings)
+    except (ConfigError, TargetError, StoreError, ValueError) as exc:
+        sock.close()
+        print(f"gpufleet-server: {exc}", file=sys.stderr)
+        return 2
     if settings.prometheus_url:
         log.info("reading agents through Prometheus", extra={"url": settings.prometheus_url})
     elif not runtime.puller.source.sources:  # type: ignore[union-attr]

@@ -2,66 +2,33 @@
 
 Flag names are dotted like Prometheus exporters' (`--pull.interval`); the same names without the
 dashes are the config file's keys, and GPUFLEET_SERVER_PULL_INTERVAL style names the environment's.
-The config file may also hold an `engine:` mapping handed to EngineConfig.from_mapping.
+The config file may also hold an `engine:` mapping handed to EngineConfig.from_mapping. How values are
+spelled (booleans, durations, sizes, addresses) and how the layers combine is gpufleet.config, shared
+with the agent.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import yaml
+from gpufleet.config import (ConfigError, OneLineParser, format_address, layered, parse_bool, parse_duration,
+                             parse_listen_address, parse_size, read_config_file)
 
 ENV_PREFIX = "GPUFLEET_SERVER_"
 
 
-class ConfigError(ValueError):
-    """A bad setting; the message names it and is fit for a one-line error."""
-
-
-def parse_duration(text: Any) -> float:
-    """Seconds from a number or a string like "500ms", "5s", "1m", "2h", "1d"; must be positive."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d)?\s*", str(text))
-        if not match:
-            raise ValueError("expected a duration such as 5s, 1m or 30")
-        scale = {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
-        value = float(match.group(1)) * scale
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError("expected a positive duration")
-    return value
-
-
 def parse_duration_or_off(text: Any) -> float:
     """A duration, or zero ("0", "0s") for off."""
-    if re.fullmatch(r"\s*0*\.?0+\s*(ms|s|m|h|d)?\s*", str(text)):
-        return 0.0
-    return parse_duration(text)
-
-
-def parse_size(text: Any) -> int:
-    """Bytes from a number or "512KiB", "32MiB", "1GiB"; must be positive."""
-    match = re.fullmatch(r"\s*([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*", str(text))
-    if not match or int(match.group(1)) <= 0:
-        raise ValueError("expected a positive size such as 32MiB")
-    scale = {None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "KB": 1000, "MB": 1000**2,
-             "GB": 1000**3}[match.group(2)]
-    return int(match.group(1)) * scale
+    return parse_duration(text, allow_zero=True)
 
 
 def parse_listen(text: Any) -> str:
-    """"HOST:PORT" or ":PORT" (all interfaces)."""
-    host, sep, port = str(text).rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError("expected HOST:PORT or :PORT")
-    return f"{host}:{int(port)}"
+    """"HOST:PORT", ":PORT" (all interfaces) or "[v6]:PORT", spelled back as HOST:PORT."""
+    return format_address(*parse_listen_address(text))
 
 
 def parse_url(text: Any) -> str:
@@ -168,18 +135,6 @@ def parse_positive_int(text: Any) -> int:
     if value <= 0:
         raise ValueError("expected a positive integer")
     return value
-
-
-def parse_bool(text: Any) -> bool:
-    """true/false (also yes/no, 1/0)."""
-    if isinstance(text, bool):
-        return text
-    value = str(text).strip().lower()
-    if value in ("true", "yes", "1"):
-        return True
-    if value in ("false", "no", "0"):
-        return False
-    raise ValueError("expected true or false")
 
 
 def parse_file(text: Any) -> str:
@@ -340,39 +295,31 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
 }
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line instead of the whole usage text."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
-
-
 def build_parser(prog: str = "gpufleet-server serve") -> argparse.ArgumentParser:
     """The serve command's flags; every value is a raw string, validated in load_settings."""
-    parser = _OneLineParser(prog=prog, description="Pull gpufleet agents, detect stragglers, serve alerts.")
-    parser.add_argument("--config.file", dest="config_file", metavar="FILE", help="YAML config file")
-    for flag, (dest, _, doc) in FLAGS.items():
-        parser.add_argument(f"--{flag}", dest=dest, metavar="VALUE", help=doc)
+    description = ("Check serve's settings and the files they name without starting; exit 0 with one summary "
+                   "line, or 2 with the first problem." if prog.endswith("check-config")
+                   else "Pull gpufleet agents, detect stragglers, serve alerts.")
+    parser = OneLineParser(prog=prog, description=description,
+                           allow_abbrev=False)
+    parser.add_argument("--config.file", dest="config.file", metavar="FILE", help="YAML config file")
+    for flag, (_, _, doc) in FLAGS.items():
+        parser.add_argument(f"--{flag}", dest=flag, metavar="VALUE", help=doc)
     return parser
 
 
-def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ServerSettings:
+def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None,
+                  prog: str = "gpufleet-server serve") -> ServerSettings:
     """Merge flags, environment and config file; raises ConfigError naming the first bad setting."""
     env = os.environ if env is None else env
-    args = vars(build_parser().parse_args(list(argv)))
-    config_file = args.pop("config_file") or env.get(ENV_PREFIX + "CONFIG_FILE")
+    args = vars(build_parser(prog).parse_args(list(argv)))
+    config_file = args.pop("config.file") or env.get(ENV_PREFIX + "CONFIG_FILE") or None
     file_values, engine = _read_config_file(config_file) if config_file else ({}, {})
+    parsed = layered({flag: parse for flag, (_, parse, _) in FLAGS.items()}, flags=args, environ=env,
+                     env_prefix=ENV_PREFIX, file_values=file_values, file_path=config_file)
     values: dict[str, Any] = {"engine": engine}
-    for flag, (dest, parse, _) in FLAGS.items():
-        env_name = ENV_PREFIX + re.sub(r"[.-]", "_", flag).upper()
-        for origin, raw in ((f"--{flag}", args.get(dest)), (env_name, env.get(env_name)),
-                            (f"{flag} in {config_file}", file_values.get(flag))):
-            if raw is not None:
-                try:
-                    values[dest] = parse(raw)
-                except (ValueError, TypeError) as exc:
-                    raise ConfigError(f"bad value for {origin}: {raw!r} ({exc})") from None
-                break
+    for flag, value in parsed.items():
+        values[FLAGS[flag][0]] = value
     for dest in [d for d in values if "." in d]:
         outer, inner = dest.split(".")
         values[outer] = replace(values.get(outer, ClientAuth()), **{inner: values.pop(dest)})
@@ -415,18 +362,8 @@ def _listed(url: str | None) -> tuple[str, ...]:
 
 def _read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The file's flag settings and its `engine:` mapping; unknown keys are an error."""
-    try:
-        doc = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read --config.file {path!r}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config.file {path!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"--config.file {path!r} must be a mapping of setting: value")
+    doc = dict(read_config_file(path, (*FLAGS, "engine")))
     engine = doc.pop("engine", None) or {}
     if not isinstance(engine, dict):
-        raise ConfigError(f"'engine' in {path!r} must be a mapping")
-    unknown = sorted(set(doc) - set(FLAGS))
-    if unknown:
-        raise ConfigError(f"unknown setting {unknown[0]!r} in {path!r}")
+        raise ConfigError(f"config file {path}: 'engine' must be a mapping")
     return doc, engine

@@ -504,3 +504,21 @@ _INCIDENT_PARSERS: dict[str, Callable[..., dict[str, Any]]] = {
     "ecc_errors": _ecc_errors,
 }
 INCIDENT_KINDS: tuple[str, ...] = tuple(_INCIDENT_PARSERS)
+
+
+def timetable(scenario: Scenario) -> dict[str, Any]:
+    """The scenario as plain JSON data: nodes, jobs and where and when each incident happens.
+
+    `gpufleet-agent --simulate NAME --print-scenario` prints it; the server's demo reads it from there
+    rather than importing the simulator.
+    """
+    return {
+        "name": scenario.name,
+        "nodes": list(scenario.nodes),
+        "jobs": [{"id": job.id, "nodes": list(job.nodes), "gpus": [[node, index] for node, index in job.gpus]}
+                 for job in scenario.jobs],
+        "incidents": [{"kind": inc.kind, "start_s": inc.start_s, "end_s": inc.end_s, "job": inc.job,
+                       "gpus": [[node, index] for node, index in inc.gpus], "nodes": list(inc.nodes),
+                       "silent": inc.silent}
+                      for inc in scenario.incidents],
+    }

@@ -36,6 +36,12 @@ class TargetSource(Protocol):
 def parse_address(text: str, *, default_port: int | None = None) -> str:
     """Normalise "host:port" (IPv6 as "[::1]:9471"); raises TargetError naming the bad address."""
     raw = text.strip()
+    if "://" in raw:
+        # Taken as HOST:PORT, "http://a:9471" would become "http://a:9471:9471" and fail every pull.
+        raise TargetError(f"target {text!r} is a URL: give HOST:PORT (the scheme is pull.scheme, "
+                          "one for every agent)")
+    if any(c in raw for c in "/@?# "):
+        raise TargetError(f"target {text!r} is not HOST:PORT (no path, user or spaces)")
     host, sep, port = raw.rpartition(":")
     if not sep or (host.count(":") and not host.startswith("[")):
         if default_port is None:

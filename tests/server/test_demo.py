@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -12,7 +14,8 @@ from dataclasses import replace
 import httpx
 
 from gpufleet.server.alerts import AlertKind, AlertState, Transition
-from gpufleet.server.demo import TerminalPrinter, incident_subject, loss_summary, main, server_socket, subject, timeline
+from gpufleet.server.demo import (Scenario, TerminalPrinter, incident_subject, loss_summary, main, server_socket,
+                                  subject, timeline)
 from tests.server.live_fakes import make_alert
 
 
@@ -40,10 +43,19 @@ def test_printer_shows_firing_and_resolved_only() -> None:
     assert (printer.fired_total, printer.resolved_total) == (1, 1)
 
 
-def test_timeline_lists_the_demo_incidents_in_order_with_what_to_expect() -> None:
-    from gpufleet.agent.sim import load_scenario
+def _through_the_agent_command(scenario) -> Scenario:
+    """A simulator scenario as the demo sees it: the agent's --print-scenario JSON, read back."""
+    import orjson
 
-    demo = load_scenario("demo")
+    from gpufleet.agent.sim.scenario import timetable
+
+    return Scenario.from_json(orjson.loads(orjson.dumps(timetable(scenario))))
+
+
+def test_timeline_lists_the_demo_incidents_in_order_with_what_to_expect() -> None:
+    demo = Scenario.from_json(__import__("orjson").loads(subprocess.run(
+        [sys.executable, "-m", "gpufleet.agent.cli", "--simulate", "demo", "--print-scenario"],
+        capture_output=True, check=True, timeout=60).stdout))
     lines = timeline(demo, epoch=1000.0)
     incidents = sorted(demo.incidents, key=lambda i: i.start_s)
     assert len(lines) == len(incidents) + 1
@@ -61,13 +73,13 @@ def test_timeline_lists_the_demo_incidents_in_order_with_what_to_expect() -> Non
 def test_incident_subject_for_several_gpus_and_whole_nodes() -> None:
     from gpufleet.agent.sim import parse_scenario
 
-    scenario = parse_scenario({
+    scenario = _through_the_agent_command(parse_scenario({
         "nodes": [{"name": "a"}, {"name": "b"}],
         "jobs": [{"id": "9", "nodes": ["a"]}],
         "incidents": [{"kind": "slow_gpu", "node": "a", "gpus": [0, 1], "start_s": 1},
                       {"kind": "nvml_init_failure", "node": "b", "start_s": 1},
                       {"kind": "xid", "node": "b", "gpu": 3, "code": 79, "start_s": 1}],
-    })
+    }))
     several, node, unattributed = scenario.incidents
     assert incident_subject(scenario, several) == "a GPUs 0,1 (job 9)"
     assert incident_subject(scenario, node) == "b"
@@ -102,8 +114,11 @@ def test_demo_runs_serves_what_it_prints_and_stops_by_itself() -> None:
             assert httpx.get(url, timeout=10).status_code == 200, url
         assert "gpufleet_server_notifications_sent_total" in httpx.get(printed["metrics"], timeout=10).text
         base = printed["alerts"].removesuffix("/alerts")
-        status = subprocess.run([sys.executable, "-m", "gpufleet.server.cli", "status", "--url", base],
-                                capture_output=True, text=True, timeout=60)
+        # The hint runs as printed from a shell whose PATH lacks the virtualenv's bin/.
+        hint = re.search(r"in another terminal: (.+)$", "".join(banner), re.M).group(1)
+        assert hint.endswith(f" status --url {base}") and not hint.startswith("gpufleet-server "), hint
+        outside = {**os.environ, "PATH": "/usr/bin:/bin"}
+        status = subprocess.run(shlex.split(hint), capture_output=True, text=True, timeout=60, env=outside)
         assert status.returncode == 0 and status.stdout.startswith(f"gpufleet-server {base}: "), status.stderr
         out, err = proc.communicate(timeout=120)
     finally:

@@ -52,7 +52,7 @@ def test_the_windows_are_sized_once_for_every_gpu_of_the_trace():
             node == "n0" and gpu == 3 and t >= 100)
         return {"_absent": True} if gone else {}
 
-    samples = _load([("trace", cluster_lines(400, nodes=9, override=churn))])
+    samples, _ = _load([("trace", cluster_lines(400, nodes=9, override=churn))])
     gpus = sum(len(span.indices) for span in _node_spans(samples)[0].values())
     assert gpus == 72
     engine = Engine()

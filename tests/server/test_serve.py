@@ -62,11 +62,11 @@ def test_bad_values_name_the_setting(argv, env, needle) -> None:
 def test_bad_config_file_entries(tmp_path) -> None:
     bad_key = tmp_path / "a.yaml"
     bad_key.write_text("pull.intervall: 5s\n")
-    with pytest.raises(ConfigError, match="unknown setting 'pull.intervall'"):
+    with pytest.raises(ConfigError, match="unknown key 'pull.intervall'"):
         load_settings(["--config.file", str(bad_key)], env={})
     bad_value = tmp_path / "b.yaml"
     bad_value.write_text("pull.interval: never\n")
-    with pytest.raises(ConfigError, match="pull.interval in"):
+    with pytest.raises(ConfigError, match="config file .*: 'pull.interval': "):
         load_settings(["--config.file", str(bad_value)], env={})
     with pytest.raises(ConfigError, match="cannot read"):
         load_settings(["--config.file", str(tmp_path / "missing.yaml")], env={})
