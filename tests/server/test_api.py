@@ -130,7 +130,7 @@ def test_nodes_jobs_health_after_a_cycle(tmp_path) -> None:
     health = client.get("/healthz")
     assert health.status_code == 200
     assert health.json() == {"status": "ok", "targets": 1, "targets_up": 1, "cycles": 1, "last_tick": 5000.0,
-                             "open_alerts": 1}
+                             "open_alerts": 1, "degraded_reason": None, "degraded_detail": None}
     nodes = client.get("/nodes").json()
     assert [(n["node"], n["gpus"]) for n in nodes["nodes"]] == [("dgx-01", 2)]
     assert nodes["targets"][0]["target"] == "a:1" and nodes["targets"][0]["node"] == "dgx-01"
@@ -139,6 +139,19 @@ def test_nodes_jobs_health_after_a_cycle(tmp_path) -> None:
     assert (jobs["jobs"][0]["gpu_hours_lost"], jobs["jobs"][0]["gpu_hours_lost_by_kind"]) == (0.5, {"straggler": 0.5})
     firing = client.get("/alerts", params={"state": "firing"}).json()
     assert firing["total"] == 1 and firing["alerts"][0]["gpu"] == 0
+
+
+def test_health_is_degraded_within_one_cycle_when_every_target_is_down(tmp_path) -> None:
+    runtime, client = build(tmp_path, handler=lambda r: httpx.Response(503))
+    asyncio.run(runtime.cycle())
+    health = client.get("/healthz")
+    assert health.status_code == 503
+    body = health.json()
+    assert (body["status"], body["degraded_reason"], body["targets_up"]) == ("degraded", "all_targets_down", 0)
+    assert "every pull failed" in body["degraded_detail"]
+    metrics = client.get("/metrics").text
+    assert 'gpufleet_server_blind_cycles_total{reason="all_targets_down"} 1.0' in metrics
+    assert "gpufleet_server_blind 1.0" in metrics
 
 
 def test_restart_persistence(tmp_path) -> None:
