@@ -353,6 +353,9 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> 
         # Two sources for the same agents would feed the engine every sample twice, under two timestamps.
         raise ConfigError("ingest.prometheus-url reads the agents through Prometheus: drop targets, "
                           "targets.file-sd and targets.dns, or drop ingest.prometheus-url")
+    if settings.prometheus_schema != "auto" and not settings.prometheus_url:
+        raise ConfigError("ingest.prometheus-schema chooses the series read from Prometheus: set "
+                          "ingest.prometheus-url too")
     return settings
 
 

@@ -119,7 +119,7 @@ def test_no_matching_series_is_degraded_within_one_cycle(dcgm_prometheus, tmp_pa
     asyncio.run(one())
 
     health = client.get("/healthz")
-    assert health.status_code == 503
+    assert health.status_code == 200           # the server works; what it reads is missing (see server.md)
     body = health.json()
     assert (body["status"], body["degraded_reason"]) == ("degraded", "no_series")
     assert "gpufleet_gpu_" in body["degraded_detail"] and "found no series" in body["degraded_detail"]

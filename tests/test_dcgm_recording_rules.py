@@ -62,6 +62,7 @@ EXPECTED = [
     {"expr": "gpufleet_gpu_sm_active_ratio", "eval_time": "5m", "exp_samples": []},
     {"expr": "gpufleet_gpu_throttle_reason", "eval_time": "5m", "exp_samples": []},
     {"expr": "gpufleet_gpu_temperature_limit_celsius", "eval_time": "5m", "exp_samples": []},
+    {"expr": "gpufleet_gpu_pod_info", "eval_time": "5m", "exp_samples": []},         # no pod mapping
 ]
 
 
@@ -87,6 +88,16 @@ def test_profiling_and_throttle_fields_are_recorded_where_exported(tmp_path: Pat
             {"labels": '{__name__="gpufleet_gpu_throttle_reason", ' + reason + ', reason="hw_thermal_slowdown"}',
              "value": 1}]},
     ]
+    done = run_promtool(tmp_path, series, expected)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@requires_promtool
+def test_the_pod_dcgm_exporter_maps_a_gpu_to_is_recorded_for_the_kube_state_metrics_join(tmp_path: Path) -> None:
+    pod = 'namespace="research", pod="llama-0", container="trainer"'
+    series = {f"DCGM_FI_DEV_GPU_TEMP{{{DCGM}, {pod}}}": "71x10"}
+    expected = [at_5m("gpufleet_gpu_pod_info", 'node="node-a", gpu="3", uuid="GPU-5e1a", namespace="research", '
+                                               'pod="llama-0", gpufleet_recorded_from="dcgm"', 1)]
     done = run_promtool(tmp_path, series, expected)
     assert done.returncode == 0, done.stdout + done.stderr
 

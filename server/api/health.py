@@ -14,8 +14,8 @@ router = APIRouter(tags=["health"])
 @router.get("/healthz", response_model=HealthModel, summary="Liveness and pipeline summary",
             responses={503: {"model": HealthModel}})
 async def healthz(runtime: RuntimeDep) -> JSONResponse:
-    """200 while cycles complete and see GPUs; 503 before the first cycle, when cycles stopped completing, or
-    when the last cycle had no usable GPU samples."""
+    """200 while cycles complete; 503 before the first cycle or when cycles stopped completing. "degraded"
+    with a reason also when the last cycle had no usable GPU sample (still 200)."""
     health = runtime.puller.health()
     stats = runtime.stats
     last = stats.last_tick
@@ -34,4 +34,6 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
     body = HealthModel(status=status, targets=len(health), targets_up=sum(1 for h in health if h.up),
                        cycles=stats.cycles_total, last_tick=last, open_alerts=len(runtime.view.alerts),
                        degraded_reason=reason, degraded_detail=detail)
-    return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
+    # Blind is degraded but answers 200: the process works and a restart cannot bring back what it reads,
+    # so a liveness probe on /healthz must not loop it; gpufleet_server_blind and the log say it instead.
+    return JSONResponse(body.model_dump(), status_code=503 if status == "starting" or reason == "stalled" else 200)

@@ -1,4 +1,5 @@
-"""Reads the agents' series from Prometheus instead of pulling every agent (`--ingest.prometheus-url`).
+"""Reads GPU series from Prometheus instead of pulling every agent (`--ingest.prometheus-url`): the agents'
+gpufleet_* series, NVIDIA dcgm-exporter's DCGM_FI_* series (ingest/dcgm.py), or both (`--ingest.prometheus-schema`).
 
 Where Prometheus already scrapes every agent, a second puller hitting a thousand agents every few
 seconds is load for nothing: this source asks Prometheus once per cycle for the raw samples it stored
@@ -17,8 +18,13 @@ What the exposition cannot say: per-reading support. A GPU without a series for 
 reading as unsupported (absent), as in a snapshot. XID counts are the one exception: the agent only
 exports codes that occurred, so a GPU with none reads 0, which is what lets the first XID count.
 
+dcgm-exporter's series carry no sample age: a scrape's time is the sample's. Its XID metric is the last
+code, not a count: each change to a new code counts one (ingest/dcgm.py). A GPU an agent reports (by UUID)
+is read from the agent alone. A cycle that finds no usable GPU series, or whose every snapshot is
+refused, is blind (IngestAccounting): said in the log, /healthz and /metrics, not left to look healthy.
+
 The same surface as the direct-mode Puller (pull_once, health, counters), so the runtime, /healthz,
-/nodes and /metrics work unchanged; health() reports each agent as Prometheus's `up` sees it.
+/nodes and /metrics work unchanged; health() reports each agent or exporter as Prometheus's `up` sees it.
 """
 
 from __future__ import annotations
@@ -212,6 +218,7 @@ class PrometheusSource(IngestAccounting):
         self._dcgm_fields: frozenset[str] | None = None   # contract fields some dcgm GPU had, once known
         self.missing: tuple[tuple[str, str, str], ...] = ()   # (reading, detector, effect) the source lacks
         self._cycle_blind: Blindness | None = None
+        self._last_usable: float | None = None        # when an answer last held usable GPU series
 
     async def aclose(self) -> None:
         """Close the connection to Prometheus."""
@@ -261,7 +268,7 @@ class PrometheusSource(IngestAccounting):
                 except Exception as exc:  # noqa: BLE001 - a bad rebuilt snapshot is rejected, not a crash
                     rejected += 1
                     self._record_error("schema", f"node {raw.get('node')!r}: {exc}")
-            self._cycle_blind = self._blind_answer(series, usable, len(snapshots), rejected, lookback)
+            self._cycle_blind = self._blind_answer(series, usable, len(snapshots), rejected, lookback, now)
             self._update_health(await self._up(now), arrived, now)
         return self._finish_cycle(PullResult(samples=samples, started=started,
                                              duration_seconds=time.perf_counter() - t0, targets=len(self._health),
@@ -271,14 +278,17 @@ class PrometheusSource(IngestAccounting):
         return self._cycle_blind
 
     def _blind_answer(self, series: list[_Series], usable: int, snapshots: int, rejected: int,
-                      lookback: float) -> Blindness | None:
-        """Blind when Prometheus holds no usable GPU series in the range, or every rebuilt snapshot was refused.
-        (A range with usable series but no scrape newer than the last cycle's is not blind: nothing new.)"""
+                      lookback: float, now: float) -> Blindness | None:
+        """Blind when Prometheus held no usable GPU series on the first cycle (which asks for minutes) or for
+        --pull.stale-after since (a scrape interval longer than the cycle leaves some ranges empty), or when
+        every rebuilt snapshot was refused. A range with usable series but no new scrape is not blind."""
         wanted = {"gpufleet": "gpufleet agents' gpufleet_gpu_* series",
                   "dcgm": "dcgm-exporter's DCGM_FI_* series"}.get(self.schema,
                                                                   "gpufleet_gpu_* or dcgm-exporter DCGM_FI_* series")
         looked_for = f"{wanted} with node/gpu/uuid (dcgm: Hostname/gpu/UUID) labels, last {lookback:.0f}s"
-        if not usable:
+        if usable:
+            self._last_usable = now
+        elif self._last_usable is None or now - self._last_usable > self.stale_after_seconds:
             found = (f"{len(series)} series, none with those labels" if series
                      else "no series of those names (check --ingest.prometheus-schema and that Prometheus "
                           "scrapes the exporters)")
@@ -517,7 +527,8 @@ class PrometheusSource(IngestAccounting):
             return name, node, -1, ""
         if not (isinstance(name, str) and isinstance(node, str) and isinstance(gpu, str) and isinstance(uuid, str)
                 and name and node and uuid and gpu.isdigit()):
-            self._record_error("schema", f"series without node/gpu/uuid labels: {str(labels)[:200]}")
+            wanted = "Hostname/gpu/UUID" if name in dcgm.READINGS else "node/gpu/uuid"
+            self._record_error("schema", f"series without {wanted} labels: {str(labels)[:200]}")
             return None
         return name, node, int(gpu), uuid
 

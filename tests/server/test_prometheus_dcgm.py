@@ -201,3 +201,32 @@ def test_prometheus_down_is_blind() -> None:
     run(src.pull_once())
 
     assert src.blind.reason == "source_down"
+
+
+def test_a_scrape_interval_longer_than_the_cycle_is_not_blind_until_stale_after() -> None:
+    prom = FakePrometheus()
+    prom.stored = dcgm_series("node-a", 0, [990.0])          # scraped every 30 s: ranges of 15 s fall between
+    src, now = make_source(prom, interval_seconds=5.0, stale_after_seconds=30.0)
+    run(src.pull_once())
+    blind = []
+    for at in (1010.0, 1015.0, 1020.0, 1025.0, 1030.0, 1035.0):
+        now[0] = at
+        run(src.pull_once())
+        blind.append(src.blind.reason if src.blind else None)
+    assert blind == [None, None, None, None, None, "no_series"]     # 35 s without a usable series
+
+
+def test_settings_choose_the_schema_and_refuse_it_without_a_prometheus(tmp_path) -> None:
+    from gpufleet.server.serve import build_source
+    from gpufleet.server.settings import ConfigError, load_settings
+
+    settings = load_settings(["--ingest.prometheus-url", "http://prom:9090", "--ingest.prometheus-schema", "dcgm",
+                              "--storage.path", str(tmp_path / "a.db")], env={})
+    source = build_source(settings)
+    assert source.schema == "dcgm"
+    run(source.aclose())
+    assert load_settings(["--ingest.prometheus-url", "http://prom:9090"], env={}).prometheus_schema == "auto"
+    with pytest.raises(ConfigError, match="ingest.prometheus-schema"):
+        load_settings(["--ingest.prometheus-url", "http://prom:9090", "--ingest.prometheus-schema", "nvidia"], env={})
+    with pytest.raises(ConfigError, match="set ingest.prometheus-url too"):
+        load_settings(["--ingest.prometheus-schema", "dcgm", "--targets", "a:9471"], env={})
