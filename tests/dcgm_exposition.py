@@ -19,6 +19,7 @@ from typing import Callable
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "NVIDIA H100 80GB HBM3"
+NOT_SUPPORTED = 9223372036854775794       # DCGM's int64 "not supported", as dcgm-exporter prints it
 DRIVER = "550.90.07"
 # dcgm-exporter's stock counters this fleet exports: (metric, TYPE, HELP), in the shipped file's order.
 COUNTERS = (
@@ -48,6 +49,7 @@ class Gpu:
     power_watts: float = 650.0
     utilization_ratio: float = 0.98
     sm_clock_hertz: float = 1.98e9
+    hbm_sensor: bool = True       # without, DCGM's "not supported" for the memory temperature
 
 
 @dataclass
@@ -66,7 +68,7 @@ class Fleet:
             gpu = self.reading(t, host, g)
             self.energy_mj[(host, g)] = self.energy_mj.get((host, g), 3.6e9) + gpu.power_watts * dt * 1e3
             values = {"DCGM_FI_DEV_SM_CLOCK": gpu.sm_clock_hertz / 1e6, "DCGM_FI_DEV_MEM_CLOCK": 2619.0,
-                      "DCGM_FI_DEV_MEMORY_TEMP": gpu.temperature_celsius - 6.0,
+                      "DCGM_FI_DEV_MEMORY_TEMP": gpu.temperature_celsius - 6.0 if gpu.hbm_sensor else NOT_SUPPORTED,
                       "DCGM_FI_DEV_GPU_TEMP": gpu.temperature_celsius, "DCGM_FI_DEV_POWER_USAGE": gpu.power_watts,
                       "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": round(self.energy_mj[(host, g)]),
                       "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": 0, "DCGM_FI_DEV_GPU_UTIL": round(gpu.utilization_ratio * 100),

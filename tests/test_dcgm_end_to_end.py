@@ -28,6 +28,7 @@ HISTORY_SECONDS = 900.0
 HOT = ("node-d", 2)               # 89 C from 240 s to 540 s (five minutes)
 SLOW = ("node-c", 1)              # from 360 s on: works full time while its job's other GPUs wait for it
 CYCLE_SECONDS = 15.0
+NO_HBM_SENSOR = ("node-a", 3)     # DCGM's blank for its memory temperature: unsupported, not a reading
 
 
 def reading(t_rel: float, host: str, gpu: int) -> Gpu:
@@ -37,7 +38,7 @@ def reading(t_rel: float, host: str, gpu: int) -> Gpu:
         temp = 89.0
     if HOSTS[host] == "71001" and t_rel >= 360.0 and (host, gpu) != SLOW:
         power -= 110.0            # spinning in NCCL's collective, waiting: busy, less power
-    return Gpu(temperature_celsius=temp, power_watts=power)
+    return Gpu(temperature_celsius=temp, power_watts=power, hbm_sensor=(host, gpu) != NO_HBM_SENSOR)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,7 @@ def test_the_server_finds_the_hot_and_the_slow_gpu_in_dcgm_exporter_data(dcgm_pr
 
     assert runtime.puller.samples_total >= len(HOSTS) * HISTORY_SECONDS / SCRAPE_SECONDS
     assert {n["node"]: n["gpus"] for n in runtime.view.nodes} == {h: GPUS for h in HOSTS}
+    assert runtime.puller.errors_by_reason() == {}        # the blank refused no snapshot
     subjects = {kind: {(a.node, a.gpu, a.hpc_job) for a in alerts} for kind, alerts in fired.items()}
     assert subjects.get("thermal_throttle") == {(*HOT, "71002")}, subjects
     assert subjects.get("straggler") == {(*SLOW, "71001")}, subjects

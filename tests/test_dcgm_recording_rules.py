@@ -103,6 +103,17 @@ def test_the_pod_dcgm_exporter_maps_a_gpu_to_is_recorded_for_the_kube_state_metr
 
 
 @requires_promtool
+def test_dcgm_blanks_are_not_recorded(tmp_path: Path) -> None:
+    series = {**STOCK, f"DCGM_FI_DEV_MEMORY_TEMP{{{DCGM}}}": "9223372036854775794x10",      # no HBM sensor
+              f"DCGM_FI_PROF_GR_ENGINE_ACTIVE{{{DCGM}}}": "140737488355328x10"}
+    expected = [{"expr": "gpufleet_gpu_memory_temperature_celsius", "eval_time": "5m", "exp_samples": []},
+                at_5m("gpufleet_gpu_utilization_ratio", OURS, 0.97),
+                at_5m("gpufleet_gpu_temperature_celsius", OURS, 71)]
+    done = run_promtool(tmp_path, series, expected)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@requires_promtool
 def test_a_wrong_unit_fails(tmp_path: Path) -> None:
     done = run_promtool(tmp_path, STOCK, [at_5m('gpufleet_gpu_clock_hertz{clock="sm"}', OURS + ', clock="sm"', 1980)])
     assert done.returncode != 0

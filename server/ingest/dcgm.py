@@ -25,13 +25,29 @@ class Reading:
     # Where two metrics give one field, the higher rank wins (the finer reading, or the newer field name).
     rank: int = 0
     shipped: bool = True          # in dcgm-exporter's shipped counter files
+    counter: bool = False         # grows without bound (energy, error counts): only 64-bit blanks apply
+
+    def value(self, raw: float) -> float | None:
+        """The reading in the contract's unit, or None where DCGM wrote a blank (unsupported) instead."""
+        if raw != raw or raw >= (_BLANK_64 if self.counter else _BLANK_32):
+            return None
+        return raw * self.scale
+
+
+# DCGM writes a reading it does not have (blank, not found, not supported, no permission) as a sentinel
+# just below its type's maximum, which dcgm-exporter exports as that number: from 0x7ffffff0 for 32-bit
+# integers, from 2**47 for doubles, from 0x7ffffffffffffff0 for 64-bit integers (a GPU without an HBM
+# sensor reads DCGM_FI_DEV_MEMORY_TEMP 9223372036854775794). Every gauge read here is far below 0x7ffffff0;
+# the counters can pass it, but not 2**47 (mJ: 700 W for six years).
+_BLANK_32 = float(0x7FFFFFF0)
+_BLANK_64 = float(2**47)
 
 
 READINGS: Mapping[str, Reading] = {
     "DCGM_FI_DEV_GPU_TEMP": Reading("temperature_celsius"),
     "DCGM_FI_DEV_MEMORY_TEMP": Reading("memory_temperature_celsius"),
     "DCGM_FI_DEV_POWER_USAGE": Reading("power_watts"),
-    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": Reading("energy_joules_total", 1e-3),      # mJ
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": Reading("energy_joules_total", 1e-3, counter=True),   # mJ
     "DCGM_FI_DEV_SM_CLOCK": Reading("sm_clock_hertz", 1e6),                            # MHz
     "DCGM_FI_DEV_GPU_UTIL": Reading("utilization_ratio", 1e-2),                        # %
     # The share of time any kernel ran, from the profiling counters: NVML's utilization at a finer grain.
@@ -47,7 +63,7 @@ READINGS: Mapping[str, Reading] = {
     "DCGM_FI_DEV_MEM_MAX_OP_TEMP": Reading("memory_max_operating_temperature_celsius", shipped=False),
     "DCGM_FI_DEV_MAX_SM_CLOCK": Reading("sm_clock_max_hertz", 1e6, shipped=False),            # MHz
     "DCGM_FI_DEV_POWER_MGMT_LIMIT": Reading("power_limit_watts", shipped=False),
-    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": Reading("ecc_uncorrected_errors_total", shipped=False),
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": Reading("ecc_uncorrected_errors_total", shipped=False, counter=True),
     # NVML's clocks-event (throttle) reasons bitmask, under DCGM's name before and after 3.3.
     "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": Reading("throttle_reasons", shipped=False),
     "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": Reading("throttle_reasons", rank=1, shipped=False),

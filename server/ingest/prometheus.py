@@ -141,20 +141,23 @@ class _Gpu:
 
     def take(self, target: tuple, model: str | None, value: float) -> None:
         """One point of a reading series (target: what _target decided for the series)."""
-        field, is_bool, reading, which, code, _, scale, rank = target
+        field, is_bool, reading, which, code, _, from_dcgm = target
         if self.readings is None:
             self.readings = {}
         if model is not None:
             self.model = model
         if field is not None:
-            if scale is not None:           # a dcgm-exporter metric: the higher rank of two for one field wins
+            if from_dcgm is not None:       # a dcgm-exporter metric: the higher rank of two for one field wins
                 self.dcgm = True
+                converted = from_dcgm.value(value)
+                if converted is None:
+                    return                  # DCGM's blank: unsupported, as an absent series
                 if self.ranks is None:
                     self.ranks = {}
-                if self.ranks.get(field, -1) > rank:
+                if self.ranks.get(field, -1) > from_dcgm.rank:
                     return
-                self.ranks[field] = rank
-                value = value * scale
+                self.ranks[field] = from_dcgm.rank
+                value = converted
             self.readings[field] = bool(value) if is_bool else value
         elif reading:
             if self.activity is None:
@@ -579,29 +582,29 @@ class PrometheusSource(IngestAccounting):
         self._count_error((self.url, reason), detail, "prometheus read rejected", {"url": self.url})
 
 
-def _target(name: str, labels: Mapping[str, Any]) -> tuple[str | None, bool, str, int, str, Any, float | None,
-                                                         int] | None:
+def _target(name: str, labels: Mapping[str, Any]) -> tuple[str | None, bool, str, int, str, Any,
+                                                         dcgm.Reading | None] | None:
     """What every point of one GPU series sets (the same at each point, so decided once per series):
     (contract field or None, whether it is a bool, activity reading, which activity counter, XID code,
-    hpc_job of a job-info or dcgm-exporter series, the dcgm unit scale or None, the dcgm rank); None for a
-    metric this source does not read."""
+    hpc_job of a job-info or dcgm-exporter series, how to read a dcgm-exporter metric); None for a metric
+    this source does not read."""
     if name == _JOB_INFO:
-        return None, False, "", 0, "", labels.get("hpc_job") or None, None, 0
+        return None, False, "", 0, "", labels.get("hpc_job") or None, None
     if name == _XID:
-        return None, False, "", 0, str(labels.get("xid")), None, None, 0
+        return None, False, "", 0, str(labels.get("xid")), None, None
     if name in _ACTIVITY:
-        return None, False, str(labels.get("reading")), _ACTIVITY[name], "", None, None, 0
+        return None, False, str(labels.get("reading")), _ACTIVITY[name], "", None, None
     if name in _FIELDS:
         label, fields = _FIELDS[name]
         field = fields.get(None if label is None else labels.get(label))
         if field is not None:
-            return field, field in _BOOLS, "", 0, "", None, None, 0
-        return None, False, "", 0, "", None, None, 0
+            return field, field in _BOOLS, "", 0, "", None, None
+        return None, False, "", 0, "", None, None
     reading = dcgm.READINGS.get(name)
     if reading is not None:
         job = labels.get(dcgm.JOB_LABEL)
         return (reading.field, reading.field in dcgm.BOOLS, "", 0, "", job if isinstance(job, str) and job else None,
-                reading.scale, reading.rank)
+                reading)
     return None
 
 

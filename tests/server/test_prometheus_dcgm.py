@@ -230,3 +230,23 @@ def test_settings_choose_the_schema_and_refuse_it_without_a_prometheus(tmp_path)
         load_settings(["--ingest.prometheus-url", "http://prom:9090", "--ingest.prometheus-schema", "nvidia"], env={})
     with pytest.raises(ConfigError, match="set ingest.prometheus-url too"):
         load_settings(["--ingest.prometheus-schema", "dcgm", "--targets", "a:9471"], env={})
+
+
+def test_dcgm_blanks_are_unsupported_readings_not_values() -> None:
+    # A GPU without an HBM sensor: DCGM's "not supported" for a 64-bit field, as dcgm-exporter prints it;
+    # a profiling field's double blank (2**47); a 32-bit field's blank.
+    prom = FakePrometheus()
+    prom.stored = dcgm_series("node-a", 0, [990.0], {"DCGM_FI_DEV_MEMORY_TEMP": 9223372036854775794.0,
+                                                     "DCGM_FI_PROF_GR_ENGINE_ACTIVE": 140737488355328.0,
+                                                     "DCGM_FI_DEV_SM_CLOCK": float(0x7FFFFFF2),
+                                                     "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 2.5e12})
+    src, _ = make_source(prom)
+
+    result = run(src.pull_once())
+
+    (sample,) = result.samples                                       # the snapshot is not refused for them
+    assert sample.value(0, "memory_temperature_celsius") is None
+    assert sample.value(0, "sm_clock_hertz") is None
+    assert sample.value(0, "utilization_ratio") == pytest.approx(0.97)   # GPU_UTIL, the blank finer one aside
+    assert sample.value(0, "energy_joules_total") == pytest.approx(2.5e9)    # a counter past 32 bits is a value
+    assert sample.value(0, "temperature_celsius") == 71.0
