@@ -60,7 +60,7 @@ class ScrapedPrometheus:
             result = [{"metric": {"__name__": "up", "instance": i, "job": "gpufleet-agent"}, "value": [at, "1"]}
                       for i in instances]
             return _answer("vector", result)
-        match = re.fullmatch(r'\{__name__=~"([^"]+)"\}\[(\d+)s\]', query)
+        match = re.fullmatch(r'\{__name__=~"([^"]+)", gpufleet_recorded_from=""\}\[(\d+)s\]', query)
         assert match, f"unexpected query {query!r}"
         wanted, seconds = re.compile(match.group(1)), float(match.group(2))
         series: dict[tuple, dict] = {}

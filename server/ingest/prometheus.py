@@ -36,7 +36,7 @@ import ssl
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import httpx
 import msgspec
@@ -437,16 +437,19 @@ class PrometheusSource(IngestAccounting):
         by_gpu: dict[tuple[str, int], dict[float, _Gpu]] = {}     # the same records, by GPU then scrape
         ages: dict[tuple[str, float], float] = {}
         sources: dict[tuple[str, float], str] = {}
-        agents = self._agent_gpus(series)
+        agents = self._agent_uuids
         usable = 0
-        for s in series:
+        for s in _agents_first(series):
             labels = s.metric
             key = self._series_key(labels)
             if key is None:
                 continue
             name, node, index, uuid = key
-            if name in dcgm.READINGS and uuid in agents:
-                continue        # the GPU's agent says it all, in its own units and times: counted once
+            if name in dcgm.READINGS:
+                if uuid in agents:
+                    continue    # the GPU's agent says it all, in its own units and times: counted once
+            elif uuid and s.values:
+                agents[uuid] = s.values[-1][0]
             usable += 1
             instance, job = labels.get("instance"), labels.get("job")
             if isinstance(instance, str):
@@ -488,17 +491,6 @@ class PrometheusSource(IngestAccounting):
                         gpu.job = target[5]
                     gpu.take(target, model, value)
         return scrapes, ages, sources, usable
-
-    def _agent_gpus(self, series: list[_Series]) -> dict[str, float]:
-        """UUIDs an agent reports (in this answer, or recently): their dcgm-exporter series are left out."""
-        if self.schema != "auto":
-            return self._agent_uuids
-        for s in series:
-            labels = s.metric
-            uuid = labels.get("uuid")
-            if isinstance(uuid, str) and s.values and labels.get("__name__") not in dcgm.READINGS:
-                self._agent_uuids[uuid] = max(self._agent_uuids.get(uuid, -math.inf), s.values[-1][0])
-        return self._agent_uuids
 
     def _with_activity_means(self, node: str, taken: float, g: _Gpu, row: dict[str, Any]) -> dict[str, Any]:
         """The row with its ratio gauges replaced by the mean since the GPU's previous delivered scrape, from
@@ -606,6 +598,17 @@ def _target(name: str, labels: Mapping[str, Any]) -> tuple[str | None, bool, str
         return (reading.field, reading.field in dcgm.BOOLS, "", 0, "", job if isinstance(job, str) and job else None,
                 reading)
     return None
+
+
+def _agents_first(series: list[_Series]) -> Iterator[_Series]:
+    """The agents' series, then dcgm-exporter's: a GPU's agent series are known before its dcgm twins."""
+    deferred = []
+    for s in series:
+        if s.metric.get("__name__") in dcgm.READINGS:
+            deferred.append(s)
+        else:
+            yield s
+    yield from deferred
 
 
 def _result(buf: bytes | bytearray, status: int) -> list[Any]:
