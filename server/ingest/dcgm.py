@@ -6,8 +6,8 @@ mapping is on and `namespace`/`pod`/`container` where Kubernetes pod mapping is.
 fields' own: %, MHz, MiB, mJ; the contract's are ratios, Hz, bytes, J.
 
 What the shipped counter files (etc/default-counters.csv, etc/dcp-metrics-included.csv) leave out, a site
-can add to its own file: the fields read here beyond them are marked so, and a detector that needs a
-reading no GPU has says what it cannot do (MISSING_EFFECTS), once, where the source reports it.
+can add to its own file: the fields read here beyond them are marked so below, and a detector that needs
+a reading no GPU has says what it cannot do (MISSING_EFFECTS), once, where the source reports it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ class Reading:
     scale: float = 1.0
     # Where two metrics give one field, the higher rank wins (the finer reading, or the newer field name).
     rank: int = 0
-    shipped: bool = True          # in dcgm-exporter's shipped counter files
     counter: bool = False         # grows without bound (energy, error counts): only 64-bit blanks apply
 
     def value(self, raw: float) -> float | None:
@@ -54,19 +53,20 @@ READINGS: Mapping[str, Reading] = {
     # Not SM activity: a GPU waiting in a collective runs NCCL's kernel and reads busy, so taken as SM
     # activity it would hide every straggler's waiting peers.
     "DCGM_FI_PROF_GR_ENGINE_ACTIVE": Reading("utilization_ratio", rank=1),
-    "DCGM_FI_PROF_SM_ACTIVE": Reading("sm_active_ratio", shipped=False),
     "DCGM_FI_DEV_ROW_REMAP_FAILURE": Reading("remapped_rows_failure"),
     # The code of the last XID (0: none yet), a gauge: a new code is seen, the same code again is not.
     "DCGM_FI_DEV_XID_ERRORS": Reading("last_xid"),
-    "DCGM_FI_DEV_ROW_REMAP_PENDING": Reading("remapped_rows_pending", shipped=False),
-    "DCGM_FI_DEV_SLOWDOWN_TEMP": Reading("slowdown_temperature_celsius", shipped=False),
-    "DCGM_FI_DEV_MEM_MAX_OP_TEMP": Reading("memory_max_operating_temperature_celsius", shipped=False),
-    "DCGM_FI_DEV_MAX_SM_CLOCK": Reading("sm_clock_max_hertz", 1e6, shipped=False),            # MHz
-    "DCGM_FI_DEV_POWER_MGMT_LIMIT": Reading("power_limit_watts", shipped=False),
-    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": Reading("ecc_uncorrected_errors_total", shipped=False, counter=True),
+    # Not in the shipped counter files from here on.
+    "DCGM_FI_PROF_SM_ACTIVE": Reading("sm_active_ratio"),
+    "DCGM_FI_DEV_ROW_REMAP_PENDING": Reading("remapped_rows_pending"),
+    "DCGM_FI_DEV_SLOWDOWN_TEMP": Reading("slowdown_temperature_celsius"),
+    "DCGM_FI_DEV_MEM_MAX_OP_TEMP": Reading("memory_max_operating_temperature_celsius"),
+    "DCGM_FI_DEV_MAX_SM_CLOCK": Reading("sm_clock_max_hertz", 1e6),            # MHz
+    "DCGM_FI_DEV_POWER_MGMT_LIMIT": Reading("power_limit_watts"),
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": Reading("ecc_uncorrected_errors_total", counter=True),
     # NVML's clocks-event (throttle) reasons bitmask, under DCGM's name before and after 3.3.
-    "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": Reading("throttle_reasons", shipped=False),
-    "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": Reading("throttle_reasons", rank=1, shipped=False),
+    "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": Reading("throttle_reasons"),
+    "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": Reading("throttle_reasons", rank=1),
 }
 BOOLS = frozenset({"remapped_rows_failure", "remapped_rows_pending"})
 
@@ -101,6 +101,11 @@ MISSING_EFFECTS: Mapping[str, tuple[tuple[str, str], ...]] = {
         ("ecc", "no uncorrected ECC errors counted: only row remapping failures alert"),
     ),
 }
+
+
+def metrics_for(field: str) -> tuple[str, ...]:
+    """The dcgm-exporter metrics that give a contract field."""
+    return tuple(name for name, reading in READINGS.items() if reading.field == field)
 
 
 def missing_effects(seen_fields: frozenset[str]) -> tuple[tuple[str, str, str], ...]:

@@ -426,7 +426,8 @@ class PrometheusSource(IngestAccounting):
             self.missing = missing
             for reading, detector, effect in missing:
                 log.warning("dcgm-exporter source lacks a reading", extra={
-                    "reading": reading, "detector": detector, "effect": effect})
+                    "reading": reading, "detector": detector, "effect": effect,
+                    "export": " or ".join(dcgm.metrics_for(reading))})
 
     def _gather(self, series: list[_Series]) -> tuple[dict[tuple[str, float], dict[int, _Gpu]],
                                                       dict[tuple[str, float], float], dict[tuple[str, float], str],

@@ -146,6 +146,9 @@ def test_what_stock_counters_lack_is_said_once_per_detector(caplog) -> None:
             ("sm_clock_max_hertz", "straggler"), ("sm_active_ratio", "straggler")} <= lacking
     logged = [(r.reading, r.detector) for r in caplog.records if r.getMessage() == "dcgm-exporter source lacks a reading"]
     assert sorted(logged) == sorted(lacking)            # once each, not once per cycle
+    (throttle,) = [r for r in caplog.records if getattr(r, "reading", None) == "throttle_reasons"
+                   and r.detector == "straggler"]
+    assert "DCGM_FI_DEV_CLOCKS_EVENT_REASONS" in throttle.export          # what to add to the counters file
 
 
 def test_no_matching_series_is_blind_within_the_first_cycle(caplog) -> None:
