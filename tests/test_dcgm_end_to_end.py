@@ -87,6 +87,7 @@ def test_the_server_finds_the_hot_and_the_slow_gpu_in_dcgm_exporter_data(dcgm_pr
     assert {n["node"]: n["gpus"] for n in runtime.view.nodes} == {h: GPUS for h in HOSTS}
     assert runtime.puller.errors_by_reason() == {}        # the blank refused no snapshot
     subjects = {kind: {(a.node, a.gpu, a.hpc_job) for a in alerts} for kind, alerts in fired.items()}
+    assert set(subjects) == {"thermal_throttle", "straggler"}, subjects
     assert subjects.get("thermal_throttle") == {(*HOT, "71002")}, subjects
     assert subjects.get("straggler") == {(*SLOW, "71001")}, subjects
     # Each fired once, soon after its incident began; the heat cleared after it ended.
