@@ -93,15 +93,16 @@ def uuid(host: str, gpu: int) -> str:
     return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-0000-{gpu:012d}"
 
 
-def openmetrics(scrapes: list[tuple[float, str, str]], job: str = "dcgm-exporter") -> str:
-    """Scrapes (time, instance, exposition text) as one OpenMetrics document with sample timestamps, the
-    target labels a scrape adds, and each family's samples together (the format forbids interleaving).
-    Counters are written as gauges: the TSDB keeps no type, and OpenMetrics would want `_total` names."""
+def openmetrics(scrapes: list[tuple], job: str = "dcgm-exporter") -> str:
+    """Scrapes (time, instance, exposition text[, scrape job]) as one OpenMetrics document with sample
+    timestamps, the target labels a scrape adds, and each family's samples together (the format forbids
+    interleaving). Counters are written as gauges: the TSDB keeps no type, and OpenMetrics would want
+    `_total` names."""
     families: dict[str, list[str]] = {}
-    for at, instance, text in scrapes:
+    for at, instance, text, *scrape_job in scrapes:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                labels = {**s.labels, "instance": instance, "job": job}
+                labels = {**s.labels, "instance": instance, "job": scrape_job[0] if scrape_job else job}
                 body = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
                 families.setdefault(s.name, []).append(f"{s.name}{{{body}}} {s.value!r} {at:.3f}")
     out = []
@@ -111,7 +112,7 @@ def openmetrics(scrapes: list[tuple[float, str, str]], job: str = "dcgm-exporter
     return "\n".join(out) + "\n# EOF\n"
 
 
-def backfill(promtool: str, scrapes: list[tuple[float, str, str]], tsdb: Path) -> None:
+def backfill(promtool: str, scrapes: list[tuple], tsdb: Path) -> None:
     """Write the scrapes into TSDB blocks under `tsdb`, for a Prometheus started on that path."""
     source = tsdb.parent / "dcgm-scrapes.om"
     source.write_text(openmetrics(scrapes))

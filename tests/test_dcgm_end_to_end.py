@@ -1,6 +1,7 @@
 """A dcgm-exporter fleet and no gpufleet agent: a real Prometheus holding dcgm-exporter's stock series, and the
 server's pipeline reading it (`--ingest.prometheus-url`) finds the hot GPU and the slow one, and no other.
-The server reading the same Prometheus for series it does not hold says so within one cycle.
+The server reading the same Prometheus for series it does not hold says so within one cycle; where an
+agent also reports some GPUs, those are read from the agent alone.
 
 Fifteen minutes of scrapes are backfilled into Prometheus's TSDB (tests/dcgm_exposition.py) and the
 pipeline runs at pinned times over them, a cycle per 15 s of history: nothing waits.
@@ -127,3 +128,66 @@ def test_no_matching_series_is_degraded_within_one_cycle(dcgm_prometheus, tmp_pa
     assert (body["status"], body["degraded_reason"]) == ("degraded", "no_series")
     assert "gpufleet_gpu_" in body["degraded_detail"] and "found no series" in body["degraded_detail"]
     assert 'gpufleet_server_blind_cycles_total{reason="no_series"} 1.0' in client.get("/metrics").text
+
+
+AGENT_NODE = "gpu-d"              # node-d also runs a gpufleet agent, which names it so
+
+
+def agent_scrapes(start: float) -> list[tuple[float, str, str, str]]:
+    """node-d's agent scraped beside its dcgm-exporter: the same GPUs (UUIDs), readings of its own kind (its
+    slowdown temperature and max clock, which dcgm-exporter's stock counters lack)."""
+    out = []
+    energy = {g: 1.0e6 for g in range(GPUS)}
+    for k in range(int(HISTORY_SECONDS / SCRAPE_SECONDS) + 1):
+        at = start + k * SCRAPE_SECONDS + 0.5
+        lines = []
+        for g in range(GPUS):
+            gpu = reading(at - start, "node-d", g)
+            energy[g] += gpu.power_watts * SCRAPE_SECONDS
+            ids = f'node="{AGENT_NODE}",gpu="{g}",uuid="{uuid("node-d", g)}"'
+            with_model = ids + ',model="NVIDIA H100 80GB HBM3"'
+            lines += [f"gpufleet_gpu_up{{{with_model}}} 1",
+                      f"gpufleet_gpu_temperature_celsius{{{with_model}}} {gpu.temperature_celsius}",
+                      f'gpufleet_gpu_temperature_limit_celsius{{{with_model},limit="slowdown"}} 87',
+                      f"gpufleet_gpu_power_watts{{{with_model}}} {gpu.power_watts}",
+                      f"gpufleet_gpu_energy_joules_total{{{with_model}}} {energy[g]}",
+                      f"gpufleet_gpu_utilization_ratio{{{with_model}}} {gpu.utilization_ratio}",
+                      f'gpufleet_gpu_clock_hertz{{{with_model},clock="sm"}} {gpu.sm_clock_hertz}',
+                      f'gpufleet_gpu_clock_max_hertz{{{with_model},clock="sm"}} 1.98e9',
+                      f"gpufleet_gpu_throttle_reasons{{{with_model}}} 0",
+                      f'gpufleet_gpu_job_info{{{ids},hpc_job="{HOSTS["node-d"]}"}} 1']
+        lines.append(f'gpufleet_agent_sample_age_seconds{{node="{AGENT_NODE}"}} 0.2')
+        out.append((at, f"{AGENT_NODE}:9471", "\n".join(lines) + "\n", "gpufleet-agent"))
+    return out
+
+
+@requires_prometheus
+@requires_promtool
+def test_a_gpu_with_an_agent_and_dcgm_exporter_in_one_prometheus_is_read_once_from_its_agent(tmp_path) -> None:
+    start = float(int(time.time()) - 3 * 3600)
+    fleet = Fleet(HOSTS, GPUS, lambda t, host, gpu: reading(t - start, host, gpu))
+    backfill(PROMTOOL, record(fleet, start, HISTORY_SECONDS, SCRAPE_SECONDS) + agent_scrapes(start), tmp_path / "tsdb")
+    with prometheus_process(tmp_path, []) as (_, port, _):
+        runtime, now, _ = pipeline(f"http://127.0.0.1:{port}", tmp_path)
+
+        async def cycles() -> list:
+            fired = []
+            try:
+                for k in range(int(HISTORY_SECONDS / CYCLE_SECONDS) + 1):
+                    now[0] = start + k * CYCLE_SECONDS + 1.0
+                    fired += [t.alert for t in await runtime.cycle()]
+            finally:
+                await runtime.stop()
+            return fired
+
+        fired = asyncio.run(cycles())
+
+    # node-d's GPUs are the agent's alone: no second node of the same UUIDs under dcgm-exporter's name.
+    assert {n["node"]: n["gpus"] for n in runtime.view.nodes} == {"node-a": GPUS, "node-b": GPUS, "node-c": GPUS,
+                                                                  AGENT_NODE: GPUS}
+    thermal = [a for a in fired if a.kind.value == "thermal_throttle" and a.started is not None]
+    assert {(a.node, a.gpu) for a in thermal} == {(AGENT_NODE, HOT[1])}
+    # From the agent's readings: its slowdown temperature (87 C, which dcgm-exporter does not export) makes
+    # 89 C critical.
+    assert thermal[-1].severity.value == "critical" and thermal[-1].evidence["slowdown_temperature_celsius"] == 87.0
+    assert {(a.node, a.gpu) for a in fired if a.kind.value == "straggler" and a.started is not None} == {SLOW}
