@@ -297,8 +297,8 @@ class PrometheusSource(IngestAccounting):
                           "scrapes the exporters)")
             return Blindness("no_series", looked_for, found)
         if snapshots and rejected >= snapshots:
-            return Blindness("all_rejected", looked_for,
-                             f"{snapshots} snapshot(s) rebuilt, every one rejected (see gpufleet_server_rejected_total)")
+            return Blindness("all_rejected", looked_for, f"{snapshots} snapshot(s) rebuilt, every one rejected "
+                                                         "(see gpufleet_server_rejected_total)")
         return None
 
     def _lookback(self, now: float) -> float:

@@ -24,7 +24,8 @@ STOCK = {"DCGM_FI_DEV_SM_CLOCK": 1980.0, "DCGM_FI_DEV_MEM_CLOCK": 2619.0, "DCGM_
 
 def dcgm_labels(host: str, gpu: int, name: str, **extra: str) -> dict:
     """The labels dcgm-exporter 4.x puts on a GPU's series, with the target labels Prometheus adds."""
-    return {"__name__": name, "gpu": str(gpu), "UUID": f"GPU-{host}-{gpu}", "pci_bus_id": f"00000000:{gpu + 0x18:02X}:00.0",
+    return {"__name__": name, "gpu": str(gpu), "UUID": f"GPU-{host}-{gpu}",
+            "pci_bus_id": f"00000000:{gpu + 0x18:02X}:00.0",
             "device": f"nvidia{gpu}", "modelName": MODEL, "Hostname": host, "DCGM_FI_DRIVER_VERSION": "550.90.07",
             "instance": f"{host}:9400", "job": "dcgm-exporter", **extra}
 
@@ -144,7 +145,8 @@ def test_what_stock_counters_lack_is_said_once_per_detector(caplog) -> None:
     lacking = {(r, d) for r, d, _ in src.missing}
     assert {("throttle_reasons", "thermal_throttle"), ("slowdown_temperature_celsius", "thermal_throttle"),
             ("sm_clock_max_hertz", "straggler"), ("sm_active_ratio", "straggler")} <= lacking
-    logged = [(r.reading, r.detector) for r in caplog.records if r.getMessage() == "dcgm-exporter source lacks a reading"]
+    logged = [(r.reading, r.detector) for r in caplog.records
+              if r.getMessage() == "dcgm-exporter source lacks a reading"]
     assert sorted(logged) == sorted(lacking)            # once each, not once per cycle
     (throttle,) = [r for r in caplog.records if getattr(r, "reading", None) == "throttle_reasons"
                    and r.detector == "straggler"]
