@@ -157,6 +157,21 @@ class ServerCollector(Collector):
         for reason, n in sorted(puller.errors_by_reason().items()):
             rejected.add_metric([reason], n)
         yield rejected
+        blind = CounterMetricFamily("gpufleet_server_blind_cycles",
+                                    "Cycles that gave the engine no usable GPU sample, by reason (no_series, "
+                                    "all_rejected, all_targets_down, no_targets, source_down).", labels=["reason"])
+        for reason, n in sorted(getattr(puller, "blind_cycles", {}).items()):
+            blind.add_metric([reason], n)
+        yield blind
+        yield GaugeMetricFamily("gpufleet_server_blind", "1 while the last cycle had no usable GPU sample, else 0.",
+                                value=1 if getattr(puller, "blind", None) is not None else 0)
+        missing = GaugeMetricFamily("gpufleet_server_source_reading_missing",
+                                    "1 per reading no GPU of the source has (dcgm-exporter's stock counters) and "
+                                    "detector that works without it as the effect label says.",
+                                    labels=["reading", "detector", "effect"])
+        for reading, detector, effect in getattr(puller, "missing", ()):
+            missing.add_metric([reading, detector, effect], 1)
+        yield missing
         yield CounterMetricFamily("gpufleet_server_pulls", "Pull attempts over all targets.", value=puller.pulls_total)
         yield CounterMetricFamily("gpufleet_server_samples_ingested", "Node snapshots accepted and fed to the engine.",
                                   value=puller.samples_total)

@@ -90,7 +90,8 @@ def build_source(settings: ServerSettings, *, clock: Callable[[], float] = time.
         return PrometheusSource(settings.prometheus_url, interval_seconds=settings.pull_interval_seconds,
                                 timeout_seconds=settings.pull_timeout_seconds,
                                 stale_after_seconds=settings.pull_stale_after_seconds, transport=transport,
-                                clock=clock, parse=parse, verify=prom.ssl_context, auth=prom.auth)
+                                clock=clock, parse=parse, verify=prom.ssl_context, auth=prom.auth,
+                                schema=settings.prometheus_schema)
     agents = outbound(settings.pull_client, "pull", settings.pull_scheme == "https")
     return Puller(build_targets(settings), timeout_seconds=settings.pull_timeout_seconds,
                   max_payload_bytes=settings.pull_max_bytes, concurrency=settings.pull_concurrency,
@@ -268,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
     if settings.prometheus_url:
-        log.info("reading agents through Prometheus", extra={"url": settings.prometheus_url})
+        log.info("reading GPU series through Prometheus", extra={"url": settings.prometheus_url,
+                                                                 "schema": settings.prometheus_schema})
     elif not runtime.puller.source.sources:  # type: ignore[union-attr]
         log.warning("no targets configured: use --targets, --targets.file-sd, --targets.dns "
                     "or --ingest.prometheus-url")

@@ -196,6 +196,7 @@ class ServerSettings:
     targets_file_sd: str | None = None
     targets_dns: str | None = None
     prometheus_url: str | None = None
+    prometheus_schema: str = "auto"
     pull_interval_seconds: float = 5.0
     pull_timeout_seconds: float = 4.0
     pull_max_bytes: int = 32 * 1024 * 1024
@@ -262,6 +263,9 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "targets.dns": ("targets_dns", str, "NAME:PORT resolving to every agent (e.g. a headless Service)"),
     "ingest.prometheus-url": ("prometheus_url", parse_url,
                               "read the agents' series from this Prometheus instead of pulling the agents"),
+    "ingest.prometheus-schema": ("prometheus_schema", _choice("auto", "gpufleet", "dcgm"),
+                                 "which series to read: gpufleet (the agents'), dcgm (NVIDIA dcgm-exporter's) or "
+                                 "auto (both; a GPU with both is read from its agent) (default auto)"),
     **client_flags("ingest.prometheus", "prometheus_client", "Prometheus"),
     "pull.interval": ("pull_interval_seconds", parse_duration, "how often to pull every agent (default 5s)"),
     "pull.timeout": ("pull_timeout_seconds", parse_duration, "timeout of one pull (default 4s)"),
@@ -333,6 +337,9 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None,
         # Two sources for the same agents would feed the engine every sample twice, under two timestamps.
         raise ConfigError("ingest.prometheus-url reads the agents through Prometheus: drop targets, "
                           "targets.file-sd and targets.dns, or drop ingest.prometheus-url")
+    if settings.prometheus_schema != "auto" and not settings.prometheus_url:
+        raise ConfigError("ingest.prometheus-schema chooses the series read from Prometheus: set "
+                          "ingest.prometheus-url too")
     return settings
 
 

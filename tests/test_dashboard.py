@@ -8,11 +8,15 @@ variables are substituted as Grafana would with "All" selected.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import re
 import subprocess
 import threading
+import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -20,6 +24,7 @@ import yaml
 
 from tests.agent.running import (PROMTOOL, agent_process, prometheus_process, requires_prometheus, requires_promtool,
                                  server_process)
+from tests.dcgm_exposition import Fleet, Gpu
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "gpufleet.json"
 DEADLINE_SECONDS = 90.0
@@ -226,3 +231,118 @@ def test_gpu_hours_lost_counts_each_job_and_cause_once_over_an_ha_pair(dashboard
         {"labels": '{hpc_job="71001", kind="comm_bound"}', "value": 120},
         {"labels": '{hpc_job="71001", kind="straggler"}', "value": 60}]}]
     promql_expr_tests(tmp_path, series, expected)
+
+
+DCGM_RULES = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "dcgm-recording-rules.yaml"
+DCGM_HOSTS = {"node-a": "71001", "node-b": "71002"}
+DCGM_GPUS = 4
+# Panels with data from dcgm-exporter's stock counters through the recording rules: (query index, range).
+DCGM_ALWAYS = {
+    "Utilization per GPU": (0, (0.0, 1.0)),
+    "Power per GPU": (0, (10.0, 800.0)),
+    "SM clock per GPU": (0, (1e8, 3e9)),
+    "Temperature": (0, (20.0, 100.0)),
+    "HBM temperature": (0, (20.0, 110.0)),
+}
+# Panels (and query index) that need a reading the stock counters lack, and the DCGM field each names.
+DCGM_LACKING = {
+    "SM activity per GPU": (0, "DCGM_FI_PROF_SM_ACTIVE"),
+    "Temperature": (1, "DCGM_FI_DEV_SLOWDOWN_TEMP"),
+    "HBM temperature": (1, "DCGM_FI_DEV_MEM_MAX_OP_TEMP"),
+    "Throttle reasons active (idle excluded)": (0, "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"),
+}
+
+
+@contextlib.contextmanager
+def dcgm_exporter_endpoint(fleet) -> Iterator[int]:
+    """A loopback HTTP endpoint serving each host's dcgm-exporter text at /HOST/metrics; yields its port."""
+    last: dict[str, float] = {}
+    lock = threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            host = self.path.strip("/").split("/")[0]
+            if host not in fleet.hosts:
+                self.send_error(404)
+                return
+            with lock:
+                now = time.time()
+                body = fleet.scrape(now, now - last.get(host, now - 1.0), host).encode()
+                last[host] = now
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@requires_prometheus
+@requires_promtool
+def test_the_panels_work_on_dcgm_exporter_data_through_the_recording_rules(dashboard: dict, tmp_path) -> None:
+    """No gpufleet agent: a real Prometheus scraping dcgm-exporter's stock counters and evaluating
+    deploy/prometheus/dcgm-recording-rules.yaml shows the GPU panels whose readings dcgm-exporter has, and
+    each panel that needs one it lacks says which."""
+    checked = subprocess.run([PROMTOOL, "check", "rules", str(DCGM_RULES)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    fleet = Fleet(DCGM_HOSTS, DCGM_GPUS, lambda t, host, gpu: Gpu(temperature_celsius=60.0 + gpu,
+                                                                   power_watts=600.0 + 10 * gpu))
+    gpus = len(DCGM_HOSTS) * DCGM_GPUS
+    with dcgm_exporter_endpoint(fleet) as port:
+        jobs = "".join(f"  - job_name: dcgm-exporter-{host}\n    metrics_path: /{host}/metrics\n"
+                       f"    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n" for host in DCGM_HOSTS)
+        with prometheus_process(tmp_path, [], jobs, rule_files=[DCGM_RULES]) as (prom, prom_port, log_path):
+            api = httpx.Client(base_url=f"http://127.0.0.1:{prom_port}/api/v1", timeout=10)
+
+            def query(expr: str) -> list[dict]:
+                answer = api.get("/query", params={"query": expr}).json()
+                assert answer["status"] == "success", (expr, answer)
+                return answer["data"]["result"]
+
+            waiter = threading.Event()
+            counted = 0
+            for _ in range(int(DEADLINE_SECONDS / POLL_SECONDS)):
+                assert prom.poll() is None, log_path.read_text(errors="replace")[-2000:]
+                counted = len(query("count_over_time(gpufleet_gpu_energy_joules_total[10s]) >= 3"))
+                if counted == gpus:
+                    break
+                waiter.wait(POLL_SECONDS)
+            else:
+                pytest.fail(f"the recording rules never made three points of every GPU ({counted} of {gpus})")
+
+            for variable in dashboard["templating"]["list"]:
+                if variable["type"] == "query":
+                    metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variable["definition"]).groups()
+                    values = api.get(f"/label/{label}/values", params={"match[]": metric}).json()["data"]
+                    assert values == {"node": sorted(DCGM_HOSTS), "hpc_job": sorted(DCGM_HOSTS.values())}[label]
+            results = {}
+            for panel in panels(dashboard):
+                for i, target in enumerate(panel.get("targets", [])):
+                    results[(panel["title"], i)] = query(grafana(target["expr"]))
+
+    for title, (i, (low, high)) in DCGM_ALWAYS.items():
+        result = results[(title, i)]
+        keys = {(s["metric"]["node"], s["metric"]["gpu"]) for s in result}
+        assert len(keys) == len(result) == gpus, (title, [s["metric"] for s in result])
+        for series in result:
+            assert low <= float(series["value"][1]) <= high, (title, series)
+    util = results[("Utilization per GPU", 0)]
+    assert {s["metric"]["hpc_job"] for s in util} == set(DCGM_HOSTS.values())
+    assert all(float(s["value"][1]) == pytest.approx(0.98) for s in util)         # 98 % -> 0.98
+    clocks = results[("SM clock per GPU", 0)]
+    assert all(float(s["value"][1]) == pytest.approx(1.98e9) for s in clocks)     # 1980 MHz -> Hz
+    for title, (i, field) in DCGM_LACKING.items():
+        assert results[(title, i)] == [], title
+        (panel,) = [p for p in panels(dashboard) if p.get("title") == title]
+        assert field in panel.get("description", ""), title

@@ -35,7 +35,7 @@ SCRAPE_EVERY_SECONDS = 5
 # Scrape phase per node, in agent samples: these put dgx-01 and dgx-02 (one job) at different phases.
 OFFSETS = {"dgx-01": 0, "dgx-02": 3, "dgx-03": 1, "dgx-04": 4}
 SCRAPE_DELAY_SECONDS = 0.4       # a scrape lands this long after the sample it carries
-_WANTED = re.compile(re.fullmatch(r'\{__name__=~"([^"]+)"\}', SELECTOR).group(1))
+_WANTED = re.compile(re.match(r'\{__name__=~"([^"]+)"', SELECTOR).group(1))
 
 
 class ScrapedPrometheus:
@@ -60,7 +60,7 @@ class ScrapedPrometheus:
             result = [{"metric": {"__name__": "up", "instance": i, "job": "gpufleet-agent"}, "value": [at, "1"]}
                       for i in instances]
             return _answer("vector", result)
-        match = re.fullmatch(r'\{__name__=~"([^"]+)"\}\[(\d+)s\]', query)
+        match = re.fullmatch(r'\{__name__=~"([^"]+)", gpufleet_recorded_from=""\}\[(\d+)s\]', query)
         assert match, f"unexpected query {query!r}"
         wanted, seconds = re.compile(match.group(1)), float(match.group(2))
         series: dict[tuple, dict] = {}

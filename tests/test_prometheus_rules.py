@@ -118,6 +118,10 @@ CASES = [
     Case("GpufleetStoreErrors", {f"gpufleet_server_store_errors_total{{{SERVER}}}": "0x20"}, 20),
     Case("GpufleetStoreErrors", {f"gpufleet_server_store_errors_total{{{SERVER}}}": "0x10 1x10"}, 15,
          [on_server("gpufleet-server srv:9472 cannot write its alert store", "warning")]),
+    # A few blind cycles (a Prometheus restart) are no incident; five minutes are.
+    Case("GpufleetBlind", {f"gpufleet_server_blind{{{SERVER}}}": "0x5 1x3 0x10"}, 10),
+    Case("GpufleetBlind", {f"gpufleet_server_blind{{{SERVER}}}": "0x2 1x15"}, 10,
+         [on_server("gpufleet-server srv:9472 has had no usable GPU sample for 5 minutes", "critical")]),
     Case("GpufleetAgentNvmlDown", {f"gpufleet_agent_nvml_up{{{AGENT}}}": "1 1 0x10"}, 3),
     Case("GpufleetAgentNvmlDown", {f"gpufleet_agent_nvml_up{{{AGENT}}}": "1 1 0x10"}, 5,
          [on_agent("gpufleet-agent on dgx-01 cannot read NVML", "critical")]),

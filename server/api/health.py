@@ -14,16 +14,26 @@ router = APIRouter(tags=["health"])
 @router.get("/healthz", response_model=HealthModel, summary="Liveness and pipeline summary",
             responses={503: {"model": HealthModel}})
 async def healthz(runtime: RuntimeDep) -> JSONResponse:
-    """200 while cycles complete; 503 before the first cycle or when cycles stopped completing."""
+    """200 while cycles complete; 503 before the first cycle or when cycles stopped completing. "degraded"
+    with a reason also when the last cycle had no usable GPU sample (still 200)."""
     health = runtime.puller.health()
     stats = runtime.stats
     last = stats.last_tick
+    blind = getattr(runtime.puller, "blind", None)
+    reason = detail = None
     if last is None:
         status = "starting"
     elif runtime.clock() - last > max(3 * runtime.pull_interval_seconds, 30.0):
-        status = "degraded"
+        status, reason = "degraded", "stalled"
+    elif blind is not None:
+        # Cycles complete but see no GPU: "ok" here would hide a fleet nobody watches.
+        status, reason = "degraded", blind.reason
+        detail = f"looked for {blind.looked_for}; found {blind.found}"
     else:
         status = "ok"
     body = HealthModel(status=status, targets=len(health), targets_up=sum(1 for h in health if h.up),
-                       cycles=stats.cycles_total, last_tick=last, open_alerts=len(runtime.view.alerts))
-    return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
+                       cycles=stats.cycles_total, last_tick=last, open_alerts=len(runtime.view.alerts),
+                       degraded_reason=reason, degraded_detail=detail)
+    # Blind is degraded but answers 200: the process works and a restart cannot bring back what it reads,
+    # so a liveness probe on /healthz must not loop it; gpufleet_server_blind and the log say it instead.
+    return JSONResponse(body.model_dump(), status_code=503 if status == "starting" or reason == "stalled" else 200)

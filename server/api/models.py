@@ -145,6 +145,10 @@ class HealthModel(BaseModel):
     cycles: int
     last_tick: float | None
     open_alerts: int
+    # Why the status is degraded: "stalled" (cycles stopped completing) or the ingest's blindness reason
+    # (no_series, all_rejected, all_targets_down, no_targets, source_down), with what it looked for and found.
+    degraded_reason: str | None = None
+    degraded_detail: str | None = None
 
 
 class ErrorModel(BaseModel):

@@ -1,4 +1,5 @@
-"""Reads the agents' series from Prometheus instead of pulling every agent (`--ingest.prometheus-url`).
+"""Reads GPU series from Prometheus instead of pulling every agent (`--ingest.prometheus-url`): the agents'
+gpufleet_* series, NVIDIA dcgm-exporter's DCGM_FI_* series (ingest/dcgm.py), or both (`--ingest.prometheus-schema`).
 
 Where Prometheus already scrapes every agent, a second puller hitting a thousand agents every few
 seconds is load for nothing: this source asks Prometheus once per cycle for the raw samples it stored
@@ -17,8 +18,13 @@ What the exposition cannot say: per-reading support. A GPU without a series for 
 reading as unsupported (absent), as in a snapshot. XID counts are the one exception: the agent only
 exports codes that occurred, so a GPU with none reads 0, which is what lets the first XID count.
 
+dcgm-exporter's series carry no sample age: a scrape's time is the sample's. Its XID metric is the last
+code, not a count: each change to a new code counts one (ingest/dcgm.py). A GPU an agent reports (by UUID)
+is read from the agent alone. A cycle that finds no usable GPU series, or whose every snapshot is
+refused, is blind (IngestAccounting): said in the log, /healthz and /metrics, not left to look healthy.
+
 The same surface as the direct-mode Puller (pull_once, health, counters), so the runtime, /healthz,
-/nodes and /metrics work unchanged; health() reports each agent as Prometheus's `up` sees it.
+/nodes and /metrics work unchanged; health() reports each agent or exporter as Prometheus's `up` sees it.
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ import ssl
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import httpx
 import msgspec
 import orjson
 
-from gpufleet.server.ingest.puller import IngestAccounting, PullError, PullResult, TargetHealth, _default_parse, bounded
+from gpufleet.server.ingest import dcgm
+from gpufleet.server.ingest.puller import (Blindness, IngestAccounting, PullError, PullResult, TargetHealth,
+                                           _default_parse, bounded)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +86,21 @@ _FORGET_INSTANCE_SECONDS = 600.0
 # activity counter -> which of the pair; the `reading` label -> the contract field its mean replaces
 _ACTIVITY = {"gpufleet_gpu_active_seconds_total": 0, "gpufleet_gpu_active_sampled_seconds_total": 1}
 _ACTIVITY_FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio"}
-SELECTOR = "{__name__=~\"" + "|".join(sorted([*_FIELDS, *_ACTIVITY, _JOB_INFO, _XID, _AGE])) + "\"}"
+_GPUFLEET_NAMES = sorted([*_FIELDS, *_ACTIVITY, _JOB_INFO, _XID, _AGE])
+# Series the dcgm recording rules (deploy/prometheus/dcgm-recording-rules.yaml) make under gpufleet's names
+# carry this label: the source reads the dcgm-exporter originals instead, once.
+RECORDED_LABEL = "gpufleet_recorded_from"
+SCHEMAS = ("auto", "gpufleet", "dcgm")
+
+
+def selector(schema: str = "auto") -> str:
+    """The series one cycle asks for: the agents' (`gpufleet`), dcgm-exporter's (`dcgm`), or both (`auto`)."""
+    names = {"gpufleet": _GPUFLEET_NAMES, "dcgm": sorted(dcgm.READINGS)}.get(schema)
+    names = names if names is not None else _GPUFLEET_NAMES + sorted(dcgm.READINGS)
+    return "{__name__=~\"" + "|".join(names) + "\", " + RECORDED_LABEL + "=\"\"}"
+
+
+SELECTOR = selector()
 
 
 class _Series(msgspec.Struct, gc=False):
@@ -114,15 +136,28 @@ class _Gpu:
     xids: dict[str, int] | None = None
     # reading label -> [seconds active, seconds sampled] (NaN until that series is seen)
     activity: dict[str, list[float]] | None = None
+    ranks: dict[str, int] | None = None       # field -> rank of the dcgm metric that set it
+    dcgm: bool = False
 
     def take(self, target: tuple, model: str | None, value: float) -> None:
         """One point of a reading series (target: what _target decided for the series)."""
-        field, is_bool, reading, which, code, _ = target
+        field, is_bool, reading, which, code, _, from_dcgm = target
         if self.readings is None:
             self.readings = {}
         if model is not None:
             self.model = model
         if field is not None:
+            if from_dcgm is not None:       # a dcgm-exporter metric: the higher rank of two for one field wins
+                self.dcgm = True
+                converted = from_dcgm.value(value)
+                if converted is None:
+                    return                  # DCGM's blank: unsupported, as an absent series
+                if self.ranks is None:
+                    self.ranks = {}
+                if self.ranks.get(field, -1) > from_dcgm.rank:
+                    return
+                self.ranks[field] = from_dcgm.rank
+                value = converted
             self.readings[field] = bool(value) if is_bool else value
         elif reading:
             if self.activity is None:
@@ -152,9 +187,14 @@ class PrometheusSource(IngestAccounting):
         parse: Callable[[Mapping[str, Any]], Any] | None = None,
         verify: ssl.SSLContext | bool = True,
         auth: httpx.Auth | None = None,
+        schema: str = "auto",
     ) -> None:
         super().__init__()
+        if schema not in SCHEMAS:
+            raise ValueError(f"schema must be one of {', '.join(SCHEMAS)}, not {schema!r}")
         self.url = url.rstrip("/")
+        self.schema = schema
+        self._selector = selector(schema)
         self.interval_seconds = interval_seconds
         self.max_answer_bytes = max_answer_bytes
         self.max_lookback_seconds = max_lookback_seconds
@@ -174,6 +214,14 @@ class PrometheusSource(IngestAccounting):
         self._jobs: set[str] = set()                 # Prometheus scrape jobs the agents are in
         self._health: dict[str, TargetHealth] = {}
         self._unlisted_since: dict[str, float] = {}   # instance -> since when `up` has not listed it
+        # uuid -> newest sample time of an agent's series for the GPU: its dcgm-exporter series are left out
+        self._agent_uuids: dict[str, float] = {}
+        # dcgm uuid -> (last XID code seen, XIDs counted since): the gauge holds the last code, not a count
+        self._dcgm_xids: dict[str, tuple[float, int]] = {}
+        self._dcgm_fields: frozenset[str] | None = None   # contract fields some dcgm GPU had, once known
+        self.missing: tuple[tuple[str, str, str], ...] = ()   # (reading, detector, effect) the source lacks
+        self._cycle_blind: Blindness | None = None
+        self._last_usable: float | None = None        # when an answer last held usable GPU series
 
     async def aclose(self) -> None:
         """Close the connection to Prometheus."""
@@ -192,8 +240,9 @@ class PrometheusSource(IngestAccounting):
         rejected = 0
         failed = 0
         lookback = self._lookback(now)
+        self._cycle_blind = None
         try:
-            series = self._matrix(*await self._fetch(f"{SELECTOR}[{lookback:.0f}s]", now))
+            series = self._matrix(*await self._fetch(f"{self._selector}[{lookback:.0f}s]", now))
         except PullError as exc:
             failed = 1
             self._record_error(exc.reason, exc.detail)
@@ -207,6 +256,7 @@ class PrometheusSource(IngestAccounting):
             self._health = {t: replace(h, up=False, last_attempt=now, last_error=f"prometheus: {exc}",
                                        consecutive_failures=h.consecutive_failures + 1)
                             for t, h in self._health.items()}
+            self._cycle_blind = Blindness("source_down", f"an answer from Prometheus at {self.url}", str(exc)[:200])
         else:
             skipped = 0.0 if self._last_query is None else now - lookback - self._last_query
             if skipped > 0:
@@ -214,17 +264,42 @@ class PrometheusSource(IngestAccounting):
                             extra={"url": self.url, "skipped_seconds": round(skipped, 3)})
             self._last_query = now
             self._range_cap = min(self.max_lookback_seconds, 2 * self._range_cap)
-            snapshots, arrived = self._assemble(series)
+            snapshots, arrived, usable = self._assemble(series)
             for raw in snapshots:
                 try:
                     samples.append(self._parse(raw))
                 except Exception as exc:  # noqa: BLE001 - a bad rebuilt snapshot is rejected, not a crash
                     rejected += 1
                     self._record_error("schema", f"node {raw.get('node')!r}: {exc}")
+            self._cycle_blind = self._blind_answer(series, usable, len(snapshots), rejected, lookback, now)
             self._update_health(await self._up(now), arrived, now)
         return self._finish_cycle(PullResult(samples=samples, started=started,
                                              duration_seconds=time.perf_counter() - t0, targets=len(self._health),
                                              failed_targets=failed, rejected_snapshots=rejected))
+
+    def _blindness(self, result: PullResult) -> Blindness | None:
+        return self._cycle_blind
+
+    def _blind_answer(self, series: list[_Series], usable: int, snapshots: int, rejected: int,
+                      lookback: float, now: float) -> Blindness | None:
+        """Blind when Prometheus held no usable GPU series on the first cycle (which asks for minutes) or for
+        --pull.stale-after since (a scrape interval longer than the cycle leaves some ranges empty), or when
+        every rebuilt snapshot was refused. A range with usable series but no new scrape is not blind."""
+        wanted = {"gpufleet": "gpufleet agents' gpufleet_gpu_* series",
+                  "dcgm": "dcgm-exporter's DCGM_FI_* series"}.get(self.schema,
+                                                                  "gpufleet_gpu_* or dcgm-exporter DCGM_FI_* series")
+        looked_for = f"{wanted} with node/gpu/uuid (dcgm: Hostname/gpu/UUID) labels, last {lookback:.0f}s"
+        if usable:
+            self._last_usable = now
+        elif self._last_usable is None or now - self._last_usable > self.stale_after_seconds:
+            found = (f"{len(series)} series, none with those labels" if series
+                     else "no series of those names (check --ingest.prometheus-schema and that Prometheus "
+                          "scrapes the exporters)")
+            return Blindness("no_series", looked_for, found)
+        if snapshots and rejected >= snapshots:
+            return Blindness("all_rejected", looked_for, f"{snapshots} snapshot(s) rebuilt, every one rejected "
+                                                         "(see gpufleet_server_rejected_total)")
+        return None
 
     def _lookback(self, now: float) -> float:
         """Range to ask for: since the last good query, plus two intervals for scrapes committed after it
@@ -291,10 +366,10 @@ class PrometheusSource(IngestAccounting):
             out.append(_Series({str(k): v for k, v in labels.items()}, points))
         return out
 
-    def _assemble(self, series: list[_Series]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    def _assemble(self, series: list[_Series]) -> tuple[list[dict[str, Any]], dict[str, float], int]:
         """Snapshot-contract objects per (node, scrape) whose agent sample is newer than what was
-        delivered, and the newest delivered sample time per instance."""
-        scrapes, ages, sources = self._gather(series)
+        delivered, the newest delivered sample time per instance, and how many series were usable."""
+        scrapes, ages, sources, usable = self._gather(series)
         out = []
         arrived: dict[str, float] = {}
         for (node, at), gpus in sorted(scrapes.items(), key=lambda kv: kv[0][1]):
@@ -305,6 +380,7 @@ class PrometheusSource(IngestAccounting):
             if not present or taken <= self._newest.get(node, float("-inf")) + _SAME_SAMPLE_SECONDS:
                 continue     # the same sample scraped again (an agent whose sampling is stuck): not new
             rows = [self._with_activity_means(node, taken, g, self._row(index, g)) for index, g in present]
+            self._dcgm_rows(rows, [g for _, g in present])
             out.append({"schema": 1, "node": node, "time": taken, "gpus": rows})
             self._newest[node] = taken
             instance = sources.get((node, at))
@@ -313,22 +389,69 @@ class PrometheusSource(IngestAccounting):
         if out:
             horizon = max(s["time"] for s in out) - 2 * self.max_lookback_seconds
             self._activity = {k: v for k, v in self._activity.items() if v[2] >= horizon}
-        return out, arrived
+            self._agent_uuids = {k: t for k, t in self._agent_uuids.items() if t >= horizon}
+        return out, arrived, usable
+
+    def _dcgm_rows(self, rows: list[dict[str, Any]], gpus: list[_Gpu]) -> None:
+        """dcgm-exporter GPUs' rows: an XID count from the last-XID gauge, and what readings the source has."""
+        fields = set(self._dcgm_fields or ())
+        seen = False
+        for row, g in zip(rows, gpus):
+            if not g.dcgm:
+                continue
+            seen = True
+            fields.update(g.readings or ())
+            code = row.pop("last_xid", None)
+            row.pop("xid_errors_total", None)
+            if code is None or code != code:
+                continue
+            row["last_xid"] = code
+            # A count of the changes to a new nonzero code, from 0 at the first sight of the GPU (the code
+            # then is from before we watched): the engine raises an XID alert on each increase.
+            last, count = self._dcgm_xids.get(g.uuid, (code, 0))
+            if code != last and code != 0:
+                count += 1
+            self._dcgm_xids[g.uuid] = (code, count)
+            row["xid_errors_total"] = count
+        if seen:
+            self._note_dcgm_fields(frozenset(fields))
+
+    def _note_dcgm_fields(self, fields: frozenset[str]) -> None:
+        """Say once (and again when it changes) what each detector cannot do for the readings no GPU has."""
+        if fields == self._dcgm_fields:
+            return
+        self._dcgm_fields = fields
+        missing = dcgm.missing_effects(fields)
+        if missing != self.missing:
+            self.missing = missing
+            for reading, detector, effect in missing:
+                log.warning("dcgm-exporter source lacks a reading", extra={
+                    "reading": reading, "detector": detector, "effect": effect,
+                    "export": " or ".join(dcgm.metrics_for(reading))})
 
     def _gather(self, series: list[_Series]) -> tuple[dict[tuple[str, float], dict[int, _Gpu]],
-                                                      dict[tuple[str, float], float], dict[tuple[str, float], str]]:
+                                                      dict[tuple[str, float], float], dict[tuple[str, float], str],
+                                                      int]:
         """The points newer than what was delivered, per (node, scrape time): each GPU's readings, the
-        sample's age the agent reported, and the instance scraped."""
+        sample's age the agent reported, the instance scraped; and how many series were usable."""
         scrapes: dict[tuple[str, float], dict[int, _Gpu]] = defaultdict(dict)
         by_gpu: dict[tuple[str, int], dict[float, _Gpu]] = {}     # the same records, by GPU then scrape
         ages: dict[tuple[str, float], float] = {}
         sources: dict[tuple[str, float], str] = {}
-        for s in series:
+        agents = self._agent_uuids
+        usable = 0
+        for s in _agents_first(series):
             labels = s.metric
             key = self._series_key(labels)
             if key is None:
                 continue
             name, node, index, uuid = key
+            if name in dcgm.READINGS:
+                if uuid in agents:
+                    continue    # the GPU's agent says it all, in its own units and times: counted once
+            elif uuid and s.values:
+                agents[uuid] = s.values[-1][0]
+            usable += 1
             instance, job = labels.get("instance"), labels.get("job")
             if isinstance(instance, str):
                 self._instances[instance] = node
@@ -348,7 +471,7 @@ class PrometheusSource(IngestAccounting):
             if target is None:
                 self._record_error("schema", f"series of an unexpected metric {name[:80]}")
                 continue
-            model = labels.get("model")
+            model = labels.get(dcgm.MODEL_LABEL if name in dcgm.READINGS else "model")
             model = model if isinstance(model, str) else None
             records = by_gpu.get((node, index))
             if records is None:
@@ -365,8 +488,10 @@ class PrometheusSource(IngestAccounting):
                     if value == 1.0:
                         gpu.job = target[5]
                 else:
+                    if target[5] is not None:       # a dcgm-exporter series' hpc_job label
+                        gpu.job = target[5]
                     gpu.take(target, model, value)
-        return scrapes, ages, sources
+        return scrapes, ages, sources, usable
 
     def _with_activity_means(self, node: str, taken: float, g: _Gpu, row: dict[str, Any]) -> dict[str, Any]:
         """The row with its ratio gauges replaced by the mean since the GPU's previous delivered scrape, from
@@ -389,13 +514,17 @@ class PrometheusSource(IngestAccounting):
     def _series_key(self, labels: Mapping[str, Any]) -> tuple[str, str, int, str] | None:
         """(metric, node, GPU index, uuid) of one series (index -1 and no uuid for the node's sample age),
         or None (counted) when its labels are unusable."""
-        name, node = labels.get("__name__"), labels.get("node")
+        name = labels.get("__name__")
+        if name in dcgm.READINGS:
+            node, gpu, uuid = labels.get(dcgm.NODE_LABEL), labels.get(dcgm.INDEX_LABEL), labels.get(dcgm.UUID_LABEL)
+        else:
+            node, gpu, uuid = labels.get("node"), labels.get("gpu"), labels.get("uuid")
         if name == _AGE and isinstance(node, str) and node:
             return name, node, -1, ""
-        gpu, uuid = labels.get("gpu"), labels.get("uuid")
         if not (isinstance(name, str) and isinstance(node, str) and isinstance(gpu, str) and isinstance(uuid, str)
                 and name and node and uuid and gpu.isdigit()):
-            self._record_error("schema", f"series without node/gpu/uuid labels: {str(labels)[:200]}")
+            wanted = "Hostname/gpu/UUID" if name in dcgm.READINGS else "node/gpu/uuid"
+            self._record_error("schema", f"series without {wanted} labels: {str(labels)[:200]}")
             return None
         return name, node, int(gpu), uuid
 
@@ -446,23 +575,41 @@ class PrometheusSource(IngestAccounting):
         self._count_error((self.url, reason), detail, "prometheus read rejected", {"url": self.url})
 
 
-def _target(name: str, labels: Mapping[str, Any]) -> tuple[str | None, bool, str, int, str, Any] | None:
+def _target(name: str, labels: Mapping[str, Any]) -> tuple[str | None, bool, str, int, str, Any,
+                                                         dcgm.Reading | None] | None:
     """What every point of one GPU series sets (the same at each point, so decided once per series):
     (contract field or None, whether it is a bool, activity reading, which activity counter, XID code,
-    hpc_job of a job-info series); None for a metric this source does not read."""
+    hpc_job of a job-info or dcgm-exporter series, how to read a dcgm-exporter metric); None for a metric
+    this source does not read."""
     if name == _JOB_INFO:
-        return None, False, "", 0, "", labels.get("hpc_job") or None
+        return None, False, "", 0, "", labels.get("hpc_job") or None, None
     if name == _XID:
-        return None, False, "", 0, str(labels.get("xid")), None
+        return None, False, "", 0, str(labels.get("xid")), None, None
     if name in _ACTIVITY:
-        return None, False, str(labels.get("reading")), _ACTIVITY[name], "", None
+        return None, False, str(labels.get("reading")), _ACTIVITY[name], "", None, None
     if name in _FIELDS:
         label, fields = _FIELDS[name]
         field = fields.get(None if label is None else labels.get(label))
         if field is not None:
-            return field, field in _BOOLS, "", 0, "", None
-        return None, False, "", 0, "", None
+            return field, field in _BOOLS, "", 0, "", None, None
+        return None, False, "", 0, "", None, None
+    reading = dcgm.READINGS.get(name)
+    if reading is not None:
+        job = labels.get(dcgm.JOB_LABEL)
+        return (reading.field, reading.field in dcgm.BOOLS, "", 0, "", job if isinstance(job, str) and job else None,
+                reading)
     return None
+
+
+def _agents_first(series: list[_Series]) -> Iterator[_Series]:
+    """The agents' series, then dcgm-exporter's: a GPU's agent series are known before its dcgm twins."""
+    deferred = []
+    for s in series:
+        if s.metric.get("__name__") in dcgm.READINGS:
+            deferred.append(s)
+        else:
+            yield s
+    yield from deferred
 
 
 def _result(buf: bytes | bytearray, status: int) -> list[Any]:

@@ -95,6 +95,16 @@ async def bounded(timeout_seconds: float) -> AsyncIterator[None]:
         raise PullError("connect", str(exc)) from None
 
 
+@dataclass(frozen=True, slots=True)
+class Blindness:
+    """Why the last cycle gave the engine nothing to see: a short reason for metrics and /healthz, and what
+    the source looked for and found, for people."""
+
+    reason: str
+    looked_for: str
+    found: str
+
+
 class IngestAccounting:
     """What every sample source counts for /metrics, and its error log that cannot flood."""
 
@@ -105,13 +115,31 @@ class IngestAccounting:
         self.samples_total = 0
         self.cycles_total = 0
         self.last_cycle: PullResult | None = None
+        self.blind: Blindness | None = None                  # set while the last cycle was blind
+        self.blind_cycles: Counter[str] = Counter()          # reason -> blind cycles
 
     def _finish_cycle(self, result: PullResult) -> PullResult:
         """Account one whole cycle."""
         self.cycles_total += 1
         self.samples_total += len(result.samples)
         self.last_cycle = result
+        self._note_blind(self._blindness(result))
         return result
+
+    def _blindness(self, result: PullResult) -> Blindness | None:
+        """Whether the cycle saw nothing usable, by its counts (a source that knows more overrides this)."""
+        return _blind_from_counts(result)
+
+    def _note_blind(self, blind: Blindness | None) -> None:
+        """Count a blind cycle; log when blindness starts, changes reason, or ends (not every cycle)."""
+        previous, self.blind = self.blind, blind
+        if blind is not None:
+            self.blind_cycles[blind.reason] += 1
+            if previous is None or previous.reason != blind.reason:
+                log.warning("ingest is blind: no usable GPU samples", extra={
+                    "reason": blind.reason, "looked_for": blind.looked_for, "found": blind.found})
+        elif previous is not None:
+            log.info("ingest sees GPU samples again", extra={"after": previous.reason})
 
     def errors_by_reason(self) -> Counter[str]:
         """Every rejection ever counted, by reason (never decreasing: gone targets' counts included)."""
@@ -133,6 +161,21 @@ class IngestAccounting:
         if count & (count - 1):
             return
         log.warning(message, extra={**extra, "reason": key[1], "detail": detail[:300], "count": count})
+
+
+def _blind_from_counts(result: PullResult) -> Blindness | None:
+    """Blind by the cycle's counts alone: no target listed, every target failing, or every snapshot refused."""
+    if result.samples:
+        return None
+    if result.targets == 0:
+        return Blindness("no_targets", "agent targets from the configured discovery", "no target listed")
+    if result.failed_targets >= result.targets:
+        return Blindness("all_targets_down", f"snapshots from {result.targets} target(s)",
+                         "every pull failed (see gpufleet_server_pull_errors_total)")
+    if result.rejected_snapshots:
+        return Blindness("all_rejected", f"snapshots from {result.targets} target(s)",
+                         f"{result.rejected_snapshots} snapshot(s), every one rejected")
+    return None
 
 
 def _number(value: Any) -> float | None:

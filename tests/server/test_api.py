@@ -130,7 +130,7 @@ def test_nodes_jobs_health_after_a_cycle(tmp_path) -> None:
     health = client.get("/healthz")
     assert health.status_code == 200
     assert health.json() == {"status": "ok", "targets": 1, "targets_up": 1, "cycles": 1, "last_tick": 5000.0,
-                             "open_alerts": 1}
+                             "open_alerts": 1, "degraded_reason": None, "degraded_detail": None}
     nodes = client.get("/nodes").json()
     assert [(n["node"], n["gpus"]) for n in nodes["nodes"]] == [("dgx-01", 2)]
     assert nodes["targets"][0]["target"] == "a:1" and nodes["targets"][0]["node"] == "dgx-01"
@@ -139,6 +139,31 @@ def test_nodes_jobs_health_after_a_cycle(tmp_path) -> None:
     assert (jobs["jobs"][0]["gpu_hours_lost"], jobs["jobs"][0]["gpu_hours_lost_by_kind"]) == (0.5, {"straggler": 0.5})
     firing = client.get("/alerts", params={"state": "firing"}).json()
     assert firing["total"] == 1 and firing["alerts"][0]["gpu"] == 0
+
+
+def test_health_is_degraded_within_one_cycle_when_every_target_is_down(tmp_path) -> None:
+    runtime, client = build(tmp_path, handler=lambda r: httpx.Response(503))
+    asyncio.run(runtime.cycle())
+    health = client.get("/healthz")
+    # 200 all the same: a liveness probe restarting the server cannot bring the agents back.
+    assert health.status_code == 200
+    body = health.json()
+    assert (body["status"], body["degraded_reason"], body["targets_up"]) == ("degraded", "all_targets_down", 0)
+    assert "every pull failed" in body["degraded_detail"]
+    metrics = client.get("/metrics").text
+    assert 'gpufleet_server_blind_cycles_total{reason="all_targets_down"} 1.0' in metrics
+    assert "gpufleet_server_blind 1.0" in metrics
+
+
+def test_health_is_503_when_cycles_stop_completing(tmp_path) -> None:
+    payload = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0)]))
+    runtime, client = build(tmp_path, handler=lambda r: httpx.Response(200, content=payload))
+    asyncio.run(runtime.cycle())
+    assert client.get("/healthz").json()["status"] == "ok"
+    runtime.clock = lambda: 5031.0
+    health = client.get("/healthz")
+    assert health.status_code == 503
+    assert (health.json()["status"], health.json()["degraded_reason"]) == ("degraded", "stalled")
 
 
 def test_restart_persistence(tmp_path) -> None:

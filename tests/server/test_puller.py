@@ -384,3 +384,30 @@ def test_restore_takes_back_its_alerts_and_remembers_node_names() -> None:
     assert named.alert.node == "dgx-01" and "dgx-01 is not being watched" in named.alert.summary
     assert after.learn([_health("a:1", up=True, node="dgx-01")]) == {}
     assert after.learn([_health("a:1", up=True, node="dgx-11")]) == {"a:1": "dgx-11"}
+
+
+def test_a_cycle_with_nothing_usable_is_blind_with_its_reason_and_logged_once(caplog) -> None:
+    agents = FakeAgents({"a:9471": "dgx-01", "b:9471": "dgx-02"})
+    puller, now = make_puller(agents)
+    agents.override = {t: httpx.Response(500) for t in agents.nodes}
+    with caplog.at_level("WARNING"):
+        run(puller.pull_once())
+        run(puller.pull_once())
+    assert puller.blind.reason == "all_targets_down" and puller.blind_cycles == {"all_targets_down": 2}
+    assert len([r for r in caplog.records if r.getMessage().startswith("ingest is blind")]) == 1
+    # Every snapshot refused: blind for that.
+    agents.override = {}
+    agents.buffers["a:9471"] = [{"node": "dgx-01", "time": 5.0, "gpus": "not a list"}]
+    run(puller.pull_once())
+    assert puller.blind.reason == "all_rejected"
+    # One good sample: not blind.
+    agents.buffers["b:9471"] = [snapshot("dgx-02", 6.0)]
+    run(puller.pull_once())
+    assert puller.blind is None
+    assert puller.blind_cycles == {"all_targets_down": 2, "all_rejected": 1}
+
+
+def test_no_target_listed_is_blind() -> None:
+    puller, _ = make_puller(FakeAgents({}))
+    run(puller.pull_once())
+    assert puller.blind.reason == "no_targets"
