@@ -181,6 +181,13 @@ class ServerCollector(Collector):
         if s.last_tick is not None:
             yield GaugeMetricFamily("gpufleet_server_engine_last_tick_timestamp_seconds",
                                     "Evaluation time of the last engine tick.", value=s.last_tick)
+        dropped = CounterMetricFamily("gpufleet_server_samples_dropped",
+                                      "Snapshots the engine dropped, by reason (too_old: older than its window "
+                                      "before now or behind its node's newest sample).", labels=["reason"])
+        too_old = _number(self.runtime.view.stats.get("too_old_snapshots_dropped"))
+        if too_old is not None:
+            dropped.add_metric(["too_old"], too_old)
+        yield dropped
         stats = GaugeMetricFamily("gpufleet_server_engine_stat", "Numeric statistics the engine reports, by name.",
                                   labels=["name"])
         for name, value in sorted(self.runtime.view.stats.items()):
