@@ -175,6 +175,13 @@ class ServerCollector(Collector):
                                   value=s.transitions_total)
         yield CounterMetricFamily("gpufleet_server_store_errors", "Failed alert store writes.",
                                   value=s.store_errors_total)
+        yield GaugeMetricFamily("gpufleet_server_store_unsaved_changes",
+                                "Alert changes and node names the store has not taken yet (retried every cycle).",
+                                value=s.store_unsaved_changes)
+        if s.store_unsaved_since is not None:
+            yield GaugeMetricFamily("gpufleet_server_store_unsaved_age_seconds",
+                                    "How long the oldest unsaved alert change has waited for the store.",
+                                    value=max(0.0, self.runtime.clock() - s.store_unsaved_since))
         if s.tick_duration_seconds is not None:
             yield GaugeMetricFamily("gpufleet_server_engine_tick_duration_seconds",
                                     "Wall time of the last engine ingest+advance.", value=s.tick_duration_seconds)

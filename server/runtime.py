@@ -45,6 +45,8 @@ class CycleStats:
     transitions_total: int = 0
     store_errors_total: int = 0
     overruns_total: int = 0
+    store_unsaved_changes: int = 0              # alert states and node names waiting for a store write
+    store_unsaved_since: float | None = None    # when the oldest of them first failed to be written
 
 
 class SampleSource(Protocol):
@@ -80,6 +82,10 @@ class Runtime:
         self._tasks: list[asyncio.Task[None]] = []
         self._last_prune: float | None = None
         self._cycled = threading.Condition()
+        # What the store has not taken yet (a full disk): each alert's latest state by id, and node names.
+        # Written again every cycle until it is; the newest state of an alert replaces an older one.
+        self._unsaved: dict[str, Alert] = {}
+        self._unsaved_nodes: dict[str, str] = {}
         # One dedicated thread: the engine is not thread-safe, and a single thread keeps its large
         # allocations in one malloc arena instead of spreading them over the default pool's threads.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufleet-engine")
@@ -122,6 +128,8 @@ class Runtime:
                 task.cancel()
         self._tasks = []
         self._executor.shutdown(wait=True)
+        if self._unsaved or self._unsaved_nodes:
+            self._persist([], self.clock(), {})     # one last try before the database closes
         await self.puller.aclose()
         for notifier in self.notifiers:
             await notifier.aclose()
@@ -178,16 +186,37 @@ class Runtime:
         )
 
     def _persist(self, transitions: list[Transition], now: float, named: dict[str, str]) -> None:
-        """Upsert changed alerts and node names, prune history now and then; a storage error is logged, not fatal."""
+        """Upsert changed alerts and node names, prune history now and then. A failed write is kept and
+        retried every cycle until the store takes it (a full disk must neither stop detection nor lose an
+        alert); meanwhile /metrics and /healthz show how much waits and since when."""
+        for t in transitions:
+            self._unsaved[t.alert.id] = t.alert
+        self._unsaved_nodes.update(named)
         try:
-            self.store.upsert(t.alert for t in transitions)
-            self.store.remember_target_nodes(named)
+            if self._unsaved:
+                self.store.upsert(self._unsaved.values())
+                self._unsaved = {}
+            if self._unsaved_nodes:
+                self.store.remember_target_nodes(self._unsaved_nodes)
+                self._unsaved_nodes = {}
+            if self.stats.store_unsaved_since is not None:
+                log.info("alert store writable again; unsaved changes written",
+                         extra={"unsaved_seconds": round(now - self.stats.store_unsaved_since, 3)})
+            self.stats.store_unsaved_since = None
             if self._last_prune is None or now - self._last_prune >= self.prune_interval_seconds:
                 self._last_prune = now
                 self.store.prune(now)
-        except Exception:  # noqa: BLE001 - a full disk must not stop detection
+        except Exception as exc:  # noqa: BLE001 - a full disk must not stop detection
             self.stats.store_errors_total += 1
-            log.exception("alert store write failed")
+            if self.stats.store_unsaved_since is None and (self._unsaved or self._unsaved_nodes):
+                self.stats.store_unsaved_since = now
+            # The 1st, 2nd, 4th, 8th... failure in a row: a disk full for hours must not fill the log too.
+            n = self.stats.store_errors_total
+            if not n & (n - 1):
+                log.error("alert store write failed; retrying every cycle",
+                          extra={"error": str(exc) or exc.__class__.__name__, "failures": n,
+                                 "unsaved_changes": len(self._unsaved) + len(self._unsaved_nodes)})
+        self.stats.store_unsaved_changes = len(self._unsaved) + len(self._unsaved_nodes)
 
     async def _loop(self) -> None:
         """Run cycles every pull interval until stopped; a failing cycle is logged and retried next time."""

@@ -133,6 +133,8 @@ class HealthModel(BaseModel):
     cycles: int
     last_tick: float | None
     open_alerts: int
+    store_unsaved_changes: int = Field(0, description="Alert changes the store has not taken yet (a failed "
+                                                      "write, retried every cycle); degraded while above 0.")
 
 
 class ErrorModel(BaseModel):
