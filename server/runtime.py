@@ -22,6 +22,9 @@ from gpufleet.server.store import AlertStore
 
 log = logging.getLogger(__name__)
 
+DEFAULT_REMOVED_GRACE_SECONDS = 300.0
+REMOVED_REASON = "target removed from discovery"
+
 
 @dataclass(frozen=True, slots=True)
 class FleetView:
@@ -66,7 +69,8 @@ class Runtime:
 
     def __init__(self, *, engine: Any, puller: SampleSource, store: AlertStore, notifiers: Sequence[Notifier] = (),
                  pull_interval_seconds: float = 5.0, clock: Callable[[], float] = time.time,
-                 prune_interval_seconds: float = 3600.0, agent_alerts: AgentAlerts | None = None) -> None:
+                 prune_interval_seconds: float = 3600.0, agent_alerts: AgentAlerts | None = None,
+                 removed_grace_seconds: float = DEFAULT_REMOVED_GRACE_SECONDS) -> None:
         self.engine = engine
         self.puller = puller
         # Agents the engine has no samples from (down or silent since we started) alert from here.
@@ -75,6 +79,8 @@ class Runtime:
         self.notifiers = tuple(notifiers)
         self.pull_interval_seconds = pull_interval_seconds
         self.prune_interval_seconds = prune_interval_seconds
+        self.removed_grace_seconds = removed_grace_seconds
+        self._unwatched: dict[str, float] = {}      # node -> since when no target is its and it sent nothing
         self.clock = clock
         self.view = FleetView()
         self.stats = CycleStats()
@@ -151,9 +157,10 @@ class Runtime:
         for sample in samples:
             self.engine.ingest(sample)
         transitions = list(self.engine.advance(now))
-        view = self._snapshot_view(now)
         health = self.puller.health()
         named = self.agent_alerts.learn(health)
+        transitions += self._forget_departed(health, now)
+        view = self._snapshot_view(now)
         agent_transitions = self.agent_alerts.step(health, _watched_nodes(view), now)
         if agent_transitions:
             transitions += agent_transitions
@@ -174,6 +181,33 @@ class Runtime:
                                                           "severity": a.severity.value, "node": a.node,
                                                           "gpu": a.gpu, "hpc_job": a.hpc_job})
         return transitions
+
+    def _forget_departed(self, health: Sequence[TargetHealth], now: float) -> list[Transition]:
+        """Resolve the alerts of nodes that left discovery and free the engine's state of them.
+
+        A node has left when no current target is its (by the name it reported, or the one remembered
+        for it) and no sample of it arrived, for removed_grace_seconds: a pod rescheduled under a new
+        address, or a target file edited back, comes back within it. After a restart with fewer targets,
+        the alerts restored for the nodes no longer there resolve the same way, instead of firing forever."""
+        claimed = {h.node or self.agent_alerts.nodes.get(h.target) for h in health}
+        nodes = {d.get("node"): d.get("last_sample_time") for d in (n.to_dict() for n in self.engine.nodes())}
+        nodes.pop(None, None)
+        for a in self.engine.alerts():
+            if a.node is not None:
+                nodes.setdefault(a.node, None)
+        heard = {node for node, last in nodes.items()
+                 if last is not None and now - last <= self.removed_grace_seconds}
+        unwatched = set(nodes) - claimed - heard
+        self._unwatched = {node: self._unwatched.get(node, now) for node in unwatched}
+        out: list[Transition] = []
+        for node, since in list(self._unwatched.items()):
+            if now - since >= self.removed_grace_seconds:
+                resolved = self.engine.forget_node(node, now, REMOVED_REASON)
+                del self._unwatched[node]
+                log.info("node left discovery; its alerts resolved and its state freed",
+                         extra={"node": node, "alerts": len(resolved), "grace_seconds": self.removed_grace_seconds})
+                out += resolved
+        return out
 
     def _snapshot_view(self, now: float | None) -> FleetView:
         """Copy what handlers may read out of the engine."""

@@ -106,7 +106,8 @@ def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callab
     store = AlertStore(settings.storage_path, retention_seconds=settings.storage_retention_seconds)
     notifiers = build_notifiers(settings, transport=transport) + list(extra_notifiers)
     return Runtime(engine=engine if engine is not None else build_engine(settings), puller=puller, store=store,
-                   notifiers=notifiers, pull_interval_seconds=settings.pull_interval_seconds, clock=clock)
+                   notifiers=notifiers, pull_interval_seconds=settings.pull_interval_seconds, clock=clock,
+                   removed_grace_seconds=settings.targets_removed_grace_seconds)
 
 
 def listen_socket(address: str) -> socket.socket:

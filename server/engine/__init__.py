@@ -135,6 +135,20 @@ class Engine:
         """Re-seed open alerts after a restart; ids and start times are kept."""
         return self.lifecycle.restore(alerts)
 
+    def forget_node(self, node: str, t: float, reason: str) -> list[Transition]:
+        """A node no longer watched (its agent left discovery): resolve its open alerts with `reason` and
+        free what the engine held about it, as if it had never reported. If it reports again, it starts
+        afresh in its old slots."""
+        transitions = self.lifecycle.close_node(node, t, reason)
+        w = self.windows
+        nid = w.node_ids.get(node)
+        slots = w.forget_node(node)
+        if len(slots):
+            self._straggler.forget(slots)
+            self._last_busy_t[slots[slots < len(self._last_busy_t)]] = -np.inf
+            self._health.forget(set(slots.tolist()), nid)
+        return transitions
+
     # -- one tick -----------------------------------------------------------------------------
     def _evaluate(self, k: int) -> list[Transition]:
         """Run every detector on closed bin k."""
@@ -421,8 +435,10 @@ class Engine:
         out = []
         node_ids = w.slot_node_id[:w.n]
         for nid, node in enumerate(w.node_names):
-            slots = np.flatnonzero(node_ids == nid)
             last = w.node_last_time[nid]
+            if last != last:
+                continue            # forgotten (forget_node) and not heard from since
+            slots = np.flatnonzero(node_ids == nid)
             jobs = sorted({w.job_names[c] for c in w.slot_job[slots].tolist() if c >= 0})
             out.append(NodeHealth(node, len(slots), node not in unreachable, _f(last),
                                   None if self._last_t is None or last != last else max(0.0, self._last_t - float(last)),

@@ -198,6 +198,30 @@ class Windows:
             cache.job_codes = np.array([self.job_code(j) for j in sample.jobs], dtype=np.int64)
         return cache.slots, cache.job_codes
 
+    def forget_node(self, node: str) -> np.ndarray:
+        """A node that went away: its GPUs' slots keep their place (a node that returns takes them back,
+        so state does not grow with every departure), but nothing of what they held: bins, jobs, counters,
+        limits, times, cached identity and pending events. Returns the slots."""
+        nid = self.node_ids.get(node)
+        if nid is None:
+            return np.empty(0, dtype=np.int64)
+        slots = np.flatnonzero(self.slot_node_id[:self.n] == nid)
+        self.bin_id[:, slots] = -1
+        self.slot_job[slots] = NO_JOB
+        self.slot_job_since[slots] = np.nan
+        self.slot_last_job[slots] = NO_JOB
+        self.slot_last_time[slots] = -np.inf
+        self._counter_val[:, slots] = np.nan
+        self._counter_time[:, slots] = -np.inf
+        self.slot_limits[:, slots] = np.nan
+        self.node_last_time[nid] = np.nan
+        self._nodes.pop(node, None)
+        gone = set(slots.tolist())
+        for slot in gone:
+            self._xid_maps.pop(slot, None)
+        self.events = [e for e in self.events if e.slot not in gone]
+        return slots
+
     # -- ingest -------------------------------------------------------------------------------
     def add(self, sample: NodeSample) -> None:
         """Queue a sample; it reaches the rings at the next flush."""
