@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
+import httpx
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+
+from gpufleet.server.api import create_app
 from gpufleet.server.contract import parse_line
 from gpufleet.server.engine import Engine, EngineConfig
 from gpufleet.server.replay import run_replay
+from gpufleet.server.serve import build_runtime
+from gpufleet.server.settings import ServerSettings
 from tests.server.engine_samples import T0, cluster_lines, healthy, sample
+from tests.server.live_fakes import envelope
 
 # A window of 300 s is 60 ticks of 5 s: a bounded advance evaluates about that many, an unbounded one
 # evaluates every tick since the oldest time it was given (from time=1000: about 350 million).
@@ -95,3 +104,33 @@ def test_snapshots_without_gpus_then_real_ones_are_evaluated_from_the_real_ones(
     _cluster(eng, 60)
     eng.advance(T0 + 65)
     assert len(counted) <= 13 and eng.stats().last_tick_time == T0 + 65
+
+
+def test_a_fresh_servers_first_cycle_with_an_agent_serving_an_ancient_snapshot_stays_bounded(tmp_path, counted):
+    """The live path: the puller rejects what is far behind its clock, the engine drops what is behind its
+    window, and both are counted on /metrics."""
+    now = [T0 + 62.0]
+    lines = [orjson.loads(line) for line in cluster_lines(60)]
+    ancient = {**lines[0], "time": 1000.0}
+    stale = {**lines[1], "time": T0 - 1800.0}                  # half an hour old: the puller lets it through
+
+    def agent(request: httpx.Request) -> httpx.Response:
+        node = f"n{int(request.url.host.rsplit('.', 1)[1]) - 1}"
+        snaps = [s for s in lines if s["node"] == node]
+        snaps = ([ancient] if node == "n0" else [stale]) + snaps
+        return httpx.Response(200, content=orjson.dumps({**envelope(node, snaps), "time": now[0]}))
+
+    settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "a.db"))
+    runtime = build_runtime(settings, clock=lambda: now[0], transport=httpx.MockTransport(agent))
+    client = TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
+
+    async def cycle():
+        await runtime.cycle()
+        await runtime.puller.aclose()
+
+    asyncio.run(cycle())
+    assert 0 < len(counted) <= _RING + 1
+    metrics = client.get("/metrics").text
+    assert 'gpufleet_server_rejected_total{reason="too_old"} 1.0' in metrics
+    assert 'gpufleet_server_samples_dropped_total{reason="too_old"} 1.0' in metrics
+    runtime.store.close()
