@@ -157,10 +157,13 @@ class Runtime:
         for sample in samples:
             self.engine.ingest(sample)
         transitions = list(self.engine.advance(now))
+        view = self._snapshot_view(now)
         health = self.puller.health()
         named = self.agent_alerts.learn(health)
-        transitions += self._forget_departed(health, now)
-        view = self._snapshot_view(now)
+        departed = self._forget_departed(health, view, now)
+        if departed:
+            transitions += departed
+            view = self._snapshot_view(now)
         agent_transitions = self.agent_alerts.step(health, _watched_nodes(view), now)
         if agent_transitions:
             transitions += agent_transitions
@@ -182,7 +185,7 @@ class Runtime:
                                                           "gpu": a.gpu, "hpc_job": a.hpc_job})
         return transitions
 
-    def _forget_departed(self, health: Sequence[TargetHealth], now: float) -> list[Transition]:
+    def _forget_departed(self, health: Sequence[TargetHealth], view: FleetView, now: float) -> list[Transition]:
         """Resolve the alerts of nodes that left discovery and free the engine's state of them.
 
         A node has left when no current target is its (by the name it reported, or the one remembered
@@ -190,10 +193,10 @@ class Runtime:
         address, or a target file edited back, comes back within it. After a restart with fewer targets,
         the alerts restored for the nodes no longer there resolve the same way, instead of firing forever."""
         claimed = {h.node or self.agent_alerts.nodes.get(h.target) for h in health}
-        nodes = {d.get("node"): d.get("last_sample_time") for d in (n.to_dict() for n in self.engine.nodes())}
+        nodes = {n.get("node"): n.get("last_sample_time") for n in view.nodes}
         nodes.pop(None, None)
-        for a in self.engine.alerts():
-            if a.node is not None:
+        for a in view.alerts:
+            if a.node is not None and not is_ours(a):
                 nodes.setdefault(a.node, None)
         heard = {node for node, last in nodes.items()
                  if last is not None and now - last <= self.removed_grace_seconds}
