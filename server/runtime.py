@@ -247,7 +247,7 @@ class Runtime:
             self.stats.store_errors_total += 1
             if self.stats.store_unsaved_since is None and (self._unsaved or self._unsaved_nodes):
                 self.stats.store_unsaved_since = now
-            # The 1st, 2nd, 4th, 8th... failure in a row: a disk full for hours must not fill the log too.
+            # The 1st, 2nd, 4th, 8th... failure is logged: a disk full for hours must not fill the log too.
             n = self.stats.store_errors_total
             if not n & (n - 1):
                 log.error("alert store write failed; retrying every cycle",
