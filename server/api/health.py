@@ -27,5 +27,7 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
         status = "ok"
     body = HealthModel(status=status, targets=len(health), targets_up=sum(1 for h in health if h.up),
                        cycles=stats.cycles_total, last_tick=last, open_alerts=len(runtime.view.alerts),
-                       store_unsaved_changes=stats.store_unsaved_changes)
+                       store_unsaved_changes=stats.store_unsaved_changes,
+                       store_unsaved_age_seconds=None if stats.store_unsaved_since is None
+                       else max(0.0, runtime.clock() - stats.store_unsaved_since))
     return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)

@@ -135,6 +135,8 @@ class HealthModel(BaseModel):
     open_alerts: int
     store_unsaved_changes: int = Field(0, description="Alert changes the store has not taken yet (a failed "
                                                       "write, retried every cycle); degraded while above 0.")
+    store_unsaved_age_seconds: float | None = Field(None, description="How long the oldest of them has waited; "
+                                                                      "null while none waits.")
 
 
 class ErrorModel(BaseModel):

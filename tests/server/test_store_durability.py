@@ -71,6 +71,7 @@ def test_alerts_that_fired_while_the_disk_was_full_are_written_once_it_has_room(
     health = client.get("/healthz")
     assert health.status_code == 503
     assert health.json()["status"] == "degraded" and health.json()["store_unsaved_changes"] == 3   # 2 alerts, 1 node
+    assert health.json()["store_unsaved_age_seconds"] == 30.0
     assert _metric(client, "gpufleet_server_store_unsaved_changes") == 3
     assert _metric(client, "gpufleet_server_store_unsaved_age_seconds") == 30.0
     assert _metric(client, "gpufleet_server_store_errors_total") == 2
