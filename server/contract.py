@@ -213,7 +213,7 @@ def _flush(pending: list[tuple[int, Any]], identities: dict) -> Iterator[tuple[i
 def _decode(line: bytes | str) -> _Snapshot:
     """Decode and type/range-check one line."""
     if len(line) > MAX_LINE_BYTES:
-        raise ContractError(f"line of {len(line)} bytes exceeds {MAX_LINE_BYTES}")
+        raise ContractError(f"line exceeds {MAX_LINE_BYTES} bytes")
     try:
         return _DECODER.decode(line)
     except msgspec.DecodeError as exc:

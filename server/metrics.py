@@ -193,12 +193,26 @@ class ServerCollector(Collector):
                                   value=s.transitions_total)
         yield CounterMetricFamily("gpufleet_server_store_errors", "Failed alert store writes.",
                                   value=s.store_errors_total)
+        yield GaugeMetricFamily("gpufleet_server_store_unsaved_changes",
+                                "Alert changes and node names the store has not taken yet (retried every cycle).",
+                                value=s.store_unsaved_changes)
+        if s.store_unsaved_since is not None:
+            yield GaugeMetricFamily("gpufleet_server_store_unsaved_age_seconds",
+                                    "How long the oldest unsaved alert change has waited for the store.",
+                                    value=max(0.0, self.runtime.clock() - s.store_unsaved_since))
         if s.tick_duration_seconds is not None:
             yield GaugeMetricFamily("gpufleet_server_engine_tick_duration_seconds",
                                     "Wall time of the last engine ingest+advance.", value=s.tick_duration_seconds)
         if s.last_tick is not None:
             yield GaugeMetricFamily("gpufleet_server_engine_last_tick_timestamp_seconds",
                                     "Evaluation time of the last engine tick.", value=s.last_tick)
+        dropped = CounterMetricFamily("gpufleet_server_samples_dropped",
+                                      "Snapshots the engine dropped, by reason (too_old: older than its window "
+                                      "before now or behind its node's newest sample).", labels=["reason"])
+        too_old = _number(self.runtime.view.stats.get("too_old_snapshots_dropped"))
+        if too_old is not None:
+            dropped.add_metric(["too_old"], too_old)
+        yield dropped
         stats = GaugeMetricFamily("gpufleet_server_engine_stat", "Numeric statistics the engine reports, by name.",
                                   labels=["name"])
         for name, value in sorted(self.runtime.view.stats.items()):

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import orjson
 
+from gpufleet.server import contract
 from gpufleet.server.alerts import Alert, AlertState
 from gpufleet.server.contract import ContractError, NodeSample, parse_lines
 from gpufleet.server.engine import Engine, EngineConfig, EngineStats
@@ -34,6 +35,10 @@ from gpufleet.server.engine.reduce import median
 log = logging.getLogger(__name__)
 
 _READ_BUFFER_BYTES = 1 << 20
+_SKIP_CHUNK_BYTES = 1 << 16
+# Malformed lines logged one by one; past these a count at the end says how many more were skipped (a
+# 200 MB file of `{}` would otherwise write millions of warnings).
+MALFORMED_LOGGED = 20
 _TIME_NODE = attrgetter("time", "node")
 OUTPUT_KEYS = ("kind", "severity", "node", "gpu", "uuid", "hpc_job", "started", "resolved", "summary",
                "evidence")
@@ -85,9 +90,12 @@ def _load(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> tuple[list[No
         for lineno, item in parse_lines(lines):
             if isinstance(item, ContractError):
                 bad += 1
-                log.warning("skipping malformed line", extra={"file": name, "line": lineno, "reason": str(item)})
+                if bad <= MALFORMED_LOGGED:
+                    log.warning("skipping malformed line", extra={"file": name, "line": lineno, "reason": str(item)})
             else:
                 samples.append(item)
+    if bad > MALFORMED_LOGGED:
+        log.warning("more malformed lines skipped", extra={"malformed": bad, "not_logged": bad - MALFORMED_LOGGED})
     samples.sort(key=_TIME_NODE)
     log.info("trace loaded", extra={"snapshots": len(samples), "malformed": bad})
     return samples, bad
@@ -251,7 +259,23 @@ def _past_bom(fh):
     in, it makes the first snapshot a malformed line."""
     if fh.peek(3)[:3] == b"\xef\xbb\xbf":
         fh.read(3)
-    return fh
+    return bounded_lines(fh)
+
+
+def bounded_lines(fh) -> Iterator[bytes]:
+    """The reader's lines, none held longer than the contract allows: an overlong line is cut after
+    MAX_LINE_BYTES + 1 bytes (which the parser rejects as too long) and the rest of it skipped in
+    chunks, so a file without newlines (/dev/zero, a gzip bomb) costs no more memory than one line."""
+    limit = contract.MAX_LINE_BYTES
+    while True:
+        line = fh.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith(b"\n"):
+            rest = line
+            while rest and not rest.endswith(b"\n"):
+                rest = fh.readline(_SKIP_CHUNK_BYTES)
+        yield line
 
 
 def _until_damaged(fh, path: str) -> Iterator[bytes]:

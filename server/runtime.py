@@ -23,6 +23,9 @@ from gpufleet.server.store import AlertStore
 
 log = logging.getLogger(__name__)
 
+DEFAULT_REMOVED_GRACE_SECONDS = 300.0
+REMOVED_REASON = "target removed from discovery"
+
 
 @dataclass(frozen=True, slots=True)
 class FleetView:
@@ -46,6 +49,8 @@ class CycleStats:
     transitions_total: int = 0
     store_errors_total: int = 0
     overruns_total: int = 0
+    store_unsaved_changes: int = 0              # alert states and node names waiting for a store write
+    store_unsaved_since: float | None = None    # when the oldest of them first failed to be written
 
 
 class SampleSource(Protocol):
@@ -66,7 +71,8 @@ class Runtime:
     def __init__(self, *, engine: Any, puller: SampleSource, store: AlertStore, notifiers: Sequence[Notifier] = (),
                  pull_interval_seconds: float = 5.0, clock: Callable[[], float] = time.time,
                  prune_interval_seconds: float = 3600.0, agent_alerts: AgentAlerts | None = None,
-                 routing: AlertRouting | None = None) -> None:
+                 routing: AlertRouting | None = None,
+                 removed_grace_seconds: float = DEFAULT_REMOVED_GRACE_SECONDS) -> None:
         self.engine = engine
         self.routing = routing or AlertRouting()
         self.puller = puller
@@ -76,6 +82,8 @@ class Runtime:
         self.notifiers = tuple(notifiers)
         self.pull_interval_seconds = pull_interval_seconds
         self.prune_interval_seconds = prune_interval_seconds
+        self.removed_grace_seconds = removed_grace_seconds
+        self._unwatched: dict[str, float] = {}      # node -> since when no target is its and it sent nothing
         self.clock = clock
         self.view = FleetView()
         self.stats = CycleStats()
@@ -83,6 +91,10 @@ class Runtime:
         self._tasks: list[asyncio.Task[None]] = []
         self._last_prune: float | None = None
         self._cycled = threading.Condition()
+        # What the store has not taken yet (a full disk): each alert's latest state by id, and node names.
+        # Written again every cycle until it is; the newest state of an alert replaces an older one.
+        self._unsaved: dict[str, Alert] = {}
+        self._unsaved_nodes: dict[str, str] = {}
         # One dedicated thread: the engine is not thread-safe, and a single thread keeps its large
         # allocations in one malloc arena instead of spreading them over the default pool's threads.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufleet-engine")
@@ -125,6 +137,8 @@ class Runtime:
                 task.cancel()
         self._tasks = []
         self._executor.shutdown(wait=True)
+        if self._unsaved or self._unsaved_nodes:
+            self._persist([], self.clock(), {})     # one last try before the database closes
         await self.puller.aclose()
         for notifier in self.notifiers:
             await notifier.aclose()
@@ -150,6 +164,10 @@ class Runtime:
         view = self._snapshot_view(now)
         health = self.puller.health()
         named = self.agent_alerts.learn(health)
+        departed = self._forget_departed(health, view, now)
+        if departed:
+            transitions += departed
+            view = self._snapshot_view(now)
         agent_transitions = self.agent_alerts.step(health, _watched_nodes(view), now)
         if agent_transitions:
             transitions += agent_transitions
@@ -175,6 +193,33 @@ class Runtime:
                                                           "gpu": a.gpu, "hpc_job": a.hpc_job})
         return transitions
 
+    def _forget_departed(self, health: Sequence[TargetHealth], view: FleetView, now: float) -> list[Transition]:
+        """Resolve the alerts of nodes that left discovery and free the engine's state of them.
+
+        A node has left when no current target is its (by the name it reported, or the one remembered
+        for it) and no sample of it arrived, for removed_grace_seconds: a pod rescheduled under a new
+        address, or a target file edited back, comes back within it. After a restart with fewer targets,
+        the alerts restored for the nodes no longer there resolve the same way, instead of firing forever."""
+        claimed = {h.node or self.agent_alerts.nodes.get(h.target) for h in health}
+        nodes = {n.get("node"): n.get("last_sample_time") for n in view.nodes}
+        nodes.pop(None, None)
+        for a in view.alerts:
+            if a.node is not None and not is_ours(a):
+                nodes.setdefault(a.node, None)
+        heard = {node for node, last in nodes.items()
+                 if last is not None and now - last <= self.removed_grace_seconds}
+        unwatched = set(nodes) - claimed - heard
+        self._unwatched = {node: self._unwatched.get(node, now) for node in unwatched}
+        out: list[Transition] = []
+        for node, since in list(self._unwatched.items()):
+            if now - since >= self.removed_grace_seconds:
+                resolved = self.engine.forget_node(node, now, REMOVED_REASON)
+                del self._unwatched[node]
+                log.info("node left discovery; its alerts resolved and its state freed",
+                         extra={"node": node, "alerts": len(resolved), "grace_seconds": self.removed_grace_seconds})
+                out += resolved
+        return out
+
     def _snapshot_view(self, now: float | None) -> FleetView:
         """Copy what handlers may read out of the engine."""
         return FleetView(
@@ -186,16 +231,37 @@ class Runtime:
         )
 
     def _persist(self, transitions: list[Transition], now: float, named: dict[str, str]) -> None:
-        """Upsert changed alerts and node names, prune history now and then; a storage error is logged, not fatal."""
+        """Upsert changed alerts and node names, prune history now and then. A failed write is kept and
+        retried every cycle until the store takes it (a full disk must neither stop detection nor lose an
+        alert); meanwhile /metrics and /healthz show how much waits and since when."""
+        for t in transitions:
+            self._unsaved[t.alert.id] = t.alert
+        self._unsaved_nodes.update(named)
         try:
-            self.store.upsert(t.alert for t in transitions)
-            self.store.remember_target_nodes(named)
+            if self._unsaved:
+                self.store.upsert(self._unsaved.values())
+                self._unsaved = {}
+            if self._unsaved_nodes:
+                self.store.remember_target_nodes(self._unsaved_nodes)
+                self._unsaved_nodes = {}
+            if self.stats.store_unsaved_since is not None:
+                log.info("alert store writable again; unsaved changes written",
+                         extra={"unsaved_seconds": round(now - self.stats.store_unsaved_since, 3)})
+            self.stats.store_unsaved_since = None
             if self._last_prune is None or now - self._last_prune >= self.prune_interval_seconds:
                 self._last_prune = now
                 self.store.prune(now)
-        except Exception:  # noqa: BLE001 - a full disk must not stop detection
+        except Exception as exc:  # noqa: BLE001 - a full disk must not stop detection
             self.stats.store_errors_total += 1
-            log.exception("alert store write failed")
+            if self.stats.store_unsaved_since is None and (self._unsaved or self._unsaved_nodes):
+                self.stats.store_unsaved_since = now
+            # The 1st, 2nd, 4th, 8th... failure is logged: a disk full for hours must not fill the log too.
+            n = self.stats.store_errors_total
+            if not n & (n - 1):
+                log.error("alert store write failed; retrying every cycle",
+                          extra={"error": str(exc) or exc.__class__.__name__, "failures": n,
+                                 "unsaved_changes": len(self._unsaved) + len(self._unsaved_nodes)})
+        self.stats.store_unsaved_changes = len(self._unsaved) + len(self._unsaved_nodes)
 
     async def _loop(self) -> None:
         """Run cycles every pull interval until stopped; a failing cycle is logged and retried next time."""

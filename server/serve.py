@@ -111,7 +111,8 @@ def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callab
     store = AlertStore(settings.storage_path, retention_seconds=settings.storage_retention_seconds)
     return Runtime(engine=engine, puller=puller, store=store, notifiers=notifiers,
                    pull_interval_seconds=settings.pull_interval_seconds, clock=clock,
-                   routing=AlertRouting(settings.alert_external_labels, settings.alert_runbook_url))
+                   routing=AlertRouting(settings.alert_external_labels, settings.alert_runbook_url),
+                   removed_grace_seconds=settings.targets_removed_grace_seconds)
 
 
 def listen_socket(address: str) -> socket.socket:

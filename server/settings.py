@@ -195,6 +195,7 @@ class ServerSettings:
     targets: tuple[str, ...] = ()
     targets_file_sd: str | None = None
     targets_dns: str | None = None
+    targets_removed_grace_seconds: float = 300.0
     prometheus_url: str | None = None
     prometheus_schema: str = "auto"
     pull_interval_seconds: float = 5.0
@@ -261,6 +262,9 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "targets": ("targets", parse_targets, "comma-separated agent addresses HOST:PORT"),
     "targets.file-sd": ("targets_file_sd", str, "Prometheus file_sd JSON/YAML file of agents, reloaded on change"),
     "targets.dns": ("targets_dns", str, "NAME:PORT resolving to every agent (e.g. a headless Service)"),
+    "targets.removed-grace": ("targets_removed_grace_seconds", parse_duration,
+                              "resolve the alerts of a node whose agent left discovery, and forget it, after "
+                              "this long without it (default 5m)"),
     "ingest.prometheus-url": ("prometheus_url", parse_url,
                               "read the agents' series from this Prometheus instead of pulling the agents"),
     "ingest.prometheus-schema": ("prometheus_schema", _choice("auto", "gpufleet", "dcgm"),

@@ -15,7 +15,8 @@ router = APIRouter(tags=["health"])
             responses={503: {"model": HealthModel}})
 async def healthz(runtime: RuntimeDep) -> JSONResponse:
     """200 while cycles complete; 503 before the first cycle or when cycles stopped completing. "degraded"
-    with a reason also when the last cycle had no usable GPU sample (still 200)."""
+    with a reason also while alert changes wait for the store (a failed write, retried every cycle) or when
+    the last cycle had no usable GPU sample (still 200)."""
     health = runtime.puller.health()
     stats = runtime.stats
     last = stats.last_tick
@@ -25,6 +26,9 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
         status = "starting"
     elif runtime.clock() - last > max(3 * runtime.pull_interval_seconds, 30.0):
         status, reason = "degraded", "stalled"
+    elif stats.store_unsaved_changes:
+        status, reason = "degraded", "store_unsaved"
+        detail = f"{stats.store_unsaved_changes} alert changes wait for the store (retried every cycle)"
     elif blind is not None:
         # Cycles complete but see no GPU: "ok" here would hide a fleet nobody watches.
         status, reason = "degraded", blind.reason
@@ -33,7 +37,11 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
         status = "ok"
     body = HealthModel(status=status, targets=len(health), targets_up=sum(1 for h in health if h.up),
                        cycles=stats.cycles_total, last_tick=last, open_alerts=len(runtime.view.alerts),
-                       degraded_reason=reason, degraded_detail=detail)
-    # Blind is degraded but answers 200: the process works and a restart cannot bring back what it reads,
-    # so a liveness probe on /healthz must not loop it; gpufleet_server_blind and the log say it instead.
+                       degraded_reason=reason, degraded_detail=detail,
+                       store_unsaved_changes=stats.store_unsaved_changes,
+                       store_unsaved_age_seconds=None if stats.store_unsaved_since is None
+                       else max(0.0, runtime.clock() - stats.store_unsaved_since))
+    # Blind or unsaved is degraded but answers 200: the process works and a restart cannot bring back what it
+    # reads or free the disk (it would lose the unsaved changes), so a liveness probe on /healthz must not
+    # loop it; gpufleet_server_blind, gpufleet_server_store_unsaved_changes and the log say it instead.
     return JSONResponse(body.model_dump(), status_code=503 if status == "starting" or reason == "stalled" else 200)

@@ -145,10 +145,14 @@ class HealthModel(BaseModel):
     cycles: int
     last_tick: float | None
     open_alerts: int
-    # Why the status is degraded: "stalled" (cycles stopped completing) or the ingest's blindness reason
+    # Why the status is degraded: "stalled" (cycles stopped completing), "store_unsaved" or the ingest's blindness reason
     # (no_series, all_rejected, all_targets_down, no_targets, source_down), with what it looked for and found.
     degraded_reason: str | None = None
     degraded_detail: str | None = None
+    store_unsaved_changes: int = Field(0, description="Alert changes the store has not taken yet (a failed "
+                                                      "write, retried every cycle); degraded while above 0.")
+    store_unsaved_age_seconds: float | None = Field(None, description="How long the oldest of them has waited; "
+                                                                      "null while none waits.")
 
 
 class ErrorModel(BaseModel):

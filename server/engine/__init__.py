@@ -60,7 +60,7 @@ class Engine:
         self._thermal_index = FingerprintIndex(AlertKind.THERMAL_THROTTLE)
         self._straggler_index = FingerprintIndex(AlertKind.STRAGGLER)
         self._next_bin: int | None = None
-        self._first: float | None = None
+        self._first: float | None = None     # time of the oldest sample of the first flush that binned any
         self._ticks = 0
         self._last_t: float | None = None
         self._last_tick: Tick | None = None
@@ -74,8 +74,6 @@ class Engine:
     # -- input ------------------------------------------------------------------------------
     def ingest(self, sample: NodeSample) -> None:
         """Queue one validated snapshot (any order; late and duplicate samples tolerated)."""
-        if self._next_bin is None:
-            self._first = sample.time if self._first is None else min(self._first, sample.time)
         self.windows.add(sample)
 
     def prepare(self, samples: list[NodeSample]) -> None:
@@ -88,24 +86,46 @@ class Engine:
         self.windows.reserve(gpus)
 
     def advance(self, now: float) -> list[Transition]:
-        """Evaluate every bin that closed by `now` (sample-time seconds); returns the transitions."""
+        """Evaluate every bin that closed by `now` (sample-time seconds); returns the transitions.
+
+        The work is bounded by the window whatever times arrive: a first call starts at most a window
+        before `now` (never at an old snapshot's time), samples too old for the window are dropped and
+        counted (Windows.flush), and a stretch beyond a window from any data is one silence, not a
+        tick each."""
         cfg = self.config
+        w = self.windows
         last_closed = math.floor((now - cfg.settle_seconds) / cfg.tick_seconds) - 1
-        if self._next_bin is None:
-            if not self.windows.pending():
+        before = math.floor(w.newest_time / cfg.tick_seconds) if w.samples else None
+        if before is None:
+            if not w.pending():
                 return []
-            self._next_bin = math.floor((self._first or 0.0) / cfg.tick_seconds)
-        before = math.floor(self.windows.newest_time / cfg.tick_seconds) if self.windows.samples else None
-        self.windows.flush(min_bin=self._next_bin - self.windows.ring + 1)
+            # Nothing binned yet: the first evaluation is at most a window before now, whatever the
+            # oldest snapshot says (an agent's clock at the epoch, a buffer from before an outage).
+            floor_bin = last_closed - w.ring + 1
+            self._next_bin = floor_bin if self._next_bin is None else max(self._next_bin, floor_bin)
+        binned = w.samples
+        w.flush(min_bin=self._next_bin - w.ring + 1)
+        if not w.samples:
+            # No snapshot listed a GPU yet: no tick has anything to judge.
+            return []
+        if before is None:
+            self._next_bin = max(self._next_bin, math.floor(w.resumed_time / cfg.tick_seconds))
+            self._first = w.resumed_time
+        newest = math.floor(w.newest_time / cfg.tick_seconds)
         out: list[Transition] = []
         k = self._next_bin
         # After a long silence of the whole cluster the windows hold nothing for those bins: skip to
         # just before the data that ended it (or to now) instead of evaluating empty ticks one by one.
-        skip_from = math.inf if before is None else before + self.windows.ring
-        skip_to = min(math.floor(self.windows.resumed_time / cfg.tick_seconds) - 1, last_closed)
+        skip_from = math.inf if before is None else before + w.ring
+        resumed = math.floor(w.resumed_time / cfg.tick_seconds) if w.samples > binned else last_closed + 1
+        skip_to = min(resumed - 1, last_closed)
+        # Past a window after the newest data every tick is the same silence: the last one speaks for it.
+        quiet_from = newest + w.ring
         while k <= last_closed:
             if skip_from < k < skip_to:
                 k = skip_to
+            elif quiet_from < k < last_closed:
+                k = last_closed
             out.extend(self._evaluate(k))
             k += 1
         self._next_bin = max(self._next_bin, last_closed + 1)
@@ -114,6 +134,20 @@ class Engine:
     def restore(self, alerts: Iterable[Alert]) -> int:
         """Re-seed open alerts after a restart; ids and start times are kept."""
         return self.lifecycle.restore(alerts)
+
+    def forget_node(self, node: str, t: float, reason: str) -> list[Transition]:
+        """A node no longer watched (its agent left discovery): resolve its open alerts with `reason` and
+        free what the engine held about it, as if it had never reported. If it reports again, it starts
+        afresh in its old slots."""
+        transitions = self.lifecycle.close_node(node, t, reason)
+        w = self.windows
+        nid = w.node_ids.get(node)
+        slots = w.forget_node(node)
+        if len(slots):
+            self._straggler.forget(slots)
+            self._last_busy_t[slots[slots < len(self._last_busy_t)]] = -np.inf
+            self._health.forget(set(slots.tolist()), nid)
+        return transitions
 
     # -- one tick -----------------------------------------------------------------------------
     def _evaluate(self, k: int) -> list[Transition]:
@@ -401,8 +435,10 @@ class Engine:
         out = []
         node_ids = w.slot_node_id[:w.n]
         for nid, node in enumerate(w.node_names):
-            slots = np.flatnonzero(node_ids == nid)
             last = w.node_last_time[nid]
+            if last != last:
+                continue            # forgotten (forget_node) and not heard from since
+            slots = np.flatnonzero(node_ids == nid)
             jobs = sorted({w.job_names[c] for c in w.slot_job[slots].tolist() if c >= 0})
             out.append(NodeHealth(node, len(slots), node not in unreachable, _f(last),
                                   None if self._last_t is None or last != last else max(0.0, self._last_t - float(last)),
@@ -412,7 +448,8 @@ class Engine:
     def stats(self) -> EngineStats:
         """Counters about the engine itself."""
         alerts = self.lifecycle.alerts()
-        return EngineStats(self.windows.samples, self.windows.late_dropped, self.windows.pending(), self._ticks,
+        return EngineStats(self.windows.samples, self.windows.late_dropped, self.windows.too_old_dropped,
+                           self.windows.pending(), self._ticks,
                            self._last_t, self.windows.n, len(self.windows.node_names),
                            sum(1 for j in self.windows.job_names), len(alerts),
                            sum(1 for a in alerts if a.state is AlertState.FIRING))

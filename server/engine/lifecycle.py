@@ -133,6 +133,17 @@ class Lifecycle:
             rec.updated = t
             out.append(Transition(rec.alert(resolved=t, state=AlertState.RESOLVED), AlertState.FIRING))
 
+    def close_node(self, node: str, t: float, reason: str) -> list[Transition]:
+        """Resolve every open alert about a node at once, saying why in evidence.resolved_reason (a node
+        no longer watched: its conditions can neither hold nor clear any more)."""
+        out: list[Transition] = []
+        for fp in [fp for fp, r in self.records.items() if r.node == node]:
+            rec = self.records.pop(fp)
+            rec.updated = max(t, rec.updated)
+            rec.evidence = {**rec.evidence, "resolved_reason": reason}
+            out.append(Transition(rec.alert(resolved=rec.updated, state=AlertState.RESOLVED), rec.state))
+        return out
+
     def alerts(self) -> list[Alert]:
         """Pending and firing alerts, oldest first."""
         return sorted((r.alert() for r in self.records.values()), key=lambda a: (a.pending_since, a.id))

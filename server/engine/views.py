@@ -66,6 +66,7 @@ class EngineStats:
 
     samples_ingested: int
     late_samples_dropped: int
+    too_old_snapshots_dropped: int
     pending_samples: int
     ticks: int
     last_tick_time: float | None

@@ -112,6 +112,7 @@ class Windows:
         self._xid_maps: dict[int, dict[int, int]] = {}
         self.samples = 0
         self.late_dropped = 0
+        self.too_old_dropped = 0        # snapshots older than the window, never binned
         self.newest_time = -np.inf
         self.resumed_time = -np.inf
         self._prepared: Prepared | None = None
@@ -210,6 +211,30 @@ class Windows:
             cache.job_codes = np.array([self.job_code(j) for j in sample.jobs], dtype=np.int64)
         return cache.slots, cache.job_codes
 
+    def forget_node(self, node: str) -> np.ndarray:
+        """A node that went away: its GPUs' slots keep their place (a node that returns takes them back,
+        so state does not grow with every departure), but nothing of what they held: bins, jobs, counters,
+        limits, times, cached identity and pending events. Returns the slots."""
+        nid = self.node_ids.get(node)
+        if nid is None:
+            return np.empty(0, dtype=np.int64)
+        slots = np.flatnonzero(self.slot_node_id[:self.n] == nid)
+        self.bin_id[:, slots] = -1
+        self.slot_job[slots] = NO_JOB
+        self.slot_job_since[slots] = np.nan
+        self.slot_last_job[slots] = NO_JOB
+        self.slot_last_time[slots] = -np.inf
+        self._counter_val[:, slots] = np.nan
+        self._counter_time[:, slots] = -np.inf
+        self.slot_limits[:, slots] = np.nan
+        self.node_last_time[nid] = np.nan
+        self._nodes.pop(node, None)
+        gone = set(slots.tolist())
+        for slot in gone:
+            self._xid_maps.pop(slot, None)
+        self.events = [e for e in self.events if e.slot not in gone]
+        return slots
+
     # -- ingest -------------------------------------------------------------------------------
     def add(self, sample: NodeSample) -> None:
         """Queue a sample; it reaches the rings at the next flush."""
@@ -227,8 +252,10 @@ class Windows:
             inbox, self._inbox = self._inbox, []
             self._prepared.flush(inbox, min_bin)
             return
-        inbox = sorted(self._inbox, key=_TIME_NODE)
+        inbox = sorted(self._recent(self._inbox, min_bin), key=_TIME_NODE)
         self._inbox = []
+        if not inbox:
+            return
         resolved = list(map(self._resolve, inbox))
         slot_lists = [r[0] for r in resolved]
         counts = list(map(len, slot_lists))
@@ -258,6 +285,26 @@ class Windows:
         one_per_slot = not (sorted_slots[1:] == sorted_slots[:-1]).any()
         power_from_energy = self._counters(slots, times, values, in_order, inbox, by_slot, one_per_slot)
         self._bin(slots, times, self._derive(values, power_from_energy), min_bin, one_per_slot)
+
+    def _recent(self, inbox: list[NodeSample], min_bin: int) -> list[NodeSample]:
+        """The snapshots a window can still use; the rest are counted in too_old_dropped.
+
+        A snapshot is too old when its bin is gone (before min_bin) or it trails its node's newest sample
+        by more than the window: a buffer from before an outage, a clock that stood still. Taken, it would
+        set its node's times, counters and jobs back and, from a fresh engine, start the evaluation there."""
+        oldest = min_bin * self.tick
+        span = self.ring * self.tick
+        newest: dict[str, float] = {}
+        for smp in inbox:
+            if smp.time > newest.get(smp.node, -np.inf):
+                newest[smp.node] = smp.time
+        for node, t in newest.items():
+            nid = self.node_ids.get(node)
+            if nid is not None and self.node_last_time[nid] > t:
+                newest[node] = float(self.node_last_time[nid])
+        kept = [smp for smp in inbox if smp.time >= oldest and smp.time >= newest[smp.node] - span]
+        self.too_old_dropped += len(inbox) - len(kept)
+        return kept
 
     def note_limits(self, slots: np.ndarray, limits: np.ndarray) -> None:
         """Keep each GPU's newest reported limits (rows in time order: the last write wins); a limit

@@ -12,6 +12,10 @@ send) or else its newest sample's time, which a sampling period at most precedes
 stamp minus arrival is the clock's offset less a small positive delay (the sample's age, the transfer,
 a busy event loop), so the largest difference over the last few answers is the estimate: a slow answer
 only makes the delay longer, never shorter.
+
+A clock that steps (NTP correcting a large error, an operator setting the date) moves that difference by
+more than any delay can: the answers before the step then say nothing about the clock, and are dropped,
+so the new offset is taken out from the first answer after it, in either direction.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MIN_OFFSET_SECONDS = 10.0
 _ANSWERS = 12                   # a minute of 5 s pulls: how soon a corrected clock is trusted again
 _TOLERANCE_SECONDS = 2.0        # moving a node's bins for less than this would only track delay jitter
+# A change of stamp minus arrival beyond this is the clock stepping, not delay: an answer is late by a pull
+# timeout and a sampling interval at most (seconds), while a step left standing for a minute of answers
+# puts the node's samples that far from its peers, past the engine's unreachable threshold (30 s).
+STEP_SECONDS = 20.0
 
 
 class ClockOffsets:
@@ -47,7 +55,12 @@ class ClockOffsets:
         seen = self._seen.get(target)
         if seen is None:
             seen = self._seen[target] = deque(maxlen=_ANSWERS)
-        seen.append(stamp - arrived)
+        difference = stamp - arrived
+        if seen and abs(difference - seen[-1]) > STEP_SECONDS:
+            log.warning("agent clock stepped", extra={"target": target, "node": node,
+                                                      "step_seconds": round(difference - seen[-1], 3)})
+            seen.clear()
+        seen.append(difference)
         if not self.min_offset_seconds:
             return 0.0
         estimate = max(seen)

@@ -30,6 +30,15 @@ DEFAULT_MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
 # A sample stamped further ahead of the server's clock than this is a broken agent clock, not skew to absorb:
 # taken, it would sit in the engine's future and drag the target's `since` past every honest sample after it.
 DEFAULT_MAX_FUTURE_SECONDS = 300.0
+# A sample further behind the server's clock than this (its clock offset taken out) is a buffer kept from
+# before an outage or a clock that stood still: the engine, whose window is minutes, could not use it, and
+# from a fresh server it would only make the first cycle start there.
+DEFAULT_MAX_PAST_SECONDS = 3600.0
+# Believing an answer's stamp far from our clock (_agent_clock): how far its newest sample may trail it (an
+# agent's buffer, 300 s by default, and then some) or lead it (rounding), and the earliest plausible clock.
+_AGENT_BUFFER_SECONDS = 3600.0
+_TOLERANCE_SECONDS = 1.0
+_PLAUSIBLE_CLOCK = 1e9
 
 
 class PullError(Exception):
@@ -204,6 +213,7 @@ class Puller(IngestAccounting):
         concurrency: int = 256,
         stale_after_seconds: float = 30.0,
         max_future_seconds: float = DEFAULT_MAX_FUTURE_SECONDS,
+        max_past_seconds: float = DEFAULT_MAX_PAST_SECONDS,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.time,
         parse: Callable[[Mapping[str, Any]], Any] | None = None,
@@ -217,6 +227,7 @@ class Puller(IngestAccounting):
         self.max_payload_bytes = max_payload_bytes
         self.stale_after_seconds = stale_after_seconds
         self.max_future_seconds = max_future_seconds
+        self.max_past_seconds = max_past_seconds
         self._clock = clock
         self._parse = parse or _default_parse()
         self._scheme = scheme
@@ -359,7 +370,10 @@ class Puller(IngestAccounting):
         if doc.get("schema") != 1:
             raise PullError("schema", f"unsupported schema {doc.get('schema')!r}")
         node = doc.get("node") if isinstance(doc.get("node"), str) else None
-        horizon = now + self.max_future_seconds
+        served = self._agent_clock(_number(doc.get("time")), doc["snapshots"], now)
+        # Samples are stamped in the agent's clock: one far ahead of the server's is only broken when it is
+        # also ahead of the agent's own (a clock stepped forward is an offset to learn, not a fault).
+        horizon = max(now, served if served is not None else now) + self.max_future_seconds
         fresh: list[tuple[Any, float | None]] = []
         rejected = 0
         newest, newest_fresh = since, None
@@ -376,9 +390,23 @@ class Puller(IngestAccounting):
             if raw_time is not None:
                 newest = raw_time if newest is None else max(newest, raw_time)  # past a bad one too: not re-fetched
                 newest_fresh = raw_time if newest_fresh is None else max(newest_fresh, raw_time)
-        offset = self._clock_offset(target, node, _number(doc.get("time")), newest_fresh, now)
+        if served is not None and since is not None and served < since:
+            # The agent's clock went back past what it already served: every sample it takes now is stamped
+            # before `since`, and asked for with it the agent would hold them back until its clock passes
+            # `since` again (an hour's step: an hour dark). It starts its buffer afresh on such a step, so
+            # the next pull asks for all of it.
+            log.warning("agent clock went back; asking for its samples afresh",
+                        extra={"target": target, "node": node, "behind_seconds": round(since - served, 3)})
+            newest = None
+        offset = self._clock_offset(target, node, served, newest_fresh, now)
         samples: list[Any] = []
+        oldest = now - self.max_past_seconds
         for raw, raw_time in fresh:
+            if raw_time is not None and raw_time - offset < oldest:
+                rejected += 1
+                self._record_error(target, "too_old",
+                                   f"sample time {raw_time - offset!r} is {now - raw_time + offset:.0f}s behind the server clock")
+                continue
             if offset and raw_time is not None:
                 raw = {**raw, "time": raw_time - offset}
             try:
@@ -390,12 +418,26 @@ class Puller(IngestAccounting):
 
     def _clock_offset(self, target: str, node: str | None, served: float | None, newest: float | None,
                       now: float) -> float:
-        """The offset to take out of this answer's sample times: learned from the agent's stamp of the answer,
-        or else from its newest sample, when the answer has either."""
-        stamp = served if served is not None and abs(served - now) <= self.max_future_seconds else newest
+        """The offset to take out of this answer's sample times: learned from the agent's stamp of the answer
+        (as _agent_clock vetted it), or else from its newest sample, when the answer has either."""
+        stamp = served if served is not None else newest
         if stamp is None:
             return self.clocks.offset(target)
         return self.clocks.observe(target, stamp, now, node)
+
+    def _agent_clock(self, served: float | None, snapshots: list[Any], now: float) -> float | None:
+        """The answer's stamp (the agent's clock when it answered) where it can be believed: near ours, or
+        else agreeing with the answer's own samples (none newer, the newest within the agent's buffer of
+        it): a clock stepped far away. A zero, milliseconds or a typo agree with neither."""
+        if served is None or abs(served - now) <= self.max_future_seconds:
+            return served
+        times = [t for t in (_number(raw.get("time")) for raw in snapshots if isinstance(raw, dict)) if t is not None]
+        if not times:
+            # Nothing to check it against: believed while it is a plausible clock (after 2001), which is
+            # what an agent whose clock went back, asked for what came after its old time, answers with.
+            return served if served > _PLAUSIBLE_CLOCK else None
+        newest = max(times)
+        return served if served - _AGENT_BUFFER_SECONDS <= newest <= served + _TOLERANCE_SECONDS else None
 
     def _record_error(self, target: str, reason: str, detail: str) -> None:
         """Count one rejected pull or snapshot."""

@@ -83,6 +83,17 @@ class StubEngine:
         for a in alerts:
             self._open[a.fingerprint] = a
 
+    def forget_node(self, node: str, t: float, reason: str) -> list[Transition]:
+        out = []
+        for fp, alert in list(self._open.items()):
+            if alert.node == node:
+                del self._open[fp]
+                out.append(Transition(_replace(alert, state=AlertState.RESOLVED, resolved=t, updated=t,
+                                               evidence={**alert.evidence, "resolved_reason": reason}),
+                                      AlertState.FIRING))
+        self._latest = {k: v for k, v in self._latest.items() if k[0] != node}
+        return out
+
     def jobs(self) -> list[_Health]:
         jobs = sorted({job for _, _, job in self._latest.values() if job})
         return [_Health({"hpc_job": j, "gpus": sum(1 for *_, jj in self._latest.values() if jj == j),

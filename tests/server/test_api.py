@@ -130,7 +130,8 @@ def test_nodes_jobs_health_after_a_cycle(tmp_path) -> None:
     health = client.get("/healthz")
     assert health.status_code == 200
     assert health.json() == {"status": "ok", "targets": 1, "targets_up": 1, "cycles": 1, "last_tick": 5000.0,
-                             "open_alerts": 1, "degraded_reason": None, "degraded_detail": None}
+                             "open_alerts": 1, "degraded_reason": None, "degraded_detail": None,
+                             "store_unsaved_changes": 0, "store_unsaved_age_seconds": None}
     nodes = client.get("/nodes").json()
     assert [(n["node"], n["gpus"]) for n in nodes["nodes"]] == [("dgx-01", 2)]
     assert nodes["targets"][0]["target"] == "a:1" and nodes["targets"][0]["node"] == "dgx-01"

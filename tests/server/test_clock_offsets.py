@@ -9,11 +9,13 @@ import httpx
 import orjson
 import pytest
 
+from gpufleet.server.alerts import AlertKind
 from gpufleet.server.ingest.clocks import ClockOffsets
 from gpufleet.server.ingest.puller import Puller
 from gpufleet.server.ingest.targets import StaticTargets
 from gpufleet.server.serve import build_runtime
 from gpufleet.server.settings import ServerSettings, load_settings
+from gpufleet.server.store import AlertQuery
 from tests.server.engine_samples import T0, cluster_lines
 from tests.server.live_fakes import envelope, parse_dict, snapshot
 
@@ -43,16 +45,35 @@ def test_jitter_does_not_move_the_offset_and_a_corrected_clock_is_trusted_again(
     for delay in (0.1, 1.5, 0.9, 1.9):
         assert clocks.observe("a:1", t + 30.0 - delay, t, "n1") == pytest.approx(29.9)
         t += 5
-    # NTP stepped the clock back: the old answers stand in the window until a minute of new ones pushed them out.
+    # The clock was slewed back by less than a step: the old answers stand in the window until a minute of
+    # new ones pushed them out.
     applied = []
     for _ in range(12):
-        applied.append(clocks.observe("a:1", t - 0.5, t, "n1"))
+        applied.append(clocks.observe("a:1", t + 14.0, t, "n1"))
         t += 5
-    assert applied[:11] == [pytest.approx(29.9)] * 11 and applied[11] == 0.0
-    assert [r.getMessage() for r in caplog.records] == ["agent clock offset taken out", "agent clock agrees again"]
+    assert applied[:11] == [pytest.approx(29.9)] * 11 and applied[11] == 14.0
+    assert clocks.observe("a:1", t + 30.0, t, "n1") == 30.0         # and a step forward of 16 s: at once
+    t += 5
+    # NTP stepped it back to ours: learned from the first answer after the step.
+    assert clocks.observe("a:1", t - 0.5, t, "n1") == 0.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "agent clock offset taken out", "agent clock offset taken out", "agent clock offset taken out",
+        "agent clock stepped", "agent clock agrees again"]
     assert caplog.records[0].offset_seconds == 29.9 and caplog.records[0].node == "n1"
+    assert caplog.records[3].step_seconds == -30.5
     # A clock that ran behind shows itself corrected at once: the new answers are the least delayed.
     assert clocks.observe("a:2", t - 40.0, t) == -40.0 and clocks.observe("a:2", t + 4.5, t + 5) == 0.0
+
+
+@pytest.mark.parametrize("step", [-600.0, -3600.0, 600.0])
+def test_a_clock_step_either_way_is_taken_out_from_the_first_answer_after_it(step):
+    clocks = ClockOffsets()
+    t = 1000.0
+    for _ in range(5):
+        assert clocks.observe("a:1", t - 0.5, t) == 0.0
+        t += 5
+    assert clocks.observe("a:1", t + step - 0.5, t) == step - 0.5
+    assert clocks.observe("a:1", t + 5 + step - 0.3, t + 5) == step - 0.5         # then jitter, as before
 
 
 def test_an_offset_near_the_threshold_does_not_flap():
@@ -190,3 +211,76 @@ def test_a_node_with_its_clock_off_stays_in_the_comparisons_of_the_live_server(t
         assert ("node_unreachable", "n1") in alerts
     else:
         assert abs(nodes["n1"]["last_sample_time"] - nodes["n0"]["last_sample_time"] - skew) < 1.0
+
+
+# -- clock steps on a live agent ----------------------------------------------------------------------
+
+class _SteppingAgents:
+    """gpufleet agents for n0..n2 sampling every 5 s of true time; n1's clock steps by `step` seconds at
+    true time `at`. Like the real agent, each buffers 300 s of snapshots keyed by its own clock, starts the
+    buffer afresh when its clock goes back, and answers `since=` in its own clock with its clock's time."""
+
+    def __init__(self, now: list[float], step: float, at: float) -> None:
+        self.now, self.step, self.at = now, step, at
+        self.lines = {}
+        for line in cluster_lines(900, nodes=3):
+            snap = orjson.loads(line)
+            self.lines.setdefault(snap["node"], []).append(snap)
+        self.rings: dict[str, list[dict]] = {n: [] for n in self.lines}
+        self.taken = {n: 0 for n in self.lines}
+
+    def clock(self, node: str, true: float) -> float:
+        return true + (self.step if node == "n1" and true >= self.at else 0.0)
+
+    def _sample(self, node: str) -> None:
+        snaps, ring = self.lines[node], self.rings[node]
+        while self.taken[node] < len(snaps) and snaps[self.taken[node]]["time"] <= self.now[0]:
+            snap = dict(snaps[self.taken[node]])
+            snap["time"] = self.clock(node, snap["time"])
+            self.taken[node] += 1
+            if ring and snap["time"] <= ring[-1]["time"]:
+                ring.clear()
+            ring.append(snap)
+            ring[:] = [s for s in ring if s["time"] >= snap["time"] - 300]
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        node = f"n{int(request.url.host.rsplit('.', 1)[1]) - 1}"
+        self._sample(node)
+        since = request.url.params.get("since")
+        snaps = [s for s in self.rings[node] if since is None or s["time"] > float(since)]
+        body = {**envelope(node, snaps), "time": self.clock(node, self.now[0])}
+        return httpx.Response(200, content=orjson.dumps(body))
+
+
+@pytest.mark.parametrize("step", [-600.0, -3600.0, 600.0, 3600.0])
+def test_an_agent_whose_clock_steps_is_never_dark_and_its_samples_stay_in_step(tmp_path, step):
+    now = [T0 + 2.0]
+    agents = _SteppingAgents(now, step, at=T0 + 400.0)
+    settings = ServerSettings(targets=tuple(f"10.0.0.{i + 1}:9471" for i in range(3)),
+                              storage_path=str(tmp_path / "c.db"))
+    runtime = build_runtime(settings, clock=lambda: now[0], transport=httpx.MockTransport(agents))
+    gaps = []
+
+    async def cycles():
+        while now[0] < T0 + 895:
+            now[0] += 5
+            await runtime.cycle()
+            nodes = {n["node"]: n for n in runtime.view.nodes}
+            if "n1" in nodes and nodes["n1"]["last_sample_time"] is not None:
+                gaps.append(nodes["n0"]["last_sample_time"] - nodes["n1"]["last_sample_time"])
+        await runtime.puller.aclose()
+
+    asyncio.run(cycles())
+    alerts = [(a.kind.value, a.node) for a in runtime.store.open_alerts()]
+    history = runtime.store.query(AlertQuery(kind=AlertKind.NODE_UNREACHABLE))
+    health = {h.node: h for h in runtime.puller.health()}
+    stats = runtime.view.stats
+    runtime.store.close()
+    assert alerts == [] and history.total == 0
+    # At most the pull that saw the step went by without n1's samples: its newest trails n0's by a pull or
+    # two, never by the step.
+    assert max(gaps) <= 10.5
+    assert health["n1"].up and not health["n1"].stale
+    assert health["n1"].clock_offset_seconds == pytest.approx(step, abs=5.0)
+    assert stats["too_old_snapshots_dropped"] == 0 or step > 0
+    assert runtime.puller.errors_by_reason().get("future_time", 0) == 0

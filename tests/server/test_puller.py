@@ -411,3 +411,16 @@ def test_no_target_listed_is_blind() -> None:
     puller, _ = make_puller(FakeAgents({}))
     run(puller.pull_once())
     assert puller.blind.reason == "no_targets"
+
+
+def test_a_sample_far_behind_the_server_clock_is_rejected_as_too_old_and_not_asked_for_again() -> None:
+    """A buffer kept from before an outage: the engine could not use it, and a fresh engine would start there."""
+    agents = FakeAgents({"a:1": "n1"})
+    puller, now = make_puller(agents, max_past_seconds=3600)
+    now[0] = 100_000.0
+    agents.buffers["a:1"] = [snapshot("n1", 1000.0), snapshot("n1", 100_000.0 - 3599), snapshot("n1", 99_995.0)]
+    result = run(puller.pull_once())
+    assert [s["time"] for s in result.samples] == [100_000.0 - 3599, 99_995.0] and result.rejected_snapshots == 1
+    assert puller.errors[("a:1", "too_old")] == 1
+    run(puller.pull_once())
+    assert agents.requests[1] == ("a:1", "99995.0")

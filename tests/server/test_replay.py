@@ -7,12 +7,14 @@ import io
 import logging
 import random
 import sys
+import tracemalloc
 
 import orjson
 import pytest
 
 from gpufleet.server.engine import Engine
-from gpufleet.server.replay import _load, _node_spans, alert_json, main, run_replay
+from gpufleet.server import contract
+from gpufleet.server.replay import MALFORMED_LOGGED, _load, _node_spans, alert_json, bounded_lines, main, run_replay
 from bench import scenarios
 from tests.server.engine_samples import T0, cluster_lines
 from bench.tracegen import generate
@@ -271,3 +273,51 @@ def test_every_alert_kind_serialises_to_plain_json():
     for a in alerts:
         obj = orjson.loads(alert_json(a))
         assert obj["kind"] == a.kind.value and isinstance(obj["evidence"], dict)
+
+
+def _replay_peak_bytes(trace) -> int:
+    """Peak Python/numpy allocation while the CLI replays one trace."""
+    tracemalloc.start()
+    try:
+        assert main([str(trace)]) == 0
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_newline_less_trace_is_read_in_bounded_memory_and_the_lines_after_it_replayed(tmp_path, capsys, monkeypatch):
+    # /dev/zero or a gzip bomb without a newline: read whole, such a "line" took gigabytes. With the line
+    # limit lowered to 64 kB, 8 MB of zeros (plain and gzip) cost a line and the readers' buffers more
+    # than the trace without them.
+    monkeypatch.setattr(contract, "MAX_LINE_BYTES", 64 * 1024)
+    good = b"\n".join(cluster_lines(400, override=_hot)) + b"\n"
+    alone = tmp_path / "good.jsonl"
+    alone.write_bytes(good)
+    baseline = _replay_peak_bytes(alone)
+    expected = capsys.readouterr().out
+    data = b"\0" * (8 << 20) + b"\n" + good
+    plain, packed = tmp_path / "zeros.jsonl", tmp_path / "zeros.jsonl.gz"
+    plain.write_bytes(data)
+    packed.write_bytes(gzip.compress(data))
+    for trace in (plain, packed):
+        peak = _replay_peak_bytes(trace)
+        out, err = capsys.readouterr()
+        assert out == expected and len(out.splitlines()) == 1
+        (cut,) = [line for line in err.splitlines() if "line exceeds 65536 bytes" in line]
+        assert trace.name in cut
+        assert peak < baseline + (4 << 20)        # read whole, the zeros alone would be 8 MB
+
+
+def test_bounded_lines_cuts_an_overlong_line_and_keeps_its_neighbours(monkeypatch):
+    monkeypatch.setattr(contract, "MAX_LINE_BYTES", 10)
+    lines = list(bounded_lines(io.BufferedReader(io.BytesIO(b"short\n" + b"x" * 100_000 + b"\nnext\nlast"))))
+    assert lines == [b"short\n", b"x" * 11, b"next\n", b"last"]
+
+
+def test_malformed_lines_are_logged_up_to_a_limit_then_counted(caplog):
+    caplog.set_level(logging.WARNING, logger="gpufleet.server.replay")
+    assert run_replay([b"{}"] * 5_000 + cluster_lines(60)) == []
+    skipped = [r for r in caplog.records if r.getMessage() == "skipping malformed line"]
+    assert len(skipped) == MALFORMED_LOGGED
+    (more,) = [r for r in caplog.records if r.getMessage() == "more malformed lines skipped"]
+    assert (more.malformed, more.not_logged) == (5_000, 5_000 - MALFORMED_LOGGED)

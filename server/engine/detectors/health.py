@@ -61,6 +61,14 @@ class HealthState:
         self.ecc_index = FingerprintIndex(AlertKind.ECC)
         self.xid_fps: dict[str, tuple[int, int]] = {}
 
+    def forget(self, slots: set[int], nid: int | None) -> None:
+        """Drop what is kept about a forgotten node's GPUs; its usual lag is learned again if it returns."""
+        self.events = [e for e in self.events if e.slot not in slots]
+        self.xid_last = {k: v for k, v in self.xid_last.items() if k[0] not in slots}
+        self.ecc_last = {k: v for k, v in self.ecc_last.items() if k not in slots}
+        if nid is not None and nid < len(self.lag_base):
+            self.lag_base[nid] = np.nan
+
 
 def detect(tick: Tick, state: HealthState, events: list[CounterEvent]) -> dict[AlertKind, Outcome]:
     """All health outcomes for this tick."""

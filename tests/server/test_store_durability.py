@@ -1,0 +1,123 @@
+"""A failed alert-store write (a full disk) is kept and retried every cycle until the store takes it."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+
+import httpx
+import orjson
+from fastapi.testclient import TestClient
+
+from gpufleet.server.api import create_app
+from gpufleet.server.ingest.puller import Puller
+from gpufleet.server.ingest.targets import StaticTargets
+from gpufleet.server.runtime import Runtime
+from gpufleet.server.settings import ServerSettings
+from gpufleet.server.store import AlertStore
+from tests.server.live_fakes import StubEngine, envelope, snapshot
+
+
+class FullDiskStore(AlertStore):
+    """SQLite whose writes raise what a full disk raises, while `full` is set."""
+
+    full = False
+
+    def upsert(self, alerts):
+        if self.full:
+            raise sqlite3.OperationalError("database or disk is full")
+        return super().upsert(alerts)
+
+    def remember_target_nodes(self, nodes):
+        if self.full:
+            raise sqlite3.OperationalError("database or disk is full")
+        return super().remember_target_nodes(nodes)
+
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _build(tmp_path, clock, engine=None):
+    settings = ServerSettings(storage_path=str(tmp_path / "alerts.db"))
+    hot = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0, temps=(95.0, 91.0))]))
+    puller = Puller(StaticTargets(("a:1",)), transport=httpx.MockTransport(lambda r: httpx.Response(200, content=hot)),
+                    parse=lambda raw: raw, clock=clock)
+    store = FullDiskStore(settings.storage_path)
+    runtime = Runtime(engine=engine or StubEngine(), puller=puller, store=store, clock=clock)
+    return runtime, store, TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
+
+
+def _metric(client: TestClient, name: str) -> float | None:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def test_alerts_that_fired_while_the_disk_was_full_are_written_once_it_has_room(tmp_path):
+    clock = Clock(5000.0)
+    runtime, store, client = _build(tmp_path, clock)
+    store.full = True
+    asyncio.run(runtime.cycle())                             # two GPUs start throttling: two alerts fire
+    assert [a.state.value for a in runtime.view.alerts] == ["firing", "firing"]
+    assert client.get("/alerts").json()["total"] == 0        # nothing reached the store
+    clock.t = 5030.0
+    asyncio.run(runtime.cycle())                             # still full: retried, still waiting
+    health = client.get("/healthz")
+    assert health.status_code == 503
+    assert health.json()["status"] == "degraded" and health.json()["store_unsaved_changes"] == 3   # 2 alerts, 1 node
+    assert health.json()["store_unsaved_age_seconds"] == 30.0
+    assert _metric(client, "gpufleet_server_store_unsaved_changes") == 3
+    assert _metric(client, "gpufleet_server_store_unsaved_age_seconds") == 30.0
+    assert _metric(client, "gpufleet_server_store_errors_total") == 2
+
+    store.full = False                                       # space returns; no new transition this cycle
+    clock.t = 5035.0
+    asyncio.run(runtime.cycle())
+    firing = client.get("/alerts", params={"state": "firing"}).json()
+    assert firing["total"] == 2
+    assert client.get("/healthz").json()["status"] == "ok"
+    assert _metric(client, "gpufleet_server_store_unsaved_changes") == 0
+    assert _metric(client, "gpufleet_server_store_unsaved_age_seconds") is None
+    assert store.target_nodes() == {"a:1": "dgx-01"}
+    store.close()
+
+    engine = StubEngine()                                    # and a restart restores both
+    runtime2, _, _ = _build(tmp_path, clock, engine=engine)
+    assert runtime2.restore() == 2
+    assert sorted(a.id for a in engine.restored) == sorted(a["id"] for a in firing["alerts"])
+
+
+def test_the_newest_state_of_an_alert_is_what_the_store_gets_after_an_outage(tmp_path):
+    clock = Clock(5000.0)
+    runtime, store, client = _build(tmp_path, clock)
+    store.full = True
+    asyncio.run(runtime.cycle())
+    (first, _) = runtime.view.alerts
+    runtime.engine._latest[("dgx-01", 0)] = (5040.0, 60.0, "j1")     # GPU 0 cools: its alert resolves
+    clock.t = 5045.0
+    asyncio.run(runtime.cycle())
+    store.full = False
+    asyncio.run(runtime.cycle())
+    assert store.get(first.id).state.value == "resolved"
+    assert [a.node for a in store.open_alerts()] == ["dgx-01"]
+
+
+def test_stopping_while_writes_wait_makes_one_last_try(tmp_path):
+    clock = Clock(5000.0)
+    runtime, store, _ = _build(tmp_path, clock)
+    store.full = True
+    asyncio.run(runtime.cycle())
+    store.full = False
+
+    async def stop():
+        await runtime.stop()
+
+    asyncio.run(stop())
+    reopened = AlertStore(tmp_path / "alerts.db")
+    assert len(reopened.open_alerts()) == 2
