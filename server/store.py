@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 MAX_PAGE = 1000
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS alerts (
+_ALERTS_TABLE = """
+CREATE TABLE IF NOT EXISTS {schema}alerts (
     id TEXT PRIMARY KEY,
     fingerprint TEXT NOT NULL,
     kind TEXT NOT NULL,
@@ -38,8 +38,10 @@ CREATE TABLE IF NOT EXISTS alerts (
     updated REAL NOT NULL,
     summary TEXT NOT NULL,
     evidence BLOB NOT NULL,
-    labels BLOB NOT NULL DEFAULT '{}'
+    labels BLOB NOT NULL DEFAULT '{{}}'
 );
+"""
+_SCHEMA = _ALERTS_TABLE.format(schema="") + """
 CREATE INDEX IF NOT EXISTS alerts_state ON alerts(state);
 CREATE INDEX IF NOT EXISTS alerts_order ON alerts(pending_since DESC, id);
 CREATE INDEX IF NOT EXISTS alerts_resolved ON alerts(resolved);
@@ -89,12 +91,17 @@ class AlertStore:
         self.retention_seconds = retention_seconds
         self.max_resolved = max_resolved
         self._lock = threading.Lock()
+        self._unsaved = 0        # rows in unsaved.alerts
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
             _add_missing_columns(self._db)
+            # Rows a failed write could not put on disk (a full disk): kept in memory, where the reads find
+            # them too, until the retried write succeeds. Nothing that fired goes missing from /alerts.
+            self._db.execute("ATTACH DATABASE ':memory:' AS unsaved")
+            self._db.executescript(_ALERTS_TABLE.format(schema="unsaved."))
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open alert store {self.path!r}: {exc}") from None
 
@@ -110,20 +117,31 @@ class AlertStore:
             return 0
         placeholders = ", ".join("?" * len(rows[0]))
         with self._lock:
-            with self._transaction():
-                self._db.executemany(f"INSERT OR REPLACE INTO alerts ({_COLUMNS}) VALUES ({placeholders})", rows)
+            try:
+                with self._transaction():
+                    self._db.executemany(f"INSERT OR REPLACE INTO main.alerts ({_COLUMNS}) VALUES ({placeholders})",
+                                         rows)
+            except sqlite3.Error:
+                self._db.executemany(f"INSERT OR REPLACE INTO unsaved.alerts ({_COLUMNS}) VALUES ({placeholders})",
+                                     rows)
+                self._unsaved = self._db.execute("SELECT COUNT(*) FROM unsaved.alerts").fetchone()[0]
+                raise
+            if self._unsaved:
+                self._db.executemany("DELETE FROM unsaved.alerts WHERE id = ?", [(row[0],) for row in rows])
+                self._unsaved = self._db.execute("SELECT COUNT(*) FROM unsaved.alerts").fetchone()[0]
         return len(rows)
 
     def open_alerts(self) -> list[Alert]:
         """Pending and firing alerts, oldest first: what the engine restores after a restart."""
-        sql = f"SELECT {_COLUMNS} FROM alerts WHERE state IN ('pending', 'firing') ORDER BY pending_since, id"
         with self._lock:
+            sql = (f"SELECT {_COLUMNS} FROM {self._alerts()} WHERE state IN ('pending', 'firing') "
+                   "ORDER BY pending_since, id")
             return [_from_row(r) for r in self._db.execute(sql)]
 
     def get(self, alert_id: str) -> Alert | None:
         """One alert occurrence by id."""
         with self._lock:
-            row = self._db.execute(f"SELECT {_COLUMNS} FROM alerts WHERE id = ?", (alert_id,)).fetchone()
+            row = self._db.execute(f"SELECT {_COLUMNS} FROM {self._alerts()} WHERE id = ?", (alert_id,)).fetchone()
         return _from_row(row) if row else None
 
     def query(self, q: AlertQuery) -> AlertPage:
@@ -131,9 +149,10 @@ class AlertStore:
         where, args = _where(q)
         limit = max(0, min(q.limit, MAX_PAGE))
         with self._lock:
-            total = self._db.execute(f"SELECT COUNT(*) FROM alerts {where}", args).fetchone()[0]
+            table = self._alerts()
+            total = self._db.execute(f"SELECT COUNT(*) FROM {table} {where}", args).fetchone()[0]
             rows = self._db.execute(
-                f"SELECT {_COLUMNS} FROM alerts {where} ORDER BY pending_since DESC, id LIMIT ? OFFSET ?",
+                f"SELECT {_COLUMNS} FROM {table} {where} ORDER BY pending_since DESC, id LIMIT ? OFFSET ?",
                 (*args, limit, max(0, q.offset)),
             ).fetchall()
         return AlertPage([_from_row(r) for r in rows], total)
@@ -155,14 +174,22 @@ class AlertStore:
         """Drop resolved alerts past the retention age or beyond the row cap; returns rows deleted."""
         with self._lock:
             with self._transaction():
-                old = self._db.execute("DELETE FROM alerts WHERE state = 'resolved' AND resolved < ?",
+                old = self._db.execute("DELETE FROM main.alerts WHERE state = 'resolved' AND resolved < ?",
                                        (now - self.retention_seconds,)).rowcount
                 extra = self._db.execute(
-                    "DELETE FROM alerts WHERE id IN (SELECT id FROM alerts WHERE state = 'resolved' "
+                    "DELETE FROM main.alerts WHERE id IN (SELECT id FROM main.alerts WHERE state = 'resolved' "
                     "ORDER BY resolved DESC LIMIT -1 OFFSET ?)", (self.max_resolved,)).rowcount
         if old or extra:
             log.info("alert history pruned", extra={"deleted": old + extra})
         return old + extra
+
+    def _alerts(self) -> str:
+        """The table reads use: the file's rows, overlaid with the unsaved ones while there are any (only
+        then, so that the usual reads keep the file's indexes). Called under the lock."""
+        if not self._unsaved:
+            return "main.alerts"
+        return ("(SELECT * FROM main.alerts WHERE id NOT IN (SELECT id FROM unsaved.alerts) "
+                "UNION ALL SELECT * FROM unsaved.alerts)")
 
     def _transaction(self) -> "_Tx":
         """BEGIN/COMMIT around a block (the connection is in autocommit mode)."""
@@ -179,7 +206,12 @@ class _Tx:
         self._db.execute("BEGIN")
 
     def __exit__(self, exc_type: object, *_: object) -> None:
-        self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+        if not exc_type:
+            self._db.execute("COMMIT")
+        elif self._db.in_transaction:
+            # SQLite rolls back by itself on some errors (a full disk): a second ROLLBACK would raise and
+            # hide the error that matters.
+            self._db.execute("ROLLBACK")
 
 
 def _where(q: AlertQuery) -> tuple[str, list[object]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from dataclasses import replace
 
 import httpx
 import orjson
@@ -15,7 +16,8 @@ from gpufleet.server.ingest.targets import StaticTargets
 from gpufleet.server.runtime import Runtime
 from gpufleet.server.settings import ServerSettings
 from gpufleet.server.store import AlertStore
-from tests.server.live_fakes import StubEngine, envelope, snapshot
+from gpufleet.server.alerts import AlertState
+from tests.server.live_fakes import StubEngine, envelope, make_alert, snapshot
 
 
 class FullDiskStore(AlertStore):
@@ -69,7 +71,8 @@ def test_alerts_that_fired_while_the_disk_was_full_are_written_once_it_has_room(
     clock.t = 5030.0
     asyncio.run(runtime.cycle())                             # still full: retried, still waiting
     health = client.get("/healthz")
-    assert health.status_code == 503
+    # Degraded, but 200: a liveness probe must not restart a server that would lose what waits.
+    assert health.status_code == 200 and health.json()["degraded_reason"] == "store_unsaved"
     assert health.json()["status"] == "degraded" and health.json()["store_unsaved_changes"] == 3   # 2 alerts, 1 node
     assert health.json()["store_unsaved_age_seconds"] == 30.0
     assert _metric(client, "gpufleet_server_store_unsaved_changes") == 3
@@ -121,3 +124,55 @@ def test_stopping_while_writes_wait_makes_one_last_try(tmp_path):
     asyncio.run(stop())
     reopened = AlertStore(tmp_path / "alerts.db")
     assert len(reopened.open_alerts()) == 2
+
+
+def test_alerts_a_full_disk_kept_out_of_the_file_are_listed_by_alerts_meanwhile(tmp_path):
+    """SQLite's own full-disk error (the file may not grow): /alerts, each alert's page and the restore list
+    show the alerts the write could not save, from memory, until the retried write takes them."""
+    clock = Clock(5000.0)
+    settings = ServerSettings(storage_path=str(tmp_path / "alerts.db"))
+    hot = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0, temps=(95.0, 91.0))]))
+    puller = Puller(StaticTargets(("a:1",)), transport=httpx.MockTransport(lambda r: httpx.Response(200, content=hot)),
+                    parse=lambda raw: raw, clock=clock)
+    store = AlertStore(settings.storage_path)
+    _fill(store)
+    runtime = Runtime(engine=StubEngine(), puller=puller, store=store, clock=clock)
+    client = TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
+
+    asyncio.run(runtime.cycle())
+    assert runtime.stats.store_errors_total >= 1
+    listed = client.get("/alerts", params={"state": "firing"}).json()
+    assert listed["total"] == 2
+    (first, _) = listed["alerts"]
+    assert client.get(f"/alerts/{first['id']}").json()["id"] == first["id"]
+    assert len(store.open_alerts()) == 2
+
+    store._db.execute("PRAGMA max_page_count = 1073741823")   # room again
+    clock.t = 5005.0
+    asyncio.run(runtime.cycle())
+    assert runtime.stats.store_unsaved_since is None
+    assert store._unsaved == 0
+    assert client.get("/alerts", params={"state": "firing"}).json()["total"] == 2
+    store.close()
+    reopened = AlertStore(settings.storage_path)
+    assert len(reopened.open_alerts()) == 2
+    reopened.close()
+
+
+def _fill(store: AlertStore) -> None:
+    """Let the file grow no further, then fill it with resolved alerts until SQLite says the disk is full."""
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages + 4}")
+    filler = make_alert(0, state=AlertState.RESOLVED)
+    n = 0
+    for pad in (1000, 100, 1):           # big rows fill the pages, then small ones their last gaps
+        while True:
+            n += 1
+            try:
+                store.upsert([replace(filler, id=f"filler-{n}", evidence={"pad": "x" * pad})])
+            except sqlite3.OperationalError as exc:
+                assert "full" in str(exc)
+                break
+            assert n < 10_000, "the file never filled up"
+    store._db.execute("DELETE FROM unsaved.alerts")
+    store._unsaved = 0
