@@ -216,7 +216,7 @@ class ServerSettings:
     pull_timeout_seconds: float = 4.0
     pull_max_bytes: int = 32 * 1024 * 1024
     pull_concurrency: int = 256
-    pull_first_concurrency: int = 32
+    pull_first_concurrency: int = 8
     pull_max_entries: int = 1_000_000
     pull_max_snapshots: int = 3600
     pull_max_gpus: int = 256
@@ -295,7 +295,7 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "pull.max-bytes": ("pull_max_bytes", parse_size, "largest accepted /snapshots answer (default 32MiB)"),
     "pull.concurrency": ("pull_concurrency", parse_positive_int, "pulls in flight at once (default 256)"),
     "pull.first-concurrency": ("pull_first_concurrency", parse_positive_int,
-                               "first pulls of targets (the engine's warm-up span each) read at once (default 32)"),
+                               "first pulls of targets (the engine's warm-up span each) read at once (default 8)"),
     "pull.max-entries": ("pull_max_entries", parse_positive_int,
                          "most JSON values in one /snapshots answer, counted before decoding (default 1000000)"),
     "pull.max-snapshots": ("pull_max_snapshots", parse_positive_int,

@@ -40,9 +40,15 @@ DEFAULT_MAX_NODES = 10_000
 # A target's first pull asks for this much of the agent's ring, not all of it: what the engine needs
 # to judge (its smoothing and minimum history), not the agent's whole 300 s or more.
 DEFAULT_FIRST_SPAN_SECONDS = 120.0
-# First pulls carry up to first_span of samples each: after a restart every target pulls at once, and
-# this many of them in flight stay well inside the deploy files' 1 GiB (docs/server.md, Limits).
-DEFAULT_FIRST_CONCURRENCY = 32
+# First pulls carry up to first_span of samples each, and after a restart every target pulls at once.
+# Their answers are read and decoded this many at a time (decoding is one thread anyway) ...
+DEFAULT_FIRST_CONCURRENCY = 8
+# ... and in one cycle they ask for this many target-seconds in all: each asks for first_span, or an equal
+# share of this when more targets pull for the first time (at least _MIN_FIRST_SPAN_SECONDS). All of a
+# cycle's samples are held until the engine takes them: this keeps a restart into a large fleet inside the
+# deploy files' 1 GiB (docs/server.md, Limits).
+DEFAULT_FIRST_BUDGET_SECONDS = 20_000.0
+_MIN_FIRST_SPAN_SECONDS = 10.0
 _MIN_SPAN_SECONDS = 1.0
 # Rejections that mean "the answer was too big": the next ask of that target covers half the span.
 _TOO_BIG = frozenset({"oversized", "too_many_entries", "too_many_snapshots"})
@@ -90,9 +96,9 @@ class PullResult:
 
 
 @contextlib.asynccontextmanager
-async def bounded(timeout_seconds: float) -> AsyncIterator[None]:
-    """One fetch from an agent or Prometheus: the whole answer within timeout_seconds, and every transport
-    failure as a PullError with its reason.
+async def bounded(timeout_seconds: float | None) -> AsyncIterator[None]:
+    """One fetch from an agent or Prometheus: the whole answer within timeout_seconds (None: no limit),
+    and every transport failure as a PullError with its reason.
 
     httpx's timeout bounds each connect or read, not the whole answer: a peer trickling a byte at a time
     would hold the cycle (and every other target's samples) for minutes.
@@ -210,6 +216,7 @@ class Puller(IngestAccounting):
         max_nodes: int = DEFAULT_MAX_NODES,
         first_span_seconds: float = DEFAULT_FIRST_SPAN_SECONDS,
         first_concurrency: int = DEFAULT_FIRST_CONCURRENCY,
+        first_budget_seconds: float = DEFAULT_FIRST_BUDGET_SECONDS,
     ) -> None:
         super().__init__()
         self.source = source
@@ -219,6 +226,8 @@ class Puller(IngestAccounting):
         self.max_gpus = max_gpus
         self.max_nodes = max_nodes
         self.first_span_seconds = first_span_seconds
+        self.first_budget_seconds = first_budget_seconds
+        self._cycle_first_span = first_span_seconds
         self.stale_after_seconds = stale_after_seconds
         self.max_future_seconds = max_future_seconds
         self._clock = clock
@@ -289,6 +298,7 @@ class Puller(IngestAccounting):
             self._forget_target(gone)
         for gone in set(self._clients) - set(targets):
             await self._clients.pop(gone).aclose()
+        self._cycle_first_span = self._first_span_now(targets)
         outcomes = await asyncio.gather(*(self._pull_target(t) for t in targets))
         samples = [s for ok, batch, _ in outcomes for s in batch]
         result = PullResult(
@@ -315,7 +325,7 @@ class Puller(IngestAccounting):
         now = self._clock()
         self.pulls_total += 1
         since = previous.last_sample_time
-        span = self._span.get(target, self.first_span_seconds if since is None else None)
+        span = self._span.get(target, self._cycle_first_span if since is None else None)
         try:
             async with self._semaphore, contextlib.AsyncExitStack() as held:
                 # A first (or shortened) pull is the big one: fewer of those are read at once (see _get).
@@ -341,6 +351,15 @@ class Puller(IngestAccounting):
         self._health[target] = replace(self._healthy(previous, node, now, newest, bool(samples)),
                                        clock_offset_seconds=self.clocks.estimate(target))
         return True, samples, rejected
+
+    def _first_span_now(self, targets: list[str]) -> float:
+        """What each first pull of this cycle asks for: first_span, or its share of the cycle's budget."""
+        firsts = sum(1 for t in targets if t not in self._span
+                     and (t not in self._health or self._health[t].last_sample_time is None))
+        if not firsts:
+            return self.first_span_seconds
+        share = self.first_budget_seconds / firsts
+        return min(self.first_span_seconds, max(share, _MIN_FIRST_SPAN_SECONDS))
 
     def _ask_since(self, target: str, since: float | None, span: float | None, now: float) -> float | None:
         """The `since` to send. With a span to keep to, and the agent's clock known, also no earlier than its
@@ -384,38 +403,41 @@ class Puller(IngestAccounting):
 
     async def _fetch(self, target: str, since: float | None, span: float | None = None,
                      gate: tuple[contextlib.AsyncExitStack, asyncio.Semaphore] | None = None) -> bytearray:
-        """GET the target's snapshots newer than `since` (and within `span` seconds of its newest) within the
-        pull timeout, refusing oversized bodies."""
-        async with bounded(self._timeout_seconds):
-            return await self._get(target, since, span, gate)
-
-    async def _get(self, target: str, since: float | None, span: float | None = None,
-                   gate: tuple[contextlib.AsyncExitStack, asyncio.Semaphore] | None = None) -> bytearray:
-        """The body of one `/snapshots` answer; PullError on a non-200 status or a body over the limit.
+        """GET the target's snapshots newer than `since` (and within `span` seconds of its newest), the agent's
+        part within the pull timeout, refusing oversized bodies; PullError on a non-200 status or a body over
+        the limit.
 
         With a gate, its semaphore is taken once the answer's headers are in, into the caller's exit stack
-        (released after decoding): so agents that do not answer hold no slot, and the bodies read or waiting
-        for the decoder at once are no more than the slots."""
+        (released after decoding): agents that do not answer hold no slot, and the bodies read or waiting for
+        the decoder at once are no more than the slots. The wait for a slot is ours, not the agent's: it is
+        left out of the agent's timeout."""
         url = f"{self._scheme}://{target}/snapshots"
         params = {}
         if since is not None:
             params["since"] = repr(since)
         if span is not None:
             params["span"] = repr(round(span, 3))
-        async with self._client(target).stream("GET", url, params=params or None) as response:
-            if response.status_code != 200:
-                raise PullError("http_status", str(response.status_code))
-            declared = response.headers.get("content-length")
-            if declared and declared.isdigit() and int(declared) > self.max_payload_bytes:
-                raise PullError("oversized", f"content-length {declared}")
+        loop = asyncio.get_running_loop()
+        async with bounded(None), contextlib.AsyncExitStack() as stream:   # closing the stream may fail too
+            started = loop.time()
+            async with bounded(self._timeout_seconds):
+                response = await stream.enter_async_context(
+                    self._client(target).stream("GET", url, params=params or None))
+                if response.status_code != 200:
+                    raise PullError("http_status", str(response.status_code))
+                declared = response.headers.get("content-length")
+                if declared and declared.isdigit() and int(declared) > self.max_payload_bytes:
+                    raise PullError("oversized", f"content-length {declared}")
+            left = self._timeout_seconds - (loop.time() - started)
             if gate is not None:
                 await gate[0].enter_async_context(gate[1])
-            buf = bytearray()
-            async for chunk in response.aiter_bytes():
-                buf += chunk
-                if len(buf) > self.max_payload_bytes:
-                    raise PullError("oversized", f"over {self.max_payload_bytes} bytes")
-            return buf  # orjson reads a bytearray as is: no second copy of a large body
+            async with bounded(max(left, 0.0)):
+                buf = bytearray()
+                async for chunk in response.aiter_bytes():
+                    buf += chunk
+                    if len(buf) > self.max_payload_bytes:
+                        raise PullError("oversized", f"over {self.max_payload_bytes} bytes")
+                return buf  # orjson reads a bytearray as is: no second copy of a large body
 
     def _load(self, body: bytes | bytearray) -> dict[str, Any]:
         """The answer's envelope, decoded and checked (on the decoder thread); its size is bounded first.

@@ -134,6 +134,19 @@ def test_a_first_pull_asks_for_the_engines_span_not_the_whole_ring() -> None:
     assert second.samples == []
 
 
+def test_many_first_pulls_in_one_cycle_share_a_budget_of_seconds() -> None:
+    # A restart into a large fleet: every target's first pull in the same cycle, and every sample of the
+    # cycle held until the engine takes them.
+    agents = RingAgents({f"10.0.0.{i}:9471": f"n{i}" for i in range(10)}, ring_seconds=200, gpus=1)
+    puller = make(agents, first_span_seconds=120.0, first_budget_seconds=300.0)
+    first = cycles(puller, 1)[0]
+    assert {span for _, _, span in agents.requests} == {"30.0"} and len(first.samples) == 300
+
+    agents = RingAgents({"a:1": "n1"}, ring_seconds=200, gpus=1)
+    puller = make(agents, first_span_seconds=120.0, first_budget_seconds=300.0)
+    assert len(cycles(puller, 1)[0].samples) == 120 and agents.requests[0][2] == "120.0"   # alone: the whole span
+
+
 def test_first_pulls_are_read_a_few_at_a_time_and_later_pulls_all_at_once() -> None:
     targets = {f"10.0.0.{i}:9471": f"n{i}" for i in range(12)}
     agents = RingAgents(targets, ring_seconds=3)
