@@ -300,3 +300,26 @@ def test_error_counts_read_by_metrics_do_not_change_under_the_reader() -> None:
     counts, rest = asyncio.run(go())
     assert len(rest) == 1 and dict(counts) == {("a:1", "malformed_json"): 1, ("b:1", "malformed_json"): 1}
     assert puller.errors[("c:1", "schema")] == 1 and puller.errors_by_reason()["malformed_json"] == 4
+
+
+# --- settings -----------------------------------------------------------------------------------------------
+
+def test_the_limits_are_settings_and_reach_the_puller(tmp_path) -> None:
+    import dataclasses
+
+    import pytest
+
+    from gpufleet.server.serve import build_source
+    from gpufleet.server.settings import ConfigError, load_settings
+
+    settings = load_settings(["--targets", "a:1", "--pull.max-snapshots", "100", "--pull.max-gpus", "16",
+                              "--pull.max-nodes", "50", "--pull.max-entries", "5000", "--pull.first-concurrency", "2",
+                              "--storage.path", str(tmp_path / "s.db")], env={})
+    settings = dataclasses.replace(settings, engine={"min_history_seconds": 200})
+    puller = build_source(settings)
+    assert (puller.max_snapshots, puller.max_gpus, puller.max_nodes, puller.max_entries) == (100, 16, 50, 5000)
+    assert puller.first_span_seconds == 200.0
+    with pytest.raises(ConfigError, match="pull.max-gpus"):
+        load_settings(["--pull.max-gpus", "300"], env={})
+    with pytest.raises(ConfigError, match="pull.max-nodes"):
+        load_settings(["--pull.max-nodes", "0"], env={})
