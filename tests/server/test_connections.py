@@ -17,7 +17,7 @@ IDLE_SOCKETS = 150
 FILE_LIMIT = 64          # the server's open-file limit, lowered in its process: half is its connection budget
 
 
-def accept_error(n: int) -> logging.LogRecord:
+def accept_error() -> logging.LogRecord:
     return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system resource",
                              (), None)
 
@@ -28,7 +28,7 @@ def test_accept_errors_are_logged_once_per_interval_with_the_count_held_back() -
     passed = []
     for i in range(1000):                                   # 1000 retries over 25 s
         now[0] = i * 0.025
-        record = accept_error(i)
+        record = accept_error()
         if flt.filter(record):
             passed.append((now[0], record.repeated))
     assert passed == [(0.0, 0), (10.0, 399), (20.0, 399)]
