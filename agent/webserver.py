@@ -121,17 +121,18 @@ class AgentHttpServer:
         return HTTPStatus.OK, JSON, pub.snapshot_json
 
     def snapshots(self, query: str) -> tuple[int, str, bytes]:
-        """Buffered snapshots newer than ?since=, oldest first."""
-        values = parse_qs(query, keep_blank_values=True).get("since")
-        since = None
-        if values:
-            try:
-                since = float(values[-1])
-            except ValueError:
-                since = math.nan
-            if not math.isfinite(since):
-                return _error(HTTPStatus.BAD_REQUEST, "bad_since", "since must be unix seconds, e.g. 1763800000.5")
+        """Buffered snapshots newer than ?since= and, with ?span=, within that many seconds of the newest
+        (what a server pulling for the first time asks for), oldest first."""
+        params = parse_qs(query, keep_blank_values=True)
+        since, span = _query_number(params, "since"), _query_number(params, "span")
+        if since is not None and not math.isfinite(since):
+            return _error(HTTPStatus.BAD_REQUEST, "bad_since", "since must be unix seconds, e.g. 1763800000.5")
+        if span is not None and not (math.isfinite(span) and span > 0):
+            return _error(HTTPStatus.BAD_REQUEST, "bad_span", "span must be positive seconds, e.g. 120")
         pub = self.store.latest()
+        if span is not None and pub is not None and pub.snapshot is not None:
+            floor = pub.snapshot.time - span
+            since = floor if since is None else max(since, floor)
         node = pub.health.node if pub is not None else ""
         now = self.clock()
         # Retention counts back from now: a ring kept through an NVML outage is not served as recent.
@@ -409,6 +410,17 @@ class RateLimitedLog:
         count = self._pending.pop(kind)
         self._log.warning(message, extra={"kind": kind, "count": count, "interval_seconds": self._interval,
                                           **context})
+
+
+def _query_number(params: dict[str, list[str]], name: str) -> float | None:
+    """The query's last value of `name` as a float (NaN when it is not a number); None when absent."""
+    values = params.get(name)
+    if not values:
+        return None
+    try:
+        return float(values[-1])
+    except ValueError:
+        return math.nan
 
 
 def _error(status: HTTPStatus, code: str, message: str) -> tuple[int, str, bytes]:

@@ -26,12 +26,13 @@ import binascii
 import hashlib
 import logging
 import os
+import re
 import ssl
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
@@ -302,8 +303,18 @@ def _bcrypt_check(password: bytes, hashed: bytes) -> bool:
     return bcrypt.checkpw(password, hashed)
 
 
-# Checked against when the user is unknown, so a wrong user name costs what a wrong password does.
-_DUMMY_HASH = b"$2b$10$FV9eR.BzSzWyKfk.znaVtu0lNqfdEdvTEUdRcGFcLM.5T4TUB07ru"
+# Checked against when the user is unknown, so a wrong user name costs what a wrong password does. Its
+# cost is set to the highest among the configured hashes (dummy_hash): bcrypt's time doubles with each
+# step, and a cheaper dummy would tell unknown user names from known ones by the time of the answer.
+_DUMMY_SALT_AND_DIGEST = b"FV9eR.BzSzWyKfk.znaVtu0lNqfdEdvTEUdRcGFcLM.5T4TUB07ru"
+_DEFAULT_COST = 10
+_BCRYPT_COST = re.compile(rb"\$2[abxy]?\$(\d\d)\$")
+
+
+def dummy_hash(hashes: Iterable[bytes]) -> bytes:
+    """A bcrypt hash matching no password, at the highest cost among `hashes` (10 when none says)."""
+    costs = [int(m.group(1)) for m in map(_BCRYPT_COST.match, hashes) if m and 4 <= int(m.group(1)) <= 31]
+    return b"$2b$%02d$" % max(costs, default=_DEFAULT_COST) + _DUMMY_SALT_AND_DIGEST
 
 
 class BasicAuth:
@@ -311,6 +322,7 @@ class BasicAuth:
 
     def __init__(self, users: Mapping[str, bytes], check: Callable[[bytes, bytes], bool] | None = None) -> None:
         self._users = dict(users)
+        self._dummy = dummy_hash(self._users.values())
         self._check = check or _bcrypt_check
         self._cache: OrderedDict[bytes, bool] = OrderedDict()
         self._lock = threading.Lock()
@@ -326,7 +338,7 @@ class BasicAuth:
             return known
         hashed = self._users.get(user)
         try:
-            ok = self._check(password.encode(), hashed or _DUMMY_HASH) and hashed is not None
+            ok = self._check(password.encode(), hashed or self._dummy) and hashed is not None
         except ValueError:            # a malformed hash cannot match anything
             ok = False
         with self._lock:

@@ -17,6 +17,8 @@ import uvicorn
 
 from gpufleet.logs import configure_logging
 from gpufleet.webconfig import WebConfigError, load_web_config
+from gpufleet.server.connections import (KEEP_ALIVE_SECONDS, bounded_protocol, limit_accept_error_logs,
+                                         raise_descriptor_limit)
 from gpufleet.server.ingest.prometheus import PrometheusSource
 from gpufleet.server.ingest.puller import Puller
 from gpufleet.server.ingest.targets import (CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError,
@@ -97,7 +99,19 @@ def build_source(settings: ServerSettings, *, clock: Callable[[], float] = time.
                   max_payload_bytes=settings.pull_max_bytes, concurrency=settings.pull_concurrency,
                   stale_after_seconds=settings.pull_stale_after_seconds, transport=transport, clock=clock,
                   parse=parse, clock_offset_min_seconds=settings.pull_clock_offset_min_seconds,
-                  scheme=settings.pull_scheme, verify=agents.ssl_context, auth=agents.auth)
+                  scheme=settings.pull_scheme, verify=agents.ssl_context, auth=agents.auth,
+                  max_entries=settings.pull_max_entries, max_snapshots=settings.pull_max_snapshots,
+                  max_gpus=settings.pull_max_gpus, max_nodes=settings.pull_max_nodes,
+                  first_span_seconds=first_span(settings), first_concurrency=settings.pull_first_concurrency)
+
+
+def first_span(settings: ServerSettings) -> float:
+    """How far back a target's first pull reaches: the history the engine needs before it judges a job
+    (its minimum history, or its smoothing window if longer), not the agent's whole ring."""
+    from gpufleet.server.engine.config import EngineConfig
+
+    config = EngineConfig.from_mapping(dict(settings.engine))
+    return max(config.min_history_seconds, config.smooth_seconds)
 
 
 def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callable[[], float] = time.time,
@@ -127,7 +141,7 @@ def listen_socket(address: str) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, int(port)))
-        sock.listen(2048)
+        sock.listen(2048)   # a fleet's scrapers and browsers may all connect in one instant
     except OSError:
         sock.close()
         raise
@@ -143,8 +157,13 @@ def bound_address(address: str, sock: socket.socket) -> str:
 def uvicorn_server(settings: ServerSettings, app: Any, tls: ssl.SSLContext | None = None) -> uvicorn.Server:
     """A uvicorn server for the app that leaves logging and signals to us (HTTPS with `tls`)."""
     host, _, port = settings.listen_address.rpartition(":")
+    protocol = bounded_protocol(settings.web_max_connections, settings.web_read_header_timeout_seconds)
+    # The protocol bounds connections; uvicorn's limit_concurrency (answering 503 beyond it) bounds the
+    # requests in progress, with room for connections that are being closed to make way for new ones.
     config = uvicorn.Config(app, host=host or "0.0.0.0", port=int(port), log_config=None, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=5)
+                            lifespan="on", timeout_graceful_shutdown=5, http=protocol,
+                            limit_concurrency=2 * settings.web_max_connections,
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
     if tls is not None:
         # The context from --web.config.file as it is (minimum version, client CA): uvicorn's own options
         # cannot say all of that. serve() loads a config only once, so this one stands.
@@ -246,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except WebConfigError as exc:
             raise ConfigError(f"--web.config.file: {exc}") from None
         configure_logging(settings.log_level, settings.log_format)
+        limit_accept_error_logs()
+        raise_descriptor_limit()
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pull would drown the log
         check_storage_folder(settings)
     except (ConfigError, TargetError, StoreError, ValueError) as exc:

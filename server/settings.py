@@ -202,6 +202,11 @@ class ServerSettings:
     pull_timeout_seconds: float = 4.0
     pull_max_bytes: int = 32 * 1024 * 1024
     pull_concurrency: int = 256
+    pull_first_concurrency: int = 8
+    pull_max_entries: int = 1_000_000
+    pull_max_snapshots: int = 3600
+    pull_max_gpus: int = 256
+    pull_max_nodes: int = 10_000
     pull_stale_after_seconds: float = 30.0
     pull_clock_offset_min_seconds: float = 10.0
     pull_scheme: str = "http"
@@ -218,6 +223,8 @@ class ServerSettings:
     alert_external_labels: Mapping[str, str] = field(default_factory=dict)
     alert_runbook_url: str | None = None
     web_config_file: str | None = None
+    web_max_connections: int = 1024
+    web_read_header_timeout_seconds: float = 10.0
     log_level: str = "info"
     log_format: str = "json"
     engine: Mapping[str, Any] = field(default_factory=dict)
@@ -259,6 +266,12 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "web.external-url": ("external_url", parse_url, "URL this server is reached at, for links in notifications"),
     "web.config.file": ("web_config_file", parse_file,
                         "TLS and basic auth for the API and /metrics: a Prometheus exporter-toolkit web config"),
+    "web.max-connections": ("web_max_connections", parse_positive_int,
+                            "most open API connections; more are closed at once (default 1024, less the "
+                            "file descriptors the server needs beside them)"),
+    "web.read-header-timeout": ("web_read_header_timeout_seconds", parse_duration,
+                                "close an API connection that has not sent its request head within this "
+                                "(default 10s)"),
     "targets": ("targets", parse_targets, "comma-separated agent addresses HOST:PORT"),
     "targets.file-sd": ("targets_file_sd", str, "Prometheus file_sd JSON/YAML file of agents, reloaded on change"),
     "targets.dns": ("targets_dns", str, "NAME:PORT resolving to every agent (e.g. a headless Service)"),
@@ -275,6 +288,15 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "pull.timeout": ("pull_timeout_seconds", parse_duration, "timeout of one pull (default 4s)"),
     "pull.max-bytes": ("pull_max_bytes", parse_size, "largest accepted /snapshots answer (default 32MiB)"),
     "pull.concurrency": ("pull_concurrency", parse_positive_int, "pulls in flight at once (default 256)"),
+    "pull.first-concurrency": ("pull_first_concurrency", parse_positive_int,
+                               "first pulls of targets (the engine's warm-up span each) read at once (default 8)"),
+    "pull.max-entries": ("pull_max_entries", parse_positive_int,
+                         "most JSON values in one /snapshots answer, counted before decoding (default 1000000)"),
+    "pull.max-snapshots": ("pull_max_snapshots", parse_positive_int,
+                           "most snapshots in one /snapshots answer (default 3600)"),
+    "pull.max-gpus": ("pull_max_gpus", parse_positive_int,
+                      "most GPUs in one snapshot, and distinct GPU indices per node (default 256)"),
+    "pull.max-nodes": ("pull_max_nodes", parse_positive_int, "most nodes tracked at once (default 10000)"),
     "pull.stale-after": ("pull_stale_after_seconds", parse_duration,
                          "mark an agent stale when it sends no new sample for this long (default 30s)"),
     "pull.clock-offset-min": ("pull_clock_offset_min_seconds", parse_duration_or_off,
@@ -336,6 +358,8 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None,
         # As Prometheus refuses a scrape timeout above its interval: pulls would pile up behind each other.
         raise ConfigError(f"pull.timeout ({settings.pull_timeout_seconds:g}s) must not exceed pull.interval "
                           f"({settings.pull_interval_seconds:g}s)")
+    if settings.pull_max_gpus > 256:
+        raise ConfigError(f"pull.max-gpus ({settings.pull_max_gpus}) must not exceed 256, the snapshot contract's most")
     _check_clients(settings)
     if settings.prometheus_url and (settings.targets or settings.targets_file_sd or settings.targets_dns):
         # Two sources for the same agents would feed the engine every sample twice, under two timestamps.

@@ -10,12 +10,14 @@ engine, and never moves a target's `since` somewhere its good samples cannot fol
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import ssl
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any, AsyncIterator, Callable, Mapping
 
 import httpx
@@ -27,6 +29,29 @@ from gpufleet.server.ingest.targets import TargetSource
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
+# What one answer may hold, checked before it is decoded (see _load): decoding builds a Python object per
+# JSON value, ~100 bytes each, so the cost of an answer is its count of values, not its bytes (a 4 MB body
+# of `{},` is two million objects). A gpufleet agent sends ~50 values per GPU per snapshot: a million is
+# 40 minutes of an 8-GPU node sampled every second.
+DEFAULT_MAX_ENTRIES = 1_000_000
+DEFAULT_MAX_SNAPSHOTS = 3600
+DEFAULT_MAX_GPUS = 256          # per snapshot, and distinct GPU indices per node
+DEFAULT_MAX_NODES = 10_000
+# A target's first pull asks for this much of the agent's ring, not all of it: what the engine needs
+# to judge (its smoothing and minimum history), not the agent's whole 300 s or more.
+DEFAULT_FIRST_SPAN_SECONDS = 120.0
+# First pulls carry up to first_span of samples each, and after a restart every target pulls at once.
+# Their answers are read and decoded this many at a time (decoding is one thread anyway) ...
+DEFAULT_FIRST_CONCURRENCY = 8
+# ... and in one cycle they ask for this many target-seconds in all: each asks for first_span, or an equal
+# share of this when more targets pull for the first time (at least _MIN_FIRST_SPAN_SECONDS). All of a
+# cycle's samples are held until the engine takes them: this keeps a restart into a large fleet inside the
+# deploy files' 1 GiB (docs/server.md, Limits).
+DEFAULT_FIRST_BUDGET_SECONDS = 20_000.0
+_MIN_FIRST_SPAN_SECONDS = 10.0
+_MIN_SPAN_SECONDS = 1.0
+# Rejections that mean "the answer was too big": the next ask of that target covers half the span.
+_TOO_BIG = frozenset({"oversized", "too_many_entries", "too_many_snapshots"})
 # A sample stamped further ahead of the server's clock than this is a broken agent clock, not skew to absorb:
 # taken, it would sit in the engine's future and drag the target's `since` past every honest sample after it.
 DEFAULT_MAX_FUTURE_SECONDS = 300.0
@@ -80,9 +105,9 @@ class PullResult:
 
 
 @contextlib.asynccontextmanager
-async def bounded(timeout_seconds: float) -> AsyncIterator[None]:
-    """One fetch from an agent or Prometheus: the whole answer within timeout_seconds, and every transport
-    failure as a PullError with its reason.
+async def bounded(timeout_seconds: float | None) -> AsyncIterator[None]:
+    """One fetch from an agent or Prometheus: the whole answer within timeout_seconds (None: no limit),
+    and every transport failure as a PullError with its reason.
 
     httpx's timeout bounds each connect or read, not the whole answer: a peer trickling a byte at a time
     would hold the cycle (and every other target's samples) for minutes.
@@ -118,8 +143,13 @@ class IngestAccounting:
     """What every sample source counts for /metrics, and its error log that cannot flood."""
 
     def __init__(self) -> None:
-        self.errors: Counter[tuple[str, str]] = Counter()   # (target, reason) -> count, current targets
-        self._gone_errors: Counter[str] = Counter()          # reason -> count, targets since removed
+        # (target, reason) -> count for current targets, and reason -> count for targets since removed: both
+        # changed on the event loop only. /metrics reads them from a worker thread, so it gets the immutable
+        # copies published at the end of each cycle (iterating a dict the loop changes raises).
+        self._errors: Counter[tuple[str, str]] = Counter()
+        self._gone_errors: Counter[str] = Counter()
+        self._published: tuple[Mapping[tuple[str, str], int], Mapping[str, int]] = (
+            MappingProxyType({}), MappingProxyType({}))
         self.pulls_total = 0
         self.samples_total = 0
         self.cycles_total = 0
@@ -132,6 +162,7 @@ class IngestAccounting:
         self.cycles_total += 1
         self.samples_total += len(result.samples)
         self.last_cycle = result
+        self._publish_errors()
         self._note_blind(self._blindness(result))
         return result
 
@@ -150,23 +181,34 @@ class IngestAccounting:
         elif previous is not None:
             log.info("ingest sees GPU samples again", extra={"after": previous.reason})
 
+    def _publish_errors(self) -> None:
+        """Swap in fresh read-only copies of the error counts, as one tuple: a reader gets both or neither."""
+        self._published = (MappingProxyType(dict(self._errors)), MappingProxyType(dict(self._gone_errors)))
+
+    @property
+    def errors(self) -> Mapping[tuple[str, str], int]:
+        """Rejections by (target, reason) for current targets, as of the end of the last cycle (read-only)."""
+        return self._published[0]
+
     def errors_by_reason(self) -> Counter[str]:
-        """Every rejection ever counted, by reason (never decreasing: gone targets' counts included)."""
-        total = Counter(self._gone_errors)
-        for (_, reason), n in self.errors.items():
+        """Every rejection counted up to the last cycle, by reason (never decreasing: gone targets' counts
+        included); safe from any thread."""
+        current, gone = self._published
+        total = Counter(gone)
+        for (_, reason), n in current.items():
             total[reason] += n
         return total
 
     def _forget_target(self, target: str) -> None:
         """A target left discovery: its per-target series go (on Kubernetes every agent restart is a new
         address, and they would pile up), its counts stay in the per-reason totals."""
-        for key in [k for k in self.errors if k[0] == target]:
-            self._gone_errors[key[1]] += self.errors.pop(key)
+        for key in [k for k in self._errors if k[0] == target]:
+            self._gone_errors[key[1]] += self._errors.pop(key)
 
     def _count_error(self, key: tuple[str, str], detail: str, message: str, extra: Mapping[str, Any]) -> None:
         """Count one rejection under (target, reason); log the 1st, 2nd, 4th, 8th... of each to bound noise."""
-        self.errors[key] += 1
-        count = self.errors[key]
+        self._errors[key] += 1
+        count = self._errors[key]
         if count & (count - 1):
             return
         log.warning(message, extra={**extra, "reason": key[1], "detail": detail[:300], "count": count})
@@ -221,10 +263,24 @@ class Puller(IngestAccounting):
         clock_offset_min_seconds: float = DEFAULT_MIN_OFFSET_SECONDS,
         verify: ssl.SSLContext | None = None,
         auth: httpx.Auth | None = None,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
+        max_gpus: int = DEFAULT_MAX_GPUS,
+        max_nodes: int = DEFAULT_MAX_NODES,
+        first_span_seconds: float = DEFAULT_FIRST_SPAN_SECONDS,
+        first_concurrency: int = DEFAULT_FIRST_CONCURRENCY,
+        first_budget_seconds: float = DEFAULT_FIRST_BUDGET_SECONDS,
     ) -> None:
         super().__init__()
         self.source = source
         self.max_payload_bytes = max_payload_bytes
+        self.max_entries = max_entries
+        self.max_snapshots = max_snapshots
+        self.max_gpus = max_gpus
+        self.max_nodes = max_nodes
+        self.first_span_seconds = first_span_seconds
+        self.first_budget_seconds = first_budget_seconds
+        self._cycle_first_span = first_span_seconds
         self.stale_after_seconds = stale_after_seconds
         self.max_future_seconds = max_future_seconds
         self.max_past_seconds = max_past_seconds
@@ -232,6 +288,18 @@ class Puller(IngestAccounting):
         self._parse = parse or _default_parse()
         self._scheme = scheme
         self._semaphore = asyncio.Semaphore(concurrency)
+        self._first_semaphore = asyncio.Semaphore(min(first_concurrency, concurrency))
+        # Decoding and validation run here, one answer at a time: off the event loop (which keeps serving
+        # the API and pulling), and with a single decoded answer in memory at once.
+        self._decoder: concurrent.futures.ThreadPoolExecutor | None = None
+        # Per target, the span (seconds back from its newest sample) to ask for instead of everything
+        # since its `since`: set for a first pull, halved after a too-big answer, cleared by a good one.
+        self._span: dict[str, float] = {}
+        # Identity: the node each target answers for, which target answers for each node, and the GPU
+        # indices each node has shown (all bounded: see _claim and _gpus_fit).
+        self._node_of: dict[str, str] = {}
+        self._target_of: dict[str, str] = {}
+        self._gpus_of: dict[str, set[int]] = {}
         self._transport = transport
         self._timeout_seconds = timeout_seconds
         self._timeout = httpx.Timeout(timeout_seconds)
@@ -247,6 +315,9 @@ class Puller(IngestAccounting):
         """Close every target's connection."""
         clients, self._clients = list(self._clients.values()), {}
         await asyncio.gather(*(c.aclose() for c in clients))
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
+            decoder.shutdown(wait=False)
 
     def _client(self, target: str) -> httpx.AsyncClient:
         """The target's keep-alive client, created on first use."""
@@ -275,10 +346,13 @@ class Puller(IngestAccounting):
         for gone in set(self._health) - set(targets):
             del self._health[gone]
             self.clocks.forget(gone)
-        for gone in {t for t, _ in self.errors} - set(targets):
+        for gone in (set(self._node_of) | set(self._span)) - set(targets):
+            self._forget_identity(gone)
+        for gone in {t for t, _ in self._errors} - set(targets):
             self._forget_target(gone)
         for gone in set(self._clients) - set(targets):
             await self._clients.pop(gone).aclose()
+        self._cycle_first_span = self._first_span_now(targets)
         outcomes = await asyncio.gather(*(self._pull_target(t) for t in targets))
         samples = [s for ok, batch, _ in outcomes for s in batch]
         result = PullResult(
@@ -304,22 +378,70 @@ class Puller(IngestAccounting):
         previous = self._health.get(target) or TargetHealth(target=target)
         now = self._clock()
         self.pulls_total += 1
+        since = previous.last_sample_time
+        span = self._span.get(target, self._cycle_first_span if since is None else None)
         try:
-            async with self._semaphore:
-                body = await self._fetch(target, previous.last_sample_time)
-            # The clock is read again on arrival: the fetch may have waited for the semaphore and the
-            # agent, and that wait would read as the agent's clock running behind.
-            node, samples, rejected, newest = self._decode(target, body, previous.last_sample_time, self._clock())
+            async with self._semaphore, contextlib.AsyncExitStack() as held:
+                # A first (or shortened) pull is the big one: fewer of those are read at once (see _get).
+                gate = (held, self._first_semaphore) if span is not None else None
+                body = await self._fetch(target, self._ask_since(target, since, span, now), span, gate)
+                # The clock is read again on arrival: the fetch may have waited for the semaphore and the
+                # agent, and that wait would read as the agent's clock running behind.
+                arrived = self._clock()
+                doc = await self._off_loop(self._load, body)
+                del body
+                node, samples, rejected, newest = await self._decode(target, doc, since, arrived)
         except PullError as exc:
+            if exc.reason in _TOO_BIG:
+                self._shrink(target, since, span, now)
             self._record_error(target, exc.reason, exc.detail)
             self._health[target] = replace(
                 previous, up=False, last_attempt=now, last_error=str(exc),
                 consecutive_failures=previous.consecutive_failures + 1,
             )
             return False, [], 0
+        if newest is not None:
+            self._span.pop(target, None)
         self._health[target] = replace(self._healthy(previous, node, now, newest, bool(samples)),
                                        clock_offset_seconds=self.clocks.estimate(target))
         return True, samples, rejected
+
+    def _first_span_now(self, targets: list[str]) -> float:
+        """What each first pull of this cycle asks for: first_span, or its share of the cycle's budget."""
+        firsts = sum(1 for t in targets if t not in self._span
+                     and (t not in self._health or self._health[t].last_sample_time is None))
+        if not firsts:
+            return self.first_span_seconds
+        share = self.first_budget_seconds / firsts
+        return min(self.first_span_seconds, max(share, _MIN_FIRST_SPAN_SECONDS))
+
+    def _ask_since(self, target: str, since: float | None, span: float | None, now: float) -> float | None:
+        """The `since` to send. With a span to keep to, and the agent's clock known, also no earlier than its
+        newest sample less the span: agents that do not know the `span` parameter keep to it that way."""
+        offset = self.clocks.estimate(target)
+        if span is None or offset is None:
+            return since
+        floor = now + offset - span
+        return floor if since is None else max(since, floor)
+
+    def _shrink(self, target: str, since: float | None, span: float | None, now: float) -> None:
+        """After a too-big answer, ask the target for half the span next time rather than the same again
+        (what lies before it is skipped: a gap, where asking again would bring nothing ever)."""
+        if span is None:
+            offset = self.clocks.estimate(target)
+            gap = now + offset - since if since is not None and offset is not None else self.first_span_seconds
+            span = max(gap, _MIN_SPAN_SECONDS)
+        shorter = max(span / 2, _MIN_SPAN_SECONDS)
+        if shorter < span:
+            log.warning("answer too big: asking the agent for a shorter span",
+                        extra={"target": target, "span_seconds": round(shorter, 3)})
+        self._span[target] = shorter
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the decoder thread."""
+        if self._decoder is None:
+            self._decoder = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufleet-decode")
+        return await asyncio.get_running_loop().run_in_executor(self._decoder, fn, *args)
 
     def _healthy(self, previous: TargetHealth, node: str | None, now: float, newest: float | None,
                  got_new: bool) -> TargetHealth:
@@ -333,34 +455,53 @@ class Puller(IngestAccounting):
             last_new_data=last_new, last_sample_time=newest, consecutive_failures=0, last_error=None,
         )
 
-    async def _fetch(self, target: str, since: float | None) -> bytearray:
-        """GET the target's snapshots newer than `since` within the pull timeout, refusing oversized bodies."""
-        async with bounded(self._timeout_seconds):
-            return await self._get(target, since)
+    async def _fetch(self, target: str, since: float | None, span: float | None = None,
+                     gate: tuple[contextlib.AsyncExitStack, asyncio.Semaphore] | None = None) -> bytearray:
+        """GET the target's snapshots newer than `since` (and within `span` seconds of its newest), the agent's
+        part within the pull timeout, refusing oversized bodies; PullError on a non-200 status or a body over
+        the limit.
 
-    async def _get(self, target: str, since: float | None) -> bytearray:
-        """The body of one `/snapshots` answer; PullError on a non-200 status or a body over the limit."""
+        With a gate, its semaphore is taken once the answer's headers are in, into the caller's exit stack
+        (released after decoding): agents that do not answer hold no slot, and the bodies read or waiting for
+        the decoder at once are no more than the slots. The wait for a slot is ours, not the agent's: it is
+        left out of the agent's timeout."""
         url = f"{self._scheme}://{target}/snapshots"
-        params = {"since": repr(since)} if since is not None else None
-        async with self._client(target).stream("GET", url, params=params) as response:
-            if response.status_code != 200:
-                raise PullError("http_status", str(response.status_code))
-            declared = response.headers.get("content-length")
-            if declared and declared.isdigit() and int(declared) > self.max_payload_bytes:
-                raise PullError("oversized", f"content-length {declared}")
-            buf = bytearray()
-            async for chunk in response.aiter_bytes():
-                buf += chunk
-                if len(buf) > self.max_payload_bytes:
-                    raise PullError("oversized", f"over {self.max_payload_bytes} bytes")
-            return buf  # orjson reads a bytearray as is: no second copy of a large body
+        params = {}
+        if since is not None:
+            params["since"] = repr(since)
+        if span is not None:
+            params["span"] = repr(round(span, 3))
+        loop = asyncio.get_running_loop()
+        async with bounded(None), contextlib.AsyncExitStack() as stream:   # closing the stream may fail too
+            started = loop.time()
+            async with bounded(self._timeout_seconds):
+                response = await stream.enter_async_context(
+                    self._client(target).stream("GET", url, params=params or None))
+                if response.status_code != 200:
+                    raise PullError("http_status", str(response.status_code))
+                declared = response.headers.get("content-length")
+                if declared and declared.isdigit() and int(declared) > self.max_payload_bytes:
+                    raise PullError("oversized", f"content-length {declared}")
+            left = self._timeout_seconds - (loop.time() - started)
+            if gate is not None:
+                await gate[0].enter_async_context(gate[1])
+            async with bounded(max(left, 0.0)):
+                buf = bytearray()
+                async for chunk in response.aiter_bytes():
+                    buf += chunk
+                    if len(buf) > self.max_payload_bytes:
+                        raise PullError("oversized", f"over {self.max_payload_bytes} bytes")
+                return buf  # orjson reads a bytearray as is: no second copy of a large body
 
-    def _decode(self, target: str, body: bytes | bytearray, since: float | None, now: float
-                ) -> tuple[str | None, list[Any], int, float | None]:
-        """Validate the envelope and each snapshot; returns (node, samples, rejected count, newest time).
+    def _load(self, body: bytes | bytearray) -> dict[str, Any]:
+        """The answer's envelope, decoded and checked (on the decoder thread); its size is bounded first.
 
-        `since` and the newest time are in the agent's clock (they are what it is asked for next); the
-        samples' times are in ours, less the clock offset the answer's stamp shows (ClockOffsets)."""
+        Every JSON value but the first is preceded by a ',' or opens a '{' or '[' (its container), so their
+        count bounds the number of values, and so the decoder's work and memory, before it starts; a
+        ',', '{' or '[' inside a string only makes the bound more cautious."""
+        entries = body.count(b",") + body.count(b"{") + body.count(b"[") + 1
+        if entries > self.max_entries:
+            raise PullError("too_many_entries", f"up to {entries} JSON values, over {self.max_entries}")
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -369,7 +510,17 @@ class Puller(IngestAccounting):
             raise PullError("schema", "envelope without a 'snapshots' list")
         if doc.get("schema") != 1:
             raise PullError("schema", f"unsupported schema {doc.get('schema')!r}")
-        node = doc.get("node") if isinstance(doc.get("node"), str) else None
+        if len(doc["snapshots"]) > self.max_snapshots:
+            raise PullError("too_many_snapshots", f"{len(doc['snapshots'])} snapshots, over {self.max_snapshots}")
+        return doc
+
+    async def _decode(self, target: str, doc: dict[str, Any], since: float | None, now: float
+                      ) -> tuple[str | None, list[Any], int, float | None]:
+        """Validate each snapshot of a loaded answer; returns (node, samples, rejected count, newest time).
+
+        `since` and the newest time are in the agent's clock (they are what it is asked for next); the
+        samples' times are in ours, less the clock offset the answer's stamp shows (ClockOffsets)."""
+        node = self._claim(target, doc)
         served = self._agent_clock(_number(doc.get("time")), doc["snapshots"], now)
         # Samples are stamped in the agent's clock: one far ahead of the server's is only broken when it is
         # also ahead of the agent's own (a clock stepped forward is an offset to learn, not a fault).
@@ -386,6 +537,11 @@ class Puller(IngestAccounting):
                 self._record_error(target, "future_time",
                                    f"sample time {raw_time!r} is {raw_time - now:.0f}s ahead of the server clock")
                 continue  # and `since` stays put, or the agent's honest samples after it would never be asked for
+            identity_error = self._identity_error(node, raw)
+            if identity_error is not None:
+                rejected += 1
+                self._record_error(target, *identity_error)
+                continue
             fresh.append((raw, raw_time))
             if raw_time is not None:
                 newest = raw_time if newest is None else max(newest, raw_time)  # past a bad one too: not re-fetched
@@ -399,22 +555,84 @@ class Puller(IngestAccounting):
                         extra={"target": target, "node": node, "behind_seconds": round(since - served, 3)})
             newest = None
         offset = self._clock_offset(target, node, served, newest_fresh, now)
-        samples: list[Any] = []
         oldest = now - self.max_past_seconds
+        current = []
         for raw, raw_time in fresh:
             if raw_time is not None and raw_time - offset < oldest:
                 rejected += 1
                 self._record_error(target, "too_old",
                                    f"sample time {raw_time - offset!r} is {now - raw_time + offset:.0f}s behind the server clock")
                 continue
+            current.append((raw, raw_time))
+        samples, problems = await self._off_loop(self._parse_all, current, offset)
+        for problem in problems:
+            rejected += 1
+            self._record_error(target, "schema", problem)
+        return node, samples, rejected, newest
+
+    def _parse_all(self, fresh: list[tuple[Any, float | None]], offset: float) -> tuple[list[Any], list[str]]:
+        """The contract's samples of accepted snapshots, and why each other one failed (on the decoder thread)."""
+        samples: list[Any] = []
+        problems: list[str] = []
+        for raw, raw_time in fresh:
             if offset and raw_time is not None:
                 raw = {**raw, "time": raw_time - offset}
             try:
                 samples.append(self._parse(raw))
             except Exception as exc:  # noqa: BLE001 - any parser failure is a rejected snapshot, not a crash
-                rejected += 1
-                self._record_error(target, "schema", str(exc) or exc.__class__.__name__)
-        return node, samples, rejected, newest
+                problems.append(str(exc) or exc.__class__.__name__)
+        return samples, problems
+
+    def _claim(self, target: str, doc: Mapping[str, Any]) -> str | None:
+        """The node this answer speaks for, which must be the one the target first answered as: a target
+        cannot take over another node's name (its samples would raise that node's alerts), nor grow the
+        server's state by naming a new node each time. PullError when it tries."""
+        node = doc.get("node") if isinstance(doc.get("node"), str) else None
+        if node is None:
+            first = next((s for s in doc["snapshots"] if isinstance(s, dict)), None)
+            node = first.get("node") if first is not None and isinstance(first.get("node"), str) else None
+        pinned = self._node_of.get(target)
+        if node is None or node == pinned:
+            return pinned if node is None else node
+        if pinned is not None:
+            raise PullError("node_changed", f"answers as {node[:100]!r}, first seen as {pinned[:100]!r}")
+        owner = self._target_of.get(node)
+        if owner is not None:
+            raise PullError("node_claimed", f"{node[:100]!r} is pulled from {owner}")
+        if len(self._target_of) >= self.max_nodes:
+            raise PullError("too_many_nodes", f"{len(self._target_of)} nodes already, the most accepted")
+        self._node_of[target] = node
+        self._target_of[node] = target
+        return node
+
+    def _identity_error(self, node: str | None, raw: Any) -> tuple[str, str] | None:
+        """(reason, detail) when a snapshot names another node than its target's, or brings its node's GPUs
+        past max_gpus; None when it may go on to the contract's checks."""
+        if not isinstance(raw, dict):
+            return None
+        if node is not None and isinstance(raw.get("node"), str) and raw["node"] != node:
+            return "node_mismatch", f"a snapshot of {raw['node'][:100]!r} from the target of {node[:100]!r}"
+        gpus = raw.get("gpus")
+        if not isinstance(gpus, list):
+            return None
+        if len(gpus) > self.max_gpus:
+            return "too_many_gpus", f"{len(gpus)} GPUs in one snapshot, over {self.max_gpus}"
+        if node is None:
+            return None
+        known = self._gpus_of.setdefault(node, set())
+        new = {i for g in gpus if isinstance(g, dict) and type(i := g.get("index")) is int} - known
+        if len(known) + len(new) > self.max_gpus:
+            return "too_many_gpus", f"node would have {len(known) + len(new)} GPU indices, over {self.max_gpus}"
+        known |= new
+        return None
+
+    def _forget_identity(self, target: str) -> None:
+        """A target that left discovery frees its node's name (another target may now answer for it)."""
+        self._span.pop(target, None)
+        node = self._node_of.pop(target, None)
+        if node is not None and self._target_of.get(node) == target:
+            del self._target_of[node]
+            self._gpus_of.pop(node, None)
 
     def _clock_offset(self, target: str, node: str | None, served: float | None, newest: float | None,
                       now: float) -> float:

@@ -92,6 +92,22 @@ def test_snapshots_since(agent):
     assert orjson.loads(get(server, f"/snapshots?since={start + 3}")[2])["snapshots"] == []
 
 
+def test_snapshots_within_a_span_of_the_newest(agent):
+    # A server pulling for the first time asks for a span, not the whole ring (whose size it cannot know).
+    server, sampler, clock, *_ = agent
+    start = clock.now
+    for _ in range(4):
+        sampler.run_once()
+        clock.advance(1)
+    spanned = orjson.loads(get(server, "/snapshots?span=1.5")[2])
+    assert [s["time"] for s in spanned["snapshots"]] == [start + 2, start + 3]
+    both = orjson.loads(get(server, f"/snapshots?since={start + 2}&span=2.5")[2])      # the later bound wins
+    assert [s["time"] for s in both["snapshots"]] == [start + 3]
+    for query in ("span=0", "span=-1", "span=abc", "span=inf"):
+        status, _, body = get(server, f"/snapshots?{query}")
+        assert status == 400 and orjson.loads(body)["error"] == "bad_span"
+
+
 @pytest.mark.parametrize("query", ["since=", "since=abc", "since=nan", "since=inf", "since=1e999"])
 def test_bad_since_is_400(agent, query):
     server, *_ = agent

@@ -139,6 +139,22 @@ def test_an_unknown_user_costs_a_bcrypt_check_too():
     assert check.calls == 1
 
 
+def test_an_unknown_user_is_checked_at_the_highest_configured_cost():
+    # bcrypt's time doubles per cost step: a dummy hash cheaper than the real ones would tell, by the time
+    # of the answer, which user names exist.
+    seen: list[bytes] = []
+
+    def check(password: bytes, hashed: bytes) -> bool:
+        seen.append(hashed)
+        return bcrypt.checkpw(password, hashed)
+
+    users = {"prometheus": HASH.encode(), "grafana": bcrypt.hashpw(b"x", bcrypt.gensalt(6))}
+    assert not BasicAuth(users, check).allows(creds("admin", "s3cret"))
+    assert seen[0].startswith(b"$2b$06$") and len(seen[0]) == 60      # a well-formed hash at cost 6
+    assert not BasicAuth({"prometheus": HASH.encode()}, check).allows(creds("admin", ""))
+    assert seen[1].startswith(b"$2b$04$")
+
+
 # --- a real server ----------------------------------------------------------------------------------------
 
 @pytest.fixture()
