@@ -95,6 +95,8 @@ class SimNvmlLib:
     def __init__(self, sim: Any, module: types.ModuleType) -> None:
         self._sim = sim
         self._nvml = module
+        # What the simulator raises: the nvidia-ml-py it was built on (the same module under the shim).
+        self._error = type(sim).NVMLError
         self._symbols: dict[str, Callable[..., int]] = {
             "nvmlInit_v2": lambda: self._call(sim.nvmlInit),
             "nvmlInitWithFlags": lambda flags: self._call(sim.nvmlInitWithFlags, _int(flags)),
@@ -125,14 +127,14 @@ class SimNvmlLib:
     def _call(self, fn: Callable[..., Any], *args: Any) -> int:
         try:
             fn(*args)
-        except self._nvml.NVMLError as exc:
+        except self._error as exc:
             return int(exc.value)
         return self._nvml.NVML_SUCCESS
 
     def _returning(self, fn: Callable[..., Any], *args: Any) -> tuple[int, Any]:
         try:
             return self._nvml.NVML_SUCCESS, fn(*args)
-        except self._nvml.NVMLError as exc:
+        except self._error as exc:
             return int(exc.value), None
 
     @staticmethod
