@@ -43,6 +43,13 @@ def test_broken_physics_is_called_out() -> None:
 
 
 def test_the_probe_verdicts_come_from_metrics() -> None:
+    metrics = ("# TYPE gpufleet_gpu_reading_unsupported gauge\n"
+               'gpufleet_gpu_reading_unsupported{gpu="0",reading="sm_active_ratio"} 1\n')
+    assert capabilities(metrics) == ["probe, GPU 0: unsupported sm_active_ratio"]
+    assert capabilities("") == ["probe: every reading supported (no gpufleet_gpu_reading_unsupported series)"]
+
+
+def test_the_probe_verdicts_of_an_older_agent() -> None:
     metrics = ("# TYPE gpufleet_gpu_reading_supported gauge\n"
                'gpufleet_gpu_reading_supported{gpu="0",reading="sm_active_ratio"} 0\n'
                'gpufleet_gpu_reading_supported{gpu="0",reading="power_watts"} 1\n')
