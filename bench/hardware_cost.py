@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
