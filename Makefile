@@ -57,14 +57,15 @@ crosscheck: $(STAMP)
 	$(BIN)/python -m bench.sim_crosscheck --seeds 8 --unattributed
 
 # Wheels for bench/hardware_check.sh on a lent GPU machine (CPython 3.12 there, nothing to download from):
-# the agent's and replay's packages its image lacks, at the versions the tests here ran. Into .whl, which
+# the agent's and replay's packages its image lacks, and nvitop-exporter with what it needs (nvitop, psutil)
+# for the cost comparison, at the versions the tests here ran. Into .whl, which
 # git ignores; the device call carries it.
 WHEEL_PLATFORMS := $(foreach n,28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
 hardware-wheels: $(STAMP)
 	rm -rf .whl
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		$(WHEEL_PLATFORMS) -d .whl $$($(BIN)/python -m pip list --format=freeze 2>/dev/null \
-		| grep -i -E '^(orjson|bcrypt|msgspec|nvidia-ml-py)==')
+		| grep -i -E '^(orjson|bcrypt|msgspec|nvidia-ml-py|nvitop|nvitop-exporter|psutil)==')
 
 # The PrometheusRule and the Grafana dashboard ConfigMap for the Prometheus Operator, from their sources.
 operator-manifests: $(STAMP)

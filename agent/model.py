@@ -38,6 +38,8 @@ class GpuSample:
     sm_occupancy_ratio: float | None = None
     memory_used_bytes: int | None = None
     memory_total_bytes: int | None = None
+    # Free for allocation: total less used less what the driver reserves (which used leaves out).
+    memory_free_bytes: int | None = None
     temperature_celsius: float | None = None
     memory_temperature_celsius: float | None = None
     slowdown_temperature_celsius: float | None = None

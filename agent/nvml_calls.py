@@ -37,7 +37,7 @@ def _utilization(nvml: Any, handle: Any) -> tuple[Any, ...]:
 
 def _memory(nvml: Any, handle: Any) -> tuple[Any, ...]:
     info = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
-    return info.used, info.total
+    return info.used, info.total, info.free
 
 
 def _remapped_rows(nvml: Any, handle: Any) -> tuple[Any, ...]:
@@ -89,7 +89,7 @@ POLLED = (
     Call(("sm_clock_hertz",), _one(_clock("NVML_CLOCK_SM"))),
     Call(("memory_clock_hertz",), _one(_clock("NVML_CLOCK_MEM"))),
     Call(("throttle_reasons",), _one(lambda n, h: n.nvmlDeviceGetCurrentClocksEventReasons(h))),
-    Call(("memory_used_bytes", "memory_total_bytes"), _memory),
+    Call(("memory_used_bytes", "memory_total_bytes", "memory_free_bytes"), _memory),
     # Operators change power caps at run time, so the limit is polled too.
     Call(("power_limit_watts",), _one(lambda n, h: n.nvmlDeviceGetEnforcedPowerLimit(h))),
     Call(("ecc_corrected_errors_total",), _one(_ecc("NVML_MEMORY_ERROR_TYPE_CORRECTED"))),

@@ -45,6 +45,7 @@ RULES: Mapping[str, Rule] = {
     "sm_occupancy_ratio": _RATIO,
     "memory_used_bytes": _COUNT,
     "memory_total_bytes": _COUNT,
+    "memory_free_bytes": _COUNT,
     "temperature_celsius": _TEMPERATURE,
     "memory_temperature_celsius": _TEMPERATURE,
     "slowdown_temperature_celsius": _TEMPERATURE,

@@ -92,7 +92,7 @@ class Sampler:
         self._last: NodeSnapshot | None = None
         self._last_json: bytes | None = None
         self._thread: threading.Thread | None = None
-        self._renderer = exposition.Renderer()
+        self._renderer = exposition.Renderer(process_metrics=True)
         # A sample stands for at most two intervals: one skipped tick is normal, a longer gap is unknown.
         self._activity = ActivityIntegrator(max_step_seconds=2 * interval)
         self._activity_totals: ActivityTotals = NO_TOTALS

@@ -3,16 +3,22 @@
 # log, then the agent serving and recording while the GPUs sit idle, then work (a matmul loop in PyTorch
 # on every GPU, where PyTorch sees CUDA), then idle again; its /metrics idle and under load, nvidia-smi's
 # view at the same moments, replay over the recorded trace, and a per-reading report. Nothing on the GPU
-# is configured: no clocks, power limits or modes are touched.
+# is configured: no clocks, power limits or modes are touched. Then what the agent costs: its CPU beside
+# nvitop-exporter's and a forked nvidia-smi query's on the same GPUs (bench/hardware_cost.py), whether it
+# holds 0.5 % of a core at 1 Hz, and where its CPU goes, per NVML call (bench/hardware_nvmlprof.py) and per
+# field id of its field-value batch (bench/hardware_fieldprof.py). About 5 minutes in all.
 #
-# On a lent device machine (Python 3.12, nvidia-ml-py and numpy there; orjson, bcrypt and msgspec not):
+# On a lent device machine (Python 3.12, nvidia-ml-py and numpy there; orjson, bcrypt, msgspec, nvitop,
+# nvitop-exporter and psutil not):
 #   make hardware-wheels                     # here, once: cp312 wheels into .whl (ignored by git)
 #   device run, carry [".whl"], timeout_s 420:  bash bench/hardware_check.sh
-# Here, on the simulator, to check the script itself:
-#   GPUFLEET_HW_SIMULATE=hgx-h100 OUT=/tmp/hw PYTHON=.venv/bin/python bash bench/hardware_check.sh
+# Here, on the simulator, to check the script itself (short phases):
+#   GPUFLEET_HW_SIMULATE=hgx-h100 OUT=/tmp/hw PYTHON=.venv/bin/python IDLE_SECONDS=3 LOAD_SECONDS=3 \
+#       COST_WINDOW_S=15 CYCLES=3 bash bench/hardware_check.sh
 #
 # Results (8 files at most, what the device tool brings back): nvidia-smi.txt, snapshot.json, agent.log,
-# metrics-idle.txt, metrics-load.txt, trace.jsonl.gz, replay.txt, report.txt.
+# metrics-idle.txt, metrics-load.txt, trace.jsonl.gz, report.txt (replay and the budget verdict included),
+# cost.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder for the results}
@@ -24,15 +30,21 @@ PORT=${PORT:-19471}
 WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 
+# The project as it installs (core/ as gpufleet, agent/ as gpufleet.agent, server/ as gpufleet.server),
+# without building it: links in a package folder of its own. bench/ imports from the root.
+mkdir -p "$WORK/pkg/gpufleet"
+for f in "$PWD"/core/*; do ln -s "$f" "$WORK/pkg/gpufleet/"; done
+ln -s "$PWD/agent" "$WORK/pkg/gpufleet/agent"
+ln -s "$PWD/server" "$WORK/pkg/gpufleet/server"
 if [ -d .whl ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
         || { echo "cannot install the carried wheels"; exit 1; }
-    export PYTHONPATH="$WORK/site:$PWD"
+    export PYTHONPATH="$WORK/pkg:$WORK/site:$PWD"
 else
-    export PYTHONPATH="$PWD"
+    export PYTHONPATH="$WORK/pkg:$PWD"
 fi
-SIM=()
-if [ -n "${GPUFLEET_HW_SIMULATE:-}" ]; then SIM=(--simulate "$GPUFLEET_HW_SIMULATE"); fi
+SIMULATE=()
+if [ -n "${GPUFLEET_HW_SIMULATE:-}" ]; then SIMULATE=(--simulate "$GPUFLEET_HW_SIMULATE"); fi
 
 smi() {   # what nvidia-smi says of every GPU right now, one CSV line each
     command -v nvidia-smi >/dev/null || return 0
@@ -47,13 +59,13 @@ fetch() { "$PY" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.
 
 echo "== one snapshot (--once), probe at debug level"
 { echo "# --once"; } > "$OUT/agent.log"
-"$PY" -m agent.cli --once --log.level debug --log.format json "${SIM[@]}" > "$OUT/snapshot.json" 2>> "$OUT/agent.log"
+"$PY" -m gpufleet.agent.cli --once --log.level debug --log.format json "${SIMULATE[@]}" > "$OUT/snapshot.json" 2>> "$OUT/agent.log"
 echo "--once exit $?"
 
 echo "== agent serving on 127.0.0.1:$PORT, recording"
 echo "# serving" >> "$OUT/agent.log"
-"$PY" -m agent.cli --web.listen-address "127.0.0.1:$PORT" --record "$WORK/trace.jsonl" --log.level debug \
-    --log.format json "${SIM[@]}" 2>> "$OUT/agent.log" &
+"$PY" -m gpufleet.agent.cli --web.listen-address "127.0.0.1:$PORT" --record "$WORK/trace.jsonl" --log.level debug \
+    --log.format json "${SIMULATE[@]}" 2>> "$OUT/agent.log" &
 AGENT=$!
 sleep "$IDLE_SECONDS"
 fetch "http://127.0.0.1:$PORT/metrics" > "$OUT/metrics-idle.txt" || echo "no /metrics while idle"
@@ -101,10 +113,25 @@ wait "$AGENT"
 echo "agent exit $? after SIGTERM"
 
 echo "== replay over the recorded trace"
-"$PY" -m server.cli replay "$WORK/trace.jsonl" --log.level info > "$OUT/replay.txt" 2>&1
+"$PY" -m gpufleet.server.cli replay "$WORK/trace.jsonl" --log.level info > "$WORK/replay.txt" 2>&1
 echo "replay exit $?"
 "$PY" -m bench.hardware_report "$WORK/trace.jsonl" "$OUT/snapshot.json" "$OUT/metrics-load.txt" > "$OUT/report.txt" 2>&1
 echo "report exit $?"
+{ echo; echo "replay over the recorded trace:"; cat "$WORK/replay.txt"; } >> "$OUT/report.txt"
 gzip -c "$WORK/trace.jsonl" > "$OUT/trace.jsonl.gz"
+
+echo "== cost: gpufleet-agent, nvitop-exporter, nvidia-smi (each alone), then the per-call profile"
+# The cost scripts take SIM=SCENARIO for the simulator.
+{
+    export SIM="${GPUFLEET_HW_SIMULATE:-}"
+    echo "# bench/hardware_cost.py"
+    "$PY" -m bench.hardware_cost
+    echo "# bench/hardware_nvmlprof.py"
+    CYCLES=${CYCLES:-30} "$PY" -m bench.hardware_nvmlprof
+    echo "# bench/hardware_fieldprof.py"
+    "$PY" -m bench.hardware_fieldprof
+} > "$OUT/cost.txt" 2>&1
+{ echo; grep -h '^budget:' "$OUT/cost.txt" || echo "budget: not measured (see cost.txt)"; } >> "$OUT/report.txt"
 cat "$OUT/report.txt"
+cat "$OUT/cost.txt"
 rm -rf "$WORK"

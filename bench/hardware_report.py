@@ -5,7 +5,7 @@
 For every reading of the snapshot contract: in how many samples it was present, its range while the GPU was
 idle and while it worked (utilization above half), and what breaks the contract's physics: a ratio outside
 0-1, a cumulative counter going backwards, SM activity above utilization. Then the throttle reasons seen,
-and the capability probe's verdicts from /metrics (`gpufleet_gpu_reading_supported`). A reading that is
+and the capability probe's verdicts from /metrics (`gpufleet_gpu_reading_unsupported`). A reading that is
 never present is what this GPU and driver do not support: docs/hardware.md lists those.
 """
 
@@ -123,12 +123,14 @@ def capabilities(metrics_text: str) -> list[str]:
     """The probe's verdicts per GPU: the readings it found unsupported."""
     unsupported: dict[str, list[str]] = defaultdict(list)
     for family in text_string_to_metric_families(metrics_text):
-        if family.name == "gpufleet_gpu_reading_supported":
+        # gpufleet_gpu_reading_supported (value 0 = unsupported) is what agents before the rename export.
+        if family.name in ("gpufleet_gpu_reading_unsupported", "gpufleet_gpu_reading_supported"):
+            unsupported_value = 1 if family.name == "gpufleet_gpu_reading_unsupported" else 0
             for s in family.samples:
-                if s.value == 0:
+                if s.value == unsupported_value:
                     unsupported[s.labels.get("gpu", "?")].append(s.labels.get("reading", "?"))
     return [f"probe, GPU {gpu}: unsupported {', '.join(sorted(r))}" for gpu, r in sorted(unsupported.items())] or \
-        ["probe: every reading supported (or no gpufleet_gpu_reading_supported series)"]
+        ["probe: every reading supported (no gpufleet_gpu_reading_unsupported series)"]
 
 
 def main(argv: list[str]) -> int:

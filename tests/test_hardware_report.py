@@ -43,7 +43,24 @@ def test_broken_physics_is_called_out() -> None:
 
 
 def test_the_probe_verdicts_come_from_metrics() -> None:
+    metrics = ("# TYPE gpufleet_gpu_reading_unsupported gauge\n"
+               'gpufleet_gpu_reading_unsupported{gpu="0",reading="sm_active_ratio"} 1\n')
+    assert capabilities(metrics) == ["probe, GPU 0: unsupported sm_active_ratio"]
+    assert capabilities("") == ["probe: every reading supported (no gpufleet_gpu_reading_unsupported series)"]
+
+
+def test_the_probe_verdicts_of_an_older_agent() -> None:
     metrics = ("# TYPE gpufleet_gpu_reading_supported gauge\n"
                'gpufleet_gpu_reading_supported{gpu="0",reading="sm_active_ratio"} 0\n'
                'gpufleet_gpu_reading_supported{gpu="0",reading="power_watts"} 1\n')
     assert capabilities(metrics) == ["probe, GPU 0: unsupported sm_active_ratio"]
+
+
+def test_the_cost_report_says_whether_the_budget_holds() -> None:
+    from bench.hardware_cost import budget
+
+    # One real H100: 0.78 % of a core at 1 Hz for one GPU is far over 0.5 % for eight.
+    assert budget({"gpus": 1, "idle_cpu_pct": 0.783}).endswith("0.5 % budget DOES NOT HOLD on this machine")
+    assert "at most 6.264 % scaled to 8 GPUs" in budget({"gpus": 1, "idle_cpu_pct": 0.783})
+    assert budget({"gpus": 8, "idle_cpu_pct": 0.466}).endswith("0.5 % budget HOLDS on this machine")
+    assert budget({"name": "gpufleet-agent", "error": "never answered /metrics"}).startswith("budget: not measured")

@@ -69,13 +69,15 @@ H100_SXM = GpuModel(
     memory_total_bytes=81559 * _MIB,
     memory_reserved_bytes=535 * _MIB,
     tdp_watts=700.0,
-    idle_watts=70.0,
+    # Idle power and the shutdown threshold as a real H100 80GB HBM3 reads them on driver 580
+    # (tests/fixtures/h100-driver-580/report.txt: idle 72.8-74.2 W, shutdown 95 C).
+    idle_watts=74.0,
     sm_clock_max_mhz=1980,
     sm_clock_idle_mhz=345,
     mem_clock_max_mhz=2619,
     mem_clock_idle_mhz=2619,
     slowdown_celsius=89,
-    shutdown_celsius=92,
+    shutdown_celsius=95,
     gpu_max_celsius=87,
     mem_max_celsius=95,
     thermal_resistance_c_per_w=0.065,

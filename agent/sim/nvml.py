@@ -22,6 +22,7 @@ from gpufleet.agent.sim import physics as ph
 from gpufleet.agent.sim.hardware import GpuModel
 from gpufleet.agent.sim.physics import Timeline, build_world, stable_key
 from gpufleet.agent.sim.scenario import Incident, JobSpec, Scenario
+from gpufleet.agent.sim.tool_calls import ToolCalls
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class _GpmSample:
         self.t = 0.0
 
 
-class SimNvml:
+class SimNvml(ToolCalls):
     """A pynvml-compatible NVML for one node of a scenario; every NVML_*/nvml* constant is an attribute."""
 
     def __init__(self, scenario: Scenario, node: str, clock: Callable[[], float] = time.time,

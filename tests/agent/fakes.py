@@ -18,7 +18,7 @@ def gpu(index: int, **overrides) -> GpuSample:
         pci_bus_id=f"00000000:{0x18 + index:02X}:00.0", serial=f"165022001{index:04d}",
         vbios_version="96.00.99.00.01", utilization_ratio=0.98, memory_utilization_ratio=0.41,
         sm_active_ratio=0.81, sm_occupancy_ratio=0.32, memory_used_bytes=47036445491,
-        memory_total_bytes=85520809984, temperature_celsius=71.0, memory_temperature_celsius=78.0,
+        memory_total_bytes=85520809984, memory_free_bytes=37923405824, temperature_celsius=71.0, memory_temperature_celsius=78.0,
         slowdown_temperature_celsius=87.0, shutdown_temperature_celsius=92.0,
         max_operating_temperature_celsius=85.0, memory_max_operating_temperature_celsius=95.0,
         power_watts=655.0, power_limit_watts=700.0, energy_joules_total=2225020545.4,

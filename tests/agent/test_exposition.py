@@ -90,7 +90,7 @@ def test_throttle_reasons_as_mask_and_per_reason():
     s = series(render(fixed_snapshot(), fixed_health()))
     mask = {x.labels["gpu"]: x.value for x in s["gpufleet_gpu_throttle_reasons"]}
     assert mask == {"0": 0x24, "1": 0x1}
-    active = {(x.labels["gpu"], x.labels["reason"]) for x in s["gpufleet_gpu_throttle_reason"] if x.value == 1}
+    active = {(x.labels["gpu"], x.labels["reason"]) for x in s["gpufleet_gpu_throttle_active"] if x.value == 1}
     assert active == {("0", "sw_power_cap"), ("0", "sw_thermal_slowdown"), ("1", "gpu_idle")}
 
 
@@ -124,3 +124,47 @@ def test_age_family():
     assert render_age(102.5, snap, "dgx-017").endswith(b'gpufleet_agent_sample_age_seconds{node="dgx-017"} 2.5\n')
     assert render_age(99.0, snap, "n").endswith(b" 0.0\n")  # a clock step back never shows a negative age
     assert render_age(100.0, None, "n") == b""
+
+
+def test_xid_total_per_gpu_is_zero_from_the_start_where_xid_events_are_delivered():
+    """increase() needs a 0 before the first XID; a GPU without XID events has no series at all."""
+    s = series(render(fixed_snapshot(), fixed_health()))
+    totals = {x.labels["gpu"]: x.value for x in s["gpufleet_gpu_xid_events_total"]}
+    assert totals == {"0": 3.0, "1": 0.0}  # GPU 1: no event yet; GPU 2 (lost): no XID reading
+    per_code = {(x.labels["gpu"], x.labels["xid"]) for x in s["gpufleet_gpu_xid_errors_total"]}
+    assert per_code == {("0", "48"), ("0", "79")}
+    quiet = dataclasses.replace(snapshot(n=1), gpus=(gpu(0, xid_errors_total=None, xid_errors_by_code={}),))
+    assert "gpufleet_gpu_xid_events_total" not in series(render(quiet, fixed_health()))
+
+
+def test_free_memory_is_exported_because_total_includes_reserved_memory_and_used_does_not():
+    s = series(render(fixed_snapshot(), fixed_health()))
+    free = {x.labels["gpu"]: x.value for x in s["gpufleet_gpu_memory_free_bytes"]}
+    assert free == {"0": 37923405824.0, "1": 37923405824.0}
+    body = render(fixed_snapshot(), fixed_health()).decode()
+    assert "reserves" in body.split("# HELP gpufleet_gpu_memory_used_bytes", 1)[1].split("\n", 1)[0]
+
+
+def test_only_unsupported_readings_have_a_series():
+    s = series(render(fixed_snapshot(), fixed_health()))
+    assert "gpufleet_gpu_reading_supported" not in s
+    unsupported = {(x.labels["gpu"], x.labels["reading"]): x.value for x in s["gpufleet_gpu_reading_unsupported"]}
+    assert unsupported == {("1", "memory_temperature_celsius"): 1.0, ("1", "sm_active_ratio"): 1.0}
+    everything = dataclasses.replace(fixed_health(), capabilities={0: {"sm_active_ratio": True}})
+    assert "gpufleet_gpu_reading_unsupported" not in series(render(fixed_snapshot(), everything))
+
+
+def test_process_metrics_come_from_a_registry_of_the_renderers_own():
+    from prometheus_client import REGISTRY
+
+    from gpufleet.agent.exposition import Renderer
+
+    before = set(REGISTRY._collector_to_names)
+    body = Renderer(process_metrics=True).render(fixed_snapshot(), fixed_health())
+    s = series(body)
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_start_time_seconds",
+                 "process_open_fds", "process_max_fds"):
+        assert len(s[name]) == 1 and s[name][0].value > 0, name
+    assert set(REGISTRY._collector_to_names) == before
+    assert body.startswith(render(fixed_snapshot(), fixed_health()))
+    assert "process_cpu_seconds_total" not in series(Renderer().render(fixed_snapshot(), fixed_health()))

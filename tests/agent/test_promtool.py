@@ -62,6 +62,9 @@ def test_simulated_node_passes(scenario):
     assert snap is not None
     pub = store.latest()
     assert b"gpufleet_gpu_utilization_ratio{" in pub.metrics
-    # The sampler's cached renderer writes exactly what prometheus_client's generate_latest would.
-    assert pub.metrics == render_reference(snap, pub.health, pub.activity)
+    # The sampler's cached renderer writes exactly what prometheus_client's generate_latest would, then the
+    # agent's own process_* families.
+    reference = render_reference(snap, pub.health, pub.activity)
+    assert pub.metrics.startswith(reference)
+    assert pub.metrics[len(reference):].startswith(b"# HELP process_")
     assert_clean(pub.metrics + render_age(clock.now, snap, snap.node))

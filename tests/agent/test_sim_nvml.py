@@ -110,7 +110,7 @@ def test_system_and_identity():
     assert nvml.nvmlDeviceGetVbiosVersion(handles[0]).count(".") == 4
     assert nvml.nvmlDeviceGetArchitecture(handles[0]) == pynvml.NVML_DEVICE_ARCH_HOPPER
     assert nvml.nvmlDeviceGetTemperatureThreshold(handles[0], pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN) == 89
-    assert nvml.nvmlDeviceGetTemperatureThreshold(handles[0], pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN) == 92
+    assert nvml.nvmlDeviceGetTemperatureThreshold(handles[0], pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN) == 95
     assert nvml.nvmlDeviceGetMaxClockInfo(handles[0], pynvml.NVML_CLOCK_SM) == 1980
     assert nvml.nvmlGpmQueryDeviceSupport(handles[0]).isSupportedDevice == 1
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
