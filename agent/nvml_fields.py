@@ -8,7 +8,8 @@ others; entries found unsupported are dropped so later polls stop asking for the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Sequence
 
 from gpufleet.agent.model import ThrottleReason
 from gpufleet.agent.nvml_errors import SUCCESS
@@ -63,6 +64,11 @@ class FieldResult:
 def throttle_reading(reason: ThrottleReason) -> str:
     """Reading name of one reason's cumulative throttle duration."""
     return f"throttle_seconds_total.{reason.label}"
+
+
+# Reading of each reason's cumulative duration -> the reason's bit in the clocks-event mask.
+THROTTLE_READINGS: Mapping[str, ThrottleReason] = MappingProxyType(
+    {throttle_reading(reason): reason for reason, _ in _THROTTLE_FIELDS})
 
 
 def link_reading(base: str, link: int) -> str:
