@@ -73,8 +73,10 @@ class GpuSample:
     last_xid: int | None = None
     # Names of *_total fields that went backwards since the previous sample (driver reload, wrap).
     counter_resets: tuple[str, ...] = ()
-    # Readings on a slow sampling tier that were not read in this cycle: reading -> seconds since they
-    # were (agent.tiers). A reading not named here was read in this cycle.
+    # Readings on a slow sampling tier that were not read in this cycle: seconds since they were, by
+    # read unit, named after the first reading of its call (memory_used_bytes stands for memory_total_bytes
+    # too, remapped_rows_correctable for all four remapped_rows_*); agent.tiers. A reading whose unit is
+    # not named here was read in this cycle.
     slow_readings_age_seconds: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
 
     def to_dict(self) -> dict[str, Any]:

@@ -42,7 +42,9 @@ _MISSING: Any = object()  # a guarded call that failed
 _NVLINK_READINGS = ("nvlink_tx_bytes_total", "nvlink_rx_bytes_total")
 _LINK_FIELDS = ("nvlink_link_tx_bytes_total", "nvlink_link_rx_bytes_total")
 _THROTTLE_PREFIX = "throttle_seconds_total."
-_GPM_UNIT = "gpm"
+# A read unit (one call, one field id, or GPM) is named after the first reading it fills.
+_GPM_UNIT = GPM_READINGS[0]
+_UNIT_OF = {**{r: call.readings[0] for call in POLLED for r in call.readings}, **dict.fromkeys(GPM_READINGS, _GPM_UNIT)}
 _FIELD_PROBES = 2  # each field id timed twice alone, the lower figure kept
 
 
@@ -403,7 +405,7 @@ class NvmlReader:
         read_at.update(dict.fromkeys(values, now))
 
     def _fill_held(self, gpu: _Gpu, values: dict[str, Any], now: float) -> dict[str, float]:
-        """Held values of the readings not due this cycle; their ages by reading (per-link folded)."""
+        """Held values of the readings not due this cycle; their ages by read unit (per-link folded)."""
         ages: dict[str, float] = {}
         if len(values) == len(gpu.held):
             return ages
@@ -411,7 +413,7 @@ class NvmlReader:
         for reading, value in gpu.held.items():
             if reading not in values:
                 values[reading] = value
-                name = base_name(reading)
+                name = _UNIT_OF.get(reading) or base_name(reading)
                 ages[name] = max(ages.get(name, 0.0), round(now - read_at[reading], 3))
         return ages
 

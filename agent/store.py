@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
+from gpufleet.agent.exposition import LazyBody
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import NodeSnapshot
 
@@ -22,12 +23,19 @@ class Publication:
 
     snapshot: NodeSnapshot | None
     health: AgentHealth
-    # Prometheus text for everything but the per-scrape sample age.
-    metrics: bytes
+    # Prometheus text for everything but the per-scrape sample age: bytes, or a LazyBody rendered on
+    # the first read (agent.exposition.RenderOnDemand).
+    rendered: bytes | LazyBody
     # orjson of snapshot.to_dict(), None when there is no snapshot yet.
     snapshot_json: bytes | None
     # Activity totals up to the snapshot, exported in metrics (agent.activity).
     activity: ActivityTotals = field(default_factory=lambda: NO_TOTALS)
+
+    @property
+    def metrics(self) -> bytes:
+        """The Prometheus text (rendered now if this is its first reader)."""
+        body = self.rendered
+        return body if isinstance(body, bytes) else body.get()
 
 
 class SnapshotStore:
