@@ -124,3 +124,24 @@ def test_age_family():
     assert render_age(102.5, snap, "dgx-017").endswith(b'gpufleet_agent_sample_age_seconds{node="dgx-017"} 2.5\n')
     assert render_age(99.0, snap, "n").endswith(b" 0.0\n")  # a clock step back never shows a negative age
     assert render_age(100.0, None, "n") == b""
+
+
+def test_nvml_cost_and_reading_periods_match_prometheus_client():
+    health = dataclasses.replace(fixed_health(), nvml_seconds={"nvmlGpmSampleGet": 1.5, "nvmlDeviceGetFieldValues": 0.25},
+                                 reading_periods={"energy_joules_total": 60.0, "utilization_ratio": 1.0})
+    body = render(fixed_snapshot(), health)
+    assert body == render_reference(fixed_snapshot(), health)
+    samples = series(body)
+    assert {s.labels["call"] for s in samples["gpufleet_agent_nvml_seconds_total"]} == {
+        "nvmlGpmSampleGet", "nvmlDeviceGetFieldValues"}
+    assert len(samples["gpufleet_agent_reading_period_seconds"]) == 2
+
+
+def test_unchanged_families_are_reused_and_changed_ones_rewritten():
+    from gpufleet.agent.exposition import Renderer
+
+    renderer = Renderer()
+    first = renderer.render(fixed_snapshot(), fixed_health())
+    hotter = dataclasses.replace(fixed_snapshot(), gpus=(gpu(0, temperature_celsius=99.0),))
+    second = renderer.render(hotter, fixed_health())
+    assert second == render(hotter, fixed_health()) and first == render(fixed_snapshot(), fixed_health())
