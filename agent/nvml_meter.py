@@ -32,7 +32,10 @@ class MeteredNvml:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._inner, name)
-        if not name.startswith("nvml") or isinstance(value, type) or not callable(value):
+        if isinstance(value, (int, str, type)):  # constants and structures: kept, so later lookups are plain
+            setattr(self, name, value)
+            return value
+        if not name.startswith("nvml") or not callable(value):
             return value
         wrapped = self._metered(name)
         setattr(self, name, wrapped)  # later lookups find it without __getattr__

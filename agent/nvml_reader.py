@@ -104,6 +104,7 @@ class NvmlReader:
         # GPU key -> reason reading -> seconds, for counters the reasons mask stands in for; kept across re-opens.
         self._integrated: dict[str, dict[str, float]] = {}
         self._mask_at: dict[str, float] = {}
+        self._capabilities: Mapping[int, Mapping[str, bool]] | None = None
         self._per_link = per_link_nvlink
         self._xid_wait_ms = xid_wait_ms
         self._errors = ErrorCounts()
@@ -134,7 +135,10 @@ class NvmlReader:
     @property
     def capabilities(self) -> Mapping[int, Mapping[str, bool]]:
         """GPU index -> reading name -> supported, as probed at open() and learned since."""
-        return MappingProxyType({g.index: _public_capabilities(g.supported) for g in self._gpus})
+        # Asked for on every cycle's health; rebuilt only when what is known changes.
+        if self._capabilities is None:
+            self._capabilities = MappingProxyType({g.index: _public_capabilities(g.supported) for g in self._gpus})
+        return self._capabilities
 
     @property
     def nvml_seconds(self) -> Mapping[str, float]:
@@ -172,6 +176,7 @@ class NvmlReader:
             self._xid = XidWatcher(self._nvml, self._xid_store, self._errors, wait_ms=self._xid_wait_ms)
             self._gpus = [self._open_gpu(i) for i in range(int(count))]
             self._plan = self._fit_tiers()
+            self._capabilities = None
             self._xid.start()
         except BaseException:  # leave nothing half-open behind: no thread, no initialised library
             self._teardown()
@@ -584,6 +589,7 @@ class NvmlReader:
         readings = tuple(readings)
         newly = [r for r in readings if gpu.supported.get(r, True)]
         gpu.supported.update(dict.fromkeys(readings, False))
+        self._capabilities = None
         for reading in readings:
             gpu.held.pop(reading, None)
         gpu.fields.drop(readings)
@@ -608,6 +614,7 @@ class NvmlReader:
     # -- teardown ------------------------------------------------------------------------------
 
     def _teardown(self) -> None:
+        self._capabilities = None
         if self._xid is not None:
             self._xid.stop()
             self._xid = None

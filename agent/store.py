@@ -68,7 +68,7 @@ class SnapshotStore:
                 self._times.clear()
                 self._bodies.clear()
             self._times.append(snap.time)
-            self._bodies.append(publication.snapshot_json)
+            self._bodies.append(_compact(publication.snapshot_json))
             self._evict(snap.time - self._retention)
 
     def _evict(self, horizon: float) -> None:
@@ -92,3 +92,11 @@ class SnapshotStore:
     def __len__(self) -> int:
         with self._lock:
             return len(self._times)
+
+
+def _compact(body: bytes) -> bytes:
+    """The same bytes in an allocation of their own size. orjson shrinks its output buffer in place, and
+    the freed tails fragment the heap: 300 snapshots of 12.8 kB held as returned grew RSS by 5.6 MB, as
+    exact copies by 4.1 MB (3.8 MB of JSON). The copy costs about a microsecond per snapshot."""
+    return bytes(memoryview(body))
+

@@ -67,6 +67,7 @@ class TimedNvml:
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._inner, name)
         if not callable(value) or not name.startswith("nvml") or isinstance(value, type):
+            setattr(self, name, value)  # later lookups skip this method: its cost is not the agent's
             return value
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -77,6 +78,7 @@ class TimedNvml:
                 if threading.current_thread() is threading.main_thread():
                     self.spent += time.thread_time() - start
 
+        setattr(self, name, timed)
         return timed
 
 
