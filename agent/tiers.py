@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-# A fraction of one core for the sampler's NVML reads: with the agent's own Python work on top, an
-# 8-GPU H100 node sampling at 1 Hz stays within half a percent of a core.
-DEFAULT_CPU_BUDGET = 0.003
+# A fraction of one core for the sampler's NVML reads. On top come the agent's own Python (about 0.15-0.2 %
+# of a core on 8 GPUs), the attribution's process query and the XID thread's event wait (about 0.03 %
+# each on an H100): all of it within half a percent of a core on an 8-GPU H100 node sampling at 1 Hz.
+DEFAULT_CPU_BUDGET = 0.0025
 FAST_MAX_AGE_S = 2.0
 MAX_AGE_S = 60.0
 INTEGRATED = 0  # period of a throttle counter replaced by integrating its mask bit
