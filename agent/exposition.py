@@ -3,8 +3,8 @@
 `families()` is the single definition of what is exported. Two sinks consume it: `SnapshotCollector`
 (a prometheus_client custom collector, for a fresh CollectorRegistry and generate_latest) and
 `Renderer`, which writes the same text format byte for byte, but remembers each series' rendered name
-and labels between snapshots, as node_exporter builds its descriptors once. `RenderOnDemand` runs it
-only for the publications a scrape reads. generate_latest re-validates
+and labels between snapshots, as node_exporter builds its descriptors once (agent.render_on_demand runs
+it only for the snapshots a scrape reads). generate_latest re-validates
 and re-escapes every label of every sample (about 7 ms for an 8-GPU node with per-link NVLink); the
 Renderer only formats values, which keeps the agent's whole CPU budget under half a percent.
 """
@@ -12,10 +12,9 @@ Renderer only formats values, which keeps the agent's whole CPU budget under hal
 from __future__ import annotations
 
 import math
-import threading
 from math import isfinite
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -146,63 +145,6 @@ class Renderer:
                 prefix = series[key] = _series_text(fam, names, values)
             out.append(f"{prefix}{fmt(value)}\n")
         return "".join(out)
-
-
-class RenderOnDemand:
-    """One Renderer shared by the publications of one sampler; each renders when first read, once.
-
-    A 15 s scrape reads one publication in fifteen at 1 Hz sampling: rendering after every sample spent
-    most of the agent's publishing CPU on text nobody fetched. Scrape threads may ask at once, so
-    renders are serialised (the Renderer's cache is not thread-safe). Should a render fail, the last
-    good body is served and `on_error` hears of it.
-    """
-
-    def __init__(self, on_error: Callable[[Exception], None] | None = None) -> None:
-        self._renderer = Renderer()
-        self._lock = threading.Lock()
-        self._last_good = b""
-        self._on_error = on_error
-
-    def body(self, snapshot: NodeSnapshot | None, health: AgentHealth,
-             activity: ActivityTotals = NO_TOTALS) -> "LazyBody":
-        """A body rendered from these on first read."""
-        return LazyBody(self, snapshot, health, activity)
-
-    def _render(self, snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals) -> bytes:
-        try:
-            self._last_good = self._renderer.render(snapshot, health, activity)
-        except Exception as exc:  # a render bug must not break /metrics: the previous body stays served
-            if self._on_error is not None:
-                self._on_error(exc)
-        return self._last_good
-
-
-class LazyBody:
-    """The exposition of one publication, rendered on the first `get()` and kept."""
-
-    __slots__ = ("_owner", "_args", "_bytes")
-
-    def __init__(self, owner: RenderOnDemand, snapshot: NodeSnapshot | None, health: AgentHealth,
-                 activity: ActivityTotals) -> None:
-        self._owner = owner
-        self._args: tuple | None = (snapshot, health, activity)
-        self._bytes: bytes | None = None
-
-    @property
-    def rendered(self) -> bool:
-        """True once the text exists."""
-        return self._bytes is not None
-
-    def get(self) -> bytes:
-        """The text, rendering it now if no one asked before."""
-        body = self._bytes
-        if body is None:
-            with self._owner._lock:
-                if self._bytes is None:
-                    self._bytes = self._owner._render(*self._args)  # type: ignore[misc]
-                    self._args = None
-                body = self._bytes
-        return body
 
 
 def render(snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals = NO_TOTALS) -> bytes:

@@ -13,13 +13,14 @@ from typing import Any, Callable, Mapping, Protocol
 
 import orjson
 
-from gpufleet.agent import __version__, exposition
+from gpufleet.agent import __version__
 from gpufleet.agent.activity import NO_TOTALS, ActivityIntegrator, ActivityTotals
 from gpufleet.agent.attribution import JobAttributor
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot
 from gpufleet.agent.nvml_reader import NvmlUnavailable
 from gpufleet.agent.record import Recorder
+from gpufleet.agent.render_on_demand import RenderOnDemand
 from gpufleet.agent.store import Publication, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class Sampler:
         self._last: NodeSnapshot | None = None
         self._last_json: bytes | None = None
         self._thread: threading.Thread | None = None
-        self._bodies = exposition.RenderOnDemand(on_error=self._render_failed)
+        self._bodies = RenderOnDemand(on_error=self._render_failed, monotonic=monotonic)
         # A sample stands for at most two intervals: one skipped tick is normal, a longer gap is unknown.
         self._activity = ActivityIntegrator(max_step_seconds=2 * interval)
         self._activity_totals: ActivityTotals = NO_TOTALS
@@ -211,6 +212,7 @@ class Sampler:
         health = self.health()
         body = self._bodies.body(self._last, health, self._activity_totals)
         self._store.publish(Publication(self._last, health, body, self._last_json, self._activity_totals))
+        self._bodies.render_ahead(body, self._interval)
 
     def _render_failed(self, exc: Exception) -> None:
         """Called on the scrape thread that asked for the body; counted for the next publication."""

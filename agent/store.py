@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
-from gpufleet.agent.exposition import LazyBody
+from gpufleet.agent.render_on_demand import LazyBody
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import NodeSnapshot
 
@@ -24,7 +24,7 @@ class Publication:
     snapshot: NodeSnapshot | None
     health: AgentHealth
     # Prometheus text for everything but the per-scrape sample age: bytes, or a LazyBody rendered on
-    # the first read (agent.exposition.RenderOnDemand).
+    # the first read (agent.render_on_demand).
     rendered: bytes | LazyBody
     # orjson of snapshot.to_dict(), None when there is no snapshot yet.
     snapshot_json: bytes | None

@@ -256,3 +256,36 @@ def test_health_carries_the_readers_nvml_cost_and_periods():
     body = store.latest().metrics
     assert b'gpufleet_agent_nvml_seconds_total{call="nvmlDeviceGetFieldValues",node="dgx-017"} 0.25' in body
     assert b'gpufleet_agent_reading_period_seconds{node="dgx-017",reading="energy_joules_total"} 60.0' in body
+
+
+def test_steady_scrapes_find_their_snapshot_rendered_ahead_by_the_sampler():
+    sampler, _, store, clock = make()
+    renderer = sampler._bodies._renderer = CountingRenderer()
+    found_rendered = []
+    for second in range(1, 91):  # 1 s samples, a scrape every 15 s at 0.6 s past the sample
+        sampler.run_once()
+        if second % 15 == 0:
+            clock.advance(0.6)
+            body = store.latest().rendered
+            found_rendered.append(body.rendered)
+            body.get()
+            clock.advance(0.4)
+        else:
+            clock.advance(1.0)
+    # The first two scrapes set the period; every later one finds its text ready, and no render is wasted.
+    assert found_rendered == [False, False, True, True, True, True]
+    assert renderer.renders == 6
+
+
+def test_a_missed_guess_costs_one_render_and_the_scrape_renders_as_before():
+    sampler, _, store, clock = make()
+    renderer = sampler._bodies._renderer = CountingRenderer()
+    for at in (15, 30):
+        while clock.mono < 1000.0 + at:
+            sampler.run_once()
+            clock.advance(1.0)
+        store.latest().metrics
+    for _ in range(30):  # the scraper went away: one render ahead, then none
+        sampler.run_once()
+        clock.advance(1.0)
+    assert renderer.renders == 3
