@@ -100,6 +100,7 @@ class NvmlReader:
         self._interval = interval_s
         self._clock = clock
         self._plan: Plan = EVERY_CYCLE
+        self._from_mask: tuple[str, ...] = ()  # throttle readings the plan integrates from the mask
         self._cycle = 0
         # GPU key -> reason reading -> seconds, for counters the reasons mask stands in for; kept across re-opens.
         self._integrated: dict[str, dict[str, float]] = {}
@@ -176,6 +177,7 @@ class NvmlReader:
             self._xid = XidWatcher(self._nvml, self._xid_store, self._errors, wait_ms=self._xid_wait_ms)
             self._gpus = [self._open_gpu(i) for i in range(int(count))]
             self._plan = self._fit_tiers()
+            self._from_mask = tuple(k for k, p in self._plan.periods.items() if p == INTEGRATED)
             self._capabilities = None
             self._xid.start()
         except BaseException:  # leave nothing half-open behind: no thread, no initialised library
@@ -424,7 +426,7 @@ class NvmlReader:
 
     def _integrate_throttle(self, gpu: _Gpu, values: dict[str, Any], now: float) -> None:
         """Throttle seconds from the reasons mask (bit x time since the last mask) where the plan says so."""
-        integrated = [k for k, p in self._plan.periods.items() if p == INTEGRATED]
+        integrated = self._from_mask
         if not integrated:
             return
         totals = self._integrated.setdefault(gpu.key, {})
@@ -483,7 +485,10 @@ class NvmlReader:
 
     def _poll_gpm(self, gpu: _Gpu, values: dict[str, Any], asked: list[str]) -> None:
         readings = tuple(r for r in GPM_READINGS if gpu.supported.get(r))
-        if gpu.gpm is None or not readings or not gpu.up or not self._due(gpu, _GPM_UNIT):
+        if gpu.gpm is None or not readings or not gpu.up:
+            return
+        # GPM needs two samples for a value: until there is one, sample every cycle (--once has two).
+        if not self._due(gpu, _GPM_UNIT) and any(r in gpu.held for r in readings):
             return
         asked.extend(readings)
         result = self._guard(gpu, readings, gpu.gpm.sample)

@@ -136,3 +136,22 @@ def test_cheap_fakes_read_everything_every_cycle():
         assert reader.read()[0].slow_readings_age_seconds == {}
     finally:
         reader.close()
+
+
+def test_gpm_on_a_slower_tier_still_has_a_value_on_the_second_read():
+    fake = FakeNvml([h100(0, links=0), h100(1, links=0)])
+    clock = Clock()
+    nvml = CostedNvml(fake, call_cost_us={"nvmlGpmSampleGet": 3000.0, **CALLS_US}, field_cost_us=FIELDS_US)
+    reader = NvmlReader(nvml, xid_wait_ms=20, cpu_budget=0.004, interval_s=1.0, clock=clock)
+    reader.open()
+    try:
+        assert reader.plan.periods["sm_active_ratio"] == 2
+        cycle(reader, clock)
+        assert [g.sm_active_ratio for g in cycle(reader, clock)] == [0.81, 0.81]
+        before = fake.called("nvmlGpmSampleGet")
+        for _ in range(4):
+            ages = [g.slow_readings_age_seconds.get("sm_active_ratio", 0.0) for g in cycle(reader, clock)]
+            assert max(ages) <= 1.0
+        assert fake.called("nvmlGpmSampleGet") - before == 4  # every other cycle on each of two GPUs
+    finally:
+        reader.close()
