@@ -23,6 +23,23 @@ class MeteredNvml:
         self._inner = inner
         self._lock = threading.Lock()
         self._ns: dict[str, int] = {}
+        self._last = threading.local()  # each thread's last call: (function, ns)
+
+    def last_call_ns(self, name: str) -> int:
+        """Thread CPU ns of this thread's last call, when that call was `name`; else 0. Read once: a
+        second ask without a call in between answers 0."""
+        last = getattr(self._last, "call", None)
+        self._last.call = None
+        return last[1] if last is not None and last[0] == name else 0
+
+    def attribute(self, name: str, shares: Mapping[str, int]) -> None:
+        """Move ns counted under `name` to `name/part`, e.g. a field-value batch's time to its fields."""
+        with self._lock:
+            moved = min(sum(shares.values()), self._ns.get(name, 0))
+            self._ns[name] = self._ns.get(name, 0) - moved
+            for part, ns in shares.items():
+                key = f"{name}/{part}"
+                self._ns[key] = self._ns.get(key, 0) + ns
 
     @property
     def seconds(self) -> Mapping[str, float]:
@@ -42,7 +59,7 @@ class MeteredNvml:
         return wrapped
 
     def _metered(self, name: str) -> Callable[..., Any]:
-        clock, lock, totals, inner = time.thread_time_ns, self._lock, self._ns, self._inner
+        clock, lock, totals, inner, last = time.thread_time_ns, self._lock, self._ns, self._inner, self._last
 
         def call(*args: Any, **kwargs: Any) -> Any:
             started = clock()
@@ -51,6 +68,7 @@ class MeteredNvml:
                 return getattr(inner, name)(*args, **kwargs)
             finally:
                 spent = clock() - started
+                last.call = (name, spent)
                 with lock:
                     totals[name] = totals.get(name, 0) + spent
 

@@ -46,6 +46,7 @@ _THROTTLE_PREFIX = "throttle_seconds_total."
 _GPM_UNIT = GPM_READINGS[0]
 _UNIT_OF = {**{r: call.readings[0] for call in POLLED for r in call.readings}, **dict.fromkeys(GPM_READINGS, _GPM_UNIT)}
 _FIELD_PROBES = 2  # each field id timed twice alone, the lower figure kept
+_FIELD_CALL = "nvmlDeviceGetFieldValues"
 
 
 class NvmlUnavailable(Exception):
@@ -482,6 +483,23 @@ class NvmlReader:
                 results = self._guard(gpu, readings, fetch, self._nvml, gpu.handle, entries)
         if results is not _MISSING:
             self._apply(gpu, ((r.entry.reading, r.code, r.raw) for r in results), values)
+        if asked is not None:
+            self._attribute_batch(gpu, entries)
+
+    def _attribute_batch(self, gpu: _Gpu, entries: Iterable[FieldEntry]) -> None:
+        """Split the batch call's CPU among its fields by what each cost alone while probing, so the
+        cost counter names the costly field ids rather than one call."""
+        spent = self._meter.last_call_ns(_FIELD_CALL)
+        if not spent:
+            return
+        weights = {e.reading: gpu.costs.get(e.reading, 0.0) for e in entries}
+        total = sum(weights.values())
+        shares: dict[str, int] = {}
+        for reading, weight in weights.items():
+            name = base_name(reading) if base_name(reading) in _LINK_FIELDS else reading
+            share = spent * weight / total if total > 0 else spent / len(weights)
+            shares[name] = shares.get(name, 0) + int(share)
+        self._meter.attribute(_FIELD_CALL, shares)
 
     def _poll_gpm(self, gpu: _Gpu, values: dict[str, Any], asked: list[str]) -> None:
         readings = tuple(r for r in GPM_READINGS if gpu.supported.get(r))

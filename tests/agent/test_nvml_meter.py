@@ -38,6 +38,18 @@ def test_calls_the_function_the_object_holds_now():
     assert metered.nvmlDeviceGetCount() == 7
 
 
+def test_a_batch_call_can_be_split_among_its_parts():
+    fake = FakeNvml()
+    metered = MeteredNvml(fake)
+    metered.nvmlInit()
+    metered.nvmlDeviceGetCount()
+    spent = metered.last_call_ns("nvmlDeviceGetCount")
+    assert spent > 0 and metered.last_call_ns("nvmlDeviceGetCount") == 0  # read once
+    metered.attribute("nvmlDeviceGetCount", {"a": spent // 2, "b": spent - spent // 2})
+    seconds = metered.seconds
+    assert seconds["nvmlDeviceGetCount"] == 0 and seconds["nvmlDeviceGetCount/a"] + seconds["nvmlDeviceGetCount/b"] > 0
+
+
 def test_constants_and_types_pass_through():
     metered = MeteredNvml(FakeNvml())
     assert metered.NVML_FI_DEV_POWER_INSTANT == pynvml.NVML_FI_DEV_POWER_INSTANT

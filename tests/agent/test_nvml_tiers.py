@@ -100,12 +100,16 @@ def test_a_failed_slow_read_is_absent_not_stale(costly):
     assert seen[-1] is None and seen[0] is not None
 
 
-def test_the_nvml_cost_counter_names_each_function(costly):
+def test_the_nvml_cost_counter_names_each_function_and_the_costly_field_ids(costly):
     _, reader, clock = costly
-    cycle(reader, clock)
+    for _ in range(reader.plan.periods["energy_joules_total"]):  # each GPU reads energy once
+        cycle(reader, clock)
     spent = reader.nvml_seconds
     assert spent["nvmlDeviceGetMemoryInfo"] >= 2 * 0.002  # probed on both GPUs at open
     assert {"nvmlDeviceGetFieldValues", "nvmlDeviceGetUtilizationRates"} <= set(spent)
+    # The batch's time goes to its fields by their probed cost: energy's two reads, 4 ms each.
+    assert spent["nvmlDeviceGetFieldValues/energy_joules_total"] >= 0.0075
+    assert spent["nvmlDeviceGetFieldValues/power_watts"] < 0.002
 
 
 def test_an_unreachable_budget_is_logged_and_ages_stay_bounded(caplog):
