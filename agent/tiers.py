@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-# A fraction of one core for the sampler's NVML reads. On top come the agent's own Python (about 0.15-0.2 %
-# of a core on 8 GPUs), the attribution's process query and the XID thread's event wait (about 0.03 %
-# each on an H100): all of it within half a percent of a core on an 8-GPU H100 node sampling at 1 Hz.
-DEFAULT_CPU_BUDGET = 0.0025
+# A fraction of one core for the sampler's NVML reads. On top come the agent's own Python (about 0.16 % of a
+# core on 8 GPUs, scrapes included), the attribution's process query (0.03 %) and the process's background
+# (0.1 % on an H100: the XID thread's event waits, idle wakeups): all of it within half a percent of a
+# core on an 8-GPU H100 node sampling at 1 Hz, even where the reads spend the whole budget.
+DEFAULT_CPU_BUDGET = 0.002
 FAST_MAX_AGE_S = 2.0
 MAX_AGE_S = 60.0
 INTEGRATED = 0  # period of a throttle counter replaced by integrating its mask bit
