@@ -1,8 +1,8 @@
 """What each NVML call costs on a real GPU, burned as CPU by the simulator so benchmarks pay it too.
 
 The simulator answers a call in microseconds of Python; the real driver spends up to milliseconds of
-CPU in some of them (the total energy counter costs about 3 ms a read). A benchmark on the free
-simulator once reported a goal met that real hardware missed by ten times. `CostedNvml` wraps a
+CPU in some of them (the total energy counter costs about 3 ms a read), so on the free simulator an
+agent looks ten times cheaper than on real hardware. `CostedNvml` wraps a
 SimNvml and, after each call, spins on the calling thread's CPU clock until the call has cost what the
 driver's call costs: CPU is burned, not slept, so process CPU time, thread CPU time and profiles all
 see it. The burned share is counted apart, so a benchmark can show the agent, the simulated NVML cost
