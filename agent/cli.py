@@ -137,7 +137,8 @@ def build_runtime(config: AgentConfig) -> Runtime:
         wait = clock.advance if isinstance(clock, SettableClock) else _sleep
     else:
         nvml, node, clock, wait = _pynvml(), config.node or default_node(), time.time, _sleep
-    reader = NvmlReader(nvml, per_link_nvlink=config.nvlink_per_link)
+    reader = NvmlReader(nvml, per_link_nvlink=config.nvlink_per_link, cpu_budget=config.sampling_cpu_budget,
+                        interval_s=config.sample_interval, clock=clock)
     attributor = JobAttributor(procfs, config.hpc_job_mapping_dir, env_vars=config.hpc_job_env_vars,
                                rendezvous=config.hpc_job_rendezvous, node=node)
     return Runtime(node=node, reader=reader, attributor=attributor, clock=clock, wait=wait, cleanup=cleanup, web=web)
@@ -158,8 +159,12 @@ def _simulator(config: AgentConfig) -> tuple[Any, str, Callable[[], float]]:
     # Starting one interval in the past makes the printed (second) sample's time "now".
     clock: Callable[[], float] = SettableClock(time.time() - config.sample_interval) if config.once else time.time
     # block_on_events: the XID thread's event wait must block as the driver's does, even on the settable clock.
-    nvml = SimNvml(scenario, node=node, clock=clock, epoch=config.simulate_epoch, seed=config.simulate_seed,
-                   block_on_events=True)
+    nvml: Any = SimNvml(scenario, node=node, clock=clock, epoch=config.simulate_epoch, seed=config.simulate_seed,
+                        block_on_events=True)
+    if config.simulate_nvml_costs:
+        from gpufleet.agent.sim.costs import CostedNvml
+
+        nvml = CostedNvml(nvml)
     return nvml, node, clock
 
 

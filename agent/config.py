@@ -15,6 +15,7 @@ from gpufleet.agent.attribution import DEFAULT_ENV_VARS
 from gpufleet.config import (ConfigError, OneLineParser, layered, parse_bool, parse_duration, parse_listen_address,
                              read_config_file)
 from gpufleet.config import env_name as _env_name
+from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET
 
 PROG = "gpufleet-agent"
 ENV_PREFIX = "GPUFLEET_AGENT_"
@@ -32,11 +33,14 @@ class AgentConfig:
     listen_host: str = ""
     listen_port: int = DEFAULT_PORT
     sample_interval: float = 1.0
+    # Fraction of one core the sampler's NVML reads may use; costlier readings are read less often.
+    sampling_cpu_budget: float = DEFAULT_CPU_BUDGET
     # None until resolved: the hostname, or with --simulate the scenario's first node.
     node: str | None = None
     simulate: str | None = None
     simulate_epoch: float | None = None
     simulate_seed: int = 0
+    simulate_nvml_costs: bool = False
     snapshots_retention: float = 300.0
     record: str | None = None
     once: bool = False
@@ -61,6 +65,20 @@ def _interval(value: Any) -> float:
     if not 0.1 <= seconds <= 3600:
         raise ValueError(f"must be between 0.1 and 3600 seconds, got {value!r}")
     return seconds
+
+
+def _cpu_budget(value: Any) -> float:
+    """A fraction of one core, '0.003', or a percentage, '0.3%'."""
+    text = _text(value) if not isinstance(value, (int, float)) or isinstance(value, bool) else str(value)
+    percent = text.endswith("%")
+    try:
+        number = float(text.removesuffix("%"))
+    except ValueError:
+        raise ValueError(f"must be a fraction of one core (0.003) or a percentage (0.3%), got {value!r}") from None
+    fraction = number / 100 if percent else number
+    if not 0.0001 <= fraction <= 1.0:
+        raise ValueError(f"must be between 0.0001 and 1 of a core (0.01% to 100%), got {value!r}")
+    return fraction
 
 
 def _retention(value: Any) -> float:
@@ -177,6 +195,10 @@ OPTIONS: tuple[_Option, ...] = (
             "TLS and basic auth for the endpoints: a Prometheus exporter-toolkit web config (docs/agent.md)",
             "FILE"),
     _Option("sample.interval", "sample_interval", _interval, "seconds between NVML samples (default 1)", "SECONDS"),
+    _Option("sampling.cpu-budget", "sampling_cpu_budget", _cpu_budget,
+            "CPU the NVML reads may use, a fraction of one core or a percentage; costlier readings are read "
+            f"less often, detectors' readings at least every 2 s, all at least every 60 s (default {DEFAULT_CPU_BUDGET:g})",
+            "FRACTION"),
     _Option("node", "node", _node, "node name on every series and snapshot (default: hostname)", "NAME"),
     _Option("simulate", "simulate", _path,
             "use the NVML simulator: built-in scenario or a YAML/JSON file",
@@ -184,6 +206,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("simulate.epoch", "simulate_epoch", _epoch, "scenario time zero, unix seconds (default: agent start)",
             "UNIX_SECONDS"),
     _Option("simulate.seed", "simulate_seed", _seed, "simulator random seed (default 0)", "N"),
+    _Option("simulate.nvml-costs", "simulate_nvml_costs", _bool,
+            "each simulated NVML call burns the CPU the real call costs (H100, driver 580)"),
     _Option("snapshots.retention", "snapshots_retention", _retention,
             "seconds of snapshots kept for /snapshots?since= (default 300, at least 120)", "SECONDS"),
     _Option("record", "record", _record_file, "append every snapshot as one JSON line to FILE", "FILE"),

@@ -3,7 +3,8 @@
 `families()` is the single definition of what is exported. Two sinks consume it: `SnapshotCollector`
 (a prometheus_client custom collector, for a fresh CollectorRegistry and generate_latest) and
 `Renderer`, which writes the same text format byte for byte, but remembers each series' rendered name
-and labels between snapshots, as node_exporter builds its descriptors once. generate_latest re-validates
+and labels between snapshots, as node_exporter builds its descriptors once (agent.render_on_demand runs
+it only for the snapshots a scrape reads). generate_latest re-validates
 and re-escapes every label of every sample (about 7 ms for an 8-GPU node with per-link NVLink); the
 Renderer only formats values, which keeps the agent's whole CPU budget under half a percent.
 """
@@ -121,6 +122,9 @@ class Renderer:
         if process_metrics:
             self._process = CollectorRegistry(auto_describe=False)
             ProcessCollector(registry=self._process)
+        # Family -> its rows and text last time: limits, identity and capabilities rarely change, and
+        # comparing rows costs far less than formatting them again.
+        self._families: dict[tuple[str, str], tuple[list, str]] = {}
 
     def render(self, snapshot: NodeSnapshot | None, health: AgentHealth,
                activity: ActivityTotals = NO_TOTALS) -> bytes:
@@ -128,22 +132,34 @@ class Renderer:
         if len(self._series) > self.MAX_CACHED:
             self._series.clear()
         out: list[str] = []
-        series, fmt = self._series, _format_value
+        cached = self._families
         for fam in families(snapshot, health, activity):
-            header = self._headers.get((fam.name, fam.kind))
-            if header is None:
-                header = self._headers[(fam.name, fam.kind)] = _header(fam)
-            out.append(header)
-            for names, values, value in fam.rows:
-                key = (fam.name, names, values)
-                prefix = series.get(key)
-                if prefix is None:
-                    prefix = series[key] = _series_text(fam, names, values)
-                out.append(f"{prefix}{fmt(value)}\n")
+            key = (fam.name, fam.kind)
+            last = cached.get(key)
+            if last is not None and last[0] == fam.rows:
+                out.append(last[1])
+                continue
+            text = self._family_text(fam)
+            cached[key] = (fam.rows, text)
+            out.append(text)
         body = "".join(out).encode("utf-8")
         if self._process is not None:
             body += generate_latest(self._process)
         return body
+
+    def _family_text(self, fam: Family) -> str:
+        header = self._headers.get((fam.name, fam.kind))
+        if header is None:
+            header = self._headers[(fam.name, fam.kind)] = _header(fam)
+        out = [header]
+        series, fmt = self._series, _format_value
+        for names, values, value in fam.rows:
+            key = (fam.name, names, values)
+            prefix = series.get(key)
+            if prefix is None:
+                prefix = series[key] = _series_text(fam, names, values)
+            out.append(f"{prefix}{fmt(value)}\n")
+        return "".join(out)
 
 
 def render(snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals = NO_TOTALS) -> bytes:
@@ -212,6 +228,17 @@ def _agent_families(snap: NodeSnapshot | None, health: AgentHealth) -> Iterator[
     for (reading, error), count in sorted(health.errors.items()):
         errors.add(("node", "reading", "error"), (health.node, reading, error), float(count))
     yield errors
+    cost = Family("gpufleet_agent_nvml_seconds", "counter",
+                  "Thread CPU time the agent spent inside each NVML function, since start.")
+    for call, seconds in sorted(health.nvml_seconds.items()):
+        cost.add(("call", "node"), (call, health.node), seconds)
+    yield cost
+    if health.nvml_up:
+        periods = Family("gpufleet_agent_reading_period_seconds", "gauge",
+                         "Seconds between reads of each NVML reading, fitted to --sampling.cpu-budget at start.")
+        for reading, seconds in sorted(health.reading_periods.items()):
+            periods.add(("node", "reading"), (health.node, reading), seconds)
+        yield periods
     if snap is not None:
         yield _one("gpufleet_agent_last_sample_timestamp_seconds", "gauge", "Unix time of the newest sample.",
                    node, snap.time)

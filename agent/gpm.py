@@ -52,6 +52,11 @@ class GpmSampler:
         self._wanted = [(r, m) for r, m in self._wanted if r not in readings]
         self._prepare()
 
+    def touch(self) -> None:
+        """One sample into the buffer the next poll overwrites: costs what a poll's sample costs (the
+        reader times it while probing) and changes nothing the next poll sees."""
+        self._nvml.nvmlGpmSampleGet(self._handle, self._buffers[self._current])
+
     def sample(self) -> dict[str, tuple[int, float | None]] | None:
         """reading -> (return code, percent) between the previous poll and now; None on the first poll.
 

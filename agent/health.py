@@ -26,3 +26,7 @@ class AgentHealth:
     capabilities: Mapping[int, Mapping[str, bool]] = field(default_factory=lambda: _EMPTY)
     # Sampling cycles attempted so far (successful or not).
     cycles_total: int = 0
+    # NVML function -> thread CPU seconds the agent spent in it since start (agent.nvml_meter).
+    nvml_seconds: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    # Read unit -> seconds between its reads, as fitted to the CPU budget at open (agent.tiers).
+    reading_periods: Mapping[str, float] = field(default_factory=lambda: _EMPTY)

@@ -75,18 +75,29 @@ class GpuSample:
     last_xid: int | None = None
     # Names of *_total fields that went backwards since the previous sample (driver reload, wrap).
     counter_resets: tuple[str, ...] = ()
+    # Readings on a slow sampling tier that were not read in this cycle: seconds since they were, by
+    # read unit, named after the first reading of its call (memory_used_bytes stands for memory_total_bytes
+    # too, remapped_rows_correctable for all four remapped_rows_*); agent.tiers. A reading whose unit is
+    # not named here was read in this cycle.
+    slow_readings_age_seconds: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
 
     def to_dict(self) -> dict[str, Any]:
         """The GPU's object in the snapshot contract."""
-        out: dict[str, Any] = {}
-        for name in self.__slots__:  # type: ignore[attr-defined]
+        out = {name: getattr(self, name) for name in _FIELDS}
+        # Replacing a key's value keeps its place, so the JSON keeps the fields' order.
+        for name in _MAPPING_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, Mapping):
-                value = {str(k): v for k, v in value.items()}
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[name] = value
+            out[name] = {str(k): v for k, v in value.items()} if value else {}
+        for name in _TUPLE_FIELDS:
+            out[name] = list(getattr(self, name))
         return out
+
+
+# Which GpuSample fields need converting for JSON, decided once from the annotations rather than by an
+# isinstance(..., Mapping) per field per sample (an ABC check, once the largest part of to_dict).
+_MAPPING_FIELDS = tuple(n for n, t in GpuSample.__annotations__.items() if str(t).startswith("Mapping["))
+_TUPLE_FIELDS = tuple(n for n, t in GpuSample.__annotations__.items() if str(t).startswith("tuple["))
+_FIELDS = tuple(GpuSample.__annotations__)
 
 
 @dataclass(frozen=True, slots=True)

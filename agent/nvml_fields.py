@@ -8,7 +8,10 @@ others; entries found unsupported are dropped so later polls stop asking for the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Sequence
+
+import pynvml
 
 from gpufleet.agent.model import ThrottleReason
 from gpufleet.agent.nvml_errors import SUCCESS
@@ -40,6 +43,11 @@ _PER_LINK = (
 
 # nvmlValueType_t -> the c_nvmlValue_t union member holding the number.
 _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+_FV = pynvml.c_nvmlFieldValue_t
+_GET_RETURN = _FV.nvmlReturn.__get__
+_GET_TYPE = _FV.valueType.__get__
+_GET_VALUE = _FV.value.__get__
+_VALUE_GETTERS = {k: getattr(pynvml.c_nvmlValue_t, m).__get__ for k, m in _VALUE_MEMBERS.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +71,11 @@ class FieldResult:
 def throttle_reading(reason: ThrottleReason) -> str:
     """Reading name of one reason's cumulative throttle duration."""
     return f"throttle_seconds_total.{reason.label}"
+
+
+# Reading of each reason's cumulative duration -> the reason's bit in the clocks-event mask.
+THROTTLE_READINGS: Mapping[str, ThrottleReason] = MappingProxyType(
+    {throttle_reading(reason): reason for reason, _ in _THROTTLE_FIELDS})
 
 
 def link_reading(base: str, link: int) -> str:
@@ -114,6 +127,14 @@ def read_link_count(nvml: Any, handle: Any) -> int | None:
 
 def _result(entry: FieldEntry, value: Any) -> FieldResult:
     """Pair an entry with its returned struct, checking the entry's own return code."""
+    if type(value) is _FV:
+        # Straight to the ctypes descriptors: pynvml's printable-structure __getattribute__ on each
+        # member cost more than the rest of the batch's handling.
+        code = _GET_RETURN(value)
+        if code != SUCCESS:
+            return FieldResult(entry, code, None)
+        getter = _VALUE_GETTERS.get(_GET_TYPE(value))
+        return FieldResult(entry, code, None if getter is None else getter(_GET_VALUE(value)))
     code = int(value.nvmlReturn)
     return FieldResult(entry, code, decode(value) if code == SUCCESS else None)
 

@@ -2,6 +2,8 @@
 
 open() initialises NVML and probes every GPU once (identity, static limits, which readings exist);
 read() polls the cheapest current call for each supported reading and returns immutable GpuSamples.
+Probing also times every read (thread CPU), and agent.tiers spreads the costly ones over several cycles
+to fit a CPU budget; between its reads a slow reading keeps its last value, and the sample says how old.
 A failure stays as small as it can: one reading (absent this poll and counted, or unsupported from then
 on), one GPU (lost: reported down and never called again), or the library (NvmlUnavailable: the
 sampler closes and re-opens with backoff). Used from one sampler thread; XID events arrive on another.
@@ -10,6 +12,7 @@ sampler closes and re-opens with backoff). Used from one sampler thread; XID eve
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
@@ -27,8 +30,10 @@ from gpufleet.agent.nvml_errors import (
     error_name,
     is_library_fatal,
 )
-from gpufleet.agent.nvml_fields import FieldBatch, batch_entries, read_link_count
+from gpufleet.agent.nvml_fields import THROTTLE_READINGS, FieldBatch, FieldEntry, batch_entries, fetch, read_link_count
+from gpufleet.agent.nvml_meter import MeteredNvml
 from gpufleet.agent.nvml_values import INVALID, CounterTracker, base_name, convert
+from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET, EVERY_CYCLE, INTEGRATED, Plan, Unit, due, fit
 from gpufleet.agent.xid import XID_READING, XidStore, XidWatcher
 
 log = logging.getLogger(__name__)
@@ -37,6 +42,11 @@ _MISSING: Any = object()  # a guarded call that failed
 _NVLINK_READINGS = ("nvlink_tx_bytes_total", "nvlink_rx_bytes_total")
 _LINK_FIELDS = ("nvlink_link_tx_bytes_total", "nvlink_link_rx_bytes_total")
 _THROTTLE_PREFIX = "throttle_seconds_total."
+# A read unit (one call, one field id, or GPM) is named after the first reading it fills.
+_GPM_UNIT = GPM_READINGS[0]
+_UNIT_OF = {**{r: call.readings[0] for call in POLLED for r in call.readings}, **dict.fromkeys(GPM_READINGS, _GPM_UNIT)}
+_FIELD_PROBES = 2  # each field id timed twice alone, the lower figure kept
+_FIELD_CALL = "nvmlDeviceGetFieldValues"
 
 
 class NvmlUnavailable(Exception):
@@ -56,6 +66,11 @@ class _Gpu:
     fields: FieldBatch = field(default_factory=lambda: FieldBatch(()))
     gpm: GpmSampler | None = None
     link_count: int | None = None
+    # Read unit key -> thread CPU seconds one read took while probing.
+    costs: dict[str, float] = field(default_factory=dict)
+    # Last value of every reading and the (clock) time it was read: what a cycle not due to read it shows.
+    held: dict[str, Any] = field(default_factory=dict)
+    read_at: dict[str, float] = field(default_factory=dict)
 
     @property
     def uuid(self) -> str:
@@ -73,10 +88,25 @@ class _Gpu:
 class NvmlReader:
     """Reads every GPU of this node through a pynvml-compatible object (pynvml itself, or SimNvml)."""
 
-    def __init__(self, nvml: Any, *, per_link_nvlink: bool = False, xid_wait_ms: int = 500) -> None:
+    def __init__(self, nvml: Any, *, per_link_nvlink: bool = False, xid_wait_ms: int = 500,
+                 cpu_budget: float = DEFAULT_CPU_BUDGET, interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
         if isinstance(xid_wait_ms, bool) or not isinstance(xid_wait_ms, int) or xid_wait_ms <= 0:
             raise ValueError(f"xid_wait_ms must be a positive integer, got {xid_wait_ms!r}")
-        self._nvml = nvml
+        if not cpu_budget > 0 or not interval_s > 0:
+            raise ValueError(f"cpu_budget and interval_s must be positive, got {cpu_budget!r}, {interval_s!r}")
+        self._meter = MeteredNvml(nvml)
+        self._nvml = self._meter
+        self._budget = cpu_budget
+        self._interval = interval_s
+        self._clock = clock
+        self._plan: Plan = EVERY_CYCLE
+        self._from_mask: tuple[str, ...] = ()  # throttle readings the plan integrates from the mask
+        self._cycle = 0
+        # GPU key -> reason reading -> seconds, for counters the reasons mask stands in for; kept across re-opens.
+        self._integrated: dict[str, dict[str, float]] = {}
+        self._mask_at: dict[str, float] = {}
+        self._capabilities: Mapping[int, Mapping[str, bool]] | None = None
         self._per_link = per_link_nvlink
         self._xid_wait_ms = xid_wait_ms
         self._errors = ErrorCounts()
@@ -107,7 +137,29 @@ class NvmlReader:
     @property
     def capabilities(self) -> Mapping[int, Mapping[str, bool]]:
         """GPU index -> reading name -> supported, as probed at open() and learned since."""
-        return MappingProxyType({g.index: _public_capabilities(g.supported) for g in self._gpus})
+        # Asked for on every cycle's health; rebuilt only when what is known changes.
+        if self._capabilities is None:
+            self._capabilities = MappingProxyType({g.index: _public_capabilities(g.supported) for g in self._gpus})
+        return self._capabilities
+
+    @property
+    def nvml_seconds(self) -> Mapping[str, float]:
+        """NVML function -> thread CPU seconds the agent spent in it since the reader was created."""
+        return self._meter.seconds
+
+    @property
+    def plan(self) -> Plan:
+        """The sampling tiers fitted at the last open()."""
+        return self._plan
+
+    @property
+    def reading_periods(self) -> Mapping[str, float]:
+        """Read unit -> seconds between its reads (per-link NVLink folded; mask-integrated: every cycle)."""
+        out: dict[str, float] = {}
+        for key, period in self._plan.periods.items():
+            name = base_name(key) if base_name(key) in _LINK_FIELDS else key
+            out[name] = max(out.get(name, 0.0), max(period, 1) * self._interval)
+        return MappingProxyType(out)
 
     @property
     def errors(self) -> Mapping[tuple[str, str], int]:
@@ -125,6 +177,9 @@ class NvmlReader:
             self._probing = True
             self._xid = XidWatcher(self._nvml, self._xid_store, self._errors, wait_ms=self._xid_wait_ms)
             self._gpus = [self._open_gpu(i) for i in range(int(count))]
+            self._plan = self._fit_tiers()
+            self._from_mask = tuple(k for k, p in self._plan.periods.items() if p == INTEGRATED)
+            self._capabilities = None
             self._xid.start()
         except BaseException:  # leave nothing half-open behind: no thread, no initialised library
             self._teardown()
@@ -138,8 +193,10 @@ class NvmlReader:
         """One sample per GPU. Raises NvmlUnavailable (and closes) only when NVML as a whole is gone."""
         if not self._is_open:
             raise NvmlUnavailable("NVML reader is not open")
+        self._cycle += 1
+        now = self._clock()
         try:
-            return tuple(self._read_gpu(gpu) for gpu in self._gpus)
+            return tuple(self._read_gpu(gpu, now) for gpu in self._gpus)
         except NvmlUnavailable:
             self.close()
             raise
@@ -217,7 +274,11 @@ class NvmlReader:
         self._probe_gpm(gpu)
         for call in POLLED:
             gpu.supported.update(dict.fromkeys(call.readings, True))
-        self._poll_calls(gpu, {})  # a dry poll: learns which per-poll calls answer NotSupported
+        # A dry poll: learns which per-poll calls answer NotSupported, what each costs, and the values a
+        # slow tier shows until its first read.
+        probed: dict[str, Any] = {}
+        self._poll_calls(gpu, probed, timed=True)
+        self._hold(gpu, probed, probed, self._clock())
         self._register_xid(gpu)
         self._log_unsupported(gpu)
         return gpu
@@ -242,7 +303,31 @@ class NvmlReader:
         gpu.supported.update(dict.fromkeys((e.reading for e in gpu.fields.entries), True))
         if gpu.link_count == 0:  # a card without NVLink: absent, not a stream of zeros
             self._mark_unsupported(gpu, _NVLINK_READINGS)
-        self._poll_fields(gpu, {})
+        probed: dict[str, Any] = {}
+        self._poll_fields(gpu, probed)
+        self._hold(gpu, probed, probed, self._clock())
+        self._time_fields(gpu)
+
+    def _time_fields(self, gpu: _Gpu) -> None:
+        """Each remaining field id alone in its own call: the batch's cost, split by field. The cheapest
+        single call stands for what any call costs; each field is charged what it costs beyond that,
+        and the first entry (instant power, read every cycle) carries the call itself."""
+        singles = {e.reading: min(self._timed_fetch(gpu, e) for _ in range(_FIELD_PROBES))
+                   for e in gpu.fields.entries}
+        if not singles:
+            return
+        base = min(singles.values())
+        for reading, cost in singles.items():
+            gpu.costs[reading] = cost - base
+        gpu.costs[next(iter(singles))] += base
+
+    def _timed_fetch(self, gpu: _Gpu, entry: FieldEntry) -> float:
+        started = time.thread_time_ns()
+        try:
+            fetch(self._nvml, gpu.handle, [entry])
+        except Exception:  # noqa: BLE001 - only timing here; the batch poll handles every failure
+            pass
+        return (time.thread_time_ns() - started) / 1e9
 
     def _probe_gpm(self, gpu: _Gpu) -> None:
         gpu.supported.update(dict.fromkeys(GPM_READINGS, True))
@@ -252,6 +337,35 @@ class NvmlReader:
             gpu.gpm = None if sampler is _MISSING else sampler
         if gpu.gpm is None and gpu.up:
             self._mark_unsupported(gpu, GPM_READINGS)
+        elif gpu.gpm is not None:
+            started = time.thread_time_ns()
+            gpu.gpm.touch()
+            gpu.costs[_GPM_UNIT] = (time.thread_time_ns() - started) / 1e9
+
+    def _fit_tiers(self) -> Plan:
+        """Every read unit with its cost summed over the GPUs that answer, fitted to the budget."""
+        costs: dict[str, float] = {}
+        readings: dict[str, tuple[str, ...]] = {}
+        for gpu in self._gpus:
+            if not gpu.up:
+                continue
+            for key, cost in gpu.costs.items():
+                costs[key] = costs.get(key, 0.0) + cost
+                readings[key] = GPM_READINGS if key == _GPM_UNIT else _unit_readings(key)
+        masked = all(g.supported.get("throttle_reasons") for g in self._gpus if g.up)
+        units = [Unit(k, readings[k], c, integrable=masked and k in THROTTLE_READINGS) for k, c in costs.items()]
+        plan = fit(units, budget=self._budget, interval_s=self._interval)
+        for gpu in self._gpus:
+            for key, period in plan.periods.items():
+                if period == INTEGRATED:
+                    gpu.held.pop(key, None)
+        slow = {k: p * self._interval for k, p in sorted(plan.periods.items()) if p > 1}
+        integrated = sorted(k.partition(".")[2] for k, p in plan.periods.items() if p == INTEGRATED)
+        log.log(logging.INFO if plan.fits else logging.WARNING,
+                "sampling tiers" if plan.fits else "sampling tiers exceed the cpu budget at their longest periods",
+                extra={"cpu_budget": self._budget, "nvml_cpu_per_second": round(plan.cost_per_second, 6),
+                       "slow_readings_seconds": slow, "throttle_from_mask": integrated})
+        return plan
 
     def _register_xid(self, gpu: _Gpu) -> None:
         """Ask for this GPU's XID events; where that is unsupported the GPU has no XID reading."""
@@ -271,17 +385,62 @@ class NvmlReader:
 
     # -- poll ----------------------------------------------------------------------------------
 
-    def _read_gpu(self, gpu: _Gpu) -> GpuSample:
+    def _read_gpu(self, gpu: _Gpu, now: float) -> GpuSample:
         if not gpu.up:
             return self._down_sample(gpu)
         values: dict[str, Any] = {}
+        asked: list[str] = []
         self._read_missing_static(gpu)
-        self._poll_calls(gpu, values)
-        self._poll_fields(gpu, values)
-        self._poll_gpm(gpu, values)
+        self._poll_calls(gpu, values, asked=asked)
+        self._poll_fields(gpu, values, asked)
+        self._poll_gpm(gpu, values, asked)
         if not gpu.up:
             return self._down_sample(gpu)
-        return self._build(gpu, values)
+        self._hold(gpu, values, asked, now)
+        ages = self._fill_held(gpu, values, now)
+        self._integrate_throttle(gpu, values, now)
+        return self._build(gpu, values, ages)
+
+    def _due(self, gpu: _Gpu, key: str) -> bool:
+        return due(self._plan.period(key), self._cycle, gpu.index)
+
+    def _hold(self, gpu: _Gpu, values: Mapping[str, Any], asked: Iterable[str], now: float) -> None:
+        """Remember what was read now; a reading asked for but not read (failed) is held no longer."""
+        held, read_at = gpu.held, gpu.read_at
+        for reading in asked:
+            held.pop(reading, None)
+        held.update(values)
+        read_at.update(dict.fromkeys(values, now))
+
+    def _fill_held(self, gpu: _Gpu, values: dict[str, Any], now: float) -> dict[str, float]:
+        """Held values of the readings not due this cycle; their ages by read unit (per-link folded)."""
+        ages: dict[str, float] = {}
+        if len(values) == len(gpu.held):
+            return ages
+        read_at = gpu.read_at
+        for reading, value in gpu.held.items():
+            if reading not in values:
+                values[reading] = value
+                name = _UNIT_OF.get(reading) or base_name(reading)
+                ages[name] = max(ages.get(name, 0.0), round(now - read_at[reading], 3))
+        return ages
+
+    def _integrate_throttle(self, gpu: _Gpu, values: dict[str, Any], now: float) -> None:
+        """Throttle seconds from the reasons mask (bit x time since the last mask) where the plan says so."""
+        integrated = self._from_mask
+        if not integrated:
+            return
+        totals = self._integrated.setdefault(gpu.key, {})
+        mask = values.get("throttle_reasons")
+        if mask is not None:
+            last, self._mask_at[gpu.key] = self._mask_at.get(gpu.key), now
+            # One missed cycle is normal; a longer gap is unknown time, not throttled time.
+            step = 0.0 if last is None else min(max(now - last, 0.0), 2 * self._interval)
+            for key in integrated:
+                totals[key] = totals.get(key, 0.0) + (step if mask & THROTTLE_READINGS[key] else 0.0)
+        for key in integrated:
+            if gpu.supported.get(key, True) and key in totals:
+                values[key] = totals[key]
 
     def _read_missing_static(self, gpu: _Gpu) -> None:
         """Read the static limits not known yet: at open, and on later polls after a transient failure
@@ -292,25 +451,64 @@ class NvmlReader:
                 if raw is not _MISSING:
                     self._convert_into(gpu, zip(call.readings, raw), gpu.static)
 
-    def _poll_calls(self, gpu: _Gpu, values: dict[str, Any]) -> None:
+    def _poll_calls(self, gpu: _Gpu, values: dict[str, Any], *, asked: list[str] | None = None,
+                    timed: bool = False) -> None:
         for call in POLLED:
-            if gpu.wants(call.readings):
+            key = call.readings[0]
+            if gpu.wants(call.readings) and (asked is None or self._due(gpu, key)):
+                if asked is not None:
+                    asked.extend(call.readings)
+                started = time.thread_time_ns() if timed else 0
                 raw = self._guard(gpu, call.readings, call.fetch, self._nvml, gpu.handle)
+                if timed:
+                    gpu.costs[key] = (time.thread_time_ns() - started) / 1e9
                 if raw is not _MISSING:
                     self._convert_into(gpu, zip(call.readings, raw), values)
 
-    def _poll_fields(self, gpu: _Gpu, values: dict[str, Any]) -> None:
-        readings = tuple(e.reading for e in gpu.fields.entries)
-        if not readings or not gpu.up:
+    def _poll_fields(self, gpu: _Gpu, values: dict[str, Any], asked: list[str] | None = None) -> None:
+        if not gpu.up:
             return
-        results = self._guard(gpu, readings, gpu.fields.fetch, self._nvml, gpu.handle)
+        if asked is None:
+            entries = gpu.fields.entries
+            results = self._guard(gpu, tuple(e.reading for e in entries), gpu.fields.fetch, self._nvml, gpu.handle)
+        else:
+            entries = tuple(e for e in gpu.fields.entries if self._due(gpu, e.reading))
+            readings = tuple(e.reading for e in entries)
+            asked.extend(readings)
+            if not entries:
+                return
+            if len(entries) == len(gpu.fields.entries):  # the whole batch: its request list is built once
+                results = self._guard(gpu, readings, gpu.fields.fetch, self._nvml, gpu.handle)
+            else:
+                results = self._guard(gpu, readings, fetch, self._nvml, gpu.handle, entries)
         if results is not _MISSING:
             self._apply(gpu, ((r.entry.reading, r.code, r.raw) for r in results), values)
+        if asked is not None:
+            self._attribute_batch(gpu, entries)
 
-    def _poll_gpm(self, gpu: _Gpu, values: dict[str, Any]) -> None:
+    def _attribute_batch(self, gpu: _Gpu, entries: Iterable[FieldEntry]) -> None:
+        """Split the batch call's CPU among its fields by what each cost alone while probing, so the
+        cost counter names the costly field ids rather than one call."""
+        spent = self._meter.last_call_ns(_FIELD_CALL)
+        if not spent:
+            return
+        weights = {e.reading: gpu.costs.get(e.reading, 0.0) for e in entries}
+        total = sum(weights.values())
+        shares: dict[str, int] = {}
+        for reading, weight in weights.items():
+            name = base_name(reading) if base_name(reading) in _LINK_FIELDS else reading
+            share = spent * weight / total if total > 0 else spent / len(weights)
+            shares[name] = shares.get(name, 0) + int(share)
+        self._meter.attribute(_FIELD_CALL, shares)
+
+    def _poll_gpm(self, gpu: _Gpu, values: dict[str, Any], asked: list[str]) -> None:
         readings = tuple(r for r in GPM_READINGS if gpu.supported.get(r))
         if gpu.gpm is None or not readings or not gpu.up:
             return
+        # GPM needs two samples for a value: until there is one, sample every cycle (--once has two).
+        if not self._due(gpu, _GPM_UNIT) and any(r in gpu.held for r in readings):
+            return
+        asked.extend(readings)
         result = self._guard(gpu, readings, gpu.gpm.sample)
         if result is not _MISSING and result is not None:
             self._apply(gpu, ((r, code, raw) for r, (code, raw) in result.items()), values)
@@ -350,7 +548,7 @@ class NvmlReader:
     def _down_sample(self, gpu: _Gpu) -> GpuSample:
         return GpuSample(up=False, **self._identity(gpu))
 
-    def _build(self, gpu: _Gpu, values: dict[str, Any]) -> GpuSample:
+    def _build(self, gpu: _Gpu, values: dict[str, Any], ages: dict[str, float]) -> GpuSample:
         fields = {k: v for k, v in values.items() if "." not in k}
         fields.update(gpu.static)
         throttle = {k[len(_THROTTLE_PREFIX):]: v for k, v in values.items() if k.startswith(_THROTTLE_PREFIX)}
@@ -359,6 +557,8 @@ class NvmlReader:
             fields[name] = self._links(gpu, name, values)
         fields.update(self._xid_fields(gpu))
         resets = self._counters.check(gpu.key, fields)
+        if ages:
+            fields["slow_readings_age_seconds"] = MappingProxyType(ages)
         return GpuSample(**self._identity(gpu), counter_resets=resets, **fields)
 
     def _links(self, gpu: _Gpu, name: str, values: Mapping[str, Any]) -> tuple[int | None, ...]:
@@ -412,6 +612,9 @@ class NvmlReader:
         readings = tuple(readings)
         newly = [r for r in readings if gpu.supported.get(r, True)]
         gpu.supported.update(dict.fromkeys(readings, False))
+        self._capabilities = None
+        for reading in readings:
+            gpu.held.pop(reading, None)
         gpu.fields.drop(readings)
         if gpu.gpm is not None:
             gpu.gpm.drop(frozenset(readings))
@@ -434,6 +637,7 @@ class NvmlReader:
     # -- teardown ------------------------------------------------------------------------------
 
     def _teardown(self) -> None:
+        self._capabilities = None
         if self._xid is not None:
             self._xid.stop()
             self._xid = None
@@ -448,6 +652,14 @@ class NvmlReader:
                 self._nvml.nvmlShutdown()
             except Exception:  # noqa: BLE001 - the library may already be gone
                 log.debug("nvmlShutdown failed", exc_info=True)
+
+
+def _unit_readings(key: str) -> tuple[str, ...]:
+    """The readings one polled call or field entry (keyed by its first reading) fills."""
+    for call in POLLED:
+        if call.readings[0] == key:
+            return call.readings
+    return (key,)
 
 
 def _public_capabilities(supported: Mapping[str, bool]) -> Mapping[str, bool]:

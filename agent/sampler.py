@@ -1,4 +1,4 @@
-"""The sampling loop: reader -> job attribution -> immutable snapshot -> rendered once -> store (and record)."""
+"""The sampling loop: reader -> job attribution -> immutable snapshot -> store (and record); rendered when read."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from typing import Any, Callable, Mapping, Protocol
 
 import orjson
 
-from gpufleet.agent import __version__, exposition
+from gpufleet.agent import __version__
 from gpufleet.agent.activity import NO_TOTALS, ActivityIntegrator, ActivityTotals
 from gpufleet.agent.attribution import JobAttributor
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot
 from gpufleet.agent.nvml_reader import NvmlUnavailable
 from gpufleet.agent.record import Recorder
+from gpufleet.agent.render_on_demand import RenderOnDemand
 from gpufleet.agent.store import Publication, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -88,11 +89,13 @@ class Sampler:
         self._open_failures = 0
         self._next_open = float("-inf")
         self._errors: Counter[tuple[str, str]] = Counter()
+        # Render failures are counted on the scrape thread that asked for a body; health() copies under it.
+        self._errors_lock = threading.Lock()
         self._cycles = 0
         self._last: NodeSnapshot | None = None
         self._last_json: bytes | None = None
         self._thread: threading.Thread | None = None
-        self._renderer = exposition.Renderer(process_metrics=True)
+        self._bodies = RenderOnDemand(on_error=self._render_failed, process_metrics=True, monotonic=monotonic)
         # A sample stands for at most two intervals: one skipped tick is normal, a longer gap is unknown.
         self._activity = ActivityIntegrator(max_step_seconds=2 * interval)
         self._activity_totals: ActivityTotals = NO_TOTALS
@@ -207,26 +210,32 @@ class Sampler:
             if self._recorder is not None and not self._recorder.write(self._last_json):
                 self._errors[("record", "write_failed")] += 1
         health = self.health()
-        try:
-            metrics = self._renderer.render(self._last, health, self._activity_totals)
-        except Exception as exc:  # a render bug must not stop sampling; the old body stays served
+        body = self._bodies.body(self._last, health, self._activity_totals)
+        self._store.publish(Publication(self._last, health, body, self._last_json, self._activity_totals))
+        self._bodies.render_ahead(body, self._interval)
+
+    def _render_failed(self, exc: Exception) -> None:
+        """Called on the scrape thread that asked for the body; counted for the next publication."""
+        with self._errors_lock:
             self._errors[("render", type(exc).__name__)] += 1
-            self._log_failure("exposition render failed", exc)
-            return
-        self._store.publish(Publication(self._last, health, metrics, self._last_json, self._activity_totals))
+        self._log_failure("exposition render failed", exc)
 
     def health(self) -> AgentHealth:
         """The agent's current view of itself."""
-        errors: Counter[tuple[str, str]] = Counter(self._errors)
+        with self._errors_lock:
+            errors: Counter[tuple[str, str]] = Counter(self._errors)
         # Always merged, open or not: the reader's counts are cumulative and a counter must not shrink.
         errors.update(_copy(self._reader.errors))
         if self._attributor is not None:
             errors.update({("attribution", cause): n for cause, n in self._attributor.errors.items()})
         capabilities = _copy(self._reader.capabilities) if self._open else {}
+        # Optional on a reader (tests' stand-ins lack them): the NVML cost counter and the tiers.
+        nvml_seconds = getattr(self._reader, "nvml_seconds", {})
+        periods = getattr(self._reader, "reading_periods", {}) if self._open else {}
         return AgentHealth(node=self._node, version=self._version, nvml_up=self._open,
                            nvml_error=self._nvml_error, nvml_error_detail=self._nvml_error_detail,
                            errors=dict(errors), capabilities=capabilities,
-                           cycles_total=self._cycles)
+                           cycles_total=self._cycles, nvml_seconds=nvml_seconds, reading_periods=periods)
 
     def run(self) -> None:
         """Sample every interval on a drift-free schedule until stop is set; a slow cycle skips ticks."""

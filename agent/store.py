@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
+from gpufleet.agent.render_on_demand import LazyBody
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import NodeSnapshot
 
@@ -23,12 +24,19 @@ class Publication:
 
     snapshot: NodeSnapshot | None
     health: AgentHealth
-    # Prometheus text for everything but the per-scrape sample age.
-    metrics: bytes
+    # Prometheus text for everything but the per-scrape sample age: bytes, or a LazyBody rendered on
+    # the first read (agent.render_on_demand).
+    rendered: bytes | LazyBody
     # orjson of snapshot.to_dict(), None when there is no snapshot yet.
     snapshot_json: bytes | None
     # Activity totals up to the snapshot, exported in metrics (agent.activity).
     activity: ActivityTotals = field(default_factory=lambda: NO_TOTALS)
+
+    @property
+    def metrics(self) -> bytes:
+        """The Prometheus text (rendered now if this is its first reader)."""
+        body = self.rendered
+        return body if isinstance(body, bytes) else body.get()
 
 
 class SnapshotStore:
@@ -69,7 +77,7 @@ class SnapshotStore:
                     self._times.clear()
                     self._bodies.clear()
                 self._times.append(snap.time)
-                self._bodies.append(publication.snapshot_json)
+                self._bodies.append(_compact(publication.snapshot_json))
             self._evict(self._horizon(now))
 
     def _horizon(self, now: float | None) -> float:
@@ -103,3 +111,11 @@ class SnapshotStore:
     def __len__(self) -> int:
         with self._lock:
             return len(self._times)
+
+
+def _compact(body: bytes) -> bytes:
+    """The same bytes in an allocation of their own size. orjson shrinks its output buffer in place, and
+    the freed tails fragment the heap: 300 snapshots of 12.8 kB held as returned grew RSS by 5.6 MB, as
+    exact copies by 4.1 MB (3.8 MB of JSON). The copy costs about a microsecond per snapshot."""
+    return bytes(memoryview(body))
+

@@ -57,7 +57,10 @@ def sample_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: 
     nvml.materialize_procfs(procfs)
     recorder = Recorder(record_to, monotonic=clock) if record_to is not None else None
     store = SnapshotStore()
-    sampler = Sampler(NvmlReader(nvml, xid_wait_ms=50), store, node=node, interval=interval_seconds,
+    # A budget of a whole core: recorded traces must not depend on how fast this machine runs the
+    # simulator's Python, which the sampling tiers would otherwise measure as NVML cost.
+    reader = NvmlReader(nvml, xid_wait_ms=50, cpu_budget=1.0, interval_s=interval_seconds, clock=clock)
+    sampler = Sampler(reader, store, node=node, interval=interval_seconds,
                       attributor=JobAttributor(procfs, env_vars=env_vars, node=node, monotonic=clock),
                       recorder=recorder, clock=clock,
                       monotonic=clock)

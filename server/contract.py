@@ -1,6 +1,7 @@
 """Snapshot-contract parser for the server: JSON lines or dicts -> validated, columnar NodeSample.
 
-Only the readings the engine uses are extracted (unknown fields are skipped by the decoder), into one
+Only the readings the engine uses are extracted (unknown fields are skipped by the decoder; so is the
+agent's optional per-GPU `slow_readings_age_seconds`, how old its slow-tier readings are), into one
 float64 matrix per snapshot, so that ingest costs a couple of microseconds per GPU. Unsupported
 readings (null or absent) become NaN in that matrix and never 0. Anything that violates the contract
 (wrong type, implausible value, duplicate GPU) raises ContractError naming the field.

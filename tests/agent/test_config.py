@@ -145,3 +145,23 @@ def test_main_help_exits_0(capsys):
 def test_default_node_is_short_hostname():
     assert default_node(lambda: "dgx-017.cluster.local") == "dgx-017"
     assert default_node(lambda: "") == "localhost"
+
+
+@pytest.mark.parametrize("value, fraction", [("0.003", 0.003), ("0.3%", 0.003), ("2%", 0.02), ("1", 1.0)])
+def test_cpu_budget_as_a_fraction_or_a_percentage(value, fraction):
+    assert load_config(["--sampling.cpu-budget", value], environ={}).sampling_cpu_budget == pytest.approx(fraction)
+
+
+@pytest.mark.parametrize("value", ["0", "-0.1", "150%", "lots", "nan"])
+def test_bad_cpu_budget_is_one_line_naming_the_flag(value):
+    with pytest.raises(ConfigError, match="^--sampling.cpu-budget: ") as info:
+        load_config(["--sampling.cpu-budget", value], environ={})
+    assert "\n" not in str(info.value)
+
+
+def test_cpu_budget_from_the_config_file_and_nvml_costs_switch(tmp_path):
+    path = tmp_path / "agent.yaml"
+    path.write_text("sampling.cpu-budget: 0.005\nsimulate.nvml-costs: true\n")
+    config = load_config(["--config.file", str(path)], environ={})
+    assert config.sampling_cpu_budget == 0.005 and config.simulate_nvml_costs is True
+    assert load_config([], environ={}).simulate_nvml_costs is False

@@ -168,3 +168,24 @@ def test_process_metrics_come_from_a_registry_of_the_renderers_own():
     assert set(REGISTRY._collector_to_names) == before
     assert body.startswith(render(fixed_snapshot(), fixed_health()))
     assert "process_cpu_seconds_total" not in series(Renderer().render(fixed_snapshot(), fixed_health()))
+
+
+def test_nvml_cost_and_reading_periods_match_prometheus_client():
+    health = dataclasses.replace(fixed_health(), nvml_seconds={"nvmlGpmSampleGet": 1.5, "nvmlDeviceGetFieldValues": 0.25},
+                                 reading_periods={"energy_joules_total": 60.0, "utilization_ratio": 1.0})
+    body = render(fixed_snapshot(), health)
+    assert body == render_reference(fixed_snapshot(), health)
+    samples = series(body)
+    assert {s.labels["call"] for s in samples["gpufleet_agent_nvml_seconds_total"]} == {
+        "nvmlGpmSampleGet", "nvmlDeviceGetFieldValues"}
+    assert len(samples["gpufleet_agent_reading_period_seconds"]) == 2
+
+
+def test_unchanged_families_are_reused_and_changed_ones_rewritten():
+    from gpufleet.agent.exposition import Renderer
+
+    renderer = Renderer()
+    first = renderer.render(fixed_snapshot(), fixed_health())
+    hotter = dataclasses.replace(fixed_snapshot(), gpus=(gpu(0, temperature_celsius=99.0),))
+    second = renderer.render(hotter, fixed_health())
+    assert second == render(hotter, fixed_health()) and first == render(fixed_snapshot(), fixed_health())

@@ -54,7 +54,8 @@ def read_twice(scenario_name: str) -> tuple[tuple[GpuSample, ...], NvmlReader]:
     scenario = load_scenario(scenario_name)
     clock = FakeClock(EPOCH + 60.0)
     nvml = SimNvml(scenario, node=scenario.nodes[0], clock=clock, epoch=EPOCH)
-    reader = NvmlReader(nvml, per_link_nvlink=True, xid_wait_ms=50)
+    # A budget the simulator's own Python cannot exceed: this test is about values, not sampling tiers.
+    reader = NvmlReader(nvml, per_link_nvlink=True, xid_wait_ms=50, cpu_budget=1.0)
     reader.open()
     try:
         reader.read()

@@ -210,3 +210,82 @@ def test_real_thread_publishes_and_stops():
     assert not sampler._thread.is_alive()
     sampler.stop()
     assert len(published) >= 2 and reader.closed == 1
+
+
+class CountingRenderer:
+    """Stands in for exposition.Renderer: counts renders, fails when told to."""
+
+    def __init__(self) -> None:
+        self.renders = 0
+        self.fail = False
+
+    def render(self, snapshot, health, activity) -> bytes:
+        self.renders += 1
+        if self.fail:
+            raise KeyError("broken family")
+        return f"body {self.renders}\n".encode()
+
+
+def test_a_snapshot_is_rendered_only_when_read_and_only_once():
+    sampler, _, store, _ = make()
+    renderer = sampler._bodies._renderer = CountingRenderer()
+    for _ in range(15):
+        sampler.run_once()
+    assert renderer.renders == 0  # nobody scraped
+    pub = store.latest()
+    assert pub.metrics == pub.metrics == b"body 1\n" and renderer.renders == 1
+
+
+def test_a_failing_render_serves_the_last_good_body_and_is_counted():
+    sampler, _, store, _ = make()
+    renderer = sampler._bodies._renderer = CountingRenderer()
+    sampler.run_once()
+    assert store.latest().metrics == b"body 1\n"
+    renderer.fail = True
+    sampler.run_once()
+    assert store.latest().metrics == b"body 1\n"
+    assert sampler.health().errors[("render", "KeyError")] == 1
+
+
+def test_health_carries_the_readers_nvml_cost_and_periods():
+    reader = StubReader()
+    reader.nvml_seconds = {"nvmlDeviceGetFieldValues": 0.25}
+    reader.reading_periods = {"energy_joules_total": 60.0}
+    sampler, _, store, _ = make(reader)
+    sampler.run_once()
+    body = store.latest().metrics
+    assert b'gpufleet_agent_nvml_seconds_total{call="nvmlDeviceGetFieldValues",node="dgx-017"} 0.25' in body
+    assert b'gpufleet_agent_reading_period_seconds{node="dgx-017",reading="energy_joules_total"} 60.0' in body
+
+
+def test_steady_scrapes_find_their_snapshot_rendered_ahead_by_the_sampler():
+    sampler, _, store, clock = make()
+    renderer = sampler._bodies._renderer = CountingRenderer()
+    found_rendered = []
+    for second in range(1, 91):  # 1 s samples, a scrape every 15 s at 0.6 s past the sample
+        sampler.run_once()
+        if second % 15 == 0:
+            clock.advance(0.6)
+            body = store.latest().rendered
+            found_rendered.append(body.rendered)
+            body.get()
+            clock.advance(0.4)
+        else:
+            clock.advance(1.0)
+    # The first two scrapes set the period; every later one finds its text ready, and no render is wasted.
+    assert found_rendered == [False, False, True, True, True, True]
+    assert renderer.renders == 6
+
+
+def test_a_missed_guess_costs_one_render_and_the_scrape_renders_as_before():
+    sampler, _, store, clock = make()
+    renderer = sampler._bodies._renderer = CountingRenderer()
+    for at in (15, 30):
+        while clock.mono < 1000.0 + at:
+            sampler.run_once()
+            clock.advance(1.0)
+        store.latest().metrics
+    for _ in range(30):  # the scraper went away: one render ahead, then none
+        sampler.run_once()
+        clock.advance(1.0)
+    assert renderer.renders == 3

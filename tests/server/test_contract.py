@@ -160,3 +160,10 @@ def test_the_decoder_expects_fields_in_the_order_the_agent_writes_them():
     written = [f.name for f in fields(GpuSample)]
     assert set(GPU_FIELD_ORDER) <= set(written)
     assert list(GPU_FIELD_ORDER) == [name for name in written if name in GPU_FIELD_ORDER]
+
+
+def test_slow_reading_ages_from_the_agent_are_accepted_and_ignored():
+    payload = _payload()
+    payload["gpus"][0]["slow_readings_age_seconds"] = {"energy_joules_total": 37.0, "memory_used_bytes": 12.5}
+    assert parse_snapshot(payload).value(0, "energy_joules_total") == parse_snapshot(_payload()).value(
+        0, "energy_joules_total")

@@ -1,0 +1,135 @@
+"""What each NVML call costs on a real GPU, burned as CPU by the simulator so benchmarks pay it too.
+
+The simulator answers a call in microseconds of Python; the real driver spends up to milliseconds of
+CPU in some of them (the total energy counter costs about 3 ms a read), so on the free simulator an
+agent looks ten times cheaper than on real hardware. `CostedNvml` wraps a
+SimNvml and, after each call, spins on the calling thread's CPU clock until the call has cost what the
+driver's call costs: CPU is burned, not slept, so process CPU time, thread CPU time and profiles all
+see it. The burned share is counted apart, so a benchmark can show the agent, the simulated NVML cost
+and the simulator's own bookkeeping separately.
+
+Figures: thread CPU time per call (or per field id, each timed alone in its own
+nvmlDeviceGetFieldValues call) on one NVIDIA H100 80GB HBM3, driver 580.159.04, NVML 13.580,
+measured by ../shared/hardware/nvmlprof.py and fieldprof.py (files h100-driver-580/nvmlprof.txt and
+fieldprof.txt). A field-value batch costs the sum of its fields: the real batch of twelve cost
+4.47 ms against 5.06 ms summed, so the model errs on the expensive side.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+# NVML function -> thread CPU microseconds per call (nvmlprof.txt, median of 40 cycles).
+CALL_COST_US: Mapping[str, float] = MappingProxyType({
+    "nvmlDeviceGetTotalEnergyConsumption": 2845.0,
+    "nvmlGpmSampleGet": 236.9,
+    "nvmlEventSetWait_v2": 164.1,
+    "nvmlDeviceGetMemoryInfo": 94.9,
+    "nvmlDeviceGetMemoryInfo_v2": 94.9,
+    "nvmlDeviceGetRemappedRows": 63.1,
+    "nvmlDeviceGetUtilizationRates": 44.8,
+    "nvmlDeviceGetComputeRunningProcesses": 40.9,
+    "nvmlDeviceGetComputeRunningProcesses_v3": 40.9,
+    "nvmlDeviceGetTemperatureV": 28.2,
+    "nvmlGpmMetricsGet": 13.4,
+    "nvmlDeviceGetTotalEccErrors": 12.6,
+    "nvmlDeviceGetCurrentClocksEventReasons": 11.7,
+    "nvmlDeviceGetClockInfo": 10.5,
+    "nvmlDeviceGetEnforcedPowerLimit": 9.1,
+    "nvmlDeviceGetPowerUsage": 1.0,
+})
+# Field id name -> thread CPU microseconds when asked alone (fieldprof.txt).
+FIELD_COST_US: Mapping[str, float] = MappingProxyType({
+    "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 3194.0,
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN": 714.0,
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN": 665.0,
+    "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 153.0,
+    "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 152.0,
+    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX": 8.0,
+    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX": 8.0,
+    "NVML_FI_DEV_POWER_INSTANT": 3.0,
+    "NVML_FI_DEV_MEMORY_TEMP": 3.0,
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP": 3.0,
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN": 3.0,
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST": 3.0,
+})
+# Calls and fields the profile did not time (identity, thresholds, ...): the profile's "everything
+# else" ran 3-40 us, so the upper end.
+DEFAULT_CALL_COST_US = 40.0
+DEFAULT_FIELD_COST_US = 3.0
+_FIELD_CALL = "nvmlDeviceGetFieldValues"
+
+
+def burn(seconds: float) -> None:
+    """Spin until this thread has used `seconds` more CPU (a sleep would cost nothing)."""
+    end = time.thread_time_ns() + int(seconds * 1e9)
+    while time.thread_time_ns() < end:
+        pass
+
+
+class CostedNvml:
+    """A pynvml-compatible object (a SimNvml) whose nvml* calls cost real NVML's thread CPU time.
+
+    Everything else (constants, structures, simulator helpers) passes through unchanged. `burned`
+    holds the seconds burned per calling thread, so a benchmark can subtract exactly this thread's
+    simulated NVML cost.
+    """
+
+    def __init__(self, inner: Any, *, call_cost_us: Mapping[str, float] = CALL_COST_US,
+                 field_cost_us: Mapping[str, float] = FIELD_COST_US) -> None:
+        self._inner = inner
+        self._call_cost_s = {name: us / 1e6 for name, us in call_cost_us.items()}
+        self._field_cost_s = _field_costs(inner, field_cost_us)
+        self._lock = threading.Lock()
+        self.burned: defaultdict[int, float] = defaultdict(float)
+
+    def burned_by_this_thread(self) -> float:
+        """Seconds of simulated NVML cost burned on the calling thread so far."""
+        return self.burned.get(threading.get_ident(), 0.0)
+
+    def call_cost(self, name: str, args: Sequence[Any]) -> float:
+        """Seconds one call costs on the real driver."""
+        if name == _FIELD_CALL and len(args) >= 2:
+            fields = self._field_cost_s
+            default = DEFAULT_FIELD_COST_US / 1e6
+            return sum(fields.get(f if isinstance(f, int) else f[0], default) for f in args[1])
+        return self._call_cost_s.get(name, DEFAULT_CALL_COST_US / 1e6)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        if not name.startswith("nvml") or isinstance(value, type) or not callable(value):
+            return value
+        wrapped = self._costed(name, value)
+        setattr(self, name, wrapped)  # later lookups skip __getattr__
+        return wrapped
+
+    def _costed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cost = self.call_cost(name, args)
+                # The simulator's own work counts towards the call's cost: burn only what is left.
+                remaining = cost - (time.thread_time_ns() - started) / 1e9
+                if remaining > 0:
+                    burn(remaining)
+                    with self._lock:
+                        self.burned[threading.get_ident()] += remaining
+
+        call.__name__ = name
+        return call
+
+
+def _field_costs(nvml: Any, costs_us: Mapping[str, float]) -> dict[int, float]:
+    """Field id -> seconds, for the ids this pynvml defines."""
+    out = {}
+    for name, us in costs_us.items():
+        field_id = getattr(nvml, name, None)
+        if isinstance(field_id, int):
+            out[field_id] = us / 1e6
+    return out

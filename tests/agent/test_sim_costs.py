@@ -1,0 +1,69 @@
+"""The simulator's cost model: each call burns the real driver's thread CPU, counted apart per thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pynvml
+
+from gpufleet.agent.nvml_meter import MeteredNvml
+from gpufleet.agent.sim import SimNvml, load_scenario
+from gpufleet.agent.sim.costs import CALL_COST_US, FIELD_COST_US, CostedNvml
+
+EPOCH = 1_763_800_000.0
+
+
+def sim() -> SimNvml:
+    scenario = load_scenario("hgx-h100")
+    nvml = SimNvml(scenario, node=scenario.nodes[0], clock=lambda: EPOCH + 60.0, epoch=EPOCH)
+    nvml.nvmlInit()
+    return nvml
+
+
+def test_table_holds_the_h100_driver_580_figures():
+    assert CALL_COST_US["nvmlDeviceGetTotalEnergyConsumption"] == 2845.0
+    assert CALL_COST_US["nvmlGpmSampleGet"] == 236.9
+    assert FIELD_COST_US["NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"] == 3194.0
+    assert FIELD_COST_US["NVML_FI_DEV_POWER_INSTANT"] == 3.0
+
+
+def test_a_call_burns_at_least_its_cost_in_thread_cpu():
+    costed = CostedNvml(sim(), call_cost_us={"nvmlDeviceGetEnforcedPowerLimit": 3000.0})
+    handle = costed.nvmlDeviceGetHandleByIndex(0)
+    burned = costed.burned_by_this_thread()
+    started = time.thread_time_ns()
+    assert costed.nvmlDeviceGetEnforcedPowerLimit(handle) == 700_000
+    assert time.thread_time_ns() - started >= 3_000_000
+    # The simulator's own work counts towards the cost: only the rest is burned.
+    assert 0 < costed.burned_by_this_thread() - burned <= 0.003
+
+
+def test_a_field_batch_costs_the_sum_of_its_fields():
+    costed = CostedNvml(sim())
+    power, energy = pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION
+    cost = costed.call_cost("nvmlDeviceGetFieldValues", (None, [(power, 0), (energy, 0)]))
+    assert abs(cost - 3197e-6) < 1e-12
+    assert costed.call_cost("nvmlDeviceGetUnheardOf", ()) == 40e-6
+
+
+def test_burned_time_is_kept_per_thread():
+    costed = CostedNvml(sim(), call_cost_us={"nvmlDeviceGetCount": 500.0})
+    worker = threading.Thread(target=costed.nvmlDeviceGetCount)
+    worker.start()
+    worker.join()
+    assert costed.burned_by_this_thread() == 0.0 and sum(costed.burned.values()) > 0
+
+
+def test_constants_structures_and_helpers_pass_through():
+    inner = sim()
+    costed = CostedNvml(inner)
+    assert costed.NVML_FI_DEV_POWER_INSTANT == pynvml.NVML_FI_DEV_POWER_INSTANT
+    assert costed.c_nvmlGpmMetricsGet_t is pynvml.c_nvmlGpmMetricsGet_t
+    assert costed.scenario_time() == inner.scenario_time()
+
+
+def test_the_agents_meter_sees_the_burned_cost():
+    metered = MeteredNvml(CostedNvml(sim(), call_cost_us={"nvmlDeviceGetCount": 2000.0}))
+    assert metered.nvmlDeviceGetCount() == 8
+    assert metered.seconds["nvmlDeviceGetCount"] >= 0.002
