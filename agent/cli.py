@@ -17,6 +17,7 @@ import orjson
 
 from gpufleet.agent import __version__
 from gpufleet.agent.attribution import BackgroundAttributor, JobAttributor
+from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET
 from gpufleet.agent.config import PROG, AgentConfig, ConfigError, default_node, load_config
 from gpufleet.extras import AGENT_MODULES, missing_extra
 from gpufleet.logs import configure_logging
@@ -137,11 +138,20 @@ def build_runtime(config: AgentConfig) -> Runtime:
         wait = clock.advance if isinstance(clock, SettableClock) else _sleep
     else:
         nvml, node, clock, wait = _pynvml(), config.node or default_node(), time.time, _sleep
-    reader = NvmlReader(nvml, per_link_nvlink=config.nvlink_per_link, cpu_budget=config.sampling_cpu_budget,
+    reader = NvmlReader(nvml, per_link_nvlink=config.nvlink_per_link, cpu_budget=_cpu_budget(config),
                         interval_s=config.sample_interval, clock=clock)
     attributor = JobAttributor(procfs, config.hpc_job_mapping_dir, env_vars=config.hpc_job_env_vars,
                                rendezvous=config.hpc_job_rendezvous, node=node)
     return Runtime(node=node, reader=reader, attributor=attributor, clock=clock, wait=wait, cleanup=cleanup, web=web)
+
+
+def _cpu_budget(config: AgentConfig) -> float:
+    """The NVML read budget: as set, else the default. A simulator without --simulate.nvml-costs costs its own
+    Python, not what NVML would: tiers fitted to that would only make a run depend on the machine's speed,
+    so by default it reads everything every cycle (a whole core's budget)."""
+    if config.sampling_cpu_budget is not None:
+        return config.sampling_cpu_budget
+    return 1.0 if config.simulate and not config.simulate_nvml_costs else DEFAULT_CPU_BUDGET
 
 
 def _simulator(config: AgentConfig) -> tuple[Any, str, Callable[[], float]]:

@@ -34,7 +34,8 @@ class AgentConfig:
     listen_port: int = DEFAULT_PORT
     sample_interval: float = 1.0
     # Fraction of one core the sampler's NVML reads may use; costlier readings are read less often.
-    sampling_cpu_budget: float = DEFAULT_CPU_BUDGET
+    # None: DEFAULT_CPU_BUDGET on real NVML; see build_runtime for the simulator.
+    sampling_cpu_budget: float | None = None
     # None until resolved: the hostname, or with --simulate the scenario's first node.
     node: str | None = None
     simulate: str | None = None
@@ -206,7 +207,7 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("simulate.epoch", "simulate_epoch", _epoch, "scenario time zero, unix seconds (default: agent start)",
             "UNIX_SECONDS"),
     _Option("simulate.seed", "simulate_seed", _seed, "simulator random seed (default 0)", "N"),
-    _Option("simulate.nvml-costs", "simulate_nvml_costs", _bool,
+    _Option("simulate.nvml-costs", "simulate_nvml_costs", parse_bool,
             "each simulated NVML call burns the CPU the real call costs (H100, driver 580)"),
     _Option("snapshots.retention", "snapshots_retention", _retention,
             "seconds of snapshots kept for /snapshots?since= (default 300, at least 120)", "SECONDS"),
