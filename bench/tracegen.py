@@ -669,12 +669,14 @@ def _static_gpu(lay: _Layout, g: int) -> dict[str, Any]:
         "ecc_corrected_errors_total": 0, "ecc_uncorrected_errors_total": 0,
         "remapped_rows_correctable": 0, "remapped_rows_uncorrectable": 0,
         "remapped_rows_pending": False, "remapped_rows_failure": False,
+        # Every reading is read each cycle: none is held from a slower tier.
+        "slow_readings_age_seconds": {},
     }
 
 
 _LOST_KEEP = ("index", "uuid", "model", "pci_bus_id", "serial", "vbios_version")
 _NULLABLE = ("utilization_ratio", "memory_utilization_ratio", "sm_active_ratio", "sm_occupancy_ratio",
-             "memory_used_bytes", "memory_total_bytes", "temperature_celsius",
+             "memory_used_bytes", "memory_free_bytes", "memory_total_bytes", "temperature_celsius",
              "memory_temperature_celsius", "slowdown_temperature_celsius", "shutdown_temperature_celsius",
              "max_operating_temperature_celsius", "memory_max_operating_temperature_celsius",
              "power_watts", "power_limit_watts", "energy_joules_total", "sm_clock_hertz",
@@ -775,6 +777,8 @@ class _Emitter:
         d["sm_active_ratio"] = rows["sm"][g] if gpm else None
         d["sm_occupancy_ratio"] = rows["occ"][g] if gpm else None
         d["memory_used_bytes"] = int(rows["mem_used"][g])
+        # The generator reserves no memory for the driver: what is not used is free.
+        d["memory_free_bytes"] = lay.model_of[g].memory_total_bytes - d["memory_used_bytes"]
         d["temperature_celsius"] = rows["temp"][g]
         d["memory_temperature_celsius"] = rows["memtemp"][g]
         d["power_watts"] = rows["power"][g]

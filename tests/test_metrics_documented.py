@@ -3,7 +3,7 @@
 A real `gpufleet-agent --simulate demo` and a real `gpufleet-server` pulling it (with a webhook configured,
 so the notifier families exist) are scraped once each has something to say; the families named in their
 `# TYPE` lines are compared with the names in docs/agent.md's and docs/server.md's tables. The rule for a
-documented name: a backticked `gpufleet_...` word in a table row (a line starting with `|`), written in
+documented name: a backticked `gpufleet_...` (or `process_...`) word in a table row (a line starting with `|`), written in
 full as it appears in the exposition (counters with `_total`).
 """
 
@@ -18,7 +18,7 @@ import httpx
 
 from tests.agent.running import ROOT, agent_process, server_process
 
-_NAME = re.compile(r"`(gpufleet_[a-z0-9_]*[a-z0-9])`")
+_NAME = re.compile(r"`((?:gpufleet|process)_[a-z0-9_]*[a-z0-9])`")
 _TYPE = re.compile(r"^# TYPE (\S+) ", re.M)
 
 
