@@ -218,6 +218,46 @@ def test_power_cap_is_uniform_and_respected():
         assert state.rates[ph.POWER_W] <= 450.0
 
 
+def _single_job(intensity: float, cap_watts: float | None = None) -> Timeline:
+    doc = {"name": "one", "duration_s": 400, "nodes": [{"name": "n", "model": "h100-sxm", "gpus": 2}],
+           "jobs": [{"id": "j", "nodes": ["n"], "ramp_up_s": 0, "compute_fraction": 0.9,
+                     "compute_intensity": intensity}]}
+    if cap_watts is not None:
+        doc["incidents"] = [{"kind": "power_cap", "job": "j", "start_s": 200, "watts": cap_watts}]
+    return Timeline(build_world(parse_scenario(doc), "n", 0))
+
+
+def test_training_wants_less_than_the_board_limit_and_runs_uncapped():
+    tl = _timeline("hgx-h100", "hgx-h100-01")
+    for t in range(100, 300, 10):
+        for i in range(8):
+            state = tl.state(i, t)
+            assert not state.reasons & ph.SW_POWER_CAP
+            assert state.rates[ph.SM_CLOCK_MHZ] == H100_SXM.sm_clock_max_mhz
+            assert state.rates[ph.POWER_W] < 0.9 * H100_SXM.tdp_watts
+    assert tl.integral(0, 300.0)[ph.NS_SW_POWER_CAP] == 0.0
+
+
+def test_a_load_wanting_more_than_the_board_limit_is_held_at_it():
+    tl = _single_job(1.43)
+    clocks = {tl.state(i, t).rates[ph.SM_CLOCK_MHZ] for i in range(2) for t in range(20, 200, 7)}
+    assert len(clocks) == 1 and 0.75 * H100_SXM.sm_clock_max_mhz < clocks.pop() < 0.9 * H100_SXM.sm_clock_max_mhz
+    powers = [tl.state(0, t).rates[ph.POWER_W] for t in range(20, 200)]
+    assert all(0.95 * H100_SXM.tdp_watts <= p <= H100_SXM.tdp_watts for p in powers)
+    assert all(tl.state(0, t).reasons == ph.SW_POWER_CAP for t in range(20, 200))
+    # The driver's power-cap time counter: a second per second while capped, in nanoseconds.
+    assert tl.integral(0, 150.0)[ph.NS_SW_POWER_CAP] - tl.integral(0, 50.0)[ph.NS_SW_POWER_CAP] == pytest.approx(1e11)
+
+
+def test_one_governor_for_the_board_limit_and_an_operator_cap():
+    """An operator cap above the board limit changes nothing; one below it lowers the clock further."""
+    above, below = _single_job(1.43, cap_watts=800.0), _single_job(1.43, cap_watts=450.0)
+    assert above.state(0, 300).rates == _single_job(1.43).state(0, 300).rates
+    assert below.state(0, 300).reasons & ph.SW_POWER_CAP
+    assert below.state(0, 300).rates[ph.POWER_W] <= 450.0
+    assert below.state(0, 300).rates[ph.SM_CLOCK_MHZ] < above.state(0, 300).rates[ph.SM_CLOCK_MHZ]
+
+
 def test_counters_integrate_rates():
     tl = _timeline("hgx-h100", "hgx-h100-01")
     energy = tl.integral(2, 300.0)[ph.POWER_W] - tl.integral(2, 200.0)[ph.POWER_W]
