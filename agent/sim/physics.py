@@ -284,7 +284,7 @@ def local_effects(g: GpuStatic, thermal: Thermal, t: float, ambient_c: float) ->
     input_wait = 0.0
     lost = False
     resistance, rise = 1.0, 0.0
-    limit = g.model.tdp_watts
+    limit = model.tdp_watts
     for inc in g.incidents:
         if not inc.active(t):
             continue
