@@ -156,12 +156,13 @@ def test_ratios_are_exact_means_of_every_agent_sample_since_the_previous_scrape(
 
 def test_gauge_alone_would_differ_from_the_mean(scraped, rebuilt) -> None:
     """The premise of the counters: on this trace a scraped gauge is not the interval mean (else the
-    test above would pass with the gauges and prove nothing)."""
+    test above would pass with the gauges and prove nothing): off by more than 0.02 on at least one GPU
+    in every other snapshot on average."""
     _, samples = scraped
     differing = sum(
         abs(samples[s["node"]][s["time"]][g["uuid"]].sm_active_ratio - g["sm_active_ratio"]) > 0.02
         for s in rebuilt for g in s["gpus"] if g.get("sm_active_ratio") is not None)
-    assert differing > len(rebuilt)      # more than one GPU per snapshot on average
+    assert differing > len(rebuilt) // 2
 
 
 @pytest.fixture(scope="module")

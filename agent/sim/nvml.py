@@ -383,7 +383,8 @@ class SimNvml(ToolCalls):
     def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
         index, t = self._device(handle)
         cap = self._power_cap_w(index, t)
-        return int(round(1000 * (self._model.tdp_watts if cap is None else cap)))
+        # The limit the physics' power governor holds: an operator cannot raise it above the board's.
+        return int(round(1000 * (self._model.tdp_watts if cap is None else min(cap, self._model.tdp_watts))))
 
     def nvmlGpmQueryDeviceSupport(self, handle: Any) -> pynvml.c_nvmlGpmSupport_t:
         self._device(handle)

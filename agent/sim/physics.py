@@ -24,12 +24,23 @@ SM_BUSY, SM_WAIT = 0.85, 0.05
 OCC_BUSY, OCC_WAIT = 0.55, 0.03
 TENSOR_BUSY = 0.70
 MEM_BUSY, MEM_COMM, MEM_WAIT = 0.45, 0.30, 0.02
-POWER_BUSY, POWER_WAIT = 0.95, 0.25
-# Thermal control: a proportional SW cut in the band below slowdown, a deep HW cut at/above it.
+# Dynamic power while waiting (the compute phase's is the job's compute_intensity), as a share of the
+# board's range from idle to its power limit at the maximum SM clock.
+POWER_WAIT = 0.25
+# The power governor (SW_POWER_CAP). Dynamic power goes as f*V^2 and V rises with f over the top of the
+# V/f curve where the governor works, so the exponent of f lies between 2 and 3; the simulator takes 2.
+# With it a real H100's full bf16-matmul load (held at 700 W at 1.665 GHz) wants about 960 W at 1.98 GHz.
+POWER_CLOCK_EXPONENT = 2.0
+GOVERNOR_MIN_CLOCK = 0.4
+# What a governed GPU reads: the limit less 0-4 % from sample to sample (a real H100 held at 700 W read
+# 664-716 W, 686 W on average).
+GOVERNED_POWER_RATIO, GOVERNED_POWER_SPREAD = 0.98, 0.04
+# Thermal control: a proportional SW cut in the band below slowdown; at slowdown, HW thermal slowdown
+# drops the clock to HW_THERMAL_CLOCK for the share of each second that holds the die there (the driver
+# cycles it many times a second; one-second buckets see the share).
 SW_THERMAL_BAND_C = 4.0
 SW_THERMAL_MAX_CUT = 0.08
 HW_THERMAL_CLOCK = 0.55
-HW_THERMAL_RELEASE_C = 2.0
 # Link efficiency during collectives and host->device input traffic while computing.
 NVLINK_EFFICIENCY = 0.7
 PCIE_EFFICIENCY = 0.6
@@ -93,7 +104,8 @@ class GpuStatic:
     silicon_factor: float
     hbm_offset_c: float
     memory_factor: float
-    decay: float
+    die_decay: float
+    sink_decay: float
     incidents: tuple[Incident, ...]
     jobs: tuple[JobSpec, ...]
     link_weights: tuple[float, ...]
@@ -161,7 +173,8 @@ def _gpu_static(scenario: Scenario, ref: GpuRef, seed: int) -> GpuStatic:
         silicon_factor=1.0 + 0.06 * b,
         hbm_offset_c=2.0 * c,
         memory_factor=1.0 + 0.02 * d,
-        decay=math.exp(-1.0 / model.thermal_tau_s),
+        die_decay=math.exp(-1.0 / model.die_tau_s),
+        sink_decay=math.exp(-1.0 / model.sink_tau_s),
         incidents=tuple(i for i in scenario.incidents if i.kind in _PHYSICAL_KINDS and ref in i.gpus),
         jobs=tuple(j for j in scenario.jobs if ref in j.gpus),
         link_weights=tuple(w / total for w in raw),
@@ -173,25 +186,28 @@ def _gpu_static(scenario: Scenario, ref: GpuRef, seed: int) -> GpuStatic:
 
 @dataclass(frozen=True, slots=True)
 class Thermal:
-    """A GPU's thermal state at the start of a bucket."""
+    """A GPU's thermal state at the start of a bucket: die (what NVML reads) and heatsink temperature."""
 
     temp_c: float
-    hw_latched: bool
+    sink_c: float
 
 
 @dataclass(frozen=True, slots=True)
 class Local:
-    """What a GPU's own condition does to it during one bucket."""
+    """What a GPU's own condition does to it during one bucket. clock_ratio is the SM clock's mean over the
+    bucket, power_ratio the mean of the factor it puts on dynamic power (clock_ratio ** POWER_CLOCK_EXPONENT
+    unless HW thermal slowdown takes hw_duty of the bucket)."""
 
     clock_ratio: float
+    power_ratio: float
+    hw_duty: float
     speed: float
     reasons: int
     input_wait_ratio: float
     lost: bool
     resistance_factor: float
     inlet_rise_c: float
-    cap_watts: float | None
-    hw_latched: bool
+    power_limit_w: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,31 +241,50 @@ def initial_thermal(world: World) -> tuple[Thermal, ...]:
     out = []
     for g in world.gpus:
         power = g.model.idle_watts * g.silicon_factor
-        rise = g.model.thermal_resistance_c_per_w * power
-        out.append(Thermal(world.scenario.ambient_c + g.slot_offset_c + rise, False))
+        sink = world.scenario.ambient_c + g.slot_offset_c + g.model.sink_resistance_c_per_w * power
+        out.append(Thermal(sink + g.model.die_resistance_c_per_w * power, sink))
     return tuple(out)
 
 
-def thermal_clock(model: GpuModel, thermal: Thermal) -> tuple[float, int, bool]:
-    """Clock ratio, throttle bits and the HW latch implied by a GPU's temperature."""
-    slowdown = model.slowdown_celsius
-    temp = thermal.temp_c
-    if temp >= slowdown or (thermal.hw_latched and temp >= slowdown - HW_THERMAL_RELEASE_C):
-        return HW_THERMAL_CLOCK, HW_THERMAL | SW_THERMAL | HW_SLOWDOWN, True
-    band_start = slowdown - SW_THERMAL_BAND_C
-    if temp >= band_start:
-        return 1.0 - SW_THERMAL_MAX_CUT * (temp - band_start) / SW_THERMAL_BAND_C, SW_THERMAL, False
-    return 1.0, 0, False
+def thermal_clock(model: GpuModel, temp_c: float) -> tuple[float, int]:
+    """Clock ratio and throttle bits of the SW thermal band at die temperature temp_c."""
+    band_start = model.slowdown_celsius - SW_THERMAL_BAND_C
+    if temp_c >= band_start:
+        cut = SW_THERMAL_MAX_CUT * min(1.0, (temp_c - band_start) / SW_THERMAL_BAND_C)
+        return 1.0 - cut, SW_THERMAL
+    return 1.0, 0
 
 
-def local_effects(g: GpuStatic, thermal: Thermal, t: float) -> Local:
-    """Combine temperature and the GPU's active incidents at scenario time t."""
-    ratio, reasons, latched = thermal_clock(g.model, thermal)
+def hw_thermal_duty(g: GpuStatic, thermal: Thermal, inlet_c: float, resistance_factor: float,
+                    run_watts: float, hw_watts: float) -> float:
+    """Share of the next bucket HW thermal slowdown spends at its clock (drawing hw_watts instead of
+    run_watts) so that the die ends it at its slowdown threshold; 0 when it stays under it anyway. The end
+    temperature is linear in the bucket's mean power, so the share follows from the two end points."""
+    model = g.model
+    base = (inlet_c * (1.0 - g.sink_decay) + thermal.sink_c * g.sink_decay
+            + (thermal.temp_c - thermal.sink_c) * g.die_decay)
+    per_watt = resistance_factor * (model.sink_resistance_c_per_w * (1.0 - g.sink_decay)
+                                    + model.die_resistance_c_per_w * (1.0 - g.die_decay))
+    threshold = model.slowdown_celsius
+    end_run, end_hw = base + per_watt * run_watts, base + per_watt * hw_watts
+    if end_run <= threshold:
+        return 0.0
+    if end_hw >= threshold:
+        return 1.0
+    return (end_run - threshold) / (end_run - end_hw)
+
+
+def local_effects(g: GpuStatic, thermal: Thermal, t: float, ambient_c: float) -> Local:
+    """Combine temperature, the GPU's active incidents and its job's power demand at scenario time t into
+    the clock it runs at: the lowest of the SW thermal band, a HW slowdown and the power governor, then HW
+    thermal slowdown for the share of the bucket that holds the die at its threshold."""
+    model = g.model
+    ratio, reasons = thermal_clock(model, thermal.temp_c)
     speed = 1.0
     input_wait = 0.0
     lost = False
     resistance, rise = 1.0, 0.0
-    cap: float | None = None
+    limit = model.tdp_watts
     for inc in g.incidents:
         if not inc.active(t):
             continue
@@ -266,18 +301,43 @@ def local_effects(g: GpuStatic, thermal: Thermal, t: float) -> Local:
         elif kind == "host_starvation":
             input_wait = max(input_wait, inc.input_wait_ratio)
         elif kind == "power_cap":
-            cap = inc.watts if cap is None else min(cap, inc.watts)
+            limit = min(limit, inc.watts)
         elif kind == "gpu_lost":
             lost = True
-    return Local(ratio, speed, reasons, input_wait, lost, resistance, rise, cap, latched)
+    job = next((j for j in g.jobs if j.active(t)), None)
+    duty = 0.0
+    hw_ratio = ratio
+    if job is not None and not lost:
+        governed = governor_clock_ratio(model, limit, job)
+        if governed < ratio:
+            ratio = governed
+            reasons |= SW_POWER_CAP
+        hw_ratio = min(ratio, HW_THERMAL_CLOCK)
+        demand = demanded_dynamic_watts(model, job)
+        run_w, hw_w = ((model.idle_watts + demand * r ** POWER_CLOCK_EXPONENT) * g.silicon_factor
+                       for r in (ratio, hw_ratio))
+        duty = hw_thermal_duty(g, thermal, ambient_c + rise + g.slot_offset_c, resistance, run_w, hw_w)
+        if duty > 0.0:
+            reasons |= HW_THERMAL | SW_THERMAL | HW_SLOWDOWN
+    clock = ratio + duty * (hw_ratio - ratio)
+    run_factor, hw_factor = ratio**POWER_CLOCK_EXPONENT, hw_ratio**POWER_CLOCK_EXPONENT
+    power_ratio = run_factor + duty * (hw_factor - run_factor)
+    return Local(clock, power_ratio, duty, speed, reasons, input_wait, lost, resistance, rise, limit)
 
 
-def cap_clock_ratio(model: GpuModel, cap_watts: float, job: JobSpec) -> float:
-    """Uniform clock ratio that keeps a GPU running job at nominal phases under cap_watts."""
-    busy = POWER_BUSY * job.compute_fraction + POWER_WAIT * (1.0 - job.compute_fraction)
-    dynamic = (model.tdp_watts - model.idle_watts) * busy
-    headroom = max(cap_watts - model.idle_watts, 1.0)
-    return max(0.4, min(1.0, math.sqrt(headroom / dynamic)))
+def demanded_dynamic_watts(model: GpuModel, job: JobSpec) -> float:
+    """Dynamic power a GPU running job at nominal phases would draw at the maximum SM clock."""
+    share = job.compute_intensity * job.compute_fraction + POWER_WAIT * (1.0 - job.compute_fraction)
+    return (model.tdp_watts - model.idle_watts) * share
+
+
+def governor_clock_ratio(model: GpuModel, limit_w: float, job: JobSpec) -> float:
+    """The SM clock ratio the power governor holds a GPU running job at, to stay under limit_w (the board's
+    limit or an operator's lower cap): 1.0 when the job wants less. From nominal phases and the model, not
+    the GPU's own silicon, so a cap is uniform over a job and a job's step time does not feed back."""
+    headroom = max(limit_w - model.idle_watts, 1.0)
+    ratio = (headroom / demanded_dynamic_watts(model, job)) ** (1.0 / POWER_CLOCK_EXPONENT)
+    return max(GOVERNOR_MIN_CLOCK, min(1.0, ratio))
 
 
 def _comm_factor(world: World, job: JobSpec, t: float) -> float:
@@ -311,8 +371,6 @@ def job_phases(world: World, job: JobSpec, k: int, t: float, local: list[Local])
     for p in positions:
         loc = local[p]
         speed = loc.clock_ratio * loc.speed
-        if loc.cap_watts is not None:
-            speed *= min(1.0, cap_clock_ratio(world.gpus[p].model, loc.cap_watts, job))
         compute = compute0 / speed * (1.0 + 0.03 * noise4(world.gpus[p].key, k)[0])
         ready[p] = (loc.input_wait_ratio * job.step_time_s, compute)
     slowest = max(i + c for i, c in ready.values())
@@ -330,7 +388,7 @@ def gpu_bucket(world: World, p: int, k: int, t: float, thermal: Thermal, loc: Lo
     g = world.gpus[p]
     model = g.model
     n0, n1, n2, n3 = noise4(g.key, k)
-    ratio, reasons = loc.clock_ratio, loc.reasons
+    reasons = loc.reasons
     rates = [0.0] * N_RATES
     memory_used = 0
     if phases is None or loc.lost:
@@ -340,30 +398,32 @@ def gpu_bucket(world: World, p: int, k: int, t: float, thermal: Thermal, loc: Lo
         rates[MEM_CLOCK_MHZ] = model.mem_clock_idle_mhz
         job_id = None
     else:
-        if loc.cap_watts is not None:
-            cap_ratio = cap_clock_ratio(model, loc.cap_watts, phases.job)
-            if cap_ratio < 1.0:
-                ratio = min(ratio, cap_ratio)
-                reasons |= SW_POWER_CAP
-        power = _busy_outputs(rates, g, phases, ratio, (n0, n1, n2, n3))
-        if loc.cap_watts is not None:
-            power = min(power, loc.cap_watts * (0.99 + 0.01 * n3))
+        power = _busy_outputs(rates, g, phases, loc, (n0, n1, n2, n3))
+        if reasons & SW_POWER_CAP:
+            power = min(power, loc.power_limit_w * (GOVERNED_POWER_RATIO + GOVERNED_POWER_SPREAD * n3))
         memory_used = _memory_used(g, phases)
         job_id = phases.job.id
     rates[POWER_W] = power
     for bit, index in ((SW_POWER_CAP, NS_SW_POWER_CAP), (SW_THERMAL, NS_SW_THERMAL),
-                       (HW_THERMAL, NS_HW_THERMAL), (HW_POWER_BRAKE, NS_HW_POWER_BRAKE)):
+                       (HW_POWER_BRAKE, NS_HW_POWER_BRAKE)):
         if reasons & bit:
             rates[index] = 1e9
+    rates[NS_HW_THERMAL] = 1e9 * loc.hw_duty
     rates[MEM_TEMP_EXCESS] = 3.0 + g.hbm_offset_c + 12.0 * rates[MEM_UTIL]
+    # Two first-order stages in series: the heatsink over the inlet (slow) and the die over the heatsink
+    # (fast), each relaxing towards its steady rise at this power. They are a fit of the die's response,
+    # not separate parts, so a cooling failure scales both: the steady rise per watt by its factor.
     inlet = world.scenario.ambient_c + loc.inlet_rise_c + g.slot_offset_c
-    target = inlet + model.thermal_resistance_c_per_w * loc.resistance_factor * power
-    temp_next = target + (thermal.temp_c - target) * g.decay
+    sink_target = inlet + model.sink_resistance_c_per_w * loc.resistance_factor * power
+    sink_next = sink_target + (thermal.sink_c - sink_target) * g.sink_decay
+    die_target = model.die_resistance_c_per_w * loc.resistance_factor * power
+    die_next = die_target + (thermal.temp_c - thermal.sink_c - die_target) * g.die_decay
+    temp_next = sink_next + die_next
     state = BucketState(tuple(rates), reasons, thermal.temp_c, temp_next, memory_used, job_id)
-    return state, Thermal(temp_next, loc.hw_latched)
+    return state, Thermal(temp_next, sink_next)
 
 
-def _busy_outputs(rates: list[float], g: GpuStatic, ph: Phases, ratio: float,
+def _busy_outputs(rates: list[float], g: GpuStatic, ph: Phases, loc: Local,
                   noise: tuple[float, float, float, float]) -> float:
     """Fill utilization, activity, clocks and link rates of a GPU running a job; return its power."""
     model = g.model
@@ -374,7 +434,7 @@ def _busy_outputs(rates: list[float], g: GpuStatic, ph: Phases, ratio: float,
     rates[OCC] = min(1.0, (OCC_BUSY * ph.compute + OCC_WAIT * waiting) * (1.0 + 0.02 * n1))
     rates[TENSOR] = TENSOR_BUSY * ph.compute
     rates[MEM_UTIL] = MEM_BUSY * ph.compute + MEM_COMM * ph.comm + MEM_WAIT * ph.collective_wait
-    rates[SM_CLOCK_MHZ] = model.sm_clock_max_mhz * ratio
+    rates[SM_CLOCK_MHZ] = model.sm_clock_max_mhz * loc.clock_ratio
     rates[MEM_CLOCK_MHZ] = model.mem_clock_max_mhz
     job = ph.job
     comm_time = job.step_time_s * (1.0 - job.compute_fraction)
@@ -388,8 +448,9 @@ def _busy_outputs(rates: list[float], g: GpuStatic, ph: Phases, ratio: float,
         pcie = comm_time * model.pcie_bytes_per_s * PCIE_EFFICIENCY * ph.nvlink_ratio / job.step_time_s
     rates[PCIE_TX_BYTES] = pcie * (1.0 + 0.03 * n3) + 0.02 * INPUT_BYTES_PER_S * ph.compute
     rates[PCIE_RX_BYTES] = pcie * (1.0 + 0.03 * n2) + INPUT_BYTES_PER_S * ph.compute
-    dynamic = (model.tdp_watts - model.idle_watts) * (POWER_BUSY * ph.compute + POWER_WAIT * waiting)
-    return (model.idle_watts + dynamic * ratio * ratio) * g.silicon_factor * (1.0 + 0.015 * n0)
+    share = job.compute_intensity * ph.compute + POWER_WAIT * waiting
+    dynamic = (model.tdp_watts - model.idle_watts) * share * loc.power_ratio
+    return (model.idle_watts + dynamic) * g.silicon_factor * (1.0 + 0.015 * n0)
 
 
 def _memory_used(g: GpuStatic, ph: Phases) -> int:
@@ -403,7 +464,8 @@ def _memory_used(g: GpuStatic, ph: Phases) -> int:
 def step(world: World, k: int, thermal: tuple[Thermal, ...]) -> tuple[tuple[BucketState, ...], tuple[Thermal, ...]]:
     """Advance every GPU of the world over bucket k; returns (states, thermal at the start of k+1)."""
     t = k + 0.5
-    local = [local_effects(g, thermal[p], t) for p, g in enumerate(world.gpus)]
+    ambient = world.scenario.ambient_c
+    local = [local_effects(g, thermal[p], t, ambient) for p, g in enumerate(world.gpus)]
     phases: dict[int, Phases] = {}
     for job in world.jobs:
         if job.active(t):

@@ -17,6 +17,9 @@ SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 BUILTIN_SCENARIOS: tuple[str, ...] = ("hgx-h100", "a100", "pcie", "demo", "cluster-incidents")
 
 SCHEDULERS: tuple[str, ...] = ("slurm", "kubernetes")
+# A training step's compute phase (GEMMs, attention, memory-bound kernels) draws 0.95 of the board's range
+# from idle to its power limit at the maximum SM clock: under the limit, so training runs uncapped.
+TRAINING_COMPUTE_INTENSITY = 0.95
 GpuRef = tuple[str, int]
 
 
@@ -49,6 +52,10 @@ class JobSpec:
     user: str
     # Who launched it, which decides what its processes' environment and cgroup say (agent attribution).
     scheduler: str = "slurm"
+    # Dynamic power of the compute phase at the maximum SM clock, in units of the board's power limit minus
+    # its idle power. Above about 1 the job wants more than the limit and the power governor lowers clocks
+    # (physics.governor_clock_ratio): dense bf16 matmuls on an H100 are about 1.43.
+    compute_intensity: float = TRAINING_COMPUTE_INTENSITY
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -342,6 +349,7 @@ def _parse_job(obj: _Obj, nodes: tuple[NodeSpec, ...]) -> JobSpec:
         raise ScenarioError(f"{obj.key('end_s')}: must be after start_s ({start}), got {end}")
     step = obj.number("step_time_s", 0.8, low=0.01, high=600)
     compute = obj.number("compute_fraction", 0.8, low=0.05, high=0.99)
+    intensity = obj.number("compute_intensity", TRAINING_COMPUTE_INTENSITY, low=0.05, high=4.0)
     memory_gib = obj.number("memory_used_gib", None, low=0, low_open=True)
     ramp = obj.number("ramp_up_s", 60.0, low=0)
     wind = obj.number("wind_down_s", 20.0, low=0)
@@ -355,7 +363,7 @@ def _parse_job(obj: _Obj, nodes: tuple[NodeSpec, ...]) -> JobSpec:
         model = _node_by_name(nodes, node, obj.key("nodes")).model
         if memory is not None and memory > model.memory_total_bytes - model.memory_reserved_bytes:
             raise ScenarioError(f"{obj.key('memory_used_gib')}: {memory_gib} GiB does not fit on {model.name}")
-    return JobSpec(job_id, tuple(gpus), start, end, step, compute, memory, ramp, wind, user, scheduler)
+    return JobSpec(job_id, tuple(gpus), start, end, step, compute, memory, ramp, wind, user, scheduler, intensity)
 
 
 def _check_jobs(jobs: tuple[JobSpec, ...]) -> None:

@@ -423,6 +423,24 @@ def test_power_cap_lowers_enforced_limit():
     assert nvml.nvmlDeviceGetEnforcedPowerLimit(handle) == 700_000
 
 
+def test_full_load_reads_power_capped_at_the_enforced_limit():
+    """A load wanting more than the board's limit, and an operator cap above that limit: the enforced limit
+    stays the board's, and the power the governor holds the GPU at sits under it with SW_POWER_CAP."""
+    scenario = parse_scenario({
+        "name": "burn", "duration_s": 300, "nodes": [{"name": "n", "model": "h100-sxm", "gpus": 1}],
+        "jobs": [{"id": "j", "nodes": ["n"], "ramp_up_s": 0, "compute_fraction": 0.99, "compute_intensity": 1.43}],
+        "incidents": [{"kind": "power_cap", "node": "n", "start_s": 0, "watts": 900}]})
+    clock = FakeClock(120)
+    nvml = SimNvml(scenario, node="n", clock=clock, epoch=clock.epoch)
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    limit_mw = nvml.nvmlDeviceGetEnforcedPowerLimit(handle)
+    assert limit_mw == 700_000
+    assert 0.95 * limit_mw <= nvml.nvmlDeviceGetPowerUsage(handle) <= limit_mw
+    assert nvml.nvmlDeviceGetCurrentClocksEventReasons(handle) == pynvml.nvmlClocksEventReasonSwPowerCap
+    assert nvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM) < 1700
+
+
 def test_ecc_and_remapped_rows():
     nvml, clock = _sim("cluster-incidents", "node-a", t=130)
     handle = nvml.nvmlDeviceGetHandleByIndex(6)

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from gpufleet.agent.sim import load_scenario
+from gpufleet.agent.sim import load_scenario, parse_scenario
 from gpufleet.agent.sim import physics as ph
 from gpufleet.agent.sim.hardware import A100_SXM4, H100_SXM
 from gpufleet.agent.sim.physics import Thermal, Timeline, build_world, related_gpus, step, thermal_clock
@@ -79,27 +79,52 @@ def test_nodes_agree_on_shared_job_state():
         assert s1[p1] == s2[w2.position[ref]]
 
 
-def test_thermal_clock_bands_and_hysteresis():
+def test_sw_thermal_band():
     slowdown = H100_SXM.slowdown_celsius
-    assert thermal_clock(H100_SXM, Thermal(70.0, False)) == (1.0, 0, False)
-    ratio, bits, latched = thermal_clock(H100_SXM, Thermal(slowdown - 1.0, False))
-    assert bits == ph.SW_THERMAL and 0.9 < ratio < 1.0 and not latched
-    ratio, bits, latched = thermal_clock(H100_SXM, Thermal(slowdown + 0.5, False))
-    assert bits & ph.HW_THERMAL and ratio == ph.HW_THERMAL_CLOCK and latched
-    # Once latched, HW slowdown holds until the GPU has cooled a little below the threshold.
-    assert thermal_clock(H100_SXM, Thermal(slowdown - 1.0, True))[1] & ph.HW_THERMAL
-    assert not thermal_clock(H100_SXM, Thermal(slowdown - 3.0, True))[1] & ph.HW_THERMAL
+    assert thermal_clock(H100_SXM, 70.0) == (1.0, 0)
+    ratio, bits = thermal_clock(H100_SXM, slowdown - 1.0)
+    assert bits == ph.SW_THERMAL and 0.9 < ratio < 1.0
+    assert thermal_clock(H100_SXM, slowdown + 3.0) == (1.0 - ph.SW_THERMAL_MAX_CUT, ph.SW_THERMAL)
 
 
-def test_temperature_lags_power():
-    tl = _timeline("hgx-h100", "hgx-h100-01")
-    start, settled = tl.temperature(0, 60.0), tl.temperature(0, 600.0)
-    one_tau = tl.temperature(0, 60.0 + H100_SXM.thermal_tau_s)
-    # First-order response: about 63 % of the way after one time constant.
-    share = (one_tau - start) / (settled - start)
-    assert 0.5 < share < 0.75
-    assert abs(tl.temperature(0, 600.0) - tl.temperature(0, 599.0)) < 0.2
-    assert 55.0 < settled < 80.0
+def test_hw_thermal_slowdown_takes_the_share_that_holds_the_die_at_its_threshold():
+    world = build_world(load_scenario("demo"), "dgx-02", 0)
+    g = world.gpus[world.position[("dgx-02", 5)]]
+    slowdown, inlet, factor = H100_SXM.slowdown_celsius, 30.0, 2.6
+    run_w, hw_w = 560.0, 240.0
+    assert ph.hw_thermal_duty(g, Thermal(80.0, 60.0), inlet, 1.0, run_w, hw_w) == 0.0
+    hot = Thermal(slowdown, slowdown - 20.0)
+    duty = ph.hw_thermal_duty(g, hot, inlet, factor, run_w, hw_w)
+    assert 0.0 < duty < 1.0
+    # At the share's mean power the die ends the second at the threshold.
+    mean_w = run_w + duty * (hw_w - run_w)
+    sink = inlet + H100_SXM.sink_resistance_c_per_w * factor * mean_w
+    die = H100_SXM.die_resistance_c_per_w * factor * mean_w
+    end = sink + (hot.sink_c - sink) * g.sink_decay + die + (hot.temp_c - hot.sink_c - die) * g.die_decay
+    assert end == pytest.approx(slowdown, abs=1e-6)
+    # Cooling so poor that even the HW clock heats the die: the whole second at it.
+    assert ph.hw_thermal_duty(g, hot, inlet, 6.0, run_w, hw_w) == 1.0
+
+
+def test_temperature_follows_power_in_two_stages():
+    """A full load from idle: the die's own rise over the heatsink within a second or two, the heatsink's
+    first-order rise over minutes (about 63 % of the way after its time constant), and the sum of both
+    rises per watt once settled."""
+    scenario = parse_scenario({
+        "name": "step", "duration_s": 1200, "ambient_c": 25,
+        "nodes": [{"name": "n", "model": "h100-sxm", "gpus": 1}],
+        "jobs": [{"id": "j", "nodes": ["n"], "start_s": 100, "ramp_up_s": 0}]})
+    tl = Timeline(build_world(scenario, "n", 0))
+    idle, busy = _avg(tl, 0, ph.POWER_W, 50, 100), _avg(tl, 0, ph.POWER_W, 100, 1100)
+    before, fast, settled = tl.temperature(0, 100.0), tl.temperature(0, 102.0), tl.temperature(0, 1100.0)
+    assert fast - before == pytest.approx(H100_SXM.die_resistance_c_per_w * (busy - idle), rel=0.15)
+    one_tau = tl.temperature(0, 102.0 + H100_SXM.sink_tau_s)
+    assert 0.5 < (one_tau - fast) / (settled - fast) < 0.75
+    rise_per_w = H100_SXM.die_resistance_c_per_w + H100_SXM.sink_resistance_c_per_w
+    assert settled - before == pytest.approx(rise_per_w * (busy - idle), rel=0.1)
+    assert abs(tl.temperature(0, 1100.0) - tl.temperature(0, 1099.0)) < 0.2
+    hgx = _timeline("hgx-h100", "hgx-h100-01")
+    assert 55.0 < hgx.temperature(0, 600.0) < 80.0
 
 
 def test_idle_gpu_reads_idle():
@@ -191,6 +216,46 @@ def test_power_cap_is_uniform_and_respected():
         state = tl.state(i, 600.0)
         assert state.reasons & ph.SW_POWER_CAP
         assert state.rates[ph.POWER_W] <= 450.0
+
+
+def _single_job(intensity: float, cap_watts: float | None = None) -> Timeline:
+    doc = {"name": "one", "duration_s": 400, "nodes": [{"name": "n", "model": "h100-sxm", "gpus": 2}],
+           "jobs": [{"id": "j", "nodes": ["n"], "ramp_up_s": 0, "compute_fraction": 0.9,
+                     "compute_intensity": intensity}]}
+    if cap_watts is not None:
+        doc["incidents"] = [{"kind": "power_cap", "job": "j", "start_s": 200, "watts": cap_watts}]
+    return Timeline(build_world(parse_scenario(doc), "n", 0))
+
+
+def test_training_wants_less_than_the_board_limit_and_runs_uncapped():
+    tl = _timeline("hgx-h100", "hgx-h100-01")
+    for t in range(100, 300, 10):
+        for i in range(8):
+            state = tl.state(i, t)
+            assert not state.reasons & ph.SW_POWER_CAP
+            assert state.rates[ph.SM_CLOCK_MHZ] == H100_SXM.sm_clock_max_mhz
+            assert state.rates[ph.POWER_W] < 0.9 * H100_SXM.tdp_watts
+    assert tl.integral(0, 300.0)[ph.NS_SW_POWER_CAP] == 0.0
+
+
+def test_a_load_wanting_more_than_the_board_limit_is_held_at_it():
+    tl = _single_job(1.43)
+    clocks = {tl.state(i, t).rates[ph.SM_CLOCK_MHZ] for i in range(2) for t in range(20, 200, 7)}
+    assert len(clocks) == 1 and 0.75 * H100_SXM.sm_clock_max_mhz < clocks.pop() < 0.9 * H100_SXM.sm_clock_max_mhz
+    powers = [tl.state(0, t).rates[ph.POWER_W] for t in range(20, 200)]
+    assert all(0.95 * H100_SXM.tdp_watts <= p <= H100_SXM.tdp_watts for p in powers)
+    assert all(tl.state(0, t).reasons == ph.SW_POWER_CAP for t in range(20, 200))
+    # The driver's power-cap time counter: a second per second while capped, in nanoseconds.
+    assert tl.integral(0, 150.0)[ph.NS_SW_POWER_CAP] - tl.integral(0, 50.0)[ph.NS_SW_POWER_CAP] == pytest.approx(1e11)
+
+
+def test_one_governor_for_the_board_limit_and_an_operator_cap():
+    """An operator cap above the board limit changes nothing; one below it lowers the clock further."""
+    above, below = _single_job(1.43, cap_watts=800.0), _single_job(1.43, cap_watts=450.0)
+    assert above.state(0, 300).rates == _single_job(1.43).state(0, 300).rates
+    assert below.state(0, 300).reasons & ph.SW_POWER_CAP
+    assert below.state(0, 300).rates[ph.POWER_W] <= 450.0
+    assert below.state(0, 300).rates[ph.SM_CLOCK_MHZ] < above.state(0, 300).rates[ph.SM_CLOCK_MHZ]
 
 
 def test_counters_integrate_rates():

@@ -81,6 +81,8 @@ def test_scenario_is_frozen():
         ("jobs.0.nodes", ["n9"], "jobs[0].nodes[0]: unknown node 'n9'"),
         ("jobs.0.end_s", -5, "jobs[0].end_s: must be after start_s"),
         ("jobs.0.compute_fraction", 1.5, "jobs[0].compute_fraction: must be <= 0.99"),
+        ("jobs.0.compute_intensity", 0, "jobs[0].compute_intensity: must be >= 0.05"),
+        ("jobs.0.compute_intensity", "high", "jobs[0].compute_intensity: expected a number"),
         ("jobs.0.id", None, "jobs[0].id: required key is missing"),
         ("jobs.0.scheduler", "pbs", "jobs[0].scheduler: must be one of slurm, kubernetes, got 'pbs'"),
         ("incidents.0.kind", "meteor", "incidents[0].kind: unknown incident kind 'meteor'"),
