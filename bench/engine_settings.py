@@ -23,8 +23,15 @@ BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
 COMMAND = "python -m bench.engine_settings"
 
 # Unit by the field name's ending, first match wins; ratios and utilizations are shares from 0 to 1.
-_UNITS = (("_seconds", "s"), ("_celsius", "°C"), ("_percentile", "percentile"), ("_sigmas", "std. deviations"),
-          ("_utilization", "ratio 0-1"), ("_ratio", "ratio 0-1"), ("_gap", "utilization 0-1"))
+_UNITS = (
+    ("_seconds", "s"),
+    ("_celsius", "°C"),
+    ("_percentile", "percentile"),
+    ("_sigmas", "std. deviations"),
+    ("_utilization", "ratio 0-1"),
+    ("_ratio", "ratio 0-1"),
+    ("_gap", "utilization 0-1"),
+)
 
 
 def field_comments() -> dict[str, str]:
@@ -63,8 +70,12 @@ def _number(value: float | int) -> str:
 def render() -> str:
     """The markdown table, one row per EngineConfig field in declaration order."""
     comments = field_comments()
-    rows = [f"Generated from `EngineConfig` (server/engine/config.py) by `{COMMAND}`.", "",
-            "| setting | default | unit | what it is |", "|---|---|---|---|"]
+    rows = [
+        f"Generated from `EngineConfig` (server/engine/config.py) by `{COMMAND}`.",
+        "",
+        "| setting | default | unit | what it is |",
+        "|---|---|---|---|",
+    ]
     for f in dataclasses.fields(EngineConfig):
         text = comments.get(f.name, "").replace("|", "\\|")
         rows.append(f"| `{f.name}` | {_number(f.default)} | {unit(f)} | {text} |")

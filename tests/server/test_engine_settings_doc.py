@@ -13,8 +13,9 @@ from gpufleet.server.engine import EngineConfig
 def test_the_documented_settings_table_is_generated_from_engine_config():
     block = engine_settings.current_block(engine_settings.DOC.read_text())
     assert block is not None, f"{engine_settings.BEGIN} ... {engine_settings.END} missing from docs/detection.md"
-    assert block == engine_settings.render(), \
+    assert block == engine_settings.render(), (
         f"docs/detection.md's settings table is stale: run `make engine-settings-doc` ({engine_settings.COMMAND})"
+    )
 
 
 def test_every_setting_says_what_it_is():
@@ -24,8 +25,11 @@ def test_every_setting_says_what_it_is():
 
 
 def test_a_row_carries_the_default_and_unit_of_its_field():
-    rows = {line.split("|")[1].strip(" `"): line.split("|")[2:4] for line in engine_settings.render().splitlines()
-            if line.startswith("| `")}
+    rows = {
+        line.split("|")[1].strip(" `"): line.split("|")[2:4]
+        for line in engine_settings.render().splitlines()
+        if line.startswith("| `")
+    }
     assert [c.strip() for c in rows["thermal_temperature_celsius"]] == ["83", "°C"]
     assert [c.strip() for c in rows["straggler_min_group"]] == ["3", "count"]
     assert [c.strip() for c in rows["workload_capped_clock_ratio"]] == ["0.98", "ratio 0-1"]
