@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lint operator-manifests demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
+.PHONY: lint engine-settings-doc operator-manifests demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,10 @@ hardware-wheels: $(STAMP)
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		$(WHEEL_PLATFORMS) -d .whl $$($(BIN)/python -m pip list --format=freeze 2>/dev/null \
 		| grep -i -E '^(orjson|bcrypt|msgspec|nvidia-ml-py|nvitop|nvitop-exporter|psutil)==')
+
+# The settings table of docs/detection.md, from EngineConfig's defaults and the comments above its fields.
+engine-settings-doc: $(STAMP)
+	$(BIN)/python -m bench.engine_settings
 
 # The PrometheusRule and the Grafana dashboard ConfigMap for the Prometheus Operator, from their sources.
 operator-manifests: $(STAMP)

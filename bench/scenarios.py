@@ -26,8 +26,7 @@ DEADLINE_S = 150.0
 RESOLVE_S = 300.0
 # Truths are in true time, alerts in the sample time of the node's own clock, which the generator sets up
 # to 2 s off (NTP-level drift, too small for replay to take out), plus a sample's timing jitter: a GPU
-# lost on a node whose clock runs 1.9 s behind is stamped, and alerted, before the incident's true start
-# (busy_32 seed 211 at 1 s).
+# lost on a node whose clock runs 1.9 s behind is stamped, and alerted, before the incident's true start.
 CLOCK_SLACK_S = 2.5
 # Alerts that describe a condition and clear when it ends (health alerts clear on their own timers).
 _RESOLVING_KINDS = ("thermal_throttle", "straggler", "comm_bound", "input_bound")
@@ -89,7 +88,7 @@ class _Draw:
 
     def hpc(self) -> str:
         """A job id not drawn before in this spec: two jobs under one id are one job to any attribution
-        (busy_8 seed 260 drew 70700 twice, and the engine rightly compared the two as one)."""
+        (an id drawn twice made the engine rightly compare the two as one)."""
         while True:
             hpc = str(self.i(70000, 99999))
             if hpc not in self._hpc_ids:
@@ -675,7 +674,7 @@ def mid_job(spec: ClusterSpec, onset_s: float) -> ClusterSpec:
     An incident of a job that starts later in the trace stays where it is too: where the recording began
     says nothing about when that job starts. Moved with the others, a communication slowdown or an input
     starvation landed before its job's first step, so the job never ran healthy and there was no drop
-    to see (busy_32 seed 315, busy_8 seed 316)."""
+    to see."""
     jobs = tuple(replace(j, startup_s=0.0) if j.start_s <= 0 else j for j in spec.jobs)
     later_keys = {j.key for j in spec.jobs if j.start_s > 0}
     slots = {(node, gpu): j.key in later_keys for j in spec.jobs for node, gpus in j.placement for gpu in gpus}

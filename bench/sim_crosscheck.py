@@ -26,7 +26,7 @@ is *required* by the scenario suite scorer's rules (a job slowed 10 % by a strag
 grown 25 % by communication, a GPU at >= 83 degC, HBM at its limit or thermal bits for 30 s): a
 marginal incident may go unseen, but must never name a wrong subject.
 Writes the table between `<!-- crosscheck:begin -->` and `<!-- crosscheck:end -->` in
-docs/detection.md (`crosscheck:hard:`, `crosscheck:unattributed:` markers for those modes).
+docs/crosscheck.md (`crosscheck:hard:`, `crosscheck:unattributed:` markers for those modes).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from gpufleet.server.replay import run_replay
 from bench.tracegen import COMM_REQUIRED_GROWTH, STRAGGLER_REQUIRED_SLOWDOWN
 from bench.sim_record import T0, record_node
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "detection.md"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "crosscheck.md"
 BEGIN, END = "<!-- crosscheck:begin -->", "<!-- crosscheck:end -->"
 KINDS = ("cooling", "slow_silent", "slow_brake", "host", "host_rank", "comm", "cap", "none", "lost", "reset", "xid",
          "agent_down", "job_end")

@@ -85,7 +85,8 @@ _GPU_TYPES: dict[str, Any] = {
     "xid_errors_by_code": (Optional[dict[Any, Any]], None),
 }
 # Declared in the order the agent writes them (agent/model.py, GpuSample): msgspec looks for each key at
-# the position after the previous one first (4 % fewer instructions parsing, docs/benchmarks.md stop 35).
+# the position after the previous one first (4 % fewer instructions parsing; docs/benchmarks.md, "The
+# decoder's field order").
 GPU_FIELD_ORDER = ("index", "uuid", "model", "up", "hpc_job", "kubernetes_namespace", "kubernetes_pod",
                    "utilization_ratio", "sm_active_ratio",
                    "temperature_celsius", "memory_temperature_celsius", "slowdown_temperature_celsius",

@@ -195,16 +195,15 @@ def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[No
         return samples
     # The reference ends are one node's own (the lower middle one), not the mean of the two middle ones,
     # which can sit far from every node: among four, with one node 60 s ahead and one whose first line
-    # was lost 19 s in, that mean put the offset taken out at 53 s. (It also put a node outside the slack
-    # in clock_skew seed 269, before one agreeing end was enough, below.)
+    # was lost 19 s in, that mean put the offset taken out at 53 s.
     ref_first = _lower_median([span.first for span in spans.values()])
     ref_last = _lower_median([span.last for span in spans.values()])
     ends = {node: (span.first - ref_first, span.last - ref_last,
                    (span.last - span.first) / max(span.count - 1, 1)) for node, span in spans.items()}
     # A node's sampling phase moves both of its ends alike, by less than an interval; a clock offset moves
     # both by the offset. One end agreeing is enough to count a node in step: a lost first line moves its
-    # first end by another interval (clock_skew seed 298, 10 s: 13.6 s, so only two of four nodes agreed
-    # and the node 62 s ahead was left as it was).
+    # first end by another interval (at 10 s sampling, 13.6 s: counted out, only two of four nodes agreed
+    # and a node 62 s ahead was left as it was).
     in_step = sum(min(abs(early), abs(late)) <= interval + 2.0 for early, late, interval in ends.values())
     if 2 * in_step <= len(ends):
         return samples

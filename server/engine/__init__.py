@@ -341,7 +341,7 @@ class Engine:
         but node_unreachable is the alert); if only its agent stopped, what the job's other GPUs read is
         still not the whole job. New job-level findings wait, and one already open is not cleared. At
         10 s sampling a crashed node's last samples had not opened the pending node straggler that
-        otherwise explains the hang, and a comm_bound fired for it (unseen `node_crash` seed 270). As for
+        otherwise explains the hang, and a comm_bound fired for it. As for
         a lost GPU, a job still running lost_gpu_hang_seconds after the node went silent has gone on
         without it, and is judged again.
         """

@@ -62,8 +62,8 @@ def _noisy_power(t: float, node: str, gpu: int, watts: float, spread: float) -> 
 
 def test_comm_bound_is_not_held_back_by_gpus_standing_out_within_the_noise():
     # Power only, every GPU waiting in slow collectives at full utilization, each reading noisy: one GPU
-    # or another sits over the weaker margin most ticks, each within the spread of its peers. On the
-    # stop-27 engine this held comm_bound back: it fired 70 s after the drop with 5 % noise, never with 8 %.
+    # or another sits over the weaker margin most ticks, each within the spread of its peers. Without the
+    # noise test this held comm_bound back: it fired 70 s after the drop with 5 % noise, never with 8 %.
     def noisy_comm(spread):
         def override(t, node, gpu):
             kw = {"sm_active_ratio": None}
@@ -102,7 +102,7 @@ def _power_wander(drop_from: float, salt: int = 10):
 def test_a_job_whose_power_wanders_by_itself_is_not_comm_bound_until_it_drops_beyond_that():
     # Power only; the whole job's power wanders by 3.5 % (one standard deviation) half a minute at a
     # time, with nothing wrong. Its baseline, a high percentile, sits well above the usual level, so
-    # ordinary dips read over 8 % under it: on the stop-29 engine comm_bound fired at +450 s and +895 s.
+    # ordinary dips read over 8 % under it: judged by the threshold alone, comm_bound fired at +450 s and +895 s.
     # A drop well beyond the job's own wander is still comm_bound.
     assert _kinds(cluster_lines(1800, override=_power_wander(1e9))) == []
     alerts = run_replay(cluster_lines(1800, override=_power_wander(1200)))
@@ -113,7 +113,7 @@ def test_a_job_whose_power_wanders_by_itself_is_not_comm_bound_until_it_drops_be
 @pytest.mark.parametrize("salt", [0, 7])
 def test_a_job_that_wanders_by_itself_in_its_first_minutes_is_not_comm_bound_but_a_real_drop_then_is(salt):
     # As above, in a job's first minutes of history, before its noise can be read from changes a minute
-    # apart: on the stop-30 engine comm_bound fired at +175 s (salt 0) and +155 s (salt 7).
+    # apart: with no stand-in for the noise, comm_bound fired at +175 s (salt 0) and +155 s (salt 7).
     assert _kinds(cluster_lines(600, override=_power_wander(1e9, salt))) == []
     alerts = run_replay(cluster_lines(600, override=_power_wander(200, salt)))
     assert [(a.kind.value, a.hpc_job) for a in alerts] == [("comm_bound", "j1")]

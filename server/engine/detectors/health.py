@@ -134,8 +134,8 @@ def _gpu_lost(tick: Tick, state: HealthState) -> Outcome:
     node_now[w.slot_node_id[:n][tick.held[0]]] = True
     vanished = ~present & node_now[w.slot_node_id[:n]]
     # `up` is the bin's mean: one sample of up=false in it is enough. A GPU that falls off the bus can
-    # take its node's agent down seconds later, and the next bin may never come (busy_16 seed 173: one
-    # such sample, then 4.5 minutes of silence; gpu_lost fired only when the node came back).
+    # take its node's agent down seconds later, and the next bin may never come (one such sample, then
+    # 4.5 minutes of silence: judged on the mean, gpu_lost fired only when the node came back).
     down = up < 1.0
     back = up >= 1.0
     out = Outcome()

@@ -131,7 +131,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: A
     # Whether most of a node's GPUs stand out together is judged at the holding margin for the cross-
     # section too. A node slow from the job's start, one of two in its job, had every GPU 9-15 % over
     # the job's power median, which sits between the two nodes: the three highest crossed the full
-    # margin and one was named alone before the node was (node_from_start seed 183).
+    # margin and one was named alone before the node was.
     cross_weak = ((busy & cross_holding) | eligible_cross) & cross_ok
     whole_findings, whole_standout, whole_pairs, on = whole_node(tick, state, on,
                                                                  (eligible | cross_weak) & holding & weak,

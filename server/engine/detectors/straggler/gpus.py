@@ -266,7 +266,7 @@ def learn(state: StragglerState, cfg, dev: np.ndarray, own: np.ndarray, steady: 
     # The same holds for utilization, whose victim direction is up: beside a node host-starved from the job's
     # start, the other node's GPUs sat 0.17 above the job's median and learned it. Once the starved node
     # recovered, they read as idling 0.17 below their usual, and the node was named host-bound at equal
-    # utilization as soon as noise made the job look slowed (node_from_start seed 3, noise doubled).
+    # utilization as soon as noise made the job look slowed (found with the generator's noise doubled).
     # The culprit direction needs no cap: a GPU idling a whole margin below its peers learns nothing.
     state.offset[UTIL] = np.where(in_job, np.minimum(state.offset[UTIL], 0.0), state.offset[UTIL])
     state.level = follow(state.level, own, learn, alpha)

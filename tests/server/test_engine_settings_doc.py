@@ -1,0 +1,55 @@
+"""docs/detection.md's settings table is what bench.engine_settings generates from EngineConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bench import engine_settings
+from gpufleet.server.engine import EngineConfig
+
+
+def test_the_documented_settings_table_is_generated_from_engine_config():
+    block = engine_settings.current_block(engine_settings.DOC.read_text())
+    assert block is not None, f"{engine_settings.BEGIN} ... {engine_settings.END} missing from docs/detection.md"
+    assert block == engine_settings.render(), (
+        f"docs/detection.md's settings table is stale: run `make engine-settings-doc` ({engine_settings.COMMAND})"
+    )
+
+
+def test_every_setting_says_what_it_is():
+    comments = engine_settings.field_comments()
+    missing = [f.name for f in dataclasses.fields(EngineConfig) if not comments.get(f.name)]
+    assert not missing, f"EngineConfig fields without a comment line above them: {missing}"
+
+
+def test_a_row_carries_the_default_and_unit_of_its_field():
+    rows = {
+        line.split("|")[1].strip(" `"): line.split("|")[2:4]
+        for line in engine_settings.render().splitlines()
+        if line.startswith("| `")
+    }
+    assert [c.strip() for c in rows["thermal_temperature_celsius"]] == ["83", "°C"]
+    assert [c.strip() for c in rows["straggler_min_group"]] == ["3", "count"]
+    assert [c.strip() for c in rows["workload_capped_clock_ratio"]] == ["0.98", "ratio 0-1"]
+    assert len(rows) == len(dataclasses.fields(EngineConfig))
+
+
+def test_rewrite_replaces_only_the_table_and_check_notices_a_stale_one(tmp_path):
+    doc = tmp_path / "detection.md"
+    doc.write_text(f"# Detection\n\nbefore\n\n{engine_settings.BEGIN}\nold table\n{engine_settings.END}\n\nafter\n")
+    assert engine_settings.main(["--doc", str(doc), "--check"]) == 1
+    assert engine_settings.main(["--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Detection\n\nbefore\n\n") and text.endswith("\n\nafter\n")
+    assert engine_settings.current_block(text) == engine_settings.render()
+    assert engine_settings.main(["--doc", str(doc), "--check"]) == 0
+
+
+def test_a_doc_without_the_markers_is_refused(tmp_path):
+    doc = tmp_path / "detection.md"
+    doc.write_text("# Detection\n")
+    assert engine_settings.main(["--doc", str(doc)]) == 2
+    with pytest.raises(ValueError):
+        engine_settings.rewrite("# Detection\n", "table")
