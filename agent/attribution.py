@@ -146,8 +146,16 @@ class JobAttributor:
         if entry is None:
             found = self._environ(pid)
             cgroup = self._read(self._procfs / str(pid) / "cgroup", "cgroup")
-            job = next((job for job in (_valid_job(found[p].decode("ascii", "replace"))
-                                        for p in self._env_prefixes if p in found) if job is not None), None)
+            job = next(
+                (
+                    job
+                    for job in (
+                        _valid_job(found[p].decode("ascii", "replace")) for p in self._env_prefixes if p in found
+                    )
+                    if job is not None
+                ),
+                None,
+            )
             if job is None:
                 job = _slurm_job(cgroup)
             pod = self._pod(pid, found) if cgroup is not None and _KUBEPODS in cgroup else None
@@ -163,8 +171,13 @@ class JobAttributor:
         node = self._node.lower()
         if not _DNS_SUBDOMAIN.match(name) or name.split(".")[0] == node.split(".")[0]:
             return None
-        data = self._read(_SERVICE_ACCOUNT_NAMESPACE, "namespace", missing_ok=True, root=self._root(pid),
-                          limit=MAX_CONTAINER_FILE_BYTES)
+        data = self._read(
+            _SERVICE_ACCOUNT_NAMESPACE,
+            "namespace",
+            missing_ok=True,
+            root=self._root(pid),
+            limit=MAX_CONTAINER_FILE_BYTES,
+        )
         namespace = (data or b"").decode("ascii", "replace").strip()
         if not namespace:
             domain = self._search_domain(pid) or ""
@@ -186,12 +199,12 @@ class JobAttributor:
         for entry in data.split(b"\0"):
             for prefix in wanted:
                 if entry.startswith(prefix):
-                    found.setdefault(prefix, entry[len(prefix):])  # the first wins, as getenv(3) reads it
+                    found.setdefault(prefix, entry[len(prefix) :])  # the first wins, as getenv(3) reads it
         return found
 
     def _job_from_rendezvous(self, pid: int, found: dict[bytes, bytes], pod: Pod | None) -> str | None:
         if found.get(_WORLD_SIZE, b"").strip() == b"1":
-            return None         # a job of one process: anything sharing its rendezvous is unrelated
+            return None  # a job of one process: anything sharing its rendezvous is unrelated
         if _MASTER_ADDR in found and _MASTER_PORT in found:
             host, port = found[_MASTER_ADDR], found[_MASTER_PORT]
         elif _JAX_COORDINATOR in found:
@@ -216,8 +229,13 @@ class JobAttributor:
     def _search_domain(self, pid: int) -> str | None:
         """The first search domain of the process's own resolv.conf: what its resolver appends to a short
         name, so the name it connects to."""
-        data = self._read(Path("etc/resolv.conf"), "resolv.conf", missing_ok=True, root=self._root(pid),
-                          limit=MAX_CONTAINER_FILE_BYTES)
+        data = self._read(
+            Path("etc/resolv.conf"),
+            "resolv.conf",
+            missing_ok=True,
+            root=self._root(pid),
+            limit=MAX_CONTAINER_FILE_BYTES,
+        )
         for line in (data or b"").decode("ascii", "replace").splitlines():
             words = line.split()
             if len(words) >= 2 and words[0] in ("search", "domain"):
@@ -238,8 +256,9 @@ class JobAttributor:
             self._note("mapping", "ENOENT", "hpc job mapping directory is missing", path=str(self._mapping_dir))
         return None
 
-    def _read(self, path: Path, what: str, *, missing_ok: bool = False, root: Path | None = None,
-              limit: int = MAX_READ_BYTES) -> bytes | None:
+    def _read(
+        self, path: Path, what: str, *, missing_ok: bool = False, root: Path | None = None, limit: int = MAX_READ_BYTES
+    ) -> bytes | None:
         """A regular file's first `limit` bytes, or None; with `root`, `path` is taken inside that container
         root. Never blocks on a FIFO or device, and never raises: a failure is counted and warned about."""
         try:
@@ -251,8 +270,13 @@ class JobAttributor:
                 self._note("procfs", "ENOENT", "procfs root is missing", path=str(self._procfs))
             return None
         except NotRegularFile as exc:
-            self._note(what, "not_regular_file", "not a regular file; not read for job attribution",
-                       path=str(path), kind=exc.kind)
+            self._note(
+                what,
+                "not_regular_file",
+                "not a regular file; not read for job attribution",
+                path=str(path),
+                kind=exc.kind,
+            )
             return None
         except OSError as exc:
             code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
@@ -336,8 +360,7 @@ class BackgroundAttributor:
                     job = self._inner.job_for(index, uuid, pids)
                     pod = self._inner.pod_for(pids)
                 except Exception as exc:  # a bug in one answer must not end attribution
-                    self._inner._note("attribution", type(exc).__name__, "job attribution failed",
-                                      error=repr(exc))
+                    self._inner._note("attribution", type(exc).__name__, "job attribution failed", error=repr(exc))
                     job, pod = None, None
                 answers[index] = _Answer(uuid, pids, job, pod)
             self._inner.end_cycle()
@@ -395,12 +418,19 @@ class NotRegularFile(OSError):
         super().__init__(errno.EINVAL, f"not a regular file ({self.kind})", path)
 
 
-_KINDS = {stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket", stat.S_IFCHR: "char_device", stat.S_IFBLK: "block_device",
-          stat.S_IFDIR: "directory", stat.S_IFLNK: "symlink"}
+_KINDS = {
+    stat.S_IFIFO: "fifo",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "char_device",
+    stat.S_IFBLK: "block_device",
+    stat.S_IFDIR: "directory",
+    stat.S_IFLNK: "symlink",
+}
 
 
-def read_regular(path: os.PathLike[str] | str, limit: int, *, dir_fd: int | None = None,
-                 follow_symlinks: bool = True) -> bytes:
+def read_regular(
+    path: os.PathLike[str] | str, limit: int, *, dir_fd: int | None = None, follow_symlinks: bool = True
+) -> bytes:
     """The first `limit` bytes of a regular file. Anything else raises NotRegularFile before it is opened
     (a FIFO would block the reader until a writer came, a device may act on open) and again after (in case
     it was swapped in between); the open itself is non-blocking."""

@@ -138,10 +138,20 @@ def build_runtime(config: AgentConfig) -> Runtime:
         wait = clock.advance if isinstance(clock, SettableClock) else _sleep
     else:
         nvml, node, clock, wait = _pynvml(), config.node or default_node(), time.time, _sleep
-    reader = NvmlReader(nvml, per_link_nvlink=config.nvlink_per_link, cpu_budget=_cpu_budget(config),
-                        interval_s=config.sample_interval, clock=clock)
-    attributor = JobAttributor(procfs, config.hpc_job_mapping_dir, env_vars=config.hpc_job_env_vars,
-                               rendezvous=config.hpc_job_rendezvous, node=node)
+    reader = NvmlReader(
+        nvml,
+        per_link_nvlink=config.nvlink_per_link,
+        cpu_budget=_cpu_budget(config),
+        interval_s=config.sample_interval,
+        clock=clock,
+    )
+    attributor = JobAttributor(
+        procfs,
+        config.hpc_job_mapping_dir,
+        env_vars=config.hpc_job_env_vars,
+        rendezvous=config.hpc_job_rendezvous,
+        node=node,
+    )
     return Runtime(node=node, reader=reader, attributor=attributor, clock=clock, wait=wait, cleanup=cleanup, web=web)
 
 
@@ -163,14 +173,16 @@ def _simulator(config: AgentConfig) -> tuple[Any, str, Callable[[], float]]:
         raise ConfigError(f"--simulate: {exc}") from None
     node = config.node or scenario.nodes[0]
     if node not in scenario.nodes:
-        raise ConfigError(f"--node: {node!r} is not a node of scenario {config.simulate!r} "
-                          f"(nodes: {', '.join(scenario.nodes)})")
+        raise ConfigError(
+            f"--node: {node!r} is not a node of scenario {config.simulate!r} (nodes: {', '.join(scenario.nodes)})"
+        )
     # --once samples twice an interval apart (GPM needs two samples); the simulator need not really wait.
     # Starting one interval in the past makes the printed (second) sample's time "now".
     clock: Callable[[], float] = SettableClock(time.time() - config.sample_interval) if config.once else time.time
     # block_on_events: the XID thread's event wait must block as the driver's does, even on the settable clock.
-    nvml: Any = SimNvml(scenario, node=node, clock=clock, epoch=config.simulate_epoch, seed=config.simulate_seed,
-                        block_on_events=True)
+    nvml: Any = SimNvml(
+        scenario, node=node, clock=clock, epoch=config.simulate_epoch, seed=config.simulate_seed, block_on_events=True
+    )
     if config.simulate_nvml_costs:
         from gpufleet.agent.sim.costs import CostedNvml
 
@@ -195,8 +207,14 @@ def run_once(config: AgentConfig, runtime: Runtime) -> int:
     from gpufleet.agent.sampler import Sampler
 
     store = SnapshotStore(config.snapshots_retention)
-    sampler = Sampler(runtime.reader, store, node=runtime.node, interval=config.sample_interval,
-                      attributor=runtime.attributor, clock=runtime.clock)
+    sampler = Sampler(
+        runtime.reader,
+        store,
+        node=runtime.node,
+        interval=config.sample_interval,
+        attributor=runtime.attributor,
+        clock=runtime.clock,
+    )
     try:
         if sampler.run_once() is None:
             return _once_failed(sampler)
@@ -228,11 +246,19 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
 
     store = SnapshotStore(config.snapshots_retention, clock=runtime.clock)
     try:
-        server = AgentHttpServer(store, host=config.listen_host, port=config.listen_port,
-                                 interval=config.sample_interval, clock=runtime.clock, web=runtime.web)
+        server = AgentHttpServer(
+            store,
+            host=config.listen_host,
+            port=config.listen_port,
+            interval=config.sample_interval,
+            clock=runtime.clock,
+            web=runtime.web,
+        )
     except OSError as exc:
-        sys.stderr.write(f"{PROG}: error: --web.listen-address: cannot listen on "
-                         f"{config.listen_host}:{config.listen_port}: {exc.strerror or exc}\n")
+        sys.stderr.write(
+            f"{PROG}: error: --web.listen-address: cannot listen on "
+            f"{config.listen_host}:{config.listen_port}: {exc.strerror or exc}\n"
+        )
         return 2
     recorder = Recorder(config.record) if config.record else None
     # A scrape that arrives mid-cycle waits for the GIL; hand it over after 0.5 ms rather than 5 ms.
@@ -241,8 +267,16 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
     # Files of other processes and their containers are read on a thread of their own: a process stuck in
     # the kernel must not stop sampling. A job shows one cycle after its processes first do.
     attributor = BackgroundAttributor(runtime.attributor)
-    sampler = Sampler(runtime.reader, store, node=runtime.node, interval=config.sample_interval,
-                      attributor=attributor, recorder=recorder, clock=runtime.clock, stop=stop)
+    sampler = Sampler(
+        runtime.reader,
+        store,
+        node=runtime.node,
+        interval=config.sample_interval,
+        attributor=attributor,
+        recorder=recorder,
+        clock=runtime.clock,
+        stop=stop,
+    )
     hangup = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     # SIGHUP would end the agent by default, and systemd counts that as a clean exit, never restarting it;
@@ -250,10 +284,20 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: hangup.set())
     server.start()
     sampler.start()
-    log.info("agent started", extra={"node": runtime.node, "version": __version__, "port": server.port,
-                                     "address": server.host, "interval_seconds": config.sample_interval,
-                                     "simulate": config.simulate, "record": config.record,
-                                     "tls": server.tls, "basic_auth": server.auth is not None})
+    log.info(
+        "agent started",
+        extra={
+            "node": runtime.node,
+            "version": __version__,
+            "port": server.port,
+            "address": server.host,
+            "interval_seconds": config.sample_interval,
+            "simulate": config.simulate,
+            "record": config.record,
+            "tls": server.tls,
+            "basic_auth": server.auth is not None,
+        },
+    )
     try:
         # Short waits keep the main thread responsive to signals.
         while not stop.wait(0.5):
@@ -261,8 +305,10 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
                 hangup.clear()
                 if recorder is not None:
                     recorder.reopen()
-                log.info("SIGHUP: record file reopened; TLS and auth files are re-read when they change",
-                         extra={"record": config.record})
+                log.info(
+                    "SIGHUP: record file reopened; TLS and auth files are re-read when they change",
+                    extra={"record": config.record},
+                )
     finally:
         sampler.stop()
         attributor.close()

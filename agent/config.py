@@ -12,8 +12,15 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gpufleet.agent import __version__
 from gpufleet.agent.attribution import DEFAULT_ENV_VARS
-from gpufleet.config import (ConfigError, OneLineParser, layered, parse_bool, parse_duration, parse_listen_address,
-                             read_config_file)
+from gpufleet.config import (
+    ConfigError,
+    OneLineParser,
+    layered,
+    parse_bool,
+    parse_duration,
+    parse_listen_address,
+    read_config_file,
+)
 from gpufleet.config import env_name as _env_name
 from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET
 
@@ -190,37 +197,77 @@ class _Option:
 
 
 OPTIONS: tuple[_Option, ...] = (
-    _Option("web.listen-address", "listen_host", parse_listen_address,
-            f"address to serve /metrics and the snapshot API on (default :{DEFAULT_PORT})", "HOST:PORT"),
-    _Option("web.config.file", "web_config_file", _path,
-            "TLS and basic auth for the endpoints: a Prometheus exporter-toolkit web config (docs/agent.md)",
-            "FILE"),
+    _Option(
+        "web.listen-address",
+        "listen_host",
+        parse_listen_address,
+        f"address to serve /metrics and the snapshot API on (default :{DEFAULT_PORT})",
+        "HOST:PORT",
+    ),
+    _Option(
+        "web.config.file",
+        "web_config_file",
+        _path,
+        "TLS and basic auth for the endpoints: a Prometheus exporter-toolkit web config (docs/agent.md)",
+        "FILE",
+    ),
     _Option("sample.interval", "sample_interval", _interval, "seconds between NVML samples (default 1)", "SECONDS"),
-    _Option("sampling.cpu-budget", "sampling_cpu_budget", _cpu_budget,
-            "CPU the NVML reads may use, a fraction of one core or a percentage; costlier readings are read "
-            f"less often, detectors' readings at least every 2 s, all at least every 60 s (default {DEFAULT_CPU_BUDGET:g})",
-            "FRACTION"),
+    _Option(
+        "sampling.cpu-budget",
+        "sampling_cpu_budget",
+        _cpu_budget,
+        "CPU the NVML reads may use, a fraction of one core or a percentage; costlier readings are read "
+        f"less often, detectors' readings at least every 2 s, all at least every 60 s (default {DEFAULT_CPU_BUDGET:g})",
+        "FRACTION",
+    ),
     _Option("node", "node", _node, "node name on every series and snapshot (default: hostname)", "NAME"),
-    _Option("simulate", "simulate", _path,
-            "use the NVML simulator: built-in scenario or a YAML/JSON file",
-            "SCENARIO"),
-    _Option("simulate.epoch", "simulate_epoch", _epoch, "scenario time zero, unix seconds (default: agent start)",
-            "UNIX_SECONDS"),
+    _Option("simulate", "simulate", _path, "use the NVML simulator: built-in scenario or a YAML/JSON file", "SCENARIO"),
+    _Option(
+        "simulate.epoch",
+        "simulate_epoch",
+        _epoch,
+        "scenario time zero, unix seconds (default: agent start)",
+        "UNIX_SECONDS",
+    ),
     _Option("simulate.seed", "simulate_seed", _seed, "simulator random seed (default 0)", "N"),
-    _Option("simulate.nvml-costs", "simulate_nvml_costs", parse_bool,
-            "each simulated NVML call burns the CPU the real call costs (H100, driver 580)"),
-    _Option("snapshots.retention", "snapshots_retention", _retention,
-            "seconds of snapshots kept for /snapshots?since= (default 300, at least 120)", "SECONDS"),
+    _Option(
+        "simulate.nvml-costs",
+        "simulate_nvml_costs",
+        parse_bool,
+        "each simulated NVML call burns the CPU the real call costs (H100, driver 580)",
+    ),
+    _Option(
+        "snapshots.retention",
+        "snapshots_retention",
+        _retention,
+        "seconds of snapshots kept for /snapshots?since= (default 300, at least 120)",
+        "SECONDS",
+    ),
     _Option("record", "record", _record_file, "append every snapshot as one JSON line to FILE", "FILE"),
     _Option("once", "once", parse_bool, "print one snapshot as JSON and exit"),
-    _Option("hpc-job-mapping-dir", "hpc_job_mapping_dir", _path,
-            "dcgm-exporter style directory: one file per GPU index listing job ids (wins over /proc)", "DIR"),
-    _Option("hpc-job-env-vars", "hpc_job_env_vars", _env_vars,
-            "environment variables of a GPU's processes that name its job, first set wins "
-            f"(default {','.join(DEFAULT_ENV_VARS)})", "VAR[,VAR...]"),
-    _Option("hpc-job-rendezvous", "hpc_job_rendezvous", parse_bool,
-            "without a job variable or Slurm cgroup, name a job by its ranks' rendezvous, MASTER_ADDR:MASTER_PORT "
-            "or JAX_COORDINATOR_ADDRESS (default true)", "BOOL"),
+    _Option(
+        "hpc-job-mapping-dir",
+        "hpc_job_mapping_dir",
+        _path,
+        "dcgm-exporter style directory: one file per GPU index listing job ids (wins over /proc)",
+        "DIR",
+    ),
+    _Option(
+        "hpc-job-env-vars",
+        "hpc_job_env_vars",
+        _env_vars,
+        "environment variables of a GPU's processes that name its job, first set wins "
+        f"(default {','.join(DEFAULT_ENV_VARS)})",
+        "VAR[,VAR...]",
+    ),
+    _Option(
+        "hpc-job-rendezvous",
+        "hpc_job_rendezvous",
+        parse_bool,
+        "without a job variable or Slurm cgroup, name a job by its ranks' rendezvous, MASTER_ADDR:MASTER_PORT "
+        "or JAX_COORDINATOR_ADDRESS (default true)",
+        "BOOL",
+    ),
     _Option("path.procfs", "procfs", _path, "procfs mount point for job attribution (default /proc)", "DIR"),
     _Option("nvlink.per-link", "nvlink_per_link", parse_bool, "also export NVLink byte counters per link"),
     _Option("log.level", "log_level", _choice(LOG_LEVELS), "debug, info, warning or error (default info)", "LEVEL"),
@@ -241,10 +288,15 @@ def build_parser(scenarios: Sequence[str] = ()) -> argparse.ArgumentParser:
     `scenarios` are the simulator's built-in scenario names for --simulate's help; the caller looks them
     up only when help is asked for, so that reading the config never loads the simulator.
     """
-    parser = OneLineParser(prog=PROG, description="gpufleet node agent: NVML sampling, /metrics and snapshots.",
-                           argument_default=argparse.SUPPRESS, allow_abbrev=False)
-    parser.add_argument("--config.file", dest=CONFIG_FILE_KEY, metavar="FILE",
-                        help="YAML file whose keys are flag names without dashes")
+    parser = OneLineParser(
+        prog=PROG,
+        description="gpufleet node agent: NVML sampling, /metrics and snapshots.",
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--config.file", dest=CONFIG_FILE_KEY, metavar="FILE", help="YAML file whose keys are flag names without dashes"
+    )
     for opt in OPTIONS:
         doc = opt.help
         if opt.key == "simulate" and scenarios:
@@ -253,23 +305,34 @@ def build_parser(scenarios: Sequence[str] = ()) -> argparse.ArgumentParser:
             parser.add_argument(f"--{opt.key}", dest=opt.key, action="store_const", const=True, help=doc)
         else:
             parser.add_argument(f"--{opt.key}", dest=opt.key, metavar=opt.metavar, help=doc)
-    parser.add_argument("--print-scenario", dest="print_scenario", action="store_const", const=True,
-                        help="with --simulate: print the scenario's nodes, jobs and incident timetable as JSON "
-                             "and exit")
+    parser.add_argument(
+        "--print-scenario",
+        dest="print_scenario",
+        action="store_const",
+        const=True,
+        help="with --simulate: print the scenario's nodes, jobs and incident timetable as JSON and exit",
+    )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     return parser
 
 
-def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
-                scenarios: Sequence[str] = ()) -> AgentConfig:
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None, scenarios: Sequence[str] = ()
+) -> AgentConfig:
     """Flags > environment > config file > defaults, validated; ConfigError names the offending source."""
     environ = os.environ if environ is None else environ
     flags = vars(build_parser(scenarios).parse_args(list(argv) if argv is not None else None))
     print_scenario = bool(flags.pop("print_scenario", False))
     config_file = flags.pop(CONFIG_FILE_KEY, None) or environ.get(env_name(CONFIG_FILE_KEY)) or None
     file_values = read_config_file(config_file, _BY_KEY) if config_file else {}
-    parsed = layered({o.key: o.parse for o in OPTIONS}, flags=flags, environ=environ, env_prefix=ENV_PREFIX,
-                     file_values=file_values, file_path=config_file)
+    parsed = layered(
+        {o.key: o.parse for o in OPTIONS},
+        flags=flags,
+        environ=environ,
+        env_prefix=ENV_PREFIX,
+        file_values=file_values,
+        file_path=config_file,
+    )
     values: dict[str, Any] = {}
     for key, value in parsed.items():
         if key == "web.listen-address":

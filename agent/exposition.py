@@ -30,55 +30,122 @@ NODE_LABEL = ("node",)
 
 # Plain per-GPU gauges: (metric name, help, GpuSample field). Metrics are data, not code.
 GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("gpufleet_gpu_utilization_ratio", "Share of time any kernel ran on the GPU (NVML utilization), 0-1.",
-     "utilization_ratio"),
-    ("gpufleet_gpu_memory_utilization_ratio", "Share of time device memory was read or written, 0-1.",
-     "memory_utilization_ratio"),
-    ("gpufleet_gpu_sm_active_ratio", "GPM SM activity: share of SM time with a warp resident, 0-1.",
-     "sm_active_ratio"),
-    ("gpufleet_gpu_sm_occupancy_ratio", "GPM SM occupancy: resident warps over the maximum, 0-1.",
-     "sm_occupancy_ratio"),
-    ("gpufleet_gpu_memory_used_bytes", "Device memory allocated (NVML used). Leaves out the memory the driver "
-     "reserves, which memory_total_bytes includes: free memory is memory_free_bytes, not total - used.",
-     "memory_used_bytes"),
-    ("gpufleet_gpu_memory_free_bytes", "Device memory free for allocation (NVML free): total less used less "
-     "the driver's reserved memory.", "memory_free_bytes"),
-    ("gpufleet_gpu_memory_total_bytes", "Device memory in total, the driver's reserved memory included.",
-     "memory_total_bytes"),
+    (
+        "gpufleet_gpu_utilization_ratio",
+        "Share of time any kernel ran on the GPU (NVML utilization), 0-1.",
+        "utilization_ratio",
+    ),
+    (
+        "gpufleet_gpu_memory_utilization_ratio",
+        "Share of time device memory was read or written, 0-1.",
+        "memory_utilization_ratio",
+    ),
+    ("gpufleet_gpu_sm_active_ratio", "GPM SM activity: share of SM time with a warp resident, 0-1.", "sm_active_ratio"),
+    (
+        "gpufleet_gpu_sm_occupancy_ratio",
+        "GPM SM occupancy: resident warps over the maximum, 0-1.",
+        "sm_occupancy_ratio",
+    ),
+    (
+        "gpufleet_gpu_memory_used_bytes",
+        "Device memory allocated (NVML used). Leaves out the memory the driver "
+        "reserves, which memory_total_bytes includes: free memory is memory_free_bytes, not total - used.",
+        "memory_used_bytes",
+    ),
+    (
+        "gpufleet_gpu_memory_free_bytes",
+        "Device memory free for allocation (NVML free): total less used less the driver's reserved memory.",
+        "memory_free_bytes",
+    ),
+    (
+        "gpufleet_gpu_memory_total_bytes",
+        "Device memory in total, the driver's reserved memory included.",
+        "memory_total_bytes",
+    ),
     ("gpufleet_gpu_temperature_celsius", "GPU die temperature.", "temperature_celsius"),
     ("gpufleet_gpu_memory_temperature_celsius", "HBM temperature.", "memory_temperature_celsius"),
     ("gpufleet_gpu_power_watts", "Instantaneous power draw.", "power_watts"),
     ("gpufleet_gpu_power_limit_watts", "Enforced power limit.", "power_limit_watts"),
-    ("gpufleet_gpu_throttle_reasons", "NVML clocks-event (throttle) reasons bitmask, as reported; one series "
-     "per named reason is gpufleet_gpu_throttle_active.",
-     "throttle_reasons"),
+    (
+        "gpufleet_gpu_throttle_reasons",
+        "NVML clocks-event (throttle) reasons bitmask, as reported; one series "
+        "per named reason is gpufleet_gpu_throttle_active.",
+        "throttle_reasons",
+    ),
 )
 
 # Per-GPU families with one extra label: (name, help, kind, label, ((label value, field), ...)).
 # Counter names leave out _total, as prometheus_client's families do; the writer appends it.
 LABELLED: tuple[tuple[str, str, str, str, tuple[tuple[str, str], ...]], ...] = (
-    ("gpufleet_gpu_temperature_limit_celsius", "Temperature thresholds the device reports.", "gauge", "limit",
-     (("slowdown", "slowdown_temperature_celsius"), ("shutdown", "shutdown_temperature_celsius"),
-      ("max_operating", "max_operating_temperature_celsius"),
-      ("memory_max_operating", "memory_max_operating_temperature_celsius"))),
-    ("gpufleet_gpu_clock_hertz", "Current clock frequency.", "gauge", "clock",
-     (("sm", "sm_clock_hertz"), ("memory", "memory_clock_hertz"))),
-    ("gpufleet_gpu_clock_max_hertz", "Maximum clock frequency.", "gauge", "clock",
-     (("sm", "sm_clock_max_hertz"), ("memory", "memory_clock_max_hertz"))),
-    ("gpufleet_gpu_energy_joules", "Energy consumed since the driver loaded.", "counter", "",
-     (("", "energy_joules_total"),)),
-    ("gpufleet_gpu_nvlink_bytes", "NVLink data bytes over all links.", "counter", "direction",
-     (("tx", "nvlink_tx_bytes_total"), ("rx", "nvlink_rx_bytes_total"))),
-    ("gpufleet_gpu_pcie_bytes", "PCIe bytes.", "counter", "direction",
-     (("tx", "pcie_tx_bytes_total"), ("rx", "pcie_rx_bytes_total"))),
-    ("gpufleet_gpu_ecc_errors", "Volatile ECC errors since the driver loaded.", "counter", "type",
-     (("corrected", "ecc_corrected_errors_total"), ("uncorrected", "ecc_uncorrected_errors_total"))),
-    ("gpufleet_gpu_remapped_rows", "Rows remapped for ECC errors.", "gauge", "type",
-     (("correctable", "remapped_rows_correctable"), ("uncorrectable", "remapped_rows_uncorrectable"))),
-    ("gpufleet_gpu_remapped_rows_pending", "1 when a row remap waits for a GPU reset.", "gauge", "",
-     (("", "remapped_rows_pending"),)),
-    ("gpufleet_gpu_remapped_rows_failure", "1 when a row remap failed.", "gauge", "",
-     (("", "remapped_rows_failure"),)),
+    (
+        "gpufleet_gpu_temperature_limit_celsius",
+        "Temperature thresholds the device reports.",
+        "gauge",
+        "limit",
+        (
+            ("slowdown", "slowdown_temperature_celsius"),
+            ("shutdown", "shutdown_temperature_celsius"),
+            ("max_operating", "max_operating_temperature_celsius"),
+            ("memory_max_operating", "memory_max_operating_temperature_celsius"),
+        ),
+    ),
+    (
+        "gpufleet_gpu_clock_hertz",
+        "Current clock frequency.",
+        "gauge",
+        "clock",
+        (("sm", "sm_clock_hertz"), ("memory", "memory_clock_hertz")),
+    ),
+    (
+        "gpufleet_gpu_clock_max_hertz",
+        "Maximum clock frequency.",
+        "gauge",
+        "clock",
+        (("sm", "sm_clock_max_hertz"), ("memory", "memory_clock_max_hertz")),
+    ),
+    (
+        "gpufleet_gpu_energy_joules",
+        "Energy consumed since the driver loaded.",
+        "counter",
+        "",
+        (("", "energy_joules_total"),),
+    ),
+    (
+        "gpufleet_gpu_nvlink_bytes",
+        "NVLink data bytes over all links.",
+        "counter",
+        "direction",
+        (("tx", "nvlink_tx_bytes_total"), ("rx", "nvlink_rx_bytes_total")),
+    ),
+    (
+        "gpufleet_gpu_pcie_bytes",
+        "PCIe bytes.",
+        "counter",
+        "direction",
+        (("tx", "pcie_tx_bytes_total"), ("rx", "pcie_rx_bytes_total")),
+    ),
+    (
+        "gpufleet_gpu_ecc_errors",
+        "Volatile ECC errors since the driver loaded.",
+        "counter",
+        "type",
+        (("corrected", "ecc_corrected_errors_total"), ("uncorrected", "ecc_uncorrected_errors_total")),
+    ),
+    (
+        "gpufleet_gpu_remapped_rows",
+        "Rows remapped for ECC errors.",
+        "gauge",
+        "type",
+        (("correctable", "remapped_rows_correctable"), ("uncorrectable", "remapped_rows_uncorrectable")),
+    ),
+    (
+        "gpufleet_gpu_remapped_rows_pending",
+        "1 when a row remap waits for a GPU reset.",
+        "gauge",
+        "",
+        (("", "remapped_rows_pending"),),
+    ),
+    ("gpufleet_gpu_remapped_rows_failure", "1 when a row remap failed.", "gauge", "", (("", "remapped_rows_failure"),)),
 )
 
 _SUFFIX = {"counter": ("_total", "counter"), "info": ("_info", "gauge"), "gauge": ("", "gauge")}
@@ -97,8 +164,7 @@ class Family:
         self.rows.append((names, values, value))
 
 
-def families(snapshot: NodeSnapshot | None, health: AgentHealth,
-             activity: ActivityTotals = NO_TOTALS) -> list[Family]:
+def families(snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals = NO_TOTALS) -> list[Family]:
     """Every family with at least one series: agent health, then GPUs while NVML is up (activity: the
     sampler's running totals up to this snapshot, agent.activity)."""
     out = list(_agent_families(snapshot, health))
@@ -126,8 +192,7 @@ class Renderer:
         # comparing rows costs far less than formatting them again.
         self._families: dict[tuple[str, str], tuple[list, str]] = {}
 
-    def render(self, snapshot: NodeSnapshot | None, health: AgentHealth,
-               activity: ActivityTotals = NO_TOTALS) -> bytes:
+    def render(self, snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals = NO_TOTALS) -> bytes:
         """The whole exposition but the per-scrape sample age; once per publication, never per scrape."""
         if len(self._series) > self.MAX_CACHED:
             self._series.clear()
@@ -167,8 +232,7 @@ def render(snapshot: NodeSnapshot | None, health: AgentHealth, activity: Activit
     return Renderer().render(snapshot, health, activity)
 
 
-def render_reference(snapshot: NodeSnapshot | None, health: AgentHealth,
-                     activity: ActivityTotals = NO_TOTALS) -> bytes:
+def render_reference(snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals = NO_TOTALS) -> bytes:
     """The same exposition through a fresh registry and prometheus_client's generate_latest."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot, health, activity))
@@ -190,8 +254,9 @@ def render_age(now: float, snapshot: NodeSnapshot | None, node: str) -> bytes:
 class SnapshotCollector:
     """prometheus_client custom collector over one snapshot; holds no state between collects."""
 
-    def __init__(self, snapshot: NodeSnapshot | None, health: AgentHealth,
-                 activity: ActivityTotals = NO_TOTALS) -> None:
+    def __init__(
+        self, snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals = NO_TOTALS
+    ) -> None:
         self._snapshot = snapshot
         self._health = health
         self._activity = activity
@@ -218,33 +283,46 @@ class SnapshotCollector:
 
 def _agent_families(snap: NodeSnapshot | None, health: AgentHealth) -> Iterator[Family]:
     node = (health.node,)
-    yield _one("gpufleet_agent_nvml_up", "gauge", "1 when NVML is initialised and answering.", node,
-               float(health.nvml_up))
-    yield _one("gpufleet_agent_build", "info", "Agent build.", node + (health.version,), 1.0,
-               ("node", "version"))
-    yield _one("gpufleet_agent_sample_cycles", "counter", "Sampling cycles attempted.", node,
-               float(health.cycles_total))
+    yield _one(
+        "gpufleet_agent_nvml_up", "gauge", "1 when NVML is initialised and answering.", node, float(health.nvml_up)
+    )
+    yield _one("gpufleet_agent_build", "info", "Agent build.", node + (health.version,), 1.0, ("node", "version"))
+    yield _one(
+        "gpufleet_agent_sample_cycles", "counter", "Sampling cycles attempted.", node, float(health.cycles_total)
+    )
     errors = Family("gpufleet_agent_errors", "counter", "Errors by reading and kind, since start.")
     for (reading, error), count in sorted(health.errors.items()):
         errors.add(("node", "reading", "error"), (health.node, reading, error), float(count))
     yield errors
-    cost = Family("gpufleet_agent_nvml_seconds", "counter",
-                  "Thread CPU time the agent spent inside each NVML function, since start.")
+    cost = Family(
+        "gpufleet_agent_nvml_seconds",
+        "counter",
+        "Thread CPU time the agent spent inside each NVML function, since start.",
+    )
     for call, seconds in sorted(health.nvml_seconds.items()):
         cost.add(("call", "node"), (call, health.node), seconds)
     yield cost
     if health.nvml_up:
-        periods = Family("gpufleet_agent_reading_period_seconds", "gauge",
-                         "Seconds between reads of each NVML reading, fitted to --sampling.cpu-budget at start.")
+        periods = Family(
+            "gpufleet_agent_reading_period_seconds",
+            "gauge",
+            "Seconds between reads of each NVML reading, fitted to --sampling.cpu-budget at start.",
+        )
         for reading, seconds in sorted(health.reading_periods.items()):
             periods.add(("node", "reading"), (health.node, reading), seconds)
         yield periods
     if snap is not None:
-        yield _one("gpufleet_agent_last_sample_timestamp_seconds", "gauge", "Unix time of the newest sample.",
-                   node, snap.time)
+        yield _one(
+            "gpufleet_agent_last_sample_timestamp_seconds", "gauge", "Unix time of the newest sample.", node, snap.time
+        )
         if snap.sample_duration_seconds is not None:
-            yield _one("gpufleet_agent_sample_duration_seconds", "gauge",
-                       "Seconds the newest sampling cycle took.", node, snap.sample_duration_seconds)
+            yield _one(
+                "gpufleet_agent_sample_duration_seconds",
+                "gauge",
+                "Seconds the newest sampling cycle took.",
+                node,
+                snap.sample_duration_seconds,
+            )
 
 
 def _gpu_families(snap: NodeSnapshot, health: AgentHealth, activity: ActivityTotals) -> Iterator[Family]:
@@ -278,8 +356,15 @@ def _gpu_families(snap: NodeSnapshot, health: AgentHealth, activity: ActivityTot
 _Ids = dict[int, tuple[str, str, str, str]]
 
 
-def _labelled(name: str, help_text: str, kind: str, label: str, fields: tuple[tuple[str, str], ...],
-              gpus: tuple[GpuSample, ...], ids: _Ids) -> Family:
+def _labelled(
+    name: str,
+    help_text: str,
+    kind: str,
+    label: str,
+    fields: tuple[tuple[str, str], ...],
+    gpus: tuple[GpuSample, ...],
+    ids: _Ids,
+) -> Family:
     fam = Family(name, kind, help_text)
     rows = fam.rows
     names = GPU_LABELS + ((label,) if label else ())
@@ -295,16 +380,23 @@ def _labelled(name: str, help_text: str, kind: str, label: str, fields: tuple[tu
 def _info_family(snap: NodeSnapshot, ids: _Ids) -> Family:
     fam = Family("gpufleet_gpu", "info", "GPU identity and driver; value is always 1.")
     for g in snap.gpus:
-        extra = (("pci_bus_id", g.pci_bus_id), ("serial", g.serial), ("vbios_version", g.vbios_version),
-                 ("driver_version", snap.driver_version))
+        extra = (
+            ("pci_bus_id", g.pci_bus_id),
+            ("serial", g.serial),
+            ("vbios_version", g.vbios_version),
+            ("driver_version", snap.driver_version),
+        )
         present = [(k, v) for k, v in extra if v]
         fam.add(GPU_LABELS + tuple(k for k, _ in present), ids[g.index] + tuple(v for _, v in present), 1.0)
     return fam
 
 
 def _job_family(snap: NodeSnapshot) -> Family:
-    fam = Family("gpufleet_gpu_job", "info",
-                 "HPC job using the GPU; a separate series so job churn does not multiply the others.")
+    fam = Family(
+        "gpufleet_gpu_job",
+        "info",
+        "HPC job using the GPU; a separate series so job churn does not multiply the others.",
+    )
     for g in snap.gpus:
         if g.hpc_job:
             fam.add(("node", "gpu", "uuid", "hpc_job"), (snap.node, str(g.index), g.uuid, g.hpc_job), 1.0)
@@ -312,12 +404,16 @@ def _job_family(snap: NodeSnapshot) -> Family:
 
 
 def _pod_family(snap: NodeSnapshot) -> Family:
-    fam = Family("gpufleet_gpu_pod", "info",
-                 "Kubernetes pod using the GPU, to join with kube-state-metrics on (namespace, pod).")
+    fam = Family(
+        "gpufleet_gpu_pod", "info", "Kubernetes pod using the GPU, to join with kube-state-metrics on (namespace, pod)."
+    )
     for g in snap.gpus:
         if g.kubernetes_namespace and g.kubernetes_pod:
-            fam.add(("node", "gpu", "uuid", "namespace", "pod"),
-                    (snap.node, str(g.index), g.uuid, g.kubernetes_namespace, g.kubernetes_pod), 1.0)
+            fam.add(
+                ("node", "gpu", "uuid", "namespace", "pod"),
+                (snap.node, str(g.index), g.uuid, g.kubernetes_namespace, g.kubernetes_pod),
+                1.0,
+            )
     return fam
 
 
@@ -326,12 +422,18 @@ _READING_LABELS = GPU_LABELS + ("reading",)
 
 
 def _activity_families(gpus: tuple[GpuSample, ...], ids: _Ids, activity: ActivityTotals) -> Iterator[Family]:
-    active = Family("gpufleet_gpu_active_seconds", "counter",
-                    "Activity ratio (reading: utilization, sm_active) integrated over sampled time; the increase "
-                    "over the increase of gpufleet_gpu_active_sampled_seconds_total is the exact mean between "
-                    "two scrapes, which a scraped ratio gauge (one sampling interval's mean) is not.")
-    sampled = Family("gpufleet_gpu_active_sampled_seconds", "counter",
-                     "Sampled time behind gpufleet_gpu_active_seconds_total, per reading.")
+    active = Family(
+        "gpufleet_gpu_active_seconds",
+        "counter",
+        "Activity ratio (reading: utilization, sm_active) integrated over sampled time; the increase "
+        "over the increase of gpufleet_gpu_active_sampled_seconds_total is the exact mean between "
+        "two scrapes, which a scraped ratio gauge (one sampling interval's mean) is not.",
+    )
+    sampled = Family(
+        "gpufleet_gpu_active_sampled_seconds",
+        "counter",
+        "Sampled time behind gpufleet_gpu_active_seconds_total, per reading.",
+    )
     for g in gpus:
         for reading, (active_seconds, sampled_seconds) in sorted(activity.get(g.uuid, {}).items()):
             active.add(_READING_LABELS, ids[g.index] + (reading,), active_seconds)
@@ -341,8 +443,11 @@ def _activity_families(gpus: tuple[GpuSample, ...], ids: _Ids, activity: Activit
 
 
 def _throttle_reason_family(gpus: tuple[GpuSample, ...], ids: _Ids) -> Family:
-    fam = Family("gpufleet_gpu_throttle_active", "gauge",
-                 "1 while the named clocks-event (throttle) reason is active, 0 otherwise.")
+    fam = Family(
+        "gpufleet_gpu_throttle_active",
+        "gauge",
+        "1 while the named clocks-event (throttle) reason is active, 0 otherwise.",
+    )
     for g in gpus:
         if g.throttle_reasons is not None:
             for reason in ThrottleReason:
@@ -384,9 +489,12 @@ def _xid_family(gpus: tuple[GpuSample, ...], ids: _Ids) -> Family:
 def _xid_events_family(gpus: tuple[GpuSample, ...], ids: _Ids) -> Family:
     # One series per GPU from the start (0 until the first event), so increase() counts the first XID too;
     # absent where the GPU delivers no XID events.
-    fam = Family("gpufleet_gpu_xid_events", "counter",
-                 "XID events of any code seen since the agent started; 0 from the start where the GPU "
-                 "delivers XID events (per code: gpufleet_gpu_xid_errors_total).")
+    fam = Family(
+        "gpufleet_gpu_xid_events",
+        "counter",
+        "XID events of any code seen since the agent started; 0 from the start where the GPU "
+        "delivers XID events (per code: gpufleet_gpu_xid_errors_total).",
+    )
     for g in gpus:
         if _present(g.xid_errors_total):
             fam.add(GPU_LABELS, ids[g.index], float(g.xid_errors_total))  # type: ignore[arg-type]
@@ -396,8 +504,11 @@ def _xid_events_family(gpus: tuple[GpuSample, ...], ids: _Ids) -> Family:
 def _unsupported_family(health: AgentHealth, ids: _Ids) -> Family:
     # Only what a user acts on: a reading the GPU does not have. Supported ones leave no series, which
     # keeps an 8-GPU node's scrape about 40 % smaller than one series per reading.
-    fam = Family("gpufleet_gpu_reading_unsupported", "gauge",
-                 "1 for each reading the GPU does not support (probed when NVML opens); no series otherwise.")
+    fam = Family(
+        "gpufleet_gpu_reading_unsupported",
+        "gauge",
+        "1 for each reading the GPU does not support (probed when NVML opens); no series otherwise.",
+    )
     names = GPU_LABELS + ("reading",)
     for index, readings in sorted(health.capabilities.items()):
         if index in ids:
@@ -407,8 +518,9 @@ def _unsupported_family(health: AgentHealth, ids: _Ids) -> Family:
     return fam
 
 
-def _one(name: str, kind: str, help_text: str, values: tuple[str, ...], value: float,
-         names: tuple[str, ...] = NODE_LABEL) -> Family:
+def _one(
+    name: str, kind: str, help_text: str, values: tuple[str, ...], value: float, names: tuple[str, ...] = NODE_LABEL
+) -> Family:
     fam = Family(name, kind, help_text)
     fam.add(names, values, value)
     return fam

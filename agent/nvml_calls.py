@@ -58,9 +58,7 @@ def _clock(name: str) -> Callable[[Any, Any], Any]:
 
 
 def _ecc(name: str) -> Callable[[Any, Any], Any]:
-    return lambda nvml, handle: nvml.nvmlDeviceGetTotalEccErrors(
-        handle, getattr(nvml, name), nvml.NVML_VOLATILE_ECC
-    )
+    return lambda nvml, handle: nvml.nvmlDeviceGetTotalEccErrors(handle, getattr(nvml, name), nvml.NVML_VOLATILE_ECC)
 
 
 # Strings that identify the GPU; read once at open.

@@ -75,7 +75,8 @@ def throttle_reading(reason: ThrottleReason) -> str:
 
 # Reading of each reason's cumulative duration -> the reason's bit in the clocks-event mask.
 THROTTLE_READINGS: Mapping[str, ThrottleReason] = MappingProxyType(
-    {throttle_reading(reason): reason for reason, _ in _THROTTLE_FIELDS})
+    {throttle_reading(reason): reason for reason, _ in _THROTTLE_FIELDS}
+)
 
 
 def link_reading(base: str, link: int) -> str:
@@ -111,7 +112,7 @@ def fetch(nvml: Any, handle: Any, entries: Sequence[FieldEntry], request: list |
     values = nvml.nvmlDeviceGetFieldValues(handle, request)
     results = [_result(entry, value) for entry, value in zip(entries, values)]
     # An entry NVML did not answer at all is a failure of that entry, not of the batch.
-    results += [FieldResult(entry, None, None) for entry in entries[len(results):]]
+    results += [FieldResult(entry, None, None) for entry in entries[len(results) :]]
     return results
 
 

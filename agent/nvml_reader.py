@@ -88,9 +88,16 @@ class _Gpu:
 class NvmlReader:
     """Reads every GPU of this node through a pynvml-compatible object (pynvml itself, or SimNvml)."""
 
-    def __init__(self, nvml: Any, *, per_link_nvlink: bool = False, xid_wait_ms: int = 500,
-                 cpu_budget: float = DEFAULT_CPU_BUDGET, interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        nvml: Any,
+        *,
+        per_link_nvlink: bool = False,
+        xid_wait_ms: int = 500,
+        cpu_budget: float = DEFAULT_CPU_BUDGET,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if isinstance(xid_wait_ms, bool) or not isinstance(xid_wait_ms, int) or xid_wait_ms <= 0:
             raise ValueError(f"xid_wait_ms must be a positive integer, got {xid_wait_ms!r}")
         if not cpu_budget > 0 or not interval_s > 0:
@@ -312,8 +319,7 @@ class NvmlReader:
         """Each remaining field id alone in its own call: the batch's cost, split by field. The cheapest
         single call stands for what any call costs; each field is charged what it costs beyond that,
         and the first entry (instant power, read every cycle) carries the call itself."""
-        singles = {e.reading: min(self._timed_fetch(gpu, e) for _ in range(_FIELD_PROBES))
-                   for e in gpu.fields.entries}
+        singles = {e.reading: min(self._timed_fetch(gpu, e) for _ in range(_FIELD_PROBES)) for e in gpu.fields.entries}
         if not singles:
             return
         base = min(singles.values())
@@ -361,10 +367,16 @@ class NvmlReader:
                     gpu.held.pop(key, None)
         slow = {k: p * self._interval for k, p in sorted(plan.periods.items()) if p > 1}
         integrated = sorted(k.partition(".")[2] for k, p in plan.periods.items() if p == INTEGRATED)
-        log.log(logging.INFO if plan.fits else logging.WARNING,
-                "sampling tiers" if plan.fits else "sampling tiers exceed the cpu budget at their longest periods",
-                extra={"cpu_budget": self._budget, "nvml_cpu_per_second": round(plan.cost_per_second, 6),
-                       "slow_readings_seconds": slow, "throttle_from_mask": integrated})
+        log.log(
+            logging.INFO if plan.fits else logging.WARNING,
+            "sampling tiers" if plan.fits else "sampling tiers exceed the cpu budget at their longest periods",
+            extra={
+                "cpu_budget": self._budget,
+                "nvml_cpu_per_second": round(plan.cost_per_second, 6),
+                "slow_readings_seconds": slow,
+                "throttle_from_mask": integrated,
+            },
+        )
         return plan
 
     def _register_xid(self, gpu: _Gpu) -> None:
@@ -451,8 +463,9 @@ class NvmlReader:
                 if raw is not _MISSING:
                     self._convert_into(gpu, zip(call.readings, raw), gpu.static)
 
-    def _poll_calls(self, gpu: _Gpu, values: dict[str, Any], *, asked: list[str] | None = None,
-                    timed: bool = False) -> None:
+    def _poll_calls(
+        self, gpu: _Gpu, values: dict[str, Any], *, asked: list[str] | None = None, timed: bool = False
+    ) -> None:
         for call in POLLED:
             key = call.readings[0]
             if gpu.wants(call.readings) and (asked is None or self._due(gpu, key)):
@@ -551,7 +564,7 @@ class NvmlReader:
     def _build(self, gpu: _Gpu, values: dict[str, Any], ages: dict[str, float]) -> GpuSample:
         fields = {k: v for k, v in values.items() if "." not in k}
         fields.update(gpu.static)
-        throttle = {k[len(_THROTTLE_PREFIX):]: v for k, v in values.items() if k.startswith(_THROTTLE_PREFIX)}
+        throttle = {k[len(_THROTTLE_PREFIX) :]: v for k, v in values.items() if k.startswith(_THROTTLE_PREFIX)}
         fields["throttle_seconds_total"] = MappingProxyType(throttle)
         for name in _LINK_FIELDS:
             fields[name] = self._links(gpu, name, values)

@@ -28,8 +28,12 @@ class RenderOnDemand:
     Should a render fail, the last good text is served and `on_error` hears of it.
     """
 
-    def __init__(self, on_error: Callable[[Exception], None] | None = None,
-                 monotonic: Callable[[], float] = time.monotonic, process_metrics: bool = False) -> None:
+    def __init__(
+        self,
+        on_error: Callable[[Exception], None] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+        process_metrics: bool = False,
+    ) -> None:
         self._renderer = Renderer(process_metrics=process_metrics)
         self._lock = threading.Lock()
         self._last_good = b""
@@ -38,8 +42,9 @@ class RenderOnDemand:
         self._first_reads: list[float] = []  # the last two times a publication was first read
         self._ahead: LazyBody | None = None  # rendered ahead, not read yet
 
-    def body(self, snapshot: NodeSnapshot | None, health: AgentHealth,
-             activity: ActivityTotals = NO_TOTALS) -> LazyBody:
+    def body(
+        self, snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals = NO_TOTALS
+    ) -> LazyBody:
         """A body rendered from these on first read."""
         return LazyBody(self, snapshot, health, activity)
 
@@ -76,8 +81,9 @@ class LazyBody:
 
     __slots__ = ("_owner", "_args", "_bytes", "_read")
 
-    def __init__(self, owner: RenderOnDemand, snapshot: NodeSnapshot | None, health: AgentHealth,
-                 activity: ActivityTotals) -> None:
+    def __init__(
+        self, owner: RenderOnDemand, snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals
+    ) -> None:
         self._owner = owner
         self._args: tuple | None = (snapshot, health, activity)
         self._bytes: bytes | None = None

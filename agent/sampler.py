@@ -184,8 +184,14 @@ class Sampler:
             self._mark_down(exc, "nvml_open")
             return False
         self._open, self._nvml_error, self._nvml_error_detail, self._open_failures = True, None, None, 0
-        log.debug("NVML opened", extra={"node": self._node, "driver_version": self._reader.driver_version,
-                                       "gpus": len(self._reader.capabilities)})
+        log.debug(
+            "NVML opened",
+            extra={
+                "node": self._node,
+                "driver_version": self._reader.driver_version,
+                "gpus": len(self._reader.capabilities),
+            },
+        )
         return True
 
     def _mark_down(self, exc: BaseException, reading: str) -> None:
@@ -195,8 +201,10 @@ class Sampler:
         self._close_reader()
         delay = 0.0 if was_open else self._backoff_delay()
         self._next_open = self._monotonic() + delay
-        log.warning("NVML unavailable; serving health metrics only",
-                    extra={"node": self._node, "error": repr(exc), "retry_in_seconds": round(delay, 2)})
+        log.warning(
+            "NVML unavailable; serving health metrics only",
+            extra={"node": self._node, "error": repr(exc), "retry_in_seconds": round(delay, 2)},
+        )
 
     def _backoff_delay(self) -> float:
         """1 s doubling to the cap, +-25 % jitter so a rack of agents does not retry in lockstep."""
@@ -232,10 +240,18 @@ class Sampler:
         # Optional on a reader (tests' stand-ins lack them): the NVML cost counter and the tiers.
         nvml_seconds = getattr(self._reader, "nvml_seconds", {})
         periods = getattr(self._reader, "reading_periods", {}) if self._open else {}
-        return AgentHealth(node=self._node, version=self._version, nvml_up=self._open,
-                           nvml_error=self._nvml_error, nvml_error_detail=self._nvml_error_detail,
-                           errors=dict(errors), capabilities=capabilities,
-                           cycles_total=self._cycles, nvml_seconds=nvml_seconds, reading_periods=periods)
+        return AgentHealth(
+            node=self._node,
+            version=self._version,
+            nvml_up=self._open,
+            nvml_error=self._nvml_error,
+            nvml_error_detail=self._nvml_error_detail,
+            errors=dict(errors),
+            capabilities=capabilities,
+            cycles_total=self._cycles,
+            nvml_seconds=nvml_seconds,
+            reading_periods=periods,
+        )
 
     def run(self) -> None:
         """Sample every interval on a drift-free schedule until stop is set; a slow cycle skips ticks."""

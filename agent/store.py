@@ -118,4 +118,3 @@ def _compact(body: bytes) -> bytes:
     the freed tails fragment the heap: 300 snapshots of 12.8 kB held as returned grew RSS by 5.6 MB, as
     exact copies by 4.1 MB (3.8 MB of JSON). The copy costs about a microsecond per snapshot."""
     return bytes(memoryview(body))
-

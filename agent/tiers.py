@@ -27,10 +27,18 @@ MAX_AGE_S = 60.0
 INTEGRATED = 0  # period of a throttle counter replaced by integrating its mask bit
 
 # Readings the detectors use: never older than FAST_MAX_AGE_S.
-FAST_READINGS = frozenset({
-    "utilization_ratio", "sm_active_ratio", "power_watts", "sm_clock_hertz", "memory_clock_hertz",
-    "temperature_celsius", "memory_temperature_celsius", "throttle_reasons",
-})
+FAST_READINGS = frozenset(
+    {
+        "utilization_ratio",
+        "sm_active_ratio",
+        "power_watts",
+        "sm_clock_hertz",
+        "memory_clock_hertz",
+        "temperature_celsius",
+        "memory_temperature_celsius",
+        "throttle_reasons",
+    }
+)
 THROTTLE_PREFIX = "throttle_seconds_total."
 
 
@@ -72,8 +80,14 @@ def max_period(max_age_s: float, interval_s: float) -> int:
     return max(1, int(math.floor(max_age_s / interval_s + 1e-9)))
 
 
-def fit(units: Iterable[Unit], *, budget: float, interval_s: float,
-        fast_max_age_s: float = FAST_MAX_AGE_S, max_age_s: float = MAX_AGE_S) -> Plan:
+def fit(
+    units: Iterable[Unit],
+    *,
+    budget: float,
+    interval_s: float,
+    fast_max_age_s: float = FAST_MAX_AGE_S,
+    max_age_s: float = MAX_AGE_S,
+) -> Plan:
     """Periods that bring the node's NVML reads within `budget` (CPU seconds per second), costliest first.
 
     Where even the longest periods do not fit, every unit stays at its longest period (no reading ever
@@ -89,8 +103,11 @@ def fit(units: Iterable[Unit], *, budget: float, interval_s: float,
 
     total = sum(rate(u) for u in units)
     while total > budget:
-        movable = [u for u in units if periods[u.key] != INTEGRATED
-                   and (periods[u.key] < limits[u.key] or (u.integrable and not u.fast))]
+        movable = [
+            u
+            for u in units
+            if periods[u.key] != INTEGRATED and (periods[u.key] < limits[u.key] or (u.integrable and not u.fast))
+        ]
         if not movable:
             break
         # The detectors' readings slow down only once everything else is at its longest period.

@@ -38,7 +38,7 @@ MAX_REQUEST_LINE_BYTES = 8192
 # Requests carry no body; a small one is read and discarded so keep-alive stays in step, a larger one
 # (or a chunked one) is answered and its connection closed.
 MAX_BODY_BYTES = 65536
-GZIP_LEVEL = 1   # scrape text is repetitive: level 1 gets most of level 6's ratio for a fraction of the CPU
+GZIP_LEVEL = 1  # scrape text is repetitive: level 1 gets most of level 6's ratio for a fraction of the CPU
 LOG_EVERY_SECONDS = 60.0
 ACCEPT_RETRY_SECONDS = 0.1
 _MAX_SOCKET_TIMEOUT = 3600.0
@@ -90,8 +90,12 @@ class AgentHttpServer:
 
     def start(self) -> None:
         """Serve in a daemon thread."""
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": self._poll_interval},
-                                        name="gpufleet-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": self._poll_interval},
+            name="gpufleet-http",
+            daemon=True,
+        )
         self._thread.start()
 
     def close(self) -> None:
@@ -139,8 +143,9 @@ class AgentHttpServer:
         bodies = self.store.since(since, now=now)
         # The answer's own time lets the server measure this node's clock against its own (a node whose
         # clock runs behind would otherwise deliver every sample after the server judged its bin).
-        head = (b'{"schema":1,"node":' + orjson.dumps(node) + b',"time":' + orjson.dumps(round(now, 3))
-                + b',"snapshots":[')
+        head = (
+            b'{"schema":1,"node":' + orjson.dumps(node) + b',"time":' + orjson.dumps(round(now, 3)) + b',"snapshots":['
+        )
         return HTTPStatus.OK, JSON, head + b",".join(bodies) + b"]}"
 
     def healthz(self) -> tuple[int, str, bytes]:
@@ -153,8 +158,7 @@ class AgentHttpServer:
     def _health_status(self, pub: Publication | None) -> tuple[str, dict]:
         if pub is None:
             return "starting", {}
-        detail: dict = {"node": pub.health.node, "nvml_up": pub.health.nvml_up,
-                        "stale_after_seconds": self.stale_after}
+        detail: dict = {"node": pub.health.node, "nvml_up": pub.health.nvml_up, "stale_after_seconds": self.stale_after}
         if pub.snapshot is not None:
             detail["age_seconds"] = round(max(0.0, self.clock() - pub.snapshot.time), 3)
             detail["gpus"] = len(pub.snapshot.gpus)
@@ -230,9 +234,14 @@ class _Handler(BaseHTTPRequestHandler):
             if self.command not in ("GET", "HEAD"):
                 self._not_allowed()
             elif not drained:
-                self._send(*_error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body_too_large",
-                                   f"request bodies are not used; at most {MAX_BODY_BYTES} bytes are read"),
-                           self.command == "GET")
+                self._send(
+                    *_error(
+                        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                        "body_too_large",
+                        f"request bodies are not used; at most {MAX_BODY_BYTES} bytes are read",
+                    ),
+                    self.command == "GET",
+                )
             else:
                 self._answer(send_body=self.command == "GET")
             self.wfile.flush()
@@ -270,8 +279,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _not_allowed(self) -> None:
         send_body = self.command != "HEAD"
         if self._authorized(urlsplit(self.path).path, send_body):
-            self._send(*_error(HTTPStatus.METHOD_NOT_ALLOWED, "method_not_allowed", "use GET"), send_body,
-                       {"Allow": "GET, HEAD"})
+            self._send(
+                *_error(HTTPStatus.METHOD_NOT_ALLOWED, "method_not_allowed", "use GET"),
+                send_body,
+                {"Allow": "GET, HEAD"},
+            )
 
     def _answer(self, send_body: bool) -> None:
         app: AgentHttpServer = self.server.app  # type: ignore[attr-defined]
@@ -295,8 +307,9 @@ class _Handler(BaseHTTPRequestHandler):
             elif url.path == "/healthz":
                 response = app.healthz()
             else:
-                response = _error(HTTPStatus.NOT_FOUND, "not_found",
-                                  "endpoints: /metrics /snapshot /snapshots?since= /healthz")
+                response = _error(
+                    HTTPStatus.NOT_FOUND, "not_found", "endpoints: /metrics /snapshot /snapshots?since= /healthz"
+                )
         except Exception:  # a bug must cost one request, not the server thread
             log.exception("request failed", extra={"path": url.path})
             response, headers = _error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal", "internal error"), {}
@@ -307,12 +320,16 @@ class _Handler(BaseHTTPRequestHandler):
         auth = self.server.app.auth  # type: ignore[attr-defined]
         if auth is None or path in OPEN_PATHS or auth.allows(self.headers.get("Authorization")):
             return True
-        self._send(*_error(HTTPStatus.UNAUTHORIZED, "unauthorized", "valid basic auth credentials required"),
-                   send_body, {"WWW-Authenticate": 'Basic realm="gpufleet-agent", charset="UTF-8"'})
+        self._send(
+            *_error(HTTPStatus.UNAUTHORIZED, "unauthorized", "valid basic auth credentials required"),
+            send_body,
+            {"WWW-Authenticate": 'Basic realm="gpufleet-agent", charset="UTF-8"'},
+        )
         return False
 
-    def _send(self, status: int, content_type: str, body: bytes, send_body: bool,
-              headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self, status: int, content_type: str, body: bytes, send_body: bool, headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -331,8 +348,10 @@ class _Handler(BaseHTTPRequestHandler):
         """http.server's own errors (bad request line, too many headers, bad version) as JSON, like ours."""
         status = HTTPStatus(code)
         self.close_connection = True
-        self._send(*_error(status, status.phrase.lower().replace(" ", "_").replace("-", "_"),
-                           message or status.description), self.command != "HEAD")
+        self._send(
+            *_error(status, status.phrase.lower().replace(" ", "_").replace("-", "_"), message or status.description),
+            self.command != "HEAD",
+        )
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - signature from http.server
         # Scrapes every few seconds would flood the journal; access lines only at debug level.
@@ -391,8 +410,9 @@ class RateLimitedLog:
     """Logs the first of a kind of event at once, then at most once per interval with how many there were,
     so a failure that repeats thousands of times a second (accept failing with EMFILE) costs a line a minute."""
 
-    def __init__(self, logger: logging.Logger, interval_seconds: float,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval_seconds: float, monotonic: Callable[[], float] = time.monotonic
+    ) -> None:
         self._log = logger
         self._interval = interval_seconds
         self._monotonic = monotonic
@@ -408,8 +428,7 @@ class RateLimitedLog:
             return
         self._last[kind] = now
         count = self._pending.pop(kind)
-        self._log.warning(message, extra={"kind": kind, "count": count, "interval_seconds": self._interval,
-                                          **context})
+        self._log.warning(message, extra={"kind": kind, "count": count, "interval_seconds": self._interval, **context})
 
 
 def _query_number(params: dict[str, list[str]], name: str) -> float | None:
@@ -427,8 +446,9 @@ def _error(status: HTTPStatus, code: str, message: str) -> tuple[int, str, bytes
     return status, JSON, orjson.dumps({"error": code, "message": message})
 
 
-def _make_server(address: tuple[str, int], app: AgentHttpServer, tls: ssl.SSLContext | None,
-                 limits: _Limits) -> ThreadingHTTPServer:
+def _make_server(
+    address: tuple[str, int], app: AgentHttpServer, tls: ssl.SSLContext | None, limits: _Limits
+) -> ThreadingHTTPServer:
     """Bind; an empty host listens on every interface, IPv6 too where the kernel allows dual stack. Each
     connection gets its own thread, at most `limits.max_connections` at once; with a TLS context the
     handshake runs in that thread too, so a client stalling in it holds up only itself, never the accept loop."""
@@ -458,8 +478,11 @@ def _make_server(address: tuple[str, int], app: AgentHttpServer, tls: ssl.SSLCon
             if not limits.acquire():
                 # Every worker is busy: the connection waits in the kernel's backlog, costing this process
                 # neither a thread nor a descriptor, until one is free (checked again on the next loop).
-                limits.warn("connections:limit", "connection limit reached; new connections wait in the backlog",
-                            max_connections=limits.max_connections)
+                limits.warn(
+                    "connections:limit",
+                    "connection limit reached; new connections wait in the backlog",
+                    max_connections=limits.max_connections,
+                )
                 limits.saturated.set()
                 raise _AllBusy()
             try:
@@ -511,8 +534,10 @@ def _make_server(address: tuple[str, int], app: AgentHttpServer, tls: ssl.SSLCon
             if isinstance(exc, OSError):
                 # A client that reset or dropped the connection, a TLS peer gone mid-record: normal on a
                 # network, one structured line at debug level (http.server would print a traceback).
-                log.debug("http client connection lost", extra={
-                    "client": client_address[0], "error": type(exc).__name__, "detail": str(exc)[:200]})
+                log.debug(
+                    "http client connection lost",
+                    extra={"client": client_address[0], "error": type(exc).__name__, "detail": str(exc)[:200]},
+                )
                 return
             log.error("http connection failed", exc_info=exc, extra={"client": client_address[0]})
 
@@ -534,8 +559,14 @@ class _Limits:
     """The connection bound and what the accept loop needs besides: a counting slot per connection, a
     rate-limited warning, and the pause after running out of descriptors."""
 
-    def __init__(self, max_connections: int, idle_timeout_seconds: float, monotonic: Callable[[], float],
-                 pause: Callable[[float], None], wait_seconds: float) -> None:
+    def __init__(
+        self,
+        max_connections: int,
+        idle_timeout_seconds: float,
+        monotonic: Callable[[], float],
+        pause: Callable[[float], None],
+        wait_seconds: float,
+    ) -> None:
         self.max_connections = max_connections
         self.idle_timeout_seconds = idle_timeout_seconds
         self.monotonic = monotonic

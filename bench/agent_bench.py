@@ -103,8 +103,9 @@ def reading_ages(snapshots: list[Any]) -> dict[str, float]:
     return {"max_age_detector_readings_s": fast, "max_age_any_reading_s": slow}
 
 
-def bench_cycles(cycles: int, procfs: Path, per_link: bool,
-                 costed: bool) -> tuple[dict[str, float], Sampler, SnapshotStore, Clock, str]:
+def bench_cycles(
+    cycles: int, procfs: Path, per_link: bool, costed: bool
+) -> tuple[dict[str, float], Sampler, SnapshotStore, Clock, str]:
     clock = Clock()
     scenario = load_scenario(SCENARIO)
     node = scenario.nodes[0]
@@ -144,19 +145,25 @@ def bench_cycles(cycles: int, procfs: Path, per_link: bool,
     mean = statistics.fmean(totals)
     plan = reader.plan
     slow = ", ".join(f"{k} {p}" if p else f"{k} from mask" for k, p in sorted(plan.periods.items()) if p != 1)
-    return {
-        "cycle_total_ms": mean * 1e3,
-        "cycle_nvml_cost_burned_ms": burned * 1e3,
-        "cycle_simulator_bookkeeping_ms": (sim_share - burned) * 1e3,
-        "cycle_agent_ms": (mean - sim_share) * 1e3,
-        "of_which_reader_ms": (statistics.fmean(reads) - read_sim) * 1e3,
-        "of_which_snapshot_json_ms": statistics.fmean(encodes) * 1e3,
-        "tiers_nvml_cpu_percent_fitted": plan.cost_per_second * 100,
-        **reading_ages(snapshots),
-        "exposition_bytes": len(pub.metrics + render_age(clock.now, pub.snapshot, node)),
-        "exposition_samples": sum(1 for line in pub.metrics.splitlines() if not line.startswith(b"#")) + 1,
-        "snapshot_json_bytes": len(pub.snapshot_json or b""),
-    }, sampler, store, clock, slow
+    return (
+        {
+            "cycle_total_ms": mean * 1e3,
+            "cycle_nvml_cost_burned_ms": burned * 1e3,
+            "cycle_simulator_bookkeeping_ms": (sim_share - burned) * 1e3,
+            "cycle_agent_ms": (mean - sim_share) * 1e3,
+            "of_which_reader_ms": (statistics.fmean(reads) - read_sim) * 1e3,
+            "of_which_snapshot_json_ms": statistics.fmean(encodes) * 1e3,
+            "tiers_nvml_cpu_percent_fitted": plan.cost_per_second * 100,
+            **reading_ages(snapshots),
+            "exposition_bytes": len(pub.metrics + render_age(clock.now, pub.snapshot, node)),
+            "exposition_samples": sum(1 for line in pub.metrics.splitlines() if not line.startswith(b"#")) + 1,
+            "snapshot_json_bytes": len(pub.snapshot_json or b""),
+        },
+        sampler,
+        store,
+        clock,
+        slow,
+    )
 
 
 def bench_http(sampler: Sampler, store: SnapshotStore, clock: Clock, requests: int) -> dict[str, float]:
@@ -236,8 +243,11 @@ def _nvml_seconds(port: int) -> float:
         body = conn.getresponse().read().decode()
     finally:
         conn.close()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith("gpufleet_agent_nvml_seconds_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith("gpufleet_agent_nvml_seconds_total{")
+    )
 
 
 def _status(pid: int, key: str) -> float:
@@ -249,9 +259,21 @@ def _status(pid: int, key: str) -> float:
 
 def bench_process(duration: float, per_link: bool, costed: bool) -> dict[str, float]:
     """The real agent process (simulated node) scraped every 15 s and pulled every 5 s."""
-    cmd = [sys.executable, "-m", "gpufleet.agent.cli", "--simulate", SCENARIO, "--web.listen-address", "127.0.0.1:0",
-           "--log.level", "info"] + (["--nvlink.per-link"] if per_link else []) + (
-           ["--simulate.nvml-costs"] if costed else [])
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "gpufleet.agent.cli",
+            "--simulate",
+            SCENARIO,
+            "--web.listen-address",
+            "127.0.0.1:0",
+            "--log.level",
+            "info",
+        ]
+        + (["--nvlink.per-link"] if per_link else [])
+        + (["--simulate.nvml-costs"] if costed else [])
+    )
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     try:
         port = None
@@ -284,13 +306,16 @@ def bench_process(duration: float, per_link: bool, costed: bool) -> dict[str, fl
         cpu = _cpu_seconds(proc.pid) - start_cpu
         elapsed = time.monotonic() - start
         inside_nvml = _nvml_seconds(port) - start_nvml
-        out = {"process_cpu_percent": 100 * cpu / elapsed,
-               # The agent's own counter of CPU inside NVML calls (here: the burned cost and the simulator's
-               # bookkeeping together); what is left is the agent's code and its background.
-               "process_inside_nvml_cpu_percent": 100 * inside_nvml / elapsed,
-               "process_outside_nvml_cpu_percent": 100 * (cpu - inside_nvml) / elapsed,
-               "process_rss_mib": _status(proc.pid, "VmRSS"),
-               "process_peak_rss_mib": _status(proc.pid, "VmHWM"), "process_window_s": elapsed}
+        out = {
+            "process_cpu_percent": 100 * cpu / elapsed,
+            # The agent's own counter of CPU inside NVML calls (here: the burned cost and the simulator's
+            # bookkeeping together); what is left is the agent's code and its background.
+            "process_inside_nvml_cpu_percent": 100 * inside_nvml / elapsed,
+            "process_outside_nvml_cpu_percent": 100 * (cpu - inside_nvml) / elapsed,
+            "process_rss_mib": _status(proc.pid, "VmRSS"),
+            "process_peak_rss_mib": _status(proc.pid, "VmHWM"),
+            "process_window_s": elapsed,
+        }
         # Scrapes of the live agent, spread over many sampling cycles: a scrape that lands mid-cycle
         # waits for the GIL, which in-process loopback numbers do not show.
         lat = []
@@ -315,10 +340,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=300)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of the subprocess run (0: skip)")
-    parser.add_argument("--per-link", action="store_true",
-                        help="also export NVLink counters for each of the 18 links per GPU (off by default)")
-    parser.add_argument("--free-nvml", dest="costed", action="store_false",
-                        help="simulated NVML calls cost only the simulator's Python, not the real driver's CPU")
+    parser.add_argument(
+        "--per-link",
+        action="store_true",
+        help="also export NVLink counters for each of the 18 links per GPU (off by default)",
+    )
+    parser.add_argument(
+        "--free-nvml",
+        dest="costed",
+        action="store_false",
+        help="simulated NVML calls cost only the simulator's Python, not the real driver's CPU",
+    )
     args = parser.parse_args(argv)
     procfs = Path(tempfile.mkdtemp(prefix="gpufleet-bench-proc-"))
     try:
@@ -332,8 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     # What a real node pays per second, the simulator's bookkeeping taken out: a cycle (the agent's code
     # and the NVML cost), one render and one scrape every 15 s, one pull every 5 s (server-side CPU per
     # request), and the background measured on the H100.
-    agent_ms = (results["cycle_agent_ms"] + (results["render_cpu_per_scrape_ms"] + results["metrics_server_cpu_ms"])
-                / SCRAPE_EVERY_S + results["pull_server_cpu_ms"] / PULL_EVERY_S)
+    agent_ms = (
+        results["cycle_agent_ms"]
+        + (results["render_cpu_per_scrape_ms"] + results["metrics_server_cpu_ms"]) / SCRAPE_EVERY_S
+        + results["pull_server_cpu_ms"] / PULL_EVERY_S
+    )
     nvml_ms = results["cycle_nvml_cost_burned_ms"]
     background = BACKGROUND_CPU_PERCENT if args.costed else 0.0
     results["projected_agent_code_cpu_percent"] = agent_ms / 10
@@ -348,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     results["simulator_bookkeeping_cpu_percent_apart"] = results["cycle_simulator_bookkeeping_ms"] / 10
     if args.duration > 0:
         results.update(bench_process(args.duration, args.per_link, args.costed))
-    sys.stdout.write(f"# {SCENARIO}, 8 GPUs, 1 Hz, per-link export {'on' if args.per_link else 'off'}, "
-                     f"NVML costs {'H100 driver 580' if args.costed else 'off (simulator only)'}\n")
+    sys.stdout.write(
+        f"# {SCENARIO}, 8 GPUs, 1 Hz, per-link export {'on' if args.per_link else 'off'}, "
+        f"NVML costs {'H100 driver 580' if args.costed else 'off (simulator only)'}\n"
+    )
     sys.stdout.write(f"# slower tiers (period in cycles): {slow or 'none'}\n")
     width = max(map(len, results))
     for key, value in results.items():

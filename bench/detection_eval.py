@@ -56,8 +56,14 @@ class Evaluation:
     replay_s: float
 
 
-def evaluate(run_replay, names: list[str], seeds: int, first_seed: int = 0, noise_scale: float = 1.0,
-             mid_job_s: float | None = None) -> Evaluation:
+def evaluate(
+    run_replay,
+    names: list[str],
+    seeds: int,
+    first_seed: int = 0,
+    noise_scale: float = 1.0,
+    mid_job_s: float | None = None,
+) -> Evaluation:
     """Generate, replay and score every (scenario, seed) for seeds first_seed .. first_seed + seeds - 1
     (noise_scale: the generator's reading noise, scaled; mid_job_s: see scenarios.mid_job)."""
     kinds = {k: scenarios.KindScore() for k in scenarios.ALERT_KINDS}
@@ -79,8 +85,9 @@ def evaluate(run_replay, names: list[str], seeds: int, first_seed: int = 0, nois
                 if trace.spec.interval_s == 5.0:
                     kinds_5s.setdefault(kind, scenarios.KindScore()).add(ks)
         rows.append(row)
-        log.info("scenario done", extra={"scenario": name, "required": row.required, "detected": row.detected,
-                                         "fp": row.fp})
+        log.info(
+            "scenario done", extra={"scenario": name, "required": row.required, "detected": row.detected, "fp": row.fp}
+        )
     return Evaluation(seeds, kinds, kinds_5s, rows, samples, replay_s)
 
 
@@ -97,11 +104,14 @@ def _accumulate(row: ScenarioResult, result: scenarios.Score, trace, seed: int) 
     row.failures += [f"{tag}: missed {scenarios.describe_truth(t, t0)}" for t in result.missed]
     row.failures += [f"{tag}: late ({ttf:.0f} s) {scenarios.describe_truth(t, t0)}" for t, ttf in result.late]
     row.failures += [f"{tag}: false {scenarios.describe_alert(a, t0)}" for a in result.false_alerts]
-    row.failures += [f"{tag}: stuck {scenarios.describe_alert(a, t0)} (after {scenarios.describe_truth(t, t0)})"
-                     for a, t in result.stuck]
+    row.failures += [
+        f"{tag}: stuck {scenarios.describe_alert(a, t0)} (after {scenarios.describe_truth(t, t0)})"
+        for a, t in result.stuck
+    ]
 
 
 # ----------------------------------------------------------------------------------------- report
+
 
 def _fmt(x: float | None, pattern: str = "{:.3f}") -> str:
     return "–" if x is None else pattern.format(x)
@@ -112,14 +122,18 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def _kind_table(kinds: dict[str, scenarios.KindScore]) -> list[str]:
-    out = ["| kind | precision | recall | TP | FP | allowed | required | detected | median TTF (s) | p90 TTF (s) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| kind | precision | recall | TP | FP | allowed | required | detected | median TTF (s) | p90 TTF (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for kind, ks in kinds.items():
         if not (ks.required or ks.tp or ks.fp or ks.neutral):
             continue
-        out.append(f"| `{kind}` | {_fmt(ks.precision)} | {_fmt(ks.recall)} | {ks.tp} | {ks.fp} | {ks.neutral} | "
-                   f"{ks.required} | {ks.detected} | {_fmt(_pct(ks.ttf_s, 50), '{:.0f}')} | "
-                   f"{_fmt(_pct(ks.ttf_s, 90), '{:.0f}')} |")
+        out.append(
+            f"| `{kind}` | {_fmt(ks.precision)} | {_fmt(ks.recall)} | {ks.tp} | {ks.fp} | {ks.neutral} | "
+            f"{ks.required} | {ks.detected} | {_fmt(_pct(ks.ttf_s, 50), '{:.0f}')} | "
+            f"{_fmt(_pct(ks.ttf_s, 90), '{:.0f}')} |"
+        )
     return out
 
 
@@ -154,8 +168,10 @@ def render(ev: Evaluation, max_failures: int = 40) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in ev.per_scenario:
-        lines.append(f"| {r.name} | {r.runs} | {r.required} | {r.detected} | {r.fp} | {r.neutral} | "
-                     f"{_fmt(_pct(r.ttf_s, 50), '{:.0f}')} |")
+        lines.append(
+            f"| {r.name} | {r.runs} | {r.required} | {r.detected} | {r.fp} | {r.neutral} | "
+            f"{_fmt(_pct(r.ttf_s, 50), '{:.0f}')} |"
+        )
     failures = [f"- {r.name}, {f}" for r in ev.per_scenario for f in r.failures]
     lines += ["", f"### Failures ({len(failures)})", ""]
     lines += failures[:max_failures] or ["None."]
@@ -182,8 +198,10 @@ def _summary(ev: Evaluation) -> str:
     out = []
     for kind in HEADLINE_KINDS:
         ks = ev.kinds[kind]
-        out.append(f"{kind}: precision {_fmt(ks.precision)} recall {_fmt(ks.recall)} "
-                   f"median TTF@5s {_fmt(_pct(ev.kinds_5s[kind].ttf_s, 50), '{:.0f}')} s")
+        out.append(
+            f"{kind}: precision {_fmt(ks.precision)} recall {_fmt(ks.recall)} "
+            f"median TTF@5s {_fmt(_pct(ev.kinds_5s[kind].ttf_s, 50), '{:.0f}')} s"
+        )
     return "\n".join(out)
 
 
@@ -191,21 +209,39 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     ap = argparse.ArgumentParser(prog="python -m bench.detection_eval", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5, help="seeds per scenario (default 5)")
-    ap.add_argument("--first-seed", type=int, default=0, metavar="N",
-                    help="start at seed N: N above the documented run scores seeds that no threshold was ever "
-                         "tuned on (implies --no-write)")
+    ap.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start at seed N: N above the documented run scores seeds that no threshold was ever "
+        "tuned on (implies --no-write)",
+    )
     ap.add_argument("--scenarios", default="", help="comma-separated scenario names (default: all)")
     ap.add_argument("--no-write", action="store_true", help=f"do not update {DOC.name}")
     ap.add_argument("--doc", type=Path, default=DOC, help="markdown file to update")
-    ap.add_argument("--without", default="", metavar="FIELDS",
-                    help="comma-separated GPU fields to remove from every line, as a driver that does not report "
-                         "them would (implies --no-write: the document's table is for every reading present)")
-    ap.add_argument("--noise-scale", type=float, default=1.0, metavar="X",
-                    help="scale the generator's per-second reading noise by X, a probe for noisier telemetry "
-                         "(implies --no-write)")
-    ap.add_argument("--mid-job", type=float, default=None, metavar="SECONDS",
-                    help="record every trace from the middle of its jobs: jobs starting with the trace are past "
-                         "their start-up, and the incidents move so the first begins SECONDS in (implies --no-write)")
+    ap.add_argument(
+        "--without",
+        default="",
+        metavar="FIELDS",
+        help="comma-separated GPU fields to remove from every line, as a driver that does not report "
+        "them would (implies --no-write: the document's table is for every reading present)",
+    )
+    ap.add_argument(
+        "--noise-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="scale the generator's per-second reading noise by X, a probe for noisier telemetry (implies --no-write)",
+    )
+    ap.add_argument(
+        "--mid-job",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="record every trace from the middle of its jobs: jobs starting with the trace are past "
+        "their start-up, and the incidents move so the first begins SECONDS in (implies --no-write)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     names = [n for n in args.scenarios.split(",") if n] or [s.name for s in scenarios.CATALOG]
@@ -227,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     body = render(ev)
     print(render(ev, max_failures=10**6))
     print("\n" + _summary(ev))
-    if (not args.no_write and not fields and not args.first_seed and args.noise_scale == 1.0
-            and args.mid_job is None):
+    if not args.no_write and not fields and not args.first_seed and args.noise_scale == 1.0 and args.mid_job is None:
         write_section(args.doc, body)
         print(f"\nwrote {args.doc}", file=sys.stderr)
     return 0

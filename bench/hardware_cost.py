@@ -6,6 +6,7 @@ sampling with 15 s scrapes, CPU per scrape, scrape latency p50/p99/max, RSS; the
 its budget of 0.5 % of one core at 1 Hz on an 8-GPU node. Each tool runs alone, one after the other.
 SIM=hgx-h100 runs the agent on the simulator (nvitop-exporter and nvidia-smi are then skipped).
 """
+
 from __future__ import annotations
 
 import http.client
@@ -58,8 +59,12 @@ def wait_up(port: int, seconds: float = 40) -> bool:
 
 def measure(name: str, proc: subprocess.Popen, port: int) -> dict:
     if not wait_up(port):
-        return dict(name=name, error="never answered /metrics: " + (proc.stderr.read(2000).decode() if proc.poll() is not None else "still running"))
-    time.sleep(10)                                   # warm-up: a few samples in
+        return dict(
+            name=name,
+            error="never answered /metrics: "
+            + (proc.stderr.read(2000).decode() if proc.poll() is not None else "still running"),
+        )
+    time.sleep(10)  # warm-up: a few samples in
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     body = get(conn)
     series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
@@ -68,7 +73,7 @@ def measure(name: str, proc: subprocess.Popen, port: int) -> dict:
     c0, t0 = cpu_s(proc.pid), time.monotonic()
     for _ in range(max(1, round(WINDOW_S / 15))):
         time.sleep(min(15.0, WINDOW_S))
-        get(http.client.HTTPConnection("127.0.0.1", port, timeout=10))   # idle keep-alive may be closed
+        get(http.client.HTTPConnection("127.0.0.1", port, timeout=10))  # idle keep-alive may be closed
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     idle_pct = 100 * (cpu_s(proc.pid) - c0) / (time.monotonic() - t0)
     # scrape storm: 300 scrapes back to back on one keep-alive connection
@@ -84,13 +89,25 @@ def measure(name: str, proc: subprocess.Popen, port: int) -> dict:
     # what the background sampling cost during the storm is taken out at the idle rate
     per_scrape_ms = 1e3 * max(0.0, storm_cpu - idle_pct / 100 * wall) / 300
     lat.sort()
-    return dict(name=name, series=series, bytes=len(body), gpus=gpus, idle_cpu_pct=idle_pct, per_scrape_cpu_ms=per_scrape_ms,
-                p50_ms=lat[149], p99_ms=lat[296], max_ms=lat[-1], rss_mb=rss_mb(proc.pid))
+    return dict(
+        name=name,
+        series=series,
+        bytes=len(body),
+        gpus=gpus,
+        idle_cpu_pct=idle_pct,
+        per_scrape_cpu_ms=per_scrape_ms,
+        p50_ms=lat[149],
+        p99_ms=lat[296],
+        max_ms=lat[-1],
+        rss_mb=rss_mb(proc.pid),
+    )
 
 
 def nvidia_smi(n: int = 20) -> dict:
-    q = ("index,name,utilization.gpu,utilization.memory,memory.used,memory.total,temperature.gpu,temperature.memory,"
-         "power.draw,power.limit,clocks.sm,clocks.max.sm,clocks_event_reasons.active,pcie.link.gen.current")
+    q = (
+        "index,name,utilization.gpu,utilization.memory,memory.used,memory.total,temperature.gpu,temperature.memory,"
+        "power.draw,power.limit,clocks.sm,clocks.max.sm,clocks_event_reasons.active,pcie.link.gen.current"
+    )
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     walls = []
     for _ in range(n):
@@ -102,8 +119,13 @@ def nvidia_smi(n: int = 20) -> dict:
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) * 1e3 / n
     walls.sort()
-    return dict(name="nvidia-smi per scrape", per_scrape_cpu_ms=cpu, p50_ms=walls[n // 2], max_ms=walls[-1],
-                rss_mb=r1.ru_maxrss / 1024)
+    return dict(
+        name="nvidia-smi per scrape",
+        per_scrape_cpu_ms=cpu,
+        p50_ms=walls[n // 2],
+        max_ms=walls[-1],
+        rss_mb=r1.ru_maxrss / 1024,
+    )
 
 
 def main() -> None:
@@ -113,11 +135,13 @@ def main() -> None:
         agent_cmd += ["--simulate", SIM]
     cmds = {"gpufleet-agent": (agent_cmd, 19481)}
     if not SIM:
-        cmds["nvitop-exporter"] = ([py, "-m", "nvitop_exporter", "--bind-address", "127.0.0.1", "--port", "19482",
-                                    "--interval", "1.0"], 19482)
+        cmds["nvitop-exporter"] = (
+            [py, "-m", "nvitop_exporter", "--bind-address", "127.0.0.1", "--port", "19482", "--interval", "1.0"],
+            19482,
+        )
     rows, procs = [], {}
     try:
-        for name, (cmd, port) in cmds.items():       # one after the other, so neither disturbs the other's figures
+        for name, (cmd, port) in cmds.items():  # one after the other, so neither disturbs the other's figures
             p = subprocess.Popen(cmd, stderr=subprocess.PIPE)
             procs[name] = (p, port)
             rows.append(measure(name, p, port))
@@ -132,10 +156,24 @@ def main() -> None:
         for p, _ in procs.values():
             if p.poll() is None:
                 p.kill()
-    keys = ["gpus", "series", "bytes", "idle_cpu_pct", "per_scrape_cpu_ms", "p50_ms", "p99_ms", "max_ms", "rss_mb", "error"]
+    keys = [
+        "gpus",
+        "series",
+        "bytes",
+        "idle_cpu_pct",
+        "per_scrape_cpu_ms",
+        "p50_ms",
+        "p99_ms",
+        "max_ms",
+        "rss_mb",
+        "error",
+    ]
     for r in rows:
-        print(r["name"] + ": " + ", ".join(f"{k}={r[k]:.3f}" if isinstance(r[k], float) else f"{k}={r[k]}"
-                                           for k in keys if k in r))
+        print(
+            r["name"]
+            + ": "
+            + ", ".join(f"{k}={r[k]:.3f}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r)
+        )
     print(budget(rows[0]))
 
 
@@ -147,8 +185,10 @@ def budget(row: dict) -> str:
     # Scaling the whole process linearly overstates it (its fixed share does not grow with GPUs): an upper bound.
     scaled = pct * BUDGET_GPUS / gpus
     verdict = "HOLDS" if scaled <= BUDGET_PCT else "DOES NOT HOLD"
-    return (f"budget: gpufleet-agent {pct:.3f} % of a core at 1 Hz with {gpus} GPU(s), at most {scaled:.3f} % "
-            f"scaled to {BUDGET_GPUS} GPUs: the {BUDGET_PCT} % budget {verdict} on this machine")
+    return (
+        f"budget: gpufleet-agent {pct:.3f} % of a core at 1 Hz with {gpus} GPU(s), at most {scaled:.3f} % "
+        f"scaled to {BUDGET_GPUS} GPUs: the {BUDGET_PCT} % budget {verdict} on this machine"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Cost of each field id the agent batches in nvmlDeviceGetFieldValues, alone, on real NVML: thread CPU,
 median of 10 calls on GPU 0 (bench/hardware_check.sh). SIM=hgx-h100 uses the simulator (to check this
 script)."""
+
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ from gpufleet.agent import nvml_fields as F
 def main() -> None:
     if os.environ.get("SIM"):
         from gpufleet.agent.sim import SimNvml, load_scenario
+
         scenario = load_scenario(os.environ["SIM"])
         nvml = SimNvml(scenario, node=scenario.nodes[0])
     else:

@@ -2,6 +2,7 @@
 the reader's read() per cycle, the XID thread's share, attribution's compute-process listing
 (bench/hardware_check.sh). SIM=hgx-h100 uses the simulator instead (to check this script); CYCLES sets
 the number of 1 s cycles (default 40)."""
+
 from __future__ import annotations
 
 import collections
@@ -22,6 +23,7 @@ class Timed:
     def __getattr__(self, name):
         v = getattr(self._m, name)
         if callable(v) and name.startswith("nvml"):
+
             def w(*a, **k):
                 t0, c0 = time.perf_counter(), time.thread_time()
                 try:
@@ -31,6 +33,7 @@ class Timed:
                     e[0] += 1
                     e[1] += time.perf_counter() - t0
                     e[2] += time.thread_time() - c0
+
             return w
         return v
 
@@ -43,6 +46,7 @@ def proc_cpu() -> float:
 def main() -> None:
     if os.environ.get("SIM"):
         from gpufleet.agent.sim import SimNvml, load_scenario
+
         sc = load_scenario(os.environ["SIM"])
         base = SimNvml(sc, node=sc.nodes[0], clock=time.time, block_on_events=True)
     else:
@@ -62,7 +66,7 @@ def main() -> None:
     nv.t.clear()
     walls, cpus = [], []
     pc0, pt0 = proc_cpu(), time.perf_counter()
-    for i in range(CYCLES):
+    for _ in range(CYCLES):
         s, c = time.perf_counter(), time.thread_time()
         samples = reader.read()
         for g in samples:
@@ -72,17 +76,22 @@ def main() -> None:
         time.sleep(max(0.0, 1.0 - (time.perf_counter() - s)))
     proc_pct = 100 * (proc_cpu() - pc0) / (time.perf_counter() - pt0)
     n = len(samples)
-    walls.sort(); cpus.sort()
-    print(f"{n} GPU(s); per cycle (read + compute_pids per GPU): wall median {1e3 * walls[len(walls) // 2]:.2f} ms, "
-          f"thread CPU median {1e3 * cpus[len(cpus) // 2]:.2f} ms; whole process {proc_pct:.3f} % of a core at 1 Hz "
-          f"(background alone {100 * bg:.3f} %)")
+    walls.sort()
+    cpus.sort()
+    print(
+        f"{n} GPU(s); per cycle (read + compute_pids per GPU): wall median {1e3 * walls[len(walls) // 2]:.2f} ms, "
+        f"thread CPU median {1e3 * cpus[len(cpus) // 2]:.2f} ms; whole process {proc_pct:.3f} % of a core at 1 Hz "
+        f"(background alone {100 * bg:.3f} %)"
+    )
     print("NVML calls during the cycles (calls per cycle, wall us/call, thread-CPU us/call, CPU ms per cycle), by CPU:")
     rows = sorted(nv.t.items(), key=lambda kv: -kv[1][2])
     tot = 0.0
     for name, (calls, wall, cpu) in rows:
         tot += cpu
-        print(f"  {name:48s} {calls / CYCLES:6.1f} {1e6 * wall / calls:9.1f} {1e6 * cpu / calls:9.1f} {1e3 * cpu / CYCLES:8.3f}"
-              + ("  (XID thread too)" if name in bg_calls else ""))
+        print(
+            f"  {name:48s} {calls / CYCLES:6.1f} {1e6 * wall / calls:9.1f} {1e6 * cpu / calls:9.1f} {1e3 * cpu / CYCLES:8.3f}"
+            + ("  (XID thread too)" if name in bg_calls else "")
+        )
     print(f"  NVML thread-CPU total per cycle: {1e3 * tot / CYCLES:.3f} ms")
     reader.close()
 

@@ -22,13 +22,35 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufleet.agent.model import ThrottleReason
 
 SCALARS = (
-    "utilization_ratio", "memory_utilization_ratio", "sm_active_ratio", "sm_occupancy_ratio", "memory_used_bytes",
-    "memory_total_bytes", "temperature_celsius", "memory_temperature_celsius", "slowdown_temperature_celsius",
-    "shutdown_temperature_celsius", "max_operating_temperature_celsius", "memory_max_operating_temperature_celsius",
-    "power_watts", "power_limit_watts", "energy_joules_total", "sm_clock_hertz", "sm_clock_max_hertz",
-    "memory_clock_hertz", "memory_clock_max_hertz", "throttle_reasons", "nvlink_tx_bytes_total",
-    "nvlink_rx_bytes_total", "pcie_tx_bytes_total", "pcie_rx_bytes_total", "ecc_corrected_errors_total",
-    "ecc_uncorrected_errors_total", "remapped_rows_correctable", "remapped_rows_uncorrectable", "xid_errors_total",
+    "utilization_ratio",
+    "memory_utilization_ratio",
+    "sm_active_ratio",
+    "sm_occupancy_ratio",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "temperature_celsius",
+    "memory_temperature_celsius",
+    "slowdown_temperature_celsius",
+    "shutdown_temperature_celsius",
+    "max_operating_temperature_celsius",
+    "memory_max_operating_temperature_celsius",
+    "power_watts",
+    "power_limit_watts",
+    "energy_joules_total",
+    "sm_clock_hertz",
+    "sm_clock_max_hertz",
+    "memory_clock_hertz",
+    "memory_clock_max_hertz",
+    "throttle_reasons",
+    "nvlink_tx_bytes_total",
+    "nvlink_rx_bytes_total",
+    "pcie_tx_bytes_total",
+    "pcie_rx_bytes_total",
+    "ecc_corrected_errors_total",
+    "ecc_uncorrected_errors_total",
+    "remapped_rows_correctable",
+    "remapped_rows_uncorrectable",
+    "xid_errors_total",
 )
 RATIOS = tuple(f for f in SCALARS if f.endswith("_ratio"))
 COUNTERS = tuple(f for f in SCALARS if f.endswith("_total"))
@@ -64,9 +86,11 @@ def report(trace: tuple[list[dict[str, Any]], list[str]]) -> list[str]:
     lines = [f"{len(snapshots)} snapshots, {len(per_gpu)} GPU(s)", *notes]
     if snapshots:
         first = snapshots[0]
-        lines.append(f"driver {first.get('driver_version')}, NVML {first.get('nvml_version')}, "
-                     f"CUDA driver {first.get('cuda_driver_version')}, "
-                     f"{snapshots[-1]['time'] - first['time']:.0f} s recorded")
+        lines.append(
+            f"driver {first.get('driver_version')}, NVML {first.get('nvml_version')}, "
+            f"CUDA driver {first.get('cuda_driver_version')}, "
+            f"{snapshots[-1]['time'] - first['time']:.0f} s recorded"
+        )
     for index, samples in sorted(per_gpu.items()):
         lines += _gpu_report(index, samples)
     return lines
@@ -76,10 +100,13 @@ def _gpu_report(index: int, samples: list[dict[str, Any]]) -> list[str]:
     busy = [g for g in samples if (g.get("utilization_ratio") or 0.0) > BUSY_UTILIZATION]
     idle = [g for g in samples if g not in busy]
     jobs = sorted({str(g["hpc_job"]) for g in busy if g.get("hpc_job")})
-    lines = ["", f"GPU {index} {samples[0].get('model')} {samples[0].get('uuid')}: {len(samples)} samples, "
-                 f"{len(busy)} busy", f"job while busy: {', '.join(jobs) or 'none'} "
-                 f"({sum(1 for g in busy if g.get('hpc_job'))}/{len(busy)} busy samples attributed)",
-             f"{'reading':46} {'present':>9} {'idle':>24} {'busy':>24}"]
+    lines = [
+        "",
+        f"GPU {index} {samples[0].get('model')} {samples[0].get('uuid')}: {len(samples)} samples, {len(busy)} busy",
+        f"job while busy: {', '.join(jobs) or 'none'} "
+        f"({sum(1 for g in busy if g.get('hpc_job'))}/{len(busy)} busy samples attributed)",
+        f"{'reading':46} {'present':>9} {'idle':>24} {'busy':>24}",
+    ]
     never = []
     for field in SCALARS:
         present = [g for g in samples if g.get(field) is not None]
@@ -87,8 +114,9 @@ def _gpu_report(index: int, samples: list[dict[str, Any]]) -> list[str]:
             never.append(field)
         idle_values = [float(g[field]) for g in idle if g.get(field) is not None]
         busy_values = [float(g[field]) for g in busy if g.get(field) is not None]
-        lines.append(f"{field:46} {len(present):>4}/{len(samples):<4} {_range(idle_values):>24} "
-                     f"{_range(busy_values):>24}")
+        lines.append(
+            f"{field:46} {len(present):>4}/{len(samples):<4} {_range(idle_values):>24} {_range(busy_values):>24}"
+        )
     lines.append("never present (unsupported here): " + (", ".join(never) or "none"))
     lines += _findings(samples, busy)
     return lines
@@ -105,14 +133,17 @@ def _findings(samples: list[dict[str, Any]], busy: list[dict[str, Any]]) -> list
         drops = sum(1 for a, b in zip(values, values[1:]) if b < a)
         if drops:
             out.append(f"note: {field} went backwards {drops} time(s) (a reset or wrap: the server takes it)")
-    above = [g for g in busy if g.get("sm_active_ratio") is not None and g["sm_active_ratio"] > g["utilization_ratio"] + 0.05]
+    above = [
+        g for g in busy if g.get("sm_active_ratio") is not None and g["sm_active_ratio"] > g["utilization_ratio"] + 0.05
+    ]
     if above:
         out.append(f"PROBLEM sm_active_ratio above utilization_ratio in {len(above)} busy sample(s)")
     bits = 0
     for g in samples:
         bits |= int(g.get("throttle_reasons") or 0)
-    out.append("throttle reasons seen: " + (", ".join(r.name or hex(r.value) for r in ThrottleReason if bits & r)
-                                            or "none"))
+    out.append(
+        "throttle reasons seen: " + (", ".join(r.name or hex(r.value) for r in ThrottleReason if bits & r) or "none")
+    )
     nan = [f for g in samples for f, v in g.items() if isinstance(v, float) and math.isnan(v)]
     if nan:
         out.append(f"PROBLEM NaN in: {sorted(set(nan))}")
@@ -129,8 +160,9 @@ def capabilities(metrics_text: str) -> list[str]:
             for s in family.samples:
                 if s.value == unsupported_value:
                     unsupported[s.labels.get("gpu", "?")].append(s.labels.get("reading", "?"))
-    return [f"probe, GPU {gpu}: unsupported {', '.join(sorted(r))}" for gpu, r in sorted(unsupported.items())] or \
-        ["probe: every reading supported (no gpufleet_gpu_reading_unsupported series)"]
+    return [f"probe, GPU {gpu}: unsupported {', '.join(sorted(r))}" for gpu, r in sorted(unsupported.items())] or [
+        "probe: every reading supported (no gpufleet_gpu_reading_unsupported series)"
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -143,8 +175,10 @@ def main(argv: list[str]) -> int:
         try:
             with open(argv[1], encoding="utf-8") as fh:
                 once = json.load(fh)
-            lines.append(f"--once snapshot: {len(once.get('gpus', []))} GPU(s), "
-                         f"{once.get('sample_duration_seconds')} s to sample")
+            lines.append(
+                f"--once snapshot: {len(once.get('gpus', []))} GPU(s), "
+                f"{once.get('sample_duration_seconds')} s to sample"
+            )
         except (OSError, ValueError) as exc:
             lines.append(f"--once snapshot unreadable: {exc}")
     if len(argv) > 2:

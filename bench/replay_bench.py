@@ -40,12 +40,33 @@ HEADING = "## Server: replay"
 BEGIN, END = "<!-- replay_bench:begin -->", "<!-- replay_bench:end -->"
 GOAL, FLOOR = 500_000, 200_000
 # The GPU fields of the snapshot contract's example in the agent issue: what a minimal producer writes.
-CONTRACT_GPU_FIELDS = frozenset((
-    "index", "uuid", "model", "hpc_job", "up", "utilization_ratio", "sm_active_ratio", "memory_used_bytes",
-    "memory_total_bytes", "temperature_celsius", "memory_temperature_celsius", "slowdown_temperature_celsius",
-    "power_watts", "power_limit_watts", "energy_joules_total", "sm_clock_hertz", "sm_clock_max_hertz",
-    "throttle_reasons", "nvlink_tx_bytes_total", "nvlink_rx_bytes_total", "pcie_tx_bytes_total",
-    "pcie_rx_bytes_total", "xid_errors_total"))
+CONTRACT_GPU_FIELDS = frozenset(
+    (
+        "index",
+        "uuid",
+        "model",
+        "hpc_job",
+        "up",
+        "utilization_ratio",
+        "sm_active_ratio",
+        "memory_used_bytes",
+        "memory_total_bytes",
+        "temperature_celsius",
+        "memory_temperature_celsius",
+        "slowdown_temperature_celsius",
+        "power_watts",
+        "power_limit_watts",
+        "energy_joules_total",
+        "sm_clock_hertz",
+        "sm_clock_max_hertz",
+        "throttle_reasons",
+        "nvlink_tx_bytes_total",
+        "nvlink_rx_bytes_total",
+        "pcie_tx_bytes_total",
+        "pcie_rx_bytes_total",
+        "xid_errors_total",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -60,8 +81,8 @@ class Timing:
     cli_cpu_s: float
     inproc_wall_s: float
     alerts: int
-    no_engine_s: float       # start-up, imports, read and parse as the CLI does them, no engine
-    stages_s: dict[str, float] = field(default_factory=dict)   # fastest of the repeats, per stage
+    no_engine_s: float  # start-up, imports, read and parse as the CLI does them, no engine
+    stages_s: dict[str, float] = field(default_factory=dict)  # fastest of the repeats, per stage
 
     @property
     def cli_rate(self) -> float:
@@ -76,28 +97,45 @@ def bench_spec(nodes: int, minutes: float, interval_s: float, seed: int = 7) -> 
     """A production-like cluster: 8-node jobs (one per half on fewer than 16 nodes), half H100 / half
     A100, a few incidents and decoys."""
     rng = np.random.default_rng(seed)
-    specs = tuple(NodeSpec(f"gpu-{i:04d}", H100 if i < nodes // 2 else A100, 8, float(rng.uniform(20, 32)),
-                           float(rng.uniform(-0.5, 0.5))) for i in range(nodes))
+    specs = tuple(
+        NodeSpec(
+            f"gpu-{i:04d}",
+            H100 if i < nodes // 2 else A100,
+            8,
+            float(rng.uniform(20, 32)),
+            float(rng.uniform(-0.5, 0.5)),
+        )
+        for i in range(nodes)
+    )
     jobs, incidents = [], []
     # 8-node jobs on 8 nodes would straddle the two models, and the cluster would idle without a job:
     # the engine's cheapest case, not a production one.
     per_job = 8 if nodes >= 16 else max(1, nodes // 2)
     for k in range(0, nodes - per_job + 1, per_job):
-        group = specs[k:k + per_job]
+        group = specs[k : k + per_job]
         if group[0].model is not group[-1].model:
             continue
-        jobs.append(Job(f"j{k}", str(80000 + k), tuple((n.name, tuple(range(8))) for n in group),
-                        step_s=float(rng.uniform(0.4, 1.2)), comm_ratio=float(rng.uniform(0.12, 0.3))))
+        jobs.append(
+            Job(
+                f"j{k}",
+                str(80000 + k),
+                tuple((n.name, tuple(range(8))) for n in group),
+                step_s=float(rng.uniform(0.4, 1.2)),
+                comm_ratio=float(rng.uniform(0.12, 0.3)),
+            )
+        )
     duration = minutes * 60.0
     for job, kind in zip(jobs, ("slow_gpu", "comm_slowdown", "cooling_failure", "input_starved", "power_brake")):
         node, _ = job.placement[1]
         start = duration * 0.3
-        sev = {"slow_gpu": 0.7, "comm_slowdown": 3.0, "cooling_failure": 2.2, "input_starved": 0.8,
-               "power_brake": 0.6}[kind]
+        sev = {"slow_gpu": 0.7, "comm_slowdown": 3.0, "cooling_failure": 2.2, "input_starved": 0.8, "power_brake": 0.6}[
+            kind
+        ]
         incidents.append(Incident(kind, start, duration * 0.8, node, 3, job=job.key, severity=sev, count=120))
     incidents.append(Incident("agent_down", duration * 0.5, duration * 0.5 + 180, specs[-1].name))
-    return ClusterSpec(specs, tuple(jobs), tuple(incidents), duration, interval_s, seed=seed,
-                       drop_ratio=0.005, order="time")
+    return ClusterSpec(
+        specs, tuple(jobs), tuple(incidents), duration, interval_s, seed=seed, drop_ratio=0.005, order="time"
+    )
 
 
 def _cli() -> list[str]:
@@ -125,8 +163,9 @@ def time_cli(path: Path, expect_code: int = 0) -> tuple[float, float, int]:
     """(wall s, child CPU s, alerts printed) for one end-to-end CLI replay that exits with expect_code."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    proc = subprocess.run([*_cli(), "replay", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          preexec_fn=_pin, check=False)
+    proc = subprocess.run(
+        [*_cli(), "replay", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_pin, check=False
+    )
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != expect_code:
@@ -150,8 +189,13 @@ def time_no_engine(path: Path) -> float:
     """Wall seconds of a subprocess that starts, imports and loads the trace as the CLI does, on one core,
     and runs no engine."""
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _NO_ENGINE, str(path)], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, preexec_fn=_pin, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_ENGINE, str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=_pin,
+        check=False,
+    )
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(f"loading without the engine exited {proc.returncode}: {proc.stderr.decode()[-2000:]}")
@@ -174,7 +218,7 @@ def time_inproc(path: Path) -> float:
     _pin()
     try:
         started = time.perf_counter()
-        with open(path, "rb", buffering=1 << 20) as fh:      # as the CLI opens it
+        with open(path, "rb", buffering=1 << 20) as fh:  # as the CLI opens it
             run_replay(fh)
         return time.perf_counter() - started
     finally:
@@ -232,12 +276,15 @@ def contract_only(src: Path, dst: Path) -> None:
         for line in fin:
             snap = orjson.loads(line)
             gpus = [{k: v for k, v in g.items() if k in CONTRACT_GPU_FIELDS} for g in snap["gpus"]]
-            fout.write(orjson.dumps({"schema": snap["schema"], "node": snap["node"], "time": snap["time"],
-                                     "gpus": gpus}) + b"\n")
+            fout.write(
+                orjson.dumps({"schema": snap["schema"], "node": snap["node"], "time": snap["time"], "gpus": gpus})
+                + b"\n"
+            )
 
 
-def run_one(label: str, spec: ClusterSpec, repeat: int, path: Path, with_stages: bool = False,
-            contract: bool = False) -> Timing:
+def run_one(
+    label: str, spec: ClusterSpec, repeat: int, path: Path, with_stages: bool = False, contract: bool = False
+) -> Timing:
     """Write the trace to `path`, then time both ways (and optionally per stage) `repeat` times."""
     trace: Trace = write_trace(spec, path)
     lines, samples = len(trace.lines), trace.gpu_samples
@@ -251,10 +298,18 @@ def run_one(label: str, spec: ClusterSpec, repeat: int, path: Path, with_stages:
     inproc = [time_inproc(path) for _ in range(repeat)]
     no_engine = [time_no_engine(path) for _ in range(repeat)]
     stages = [time_stages(path) for _ in range(repeat)] if with_stages else []
-    return Timing(label, samples, lines, path.stat().st_size, statistics.median(c[0] for c in cli),
-                  statistics.median(c[1] for c in cli), statistics.median(inproc), cli[0][2],
-                  statistics.median(no_engine),
-                  {k: min(st[k] for st in stages) for k in stages[0]} if stages else {})
+    return Timing(
+        label,
+        samples,
+        lines,
+        path.stat().st_size,
+        statistics.median(c[0] for c in cli),
+        statistics.median(c[1] for c in cli),
+        statistics.median(inproc),
+        cli[0][2],
+        statistics.median(no_engine),
+        {k: min(st[k] for st in stages) for k in stages[0]} if stages else {},
+    )
 
 
 def render(results: list[Timing], repeat: int, startup_s: float) -> str:
@@ -266,41 +321,63 @@ def render(results: list[Timing], repeat: int, startup_s: float) -> str:
         "every node's snapshot lines, a few incidents, 0.5 % dropped lines). *CLI* is "
         "`gpufleet-server replay TRACE` as a subprocess, end to end: interpreter start-up, imports, "
         "parsing, engine, alert JSON on stdout. *In-process* is `run_replay(open(TRACE, 'rb', buffering=1 << 20))`.",
-        f"Goal ≥ {GOAL:,} GPU-samples/s, floor {FLOOR:,}.", "",
+        f"Goal ≥ {GOAL:,} GPU-samples/s, floor {FLOOR:,}.",
+        "",
         "| trace | lines | GPU-samples | size | CLI wall (s) | CLI CPU (s) | CLI GPU-samples/s | "
         "in-process (s) | in-process GPU-samples/s | alerts |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        out.append(f"| {r.label} | {r.lines:,} | {r.gpu_samples:,} | {r.trace_bytes / 2**20:.0f} MiB | "
-                   f"{r.cli_wall_s:.2f} | {r.cli_cpu_s:.2f} | **{r.cli_rate:,.0f}** | {r.inproc_wall_s:.2f} | "
-                   f"{r.inproc_rate:,.0f} | {r.alerts} |")
+        out.append(
+            f"| {r.label} | {r.lines:,} | {r.gpu_samples:,} | {r.trace_bytes / 2**20:.0f} MiB | "
+            f"{r.cli_wall_s:.2f} | {r.cli_cpu_s:.2f} | **{r.cli_rate:,.0f}** | {r.inproc_wall_s:.2f} | "
+            f"{r.inproc_rate:,.0f} | {r.alerts} |"
+        )
     staged = [r for r in results if r.stages_s]
     if staged:
-        out += ["", "Where the time goes, in-process on one core (fastest of the repeats; µs per GPU-sample). "
-                "*decode* is the msgspec decoder alone (JSON, types and ranges checked, unread fields skipped); "
-                "*matrices* is the rest of `parse_lines` (batched float matrices, per-line checks, NodeSamples); "
-                "*engine* is everything after parsing.", "",
-                "| trace | read lines | decode | matrices | engine | sum |", "|---|---|---|---|---|---|"]
+        out += [
+            "",
+            "Where the time goes, in-process on one core (fastest of the repeats; µs per GPU-sample). "
+            "*decode* is the msgspec decoder alone (JSON, types and ranges checked, unread fields skipped); "
+            "*matrices* is the rest of `parse_lines` (batched float matrices, per-line checks, NodeSamples); "
+            "*engine* is everything after parsing.",
+            "",
+            "| trace | read lines | decode | matrices | engine | sum |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in staged:
             us = {k: v / r.gpu_samples * 1e6 for k, v in r.stages_s.items()}
             parser = us["parse"] - us["decode"]
-            out.append(f"| {r.label} | {us['read']:.2f} | {us['decode']:.2f} | {parser:.2f} | {us['engine']:.2f} | "
-                       f"{us['read'] + us['parse'] + us['engine']:.2f} |")
-    out += ["", f"What the floor leaves an engine (median of {repeat} runs, one core). *start-up + load* is the CLI's "
-            "interpreter start-up, imports, reading, decoding, validating and sorting of the trace, with no engine "
-            f"run (the CLI on an empty trace takes {startup_s:.2f} s). *left for the engine* is what the floor "
-            "allows the whole replay less that: negative means no engine, however fast, meets the floor behind "
-            "this start-up and parser.", "",
-            "| trace | GPU-samples | the floor allows (s) | start-up + load (s) | left for the engine (s) | "
-            "whole replay (s) | GPU-samples/s with no engine |", "|---|---|---|---|---|---|---|"]
+            out.append(
+                f"| {r.label} | {us['read']:.2f} | {us['decode']:.2f} | {parser:.2f} | {us['engine']:.2f} | "
+                f"{us['read'] + us['parse'] + us['engine']:.2f} |"
+            )
+    out += [
+        "",
+        f"What the floor leaves an engine (median of {repeat} runs, one core). *start-up + load* is the CLI's "
+        "interpreter start-up, imports, reading, decoding, validating and sorting of the trace, with no engine "
+        f"run (the CLI on an empty trace takes {startup_s:.2f} s). *left for the engine* is what the floor "
+        "allows the whole replay less that: negative means no engine, however fast, meets the floor behind "
+        "this start-up and parser.",
+        "",
+        "| trace | GPU-samples | the floor allows (s) | start-up + load (s) | left for the engine (s) | "
+        "whole replay (s) | GPU-samples/s with no engine |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         allowed = r.gpu_samples / FLOOR
-        out.append(f"| {r.label} | {r.gpu_samples:,} | {allowed:.2f} | {r.no_engine_s:.2f} | "
-                   f"{allowed - r.no_engine_s:+.2f} | {r.cli_wall_s:.2f} | {r.gpu_samples / r.no_engine_s:,.0f} |")
+        out.append(
+            f"| {r.label} | {r.gpu_samples:,} | {allowed:.2f} | {r.no_engine_s:.2f} | "
+            f"{allowed - r.no_engine_s:+.2f} | {r.cli_wall_s:.2f} | {r.gpu_samples / r.no_engine_s:,.0f} |"
+        )
     worst = min(r.cli_rate for r in results)
-    verdict = "meets the goal" if worst >= GOAL else "meets the floor, not the goal" if worst >= FLOOR \
+    verdict = (
+        "meets the goal"
+        if worst >= GOAL
+        else "meets the floor, not the goal"
+        if worst >= FLOOR
         else "is BELOW the floor"
+    )
     out += ["", f"Slowest CLI configuration: {worst:,.0f} GPU-samples/s — {verdict}.", ""]
     return "\n".join(out)
 
@@ -346,8 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big-minutes", type=float, default=20.0, help="length of the big 5 s trace")
     ap.add_argument("--small-nodes", type=int, default=8, help="nodes of the small 1 s trace (0: skip)")
     ap.add_argument("--small-minutes", type=float, default=30.0, help="length of the small 1 s trace")
-    ap.add_argument("--small-slow-minutes", type=float, default=60.0,
-                    help="length of the small cluster's 5 s trace (0: skip)")
+    ap.add_argument(
+        "--small-slow-minutes", type=float, default=60.0, help="length of the small cluster's 5 s trace (0: skip)"
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--stages", action="store_true", help="also time read / decode / parse / engine in-process")
     ap.add_argument("--no-write", action="store_true")
@@ -362,32 +440,50 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     configs = [(f"{args.nodes} nodes × 8 GPUs, {args.minutes:g} min @ 5 s", bench_spec(args.nodes, args.minutes, 5.0))]
     if args.fast_minutes > 0:
-        configs.append((f"{args.nodes} nodes × 8 GPUs, {args.fast_minutes:g} min @ 1 s",
-                        bench_spec(args.nodes, args.fast_minutes, 1.0)))
+        configs.append(
+            (
+                f"{args.nodes} nodes × 8 GPUs, {args.fast_minutes:g} min @ 1 s",
+                bench_spec(args.nodes, args.fast_minutes, 1.0),
+            )
+        )
     if args.big_nodes > 0:
-        configs.append((f"{args.big_nodes} nodes × 8 GPUs, {args.big_minutes:g} min @ 5 s",
-                        bench_spec(args.big_nodes, args.big_minutes, 5.0)))
+        configs.append(
+            (
+                f"{args.big_nodes} nodes × 8 GPUs, {args.big_minutes:g} min @ 5 s",
+                bench_spec(args.big_nodes, args.big_minutes, 5.0),
+            )
+        )
     if args.small_nodes >= 8:
-        configs.append((f"{args.small_nodes} nodes × 8 GPUs, {args.small_minutes:g} min @ 1 s",
-                        bench_spec(args.small_nodes, args.small_minutes, 1.0)))
+        configs.append(
+            (
+                f"{args.small_nodes} nodes × 8 GPUs, {args.small_minutes:g} min @ 1 s",
+                bench_spec(args.small_nodes, args.small_minutes, 1.0),
+            )
+        )
     if args.small_nodes >= 8 and args.small_slow_minutes > 0:
-        configs.append((f"{args.small_nodes} nodes × 8 GPUs, {args.small_slow_minutes:g} min @ 5 s",
-                        bench_spec(args.small_nodes, args.small_slow_minutes, 5.0)))
+        configs.append(
+            (
+                f"{args.small_nodes} nodes × 8 GPUs, {args.small_slow_minutes:g} min @ 5 s",
+                bench_spec(args.small_nodes, args.small_slow_minutes, 5.0),
+            )
+        )
     _compile_bytecode()
     from gpufleet.server.allocator import tune_malloc
-    tune_malloc()           # as the CLI does, so that in-process figures compare with it
+
+    tune_malloc()  # as the CLI does, so that in-process figures compare with it
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         startup_s = time_startup(Path(tmp), args.repeat)
         results = []
         for k, (label, spec, contract) in enumerate((lb, sp, c) for lb, sp in configs for c in (False, True)):
             try:
-                results.append(run_one(label, spec, args.repeat, Path(tmp) / f"trace{k}.jsonl", args.stages,
-                                       contract))
-            except RuntimeError as exc:   # a crashing replay is a finding, not a figure
+                results.append(run_one(label, spec, args.repeat, Path(tmp) / f"trace{k}.jsonl", args.stages, contract))
+            except RuntimeError as exc:  # a crashing replay is a finding, not a figure
                 print(f"{label}: {exc}", file=sys.stderr)
                 return 1
-            print(f"{label}: CLI {results[-1].cli_rate:,.0f} GPU-samples/s, in-process "
-                  f"{results[-1].inproc_rate:,.0f}", file=sys.stderr)
+            print(
+                f"{label}: CLI {results[-1].cli_rate:,.0f} GPU-samples/s, in-process {results[-1].inproc_rate:,.0f}",
+                file=sys.stderr,
+            )
     section = render(results, args.repeat, startup_s)
     print(section)
     if not args.no_write:

@@ -36,7 +36,7 @@ class RingAgent(FakeAgent):
     def __init__(self, node: str, t0: float) -> None:
         super().__init__(node, t0)
         self._ring: dict[int, bytes] = {}
-        self.answer_query("")       # rendered before the server starts: the helper must not be what is slow
+        self.answer_query("")  # rendered before the server starts: the helper must not be what is slow
 
     def answer_query(self, query: str) -> bytes:
         params = parse_qs(query)
@@ -48,10 +48,18 @@ class RingAgent(FakeAgent):
             first = max(first, int(now - float(params["span"][-1])) + 1)
         for t in [t for t in self._ring if t <= now - RETENTION_SECONDS]:
             del self._ring[t]
-        snaps = b",".join(self._ring.get(t) or self._ring.setdefault(t, self.snapshot(float(t)))
-                          for t in range(first, now + 1))
-        return (b'{"schema":1,"node":"' + self.node.encode() + b'","time":' + repr(time.time()).encode()
-                + b',"snapshots":[' + snaps + b"]}")
+        snaps = b",".join(
+            self._ring.get(t) or self._ring.setdefault(t, self.snapshot(float(t))) for t in range(first, now + 1)
+        )
+        return (
+            b'{"schema":1,"node":"'
+            + self.node.encode()
+            + b'","time":'
+            + repr(time.time()).encode()
+            + b',"snapshots":['
+            + snaps
+            + b"]}"
+        )
 
 
 async def serve_ring(agent: RingAgent, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -61,8 +69,12 @@ async def serve_ring(agent: RingAgent, reader: asyncio.StreamReader, writer: asy
             head = await reader.readuntil(b"\r\n\r\n")
             target = head.split(b" ", 2)[1].decode()
             body = agent.answer_query(target.partition("?")[2])
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
@@ -97,28 +109,34 @@ def metric(client: httpx.Client, url: str, name: str) -> float:
         text = client.get(url).text
     except httpx.HTTPError:
         return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.split("{", 1)[0].split(" ", 1)[0] == name)
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{", 1)[0].split(" ", 1)[0] == name
+    )
 
 
 def run_one(count: int, first_span: float, first_concurrency: int, timeout: float) -> dict[str, Any]:
     """Start N ring agents, then the server; peak RSS once two cycles are done."""
     work = Path(tempfile.mkdtemp(prefix="gpufleet-restart-"))
     sd_file = work / "agents.json"
-    helper = subprocess.Popen([sys.executable, "-m", "bench.restart_memory_bench", "--fake-agents", str(count),
-                               "--sd-file", str(sd_file)])
+    helper = subprocess.Popen(
+        [sys.executable, "-m", "bench.restart_memory_bench", "--fake-agents", str(count), "--sd-file", str(sd_file)]
+    )
     server = None
     try:
         wait_for_file(sd_file, helper, 120)
         port = _free_port()
         config = work / "server.yaml"
-        config.write_text(f"targets.file-sd: {sd_file}\nweb.listen-address: 127.0.0.1:{port}\n"
-                          f"storage.path: {work / 'alerts.db'}\nlog.level: warning\n"
-                          f"pull.first-concurrency: {first_concurrency}\npull.concurrency: 256\n"
-                          f"engine: {{min_history_seconds: {first_span:g}}}\n")
+        config.write_text(
+            f"targets.file-sd: {sd_file}\nweb.listen-address: 127.0.0.1:{port}\n"
+            f"storage.path: {work / 'alerts.db'}\nlog.level: warning\n"
+            f"pull.first-concurrency: {first_concurrency}\npull.concurrency: 256\n"
+            f"engine: {{min_history_seconds: {first_span:g}}}\n"
+        )
         started = time.monotonic()
-        server = subprocess.Popen([sys.executable, "-m", "gpufleet.server.cli", "serve", "--config.file", str(config)],
-                                  env={**os.environ, "MALLOC_ARENA_MAX": "2"})
+        server = subprocess.Popen(
+            [sys.executable, "-m", "gpufleet.server.cli", "serve", "--config.file", str(config)],
+            env={**os.environ, "MALLOC_ARENA_MAX": "2"},
+        )
         url = f"http://127.0.0.1:{port}/metrics"
         with httpx.Client(timeout=10) as client:
             cycles = 0.0
@@ -127,10 +145,17 @@ def run_one(count: int, first_span: float, first_concurrency: int, timeout: floa
                 cycles = metric(client, url, "gpufleet_server_cycles_total")
             ingested = metric(client, url, "gpufleet_server_samples_ingested_total")
             up = metric(client, url, "gpufleet_server_target_up")
-        return {"agents": count, "first_span_s": first_span, "first_concurrency": first_concurrency,
-                "cycles": int(cycles), "seconds_to_2_cycles": round(time.monotonic() - started, 1),
-                "peak_rss_mb": round(vm_hwm_bytes(server.pid) / 2**20), "rss_mb": round(proc_rss_bytes(server.pid) / 2**20),
-                "snapshots_ingested": int(ingested), "targets_up": int(up)}
+        return {
+            "agents": count,
+            "first_span_s": first_span,
+            "first_concurrency": first_concurrency,
+            "cycles": int(cycles),
+            "seconds_to_2_cycles": round(time.monotonic() - started, 1),
+            "peak_rss_mb": round(vm_hwm_bytes(server.pid) / 2**20),
+            "rss_mb": round(proc_rss_bytes(server.pid) / 2**20),
+            "snapshots_ingested": int(ingested),
+            "targets_up": int(up),
+        }
     finally:
         for p in (server, helper):
             if p is not None:
@@ -143,8 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     """One JSON line and one markdown row per agent count."""
     parser = argparse.ArgumentParser(prog="python -m bench.restart_memory_bench")
     parser.add_argument("--agents", type=int, nargs="+", default=[50, 100, 250])
-    parser.add_argument("--first-span", type=float, default=120.0,
-                        help="seconds a first pull asks for (the engine's min_history_seconds; default 120)")
+    parser.add_argument(
+        "--first-span",
+        type=float,
+        default=120.0,
+        help="seconds a first pull asks for (the engine's min_history_seconds; default 120)",
+    )
     parser.add_argument("--first-concurrency", type=int, default=8, help="--pull.first-concurrency (default 8)")
     parser.add_argument("--timeout", type=float, default=120.0, help="give up on a run after this many seconds")
     parser.add_argument("--fake-agents", type=int, help=argparse.SUPPRESS)
@@ -158,12 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         row = run_one(count, args.first_span, args.first_concurrency, args.timeout)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print("\n| agents | first pull: span s, concurrency | peak RSS MB | RSS after 2 cycles MB | seconds to 2 cycles "
-          "| targets up |")
+    print(
+        "\n| agents | first pull: span s, concurrency | peak RSS MB | RSS after 2 cycles MB | seconds to 2 cycles "
+        "| targets up |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['agents']} | {r['first_span_s']:g}, {r['first_concurrency']} | {r['peak_rss_mb']} | {r['rss_mb']} "
-              f"| {r['seconds_to_2_cycles']} | {r['targets_up']} |")
+        print(
+            f"| {r['agents']} | {r['first_span_s']:g}, {r['first_concurrency']} | {r['peak_rss_mb']} | {r['rss_mb']} "
+            f"| {r['seconds_to_2_cycles']} | {r['targets_up']} |"
+        )
     return 0
 
 

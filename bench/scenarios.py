@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from bench.tracegen import (A100, H100, ClusterSpec, GpuModel, Incident, Job, NodeSpec, Truth)
+from bench.tracegen import A100, H100, ClusterSpec, GpuModel, Incident, Job, NodeSpec, Truth
 
 GRACE_S = 120.0
 DEADLINE_S = 150.0
@@ -30,8 +30,16 @@ RESOLVE_S = 300.0
 CLOCK_SLACK_S = 2.5
 # Alerts that describe a condition and clear when it ends (health alerts clear on their own timers).
 _RESOLVING_KINDS = ("thermal_throttle", "straggler", "comm_bound", "input_bound")
-ALERT_KINDS = ("thermal_throttle", "straggler", "comm_bound", "input_bound", "node_unreachable",
-               "gpu_lost", "xid", "ecc")
+ALERT_KINDS = (
+    "thermal_throttle",
+    "straggler",
+    "comm_bound",
+    "input_bound",
+    "node_unreachable",
+    "gpu_lost",
+    "xid",
+    "ecc",
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,7 @@ class Scenario:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
 
 class _Draw:
     """Seeded random choices used by the builders."""
@@ -74,15 +83,27 @@ class _Draw:
         return self.pick(("time", "node", "pulls"))
 
     def nodes(self, n: int, model: GpuModel | None = None, prefix: str = "dgx") -> tuple[NodeSpec, ...]:
-        return tuple(NodeSpec(f"{prefix}-{k:03d}", model or self.model(), 8, self.u(20.0, 32.0),
-                              self.u(-0.5, 0.5) if self.rng.random() < 0.8 else self.u(-2.0, 2.0))
-                     for k in range(1, n + 1))
+        return tuple(
+            NodeSpec(
+                f"{prefix}-{k:03d}",
+                model or self.model(),
+                8,
+                self.u(20.0, 32.0),
+                self.u(-0.5, 0.5) if self.rng.random() < 0.8 else self.u(-2.0, 2.0),
+            )
+            for k in range(1, n + 1)
+        )
 
-    def job(self, key: str, hpc: str | None, slots, start: float = 0.0, end: float | None = None,
-            **kw: Any) -> Job:
-        params = dict(step_s=self.u(0.3, 1.5), comm_ratio=self.u(0.12, 0.3), intensity=self.u(0.9, 1.1),
-                      sm_coefficient=self.u(0.75, 0.9), startup_s=self.u(60.0, 120.0),
-                      winddown_s=self.u(20.0, 60.0), memory_bytes=int(self.u(40, 78) * 2**30))
+    def job(self, key: str, hpc: str | None, slots, start: float = 0.0, end: float | None = None, **kw: Any) -> Job:
+        params = dict(
+            step_s=self.u(0.3, 1.5),
+            comm_ratio=self.u(0.12, 0.3),
+            intensity=self.u(0.9, 1.1),
+            sm_coefficient=self.u(0.75, 0.9),
+            startup_s=self.u(60.0, 120.0),
+            winddown_s=self.u(20.0, 60.0),
+            memory_bytes=int(self.u(40, 78) * 2**30),
+        )
         params.update(kw)
         return Job(key, hpc, tuple((n, tuple(g)) for n, g in slots), start, end, **params)
 
@@ -96,8 +117,13 @@ class _Draw:
                 return hpc
 
     def spec(self, nodes, jobs, incidents, duration: float, **kw: Any) -> ClusterSpec:
-        base = dict(interval_s=self.interval(), order=self.order(), drop_ratio=self.u(0.0, 0.01),
-                    seed=self.seed, t0=1_763_800_000.0 + self.i(0, 10**6))
+        base = dict(
+            interval_s=self.interval(),
+            order=self.order(),
+            drop_ratio=self.u(0.0, 0.01),
+            seed=self.seed,
+            t0=1_763_800_000.0 + self.i(0, 10**6),
+        )
         base.update(kw)
         return ClusterSpec(tuple(nodes), tuple(jobs), tuple(incidents), duration, **base)
 
@@ -113,14 +139,14 @@ def _one_job(d: _Draw, n_nodes: int, model: GpuModel | None = None, hpc: bool = 
 
 # ------------------------------------------------------------------------------------ incident kinds
 
+
 def cooling_failure(seed: int) -> ClusterSpec:
     d = _Draw("cooling_failure", seed)
     nodes, job = _one_job(d, d.i(1, 3))
     victim = d.pick(nodes).name
     start = d.u(240, 420)
     end = d.pick((None, start + d.u(360, 540)))
-    inc = Incident("cooling_failure", start, end or 1e9, victim, d.i(0, 7), severity=d.u(1.7, 2.4),
-                   count=d.i(60, 240))
+    inc = Incident("cooling_failure", start, end or 1e9, victim, d.i(0, 7), severity=d.u(1.7, 2.4), count=d.i(60, 240))
     return d.spec(nodes, [job], [inc], 1080.0)
 
 
@@ -136,8 +162,7 @@ def hot_gpu(seed: int) -> ClusterSpec:
 def silent_slow_gpu(seed: int) -> ClusterSpec:
     d = _Draw("silent_slow_gpu", seed)
     nodes, job = _one_job(d, d.i(1, 3))
-    inc = Incident("slow_gpu", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, d.i(0, 7),
-                   severity=d.u(0.6, 0.85))
+    inc = Incident("slow_gpu", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, d.i(0, 7), severity=d.u(0.6, 0.85))
     return d.spec(nodes, [job], [inc], 960.0)
 
 
@@ -145,8 +170,7 @@ def power_brake(seed: int) -> ClusterSpec:
     d = _Draw("power_brake", seed)
     nodes, job = _one_job(d, d.i(1, 2))
     start = d.u(240, 420)
-    inc = Incident("power_brake", start, start + d.u(240, 480), d.pick(nodes).name, d.i(0, 7),
-                   severity=d.u(0.5, 0.75))
+    inc = Incident("power_brake", start, start + d.u(240, 480), d.pick(nodes).name, d.i(0, 7), severity=d.u(0.5, 0.75))
     return d.spec(nodes, [job], [inc], 960.0)
 
 
@@ -188,8 +212,9 @@ def starved_rank(seed: int) -> ClusterSpec:
     together and nobody is busier than the rest: without the idle rank named this reads as comm_bound."""
     d = _Draw("starved_rank", seed)
     nodes, job = _one_job(d, d.i(1, 3))
-    inc = Incident("host_starved", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, d.i(0, 7), job="j1",
-                   severity=d.u(0.2, 0.8))
+    inc = Incident(
+        "host_starved", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, d.i(0, 7), job="j1", severity=d.u(0.2, 0.8)
+    )
     return d.spec(nodes, [job], [inc], 960.0)
 
 
@@ -225,15 +250,18 @@ def gpu_lost_hang(seed: int) -> ClusterSpec:
     return _lost_gpu("gpu_lost_hang", seed, (300, 400), (180, 600), 1080.0)
 
 
-def _lost_gpu(name: str, seed: int, at_s: tuple[float, float], hang_s: tuple[float, float],
-              duration_s: float) -> ClusterSpec:
+def _lost_gpu(
+    name: str, seed: int, at_s: tuple[float, float], hang_s: tuple[float, float], duration_s: float
+) -> ClusterSpec:
     """A GPU falls off the bus (XID 79 just before) at a time in at_s; its job's other ranks hang for a
     time in hang_s, then the job dies."""
     d = _Draw(name, seed)
     nodes, job = _one_job(d, d.i(1, 2))
     victim, gpu, at = d.pick(nodes).name, d.i(0, 7), d.u(*at_s)
-    incs = [Incident("xid", at - 2, at - 1, victim, gpu, code=79),
-            Incident("gpu_lost", at, 1e9, victim, gpu, severity=d.u(*hang_s))]
+    incs = [
+        Incident("xid", at - 2, at - 1, victim, gpu, code=79),
+        Incident("gpu_lost", at, 1e9, victim, gpu, severity=d.u(*hang_s)),
+    ]
     return d.spec(nodes, [job], incs, duration_s)
 
 
@@ -254,8 +282,9 @@ def xid_burst(seed: int) -> ClusterSpec:
     incs = [Incident("xid", at, at + d.u(1, 30), d.pick(nodes).name, d.i(0, 7), code=code, count=d.i(1, 5))]
     if d.rng.random() < 0.5:
         at2 = d.u(240, 600)
-        incs.append(Incident("xid", at2, at2 + 5, d.pick(nodes).name, d.i(0, 7), code=d.pick((13, 31, 43)),
-                             count=d.i(1, 3)))
+        incs.append(
+            Incident("xid", at2, at2 + 5, d.pick(nodes).name, d.i(0, 7), code=d.pick((13, 31, 43)), count=d.i(1, 3))
+        )
     return d.spec(nodes, [job], incs, 840.0)
 
 
@@ -280,10 +309,15 @@ def straggler_on_shared_node(seed: int) -> ClusterSpec:
     d = _Draw("straggler_on_shared_node", seed)
     nodes = d.nodes(2, d.model())
     a = d.job("a", d.hpc(), [(nodes[0].name, range(4)), (nodes[1].name, range(4))])
-    b = d.job("b", d.hpc(), [(nodes[0].name, range(4, 8)), (nodes[1].name, range(4, 8))],
-              intensity=d.u(0.5, 0.8), comm_ratio=d.u(0.05, 0.12), sm_coefficient=d.u(0.4, 0.6))
-    inc = Incident("slow_gpu", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, d.i(4, 7),
-                   severity=d.u(0.6, 0.8))
+    b = d.job(
+        "b",
+        d.hpc(),
+        [(nodes[0].name, range(4, 8)), (nodes[1].name, range(4, 8))],
+        intensity=d.u(0.5, 0.8),
+        comm_ratio=d.u(0.05, 0.12),
+        sm_coefficient=d.u(0.4, 0.6),
+    )
+    inc = Incident("slow_gpu", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, d.i(4, 7), severity=d.u(0.6, 0.8))
     return d.spec(nodes, [a, b], [inc], 960.0)
 
 
@@ -310,8 +344,9 @@ def brake_from_start(seed: int) -> ClusterSpec:
     d = _Draw("brake_from_start", seed)
     nodes, job = _one_job(d, d.i(1, 2))
     end = d.u(330, 450)
-    inc = Incident("power_brake", d.pick((0.0, 40.0, 80.0)), end, d.pick(nodes).name, d.i(0, 7),
-                   severity=d.u(0.5, 0.75))
+    inc = Incident(
+        "power_brake", d.pick((0.0, 40.0, 80.0)), end, d.pick(nodes).name, d.i(0, 7), severity=d.u(0.5, 0.75)
+    )
     return d.spec(nodes, [job], [inc], 1100.0)
 
 
@@ -331,16 +366,17 @@ def early_straggler_then_comm(seed: int) -> ClusterSpec:
     nodes, job = _one_job(d, d.i(1, 2))
     end = d.u(360, 440)
     start = d.u(620, 680)
-    incs = [Incident("slow_gpu", 0.0, end, d.pick(nodes).name, d.i(0, 7), severity=d.u(0.6, 0.75)),
-            Incident("comm_slowdown", start, start + d.u(180, 240), job="j1", severity=d.u(2.5, 4.0))]
+    incs = [
+        Incident("slow_gpu", 0.0, end, d.pick(nodes).name, d.i(0, 7), severity=d.u(0.6, 0.75)),
+        Incident("comm_slowdown", start, start + d.u(180, 240), job="j1", severity=d.u(2.5, 4.0)),
+    ]
     return d.spec(nodes, [job], incs, 1100.0)
 
 
 def marginal_straggler(seed: int) -> ClusterSpec:
     d = _Draw("marginal_straggler", seed)
     nodes, job = _one_job(d, d.i(1, 2))
-    inc = Incident("slow_gpu", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, d.i(0, 7),
-                   severity=d.u(0.86, 0.94))
+    inc = Incident("slow_gpu", d.u(240, 420), d.u(700, 900), d.pick(nodes).name, d.i(0, 7), severity=d.u(0.86, 0.94))
     return d.spec(nodes, [job], [inc], 960.0)
 
 
@@ -348,8 +384,10 @@ def straggler_under_power_cap(seed: int) -> ClusterSpec:
     d = _Draw("straggler_under_power_cap", seed)
     nodes, job = _one_job(d, d.i(1, 2))
     kind = d.pick(("slow_gpu", "power_brake"))
-    incs = [Incident("power_cap", d.u(150, 250), 1e9, job="j1", severity=d.u(0.75, 0.9)),
-            Incident(kind, d.u(450, 550), d.u(800, 900), d.pick(nodes).name, d.i(0, 7), severity=d.u(0.55, 0.75))]
+    incs = [
+        Incident("power_cap", d.u(150, 250), 1e9, job="j1", severity=d.u(0.75, 0.9)),
+        Incident(kind, d.u(450, 550), d.u(800, 900), d.pick(nodes).name, d.i(0, 7), severity=d.u(0.55, 0.75)),
+    ]
     return d.spec(nodes, [job], incs, 960.0)
 
 
@@ -381,12 +419,15 @@ def comm_then_straggler(seed: int) -> ClusterSpec:
     nodes, job = _one_job(d, d.i(2, 3))
     job = replace(job, comm_ratio=d.u(0.2, 0.3))
     first = d.u(240, 300)
-    incs = [Incident("comm_slowdown", first, first + d.u(200, 260), job="j1", severity=d.u(2.5, 4.0)),
-            Incident("slow_gpu", first + 330, first + 600, d.pick(nodes).name, d.i(0, 7), severity=d.u(0.6, 0.8))]
+    incs = [
+        Incident("comm_slowdown", first, first + d.u(200, 260), job="j1", severity=d.u(2.5, 4.0)),
+        Incident("slow_gpu", first + 330, first + 600, d.pick(nodes).name, d.i(0, 7), severity=d.u(0.6, 0.8)),
+    ]
     return d.spec(nodes, [job], incs, 960.0)
 
 
 # ------------------------------------------------------------------------------------------- decoys
+
 
 def decoy_jitter(seed: int) -> ClusterSpec:
     d = _Draw("decoy_jitter", seed)
@@ -394,8 +435,7 @@ def decoy_jitter(seed: int) -> ClusterSpec:
     incs = []
     for _ in range(d.i(4, 8)):
         at = d.u(180, 840)
-        incs.append(Incident("jitter", at, at + d.u(5, 15), d.pick(nodes).name, d.i(0, 7),
-                             severity=d.u(0.4, 0.7)))
+        incs.append(Incident("jitter", at, at + d.u(5, 15), d.pick(nodes).name, d.i(0, 7), severity=d.u(0.4, 0.7)))
     at = d.u(300, 700)
     incs.append(Incident("checkpoint", at, at + d.u(10, 20), job="j1", severity=d.u(3.0, 8.0)))
     return d.spec(nodes, [job], incs, 900.0)
@@ -405,9 +445,11 @@ def decoy_startup_winddown(seed: int) -> ClusterSpec:
     d = _Draw("decoy_startup_winddown", seed)
     nodes = d.nodes(3, d.model())
     first_end = d.u(400, 560)
-    jobs = [d.job("a", d.hpc(), _whole(nodes[:2]), 0.0, first_end),
-            d.job("b", d.hpc(), _whole(nodes[:2]), first_end + d.u(20, 90), None),
-            d.job("c", d.hpc(), _whole(nodes[2:]), d.u(120, 300), d.u(700, 840))]
+    jobs = [
+        d.job("a", d.hpc(), _whole(nodes[:2]), 0.0, first_end),
+        d.job("b", d.hpc(), _whole(nodes[:2]), first_end + d.u(20, 90), None),
+        d.job("c", d.hpc(), _whole(nodes[2:]), d.u(120, 300), d.u(700, 840)),
+    ]
     return d.spec(nodes, jobs, [], 900.0)
 
 
@@ -436,13 +478,13 @@ def decoy_hot_not_throttling(seed: int) -> ClusterSpec:
 
 def decoy_structural(seed: int) -> ClusterSpec:
     d = _Draw("decoy_structural", seed)
-    nodes = tuple(NodeSpec(f"rack{k // 4}-n{k % 4}", d.model(), 8, 18.0 + 4.0 * k + d.u(-1, 1),
-                           d.u(-1.5, 1.5)) for k in range(4))
+    nodes = tuple(
+        NodeSpec(f"rack{k // 4}-n{k % 4}", d.model(), 8, 18.0 + 4.0 * k + d.u(-1, 1), d.u(-1.5, 1.5)) for k in range(4)
+    )
     by_model: dict[str, list[NodeSpec]] = {}
     for n in nodes:
         by_model.setdefault(n.model.name, []).append(n)
-    jobs = [d.job(f"j{i}", d.hpc(), _whole(group), structural_spread=0.02)
-            for i, group in enumerate(by_model.values())]
+    jobs = [d.job(f"j{i}", d.hpc(), _whole(group), structural_spread=0.02) for i, group in enumerate(by_model.values())]
     return d.spec(nodes, jobs, [], 900.0)
 
 
@@ -450,8 +492,15 @@ def decoy_mixed_node(seed: int) -> ClusterSpec:
     d = _Draw("decoy_mixed_node", seed)
     nodes = d.nodes(2, d.model())
     a = d.job("a", d.hpc(), [(nodes[0].name, range(4)), (nodes[1].name, range(8))])
-    b = d.job("b", d.hpc(), [(nodes[0].name, range(4, 8))], intensity=d.u(0.4, 0.7),
-              comm_ratio=d.u(0.03, 0.1), sm_coefficient=d.u(0.35, 0.6), step_s=d.u(1.5, 3.0))
+    b = d.job(
+        "b",
+        d.hpc(),
+        [(nodes[0].name, range(4, 8))],
+        intensity=d.u(0.4, 0.7),
+        comm_ratio=d.u(0.03, 0.1),
+        sm_coefficient=d.u(0.35, 0.6),
+        step_s=d.u(1.5, 3.0),
+    )
     return d.spec(nodes, [a, b], [], 900.0)
 
 
@@ -471,8 +520,10 @@ def decoy_counter_reset(seed: int) -> ClusterSpec:
 def decoy_idle_and_ending(seed: int) -> ClusterSpec:
     d = _Draw("decoy_idle_and_ending", seed)
     nodes = d.nodes(3, d.model())
-    jobs = [d.job("a", d.hpc(), _whole(nodes[:1]), 0.0, d.u(400, 700)),
-            d.job("u", None, [(nodes[1].name, range(4))], 0.0, None)]
+    jobs = [
+        d.job("a", d.hpc(), _whole(nodes[:1]), 0.0, d.u(400, 700)),
+        d.job("u", None, [(nodes[1].name, range(4))], 0.0, None),
+    ]
     return d.spec(nodes, jobs, [], 900.0)
 
 
@@ -486,8 +537,19 @@ def decoy_brief_agent_gap(seed: int) -> ClusterSpec:
 
 # ------------------------------------------------------------------------------------- busy clusters
 
-_BUSY_KINDS = ("cooling_failure", "hot_gpu", "slow_gpu", "power_brake", "slow_node", "host_starved",
-               "comm_slowdown", "input_starved", "xid", "agent_down", "gpu_lost")
+_BUSY_KINDS = (
+    "cooling_failure",
+    "hot_gpu",
+    "slow_gpu",
+    "power_brake",
+    "slow_node",
+    "host_starved",
+    "comm_slowdown",
+    "input_starved",
+    "xid",
+    "agent_down",
+    "gpu_lost",
+)
 
 
 def _busy(name: str, n_nodes: int, n_jobs: tuple[int, int], n_incidents: tuple[int, int]):
@@ -499,6 +561,7 @@ def _busy(name: str, n_nodes: int, n_jobs: tuple[int, int], n_incidents: tuple[i
         incidents = _busy_incidents(d, nodes, jobs, d.i(*n_incidents), duration)
         incidents += _busy_decoys(d, nodes, jobs, duration)
         return d.spec(nodes, jobs, incidents, duration, drop_ratio=d.u(0.0, 0.02))
+
     return build
 
 
@@ -562,8 +625,10 @@ def _busy_incident(d: _Draw, kind: str, job: Job, node: str, gpu: int, start: fl
         return [Incident(kind, start, start + 20, node, gpu, code=d.pick((48, 74, 94, 119)), count=d.i(1, 4))]
     if kind == "agent_down":
         return [Incident(kind, start, start + d.u(120, 300), node)]
-    return [Incident("xid", start - 2, start - 1, node, gpu, code=79),
-            Incident("gpu_lost", start, 1e9, node, gpu, severity=d.u(15, 45))]
+    return [
+        Incident("xid", start - 2, start - 1, node, gpu, code=79),
+        Incident("gpu_lost", start, 1e9, node, gpu, severity=d.u(15, 45)),
+    ]
 
 
 def _busy_decoys(d: _Draw, nodes, jobs: list[Job], duration: float) -> list[Incident]:
@@ -584,83 +649,157 @@ def _busy_decoys(d: _Draw, nodes, jobs: list[Job], duration: float) -> list[Inci
 # ------------------------------------------------------------------------------------------ catalog
 
 CATALOG: tuple[Scenario, ...] = (
-    Scenario("cooling_failure", "one GPU's cooling fails: it heats past 83 °C, the driver cuts its clocks, "
-             "the job waits for it (thermal_throttle + straggler when the slowdown reaches 10 %)",
-             cooling_failure),
+    Scenario(
+        "cooling_failure",
+        "one GPU's cooling fails: it heats past 83 °C, the driver cuts its clocks, "
+        "the job waits for it (thermal_throttle + straggler when the slowdown reaches 10 %)",
+        cooling_failure,
+    ),
     Scenario("hot_gpu", "one GPU runs at 84-86 °C without clock cuts (thermal_throttle only)", hot_gpu),
-    Scenario("silent_slow_gpu", "one GPU computes at 60-85 % speed with no throttle bits (straggler)",
-             silent_slow_gpu),
+    Scenario("silent_slow_gpu", "one GPU computes at 60-85 % speed with no throttle bits (straggler)", silent_slow_gpu),
     Scenario("power_brake", "HW power brake (0x80) halves one GPU's clocks (straggler)", power_brake),
-    Scenario("node_power_cap", "a power cap on one node of a multi-node job (straggler, gpu null: the capped "
-             "node, not the nodes drawing more power while they wait)", node_power_cap),
-    Scenario("partial_brake", "HW power brake on 3-6 of the 8 GPUs of a single-node job (straggler on "
-             "each braked GPU, none on the GPUs spinning at full clocks)", partial_brake),
-    Scenario("slow_node", "all 8 GPUs of one node of a multi-node job run slower (straggler, gpu null)",
-             slow_node),
-    Scenario("node_brake", "HW power brake on all 8 GPUs of one node of a multi-node job (straggler, gpu "
-             "null: the braked node, not the nodes spinning at full clocks)", node_brake),
-    Scenario("host_starved", "one host starves its GPUs: they idle while the rest of the job waits "
-             "(straggler, gpu null)", host_starved),
-    Scenario("starved_rank", "one rank waits on its own host each step: its GPU idles while its peers spin "
-             "in the collective (straggler on that GPU, and no comm_bound)", starved_rank),
+    Scenario(
+        "node_power_cap",
+        "a power cap on one node of a multi-node job (straggler, gpu null: the capped "
+        "node, not the nodes drawing more power while they wait)",
+        node_power_cap,
+    ),
+    Scenario(
+        "partial_brake",
+        "HW power brake on 3-6 of the 8 GPUs of a single-node job (straggler on "
+        "each braked GPU, none on the GPUs spinning at full clocks)",
+        partial_brake,
+    ),
+    Scenario("slow_node", "all 8 GPUs of one node of a multi-node job run slower (straggler, gpu null)", slow_node),
+    Scenario(
+        "node_brake",
+        "HW power brake on all 8 GPUs of one node of a multi-node job (straggler, gpu "
+        "null: the braked node, not the nodes spinning at full clocks)",
+        node_brake,
+    ),
+    Scenario(
+        "host_starved",
+        "one host starves its GPUs: they idle while the rest of the job waits (straggler, gpu null)",
+        host_starved,
+    ),
+    Scenario(
+        "starved_rank",
+        "one rank waits on its own host each step: its GPU idles while its peers spin "
+        "in the collective (straggler on that GPU, and no comm_bound)",
+        starved_rank,
+    ),
     Scenario("comm_slowdown", "collectives take 2-4x longer job-wide (comm_bound)", comm_slowdown),
     Scenario("input_starved", "the input pipeline starves every GPU of the job (input_bound)", input_starved),
     Scenario("gpu_lost", "a GPU falls off the bus (XID 79); the job hangs, then dies (gpu_lost)", gpu_lost),
-    Scenario("gpu_lost_hang", "a GPU falls off the bus and the job's other ranks hang in the collective "
-             "for 3-10 min, NCCL's timeout (gpu_lost, and no comm_bound)", gpu_lost_hang),
-    Scenario("node_crash", "a node of a multi-node job goes down; the other nodes' ranks hang in the "
-             "collective for 3-10 min (node_unreachable, and no comm_bound)", node_crash),
-    Scenario("xid_burst", "a burst of hardware XIDs on one GPU, maybe an application XID elsewhere (xid)",
-             xid_burst),
+    Scenario(
+        "gpu_lost_hang",
+        "a GPU falls off the bus and the job's other ranks hang in the collective "
+        "for 3-10 min, NCCL's timeout (gpu_lost, and no comm_bound)",
+        gpu_lost_hang,
+    ),
+    Scenario(
+        "node_crash",
+        "a node of a multi-node job goes down; the other nodes' ranks hang in the "
+        "collective for 3-10 min (node_unreachable, and no comm_bound)",
+        node_crash,
+    ),
+    Scenario("xid_burst", "a burst of hardware XIDs on one GPU, maybe an application XID elsewhere (xid)", xid_burst),
     Scenario("agent_down", "a node's agent stops answering for minutes (node_unreachable)", agent_down),
     Scenario("straggler_unattributed", "a straggler in a job without hpc_job attribution", straggler_unattributed),
-    Scenario("straggler_on_shared_node", "a straggler in the lighter of two jobs sharing nodes",
-             straggler_on_shared_node),
-    Scenario("intermittent_straggler", "one GPU slow for 1-2.5 min at a time, normal for 20-60 s in between",
-             intermittent_straggler, small=False),
-    Scenario("straggler_from_start", "a GPU 20-40 % slow from the job's first step (no healthy baseline)",
-             straggler_from_start, small=False),
-    Scenario("brake_from_start", "a GPU power-braked (clocks cut, brake bits) from the job's first minute "
-             "recovers; no baseline, and where SM activity is unsupported its power reads like a victim's",
-             brake_from_start),
-    Scenario("node_from_start", "a node host-starved or slow from the job's first minute recovers (no "
-             "baseline: the other nodes spinning while it idles, or far less active than it, name it)",
-             node_from_start),
-    Scenario("early_straggler_then_comm", "a GPU slow from the job's start recovers; later collectives "
-             "slow down job-wide (the straggler must resolve without a baseline, then comm_bound fire)",
-             early_straggler_then_comm),
-    Scenario("marginal_straggler", "a GPU 6-14 % slow: required only where the job slows by 10 % or more",
-             marginal_straggler, small=False),
-    Scenario("straggler_under_power_cap", "a straggler appears in a job already under an operator power cap",
-             straggler_under_power_cap, small=False),
-    Scenario("comm_flapping", "collectives slow down in 1.5-3 min bursts (a flapping link)", comm_flapping,
-             small=False),
-    Scenario("comm_then_straggler", "a comm slowdown, then later a straggler, in the same job",
-             comm_then_straggler, small=False),
+    Scenario(
+        "straggler_on_shared_node", "a straggler in the lighter of two jobs sharing nodes", straggler_on_shared_node
+    ),
+    Scenario(
+        "intermittent_straggler",
+        "one GPU slow for 1-2.5 min at a time, normal for 20-60 s in between",
+        intermittent_straggler,
+        small=False,
+    ),
+    Scenario(
+        "straggler_from_start",
+        "a GPU 20-40 % slow from the job's first step (no healthy baseline)",
+        straggler_from_start,
+        small=False,
+    ),
+    Scenario(
+        "brake_from_start",
+        "a GPU power-braked (clocks cut, brake bits) from the job's first minute "
+        "recovers; no baseline, and where SM activity is unsupported its power reads like a victim's",
+        brake_from_start,
+    ),
+    Scenario(
+        "node_from_start",
+        "a node host-starved or slow from the job's first minute recovers (no "
+        "baseline: the other nodes spinning while it idles, or far less active than it, name it)",
+        node_from_start,
+    ),
+    Scenario(
+        "early_straggler_then_comm",
+        "a GPU slow from the job's start recovers; later collectives "
+        "slow down job-wide (the straggler must resolve without a baseline, then comm_bound fire)",
+        early_straggler_then_comm,
+    ),
+    Scenario(
+        "marginal_straggler",
+        "a GPU 6-14 % slow: required only where the job slows by 10 % or more",
+        marginal_straggler,
+        small=False,
+    ),
+    Scenario(
+        "straggler_under_power_cap",
+        "a straggler appears in a job already under an operator power cap",
+        straggler_under_power_cap,
+        small=False,
+    ),
+    Scenario(
+        "comm_flapping", "collectives slow down in 1.5-3 min bursts (a flapping link)", comm_flapping, small=False
+    ),
+    Scenario(
+        "comm_then_straggler",
+        "a comm slowdown, then later a straggler, in the same job",
+        comm_then_straggler,
+        small=False,
+    ),
     Scenario("clock_skew", "one node's clock 30-120 s off in a job whose collectives slow down", clock_skew),
     Scenario("decoy_jitter", "GPUs slow for 5-15 s and a 10-20 s checkpoint pause", decoy_jitter, decoy=True),
-    Scenario("decoy_startup_winddown", "jobs starting, ending and being replaced", decoy_startup_winddown,
-             decoy=True),
-    Scenario("decoy_power_cap", "an operator caps a whole job's power: 0x4 bits, clocks uniformly lower",
-             decoy_power_cap, decoy=True),
-    Scenario("decoy_hot_not_throttling", "a GPU at 78-81 °C with excursions above 83 °C for under 20 s",
-             decoy_hot_not_throttling, decoy=True),
-    Scenario("decoy_structural", "nodes at 18-32 °C inlet, mixed GPU models, ranks with ±2 % fixed extra work",
-             decoy_structural,
-             decoy=True),
+    Scenario("decoy_startup_winddown", "jobs starting, ending and being replaced", decoy_startup_winddown, decoy=True),
+    Scenario(
+        "decoy_power_cap",
+        "an operator caps a whole job's power: 0x4 bits, clocks uniformly lower",
+        decoy_power_cap,
+        decoy=True,
+    ),
+    Scenario(
+        "decoy_hot_not_throttling",
+        "a GPU at 78-81 °C with excursions above 83 °C for under 20 s",
+        decoy_hot_not_throttling,
+        decoy=True,
+    ),
+    Scenario(
+        "decoy_structural",
+        "nodes at 18-32 °C inlet, mixed GPU models, ranks with ±2 % fixed extra work",
+        decoy_structural,
+        decoy=True,
+    ),
     Scenario("decoy_mixed_node", "two jobs with different loads share a node", decoy_mixed_node, decoy=True),
     Scenario("decoy_missing_samples", "2-6 % of lines lost, fast sampling", decoy_missing_samples, decoy=True),
-    Scenario("decoy_counter_reset", "energy/NVLink/PCIe counters reset mid-run", decoy_counter_reset,
-             decoy=True),
-    Scenario("decoy_idle_and_ending", "idle GPUs, a job ending, an unattributed half-node job",
-             decoy_idle_and_ending, decoy=True),
+    Scenario("decoy_counter_reset", "energy/NVLink/PCIe counters reset mid-run", decoy_counter_reset, decoy=True),
+    Scenario(
+        "decoy_idle_and_ending",
+        "idle GPUs, a job ending, an unattributed half-node job",
+        decoy_idle_and_ending,
+        decoy=True,
+    ),
     Scenario("decoy_brief_agent_gap", "an agent misses 6-15 s of samples", decoy_brief_agent_gap, decoy=True),
-    Scenario("busy_8", "8 nodes, 2-3 jobs, 2-3 incidents and decoys at once", _busy("busy_8", 8, (2, 3), (2, 3)),
-             small=False),
-    Scenario("busy_16", "16 nodes, 3-4 jobs, 3-4 incidents and decoys", _busy("busy_16", 16, (3, 4), (3, 4)),
-             small=False),
-    Scenario("busy_32", "32 nodes, 4-6 jobs, 4-6 incidents and decoys", _busy("busy_32", 32, (4, 6), (4, 6)),
-             small=False),
+    Scenario(
+        "busy_8", "8 nodes, 2-3 jobs, 2-3 incidents and decoys at once", _busy("busy_8", 8, (2, 3), (2, 3)), small=False
+    ),
+    Scenario(
+        "busy_16", "16 nodes, 3-4 jobs, 3-4 incidents and decoys", _busy("busy_16", 16, (3, 4), (3, 4)), small=False
+    ),
+    Scenario(
+        "busy_32", "32 nodes, 4-6 jobs, 4-6 incidents and decoys", _busy("busy_32", 32, (4, 6), (4, 6)), small=False
+    ),
 )
 BY_NAME = {s.name: s for s in CATALOG}
 
@@ -705,6 +844,7 @@ def mid_job(spec: ClusterSpec, onset_s: float) -> ClusterSpec:
 
 
 # ------------------------------------------------------------------------------------------ scoring
+
 
 @dataclass
 class KindScore:
@@ -761,20 +901,33 @@ def _subject_matches(alert: Mapping[str, Any], truth: Truth) -> bool:
 
 def _matches(alert: Mapping[str, Any], truth: Truth, grace_s: float) -> bool:
     started = alert.get("started")
-    return (alert["kind"] == truth.kind and started is not None and _subject_matches(alert, truth)
-            and truth.start - truth.lead_s - CLOCK_SLACK_S <= started <= truth.end + grace_s)
+    return (
+        alert["kind"] == truth.kind
+        and started is not None
+        and _subject_matches(alert, truth)
+        and truth.start - truth.lead_s - CLOCK_SLACK_S <= started <= truth.end + grace_s
+    )
 
 
 def _covers(alert: Mapping[str, Any], truth: Truth) -> bool:
     """An alert that began earlier and is still firing when the truth starts (hysteresis) detects it."""
     started, resolved = alert.get("started"), alert.get("resolved")
-    return (alert["kind"] == truth.kind and started is not None and _subject_matches(alert, truth)
-            and started < truth.start - truth.lead_s - CLOCK_SLACK_S
-            and (resolved is None or resolved >= truth.start))
+    return (
+        alert["kind"] == truth.kind
+        and started is not None
+        and _subject_matches(alert, truth)
+        and started < truth.start - truth.lead_s - CLOCK_SLACK_S
+        and (resolved is None or resolved >= truth.start)
+    )
 
 
-def score(alerts: Iterable[Any], truths: Iterable[Truth], grace_s: float = GRACE_S,
-          deadline_s: float = DEADLINE_S, trace_end: float | None = None) -> Score:
+def score(
+    alerts: Iterable[Any],
+    truths: Iterable[Truth],
+    grace_s: float = GRACE_S,
+    deadline_s: float = DEADLINE_S,
+    trace_end: float | None = None,
+) -> Score:
     """Match alerts to truths (see the module docstring for the rules; stuck alerts need trace_end)."""
     alerts = [normalize(a) for a in alerts]
     truths = list(truths)
@@ -806,8 +959,9 @@ def score(alerts: Iterable[Any], truths: Iterable[Truth], grace_s: float = GRACE
     return Score(kinds, missed, late, false_alerts, stuck)
 
 
-def _stuck(alerts: list[dict[str, Any]], truths: list[Truth], grace_s: float,
-           trace_end: float) -> list[tuple[dict[str, Any], Truth]]:
+def _stuck(
+    alerts: list[dict[str, Any]], truths: list[Truth], grace_s: float, trace_end: float
+) -> list[tuple[dict[str, Any], Truth]]:
     """Alerts that stay open (or resolve) more than RESOLVE_S after the last truth they match ended."""
     out = []
     for a in alerts:
@@ -819,8 +973,13 @@ def _stuck(alerts: list[dict[str, Any]], truths: list[Truth], grace_s: float,
         # Later truths on the same subject that the open alert runs into keep it legitimately open.
         resolved = a.get("resolved")
         last = max(mine, key=lambda t: t.end)
-        follow = [t for t in truths if t.kind == a["kind"] and _subject_matches(a, t)
-                  and t.start <= (trace_end if resolved is None else resolved)]
+        follow = [
+            t
+            for t in truths
+            if t.kind == a["kind"]
+            and _subject_matches(a, t)
+            and t.start <= (trace_end if resolved is None else resolved)
+        ]
         last = max([last] + follow, key=lambda t: t.end)
         due = last.end + RESOLVE_S
         if (resolved is None and due < trace_end) or (resolved is not None and resolved > due):

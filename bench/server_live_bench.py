@@ -47,16 +47,36 @@ _ENERGY_MARK = 987654321.5
 def gpu_sample(node: str, index: int) -> GpuSample:
     """The fake node's GPU, its energy counter at a marker value."""
     return GpuSample(
-        index=index, uuid=f"GPU-{node}-{index:02d}", model="NVIDIA H100 80GB HBM3", hpc_job=f"job-{hash(node) % 97}",
-        pci_bus_id=f"00000000:{index + 16:02X}:00.0", utilization_ratio=1.0, memory_utilization_ratio=0.4,
-        sm_active_ratio=0.78 + index * 0.002, sm_occupancy_ratio=0.45, memory_used_bytes=60 * 2**30,
-        memory_total_bytes=80 * 2**30, temperature_celsius=64.0 + index, memory_temperature_celsius=70.0,
-        slowdown_temperature_celsius=87.0, shutdown_temperature_celsius=92.0, power_watts=610.0 + index,
-        power_limit_watts=700.0, energy_joules_total=_ENERGY_MARK, sm_clock_hertz=1.98e9, sm_clock_max_hertz=1.98e9,
-        memory_clock_hertz=2.6e9, memory_clock_max_hertz=2.6e9, throttle_reasons=0,
+        index=index,
+        uuid=f"GPU-{node}-{index:02d}",
+        model="NVIDIA H100 80GB HBM3",
+        hpc_job=f"job-{hash(node) % 97}",
+        pci_bus_id=f"00000000:{index + 16:02X}:00.0",
+        utilization_ratio=1.0,
+        memory_utilization_ratio=0.4,
+        sm_active_ratio=0.78 + index * 0.002,
+        sm_occupancy_ratio=0.45,
+        memory_used_bytes=60 * 2**30,
+        memory_total_bytes=80 * 2**30,
+        temperature_celsius=64.0 + index,
+        memory_temperature_celsius=70.0,
+        slowdown_temperature_celsius=87.0,
+        shutdown_temperature_celsius=92.0,
+        power_watts=610.0 + index,
+        power_limit_watts=700.0,
+        energy_joules_total=_ENERGY_MARK,
+        sm_clock_hertz=1.98e9,
+        sm_clock_max_hertz=1.98e9,
+        memory_clock_hertz=2.6e9,
+        memory_clock_max_hertz=2.6e9,
+        throttle_reasons=0,
         throttle_seconds_total={"sw_power_cap": 12.0, "hw_slowdown": 0.0},
-        nvlink_tx_bytes_total=10**12, nvlink_rx_bytes_total=10**12, pcie_tx_bytes_total=10**10,
-        pcie_rx_bytes_total=10**10, ecc_corrected_errors_total=0, ecc_uncorrected_errors_total=0,
+        nvlink_tx_bytes_total=10**12,
+        nvlink_rx_bytes_total=10**12,
+        pcie_tx_bytes_total=10**10,
+        pcie_rx_bytes_total=10**10,
+        ecc_corrected_errors_total=0,
+        ecc_uncorrected_errors_total=0,
         xid_errors_total=0,
     )
 
@@ -75,8 +95,9 @@ class FakeAgent:
         self.node = node
         self.t0 = t0
         self.gpus = [gpu_template(node, i) for i in range(GPUS_PER_NODE)]
-        head = NodeSnapshot(node=node, time=0.0, gpus=(), driver_version="550.54.15",
-                            sample_duration_seconds=0.004).to_dict()
+        head = NodeSnapshot(
+            node=node, time=0.0, gpus=(), driver_version="550.54.15", sample_duration_seconds=0.004
+        ).to_dict()
         del head["gpus"], head["time"]
         self.head = orjson.dumps(head)[:-1]
         self._samples = [gpu_sample(node, i) for i in range(GPUS_PER_NODE)]
@@ -106,10 +127,16 @@ class FakeAgent:
         if self._exposition is None or self._exposition[0].time != t:
             elapsed = t - self.t0
             gpus = tuple(replace(g, energy_joules_total=1e6 + elapsed * 610.0 + g.index) for g in self._samples)
-            snap = NodeSnapshot(node=self.node, time=t, gpus=gpus, driver_version="550.54.15",
-                                sample_duration_seconds=0.004)
-            activity = {g.uuid: {"utilization": (elapsed * g.utilization_ratio, elapsed),
-                                 "sm_active": (elapsed * g.sm_active_ratio, elapsed)} for g in gpus}
+            snap = NodeSnapshot(
+                node=self.node, time=t, gpus=gpus, driver_version="550.54.15", sample_duration_seconds=0.004
+            )
+            activity = {
+                g.uuid: {
+                    "utilization": (elapsed * g.utilization_ratio, elapsed),
+                    "sm_active": (elapsed * g.sm_active_ratio, elapsed),
+                }
+                for g in gpus
+            }
             health = AgentHealth(node=self.node, version="bench", nvml_up=True, cycles_total=int(elapsed))
             self._exposition = (snap, self._renderer.render(snap, health, activity))
         snap, body = self._exposition
@@ -129,8 +156,14 @@ async def serve_agent(agent: FakeAgent, reader: asyncio.StreamReader, writer: as
                 if "since=" in target:
                     since = float(target.split("since=", 1)[1].split("&", 1)[0])
                 body, kind = agent.answer(since), b"application/json"
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + kind + b"\r\ncontent-length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: "
+                + kind
+                + b"\r\ncontent-length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
@@ -168,9 +201,15 @@ def proc_rss_bytes(pid: int) -> int:
 
 def scrape(client: httpx.Client, url: str) -> dict[str, float]:
     """The unlabelled (or summed) server gauges and counters we report."""
-    wanted = ("gpufleet_server_pull_cycle_duration_seconds", "gpufleet_server_engine_tick_duration_seconds",
-              "gpufleet_server_samples_ingested_total", "gpufleet_server_cycle_overruns_total",
-              "gpufleet_server_cycles_total", "gpufleet_server_target_up", "gpufleet_server_pull_errors_total")
+    wanted = (
+        "gpufleet_server_pull_cycle_duration_seconds",
+        "gpufleet_server_engine_tick_duration_seconds",
+        "gpufleet_server_samples_ingested_total",
+        "gpufleet_server_cycle_overruns_total",
+        "gpufleet_server_cycles_total",
+        "gpufleet_server_target_up",
+        "gpufleet_server_pull_errors_total",
+    )
     out: dict[str, float] = {}
     for line in client.get(url).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -188,15 +227,23 @@ def wait_for_file(path: Path, process: subprocess.Popen[bytes], timeout: float) 
         time.sleep(0.2)
 
 
-def run_one(count: int, duration: float, interval: float, server_cpus: set[int] | None,
-            helper_cpus: set[int] | None, engine_yaml: str, ingest: str = "direct",
-            history: float = 0.0) -> dict[str, Any]:
+def run_one(
+    count: int,
+    duration: float,
+    interval: float,
+    server_cpus: set[int] | None,
+    helper_cpus: set[int] | None,
+    engine_yaml: str,
+    ingest: str = "direct",
+    history: float = 0.0,
+) -> dict[str, Any]:
     """Start N fake agents and a server (pulling them, or reading them from a Prometheus that scrapes
     them), measure for `duration` seconds after a warm-up."""
     work = Path(tempfile.mkdtemp(prefix="gpufleet-bench-"))
     sd_file = work / "agents.json"
-    helper = subprocess.Popen([sys.executable, "-m", "bench.server_live_bench", "--fake-agents", str(count),
-                               "--sd-file", str(sd_file)])
+    helper = subprocess.Popen(
+        [sys.executable, "-m", "bench.server_live_bench", "--fake-agents", str(count), "--sd-file", str(sd_file)]
+    )
     if helper_cpus:
         os.sched_setaffinity(helper.pid, helper_cpus)
     server = prometheus = None
@@ -208,13 +255,15 @@ def run_one(count: int, duration: float, interval: float, server_cpus: set[int] 
             prometheus, prom_url = start_prometheus(work, sd_file, interval)
             if helper_cpus:
                 os.sched_setaffinity(prometheus.pid, helper_cpus)
-            time.sleep(history)     # what Prometheus holds when the server starts: its first query asks for it
+            time.sleep(history)  # what Prometheus holds when the server starts: its first query asks for it
             source = f"ingest.prometheus-url: {prom_url}\n"
         else:
             source = f"targets.file-sd: {sd_file}\n"
-        config.write_text(f"{source}web.listen-address: 127.0.0.1:{port}\n"
-                          f"pull.interval: {interval}\nstorage.path: {work / 'alerts.db'}\nlog.level: warning\n"
-                          f"{engine_yaml}")
+        config.write_text(
+            f"{source}web.listen-address: 127.0.0.1:{port}\n"
+            f"pull.interval: {interval}\nstorage.path: {work / 'alerts.db'}\nlog.level: warning\n"
+            f"{engine_yaml}"
+        )
         server = subprocess.Popen([sys.executable, "-m", "gpufleet.server.cli", "serve", "--config.file", str(config)])
         if server_cpus:
             os.sched_setaffinity(server.pid, server_cpus)
@@ -239,10 +288,19 @@ def start_prometheus(work: Path, sd_file: Path, interval: float) -> tuple[subpro
         f"global: {{scrape_interval: {interval:g}s, scrape_timeout: {interval:g}s}}\n"
         "scrape_configs:\n"
         "  - job_name: gpufleet-agent\n"
-        f"    file_sd_configs: [{{files: ['{sd_file}']}}]\n")
-    proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        f"    file_sd_configs: [{{files: ['{sd_file}']}}]\n"
+    )
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={work / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -258,8 +316,15 @@ def start_prometheus(work: Path, sd_file: Path, interval: float) -> tuple[subpro
     raise RuntimeError("prometheus did not become ready")
 
 
-def measure(server: subprocess.Popen[bytes], helper: subprocess.Popen[bytes], url: str, count: int,
-            duration: float, interval: float, prometheus: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
+def measure(
+    server: subprocess.Popen[bytes],
+    helper: subprocess.Popen[bytes],
+    url: str,
+    count: int,
+    duration: float,
+    interval: float,
+    prometheus: subprocess.Popen[bytes] | None = None,
+) -> dict[str, Any]:
     """Warm up for 3 pulls, then sample CPU, RSS and the server's metrics every pull interval."""
     warmup = 3 * interval + 5
     time.sleep(warmup)
@@ -281,23 +346,37 @@ def measure(server: subprocess.Popen[bytes], helper: subprocess.Popen[bytes], ur
         prom1 = proc_cpu_seconds(prometheus.pid) if prometheus else 0.0
         last = scrape(client, url)
     elapsed = t1 - t0
-    ingested = last.get("gpufleet_server_samples_ingested_total", 0) - first.get("gpufleet_server_samples_ingested_total", 0)
+    ingested = last.get("gpufleet_server_samples_ingested_total", 0) - first.get(
+        "gpufleet_server_samples_ingested_total", 0
+    )
     return {
-        "agents": count, "gpus": count * GPUS_PER_NODE, "seconds": round(elapsed),
+        "agents": count,
+        "gpus": count * GPUS_PER_NODE,
+        "seconds": round(elapsed),
         "cpu_percent": round(100 * (cpu1 - cpu0) / elapsed, 1),
         "helper_cpu_percent": round(100 * (helper1 - helper0) / elapsed, 1),
-        "rss_mb_max": round(max(rss) / 2**20), "rss_mb_last": round(rss[-1] / 2**20),
-        "pull_cycle_s_median": round(statistics.median(cycles), 3), "pull_cycle_s_max": round(max(cycles), 3),
-        "engine_tick_s_median": round(statistics.median(ticks), 3), "engine_tick_s_max": round(max(ticks), 3),
+        "rss_mb_max": round(max(rss) / 2**20),
+        "rss_mb_last": round(rss[-1] / 2**20),
+        "pull_cycle_s_median": round(statistics.median(cycles), 3),
+        "pull_cycle_s_max": round(max(cycles), 3),
+        "engine_tick_s_median": round(statistics.median(ticks), 3),
+        "engine_tick_s_max": round(max(ticks), 3),
         # Pulled, an agent's every 1 s sample arrives; through Prometheus, the one each scrape carried.
         "snapshots_per_s": round(ingested / elapsed, 1),
         "expected_snapshots_per_s": count if prometheus is None else round(count / interval, 1),
         "targets_up": int(last.get("gpufleet_server_target_up", 0)),
-        "overruns": int(last.get("gpufleet_server_cycle_overruns_total", 0)
-                        - first.get("gpufleet_server_cycle_overruns_total", 0)),
+        "overruns": int(
+            last.get("gpufleet_server_cycle_overruns_total", 0) - first.get("gpufleet_server_cycle_overruns_total", 0)
+        ),
         "pull_errors": int(last.get("gpufleet_server_pull_errors_total", 0)),
-        **({"prometheus_cpu_percent": round(100 * (prom1 - prom0) / elapsed, 1),
-            "prometheus_rss_mb_max": round(max(prom_rss) / 2**20)} if prometheus else {}),
+        **(
+            {
+                "prometheus_cpu_percent": round(100 * (prom1 - prom0) / elapsed, 1),
+                "prometheus_rss_mb_max": round(max(prom_rss) / 2**20),
+            }
+            if prometheus
+            else {}
+        ),
     }
 
 
@@ -321,11 +400,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--server-cpus", default=None, help="pin the server to these CPUs, e.g. 0,1")
     parser.add_argument("--helper-cpus", default=None, help="pin the fake agents to these CPUs")
-    parser.add_argument("--ingest", choices=("direct", "prometheus"), default="direct",
-                        help="pull the agents (direct) or read them through a real Prometheus scraping them")
-    parser.add_argument("--prometheus-history", type=float, default=0.0, metavar="SECONDS",
-                        help="let Prometheus scrape this long before the server starts (its first query's range)")
-    parser.add_argument("--engine", default="", help="engine settings as YAML flow mapping, e.g. '{window_seconds: 600}'")
+    parser.add_argument(
+        "--ingest",
+        choices=("direct", "prometheus"),
+        default="direct",
+        help="pull the agents (direct) or read them through a real Prometheus scraping them",
+    )
+    parser.add_argument(
+        "--prometheus-history",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="let Prometheus scrape this long before the server starts (its first query's range)",
+    )
+    parser.add_argument(
+        "--engine", default="", help="engine settings as YAML flow mapping, e.g. '{window_seconds: 600}'"
+    )
     parser.add_argument("--fake-agents", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--sd-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -335,18 +425,30 @@ def main(argv: list[str] | None = None) -> int:
     engine_yaml = f"engine: {args.engine}\n" if args.engine else ""
     rows = []
     for count in args.agents:
-        row = run_one(count, args.duration, args.interval, _cpus(args.server_cpus), _cpus(args.helper_cpus),
-                      engine_yaml, args.ingest, args.prometheus_history)
+        row = run_one(
+            count,
+            args.duration,
+            args.interval,
+            _cpus(args.server_cpus),
+            _cpus(args.helper_cpus),
+            engine_yaml,
+            args.ingest,
+            args.prometheus_history,
+        )
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print("\n| agents | GPUs | server CPU % | RSS max MB | pull cycle s (median / max) | engine tick s (median / max) "
-          "| snapshots/s (expected) | targets up | overruns |")
+    print(
+        "\n| agents | GPUs | server CPU % | RSS max MB | pull cycle s (median / max) | engine tick s (median / max) "
+        "| snapshots/s (expected) | targets up | overruns |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['agents']} | {r['gpus']} | {r['cpu_percent']} | {r['rss_mb_max']} | "
-              f"{r['pull_cycle_s_median']} / {r['pull_cycle_s_max']} | {r['engine_tick_s_median']} / "
-              f"{r['engine_tick_s_max']} | {r['snapshots_per_s']} ({r['expected_snapshots_per_s']}) | "
-              f"{r['targets_up']} | {r['overruns']} |")
+        print(
+            f"| {r['agents']} | {r['gpus']} | {r['cpu_percent']} | {r['rss_mb_max']} | "
+            f"{r['pull_cycle_s_median']} / {r['pull_cycle_s_max']} | {r['engine_tick_s_median']} / "
+            f"{r['engine_tick_s_max']} | {r['snapshots_per_s']} ({r['expected_snapshots_per_s']}) | "
+            f"{r['targets_up']} | {r['overruns']} |"
+        )
     return 0
 
 

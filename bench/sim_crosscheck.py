@@ -50,11 +50,24 @@ from bench.sim_record import T0, record_node
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "crosscheck.md"
 BEGIN, END = "<!-- crosscheck:begin -->", "<!-- crosscheck:end -->"
-KINDS = ("cooling", "slow_silent", "slow_brake", "host", "host_rank", "comm", "cap", "none", "lost", "reset", "xid",
-         "agent_down", "job_end")
+KINDS = (
+    "cooling",
+    "slow_silent",
+    "slow_brake",
+    "host",
+    "host_rank",
+    "comm",
+    "cap",
+    "none",
+    "lost",
+    "reset",
+    "xid",
+    "agent_down",
+    "job_end",
+)
 DETECTION = ("straggler", "thermal_throttle", "comm_bound", "input_bound", "gpu_lost", "node_unreachable")
 JOB = "555"
-HOT_CELSIUS, HOT_SECONDS = 83.0, 30        # the thermal alert's default threshold and `for`
+HOT_CELSIUS, HOT_SECONDS = 83.0, 30  # the thermal alert's default threshold and `for`
 # Power caps an operator might set, in watts, per model: from deep (clocks cut 20 %) to barely biting.
 CAP_WATTS = {"h100-sxm": (350, 650), "a100-sxm4": (220, 380), "l40s": (200, 340)}
 
@@ -113,8 +126,13 @@ def draw(kind: str, seed: int, hard: bool) -> Case:
 
     def job(job_id: str, gpus: list[int], start: float) -> dict[str, Any]:
         place = [n["name"] if len(gpus) == 8 else {"node": n["name"], "gpus": gpus} for n in nodes]
-        return {"id": job_id, "nodes": place, "start_s": start, "step_time_s": round(r.uniform(0.4, 3.0), 2),
-                "compute_fraction": round(r.uniform(0.6, 0.92), 2)}
+        return {
+            "id": job_id,
+            "nodes": place,
+            "start_s": start,
+            "step_time_s": round(r.uniform(0.4, 3.0), 2),
+            "compute_fraction": round(r.uniform(0.6, 0.92), 2),
+        }
 
     jobs = [job(JOB, mine, 0)]
     if layout == "two":
@@ -135,17 +153,27 @@ def draw(kind: str, seed: int, hard: bool) -> Case:
         inc = {"kind": "cooling_failure", "node": node, "gpu": gpu, "resistance_factor": sev((2.0, 3.0), (1.3, 2.0))}
         expect = ("thermal_throttle", node, gpu)
     elif kind == "slow_silent":
-        inc = {"kind": "slow_gpu", "node": node, "gpu": gpu, "speed_factor": sev((0.55, 0.85), (0.8, 0.95)),
-               "silent": True}
+        inc = {
+            "kind": "slow_gpu",
+            "node": node,
+            "gpu": gpu,
+            "speed_factor": sev((0.55, 0.85), (0.8, 0.95)),
+            "silent": True,
+        }
         expect, slowdown = ("straggler", node, gpu), cf * (1 / inc["speed_factor"] - 1)
     elif kind == "slow_brake":
-        inc = {"kind": "slow_gpu", "node": node, "gpu": gpu, "speed_factor": sev((0.5, 0.85), (0.8, 0.95)),
-               "power_brake": True}
+        inc = {
+            "kind": "slow_gpu",
+            "node": node,
+            "gpu": gpu,
+            "speed_factor": sev((0.5, 0.85), (0.8, 0.95)),
+            "power_brake": True,
+        }
         expect, slowdown = ("straggler", node, gpu), cf * (1 / inc["speed_factor"] - 1)
     elif kind == "host":
         inc = {"kind": "host_starvation", "node": node, "input_wait_ratio": sev((0.3, 1.0), (0.08, 0.3))}
-        expect, slowdown = ("straggler", node, None), inc["input_wait_ratio"]     # idle time added to each step
-    elif kind == "host_rank":       # one rank's own input pipeline: that GPU idles, its peers wait
+        expect, slowdown = ("straggler", node, None), inc["input_wait_ratio"]  # idle time added to each step
+    elif kind == "host_rank":  # one rank's own input pipeline: that GPU idles, its peers wait
         inc = {"kind": "host_starvation", "node": node, "gpu": gpu, "input_wait_ratio": sev((0.3, 1.0), (0.08, 0.3))}
         expect, slowdown = ("straggler", node, gpu), inc["input_wait_ratio"]
     elif kind == "comm":
@@ -156,13 +184,19 @@ def draw(kind: str, seed: int, hard: bool) -> Case:
     elif kind == "lost":
         inc = {"kind": "gpu_lost", "node": node, "gpu": gpu}
         expect = ("gpu_lost", node, gpu)
-    elif kind == "reset":           # every cumulative counter of a node back to 0 (driver reload)
+    elif kind == "reset":  # every cumulative counter of a node back to 0 (driver reload)
         inc = {"kind": "counter_reset", "node": node}
-    elif kind == "xid":             # an XID alert only; nobody is slowed
-        inc = {"kind": "xid", "node": node, "gpu": gpu, "code": r.choice((13, 31, 43, 48, 94)), "count": r.randint(1, 5)}
-    elif kind == "agent_down":      # the agent stops (crash, network): its node and job run on
+    elif kind == "xid":  # an XID alert only; nobody is slowed
+        inc = {
+            "kind": "xid",
+            "node": node,
+            "gpu": gpu,
+            "code": r.choice((13, 31, 43, 48, 94)),
+            "count": r.randint(1, 5),
+        }
+    elif kind == "agent_down":  # the agent stops (crash, network): its node and job run on
         inc, expect = None, ("node_unreachable", node, None)
-    elif kind == "job_end":         # the job winds down and ends; its GPUs idle
+    elif kind == "job_end":  # the job winds down and ends; its GPUs idle
         inc = None
         jobs[0]["end_s"] = start
     else:
@@ -171,8 +205,13 @@ def draw(kind: str, seed: int, hard: bool) -> Case:
         inc["start_s"] = start
         if kind not in ("lost", "reset"):
             inc["end_s"] = end
-    scenario = {"name": f"crosscheck-{kind}-{seed}", "duration_s": end + 240, "nodes": nodes, "jobs": jobs,
-                "incidents": [inc] if inc else []}
+    scenario = {
+        "name": f"crosscheck-{kind}-{seed}",
+        "duration_s": end + 240,
+        "nodes": nodes,
+        "jobs": jobs,
+        "incidents": [inc] if inc else [],
+    }
     return Case(kind, seed, scenario, expect, slowdown, (node, start, end) if kind == "agent_down" else None)
 
 
@@ -194,11 +233,12 @@ def run_case(args: tuple[Case, tuple[int, ...], bool]) -> tuple[Case, bool, dict
     whether the expected alert is required, and the alerts as (kind, node, gpu, job, start, end) per
     interval."""
     case, every, strip_jobs = args
-    logging.disable(logging.WARNING)    # the agent's own reports (XIDs, a lost GPU) are the scenario's
+    logging.disable(logging.WARNING)  # the agent's own reports (XIDs, a lost GPU) are the scenario's
     scenario = parse_scenario(case.scenario)
     with tempfile.TemporaryDirectory() as tmp:
-        lines = b"".join(record_node(scenario, node, Path(tmp), scenario.duration_s)[0].read_bytes()
-                         for node in scenario.nodes).splitlines()
+        lines = b"".join(
+            record_node(scenario, node, Path(tmp), scenario.duration_s)[0].read_bytes() for node in scenario.nodes
+        ).splitlines()
     if case.silent:
         node, start, end = case.silent
         lines = [line for line in lines if not _silenced(orjson.loads(line), node, start, end)]
@@ -207,10 +247,22 @@ def run_case(args: tuple[Case, tuple[int, ...], bool]) -> tuple[Case, bool, dict
         lines = [_strip_jobs(line) for line in lines]
     out = {}
     for interval in every:
-        kept = lines if interval == 1 else [
-            line for line in lines if round(orjson.loads(line)["time"] - T0) % interval == 0]
-        out[interval] = [(a.kind.value, a.node, a.gpu, a.hpc_job, round(a.started - T0),
-                          None if a.resolved is None else round(a.resolved - T0)) for a in run_replay(kept)]
+        kept = (
+            lines
+            if interval == 1
+            else [line for line in lines if round(orjson.loads(line)["time"] - T0) % interval == 0]
+        )
+        out[interval] = [
+            (
+                a.kind.value,
+                a.node,
+                a.gpu,
+                a.hpc_job,
+                round(a.started - T0),
+                None if a.resolved is None else round(a.resolved - T0),
+            )
+            for a in run_replay(kept)
+        ]
     return case, required, out
 
 
@@ -228,8 +280,11 @@ def _longest_hot_run_s(lines: list[bytes], node: str, gpu: int) -> int:
         for g in snap["gpus"]:
             if g["index"] == gpu:
                 hbm, hbm_max = g.get("memory_temperature_celsius"), g.get("memory_max_operating_temperature_celsius")
-                hot = ((g.get("temperature_celsius") or 0) >= HOT_CELSIUS or bool((g.get("throttle_reasons") or 0) & 0x60)
-                       or (hbm is not None and hbm_max is not None and hbm >= hbm_max))
+                hot = (
+                    (g.get("temperature_celsius") or 0) >= HOT_CELSIUS
+                    or bool((g.get("throttle_reasons") or 0) & 0x60)
+                    or (hbm is not None and hbm_max is not None and hbm >= hbm_max)
+                )
                 run = run + 1 if hot else 0
                 best = max(best, run)
     return best
@@ -251,8 +306,9 @@ def judge(case: Case, alerts: list[tuple]) -> tuple[bool, list[tuple]]:
     return hit, [a for a in found if not allowed(a)]
 
 
-def evaluate(seeds: range, hard: bool, every: tuple[int, ...], kinds: tuple[str, ...],
-             workers: int, strip_jobs: bool = False) -> dict[tuple[str, int], Tally]:
+def evaluate(
+    seeds: range, hard: bool, every: tuple[int, ...], kinds: tuple[str, ...], workers: int, strip_jobs: bool = False
+) -> dict[tuple[str, int], Tally]:
     drawn = (draw(kind, seed, hard) for seed in seeds for kind in kinds)
     cases = [(unattributed(c) if strip_jobs else c, every, strip_jobs) for c in drawn]
     table = {(k, i): Tally() for k in kinds for i in every}
@@ -268,20 +324,33 @@ def evaluate(seeds: range, hard: bool, every: tuple[int, ...], kinds: tuple[str,
                 if wrong or (required and not hit):
                     what = f"wrong {wrong}" if wrong else "missed"
                     slowed = "" if case.slowdown is None else f" (job slowed {case.slowdown:.0%})"
-                    t.notes.append(f"{case.kind} seed {case.seed} at {interval} s: {what}{slowed}; incident "
-                                   f"{case.scenario['incidents'][0] if case.scenario['incidents'] else None}, "
-                                   f"{len(case.scenario['nodes'])}× {case.scenario['nodes'][0]['model']}")
-                print(f"{'ok   ' if hit or not required else 'miss '}{'WRONG ' if wrong else ''}"
-                      f"{case.kind} seed {case.seed} {interval}s: {alerts}", file=sys.stderr, flush=True)
+                    t.notes.append(
+                        f"{case.kind} seed {case.seed} at {interval} s: {what}{slowed}; incident "
+                        f"{case.scenario['incidents'][0] if case.scenario['incidents'] else None}, "
+                        f"{len(case.scenario['nodes'])}× {case.scenario['nodes'][0]['model']}"
+                    )
+                print(
+                    f"{'ok   ' if hit or not required else 'miss '}{'WRONG ' if wrong else ''}"
+                    f"{case.kind} seed {case.seed} {interval}s: {alerts}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return table
 
 
 def render(table: dict[tuple[str, int], Tally], args: argparse.Namespace, max_misses: int = 12) -> str:
-    cmd = f"python -m bench.sim_crosscheck --seeds {args.seeds} --first-seed {args.first_seed}" + \
-          (" --hard" if args.hard else "") + (" --unattributed" if args.unattributed else "") + \
-          f" --every {args.every}"
-    lines = [f"Generated by `{cmd}`.", "",
-             "| incident | sampling | runs | required alert raised | runs with a wrong alert |", "|---|---|---|---|---|"]
+    cmd = (
+        f"python -m bench.sim_crosscheck --seeds {args.seeds} --first-seed {args.first_seed}"
+        + (" --hard" if args.hard else "")
+        + (" --unattributed" if args.unattributed else "")
+        + f" --every {args.every}"
+    )
+    lines = [
+        f"Generated by `{cmd}`.",
+        "",
+        "| incident | sampling | runs | required alert raised | runs with a wrong alert |",
+        "|---|---|---|---|---|",
+    ]
     for (kind, interval), t in table.items():
         raised = f"{t.hits}/{t.expected}" if t.expected else "–"
         lines.append(f"| {kind} | {interval} s | {t.runs} | {raised} | {t.wrong} |")
@@ -298,8 +367,9 @@ def render(table: dict[tuple[str, int], Tally], args: argparse.Namespace, max_mi
 def write_section(doc: Path, body: str, mode: str = "") -> None:
     """Replace the block for this mode ("", "hard" or "unattributed") between its markers; append it if
     absent."""
-    begin, end = (BEGIN, END) if not mode else (BEGIN.replace("begin", f"{mode}:begin"),
-                                                END.replace("end", f"{mode}:end"))
+    begin, end = (
+        (BEGIN, END) if not mode else (BEGIN.replace("begin", f"{mode}:begin"), END.replace("end", f"{mode}:end"))
+    )
     text = doc.read_text()
     block = f"{begin}\n{body}\n{end}"
     if begin in text and end in text:
@@ -327,13 +397,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
     every = tuple(int(x) for x in args.every.split(","))
-    table = evaluate(range(args.first_seed, args.first_seed + args.seeds), args.hard, every, kinds, args.workers,
-                     args.unattributed)
+    table = evaluate(
+        range(args.first_seed, args.first_seed + args.seeds), args.hard, every, kinds, args.workers, args.unattributed
+    )
     body = render(table, args)
     print(body)
     if not args.no_write:
-        write_section(args.doc, body, "-".join(m for m, on in (("hard", args.hard),
-                                                               ("unattributed", args.unattributed)) if on))
+        write_section(
+            args.doc, body, "-".join(m for m, on in (("hard", args.hard), ("unattributed", args.unattributed)) if on)
+        )
     return 0
 
 

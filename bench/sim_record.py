@@ -24,18 +24,34 @@ from gpufleet.agent.store import Publication, SnapshotStore
 T0 = 1_763_800_000.0
 
 
-def record_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: float,
-                interval_seconds: float = 1.0, env_vars: tuple[str, ...] = DEFAULT_ENV_VARS) -> tuple[Path, list[float]]:
+def record_node(
+    scenario: Scenario,
+    node: str,
+    workdir: Path,
+    duration_seconds: float,
+    interval_seconds: float = 1.0,
+    env_vars: tuple[str, ...] = DEFAULT_ENV_VARS,
+) -> tuple[Path, list[float]]:
     """Sample one simulated node from T0 for duration_seconds; returns its --record file and the
     offsets (seconds from T0) of the cycles that produced no sample (NVML down, by the scenario)."""
     trace = workdir / f"{node}.jsonl"
-    missing = [now - T0 for now, snapshot, _ in sample_node(scenario, node, workdir, duration_seconds,
-                                                            interval_seconds, trace, env_vars) if snapshot is None]
+    missing = [
+        now - T0
+        for now, snapshot, _ in sample_node(
+            scenario, node, workdir, duration_seconds, interval_seconds, trace, env_vars
+        )
+        if snapshot is None
+    ]
     return trace, missing
 
 
-def record_cluster(scenario: Scenario, workdir: Path, duration_seconds: float,
-                   interval_seconds: float = 1.0, env_vars: tuple[str, ...] = DEFAULT_ENV_VARS) -> list[bytes]:
+def record_cluster(
+    scenario: Scenario,
+    workdir: Path,
+    duration_seconds: float,
+    interval_seconds: float = 1.0,
+    env_vars: tuple[str, ...] = DEFAULT_ENV_VARS,
+) -> list[bytes]:
     """Every node recorded, then the files joined node after node as `cat` would: the replay input.
     A node that missed a sample fails the caller, since the scenarios recorded this way expect none.
     `env_vars`: the agent's --hpc-job-env-vars."""
@@ -47,9 +63,15 @@ def record_cluster(scenario: Scenario, workdir: Path, duration_seconds: float,
     return b"".join(f.read_bytes() for f in files).splitlines()
 
 
-def sample_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: float,
-                interval_seconds: float = 1.0, record_to: Path | None = None,
-                env_vars: tuple[str, ...] = DEFAULT_ENV_VARS) -> Iterator[tuple[float, NodeSnapshot | None, Publication]]:
+def sample_node(
+    scenario: Scenario,
+    node: str,
+    workdir: Path,
+    duration_seconds: float,
+    interval_seconds: float = 1.0,
+    record_to: Path | None = None,
+    env_vars: tuple[str, ...] = DEFAULT_ENV_VARS,
+) -> Iterator[tuple[float, NodeSnapshot | None, Publication]]:
     """Each cycle's (simulated time, new snapshot or None, the store's publication after it)."""
     clock = SettableClock(T0)
     nvml = SimNvml(scenario, node, clock=clock, epoch=T0)
@@ -60,10 +82,16 @@ def sample_node(scenario: Scenario, node: str, workdir: Path, duration_seconds: 
     # A budget of a whole core: recorded traces must not depend on how fast this machine runs the
     # simulator's Python, which the sampling tiers would otherwise measure as NVML cost.
     reader = NvmlReader(nvml, xid_wait_ms=50, cpu_budget=1.0, interval_s=interval_seconds, clock=clock)
-    sampler = Sampler(reader, store, node=node, interval=interval_seconds,
-                      attributor=JobAttributor(procfs, env_vars=env_vars, node=node, monotonic=clock),
-                      recorder=recorder, clock=clock,
-                      monotonic=clock)
+    sampler = Sampler(
+        reader,
+        store,
+        node=node,
+        interval=interval_seconds,
+        attributor=JobAttributor(procfs, env_vars=env_vars, node=node, monotonic=clock),
+        recorder=recorder,
+        clock=clock,
+        monotonic=clock,
+    )
     try:
         while clock.now - T0 <= duration_seconds:
             snapshot = sampler.run_once()

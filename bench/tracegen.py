@@ -24,24 +24,40 @@ from gpufleet.reasons import ThrottleReason
 
 IDLE, STARTUP, TRAIN, WINDDOWN, HANG = range(5)
 
-_LABELLED = (ThrottleReason.SW_POWER_CAP, ThrottleReason.SW_THERMAL_SLOWDOWN, ThrottleReason.HW_THERMAL_SLOWDOWN,
-             ThrottleReason.HW_POWER_BRAKE_SLOWDOWN, ThrottleReason.SYNC_BOOST)
+_LABELLED = (
+    ThrottleReason.SW_POWER_CAP,
+    ThrottleReason.SW_THERMAL_SLOWDOWN,
+    ThrottleReason.HW_THERMAL_SLOWDOWN,
+    ThrottleReason.HW_POWER_BRAKE_SLOWDOWN,
+    ThrottleReason.SYNC_BOOST,
+)
 THROTTLE_LABELS = tuple(reason.label for reason in _LABELLED)
-BIT_IDLE, BIT_SW_POWER_CAP, BIT_HW_SLOWDOWN = (int(r) for r in (ThrottleReason.GPU_IDLE, ThrottleReason.SW_POWER_CAP,
-                                                                ThrottleReason.HW_SLOWDOWN))
-BIT_SW_THERMAL, BIT_HW_THERMAL, BIT_POWER_BRAKE = (int(r) for r in (ThrottleReason.SW_THERMAL_SLOWDOWN,
-                                                                    ThrottleReason.HW_THERMAL_SLOWDOWN,
-                                                                    ThrottleReason.HW_POWER_BRAKE_SLOWDOWN))
+BIT_IDLE, BIT_SW_POWER_CAP, BIT_HW_SLOWDOWN = (
+    int(r) for r in (ThrottleReason.GPU_IDLE, ThrottleReason.SW_POWER_CAP, ThrottleReason.HW_SLOWDOWN)
+)
+BIT_SW_THERMAL, BIT_HW_THERMAL, BIT_POWER_BRAKE = (
+    int(r)
+    for r in (
+        ThrottleReason.SW_THERMAL_SLOWDOWN,
+        ThrottleReason.HW_THERMAL_SLOWDOWN,
+        ThrottleReason.HW_POWER_BRAKE_SLOWDOWN,
+    )
+)
 _LABEL_BITS = tuple(int(reason) for reason in _LABELLED)
 
-THERMAL_ALERT_CELSIUS = 83.0      # the contract's default thermal threshold
-THERMAL_ALERT_FOR_S = 30.0        # ... and its default `for` duration
+THERMAL_ALERT_CELSIUS = 83.0  # the contract's default thermal threshold
+THERMAL_ALERT_FOR_S = 30.0  # ... and its default `for` duration
 STRAGGLER_REQUIRED_SLOWDOWN = 0.10
 STRAGGLER_ALLOWED_SLOWDOWN = 0.03
-COMM_REQUIRED_GROWTH = 0.25       # step-time growth at which a comm slowdown must be reported
-INPUT_REQUIRED_IDLE = 0.15        # utilization drop at which input starvation must be reported
-_RESET_FIELDS = ("energy_joules_total", "nvlink_tx_bytes_total", "nvlink_rx_bytes_total",
-                 "pcie_tx_bytes_total", "pcie_rx_bytes_total")
+COMM_REQUIRED_GROWTH = 0.25  # step-time growth at which a comm slowdown must be reported
+INPUT_REQUIRED_IDLE = 0.15  # utilization drop at which input starvation must be reported
+_RESET_FIELDS = (
+    "energy_joules_total",
+    "nvlink_tx_bytes_total",
+    "nvlink_rx_bytes_total",
+    "pcie_tx_bytes_total",
+    "pcie_rx_bytes_total",
+)
 
 # XIDs that are usually the application's own doing: a detector may report them, need not.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45})
@@ -69,10 +85,42 @@ class GpuModel:
     vbios_version: str
 
 
-H100 = GpuModel("NVIDIA H100 80GB HBM3", True, 700.0, 72.0, 1980e6, 345e6, 2619e6, 85520809984,
-                87.0, 92.0, 85.0, 95.0, 0.066, 300e9, 24e9, "96.00.89.00.01")
-A100 = GpuModel("NVIDIA A100-SXM4-80GB", False, 400.0, 55.0, 1410e6, 210e6, 1593e6, 85899345920,
-                88.0, 93.0, 85.0, 95.0, 0.105, 200e9, 20e9, "92.00.45.00.06")
+H100 = GpuModel(
+    "NVIDIA H100 80GB HBM3",
+    True,
+    700.0,
+    72.0,
+    1980e6,
+    345e6,
+    2619e6,
+    85520809984,
+    87.0,
+    92.0,
+    85.0,
+    95.0,
+    0.066,
+    300e9,
+    24e9,
+    "96.00.89.00.01",
+)
+A100 = GpuModel(
+    "NVIDIA A100-SXM4-80GB",
+    False,
+    400.0,
+    55.0,
+    1410e6,
+    210e6,
+    1593e6,
+    85899345920,
+    88.0,
+    93.0,
+    85.0,
+    95.0,
+    0.105,
+    200e9,
+    20e9,
+    "92.00.45.00.06",
+)
 MODELS = {"h100": H100, "a100": A100}
 
 
@@ -144,7 +192,7 @@ class ClusterSpec:
     t0: float = 1_763_800_000.0
     seed: int = 0
     drop_ratio: float = 0.0
-    order: str = "time"   # time | node (cat of record files) | pulls (per-node batches)
+    order: str = "time"  # time | node (cat of record files) | pulls (per-node batches)
     max_jitter_s: float = 0.03
     # Scales every per-second reading noise (step time, utilization, SM activity, power, the job-wide
     # phase catch): a robustness probe for telemetry noisier than this model's.
@@ -185,6 +233,7 @@ class SpecError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------- layout
+
 
 @dataclass
 class _Layout:
@@ -244,41 +293,60 @@ def _layout(spec: ClusterSpec) -> _Layout:
     keys = [j.key for j in spec.jobs]
     if len(set(keys)) != len(keys):
         raise SpecError("duplicate job keys")
-    return _Layout(spec, {n: i for i, n in enumerate(names)}, np.array(node_of), np.array(local),
-                   first, models, {k: i for i, k in enumerate(keys)})
+    return _Layout(
+        spec,
+        {n: i for i, n in enumerate(names)},
+        np.array(node_of),
+        np.array(local),
+        first,
+        models,
+        {k: i for i, k in enumerate(keys)},
+    )
 
 
 # ------------------------------------------------------------------------------------------ schedule
+
 
 @dataclass
 class _Schedule:
     """Per-second, per-GPU (or per-job) inputs to the physics, built from jobs and incidents."""
 
-    job_at: np.ndarray        # (T, G) int, -1 = no job
-    phase: np.ndarray         # (T, G) int8
-    silent: np.ndarray        # (T, G) speed factor without any visible cause
-    brake: np.ndarray         # (T, G) clock factor from the HW power brake
-    cap: np.ndarray           # (T, G) clock factor from an operator power cap
-    cap_watts: np.ndarray     # (T, G) enforced power limit
-    host_idle: np.ndarray     # (T, G) seconds per step a GPU waits for its host before computing
-    r_mult: np.ndarray        # (T, G) thermal-resistance multiplier (cooling)
-    bump: np.ndarray          # (T, G) transient sensor temperature excursion
-    up: np.ndarray            # (T, G) bool
-    comm_mult: np.ndarray     # (T, J)
-    input_idle: np.ndarray    # (T, J) seconds per step every GPU of the job waits for input
-    agent_down: np.ndarray    # (T, N) bool
-    resets: list[tuple[int, int]] = field(default_factory=list)        # (t, node)
-    xids: list[tuple[int, int, int]] = field(default_factory=list)     # (t, gpu, code)
+    job_at: np.ndarray  # (T, G) int, -1 = no job
+    phase: np.ndarray  # (T, G) int8
+    silent: np.ndarray  # (T, G) speed factor without any visible cause
+    brake: np.ndarray  # (T, G) clock factor from the HW power brake
+    cap: np.ndarray  # (T, G) clock factor from an operator power cap
+    cap_watts: np.ndarray  # (T, G) enforced power limit
+    host_idle: np.ndarray  # (T, G) seconds per step a GPU waits for its host before computing
+    r_mult: np.ndarray  # (T, G) thermal-resistance multiplier (cooling)
+    bump: np.ndarray  # (T, G) transient sensor temperature excursion
+    up: np.ndarray  # (T, G) bool
+    comm_mult: np.ndarray  # (T, J)
+    input_idle: np.ndarray  # (T, J) seconds per step every GPU of the job waits for input
+    agent_down: np.ndarray  # (T, N) bool
+    resets: list[tuple[int, int]] = field(default_factory=list)  # (t, node)
+    xids: list[tuple[int, int, int]] = field(default_factory=list)  # (t, gpu, code)
 
 
 def _schedule(lay: _Layout, rng: np.random.Generator) -> _Schedule:
     spec = lay.spec
     T, G, J = int(math.ceil(spec.duration_s)) + 1, lay.gpus, len(spec.jobs)
     one = np.ones((T, G))
-    s = _Schedule(np.full((T, G), -1, dtype=np.int64), np.zeros((T, G), dtype=np.int8), one.copy(),
-                  one.copy(), one.copy(), np.array([m.tdp_watts for m in lay.model_of])[None, :] * one,
-                  np.zeros((T, G)), one.copy(), np.zeros((T, G)), np.ones((T, G), dtype=bool),
-                  np.ones((T, J)), np.zeros((T, J)), np.zeros((T, len(spec.nodes)), dtype=bool))
+    s = _Schedule(
+        np.full((T, G), -1, dtype=np.int64),
+        np.zeros((T, G), dtype=np.int8),
+        one.copy(),
+        one.copy(),
+        one.copy(),
+        np.array([m.tdp_watts for m in lay.model_of])[None, :] * one,
+        np.zeros((T, G)),
+        one.copy(),
+        np.zeros((T, G)),
+        np.ones((T, G), dtype=bool),
+        np.ones((T, J)),
+        np.zeros((T, J)),
+        np.zeros((T, len(spec.nodes)), dtype=bool),
+    )
     for j, job in enumerate(spec.jobs):
         _place_job(lay, s, j, job, T)
     for inc in sorted(spec.incidents, key=lambda i: i.kind == "gpu_lost"):
@@ -297,12 +365,12 @@ def _place_job(lay: _Layout, s: _Schedule, j: int, job: Job, T: int) -> None:
     span = _span(job.start_s, job.end_s, T)
     if np.any(s.job_at[span][:, gpus] >= 0):
         raise SpecError(f"job {job.key!r} overlaps another job on the same GPU")
-    s.job_at[span.start:span.stop, gpus] = j
+    s.job_at[span.start : span.stop, gpus] = j
     a, b = span.start, span.stop
     s.phase[a:b, gpus] = TRAIN
-    s.phase[a:min(b, a + int(job.startup_s)), gpus] = STARTUP
+    s.phase[a : min(b, a + int(job.startup_s)), gpus] = STARTUP
     if job.end_s is not None and job.end_s <= T:
-        s.phase[max(a, b - int(job.winddown_s)):b, gpus] = WINDDOWN
+        s.phase[max(a, b - int(job.winddown_s)) : b, gpus] = WINDDOWN
 
 
 def _apply_incident(lay: _Layout, s: _Schedule, inc: Incident, T: int, rng: np.random.Generator) -> None:
@@ -364,11 +432,11 @@ def _hot_multiplier(lay: _Layout, inc: Incident) -> float:
     """Thermal-resistance multiplier that puts a training GPU's temperature near `severity` °C."""
     g = lay.gpu(inc.node, inc.gpu)
     node, model = lay.spec.nodes[lay.node_of[g]], lay.model_of[g]
-    job = next(j for j in lay.spec.jobs if (inc.node, inc.gpu) in
-               {(n, i) for n, idx in j.placement for i in idx})
-    cf = 0.98 / (1.0 + job.comm_ratio)    # minus the usual few % of waiting for the slowest rank
+    job = next(j for j in lay.spec.jobs if (inc.node, inc.gpu) in {(n, i) for n, idx in j.placement for i in idx})
+    cf = 0.98 / (1.0 + job.comm_ratio)  # minus the usual few % of waiting for the slowest rank
     watts = model.idle_watts + (model.tdp_watts - model.idle_watts) * job.intensity * _silicon(lay, g) * (
-        0.95 * cf + 0.25 * (1 - cf))
+        0.95 * cf + 0.25 * (1 - cf)
+    )
     rise = watts * model.thermal_resistance_celsius_per_watt
     return (inc.severity - node.ambient_celsius - _slot_offset(lay, g)) / rise
 
@@ -376,23 +444,24 @@ def _hot_multiplier(lay: _Layout, inc: Incident) -> float:
 def _power_cap(lay: _Layout, s: _Schedule, inc: Incident, span: slice) -> None:
     job = lay.spec.jobs[lay.job(inc.job)]
     gpus = lay.job_gpus(job)
-    if inc.node is not None:            # a cap on one node's GPUs only (a rack or PDU power limit)
+    if inc.node is not None:  # a cap on one node's GPUs only (a rack or PDU power limit)
         gpus = np.intersect1d(gpus, lay.node_gpus(inc.node))
     model = lay.model_of[gpus[0]]
     s.cap[span, gpus] = inc.severity
     # The operator's cap sits just above what the GPUs draw at the reduced clock: they hover at it.
     cf = 1.0 / (1.0 + job.comm_ratio)
     draw = model.idle_watts + (model.tdp_watts - model.idle_watts) * job.intensity * (
-        0.95 * cf * inc.severity ** 2 + 0.25 * (1 - cf))
+        0.95 * cf * inc.severity**2 + 0.25 * (1 - cf)
+    )
     s.cap_watts[span, gpus] = round(draw * 1.02)
 
 
 def _gpu_lost(lay: _Layout, s: _Schedule, inc: Incident, span: slice, T: int) -> None:
     g = lay.gpu(inc.node, inc.gpu)
-    s.up[span.start:, g] = False
+    s.up[span.start :, g] = False
     j = s.job_at[span.start, g]
-    s.job_at[span.start:, g] = -1
-    s.phase[span.start:, g] = IDLE
+    s.job_at[span.start :, g] = -1
+    s.phase[span.start :, g] = IDLE
     if j < 0:
         return
     _hang_then_die(s, j, span.start, int(inc.severity or 30), T)
@@ -404,8 +473,8 @@ def _node_crash(lay: _Layout, s: _Schedule, inc: Incident, span: slice, T: int) 
     gpus = lay.node_gpus(inc.node)
     s.agent_down[span, lay._node(inc.node)] = True
     jobs = set(s.job_at[span.start, gpus].tolist()) - {-1}
-    s.job_at[span.start:, gpus] = -1
-    s.phase[span.start:, gpus] = IDLE
+    s.job_at[span.start :, gpus] = -1
+    s.phase[span.start :, gpus] = IDLE
     for j in sorted(jobs):
         _hang_then_die(s, j, span.start, int(inc.severity or 30), T)
 
@@ -434,18 +503,19 @@ def _silicon(lay: _Layout, g: int) -> float:
 
 # ------------------------------------------------------------------------------------------- physics
 
+
 @dataclass
 class _Result:
     """What the physics produced: per-second truth arrays and per-sample readings."""
 
-    temp_true: np.ndarray        # (T, G) die temperature incl. transients, before sensor noise
-    bits: np.ndarray             # (T, G) throttle bits
-    slowdown: np.ndarray         # (T, J) step time / step time without straggling causes - 1
-    own_slowdown: np.ndarray     # (T, G) the same had only this GPU been slowed (0 outside training)
-    comm_growth: np.ndarray      # (T, J) step-time growth from comm slowdown
-    util_drop: np.ndarray        # (T, J) share of step all GPUs idle waiting for input
-    samples: dict[str, np.ndarray]   # field -> (K, G) readings at sample instants
-    sample_steps: np.ndarray     # (K,) physics second of each sample
+    temp_true: np.ndarray  # (T, G) die temperature incl. transients, before sensor noise
+    bits: np.ndarray  # (T, G) throttle bits
+    slowdown: np.ndarray  # (T, J) step time / step time without straggling causes - 1
+    own_slowdown: np.ndarray  # (T, G) the same had only this GPU been slowed (0 outside training)
+    comm_growth: np.ndarray  # (T, J) step-time growth from comm slowdown
+    util_drop: np.ndarray  # (T, J) share of step all GPUs idle waiting for input
+    samples: dict[str, np.ndarray]  # field -> (K, G) readings at sample instants
+    sample_steps: np.ndarray  # (K,) physics second of each sample
 
 
 class _Physics:
@@ -488,18 +558,46 @@ class _Physics:
         """Simulate every second of the trace and read the sensors at each sample instant."""
         spec, G, J = self.lay.spec, self.lay.gpus, len(self.lay.spec.jobs)
         T = self.sch.phase.shape[0]
-        steps = np.unique(np.minimum(np.round(np.arange(0, spec.duration_s + 1e-9, spec.interval_s)), T - 1)
-                          .astype(np.int64))
+        steps = np.unique(
+            np.minimum(np.round(np.arange(0, spec.duration_s + 1e-9, spec.interval_s)), T - 1).astype(np.int64)
+        )
         K = len(steps)
-        names = ("util", "sm", "occ", "power", "temp", "memtemp", "clock", "bits", "energy", "nvl",
-                 "pcie_tx", "pcie_rx", "mem_used", "mem_util", "cap_watts")
+        names = (
+            "util",
+            "sm",
+            "occ",
+            "power",
+            "temp",
+            "memtemp",
+            "clock",
+            "bits",
+            "energy",
+            "nvl",
+            "pcie_tx",
+            "pcie_rx",
+            "mem_used",
+            "mem_util",
+            "cap_watts",
+        )
         out = {n: np.zeros((K, G)) for n in names}
         out["throttle"] = np.zeros((K, G, len(THROTTLE_LABELS)))
-        res = _Result(np.zeros((T, G)), np.zeros((T, G), dtype=np.int64), np.zeros((T, J)), np.zeros((T, G)),
-                      np.zeros((T, J)), np.zeros((T, J)), out, steps)
-        acc = {"energy": self.rng.uniform(1e8, 5e9, G), "nvl": self.rng.uniform(1e12, 1e14, G),
-               "pcie_tx": self.rng.uniform(1e11, 1e13, G), "pcie_rx": self.rng.uniform(1e11, 1e13, G),
-               "throttle": np.zeros((G, len(THROTTLE_LABELS)))}
+        res = _Result(
+            np.zeros((T, G)),
+            np.zeros((T, G), dtype=np.int64),
+            np.zeros((T, J)),
+            np.zeros((T, G)),
+            np.zeros((T, J)),
+            np.zeros((T, J)),
+            out,
+            steps,
+        )
+        acc = {
+            "energy": self.rng.uniform(1e8, 5e9, G),
+            "nvl": self.rng.uniform(1e12, 1e14, G),
+            "pcie_tx": self.rng.uniform(1e11, 1e13, G),
+            "pcie_rx": self.rng.uniform(1e11, 1e13, G),
+            "throttle": np.zeros((G, len(THROTTLE_LABELS))),
+        }
         sm_sum, occ_sum, n_sum, k = np.zeros(G), np.zeros(G), 0, 0
         resets = {}
         for t, n in self.sch.resets:
@@ -568,8 +666,19 @@ class _Physics:
         for i, b in enumerate(_LABEL_BITS):
             acc["throttle"][:, i] += (bits & b) != 0
         occ = np.where(self.gpm, 0.45 * sm / 0.85, 0.0)
-        return {"util": util, "sm": sm, "occ": occ, "power": power, "bits": bits, "c": c, "phase": phase,
-                "jx": jx, "cf": cf, "wf": wf, "t": np.full(G, t)}
+        return {
+            "util": util,
+            "sm": sm,
+            "occ": occ,
+            "power": power,
+            "bits": bits,
+            "c": c,
+            "phase": phase,
+            "jx": jx,
+            "cf": cf,
+            "wf": wf,
+            "t": np.full(G, t),
+        }
 
     def _activity(self, t, phase, jx, cf, wf, idf, c):
         """Utilization, SM activity and the dynamic-power share for every GPU this second."""
@@ -587,8 +696,7 @@ class _Physics:
         cfw = np.clip(cf * together, 0.0, 1.0)
         util = np.where(train, 1.0 - idf, 0.0) + irr + hang
         sm = np.where(train, self.sm_coef[jx] * cfw + 0.05 * wf, 0.0) + irr * 0.35 + hang * 0.03
-        dyn = (np.where(train, self.intensity[jx] * (0.95 * cfw * c ** 2 + 0.25 * wf), 0.0)
-               + irr * 0.35 + hang * 0.12)
+        dyn = np.where(train, self.intensity[jx] * (0.95 * cfw * c**2 + 0.25 * wf), 0.0) + irr * 0.35 + hang * 0.12
         util = np.clip(util + np.where(util > 0, rng.normal(0, 0.01 * ns, G), 0.0), 0.0, 1.0)
         sm = np.clip(sm * (1.0 + rng.normal(0, 0.04 * ns, G)), 0.0, 1.0)
         return util, sm, dyn
@@ -613,8 +721,11 @@ class _Physics:
         res.temp_true[t] = die
         hw = die >= self.slowdown_c
         sw = die >= self.slowdown_c - 1.5
-        self.c_th = np.where(hw, np.maximum(self.c_th - 0.04, 0.45),
-                             np.where(sw, np.maximum(self.c_th - 0.01, 0.8), np.minimum(self.c_th + 0.01, 1.0)))
+        self.c_th = np.where(
+            hw,
+            np.maximum(self.c_th - 0.04, 0.45),
+            np.where(sw, np.maximum(self.c_th - 0.01, 0.8), np.minimum(self.c_th + 0.01, 1.0)),
+        )
 
     def _thermal_bits(self, t, res):
         die = res.temp_true[t]
@@ -650,41 +761,80 @@ class _Physics:
 
 # ---------------------------------------------------------------------------------------- emission
 
+
 def _static_gpu(lay: _Layout, g: int) -> dict[str, Any]:
     m, n = lay.model_of[g], lay.spec.nodes[lay.node_of[g]]
     h = hashlib.sha256(f"{lay.spec.seed}:{n.name}:{lay.local[g]}".encode()).hexdigest()
     uuid = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
     bus = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)[lay.local[g] % 8]
     return {
-        "index": int(lay.local[g]), "uuid": uuid, "model": m.name, "up": True, "hpc_job": None,
-        "kubernetes_namespace": None, "kubernetes_pod": None, "pci_bus_id": f"00000000:{bus:02X}:00.0", "serial": str(int(h[32:44], 16))[:13],
-        "vbios_version": m.vbios_version, "memory_total_bytes": m.memory_total_bytes,
+        "index": int(lay.local[g]),
+        "uuid": uuid,
+        "model": m.name,
+        "up": True,
+        "hpc_job": None,
+        "kubernetes_namespace": None,
+        "kubernetes_pod": None,
+        "pci_bus_id": f"00000000:{bus:02X}:00.0",
+        "serial": str(int(h[32:44], 16))[:13],
+        "vbios_version": m.vbios_version,
+        "memory_total_bytes": m.memory_total_bytes,
         "slowdown_temperature_celsius": m.slowdown_celsius,
         "shutdown_temperature_celsius": m.shutdown_celsius,
         "max_operating_temperature_celsius": m.max_operating_celsius,
         "memory_max_operating_temperature_celsius": m.memory_max_operating_celsius,
-        "sm_clock_max_hertz": m.sm_clock_max_hz, "memory_clock_max_hertz": m.memory_clock_max_hz,
+        "sm_clock_max_hertz": m.sm_clock_max_hz,
+        "memory_clock_max_hertz": m.memory_clock_max_hz,
         "memory_clock_hertz": m.memory_clock_max_hz,
-        "nvlink_link_tx_bytes_total": [], "nvlink_link_rx_bytes_total": [],
-        "ecc_corrected_errors_total": 0, "ecc_uncorrected_errors_total": 0,
-        "remapped_rows_correctable": 0, "remapped_rows_uncorrectable": 0,
-        "remapped_rows_pending": False, "remapped_rows_failure": False,
+        "nvlink_link_tx_bytes_total": [],
+        "nvlink_link_rx_bytes_total": [],
+        "ecc_corrected_errors_total": 0,
+        "ecc_uncorrected_errors_total": 0,
+        "remapped_rows_correctable": 0,
+        "remapped_rows_uncorrectable": 0,
+        "remapped_rows_pending": False,
+        "remapped_rows_failure": False,
         # Every reading is read each cycle: none is held from a slower tier.
         "slow_readings_age_seconds": {},
     }
 
 
 _LOST_KEEP = ("index", "uuid", "model", "pci_bus_id", "serial", "vbios_version")
-_NULLABLE = ("utilization_ratio", "memory_utilization_ratio", "sm_active_ratio", "sm_occupancy_ratio",
-             "memory_used_bytes", "memory_free_bytes", "memory_total_bytes", "temperature_celsius",
-             "memory_temperature_celsius", "slowdown_temperature_celsius", "shutdown_temperature_celsius",
-             "max_operating_temperature_celsius", "memory_max_operating_temperature_celsius",
-             "power_watts", "power_limit_watts", "energy_joules_total", "sm_clock_hertz",
-             "sm_clock_max_hertz", "memory_clock_hertz", "memory_clock_max_hertz", "throttle_reasons",
-             "nvlink_tx_bytes_total", "nvlink_rx_bytes_total", "pcie_tx_bytes_total",
-             "pcie_rx_bytes_total", "ecc_corrected_errors_total", "ecc_uncorrected_errors_total",
-             "remapped_rows_correctable", "remapped_rows_uncorrectable", "remapped_rows_pending",
-             "remapped_rows_failure", "xid_errors_total", "last_xid")
+_NULLABLE = (
+    "utilization_ratio",
+    "memory_utilization_ratio",
+    "sm_active_ratio",
+    "sm_occupancy_ratio",
+    "memory_used_bytes",
+    "memory_free_bytes",
+    "memory_total_bytes",
+    "temperature_celsius",
+    "memory_temperature_celsius",
+    "slowdown_temperature_celsius",
+    "shutdown_temperature_celsius",
+    "max_operating_temperature_celsius",
+    "memory_max_operating_temperature_celsius",
+    "power_watts",
+    "power_limit_watts",
+    "energy_joules_total",
+    "sm_clock_hertz",
+    "sm_clock_max_hertz",
+    "memory_clock_hertz",
+    "memory_clock_max_hertz",
+    "throttle_reasons",
+    "nvlink_tx_bytes_total",
+    "nvlink_rx_bytes_total",
+    "pcie_tx_bytes_total",
+    "pcie_rx_bytes_total",
+    "ecc_corrected_errors_total",
+    "ecc_uncorrected_errors_total",
+    "remapped_rows_correctable",
+    "remapped_rows_uncorrectable",
+    "remapped_rows_pending",
+    "remapped_rows_failure",
+    "xid_errors_total",
+    "last_xid",
+)
 
 
 class _Emitter:
@@ -738,20 +888,27 @@ class _Emitter:
                     continue
                 if was_down[n]:
                     was_down[n] = False
-                    for g in lay.node_gpus(node.name):   # the agent restarted: its XID tally restarts
+                    for g in lay.node_gpus(node.name):  # the agent restarted: its XID tally restarts
                         xid_state[g] = {"total": 0, "codes": {}, "last": None}
                 resets = _RESET_FIELDS if pending_reset[n] else ()
                 pending_reset[n] = False
                 if self.dropped[k, n]:
                     continue
                 time = spec.t0 + t + self.phase_s[n] + node.clock_skew_s + self.rng.normal(0, spec.max_jitter_s)
-                gpus = [self._gpu(g, t, rows, throttle, xid_state[g], ecc[g], remap[g], resets)
-                        for g in lay.node_gpus(node.name)]
-                snap = {"schema": 1, "node": node.name, "time": round(float(time), 3),
-                        "driver_version": "550.90.07", "nvml_version": "12.550.90.07",
-                        "cuda_driver_version": "12.4",
-                        "sample_duration_seconds": round(float(self.rng.uniform(0.01, 0.05)), 4),
-                        "gpus": gpus}
+                gpus = [
+                    self._gpu(g, t, rows, throttle, xid_state[g], ecc[g], remap[g], resets)
+                    for g in lay.node_gpus(node.name)
+                ]
+                snap = {
+                    "schema": 1,
+                    "node": node.name,
+                    "time": round(float(time), 3),
+                    "driver_version": "550.90.07",
+                    "nvml_version": "12.550.90.07",
+                    "cuda_driver_version": "12.4",
+                    "sample_duration_seconds": round(float(self.rng.uniform(0.01, 0.05)), 4),
+                    "gpus": gpus,
+                }
                 out.append((time, n, orjson.dumps(snap)))
         return out
 
@@ -768,8 +925,13 @@ class _Emitter:
             for name in _NULLABLE:
                 if name not in _LOST_KEEP:
                     d[name] = None
-            d.update(up=False, throttle_seconds_total={}, xid_errors_by_code={str(c): v for c, v in
-                     xid["codes"].items()}, xid_errors_total=xid["total"], last_xid=xid["last"])
+            d.update(
+                up=False,
+                throttle_seconds_total={},
+                xid_errors_by_code={str(c): v for c, v in xid["codes"].items()},
+                xid_errors_total=xid["total"],
+                last_xid=xid["last"],
+            )
             return d
         gpm = lay.model_of[g].has_gpm
         d["utilization_ratio"] = rows["util"][g]
@@ -810,6 +972,7 @@ def _order(spec: ClusterSpec, items: list[tuple[float, int, bytes]], rng: np.ran
 
 # ------------------------------------------------------------------------------------------- truth
 
+
 def _runs(mask: np.ndarray, min_len: int, max_gap: int) -> list[tuple[int, int]]:
     """[start, end] second ranges where mask holds, merging gaps shorter than max_gap."""
     idx = np.flatnonzero(mask)
@@ -847,22 +1010,49 @@ def _truths(lay: _Layout, sch: _Schedule, res: _Result) -> list[Truth]:
             if not any(a <= s <= b for s, _ in sustained):
                 continue
             lead = next((a - x for x, y in envelopes if x <= a <= y), 0)
-            out.append(Truth("thermal_throttle", name(g), int(lay.local[g]), None, t0 + a, t0 + b, True,
-                             "temperature clearly above threshold or thermal throttle bits", lead))
+            out.append(
+                Truth(
+                    "thermal_throttle",
+                    name(g),
+                    int(lay.local[g]),
+                    None,
+                    t0 + a,
+                    t0 + b,
+                    True,
+                    "temperature clearly above threshold or thermal throttle bits",
+                    lead,
+                )
+            )
         for a, b in _runs(plausible[:, g] | throttled[:, g], 1, 60):
-            if _runs(plausible[a:b + 1, g], int(THERMAL_ALERT_FOR_S), 0) or throttled[a:b + 1, g].any():
-                out.append(Truth("thermal_throttle", name(g), int(lay.local[g]), None, t0 + a, t0 + b + 60, False,
-                                 "temperature within a degree of the threshold"))
+            if _runs(plausible[a : b + 1, g], int(THERMAL_ALERT_FOR_S), 0) or throttled[a : b + 1, g].any():
+                out.append(
+                    Truth(
+                        "thermal_throttle",
+                        name(g),
+                        int(lay.local[g]),
+                        None,
+                        t0 + a,
+                        t0 + b + 60,
+                        False,
+                        "temperature within a degree of the threshold",
+                    )
+                )
     for inc in spec.incidents:
         out.extend(_incident_truths(lay, sch, res, inc))
     return [replace(t, start=float(t.start), end=float(t.end), lead_s=float(t.lead_s)) for t in out]
 
 
-_SLOWING = {"cooling_failure": "cooling failure (clock cut)", "slow_gpu": "silently slow GPU",
-            "power_brake": "HW power brake", "node_brake": "HW power brake on the whole node",
-            "node_power_cap": "power cap on one node",
-            "slow_node": "slow node", "host_starved": "host starving GPUs",
-            "hot_gpu": "hot GPU", "jitter": "jitter"}
+_SLOWING = {
+    "cooling_failure": "cooling failure (clock cut)",
+    "slow_gpu": "silently slow GPU",
+    "power_brake": "HW power brake",
+    "node_brake": "HW power brake on the whole node",
+    "node_power_cap": "power cap on one node",
+    "slow_node": "slow node",
+    "host_starved": "host starving GPUs",
+    "hot_gpu": "hot GPU",
+    "jitter": "jitter",
+}
 
 
 def _incident_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident) -> list[Truth]:
@@ -886,8 +1076,18 @@ def _incident_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident) 
         seen = ~sch.agent_down[span][:, sorted({lay._node(n) for n, _ in job.placement})].all(axis=1)
         if not seen.any():
             return []
-        return [Truth(kind, None, None, job.hpc_job, t0 + span.start + int(np.argmax(seen)), t0 + span.stop - 1,
-                      required, f"{inc.kind} level {level:.2f}")]
+        return [
+            Truth(
+                kind,
+                None,
+                None,
+                job.hpc_job,
+                t0 + span.start + int(np.argmax(seen)),
+                t0 + span.stop - 1,
+                required,
+                f"{inc.kind} level {level:.2f}",
+            )
+        ]
     if inc.kind == "gpu_lost":
         end = t0 + T - 1
         return [Truth("gpu_lost", inc.node, inc.gpu, None, t0 + span.start, end, True, "GPU fell off the bus")]
@@ -900,29 +1100,50 @@ def _incident_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident) 
         if ts:
             # XID 79 comes with the GPU falling off the bus: gpu_lost is the alert that must say so.
             req = inc.code not in APPLICATION_XIDS and inc.code != 79
-            out.append(Truth("xid", inc.node, inc.gpu, None, t0 + min(ts), t0 + max(ts) + 60, req,
-                             f"XID {inc.code}"))
+            out.append(Truth("xid", inc.node, inc.gpu, None, t0 + min(ts), t0 + max(ts) + 60, req, f"XID {inc.code}"))
         # The GPU's own ECC and remap counters survive an agent restart: an error raised while the agent was
         # down shows on the first line after it is back.
         back = [t if not down[t] else t + int(np.argmin(down[t:])) for t in raised]
         if back and inc.code in (48, 94, 95):
-            out.append(Truth("ecc", inc.node, inc.gpu, None, t0 + min(raised), t0 + max(back) + 60, False,
-                             "uncorrectable ECC"))
+            out.append(
+                Truth("ecc", inc.node, inc.gpu, None, t0 + min(raised), t0 + max(back) + 60, False, "uncorrectable ECC")
+            )
         elif back and inc.code in (63, 64):
             # The generator leaves the row remap pending (see _gpu): an ecc alert saying so is right too.
-            out.append(Truth("ecc", inc.node, inc.gpu, None, t0 + min(raised), t0 + max(back) + 60, False,
-                             "row remapping pending"))
+            out.append(
+                Truth(
+                    "ecc",
+                    inc.node,
+                    inc.gpu,
+                    None,
+                    t0 + min(raised),
+                    t0 + max(back) + 60,
+                    False,
+                    "row remapping pending",
+                )
+            )
         return out
     if inc.kind in ("agent_down", "node_crash") and span.stop - span.start >= 90:
-        return [Truth("node_unreachable", inc.node, None, None, t0 + span.start, t0 + span.stop, True,
-                      "agent not answering" if inc.kind == "agent_down" else "node down")]
+        return [
+            Truth(
+                "node_unreachable",
+                inc.node,
+                None,
+                None,
+                t0 + span.start,
+                t0 + span.stop,
+                True,
+                "agent not answering" if inc.kind == "agent_down" else "node down",
+            )
+        ]
     return []
 
 
 def _straggler_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident, span: slice) -> list[Truth]:
     spec, t0 = lay.spec, lay.spec.t0
-    gpu_subject = (inc.kind not in ("slow_node", "node_brake", "node_power_cap", "host_starved")
-                   or (inc.kind == "host_starved" and inc.gpu is not None))
+    gpu_subject = inc.kind not in ("slow_node", "node_brake", "node_power_cap", "host_starved") or (
+        inc.kind == "host_starved" and inc.gpu is not None
+    )
     g = lay.gpu(inc.node, inc.gpu) if gpu_subject else lay.node_gpus(inc.node)[0]
     js = set(sch.job_at[span, g].tolist()) - {-1}
     if inc.kind == "jitter" or not js:
@@ -930,7 +1151,7 @@ def _straggler_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident,
     j = max(js, key=lambda x: int((sch.job_at[span, g] == x).sum()))
     trained = (sch.phase[:, g] == TRAIN) & (sch.job_at[:, g] == j)
     window = np.zeros(len(trained), dtype=bool)
-    window[span.start:min(len(trained), span.stop + 30)] = True
+    window[span.start : min(len(trained), span.stop + 30)] = True
     if gpu_subject:
         own = res.own_slowdown[:, g]
     else:
@@ -942,24 +1163,39 @@ def _straggler_truths(lay: _Layout, sch: _Schedule, res: _Result, inc: Incident,
     out = []
     allowed = _runs(slow >= STRAGGLER_ALLOWED_SLOWDOWN, 1, 60)
     # Per-step noise makes single steps cross 10 %; what matters is the slowdown over half a minute.
-    smooth = np.convolve(slow, np.ones(30) / 30.0)[:len(slow)]
+    smooth = np.convolve(slow, np.ones(30) / 30.0)[: len(slow)]
     down = sch.agent_down[:, lay._node(inc.node)]
     for a, b in _runs(smooth >= STRAGGLER_REQUIRED_SLOWDOWN, 45, 30):
         # While the culprit's own agent is down nothing says who it is: the truth starts when it is back.
-        seen = ~down[a:b + 1]
+        seen = ~down[a : b + 1]
         if not seen.any():
             continue
         back = int(np.argmax(seen))
         lead = 0 if back else next((a - x for x, y in allowed if x <= a <= y), 0)
-        out.append(Truth("straggler", inc.node, gpu, hpc, t0 + a + back, t0 + b, True,
-                         f"{_SLOWING[inc.kind]}: job slowed {float(np.median(slow[a:b + 1])):.0%}", lead))
+        out.append(
+            Truth(
+                "straggler",
+                inc.node,
+                gpu,
+                hpc,
+                t0 + a + back,
+                t0 + b,
+                True,
+                f"{_SLOWING[inc.kind]}: job slowed {float(np.median(slow[a : b + 1])):.0%}",
+                lead,
+            )
+        )
     for a, b in allowed:
-        out.append(Truth("straggler", inc.node, gpu, hpc, t0 + a, t0 + b + 60, False,
-                         f"{_SLOWING[inc.kind]}: marginal slowdown"))
+        out.append(
+            Truth(
+                "straggler", inc.node, gpu, hpc, t0 + a, t0 + b + 60, False, f"{_SLOWING[inc.kind]}: marginal slowdown"
+            )
+        )
     return out
 
 
 # --------------------------------------------------------------------------------------- public API
+
 
 def generate(spec: ClusterSpec) -> Trace:
     """Simulate the spec and return its lines and ground truth (deterministic for a given seed)."""
@@ -991,8 +1227,7 @@ def with_seed(spec: ClusterSpec, seed: int) -> ClusterSpec:
 
 def truths_to_json(trace: Trace) -> bytes:
     """The ground truth as a JSON array (for inspecting a trace next to its replay output)."""
-    return orjson.dumps([{f: getattr(t, f) for f in Truth.__slots__} for t in trace.truths],
-                        option=orjson.OPT_INDENT_2)
+    return orjson.dumps([{f: getattr(t, f) for f in Truth.__slots__} for t in trace.truths], option=orjson.OPT_INDENT_2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,8 +46,7 @@ def parse_bool(value: Any) -> bool:
 
 
 # Prometheus duration units, largest first; each may appear once, in this order ("1h30m", "1m30s", "500ms").
-_DURATION_UNITS = {"y": 365 * 86400.0, "w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0,
-                   "ms": 0.001}
+_DURATION_UNITS = {"y": 365 * 86400.0, "w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?|\.[0-9]+)(ms|y|w|d|h|m|s)")
 _PLAIN_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
@@ -63,9 +62,10 @@ def parse_duration(value: Any, *, allow_zero: bool = False) -> float:
         seconds = float(value)
     else:
         text = str(value).strip()
-        seconds = _duration_text(text)
-        if seconds is None:
+        parsed = _duration_text(text)
+        if parsed is None:
             raise ValueError(f"expected a duration such as 30s, 1m30s or 500ms, got {value!r}")
+        seconds = parsed
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         raise ValueError(f"expected a {'non-negative' if allow_zero else 'positive'} duration, got {value!r}")
     return seconds
@@ -80,15 +80,25 @@ def _duration_text(text: str) -> float | None:
         if match.start() != end:
             return None
         rank = ranks.index(match.group(2))
-        if rank <= last_rank:       # "30s1m" or "1m1m": Prometheus refuses both
+        if rank <= last_rank:  # "30s1m" or "1m1m": Prometheus refuses both
             return None
         total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
         end, last_rank = match.end(), rank
     return total if text and end == len(text) else None
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-               "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "TiB": 1024**4,
+}
 _SIZE = re.compile(r"([0-9]+)\s*([KMGT]i?B|B)?")
 
 
@@ -159,16 +169,26 @@ def read_config_file(path: str, known: Iterable[str]) -> dict[str, Any]:
     return data
 
 
-def layered(parsers: Mapping[str, Callable[[Any], Any]], *, flags: Mapping[str, Any], environ: Mapping[str, str],
-            env_prefix: str, file_values: Mapping[str, Any], file_path: str | None) -> dict[str, Any]:
+def layered(
+    parsers: Mapping[str, Callable[[Any], Any]],
+    *,
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str],
+    env_prefix: str,
+    file_values: Mapping[str, Any],
+    file_path: str | None,
+) -> dict[str, Any]:
     """Each setting's parsed value from the layer that wins: flag > environment > config file; settings set
     nowhere are absent (the program's default stands). A value its parser refuses is a ConfigError naming
     where it came from: `--flag: ...`, `ENV_NAME: ...` or `config file PATH: 'key': ...`."""
     values: dict[str, Any] = {}
     for key, parse in parsers.items():
         env = env_name(env_prefix, key)
-        for origin, raw in ((f"--{key}", flags.get(key)), (env, environ.get(env)),
-                            (f"config file {file_path}: {key!r}", file_values.get(key))):
+        for origin, raw in (
+            (f"--{key}", flags.get(key)),
+            (env, environ.get(env)),
+            (f"config file {file_path}: {key!r}", file_values.get(key)),
+        ):
             if raw is None:
                 continue
             try:

@@ -14,8 +14,14 @@ from gpufleet import __version__
 
 # The import name each extra's distributions provide, and the distribution to name in the message.
 AGENT_MODULES = (("pynvml", "nvidia-ml-py"),)
-SERVER_MODULES = (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("httpx", "httpx"), ("numpy", "numpy"),
-                  ("pydantic", "pydantic"), ("msgspec", "msgspec"))
+SERVER_MODULES = (
+    ("fastapi", "fastapi"),
+    ("uvicorn", "uvicorn"),
+    ("httpx", "httpx"),
+    ("numpy", "numpy"),
+    ("pydantic", "pydantic"),
+    ("msgspec", "msgspec"),
+)
 
 
 def missing_extra(extra: str, modules: Sequence[tuple[str, str]]) -> str | None:
@@ -26,9 +32,11 @@ def missing_extra(extra: str, modules: Sequence[tuple[str, str]]) -> str | None:
         except (ImportError, ValueError):
             found = False
         if not found:
-            return (f"{distribution} is missing: install gpufleet with the {extra} extra, from a built wheel "
-                    f"(pip install '{wheel_name()}[{extra}]') or in the clone (pip install '.[{extra}]'); "
-                    "see README.md")
+            return (
+                f"{distribution} is missing: install gpufleet with the {extra} extra, from a built wheel "
+                f"(pip install '{wheel_name()}[{extra}]') or in the clone (pip install '.[{extra}]'); "
+                "see README.md"
+            )
     return None
 
 

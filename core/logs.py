@@ -37,9 +37,7 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
-        extras = " ".join(
-            f"{k}={v}" for k, v in vars(record).items() if k not in _RESERVED and not k.startswith("_")
-        )
+        extras = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _RESERVED and not k.startswith("_"))
         line = f"{stamp} {record.levelname.lower():7s} {record.name}: {record.getMessage()}"
         if extras:
             line += f" {extras}"

@@ -26,7 +26,5 @@ class ThrottleReason(IntFlag):
 
 THERMAL_REASONS = ThrottleReason.SW_THERMAL_SLOWDOWN | ThrottleReason.HW_THERMAL_SLOWDOWN
 CLOCK_CUT_REASONS = (
-    ThrottleReason.HW_SLOWDOWN
-    | ThrottleReason.HW_THERMAL_SLOWDOWN
-    | ThrottleReason.HW_POWER_BRAKE_SLOWDOWN
+    ThrottleReason.HW_SLOWDOWN | ThrottleReason.HW_THERMAL_SLOWDOWN | ThrottleReason.HW_POWER_BRAKE_SLOWDOWN
 )

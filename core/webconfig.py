@@ -38,8 +38,9 @@ import yaml
 
 log = logging.getLogger(__name__)
 _TLS_KEYS = frozenset(("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version"))
-_REFUSED_TLS_KEYS = frozenset(("cipher_suites", "curve_preferences", "prefer_server_cipher_suites",
-                               "client_allowed_sans"))
+_REFUSED_TLS_KEYS = frozenset(
+    ("cipher_suites", "curve_preferences", "prefer_server_cipher_suites", "client_allowed_sans")
+)
 _TOP_KEYS = frozenset(("tls_server_config", "basic_auth_users", "http_server_config"))
 _HTTP_KEYS = frozenset(("headers", "http2"))
 # exporter-toolkit's client_auth_type -> what ssl verifies; None: Python cannot do it.
@@ -50,8 +51,12 @@ _CLIENT_AUTH = {
     "RequestClientCert": None,
     "RequireAnyClientCert": None,
 }
-_VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1, "TLS12": ssl.TLSVersion.TLSv1_2,
-             "TLS13": ssl.TLSVersion.TLSv1_3}
+_VERSIONS = {
+    "TLS10": ssl.TLSVersion.TLSv1,
+    "TLS11": ssl.TLSVersion.TLSv1_1,
+    "TLS12": ssl.TLSVersion.TLSv1_2,
+    "TLS13": ssl.TLSVersion.TLSv1_3,
+}
 _BCRYPT_PREFIXES = (b"$2a$", b"$2b$", b"$2y$")
 # Paths basic auth leaves open, on the agent and the server alike: probes (kubelet, systemd, a load
 # balancer) reach them without credentials, and they tell whether the daemon is healthy, never a reading.
@@ -73,7 +78,7 @@ class WebConfig:
     tls: ssl.SSLContext | None = None
     users: Mapping[str, bytes] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
-    reloading: "ReloadingTls | None" = None     # what keeps `tls` following its files (None: it does not)
+    reloading: "ReloadingTls | None" = None  # what keeps `tls` following its files (None: it does not)
 
     def authenticator(self, check: Callable[[bytes, bytes], bool] | None = None) -> "BasicAuth | None":
         """The basic-auth check for these users (None when the file names none)."""
@@ -133,13 +138,16 @@ class _TlsSpec:
         try:
             ctx.load_cert_chain(self.cert, self.key)
         except (OSError, ssl.SSLError) as exc:
-            raise WebConfigError(f"{self.path}: cannot load cert_file {self.cert} / key_file {self.key}: "
-                                 f"{error_reason(exc)}") from None
+            raise WebConfigError(
+                f"{self.path}: cannot load cert_file {self.cert} / key_file {self.key}: {error_reason(exc)}"
+            ) from None
         if self.ca is not None:
             try:
                 ctx.load_verify_locations(cafile=self.ca)
             except (OSError, ssl.SSLError) as exc:
-                raise WebConfigError(f"{self.path}: cannot load client_ca_file {self.ca}: {error_reason(exc)}") from None
+                raise WebConfigError(
+                    f"{self.path}: cannot load client_ca_file {self.ca}: {error_reason(exc)}"
+                ) from None
             ctx.verify_mode = self.mode
         return ctx
 
@@ -171,8 +179,9 @@ class ReloadingTls:
     changed. A rebuild that fails (a half-written pair, a key from another certificate) is logged and
     the last good context stays."""
 
-    def __init__(self, spec: _TlsSpec, *, clock: Callable[[], float] = time.monotonic,
-                 min_interval: float = 1.0) -> None:
+    def __init__(
+        self, spec: _TlsSpec, *, clock: Callable[[], float] = time.monotonic, min_interval: float = 1.0
+    ) -> None:
         self._spec = spec
         self._clock = clock
         self._min_interval = min_interval
@@ -225,29 +234,43 @@ def _tls(section: Any, path: str, clock: Callable[[], float]) -> ReloadingTls | 
     _mapping(section, path, "tls_server_config")
     for key in section:
         if key in _REFUSED_TLS_KEYS:
-            raise WebConfigError(f"{path}: tls_server_config.{key} is not supported by gpufleet (Python's ssl "
-                                 "module); remove it or terminate TLS in front of the agent")
+            raise WebConfigError(
+                f"{path}: tls_server_config.{key} is not supported by gpufleet (Python's ssl "
+                "module); remove it or terminate TLS in front of the agent"
+            )
     _known(section, _TLS_KEYS, path, "tls_server_config.")
     cert, key = section.get("cert_file"), section.get("key_file")
     if not cert or not key:
         raise WebConfigError(f"{path}: tls_server_config needs both cert_file and key_file")
     auth = section.get("client_auth_type", "NoClientCert")
     if auth not in _CLIENT_AUTH:
-        raise WebConfigError(f"{path}: tls_server_config.client_auth_type {auth!r} is not one of "
-                             f"{', '.join(_CLIENT_AUTH)}")
+        raise WebConfigError(
+            f"{path}: tls_server_config.client_auth_type {auth!r} is not one of {', '.join(_CLIENT_AUTH)}"
+        )
     mode = _CLIENT_AUTH[auth]
     if mode is None:
-        raise WebConfigError(f"{path}: client_auth_type {auth} (a client certificate asked for but not verified) "
-                             "is not supported; use VerifyClientCertIfGiven or RequireAndVerifyClientCert")
+        raise WebConfigError(
+            f"{path}: client_auth_type {auth} (a client certificate asked for but not verified) "
+            "is not supported; use VerifyClientCertIfGiven or RequireAndVerifyClientCert"
+        )
     ca = section.get("client_ca_file")
     if mode != ssl.CERT_NONE and not ca:
         raise WebConfigError(f"{path}: client_auth_type {auth} needs client_ca_file")
     if mode == ssl.CERT_NONE and ca:
-        raise WebConfigError(f"{path}: client_ca_file is set but client_auth_type is NoClientCert: set "
-                             "client_auth_type: RequireAndVerifyClientCert (or VerifyClientCertIfGiven)")
+        raise WebConfigError(
+            f"{path}: client_ca_file is set but client_auth_type is NoClientCert: set "
+            "client_auth_type: RequireAndVerifyClientCert (or VerifyClientCertIfGiven)"
+        )
     maximum = _version(section["max_version"], path, "max_version") if "max_version" in section else None
-    spec = _TlsSpec(path, str(cert), str(key), str(ca) if ca else None, mode,
-                    _version(section.get("min_version", "TLS12"), path, "min_version"), maximum)
+    spec = _TlsSpec(
+        path,
+        str(cert),
+        str(key),
+        str(ca) if ca else None,
+        mode,
+        _version(section.get("min_version", "TLS12"), path, "min_version"),
+        maximum,
+    )
     return ReloadingTls(spec, clock=clock)
 
 
@@ -275,8 +298,9 @@ def _users(section: Any, path: str) -> dict[str, bytes]:
             raise WebConfigError(f"{path}: basic_auth_users: {user!r} is not a valid user name")
         raw = str(hashed or "").encode()
         if not raw.startswith(_BCRYPT_PREFIXES) or len(raw) != 60:
-            raise WebConfigError(f"{path}: basic_auth_users.{user} must be a bcrypt hash ($2y$...), "
-                                 "not a plain password")
+            raise WebConfigError(
+                f"{path}: basic_auth_users.{user} must be a bcrypt hash ($2y$...), not a plain password"
+            )
         users[user] = raw
     return users
 
@@ -298,7 +322,7 @@ def _headers(section: Any, path: str) -> dict[str, str]:
 
 
 def _bcrypt_check(password: bytes, hashed: bytes) -> bool:
-    import bcrypt        # only where basic auth is configured
+    import bcrypt  # only where basic auth is configured
 
     return bcrypt.checkpw(password, hashed)
 
@@ -339,7 +363,7 @@ class BasicAuth:
         hashed = self._users.get(user)
         try:
             ok = self._check(password.encode(), hashed or self._dummy) and hashed is not None
-        except ValueError:            # a malformed hash cannot match anything
+        except ValueError:  # a malformed hash cannot match anything
             ok = False
         with self._lock:
             self._cache[key] = ok

@@ -39,8 +39,7 @@ class AlertState(str, Enum):
 # Detectors ask for the same few subjects' fingerprints every tick: hashing them each time showed up
 # in replay profiles. A pure function of its arguments, so memoising it changes nothing else.
 @lru_cache(maxsize=1 << 16)
-def fingerprint(kind: AlertKind, node: str | None, gpu: int | None, hpc_job: str | None,
-                extra: str = "") -> str:
+def fingerprint(kind: AlertKind, node: str | None, gpu: int | None, hpc_job: str | None, extra: str = "") -> str:
     """Stable identity of an alert subject: the same problem on the same GPU/job keeps one id."""
     key = f"{kind.value}|{node or ''}|{'' if gpu is None else gpu}|{hpc_job or ''}|{extra}"
     return hashlib.sha1(key.encode()).hexdigest()[:16]
@@ -50,7 +49,7 @@ def fingerprint(kind: AlertKind, node: str | None, gpu: int | None, hpc_job: str
 class Alert:
     """One alert occurrence. `started` is the sample time it began firing (None while pending)."""
 
-    id: str                      # fingerprint + pending_since: unique per occurrence
+    id: str  # fingerprint + pending_since: unique per occurrence
     fingerprint: str
     kind: AlertKind
     severity: Severity
@@ -103,8 +102,14 @@ def cause(alert: Alert) -> str:
     if alert.kind is AlertKind.STRAGGLER:
         return "+".join([str(ev.get("pattern") or "")] + list(ev.get("throttle_causes") or ())).strip("+")
     if alert.kind is AlertKind.THERMAL_THROTTLE:
-        hot = [part for part, hit in (("temperature", _at_least(ev.get("temperature_celsius"), ev.get("threshold_celsius"))),
-                                      ("hbm_temperature", ev.get("memory_at_limit"))) if hit]
+        hot = [
+            part
+            for part, hit in (
+                ("temperature", _at_least(ev.get("temperature_celsius"), ev.get("threshold_celsius"))),
+                ("hbm_temperature", ev.get("memory_at_limit")),
+            )
+            if hit
+        ]
         return "+".join(hot + list(ev.get("throttle_reasons") or ()))
     if alert.kind is AlertKind.XID and ev.get("code") is not None:
         return f"xid_{ev['code']}"
@@ -114,11 +119,11 @@ def cause(alert: Alert) -> str:
 # What to look at, by kind: the second half of an alert's description (its first half is the summary).
 _ADVICE = {
     AlertKind.THERMAL_THROTTLE: "The GPU cuts its clocks while this hot: check the node's cooling (fans, airflow, "
-                                "inlet temperature).",
+    "inlet temperature).",
     AlertKind.STRAGGLER: "Its peers wait for it at every synchronisation, so the whole job runs at its pace: "
-                         "drain it, or restart the job without it.",
+    "drain it, or restart the job without it.",
     AlertKind.COMM_BOUND: "Every GPU of the job waits in collectives: check the fabric (NVLink, InfiniBand or "
-                          "RoCE errors, congestion, a changed topology).",
+    "RoCE errors, congestion, a changed topology).",
     AlertKind.INPUT_BOUND: "The GPUs starve for input: check data loading, storage and the hosts' CPUs.",
     AlertKind.NODE_UNREACHABLE: "Its GPUs are not monitored: check the node, its network and gpufleet-agent there.",
     AlertKind.GPU_LOST: "The GPU stopped answering (fell off the bus, XID 79 in the kernel log): drain the node.",
@@ -129,14 +134,20 @@ _ADVICE = {
 
 def description(alert: Alert) -> str:
     """One line for a person reading a notification: the summary, where it is, and what to look at."""
-    where = [f"node {alert.node}" if alert.node else "",
-             f"GPU {alert.gpu}" + (f" ({alert.uuid})" if alert.uuid else "") if alert.gpu is not None else "",
-             f"job {alert.hpc_job}" if alert.hpc_job else "",
-             "pod {}/{}".format(alert.labels["namespace"], alert.labels["pod"])
-             if "namespace" in alert.labels and "pod" in alert.labels else ""]
+    where = [
+        f"node {alert.node}" if alert.node else "",
+        f"GPU {alert.gpu}" + (f" ({alert.uuid})" if alert.uuid else "") if alert.gpu is not None else "",
+        f"job {alert.hpc_job}" if alert.hpc_job else "",
+        "pod {}/{}".format(alert.labels["namespace"], alert.labels["pod"])
+        if "namespace" in alert.labels and "pod" in alert.labels
+        else "",
+    ]
     subject = ", ".join(part for part in where if part)
-    return " ".join(part for part in (alert.summary.rstrip(".") + ".", f"On {subject}." if subject else "",
-                                      _ADVICE.get(alert.kind, "")) if part)
+    return " ".join(
+        part
+        for part in (alert.summary.rstrip(".") + ".", f"On {subject}." if subject else "", _ADVICE.get(alert.kind, ""))
+        if part
+    )
 
 
 def _at_least(value: Any, limit: Any) -> bool:

@@ -29,8 +29,9 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD,
-                                                                                 TRIM_THRESHOLD_BYTES))
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
     if not ok:
         log.debug("mallopt refused the thresholds; keeping the allocator's defaults")
     return ok

@@ -18,12 +18,20 @@ COMMANDS = {
 def usage() -> str:
     """The top-level help: the subcommands with one line each."""
     width = max(map(len, COMMANDS)) + 2
-    lines = [f"usage: {PROG} [COMMAND] [FLAGS...]", "",
-             "Live monitor for GPU training clusters: names the GPU that drags a job, and why.", "", "commands:"]
+    lines = [
+        f"usage: {PROG} [COMMAND] [FLAGS...]",
+        "",
+        "Live monitor for GPU training clusters: names the GPU that drags a job, and why.",
+        "",
+        "commands:",
+    ]
     lines += [f"  {name:{width}}{text}" for name, text in COMMANDS.items()]
-    lines += ["", f"`{PROG} COMMAND --help` shows a command's own flags. Without a command, the flags are "
-                  f"serve's:", f"`{PROG} --targets a:9471,b:9471` is `{PROG} serve --targets a:9471,b:9471`.",
-              f"`{PROG} --version` prints the version."]
+    lines += [
+        "",
+        f"`{PROG} COMMAND --help` shows a command's own flags. Without a command, the flags are serve's:",
+        f"`{PROG} --targets a:9471,b:9471` is `{PROG} serve --targets a:9471,b:9471`.",
+        f"`{PROG} --version` prints the version.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -38,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from gpufleet.server.allocator import tune_malloc
 
-    tune_malloc()           # every subcommand runs the engine's numpy ticks
+    tune_malloc()  # every subcommand runs the engine's numpy ticks
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["--version"]:
         from gpufleet.server import __version__
@@ -61,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "status":
         from gpufleet.server.status import main as run
     else:
-        print(f"{PROG}: unknown command {command!r} (commands: {', '.join(COMMANDS)}; "
-              f"see {PROG} --help)", file=sys.stderr)
+        print(
+            f"{PROG}: unknown command {command!r} (commands: {', '.join(COMMANDS)}; see {PROG} --help)", file=sys.stderr
+        )
         return 2
     try:
         return run(rest)

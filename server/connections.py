@@ -45,11 +45,14 @@ def raise_descriptor_limit() -> int:
     return soft
 
 
-def bounded_protocol(max_connections: int, read_header_timeout_seconds: float = DEFAULT_READ_HEADER_TIMEOUT_SECONDS,
-                     budget: Callable[[], int] = descriptor_budget) -> type[H11Protocol]:
+def bounded_protocol(
+    max_connections: int,
+    read_header_timeout_seconds: float = DEFAULT_READ_HEADER_TIMEOUT_SECONDS,
+    budget: Callable[[], int] = descriptor_budget,
+) -> type[H11Protocol]:
     """uvicorn's h11 protocol with the bounds above; one class per server (it keeps that server's queue of
     connections waiting for their request)."""
-    waiting: dict[BoundedH11Protocol, None] = {}   # oldest first
+    waiting: dict[BoundedH11Protocol, None] = {}  # oldest first
 
     class BoundedH11Protocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
@@ -109,8 +112,12 @@ class OncePerInterval(logging.Filter):
     (`repeated`). asyncio logs a failing accept() on every retry: without this, hundreds of thousands
     of lines a minute while the process is out of file descriptors."""
 
-    def __init__(self, match: Callable[[logging.LogRecord], bool], interval_seconds: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        match: Callable[[logging.LogRecord], bool],
+        interval_seconds: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__()
         self._match = match
         self._interval = interval_seconds

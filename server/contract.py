@@ -20,7 +20,7 @@ SCHEMA_VERSION: Literal[1] = 1
 MAX_LINE_BYTES = 4 * 1024 * 1024
 MAX_GPUS_PER_NODE = 256
 MAX_NODE_NAME = 256
-MAX_K8S_NAME = 253          # a Kubernetes object name (DNS subdomain) is at most 253 characters
+MAX_K8S_NAME = 253  # a Kubernetes object name (DNS subdomain) is at most 253 characters
 
 # Column order of NodeSample.values; the engine indexes by these constants.
 NUMERIC_FIELDS = (
@@ -42,8 +42,26 @@ NUMERIC_FIELDS = (
 )
 BOOL_FIELDS = ("up", "remapped_rows_pending", "remapped_rows_failure")
 FIELDS = NUMERIC_FIELDS + BOOL_FIELDS
-(UTIL, SM, TEMP, SLOWDOWN_TEMP, POWER, POWER_LIMIT, ENERGY, CLOCK, CLOCK_MAX, THROTTLE, XID_TOTAL,
- LAST_XID, ECC_UNCORRECTED, MEM_TEMP, MEM_MAX_TEMP, UP, REMAP_PENDING, REMAP_FAILURE) = range(len(FIELDS))
+(
+    UTIL,
+    SM,
+    TEMP,
+    SLOWDOWN_TEMP,
+    POWER,
+    POWER_LIMIT,
+    ENERGY,
+    CLOCK,
+    CLOCK_MAX,
+    THROTTLE,
+    XID_TOTAL,
+    LAST_XID,
+    ECC_UNCORRECTED,
+    MEM_TEMP,
+    MEM_MAX_TEMP,
+    UP,
+    REMAP_PENDING,
+    REMAP_FAILURE,
+) = range(len(FIELDS))
 N_FIELDS = len(FIELDS)
 
 # Plausible physical ranges; a value outside is a broken agent, not a reading to act on. NaN fails
@@ -87,20 +105,40 @@ _GPU_TYPES: dict[str, Any] = {
 # Declared in the order the agent writes them (agent/model.py, GpuSample): msgspec looks for each key at
 # the position after the previous one first (4 % fewer instructions parsing; docs/benchmarks.md, "The
 # decoder's field order").
-GPU_FIELD_ORDER = ("index", "uuid", "model", "up", "hpc_job", "kubernetes_namespace", "kubernetes_pod",
-                   "utilization_ratio", "sm_active_ratio",
-                   "temperature_celsius", "memory_temperature_celsius", "slowdown_temperature_celsius",
-                   "memory_max_operating_temperature_celsius", "power_watts", "power_limit_watts",
-                   "energy_joules_total", "sm_clock_hertz", "sm_clock_max_hertz", "throttle_reasons",
-                   "ecc_uncorrected_errors_total", "remapped_rows_pending", "remapped_rows_failure",
-                   "xid_errors_total", "xid_errors_by_code", "last_xid")
+GPU_FIELD_ORDER = (
+    "index",
+    "uuid",
+    "model",
+    "up",
+    "hpc_job",
+    "kubernetes_namespace",
+    "kubernetes_pod",
+    "utilization_ratio",
+    "sm_active_ratio",
+    "temperature_celsius",
+    "memory_temperature_celsius",
+    "slowdown_temperature_celsius",
+    "memory_max_operating_temperature_celsius",
+    "power_watts",
+    "power_limit_watts",
+    "energy_joules_total",
+    "sm_clock_hertz",
+    "sm_clock_max_hertz",
+    "throttle_reasons",
+    "ecc_uncorrected_errors_total",
+    "remapped_rows_pending",
+    "remapped_rows_failure",
+    "xid_errors_total",
+    "xid_errors_by_code",
+    "last_xid",
+)
 _GpuRow = msgspec.defstruct("GpuRow", [(f, *_GPU_TYPES[f]) for f in GPU_FIELD_ORDER], kw_only=True, gc=False)
 
 
 class _Snapshot(msgspec.Struct, gc=False):
     node: Annotated[str, Meta(min_length=1, max_length=MAX_NODE_NAME)]
     time: Annotated[float, Meta(ge=0.0, lt=1e11)]
-    gpus: Annotated[list[_GpuRow], Meta(max_length=MAX_GPUS_PER_NODE)]   # type: ignore[valid-type]
+    gpus: Annotated[list[_GpuRow], Meta(max_length=MAX_GPUS_PER_NODE)]  # type: ignore[valid-type]
     schema: Literal[1] = SCHEMA_VERSION
 
 
@@ -109,8 +147,9 @@ _astuple = msgspec.structs.astuple
 # Positions in a decoded row's tuple: the matrix columns in FIELDS order, then the identity and XIDs.
 _COLUMNS = [GPU_FIELD_ORDER.index(f) for f in FIELDS]
 (_I_INDEX, _I_UUID, _I_MODEL, _I_JOB, _I_NAMESPACE, _I_POD, _I_XID) = map(
-    GPU_FIELD_ORDER.index, ("index", "uuid", "model", "hpc_job", "kubernetes_namespace", "kubernetes_pod",
-                            "xid_errors_by_code"))
+    GPU_FIELD_ORDER.index,
+    ("index", "uuid", "model", "hpc_job", "kubernetes_namespace", "kubernetes_pod", "xid_errors_by_code"),
+)
 # Lines are turned into matrices in batches of about this many GPU rows: enough to amortise numpy's
 # per-call cost, small enough that the batch's Python objects stay in the CPU cache.
 CHUNK_GPUS = 512
@@ -121,7 +160,7 @@ class ContractError(ValueError):
     """A payload that violates the snapshot contract; str() is the reason."""
 
 
-Pod = tuple[str, str]      # (namespace, pod name)
+Pod = tuple[str, str]  # (namespace, pod name)
 
 
 class NodeSample:
@@ -129,10 +168,18 @@ class NodeSample:
 
     __slots__ = ("node", "time", "indices", "uuids", "models", "jobs", "values", "xid_by_code", "pods")
 
-    def __init__(self, node: str, time: float, indices: tuple[int, ...], uuids: tuple[str, ...],
-                 models: tuple[str, ...], jobs: tuple[str | None, ...], values: np.ndarray,
-                 xid_by_code: tuple[Mapping[int, int] | None, ...] | None = None,
-                 pods: tuple[Pod | None, ...] | None = None) -> None:
+    def __init__(
+        self,
+        node: str,
+        time: float,
+        indices: tuple[int, ...],
+        uuids: tuple[str, ...],
+        models: tuple[str, ...],
+        jobs: tuple[str | None, ...],
+        values: np.ndarray,
+        xid_by_code: tuple[Mapping[int, int] | None, ...] | None = None,
+        pods: tuple[Pod | None, ...] | None = None,
+    ) -> None:
         self.node = node
         self.time = time
         self.indices = indices
@@ -141,7 +188,7 @@ class NodeSample:
         self.jobs = jobs
         self.values = values
         self.xid_by_code = xid_by_code
-        self.pods = pods      # per GPU, the (namespace, pod) its processes run in; None where no GPU has one
+        self.pods = pods  # per GPU, the (namespace, pod) its processes run in; None where no GPU has one
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -236,7 +283,7 @@ def _build(snapshots: list[_Snapshot], identities: dict | None = None) -> list[N
         cols = list(zip(*rows))
         # None (an explicit null) becomes NaN here, like the absent readings' NaN default.
         matrix = np.array([cols[i] for i in _COLUMNS], dtype=np.float64).T
-        np.minimum(matrix[:, UTIL:SM + 1], 1.0, out=matrix[:, UTIL:SM + 1])
+        np.minimum(matrix[:, UTIL : SM + 1], 1.0, out=matrix[:, UTIL : SM + 1])
         odd_jobs = _needs_job_normalising(cols[_I_JOB])
     else:
         cols, matrix, odd_jobs = [()] * len(GPU_FIELD_ORDER), np.empty((0, N_FIELDS)), False
@@ -255,14 +302,29 @@ def _needs_job_normalising(jobs: tuple) -> bool:
     return "" in jobs or int in set(map(type, jobs))
 
 
-def _sample(s: _Snapshot, matrix: np.ndarray, cols: list[tuple], start: int, end: int,
-            odd_jobs: bool, has_xids: bool, identities: dict) -> NodeSample | ContractError:
+def _sample(
+    s: _Snapshot,
+    matrix: np.ndarray,
+    cols: list[tuple],
+    start: int,
+    end: int,
+    odd_jobs: bool,
+    has_xids: bool,
+    identities: dict,
+) -> NodeSample | ContractError:
     """One line's NodeSample from its slice of the batch's columns (has_xids: some line of the batch
     has XID counts by code). A node's identity (name, GPU indices, UUIDs, models, jobs) repeats line
     after line: `identities` maps it to one shared copy, so a trace's samples hold one set of those
     strings per node instead of one per line (most of replay's memory, and its page faults)."""
-    key = (s.node, cols[_I_INDEX][start:end], cols[_I_UUID][start:end], cols[_I_MODEL][start:end],
-           cols[_I_JOB][start:end], cols[_I_NAMESPACE][start:end], cols[_I_POD][start:end])
+    key = (
+        s.node,
+        cols[_I_INDEX][start:end],
+        cols[_I_UUID][start:end],
+        cols[_I_MODEL][start:end],
+        cols[_I_JOB][start:end],
+        cols[_I_NAMESPACE][start:end],
+        cols[_I_POD][start:end],
+    )
     ident = identities.get(key)
     if ident is None:
         indices = key[1]

@@ -103,16 +103,27 @@ class Scenario:
     def from_json(cls, data: Any) -> "Scenario":
         """From `gpufleet-agent --simulate NAME --print-scenario`'s output; ValueError if it is not that."""
         try:
+
             def refs(items: Any) -> tuple[tuple[str, int], ...]:
                 return tuple((str(node), int(index)) for node, index in items)
 
-            return cls(name=str(data["name"]), nodes=tuple(str(n) for n in data["nodes"]),
-                       jobs=tuple(Job(str(j["id"]), refs(j["gpus"])) for j in data["jobs"]),
-                       incidents=tuple(Incident(kind=str(i["kind"]), start_s=float(i["start_s"]),
-                                                end_s=None if i.get("end_s") is None else float(i["end_s"]),
-                                                gpus=refs(i.get("gpus", ())), job=i.get("job"),
-                                                nodes=tuple(i.get("nodes", ())), silent=bool(i.get("silent", True)))
-                                       for i in data["incidents"]))
+            return cls(
+                name=str(data["name"]),
+                nodes=tuple(str(n) for n in data["nodes"]),
+                jobs=tuple(Job(str(j["id"]), refs(j["gpus"])) for j in data["jobs"]),
+                incidents=tuple(
+                    Incident(
+                        kind=str(i["kind"]),
+                        start_s=float(i["start_s"]),
+                        end_s=None if i.get("end_s") is None else float(i["end_s"]),
+                        gpus=refs(i.get("gpus", ())),
+                        job=i.get("job"),
+                        nodes=tuple(i.get("nodes", ())),
+                        silent=bool(i.get("silent", True)),
+                    )
+                    for i in data["incidents"]
+                ),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a scenario timetable ({exc.__class__.__name__}: {exc})") from None
 
@@ -162,8 +173,7 @@ def load_demo_scenario(timeout_seconds: float = 60.0) -> Scenario:
     """
     cmd = agent_command() + ["--simulate", SCENARIO, "--print-scenario"]
     try:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_seconds,
-                              check=False)
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_seconds, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise DemoError(f"cannot run {' '.join(cmd)}: {exc}") from None
     if proc.returncode != 0:
@@ -177,7 +187,7 @@ def load_demo_scenario(timeout_seconds: float = 60.0) -> Scenario:
 
 
 def incident_subject(scenario: Scenario, incident: Incident) -> str:
-    """"dgx-02 GPU 5 (job 71001)", "dgx-01 GPUs 0,1", "job 71002" or "dgx-03"."""
+    """ "dgx-02 GPU 5 (job 71001)", "dgx-01 GPUs 0,1", "job 71002" or "dgx-03"."""
     if incident.job is not None:
         return f"job {incident.job}"
     if not incident.gpus:
@@ -193,6 +203,7 @@ def incident_subject(scenario: Scenario, incident: Incident) -> str:
 
 def timeline(scenario: Scenario, epoch: float) -> list[str]:
     """What will happen when, relative to the scenario epoch and on the local clock."""
+
     def at(offset: float) -> str:
         return f"+{offset:.0f}s ({time.strftime('%H:%M:%S', time.localtime(epoch + offset))})"
 
@@ -205,8 +216,10 @@ def timeline(scenario: Scenario, epoch: float) -> list[str]:
         lines.append(f"  {at(inc.start_s)}  {what} on {incident_subject(scenario, inc)}{until}  -> expect {expect}")
     ends = [i.end_s if i.end_s is not None else i.start_s for i in scenario.incidents]
     if ends:
-        lines.append(f"  alerts fire 30-60s into each incident and resolve 1-2 min after it ends; "
-                     f"all calm by about {at(max(ends) + RESOLVE_MARGIN_SECONDS)}")
+        lines.append(
+            f"  alerts fire 30-60s into each incident and resolve 1-2 min after it ends; "
+            f"all calm by about {at(max(ends) + RESOLVE_MARGIN_SECONDS)}"
+        )
     return lines
 
 
@@ -224,8 +237,18 @@ def start_agents(nodes: Sequence[str], epoch: float) -> list[Agent]:
     agents = []
     for node in nodes:
         address = f"127.0.0.1:{free_port()}"
-        cmd = agent_command() + ["--simulate", SCENARIO, "--node", node, "--simulate.epoch", repr(epoch),
-                                 "--web.listen-address", address, "--log.level", "warning"]
+        cmd = agent_command() + [
+            "--simulate",
+            SCENARIO,
+            "--node",
+            node,
+            "--simulate.epoch",
+            repr(epoch),
+            "--web.listen-address",
+            address,
+            "--log.level",
+            "warning",
+        ]
         # own session: a terminal Ctrl-C reaches the demo, which then stops the agents in order
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         agents.append(Agent(node, address, process))
@@ -248,8 +271,9 @@ def wait_for_agents(agents: Sequence[Agent], timeout_seconds: float = 30.0) -> N
                 except httpx.HTTPError:
                     pass
             if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"agents not ready after {timeout_seconds:.0f}s: "
-                                   + ", ".join(a.node for a in pending))
+                raise RuntimeError(
+                    f"agents not ready after {timeout_seconds:.0f}s: " + ", ".join(a.node for a in pending)
+                )
             if pending:
                 time.sleep(0.2)
 
@@ -268,7 +292,7 @@ def stop_agents(agents: Sequence[Agent], timeout_seconds: float = 5.0) -> None:
 
 
 def subject(alert: Alert) -> str:
-    """"dgx-03 GPU 5 (job 71001)", "dgx-02 (job 7)" or "job 71001"."""
+    """ "dgx-03 GPU 5 (job 71001)", "dgx-02 (job 7)" or "job 71001"."""
     parts = []
     if alert.node:
         parts.append(alert.node + ("" if alert.gpu is None else f" GPU {alert.gpu}"))
@@ -281,7 +305,7 @@ class TerminalPrinter:
     """A notifier that prints a line when an alert starts firing and when it resolves."""
 
     name = "terminal"
-    url = "stdout"          # where it delivers, as every notifier says: /metrics labels the counters by it
+    url = "stdout"  # where it delivers, as every notifier says: /metrics labels the counters by it
 
     def __init__(self, epoch: float, out: TextIO = sys.stdout) -> None:
         self.epoch = epoch
@@ -295,8 +319,10 @@ class TerminalPrinter:
         at = at if at is not None else alert.updated
         clock = time.strftime("%H:%M:%S", time.localtime(at))
         verb = "FIRING  " if alert.state is AlertState.FIRING else "RESOLVED"
-        return (f"{clock} (+{at - self.epoch:5.0f}s) {verb} {alert.kind.value:16s} {alert.severity.value:8s} "
-                f"{subject(alert)}: {alert.summary}")
+        return (
+            f"{clock} (+{at - self.epoch:5.0f}s) {verb} {alert.kind.value:16s} {alert.severity.value:8s} "
+            f"{subject(alert)}: {alert.summary}"
+        )
 
     def submit(self, transitions: Sequence[Transition]) -> None:
         """Print state changes into firing or resolved."""
@@ -321,16 +347,34 @@ class TerminalPrinter:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The demo's few options."""
-    parser = argparse.ArgumentParser(prog="gpufleet-server demo",
-                                     description="Simulated GPU cluster with incidents, and the server watching it.")
-    parser.add_argument("--duration", type=parse_duration, default=None, metavar="SECONDS",
-                        help="exit by itself after this long (default: run until Ctrl-C)")
-    parser.add_argument("--web.listen-address", dest="listen", default=None, metavar="HOST:PORT",
-                        help="server address (default 127.0.0.1:9472, or a free port if taken)")
-    parser.add_argument("--pull.interval", dest="pull_interval", type=parse_duration, default=2.0, metavar="SECONDS",
-                        help="how often the server pulls the agents (default 2s)")
-    parser.add_argument("--log.level", dest="log_level", default="warning",
-                        choices=("debug", "info", "warning", "error"))
+    parser = argparse.ArgumentParser(
+        prog="gpufleet-server demo", description="Simulated GPU cluster with incidents, and the server watching it."
+    )
+    parser.add_argument(
+        "--duration",
+        type=parse_duration,
+        default=None,
+        metavar="SECONDS",
+        help="exit by itself after this long (default: run until Ctrl-C)",
+    )
+    parser.add_argument(
+        "--web.listen-address",
+        dest="listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="server address (default 127.0.0.1:9472, or a free port if taken)",
+    )
+    parser.add_argument(
+        "--pull.interval",
+        dest="pull_interval",
+        type=parse_duration,
+        default=2.0,
+        metavar="SECONDS",
+        help="how often the server pulls the agents (default 2s)",
+    )
+    parser.add_argument(
+        "--log.level", dest="log_level", default="warning", choices=("debug", "info", "warning", "error")
+    )
     return parser.parse_args(list(argv))
 
 
@@ -360,8 +404,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sock = server_socket(args.listen)
     except (OSError, ValueError) as exc:
-        print(f"gpufleet-server demo: cannot listen on --web.listen-address {args.listen!r}: "
-              f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        print(
+            f"gpufleet-server demo: cannot listen on --web.listen-address {args.listen!r}: "
+            f"{getattr(exc, 'strerror', None) or exc}",
+            file=sys.stderr,
+        )
         return 2
     host, port = sock.getsockname()[:2]
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -381,17 +428,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError as exc:
             print(f"gpufleet-server demo: {exc}", file=sys.stderr)
             return 1
-        settings = ServerSettings(listen_address=listen, targets=tuple(a.address for a in agents),
-                                  storage_path=os.path.join(workdir, "alerts.db"),
-                                  pull_interval_seconds=args.pull_interval,
-                                  pull_timeout_seconds=min(4.0, args.pull_interval),
-                                  log_level=args.log_level, log_format="text")
+        settings = ServerSettings(
+            listen_address=listen,
+            targets=tuple(a.address for a in agents),
+            storage_path=os.path.join(workdir, "alerts.db"),
+            pull_interval_seconds=args.pull_interval,
+            pull_timeout_seconds=min(4.0, args.pull_interval),
+            log_level=args.log_level,
+            log_format="text",
+        )
         printer = TerminalPrinter(epoch)
         runtime = build_runtime(settings, extra_notifiers=[printer])
         print_banner(f"http://{listen}", nodes, scenario, epoch, args)
         asyncio.run(_serve(uvicorn_server(settings, create_app(settings, runtime=runtime)), args.duration, sock))
-        print(f"gpufleet demo: stopped after {time.time() - epoch:.0f}s; "
-              f"{printer.fired_total} alerts fired, {printer.resolved_total} resolved", flush=True)
+        print(
+            f"gpufleet demo: stopped after {time.time() - epoch:.0f}s; "
+            f"{printer.fired_total} alerts fired, {printer.resolved_total} resolved",
+            flush=True,
+        )
         losses = loss_summary(runtime.view.jobs)
         if losses:
             print(losses, flush=True)
@@ -411,22 +465,30 @@ def loss_summary(jobs: Sequence[dict]) -> str:
     for job in sorted(jobs, key=lambda j: str(j.get("hpc_job"))):
         by_kind = job.get("gpu_hours_lost_by_kind") or {}
         detail = ", ".join(f"{kind} {hours:.2f}" for kind, hours in by_kind.items())
-        parts.append(f"job {job.get('hpc_job')} {job.get('gpu_hours_lost') or 0.0:.2f}" + (f" ({detail})" if detail else ""))
+        parts.append(
+            f"job {job.get('hpc_job')} {job.get('gpu_hours_lost') or 0.0:.2f}" + (f" ({detail})" if detail else "")
+        )
     return "GPU-hours lost while alerts fired: " + "; ".join(parts) if parts else ""
 
 
-def print_banner(base: str, nodes: Sequence[str], scenario: Scenario, epoch: float,
-                 args: argparse.Namespace) -> None:
+def print_banner(base: str, nodes: Sequence[str], scenario: Scenario, epoch: float, args: argparse.Namespace) -> None:
     """Where to look, and what will happen when."""
     jobs = ", jobs " + ", ".join(f"{j.id} on {'+'.join(j.nodes)}" for j in scenario.jobs) if scenario.jobs else ""
-    print(f"gpufleet demo: {len(nodes)} simulated nodes ({', '.join(nodes)}){jobs}; "
-          f"scenario {SCENARIO!r}, pulled every {args.pull_interval:g}s", flush=True)
-    print(f"  alerts:  {base}/alerts\n  docs:    {base}/docs\n  metrics: {base}/metrics\n"
-          f"  jobs:    {base}/jobs\n  in another terminal: {shlex.join(server_command())} status --url {base}",
-          flush=True)
+    print(
+        f"gpufleet demo: {len(nodes)} simulated nodes ({', '.join(nodes)}){jobs}; "
+        f"scenario {SCENARIO!r}, pulled every {args.pull_interval:g}s",
+        flush=True,
+    )
+    print(
+        f"  alerts:  {base}/alerts\n  docs:    {base}/docs\n  metrics: {base}/metrics\n"
+        f"  jobs:    {base}/jobs\n  in another terminal: {shlex.join(server_command())} status --url {base}",
+        flush=True,
+    )
     if scenario.incidents:
-        print("Timeline (scenario time since start; the jobs warm up first so the server learns their "
-              "healthy baseline):", flush=True)
+        print(
+            "Timeline (scenario time since start; the jobs warm up first so the server learns their healthy baseline):",
+            flush=True,
+        )
         print("\n".join(timeline(scenario, epoch)), flush=True)
     stop = f"Stops by itself after {args.duration:g}s" if args.duration is not None else "Runs until Ctrl-C"
     print(f"{stop}; Ctrl-C stops everything. Alerts as they fire and resolve:", flush=True)

@@ -38,8 +38,11 @@ _JOB_GAUGES = (
 _NODE_GAUGES = (
     ("gpufleet_node_gpus", "gpus", "GPUs the engine tracks on the node."),
     ("gpufleet_node_reachable", "reachable", "1 while the node's samples keep arriving, else 0."),
-    ("gpufleet_node_last_sample_timestamp_seconds", "last_sample_time",
-     "Sample time of the newest snapshot the engine has from the node."),
+    (
+        "gpufleet_node_last_sample_timestamp_seconds",
+        "last_sample_time",
+        "Sample time of the newest snapshot the engine has from the node.",
+    ),
     ("gpufleet_node_lag_seconds", "lag_seconds", "How far the node's newest sample trails the evaluation time."),
     ("gpufleet_node_open_alerts", "open_alerts", "Pending or firing alerts about the node."),
 )
@@ -53,8 +56,9 @@ class ServerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Every server family, freshly built."""
-        info = GaugeMetricFamily("gpufleet_server_build_info", "Always 1; the labels say what runs.",
-                                 labels=["version", "python"])
+        info = GaugeMetricFamily(
+            "gpufleet_server_build_info", "Always 1; the labels say what runs.", labels=["version", "python"]
+        )
         info.add_metric([__version__, platform.python_version()], 1)
         yield info
         yield from self._alerts()
@@ -67,21 +71,36 @@ class ServerCollector(Collector):
     def _alerts(self) -> Iterator[Metric]:
         """Counts of open alerts and one series per firing alert."""
         alerts = self.runtime.view.alerts
-        counts = GaugeMetricFamily("gpufleet_alerts", "Open (pending or firing) alerts.",
-                                   labels=["kind", "severity", "state"])
-        for (kind, severity, state), n in sorted(Counter(
-                (a.kind.value, a.severity.value, a.state.value) for a in alerts).items()):
+        counts = GaugeMetricFamily(
+            "gpufleet_alerts", "Open (pending or firing) alerts.", labels=["kind", "severity", "state"]
+        )
+        for (kind, severity, state), n in sorted(
+            Counter((a.kind.value, a.severity.value, a.state.value) for a in alerts).items()
+        ):
             counts.add_metric([kind, severity, state], n)
         yield counts
         # The external labels are the same on every alert; namespace and pod are empty where not known.
         extra = list(self.runtime.routing.external_labels) + ["namespace", "pod"]
-        active = GaugeMetricFamily("gpufleet_alert_active", "1 for each firing alert, labelled by its subject and cause.",
-                                   labels=["kind", "severity", "node", "gpu", "hpc_job", "alert_id", "cause", *extra])
+        active = GaugeMetricFamily(
+            "gpufleet_alert_active",
+            "1 for each firing alert, labelled by its subject and cause.",
+            labels=["kind", "severity", "node", "gpu", "hpc_job", "alert_id", "cause", *extra],
+        )
         for a in alerts:
             if a.state is AlertState.FIRING:
-                active.add_metric([a.kind.value, a.severity.value, a.node or "",
-                                   "" if a.gpu is None else str(a.gpu), a.hpc_job or "", a.id, cause(a),
-                                   *(a.labels.get(name, "") for name in extra)], 1)
+                active.add_metric(
+                    [
+                        a.kind.value,
+                        a.severity.value,
+                        a.node or "",
+                        "" if a.gpu is None else str(a.gpu),
+                        a.hpc_job or "",
+                        a.id,
+                        cause(a),
+                        *(a.labels.get(name, "") for name in extra),
+                    ],
+                    1,
+                )
         yield active
 
     def _jobs(self) -> Iterator[Metric]:
@@ -96,9 +115,12 @@ class ServerCollector(Collector):
             yield family
         # A counter: what a job lost since the server started watching it. It starts again from 0 after a
         # restart, which Prometheus's increase() and rate() read as a counter reset.
-        lost = CounterMetricFamily("gpufleet_job_gpu_hours_lost",
-                                   "GPU-hours the job lost while a straggler, input_bound or comm_bound alert of it "
-                                   "fired, by that alert's kind.", labels=["hpc_job", "kind"])
+        lost = CounterMetricFamily(
+            "gpufleet_job_gpu_hours_lost",
+            "GPU-hours the job lost while a straggler, input_bound or comm_bound alert of it "
+            "fired, by that alert's kind.",
+            labels=["hpc_job", "kind"],
+        )
         for job in jobs:
             by_kind = job.get("gpu_hours_lost_by_kind")
             if job.get("hpc_job") is None or not isinstance(by_kind, dict):
@@ -123,19 +145,30 @@ class ServerCollector(Collector):
     def _ingest(self) -> Iterator[Metric]:
         """Per-target reachability and pull error counters."""
         puller = self.runtime.puller
-        up = GaugeMetricFamily("gpufleet_server_target_up", "1 if the last pull of the agent succeeded.",
-                               labels=["target"])
-        stale = GaugeMetricFamily("gpufleet_server_target_stale", "1 if the agent answers but sends no new samples.",
-                                  labels=["target"])
-        failures = GaugeMetricFamily("gpufleet_server_target_consecutive_failures",
-                                     "Failed pulls in a row for the agent.", labels=["target"])
-        last_ok = GaugeMetricFamily("gpufleet_server_target_last_success_timestamp_seconds",
-                                    "Wall-clock time of the last successful pull.", labels=["target"])
-        last_sample = GaugeMetricFamily("gpufleet_server_target_last_sample_timestamp_seconds",
-                                        "Sample time of the newest snapshot pulled from the agent.", labels=["target"])
-        offset = GaugeMetricFamily("gpufleet_server_target_clock_offset_seconds",
-                                   "The agent's clock minus the server's, as measured from its answers.",
-                                   labels=["target"])
+        up = GaugeMetricFamily(
+            "gpufleet_server_target_up", "1 if the last pull of the agent succeeded.", labels=["target"]
+        )
+        stale = GaugeMetricFamily(
+            "gpufleet_server_target_stale", "1 if the agent answers but sends no new samples.", labels=["target"]
+        )
+        failures = GaugeMetricFamily(
+            "gpufleet_server_target_consecutive_failures", "Failed pulls in a row for the agent.", labels=["target"]
+        )
+        last_ok = GaugeMetricFamily(
+            "gpufleet_server_target_last_success_timestamp_seconds",
+            "Wall-clock time of the last successful pull.",
+            labels=["target"],
+        )
+        last_sample = GaugeMetricFamily(
+            "gpufleet_server_target_last_sample_timestamp_seconds",
+            "Sample time of the newest snapshot pulled from the agent.",
+            labels=["target"],
+        )
+        offset = GaugeMetricFamily(
+            "gpufleet_server_target_clock_offset_seconds",
+            "The agent's clock minus the server's, as measured from its answers.",
+            labels=["target"],
+        )
         for h in puller.health():
             up.add_metric([h.target], 1 if h.up else 0)
             if h.clock_offset_seconds is not None:
@@ -147,74 +180,109 @@ class ServerCollector(Collector):
             if h.last_sample_time is not None:
                 last_sample.add_metric([h.target], h.last_sample_time)
         yield from (up, stale, failures, last_ok, last_sample, offset)
-        errors = CounterMetricFamily("gpufleet_server_pull_errors", "Rejected pulls and snapshots by target and reason.",
-                                     labels=["target", "reason"])
+        errors = CounterMetricFamily(
+            "gpufleet_server_pull_errors",
+            "Rejected pulls and snapshots by target and reason.",
+            labels=["target", "reason"],
+        )
         for (target, reason), n in sorted(puller.errors.items()):
             errors.add_metric([target, reason], n)
         yield errors
-        rejected = CounterMetricFamily("gpufleet_server_rejected", "Rejected pulls and snapshots by reason.",
-                                       labels=["reason"])
+        rejected = CounterMetricFamily(
+            "gpufleet_server_rejected", "Rejected pulls and snapshots by reason.", labels=["reason"]
+        )
         for reason, n in sorted(puller.errors_by_reason().items()):
             rejected.add_metric([reason], n)
         yield rejected
-        blind = CounterMetricFamily("gpufleet_server_blind_cycles",
-                                    "Cycles that gave the engine no usable GPU sample, by reason (no_series, "
-                                    "all_rejected, all_targets_down, no_targets, source_down).", labels=["reason"])
+        blind = CounterMetricFamily(
+            "gpufleet_server_blind_cycles",
+            "Cycles that gave the engine no usable GPU sample, by reason (no_series, "
+            "all_rejected, all_targets_down, no_targets, source_down).",
+            labels=["reason"],
+        )
         for reason, n in sorted(getattr(puller, "blind_cycles", {}).items()):
             blind.add_metric([reason], n)
         yield blind
-        yield GaugeMetricFamily("gpufleet_server_blind", "1 while the last cycle had no usable GPU sample, else 0.",
-                                value=1 if getattr(puller, "blind", None) is not None else 0)
-        missing = GaugeMetricFamily("gpufleet_server_source_reading_missing",
-                                    "1 per reading no GPU of the source has (dcgm-exporter's stock counters) and "
-                                    "detector that works without it as the effect label says.",
-                                    labels=["reading", "detector", "effect"])
+        yield GaugeMetricFamily(
+            "gpufleet_server_blind",
+            "1 while the last cycle had no usable GPU sample, else 0.",
+            value=1 if getattr(puller, "blind", None) is not None else 0,
+        )
+        missing = GaugeMetricFamily(
+            "gpufleet_server_source_reading_missing",
+            "1 per reading no GPU of the source has (dcgm-exporter's stock counters) and "
+            "detector that works without it as the effect label says.",
+            labels=["reading", "detector", "effect"],
+        )
         for reading, detector, effect in getattr(puller, "missing", ()):
             missing.add_metric([reading, detector, effect], 1)
         yield missing
         yield CounterMetricFamily("gpufleet_server_pulls", "Pull attempts over all targets.", value=puller.pulls_total)
-        yield CounterMetricFamily("gpufleet_server_samples_ingested", "Node snapshots accepted and fed to the engine.",
-                                  value=puller.samples_total)
+        yield CounterMetricFamily(
+            "gpufleet_server_samples_ingested",
+            "Node snapshots accepted and fed to the engine.",
+            value=puller.samples_total,
+        )
         if puller.last_cycle is not None:
-            yield GaugeMetricFamily("gpufleet_server_pull_cycle_duration_seconds",
-                                    "Wall time of the last pull cycle over every target.",
-                                    value=puller.last_cycle.duration_seconds)
-            yield GaugeMetricFamily("gpufleet_server_targets", "Targets in the last pull cycle.",
-                                    value=puller.last_cycle.targets)
+            yield GaugeMetricFamily(
+                "gpufleet_server_pull_cycle_duration_seconds",
+                "Wall time of the last pull cycle over every target.",
+                value=puller.last_cycle.duration_seconds,
+            )
+            yield GaugeMetricFamily(
+                "gpufleet_server_targets", "Targets in the last pull cycle.", value=puller.last_cycle.targets
+            )
 
     def _pipeline(self) -> Iterator[Metric]:
         """Engine cycle timing and counters, plus the engine's own numeric stats."""
         s = self.runtime.stats
         yield CounterMetricFamily("gpufleet_server_cycles", "Completed pull+engine cycles.", value=s.cycles_total)
         yield CounterMetricFamily("gpufleet_server_cycle_failures", "Cycles that raised.", value=s.cycle_failures_total)
-        yield CounterMetricFamily("gpufleet_server_cycle_overruns", "Cycles that took longer than the pull interval.",
-                                  value=s.overruns_total)
-        yield CounterMetricFamily("gpufleet_server_alert_transitions", "Alert transitions from the engine.",
-                                  value=s.transitions_total)
-        yield CounterMetricFamily("gpufleet_server_store_errors", "Failed alert store writes.",
-                                  value=s.store_errors_total)
-        yield GaugeMetricFamily("gpufleet_server_store_unsaved_changes",
-                                "Alert changes and node names the store has not taken yet (retried every cycle).",
-                                value=s.store_unsaved_changes)
+        yield CounterMetricFamily(
+            "gpufleet_server_cycle_overruns", "Cycles that took longer than the pull interval.", value=s.overruns_total
+        )
+        yield CounterMetricFamily(
+            "gpufleet_server_alert_transitions", "Alert transitions from the engine.", value=s.transitions_total
+        )
+        yield CounterMetricFamily(
+            "gpufleet_server_store_errors", "Failed alert store writes.", value=s.store_errors_total
+        )
+        yield GaugeMetricFamily(
+            "gpufleet_server_store_unsaved_changes",
+            "Alert changes and node names the store has not taken yet (retried every cycle).",
+            value=s.store_unsaved_changes,
+        )
         if s.store_unsaved_since is not None:
-            yield GaugeMetricFamily("gpufleet_server_store_unsaved_age_seconds",
-                                    "How long the oldest unsaved alert change has waited for the store.",
-                                    value=max(0.0, self.runtime.clock() - s.store_unsaved_since))
+            yield GaugeMetricFamily(
+                "gpufleet_server_store_unsaved_age_seconds",
+                "How long the oldest unsaved alert change has waited for the store.",
+                value=max(0.0, self.runtime.clock() - s.store_unsaved_since),
+            )
         if s.tick_duration_seconds is not None:
-            yield GaugeMetricFamily("gpufleet_server_engine_tick_duration_seconds",
-                                    "Wall time of the last engine ingest+advance.", value=s.tick_duration_seconds)
+            yield GaugeMetricFamily(
+                "gpufleet_server_engine_tick_duration_seconds",
+                "Wall time of the last engine ingest+advance.",
+                value=s.tick_duration_seconds,
+            )
         if s.last_tick is not None:
-            yield GaugeMetricFamily("gpufleet_server_engine_last_tick_timestamp_seconds",
-                                    "Evaluation time of the last engine tick.", value=s.last_tick)
-        dropped = CounterMetricFamily("gpufleet_server_samples_dropped",
-                                      "Snapshots the engine dropped, by reason (too_old: older than its window "
-                                      "before now or behind its node's newest sample).", labels=["reason"])
+            yield GaugeMetricFamily(
+                "gpufleet_server_engine_last_tick_timestamp_seconds",
+                "Evaluation time of the last engine tick.",
+                value=s.last_tick,
+            )
+        dropped = CounterMetricFamily(
+            "gpufleet_server_samples_dropped",
+            "Snapshots the engine dropped, by reason (too_old: older than its window "
+            "before now or behind its node's newest sample).",
+            labels=["reason"],
+        )
         too_old = _number(self.runtime.view.stats.get("too_old_snapshots_dropped"))
         if too_old is not None:
             dropped.add_metric(["too_old"], too_old)
         yield dropped
-        stats = GaugeMetricFamily("gpufleet_server_engine_stat", "Numeric statistics the engine reports, by name.",
-                                  labels=["name"])
+        stats = GaugeMetricFamily(
+            "gpufleet_server_engine_stat", "Numeric statistics the engine reports, by name.", labels=["name"]
+        )
         for name, value in sorted(self.runtime.view.stats.items()):
             number = _number(value)
             if number is not None:
@@ -223,12 +291,14 @@ class ServerCollector(Collector):
 
     def _notifiers(self) -> Iterator[Metric]:
         """Delivery counters per notifier."""
-        labels = ["notifier", "url"]     # several Alertmanagers: one notifier each
+        labels = ["notifier", "url"]  # several Alertmanagers: one notifier each
         sent = CounterMetricFamily("gpufleet_server_notifications_sent", "Alerts delivered.", labels=labels)
-        failed = CounterMetricFamily("gpufleet_server_notifications_failed", "Alerts not delivered after retries.",
-                                     labels=labels)
-        dropped = CounterMetricFamily("gpufleet_server_notifications_dropped", "Alerts dropped from a full queue.",
-                                      labels=labels)
+        failed = CounterMetricFamily(
+            "gpufleet_server_notifications_failed", "Alerts not delivered after retries.", labels=labels
+        )
+        dropped = CounterMetricFamily(
+            "gpufleet_server_notifications_dropped", "Alerts dropped from a full queue.", labels=labels
+        )
         for n in self.runtime.notifiers:
             sent.add_metric([n.name, n.url], n.sent_total)
             failed.add_metric([n.name, n.url], n.failed_total)

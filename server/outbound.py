@@ -36,15 +36,16 @@ class Outbound:
     stays trusted until a restart (OpenSSL adds to a context's trust store, it never takes away).
     """
 
-    def __init__(self, auth: ClientAuth, prefix: str, *, clock: Callable[[], float] = time.monotonic,
-                 min_interval: float = 1.0) -> None:
+    def __init__(
+        self, auth: ClientAuth, prefix: str, *, clock: Callable[[], float] = time.monotonic, min_interval: float = 1.0
+    ) -> None:
         self.settings = auth
         self.prefix = prefix
         self._clock = clock
         self._min_interval = min_interval
         self._secret_file = auth.basic_auth_password_file or auth.bearer_token_file
         self._stamp = self._files_stamp()
-        self._failed: dict[int, tuple] = {}         # first index of a part of the stamp -> its unusable state
+        self._failed: dict[int, tuple] = {}  # first index of a part of the stamp -> its unusable state
         self._checked = clock()
         self.ssl_context = self._build_context()
         self.header = self._authorization(self._read_secret()) if self._secret_file else None
@@ -63,18 +64,21 @@ class Outbound:
             return
         s = self.settings
         taken = list(self._stamp)
-        for what, part, load in (("client certificate", slice(0, 2),
-                                  self._reload_cert_chain if s.cert_file and s.key_file else None),
-                                 ("CA file", slice(2, 3), self._load_ca if s.ca_file else None),
-                                 ("secret", slice(3, 4), self._reload_secret if self._secret_file else None)):
+        for what, part, load in (
+            ("client certificate", slice(0, 2), self._reload_cert_chain if s.cert_file and s.key_file else None),
+            ("CA file", slice(2, 3), self._load_ca if s.ca_file else None),
+            ("secret", slice(3, 4), self._reload_secret if self._secret_file else None),
+        ):
             if load is None or stamp[part] == self._stamp[part] or stamp[part] == self._failed.get(part.start):
                 continue
             try:
                 load()
             except ValueError as exc:
                 self._failed[part.start] = stamp[part]
-                log.warning("client credentials changed but cannot be used; keeping the last good ones",
-                            extra={"peer": self.prefix, "file": what, "reason": str(exc)})
+                log.warning(
+                    "client credentials changed but cannot be used; keeping the last good ones",
+                    extra={"peer": self.prefix, "file": what, "reason": str(exc)},
+                )
                 continue
             self._failed.pop(part.start, None)
             taken[part] = stamp[part]
@@ -128,13 +132,16 @@ class Outbound:
         try:
             self.ssl_context.load_verify_locations(cafile=self.settings.ca_file)
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"{self.prefix}.tls.ca-file {self.settings.ca_file}: cannot load it "
-                             f"({error_reason(exc)})") from None
+            raise ValueError(
+                f"{self.prefix}.tls.ca-file {self.settings.ca_file}: cannot load it ({error_reason(exc)})"
+            ) from None
 
     def _pair_error(self, exc: BaseException) -> str:
         s = self.settings
-        return (f"{self.prefix}.tls.cert-file {s.cert_file} / {self.prefix}.tls.key-file {s.key_file}: "
-                f"cannot load them ({error_reason(exc)})")
+        return (
+            f"{self.prefix}.tls.cert-file {s.cert_file} / {self.prefix}.tls.key-file {s.key_file}: "
+            f"cannot load them ({error_reason(exc)})"
+        )
 
     def _read_secret(self) -> str:
         """The secret file's first line (the newline `echo` leaves is not part of it)."""

@@ -40,8 +40,7 @@ _SKIP_CHUNK_BYTES = 1 << 16
 # 200 MB file of `{}` would otherwise write millions of warnings).
 MALFORMED_LOGGED = 20
 _TIME_NODE = attrgetter("time", "node")
-OUTPUT_KEYS = ("kind", "severity", "node", "gpu", "uuid", "hpc_job", "started", "resolved", "summary",
-               "evidence")
+OUTPUT_KEYS = ("kind", "severity", "node", "gpu", "uuid", "hpc_job", "started", "resolved", "summary", "evidence")
 
 
 def run_replay(lines: Iterable[bytes | str], config: EngineConfig | Mapping[str, Any] | None = None) -> list[Alert]:
@@ -49,8 +48,9 @@ def run_replay(lines: Iterable[bytes | str], config: EngineConfig | Mapping[str,
     return replay_sources([("<lines>", lines)], config)
 
 
-def replay_sources(sources: Iterable[tuple[str, Iterable[bytes | str]]],
-                   config: EngineConfig | Mapping[str, Any] | None = None) -> list[Alert]:
+def replay_sources(
+    sources: Iterable[tuple[str, Iterable[bytes | str]]], config: EngineConfig | Mapping[str, Any] | None = None
+) -> list[Alert]:
     """Replay several named line sources as one cluster trace."""
     return replay_trace(sources, config).alerts
 
@@ -60,12 +60,13 @@ class ReplayResult:
     """What a replay fired, and how much of its input it could use."""
 
     alerts: list[Alert]
-    snapshots: int          # valid snapshot lines read
-    skipped: int            # malformed lines skipped
+    snapshots: int  # valid snapshot lines read
+    skipped: int  # malformed lines skipped
 
 
-def replay_trace(sources: Iterable[tuple[str, Iterable[bytes | str]]],
-                 config: EngineConfig | Mapping[str, Any] | None = None) -> ReplayResult:
+def replay_trace(
+    sources: Iterable[tuple[str, Iterable[bytes | str]]], config: EngineConfig | Mapping[str, Any] | None = None
+) -> ReplayResult:
     """Replay several named line sources as one cluster trace, counting the lines it read and skipped."""
     cfg = config if isinstance(config, EngineConfig) else EngineConfig.from_mapping(config)
     # Wall time only feeds the closing log line (the rate an operator or a benchmark reads); the engine
@@ -75,9 +76,16 @@ def replay_trace(sources: Iterable[tuple[str, Iterable[bytes | str]]],
         samples, skipped = _load(sources)
         alerts, stats = _run(samples, cfg)
     elapsed = time.perf_counter() - started
-    log.info("replay done", extra={"alerts": len(alerts), "gpu_samples": stats.samples_ingested,
-                                   "ticks": stats.ticks, "seconds": round(elapsed, 3),
-                                   "gpu_samples_per_second": round(stats.samples_ingested / elapsed) if elapsed > 0 else None})
+    log.info(
+        "replay done",
+        extra={
+            "alerts": len(alerts),
+            "gpu_samples": stats.samples_ingested,
+            "ticks": stats.ticks,
+            "seconds": round(elapsed, 3),
+            "gpu_samples_per_second": round(stats.samples_ingested / elapsed) if elapsed > 0 else None,
+        },
+    )
     return ReplayResult(alerts, len(samples), skipped)
 
 
@@ -198,8 +206,10 @@ def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[No
     # was lost 19 s in, that mean put the offset taken out at 53 s.
     ref_first = _lower_median([span.first for span in spans.values()])
     ref_last = _lower_median([span.last for span in spans.values()])
-    ends = {node: (span.first - ref_first, span.last - ref_last,
-                   (span.last - span.first) / max(span.count - 1, 1)) for node, span in spans.items()}
+    ends = {
+        node: (span.first - ref_first, span.last - ref_last, (span.last - span.first) / max(span.count - 1, 1))
+        for node, span in spans.items()
+    }
     # A node's sampling phase moves both of its ends alike, by less than an interval; a clock offset moves
     # both by the offset. One end agreeing is enough to count a node in step: a lost first line moves its
     # first end by another interval (at 10 s sampling, 13.6 s: counted out, only two of four nodes agreed
@@ -221,9 +231,12 @@ def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[No
             log.warning("node clock offset taken out", extra={"node": node, "offset_seconds": round(offset, 1)})
     if not offsets:
         return samples
-    out = [s if s.node not in offsets else
-           NodeSample(s.node, s.time - offsets[s.node], s.indices, s.uuids, s.models, s.jobs, s.values, s.xid_by_code)
-           for s in samples]
+    out = [
+        s
+        if s.node not in offsets
+        else NodeSample(s.node, s.time - offsets[s.node], s.indices, s.uuids, s.models, s.jobs, s.values, s.xid_by_code)
+        for s in samples
+    ]
     out.sort(key=_TIME_NODE)
     return out
 
@@ -286,8 +299,10 @@ def _until_damaged(fh, path: str) -> Iterator[bytes]:
     try:
         yield from _past_bom(fh)
     except (EOFError, OSError, zlib.error) as exc:
-        log.error("compressed trace breaks off; replaying what was read",
-                  extra={"file": path, "reason": str(exc) or exc.__class__.__name__})
+        log.error(
+            "compressed trace breaks off; replaying what was read",
+            extra={"file": path, "reason": str(exc) or exc.__class__.__name__},
+        )
 
 
 def _collect(transitions: list, fired: dict[str, Alert]) -> None:
@@ -311,6 +326,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 # What benchmarks time stage by stage, without reaching into this module's internals.
+
 
 def open_trace(path: str, handles: list) -> Iterable[bytes]:
     """The lines of a trace file as the CLI reads them ("-" is standard input, gzip unpacked); what needs
@@ -345,7 +361,7 @@ def load_config(path: str) -> EngineConfig:
         text = Path(path).read_text()
     except OSError as exc:
         raise ValueError(f"cannot read config {path}: {exc.strerror}") from None
-    import yaml     # only with --config: it is a noticeable share of the start-up of a short replay
+    import yaml  # only with --config: it is a noticeable share of the start-up of a short replay
 
     try:
         data = yaml.safe_load(text)
@@ -361,20 +377,26 @@ def load_config(path: str) -> EngineConfig:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     parser = argparse.ArgumentParser(prog="gpufleet-server replay", description=__doc__.splitlines()[0])
-    parser.add_argument("traces", nargs="+", metavar="TRACE",
-                        help="snapshot-contract JSONL file(s), gzip-compressed or not; - reads standard input")
+    parser.add_argument(
+        "traces",
+        nargs="+",
+        metavar="TRACE",
+        help="snapshot-contract JSONL file(s), gzip-compressed or not; - reads standard input",
+    )
     parser.add_argument("--config", "--config.file", dest="config", metavar="FILE", help="engine config (YAML/JSON)")
     parser.add_argument("--log.level", dest="log_level", default="warning")
     parser.add_argument("--log.format", dest="log_format", default="text")
     args = parser.parse_args(argv)
     try:
         from gpufleet.logs import configure_logging
+
         configure_logging(args.log_level, args.log_format)
         cfg = load_config(args.config) if args.config else EngineConfig()
         for trace in args.traces:
             if trace != "-" and not Path(trace).is_file():
-                raise ValueError(f"trace is not a file: {trace}" if Path(trace).exists() else
-                                 f"trace file not found: {trace}")
+                raise ValueError(
+                    f"trace is not a file: {trace}" if Path(trace).exists() else f"trace file not found: {trace}"
+                )
         if args.traces.count("-") > 1:
             raise ValueError("standard input (-) can be read once")
     except ValueError as exc:
@@ -395,8 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     if result.snapshots == 0:
         # Not left to the log, which --log.level error silences: an empty verdict from unusable input
         # must not read as "no alerts".
-        print(f"gpufleet-server replay: no valid snapshot read from {', '.join(args.traces)}; "
-              f"{result.skipped} malformed line(s) skipped", file=sys.stderr)
+        print(
+            f"gpufleet-server replay: no valid snapshot read from {', '.join(args.traces)}; "
+            f"{result.skipped} malformed line(s) skipped",
+            file=sys.stderr,
+        )
         return 1
     alerts = result.alerts
     out = sys.stdout.buffer

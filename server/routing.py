@@ -17,8 +17,9 @@ from gpufleet.server.alerts import Alert, AlertState, cause
 from gpufleet.server.contract import NodeSample, Pod
 
 # Labels the server sets itself: an external label may not take one of these names.
-RESERVED_LABELS = frozenset({"alertname", "kind", "severity", "node", "gpu", "hpc_job", "cause", "source",
-                             "namespace", "pod", "alert_id"})
+RESERVED_LABELS = frozenset(
+    {"alertname", "kind", "severity", "node", "gpu", "hpc_job", "cause", "source", "namespace", "pod", "alert_id"}
+)
 RUNBOOK_FIELDS = frozenset({"kind", "alertname", "cause", "id", "node", "gpu", "hpc_job"})
 
 
@@ -48,8 +49,8 @@ class AlertRouting:
         if clash:
             raise ValueError(f"external label {clash[0]!r} is one the server sets itself")
         self.runbook_url = check_runbook_template(runbook_url) if runbook_url else None
-        self._gpus: dict[tuple[str, int], tuple[str | None, Pod]] = {}     # (node, gpu) -> (job, pod)
-        self._given: dict[str, Mapping[str, str]] = {}                      # alert id -> its labels
+        self._gpus: dict[tuple[str, int], tuple[str | None, Pod]] = {}  # (node, gpu) -> (job, pod)
+        self._given: dict[str, Mapping[str, str]] = {}  # alert id -> its labels
 
     def observe(self, samples: Iterable[NodeSample]) -> None:
         """Remember the newest pod of every GPU (and forget it once the GPU runs none)."""
@@ -89,8 +90,11 @@ class AlertRouting:
             found = self._gpus.get((alert.node, alert.gpu))
             pods = {found[1]} if found else set()
         else:
-            pods = {pod for (node, _), (job, pod) in self._gpus.items()
-                    if (alert.node is None or node == alert.node) and (alert.hpc_job is None or job == alert.hpc_job)}
+            pods = {
+                pod
+                for (node, _), (job, pod) in self._gpus.items()
+                if (alert.node is None or node == alert.node) and (alert.hpc_job is None or job == alert.hpc_job)
+            }
             if alert.node is None and alert.hpc_job is None:
                 pods = set()
         namespaces = {ns for ns, _ in pods}
@@ -102,6 +106,12 @@ class AlertRouting:
     def _runbook(self, alert: Alert) -> str | None:
         if self.runbook_url is None:
             return None
-        return self.runbook_url.format(kind=alert.kind.value, alertname=alertname(alert), cause=cause(alert),
-                                       id=alert.id, node=alert.node or "", hpc_job=alert.hpc_job or "",
-                                       gpu="" if alert.gpu is None else alert.gpu)
+        return self.runbook_url.format(
+            kind=alert.kind.value,
+            alertname=alertname(alert),
+            cause=cause(alert),
+            id=alert.id,
+            node=alert.node or "",
+            hpc_job=alert.hpc_job or "",
+            gpu="" if alert.gpu is None else alert.gpu,
+        )

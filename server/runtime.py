@@ -49,8 +49,8 @@ class CycleStats:
     transitions_total: int = 0
     store_errors_total: int = 0
     overruns_total: int = 0
-    store_unsaved_changes: int = 0              # alert states and node names waiting for a store write
-    store_unsaved_since: float | None = None    # when the oldest of them first failed to be written
+    store_unsaved_changes: int = 0  # alert states and node names waiting for a store write
+    store_unsaved_since: float | None = None  # when the oldest of them first failed to be written
 
 
 class SampleSource(Protocol):
@@ -68,11 +68,20 @@ class SampleSource(Protocol):
 class Runtime:
     """Owns the engine and drives it from the puller on a fixed interval."""
 
-    def __init__(self, *, engine: Any, puller: SampleSource, store: AlertStore, notifiers: Sequence[Notifier] = (),
-                 pull_interval_seconds: float = 5.0, clock: Callable[[], float] = time.time,
-                 prune_interval_seconds: float = 3600.0, agent_alerts: AgentAlerts | None = None,
-                 routing: AlertRouting | None = None,
-                 removed_grace_seconds: float = DEFAULT_REMOVED_GRACE_SECONDS) -> None:
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        puller: SampleSource,
+        store: AlertStore,
+        notifiers: Sequence[Notifier] = (),
+        pull_interval_seconds: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        prune_interval_seconds: float = 3600.0,
+        agent_alerts: AgentAlerts | None = None,
+        routing: AlertRouting | None = None,
+        removed_grace_seconds: float = DEFAULT_REMOVED_GRACE_SECONDS,
+    ) -> None:
         self.engine = engine
         self.routing = routing or AlertRouting()
         self.puller = puller
@@ -83,7 +92,7 @@ class Runtime:
         self.pull_interval_seconds = pull_interval_seconds
         self.prune_interval_seconds = prune_interval_seconds
         self.removed_grace_seconds = removed_grace_seconds
-        self._unwatched: dict[str, float] = {}      # node -> since when no target is its and it sent nothing
+        self._unwatched: dict[str, float] = {}  # node -> since when no target is its and it sent nothing
         self.clock = clock
         self.view = FleetView()
         self.stats = CycleStats()
@@ -124,8 +133,9 @@ class Runtime:
         await asyncio.get_running_loop().run_in_executor(self._executor, self.restore)
         self._stop.clear()
         self._tasks = [asyncio.create_task(self._loop(), name="gpufleet-pipeline")]
-        self._tasks += [asyncio.create_task(n.run(self._stop), name=f"gpufleet-notify-{n.name}")
-                        for n in self.notifiers]
+        self._tasks += [
+            asyncio.create_task(n.run(self._stop), name=f"gpufleet-notify-{n.name}") for n in self.notifiers
+        ]
 
     async def stop(self) -> None:
         """Stop the loop and notifiers, then close connections and the database."""
@@ -138,7 +148,7 @@ class Runtime:
         self._tasks = []
         self._executor.shutdown(wait=True)
         if self._unsaved or self._unsaved_nodes:
-            self._persist([], self.clock(), {})     # one last try before the database closes
+            self._persist([], self.clock(), {})  # one last try before the database closes
         await self.puller.aclose()
         for notifier in self.notifiers:
             await notifier.aclose()
@@ -188,9 +198,17 @@ class Runtime:
         for t in transitions:
             if t.previous != t.alert.state:
                 a = t.alert
-                log.info("alert " + a.state.value, extra={"alert_id": a.id, "kind": a.kind.value,
-                                                          "severity": a.severity.value, "node": a.node,
-                                                          "gpu": a.gpu, "hpc_job": a.hpc_job})
+                log.info(
+                    "alert " + a.state.value,
+                    extra={
+                        "alert_id": a.id,
+                        "kind": a.kind.value,
+                        "severity": a.severity.value,
+                        "node": a.node,
+                        "gpu": a.gpu,
+                        "hpc_job": a.hpc_job,
+                    },
+                )
         return transitions
 
     def _forget_departed(self, health: Sequence[TargetHealth], view: FleetView, now: float) -> list[Transition]:
@@ -206,8 +224,7 @@ class Runtime:
         for a in view.alerts:
             if a.node is not None and not is_ours(a):
                 nodes.setdefault(a.node, None)
-        heard = {node for node, last in nodes.items()
-                 if last is not None and now - last <= self.removed_grace_seconds}
+        heard = {node for node, last in nodes.items() if last is not None and now - last <= self.removed_grace_seconds}
         unwatched = set(nodes) - claimed - heard
         self._unwatched = {node: self._unwatched.get(node, now) for node in unwatched}
         out: list[Transition] = []
@@ -215,8 +232,10 @@ class Runtime:
             if now - since >= self.removed_grace_seconds:
                 resolved = self.engine.forget_node(node, now, REMOVED_REASON)
                 del self._unwatched[node]
-                log.info("node left discovery; its alerts resolved and its state freed",
-                         extra={"node": node, "alerts": len(resolved), "grace_seconds": self.removed_grace_seconds})
+                log.info(
+                    "node left discovery; its alerts resolved and its state freed",
+                    extra={"node": node, "alerts": len(resolved), "grace_seconds": self.removed_grace_seconds},
+                )
                 out += resolved
         return out
 
@@ -245,8 +264,10 @@ class Runtime:
                 self.store.remember_target_nodes(self._unsaved_nodes)
                 self._unsaved_nodes = {}
             if self.stats.store_unsaved_since is not None:
-                log.info("alert store writable again; unsaved changes written",
-                         extra={"unsaved_seconds": round(now - self.stats.store_unsaved_since, 3)})
+                log.info(
+                    "alert store writable again; unsaved changes written",
+                    extra={"unsaved_seconds": round(now - self.stats.store_unsaved_since, 3)},
+                )
             self.stats.store_unsaved_since = None
             if self._last_prune is None or now - self._last_prune >= self.prune_interval_seconds:
                 self._last_prune = now
@@ -258,9 +279,14 @@ class Runtime:
             # The 1st, 2nd, 4th, 8th... failure is logged: a disk full for hours must not fill the log too.
             n = self.stats.store_errors_total
             if not n & (n - 1):
-                log.error("alert store write failed; retrying every cycle",
-                          extra={"error": str(exc) or exc.__class__.__name__, "failures": n,
-                                 "unsaved_changes": len(self._unsaved) + len(self._unsaved_nodes)})
+                log.error(
+                    "alert store write failed; retrying every cycle",
+                    extra={
+                        "error": str(exc) or exc.__class__.__name__,
+                        "failures": n,
+                        "unsaved_changes": len(self._unsaved) + len(self._unsaved_nodes),
+                    },
+                )
         self.stats.store_unsaved_changes = len(self._unsaved) + len(self._unsaved_nodes)
 
     async def _loop(self) -> None:

@@ -17,12 +17,23 @@ import uvicorn
 
 from gpufleet.logs import configure_logging
 from gpufleet.webconfig import WebConfigError, load_web_config
-from gpufleet.server.connections import (KEEP_ALIVE_SECONDS, bounded_protocol, limit_accept_error_logs,
-                                         raise_descriptor_limit)
+from gpufleet.server.connections import (
+    KEEP_ALIVE_SECONDS,
+    bounded_protocol,
+    limit_accept_error_logs,
+    raise_descriptor_limit,
+)
 from gpufleet.server.ingest.prometheus import PrometheusSource
 from gpufleet.server.ingest.puller import Puller
-from gpufleet.server.ingest.targets import (CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError,
-                                   TargetSource, parse_file_sd)
+from gpufleet.server.ingest.targets import (
+    CombinedTargets,
+    DnsTargets,
+    FileSdTargets,
+    StaticTargets,
+    TargetError,
+    TargetSource,
+    parse_file_sd,
+)
 from gpufleet.server.notify import Notifier
 from gpufleet.server.outbound import Outbound
 from gpufleet.server.routing import AlertRouting
@@ -65,44 +76,73 @@ def build_notifiers(settings: ServerSettings, *, transport: Any = None) -> list[
     if settings.alertmanager_urls:
         # The replicas of one HA cluster share their web config, so one context and one credential serve them all.
         am = outbound(settings.alertmanager_client, "alertmanager", _https(*settings.alertmanager_urls))
-        out.extend(AlertmanagerNotifier(url, external_url=settings.public_url(),
-                                        resend_interval_seconds=settings.alertmanager_resend_interval_seconds,
-                                        transport=transport, verify=am.ssl_context, auth=am.auth)
-                   for url in settings.alertmanager_urls)
+        out.extend(
+            AlertmanagerNotifier(
+                url,
+                external_url=settings.public_url(),
+                resend_interval_seconds=settings.alertmanager_resend_interval_seconds,
+                transport=transport,
+                verify=am.ssl_context,
+                auth=am.auth,
+            )
+            for url in settings.alertmanager_urls
+        )
     if settings.webhook_url:
         hook = outbound(settings.webhook_client, "webhook", _https(settings.webhook_url))
-        out.append(WebhookNotifier(settings.webhook_url, transport=transport, verify=hook.ssl_context,
-                                   auth=hook.auth))
+        out.append(WebhookNotifier(settings.webhook_url, transport=transport, verify=hook.ssl_context, auth=hook.auth))
     return out
 
 
 def outbound(auth: ClientAuth, prefix: str, https: bool) -> Outbound:
     """One peer's TLS context and credentials; ValueError names a file that cannot be used."""
     if auth.sends_credentials() and not https:
-        log.warning("credentials over plain http: they cross the network readable; use https",
-                    extra={"peer": prefix})
+        log.warning("credentials over plain http: they cross the network readable; use https", extra={"peer": prefix})
     return Outbound(auth, prefix)
 
 
-def build_source(settings: ServerSettings, *, clock: Callable[[], float] = time.time, transport: Any = None,
-                 parse: Callable[[Any], Any] | None = None) -> Puller | PrometheusSource:
+def build_source(
+    settings: ServerSettings,
+    *,
+    clock: Callable[[], float] = time.time,
+    transport: Any = None,
+    parse: Callable[[Any], Any] | None = None,
+) -> Puller | PrometheusSource:
     """Where samples come from: the agents themselves, or Prometheus's scrapes of them."""
     if settings.prometheus_url:
         prom = outbound(settings.prometheus_client, "ingest.prometheus", _https(settings.prometheus_url))
-        return PrometheusSource(settings.prometheus_url, interval_seconds=settings.pull_interval_seconds,
-                                timeout_seconds=settings.pull_timeout_seconds,
-                                stale_after_seconds=settings.pull_stale_after_seconds, transport=transport,
-                                clock=clock, parse=parse, verify=prom.ssl_context, auth=prom.auth,
-                                schema=settings.prometheus_schema)
+        return PrometheusSource(
+            settings.prometheus_url,
+            interval_seconds=settings.pull_interval_seconds,
+            timeout_seconds=settings.pull_timeout_seconds,
+            stale_after_seconds=settings.pull_stale_after_seconds,
+            transport=transport,
+            clock=clock,
+            parse=parse,
+            verify=prom.ssl_context,
+            auth=prom.auth,
+            schema=settings.prometheus_schema,
+        )
     agents = outbound(settings.pull_client, "pull", settings.pull_scheme == "https")
-    return Puller(build_targets(settings), timeout_seconds=settings.pull_timeout_seconds,
-                  max_payload_bytes=settings.pull_max_bytes, concurrency=settings.pull_concurrency,
-                  stale_after_seconds=settings.pull_stale_after_seconds, transport=transport, clock=clock,
-                  parse=parse, clock_offset_min_seconds=settings.pull_clock_offset_min_seconds,
-                  scheme=settings.pull_scheme, verify=agents.ssl_context, auth=agents.auth,
-                  max_entries=settings.pull_max_entries, max_snapshots=settings.pull_max_snapshots,
-                  max_gpus=settings.pull_max_gpus, max_nodes=settings.pull_max_nodes,
-                  first_span_seconds=first_span(settings), first_concurrency=settings.pull_first_concurrency)
+    return Puller(
+        build_targets(settings),
+        timeout_seconds=settings.pull_timeout_seconds,
+        max_payload_bytes=settings.pull_max_bytes,
+        concurrency=settings.pull_concurrency,
+        stale_after_seconds=settings.pull_stale_after_seconds,
+        transport=transport,
+        clock=clock,
+        parse=parse,
+        clock_offset_min_seconds=settings.pull_clock_offset_min_seconds,
+        scheme=settings.pull_scheme,
+        verify=agents.ssl_context,
+        auth=agents.auth,
+        max_entries=settings.pull_max_entries,
+        max_snapshots=settings.pull_max_snapshots,
+        max_gpus=settings.pull_max_gpus,
+        max_nodes=settings.pull_max_nodes,
+        first_span_seconds=first_span(settings),
+        first_concurrency=settings.pull_first_concurrency,
+    )
 
 
 def first_span(settings: ServerSettings) -> float:
@@ -114,19 +154,31 @@ def first_span(settings: ServerSettings) -> float:
     return max(config.min_history_seconds, config.smooth_seconds)
 
 
-def build_runtime(settings: ServerSettings, *, engine: Any = None, clock: Callable[[], float] = time.time,
-                  transport: Any = None, parse: Callable[[Any], Any] | None = None,
-                  extra_notifiers: Sequence[Notifier] = ()) -> Runtime:
+def build_runtime(
+    settings: ServerSettings,
+    *,
+    engine: Any = None,
+    clock: Callable[[], float] = time.time,
+    transport: Any = None,
+    parse: Callable[[Any], Any] | None = None,
+    extra_notifiers: Sequence[Notifier] = (),
+) -> Runtime:
     """The whole pipeline; engine, clock, HTTP transport and snapshot parser are injectable for tests."""
     engine = engine if engine is not None else build_engine(settings)
     puller = build_source(settings, clock=clock, transport=transport, parse=parse)
     notifiers = build_notifiers(settings, transport=transport) + list(extra_notifiers)
     # Last: the store creates its file, which a start refused for any other reason must not leave behind.
     store = AlertStore(settings.storage_path, retention_seconds=settings.storage_retention_seconds)
-    return Runtime(engine=engine, puller=puller, store=store, notifiers=notifiers,
-                   pull_interval_seconds=settings.pull_interval_seconds, clock=clock,
-                   routing=AlertRouting(settings.alert_external_labels, settings.alert_runbook_url),
-                   removed_grace_seconds=settings.targets_removed_grace_seconds)
+    return Runtime(
+        engine=engine,
+        puller=puller,
+        store=store,
+        notifiers=notifiers,
+        pull_interval_seconds=settings.pull_interval_seconds,
+        clock=clock,
+        routing=AlertRouting(settings.alert_external_labels, settings.alert_runbook_url),
+        removed_grace_seconds=settings.targets_removed_grace_seconds,
+    )
 
 
 def listen_socket(address: str) -> socket.socket:
@@ -141,7 +193,7 @@ def listen_socket(address: str) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, int(port)))
-        sock.listen(2048)   # a fleet's scrapers and browsers may all connect in one instant
+        sock.listen(2048)  # a fleet's scrapers and browsers may all connect in one instant
     except OSError:
         sock.close()
         raise
@@ -160,10 +212,18 @@ def uvicorn_server(settings: ServerSettings, app: Any, tls: ssl.SSLContext | Non
     protocol = bounded_protocol(settings.web_max_connections, settings.web_read_header_timeout_seconds)
     # The protocol bounds connections; uvicorn's limit_concurrency (answering 503 beyond it) bounds the
     # requests in progress, with room for connections that are being closed to make way for new ones.
-    config = uvicorn.Config(app, host=host or "0.0.0.0", port=int(port), log_config=None, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=5, http=protocol,
-                            limit_concurrency=2 * settings.web_max_connections,
-                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
+    config = uvicorn.Config(
+        app,
+        host=host or "0.0.0.0",
+        port=int(port),
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        http=protocol,
+        limit_concurrency=2 * settings.web_max_connections,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+    )
     if tls is not None:
         # The context from --web.config.file as it is (minimum version, client CA): uvicorn's own options
         # cannot say all of that. serve() loads a config only once, so this one stands.
@@ -222,10 +282,12 @@ def check_config(argv: Sequence[str] | None = None) -> int:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
     source = "prometheus" if settings.prometheus_url else "agents"
-    print(f"config OK: reading {source}, {targets} listed target(s)"
-          f"{' and ' + settings.targets_dns if settings.targets_dns else ''}, "
-          f"{len(settings.alertmanager_urls)} Alertmanager(s), webhook {'on' if settings.webhook_url else 'off'}, "
-          f"TLS {'on' if settings.web_config_file else 'off'} for the API")
+    print(
+        f"config OK: reading {source}, {targets} listed target(s)"
+        f"{' and ' + settings.targets_dns if settings.targets_dns else ''}, "
+        f"{len(settings.alertmanager_urls)} Alertmanager(s), webhook {'on' if settings.webhook_url else 'off'}, "
+        f"TLS {'on' if settings.web_config_file else 'off'} for the API"
+    )
     return 0
 
 
@@ -233,16 +295,19 @@ def check_storage_folder(settings: ServerSettings) -> None:
     """ConfigError unless the alert store's file can be created (or opened) where --storage.path says."""
     folder = os.path.dirname(os.path.abspath(settings.storage_path))
     if not os.path.isdir(folder):
-        raise ConfigError(f"cannot open alert store --storage.path {settings.storage_path}: "
-                          f"cannot write in {folder}: it does not exist")
+        raise ConfigError(
+            f"cannot open alert store --storage.path {settings.storage_path}: "
+            f"cannot write in {folder}: it does not exist"
+        )
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot open alert store --storage.path {settings.storage_path}: cannot write in {folder}")
 
 
 def _peers(settings: ServerSettings) -> list[tuple[ClientAuth, str]]:
     """The settings and prefix of every peer the server will call."""
-    out = [(settings.prometheus_client, "ingest.prometheus") if settings.prometheus_url else
-           (settings.pull_client, "pull")]
+    out = [
+        (settings.prometheus_client, "ingest.prometheus") if settings.prometheus_url else (settings.pull_client, "pull")
+    ]
     if settings.alertmanager_urls:
         out.append((settings.alertmanager_client, "alertmanager"))
     if settings.webhook_url:
@@ -277,8 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sock = listen_socket(settings.listen_address)
     except OSError as exc:
-        print(f"gpufleet-server: cannot listen on --web.listen-address {settings.listen_address!r}: "
-              f"{exc.strerror or exc}", file=sys.stderr)
+        print(
+            f"gpufleet-server: cannot listen on --web.listen-address {settings.listen_address!r}: "
+            f"{exc.strerror or exc}",
+            file=sys.stderr,
+        )
         return 2
     # Port 0 asks the kernel for one: the log and notification links name the port it gave.
     settings = replace(settings, listen_address=bound_address(settings.listen_address, sock))
@@ -291,14 +359,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
     if settings.prometheus_url:
-        log.info("reading GPU series through Prometheus", extra={"url": settings.prometheus_url,
-                                                                 "schema": settings.prometheus_schema})
+        log.info(
+            "reading GPU series through Prometheus",
+            extra={"url": settings.prometheus_url, "schema": settings.prometheus_schema},
+        )
     elif not runtime.puller.source.sources:  # type: ignore[union-attr]
-        log.warning("no targets configured: use --targets, --targets.file-sd, --targets.dns "
-                    "or --ingest.prometheus-url")
+        log.warning("no targets configured: use --targets, --targets.file-sd, --targets.dns or --ingest.prometheus-url")
     app = create_app(settings, runtime=runtime, web=web)
-    log.info("gpufleet-server listening", extra={"address": settings.listen_address,
-                                                 "storage": settings.storage_path, "url": settings.public_url()})
+    log.info(
+        "gpufleet-server listening",
+        extra={"address": settings.listen_address, "storage": settings.storage_path, "url": settings.public_url()},
+    )
     with sock:
         asyncio.run(serve_until_signalled(uvicorn_server(settings, app, web.tls if web else None), [sock]))
     return 0

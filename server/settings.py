@@ -15,8 +15,17 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from gpufleet.config import (ConfigError, OneLineParser, format_address, layered, parse_bool, parse_duration,
-                             parse_listen_address, parse_size, read_config_file)
+from gpufleet.config import (
+    ConfigError,
+    OneLineParser,
+    format_address,
+    layered,
+    parse_bool,
+    parse_duration,
+    parse_listen_address,
+    parse_size,
+    read_config_file,
+)
 
 ENV_PREFIX = "GPUFLEET_SERVER_"
 
@@ -27,7 +36,7 @@ def parse_duration_or_off(text: Any) -> float:
 
 
 def parse_listen(text: Any) -> str:
-    """"HOST:PORT", ":PORT" (all interfaces) or "[v6]:PORT", spelled back as HOST:PORT."""
+    """ "HOST:PORT", ":PORT" (all interfaces) or "[v6]:PORT", spelled back as HOST:PORT."""
     return format_address(*parse_listen_address(text))
 
 
@@ -37,8 +46,10 @@ def parse_url(text: Any) -> str:
     if not re.match(r"^https?://[^/\s]+", value):
         raise ValueError("expected an http:// or https:// URL")
     if "@" in value.split("/")[2]:
-        raise ValueError("no credentials in the URL (they would show in ps and in logs): use the "
-                         "basic-auth.* or bearer-token-file settings")
+        raise ValueError(
+            "no credentials in the URL (they would show in ps and in logs): use the "
+            "basic-auth.* or bearer-token-file settings"
+        )
     return value.rstrip("/")
 
 
@@ -57,8 +68,11 @@ def parse_external_labels(text: Any) -> dict[str, str]:
     """NAME=value pairs (comma-separated, or a mapping in the file) with Prometheus label names."""
     from gpufleet.server.routing import RESERVED_LABELS
 
-    pairs = (list(text.items()) if isinstance(text, Mapping)
-             else [item.partition("=")[::2] for item in str(text).split(",") if item.strip()])
+    pairs = (
+        list(text.items())
+        if isinstance(text, Mapping)
+        else [item.partition("=")[::2] for item in str(text).split(",") if item.strip()]
+    )
     labels: dict[str, str] = {}
     for name, value in pairs:
         name, value = str(name).strip(), str(value).strip()
@@ -95,8 +109,9 @@ def parse_targets(text: Any) -> tuple[str, ...]:
 # RFC 9110 token characters: what a header name may hold.
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 # Set by the server itself, or by the credential settings (a secret does not belong in a flag).
-_RESERVED_HEADERS = frozenset(("authorization", "host", "content-length", "content-type", "transfer-encoding",
-                               "connection", "user-agent"))
+_RESERVED_HEADERS = frozenset(
+    ("authorization", "host", "content-length", "content-type", "transfer-encoding", "connection", "user-agent")
+)
 
 
 def parse_headers(value: Any) -> tuple[tuple[str, str], ...]:
@@ -117,8 +132,10 @@ def parse_headers(value: Any) -> tuple[tuple[str, str], ...]:
         if not _HEADER_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not a header name")
         if name.lower() in _RESERVED_HEADERS:
-            raise ValueError(f"{name} is set by the server"
-                             + (" (use basic-auth.* or bearer-token-file)" if name.lower() == "authorization" else ""))
+            raise ValueError(
+                f"{name} is set by the server"
+                + (" (use basic-auth.* or bearer-token-file)" if name.lower() == "authorization" else "")
+            )
         if not text or not text.isprintable() or not text.isascii():
             raise ValueError(f"header {name} needs a printable ASCII value")
         if name.lower() in out:
@@ -147,10 +164,12 @@ def parse_file(text: Any) -> str:
 
 def _choice(*options: str) -> Callable[[Any], str]:
     """A parser accepting one of `options`."""
+
     def parse(text: Any) -> str:
         if str(text) not in options:
             raise ValueError(f"expected one of {', '.join(options)}")
         return str(text)
+
     return parse
 
 
@@ -237,26 +256,42 @@ class ServerSettings:
         return f"http://{host if host not in ('', '0.0.0.0', '::') else 'localhost'}:{port}"
 
 
-def client_flags(prefix: str, dest: str, peer: str, *,
-                 bearer: bool = True) -> dict[str, tuple[str, Callable[[Any], Any], str]]:
+def client_flags(
+    prefix: str, dest: str, peer: str, *, bearer: bool = True
+) -> dict[str, tuple[str, Callable[[Any], Any], str]]:
     """The TLS and credential flags of one peer the server connects to; their dests are `dest.FIELD`."""
     flags = {
-        "tls.ca-file": ("ca_file", parse_file, f"CA certificate(s) to check the TLS certificates of {peer} against "
-                                               "(default: the system store)"),
+        "tls.ca-file": (
+            "ca_file",
+            parse_file,
+            f"CA certificate(s) to check the TLS certificates of {peer} against (default: the system store)",
+        ),
         "tls.cert-file": ("cert_file", parse_file, f"client certificate, for {peer} wanting one"),
         "tls.key-file": ("key_file", parse_file, "the client certificate's key"),
-        "tls.insecure-skip-verify": ("insecure_skip_verify", parse_bool,
-                                     f"do not check the certificates of {peer} (testing only; default false)"),
+        "tls.insecure-skip-verify": (
+            "insecure_skip_verify",
+            parse_bool,
+            f"do not check the certificates of {peer} (testing only; default false)",
+        ),
         "basic-auth.username": ("basic_auth_username", str, f"user, for {peer} behind basic auth"),
-        "basic-auth.password-file": ("basic_auth_password_file", parse_file,
-                                     "file holding that user's password (first line; read again when it changes)"),
+        "basic-auth.password-file": (
+            "basic_auth_password_file",
+            parse_file,
+            "file holding that user's password (first line; read again when it changes)",
+        ),
     }
     if bearer:
-        flags["bearer-token-file"] = ("bearer_token_file", parse_file,
-                                      f"file holding a bearer token for {peer} (first line; read again when it changes)")
-    flags["http-headers"] = ("headers", parse_headers,
-                             f"extra headers for every request to {peer}, Name=value[,Name=value] (a mapping "
-                             "in the file), e.g. X-Scope-OrgID=team-a")
+        flags["bearer-token-file"] = (
+            "bearer_token_file",
+            parse_file,
+            f"file holding a bearer token for {peer} (first line; read again when it changes)",
+        )
+    flags["http-headers"] = (
+        "headers",
+        parse_headers,
+        f"extra headers for every request to {peer}, Name=value[,Name=value] (a mapping "
+        "in the file), e.g. X-Scope-OrgID=team-a",
+    )
     return {f"{prefix}.{name}": (f"{dest}.{field_}", parse, doc) for name, (field_, parse, doc) in flags.items()}
 
 
@@ -264,62 +299,108 @@ def client_flags(prefix: str, dest: str, peer: str, *,
 FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "web.listen-address": ("listen_address", parse_listen, "address for the API and /metrics (default :9472)"),
     "web.external-url": ("external_url", parse_url, "URL this server is reached at, for links in notifications"),
-    "web.config.file": ("web_config_file", parse_file,
-                        "TLS and basic auth for the API and /metrics: a Prometheus exporter-toolkit web config"),
-    "web.max-connections": ("web_max_connections", parse_positive_int,
-                            "most open API connections; more are closed at once (default 1024, less the "
-                            "file descriptors the server needs beside them)"),
-    "web.read-header-timeout": ("web_read_header_timeout_seconds", parse_duration,
-                                "close an API connection that has not sent its request head within this "
-                                "(default 10s)"),
+    "web.config.file": (
+        "web_config_file",
+        parse_file,
+        "TLS and basic auth for the API and /metrics: a Prometheus exporter-toolkit web config",
+    ),
+    "web.max-connections": (
+        "web_max_connections",
+        parse_positive_int,
+        "most open API connections; more are closed at once (default 1024, less the "
+        "file descriptors the server needs beside them)",
+    ),
+    "web.read-header-timeout": (
+        "web_read_header_timeout_seconds",
+        parse_duration,
+        "close an API connection that has not sent its request head within this (default 10s)",
+    ),
     "targets": ("targets", parse_targets, "comma-separated agent addresses HOST:PORT"),
     "targets.file-sd": ("targets_file_sd", str, "Prometheus file_sd JSON/YAML file of agents, reloaded on change"),
     "targets.dns": ("targets_dns", str, "NAME:PORT resolving to every agent (e.g. a headless Service)"),
-    "targets.removed-grace": ("targets_removed_grace_seconds", parse_duration,
-                              "resolve the alerts of a node whose agent left discovery, and forget it, after "
-                              "this long without it (default 5m)"),
-    "ingest.prometheus-url": ("prometheus_url", parse_url,
-                              "read the agents' series from this Prometheus instead of pulling the agents"),
-    "ingest.prometheus-schema": ("prometheus_schema", _choice("auto", "gpufleet", "dcgm"),
-                                 "which series to read: gpufleet (the agents'), dcgm (NVIDIA dcgm-exporter's) or "
-                                 "auto (both; a GPU with both is read from its agent) (default auto)"),
+    "targets.removed-grace": (
+        "targets_removed_grace_seconds",
+        parse_duration,
+        "resolve the alerts of a node whose agent left discovery, and forget it, after "
+        "this long without it (default 5m)",
+    ),
+    "ingest.prometheus-url": (
+        "prometheus_url",
+        parse_url,
+        "read the agents' series from this Prometheus instead of pulling the agents",
+    ),
+    "ingest.prometheus-schema": (
+        "prometheus_schema",
+        _choice("auto", "gpufleet", "dcgm"),
+        "which series to read: gpufleet (the agents'), dcgm (NVIDIA dcgm-exporter's) or "
+        "auto (both; a GPU with both is read from its agent) (default auto)",
+    ),
     **client_flags("ingest.prometheus", "prometheus_client", "Prometheus"),
     "pull.interval": ("pull_interval_seconds", parse_duration, "how often to pull every agent (default 5s)"),
     "pull.timeout": ("pull_timeout_seconds", parse_duration, "timeout of one pull (default 4s)"),
     "pull.max-bytes": ("pull_max_bytes", parse_size, "largest accepted /snapshots answer (default 32MiB)"),
     "pull.concurrency": ("pull_concurrency", parse_positive_int, "pulls in flight at once (default 256)"),
-    "pull.first-concurrency": ("pull_first_concurrency", parse_positive_int,
-                               "first pulls of targets (the engine's warm-up span each) read at once (default 8)"),
-    "pull.max-entries": ("pull_max_entries", parse_positive_int,
-                         "most JSON values in one /snapshots answer, counted before decoding (default 1000000)"),
-    "pull.max-snapshots": ("pull_max_snapshots", parse_positive_int,
-                           "most snapshots in one /snapshots answer (default 3600)"),
-    "pull.max-gpus": ("pull_max_gpus", parse_positive_int,
-                      "most GPUs in one snapshot, and distinct GPU indices per node (default 256)"),
+    "pull.first-concurrency": (
+        "pull_first_concurrency",
+        parse_positive_int,
+        "first pulls of targets (the engine's warm-up span each) read at once (default 8)",
+    ),
+    "pull.max-entries": (
+        "pull_max_entries",
+        parse_positive_int,
+        "most JSON values in one /snapshots answer, counted before decoding (default 1000000)",
+    ),
+    "pull.max-snapshots": (
+        "pull_max_snapshots",
+        parse_positive_int,
+        "most snapshots in one /snapshots answer (default 3600)",
+    ),
+    "pull.max-gpus": (
+        "pull_max_gpus",
+        parse_positive_int,
+        "most GPUs in one snapshot, and distinct GPU indices per node (default 256)",
+    ),
     "pull.max-nodes": ("pull_max_nodes", parse_positive_int, "most nodes tracked at once (default 10000)"),
-    "pull.stale-after": ("pull_stale_after_seconds", parse_duration,
-                         "mark an agent stale when it sends no new sample for this long (default 30s)"),
-    "pull.clock-offset-min": ("pull_clock_offset_min_seconds", parse_duration_or_off,
-                              "take an agent's clock offset out of its sample times once it is this large "
-                              "(default 10s; 0s: never)"),
+    "pull.stale-after": (
+        "pull_stale_after_seconds",
+        parse_duration,
+        "mark an agent stale when it sends no new sample for this long (default 30s)",
+    ),
+    "pull.clock-offset-min": (
+        "pull_clock_offset_min_seconds",
+        parse_duration_or_off,
+        "take an agent's clock offset out of its sample times once it is this large (default 10s; 0s: never)",
+    ),
     "pull.scheme": ("pull_scheme", _choice("http", "https"), "http or https, for every agent (default http)"),
     **client_flags("pull", "pull_client", "the agents", bearer=False),
     "storage.path": ("storage_path", str, "SQLite file for alerts (default gpufleet.db)"),
     "storage.retention": ("storage_retention_seconds", parse_duration, "keep resolved alerts this long (default 7d)"),
-    "alertmanager.url": ("alertmanager_urls", parse_urls,
-                         "Alertmanager base URL, e.g. http://alertmanager:9093; comma-separated for every replica "
-                         "of an HA cluster (each gets every alert, as from Prometheus)"),
-    "alertmanager.resend-interval": ("alertmanager_resend_interval_seconds", parse_duration,
-                                     "re-send firing alerts this often (default 1m)"),
+    "alertmanager.url": (
+        "alertmanager_urls",
+        parse_urls,
+        "Alertmanager base URL, e.g. http://alertmanager:9093; comma-separated for every replica "
+        "of an HA cluster (each gets every alert, as from Prometheus)",
+    ),
+    "alertmanager.resend-interval": (
+        "alertmanager_resend_interval_seconds",
+        parse_duration,
+        "re-send firing alerts this often (default 1m)",
+    ),
     **client_flags("alertmanager", "alertmanager_client", "Alertmanager"),
     "webhook.url": ("webhook_url", parse_url, "URL receiving a JSON POST per alert state change"),
     **client_flags("webhook", "webhook_client", "the webhook receiver"),
-    "alert.external-labels": ("alert_external_labels", parse_external_labels,
-                              "labels added to every alert (Alertmanager, webhook, REST, /metrics), "
-                              "NAME=value[,NAME=value] (a mapping in the file), e.g. cluster=eu-1,site=ams"),
-    "alert.runbook-url": ("alert_runbook_url", parse_runbook_url,
-                          "runbook link template for every alert, with {kind}, {alertname}, {cause}, {id}, {node}, "
-                          "{gpu}, {hpc_job}, e.g. https://wiki.example.com/gpu/{kind}"),
+    "alert.external-labels": (
+        "alert_external_labels",
+        parse_external_labels,
+        "labels added to every alert (Alertmanager, webhook, REST, /metrics), "
+        "NAME=value[,NAME=value] (a mapping in the file), e.g. cluster=eu-1,site=ams",
+    ),
+    "alert.runbook-url": (
+        "alert_runbook_url",
+        parse_runbook_url,
+        "runbook link template for every alert, with {kind}, {alertname}, {cause}, {id}, {node}, "
+        "{gpu}, {hpc_job}, e.g. https://wiki.example.com/gpu/{kind}",
+    ),
     "log.level": ("log_level", _choice("debug", "info", "warning", "error"), "debug|info|warning|error"),
     "log.format": ("log_format", _choice("json", "text"), "json|text"),
 }
@@ -327,26 +408,35 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
 
 def build_parser(prog: str = "gpufleet-server serve") -> argparse.ArgumentParser:
     """The serve command's flags; every value is a raw string, validated in load_settings."""
-    description = ("Check serve's settings and the files they name without starting; exit 0 with one summary "
-                   "line, or 2 with the first problem." if prog.endswith("check-config")
-                   else "Pull gpufleet agents, detect stragglers, serve alerts.")
-    parser = OneLineParser(prog=prog, description=description,
-                           allow_abbrev=False)
+    description = (
+        "Check serve's settings and the files they name without starting; exit 0 with one summary "
+        "line, or 2 with the first problem."
+        if prog.endswith("check-config")
+        else "Pull gpufleet agents, detect stragglers, serve alerts."
+    )
+    parser = OneLineParser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument("--config.file", dest="config.file", metavar="FILE", help="YAML config file")
     for flag, (_, _, doc) in FLAGS.items():
         parser.add_argument(f"--{flag}", dest=flag, metavar="VALUE", help=doc)
     return parser
 
 
-def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None,
-                  prog: str = "gpufleet-server serve") -> ServerSettings:
+def load_settings(
+    argv: Sequence[str], env: Mapping[str, str] | None = None, prog: str = "gpufleet-server serve"
+) -> ServerSettings:
     """Merge flags, environment and config file; raises ConfigError naming the first bad setting."""
     env = os.environ if env is None else env
     args = vars(build_parser(prog).parse_args(list(argv)))
     config_file = args.pop("config.file") or env.get(ENV_PREFIX + "CONFIG_FILE") or None
     file_values, engine = _read_config_file(config_file) if config_file else ({}, {})
-    parsed = layered({flag: parse for flag, (_, parse, _) in FLAGS.items()}, flags=args, environ=env,
-                     env_prefix=ENV_PREFIX, file_values=file_values, file_path=config_file)
+    parsed = layered(
+        {flag: parse for flag, (_, parse, _) in FLAGS.items()},
+        flags=args,
+        environ=env,
+        env_prefix=ENV_PREFIX,
+        file_values=file_values,
+        file_path=config_file,
+    )
     values: dict[str, Any] = {"engine": engine}
     for flag, value in parsed.items():
         values[FLAGS[flag][0]] = value
@@ -356,27 +446,34 @@ def load_settings(argv: Sequence[str], env: Mapping[str, str] | None = None,
     settings = ServerSettings(**values)
     if settings.pull_timeout_seconds > settings.pull_interval_seconds:
         # As Prometheus refuses a scrape timeout above its interval: pulls would pile up behind each other.
-        raise ConfigError(f"pull.timeout ({settings.pull_timeout_seconds:g}s) must not exceed pull.interval "
-                          f"({settings.pull_interval_seconds:g}s)")
+        raise ConfigError(
+            f"pull.timeout ({settings.pull_timeout_seconds:g}s) must not exceed pull.interval "
+            f"({settings.pull_interval_seconds:g}s)"
+        )
     if settings.pull_max_gpus > 256:
         raise ConfigError(f"pull.max-gpus ({settings.pull_max_gpus}) must not exceed 256, the snapshot contract's most")
     _check_clients(settings)
     if settings.prometheus_url and (settings.targets or settings.targets_file_sd or settings.targets_dns):
         # Two sources for the same agents would feed the engine every sample twice, under two timestamps.
-        raise ConfigError("ingest.prometheus-url reads the agents through Prometheus: drop targets, "
-                          "targets.file-sd and targets.dns, or drop ingest.prometheus-url")
+        raise ConfigError(
+            "ingest.prometheus-url reads the agents through Prometheus: drop targets, "
+            "targets.file-sd and targets.dns, or drop ingest.prometheus-url"
+        )
     if settings.prometheus_schema != "auto" and not settings.prometheus_url:
-        raise ConfigError("ingest.prometheus-schema chooses the series read from Prometheus: set "
-                          "ingest.prometheus-url too")
+        raise ConfigError(
+            "ingest.prometheus-schema chooses the series read from Prometheus: set ingest.prometheus-url too"
+        )
     return settings
 
 
 def _check_clients(settings: ServerSettings) -> None:
     """TLS and credential settings that only make sense together, or with a peer to use them on."""
-    peers = (("pull", settings.pull_client, ("https://",) if settings.pull_scheme == "https" else (), "pull.scheme"),
-             ("ingest.prometheus", settings.prometheus_client, _listed(settings.prometheus_url), "ingest.prometheus-url"),
-             ("alertmanager", settings.alertmanager_client, settings.alertmanager_urls, "alertmanager.url"),
-             ("webhook", settings.webhook_client, _listed(settings.webhook_url), "webhook.url"))
+    peers = (
+        ("pull", settings.pull_client, ("https://",) if settings.pull_scheme == "https" else (), "pull.scheme"),
+        ("ingest.prometheus", settings.prometheus_client, _listed(settings.prometheus_url), "ingest.prometheus-url"),
+        ("alertmanager", settings.alertmanager_client, settings.alertmanager_urls, "alertmanager.url"),
+        ("webhook", settings.webhook_client, _listed(settings.webhook_url), "webhook.url"),
+    )
     for prefix, auth, urls, url_flag in peers:
         problem = auth.problem(prefix)
         if problem:

@@ -26,19 +26,35 @@ def render(jobs: dict[str, Any], alerts: dict[str, Any], nodes: dict[str, Any], 
     targets = nodes.get("targets") or []
     now = jobs.get("evaluated_at")
     when = "not evaluated yet" if now is None else f"evaluated at {_clock(now)}"
-    lines = [f"gpufleet-server {url}: {sum(t['up'] for t in targets)} of {len(targets)} agents up, "
-             f"{len(nodes.get('nodes') or [])} nodes, {when}", ""]
+    lines = [
+        f"gpufleet-server {url}: {sum(t['up'] for t in targets)} of {len(targets)} agents up, "
+        f"{len(nodes.get('nodes') or [])} nodes, {when}",
+        "",
+    ]
     rows = [("JOB", "GPUS", "NODES", "UTIL", "SM", "BASELINE", "SLOWER-VS-BASELINE", "LOST(GPU-H)", "NOW")]
     for job in sorted(jobs.get("jobs") or [], key=lambda j: str(j.get("hpc_job"))):
-        rows.append((str(job.get("hpc_job")), str(job.get("gpus") or 0), str(len(job.get("nodes") or [])),
-                     _ratio(job.get("utilization_ratio")), _ratio(job.get("sm_active_ratio")),
-                     _ratio(job.get("baseline_sm_active_ratio")), _percent(job.get("estimated_slowdown_ratio")),
-                     _hours(job.get("gpu_hours_lost")), _state(job)))
+        rows.append(
+            (
+                str(job.get("hpc_job")),
+                str(job.get("gpus") or 0),
+                str(len(job.get("nodes") or [])),
+                _ratio(job.get("utilization_ratio")),
+                _ratio(job.get("sm_active_ratio")),
+                _ratio(job.get("baseline_sm_active_ratio")),
+                _percent(job.get("estimated_slowdown_ratio")),
+                _hours(job.get("gpu_hours_lost")),
+                _state(job),
+            )
+        )
     lines += _table(rows) if len(rows) > 1 else ["no job attributed yet"]
     firing = alerts.get("alerts") or []
     lines += ["", f"FIRING ({alerts.get('total', len(firing))})" if firing else "nothing firing"]
-    heads = _table([(a["severity"], a["kind"], _subject(a), a.get("hpc_job") or "-", _since(a.get("started"), now))
-                    for a in firing])
+    heads = _table(
+        [
+            (a["severity"], a["kind"], _subject(a), a.get("hpc_job") or "-", _since(a.get("started"), now))
+            for a in firing
+        ]
+    )
     # The summary whole, on a line of its own: the why comes at its end.
     for head, alert in zip(heads, firing):
         lines += [head, "    " + alert["summary"]]
@@ -96,8 +112,12 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpufleet-server status", description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:9472", help="the server's API (default http://127.0.0.1:9472)")
-    parser.add_argument("--timeout", default="10", metavar="SECONDS", help="give up on a request after this long (default 10)")
+    parser.add_argument(
+        "--url", default="http://127.0.0.1:9472", help="the server's API (default http://127.0.0.1:9472)"
+    )
+    parser.add_argument(
+        "--timeout", default="10", metavar="SECONDS", help="give up on a request after this long (default 10)"
+    )
     for flag, (dest, _, doc) in _CLIENT_FLAGS.items():
         parser.add_argument(f"--{flag}", dest=dest, metavar="VALUE", help=doc)
     return parser
@@ -115,10 +135,13 @@ def main(argv: Sequence[str] | None = None, *, transport: httpx.BaseTransport | 
         print(f"gpufleet-server status: {exc}", file=sys.stderr)
         return 2
     try:
-        with httpx.Client(base_url=url, timeout=timeout, verify=peer.ssl_context, auth=peer.auth,
-                          transport=transport) as client:
-            docs = [_get(client, path, params) for path, params in (
-                ("/jobs", {}), ("/alerts", {"state": "firing", "limit": 1000}), ("/nodes", {}))]
+        with httpx.Client(
+            base_url=url, timeout=timeout, verify=peer.ssl_context, auth=peer.auth, transport=transport
+        ) as client:
+            docs = [
+                _get(client, path, params)
+                for path, params in (("/jobs", {}), ("/alerts", {"state": "firing", "limit": 1000}), ("/nodes", {}))
+            ]
     except (httpx.HTTPError, ValueError) as exc:
         print(f"gpufleet-server status: cannot read {url}: {exc}", file=sys.stderr)
         return 1
@@ -128,6 +151,7 @@ def main(argv: Sequence[str] | None = None, *, transport: httpx.BaseTransport | 
 
 def _settings(args: dict[str, Any]) -> tuple[str, float, Outbound]:
     """The URL, the timeout and the client credentials; ValueError naming the flag at fault."""
+
     def parsed(flag: str, parse, value):
         try:
             return parse(value)
@@ -138,8 +162,11 @@ def _settings(args: dict[str, Any]) -> tuple[str, float, Outbound]:
     timeout = parsed("timeout", float, args["timeout"])
     if not timeout > 0:
         raise ValueError("--timeout: must be above 0")
-    fields = {dest.split(".", 1)[1]: parsed(flag, parse, args[dest])
-              for flag, (dest, parse, _) in _CLIENT_FLAGS.items() if args[dest] is not None}
+    fields = {
+        dest.split(".", 1)[1]: parsed(flag, parse, args[dest])
+        for flag, (dest, parse, _) in _CLIENT_FLAGS.items()
+        if args[dest] is not None
+    }
     auth = ClientAuth(**fields)
     problem = auth.problem(_PREFIX)
     if problem:

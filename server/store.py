@@ -41,7 +41,9 @@ CREATE TABLE IF NOT EXISTS {schema}alerts (
     labels BLOB NOT NULL DEFAULT '{{}}'
 );
 """
-_SCHEMA = _ALERTS_TABLE.format(schema="") + """
+_SCHEMA = (
+    _ALERTS_TABLE.format(schema="")
+    + """
 CREATE INDEX IF NOT EXISTS alerts_state ON alerts(state);
 CREATE INDEX IF NOT EXISTS alerts_order ON alerts(pending_since DESC, id);
 CREATE INDEX IF NOT EXISTS alerts_resolved ON alerts(resolved);
@@ -50,9 +52,12 @@ CREATE TABLE IF NOT EXISTS target_nodes (
     node TEXT NOT NULL
 );
 """
+)
 
-_COLUMNS = ("id, fingerprint, kind, severity, state, node, gpu, uuid, hpc_job, pending_since, started, "
-            "resolved, updated, summary, evidence, labels")
+_COLUMNS = (
+    "id, fingerprint, kind, severity, state, node, gpu, uuid, hpc_job, pending_since, started, "
+    "resolved, updated, summary, evidence, labels"
+)
 
 
 class StoreError(RuntimeError):
@@ -85,13 +90,14 @@ class AlertPage:
 class AlertStore:
     """Alert rows in one SQLite file (WAL mode), safe to use from the engine task and API threads."""
 
-    def __init__(self, path: str | Path, *, retention_seconds: float = 7 * 86400.0,
-                 max_resolved: int = 100_000) -> None:
+    def __init__(
+        self, path: str | Path, *, retention_seconds: float = 7 * 86400.0, max_resolved: int = 100_000
+    ) -> None:
         self.path = str(path)
         self.retention_seconds = retention_seconds
         self.max_resolved = max_resolved
         self._lock = threading.Lock()
-        self._unsaved = 0        # rows in unsaved.alerts
+        self._unsaved = 0  # rows in unsaved.alerts
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -119,11 +125,13 @@ class AlertStore:
         with self._lock:
             try:
                 with self._transaction():
-                    self._db.executemany(f"INSERT OR REPLACE INTO main.alerts ({_COLUMNS}) VALUES ({placeholders})",
-                                         rows)
+                    self._db.executemany(
+                        f"INSERT OR REPLACE INTO main.alerts ({_COLUMNS}) VALUES ({placeholders})", rows
+                    )
             except sqlite3.Error:
-                self._db.executemany(f"INSERT OR REPLACE INTO unsaved.alerts ({_COLUMNS}) VALUES ({placeholders})",
-                                     rows)
+                self._db.executemany(
+                    f"INSERT OR REPLACE INTO unsaved.alerts ({_COLUMNS}) VALUES ({placeholders})", rows
+                )
                 self._unsaved = self._db.execute("SELECT COUNT(*) FROM unsaved.alerts").fetchone()[0]
                 raise
             if self._unsaved:
@@ -134,8 +142,10 @@ class AlertStore:
     def open_alerts(self) -> list[Alert]:
         """Pending and firing alerts, oldest first: what the engine restores after a restart."""
         with self._lock:
-            sql = (f"SELECT {_COLUMNS} FROM {self._alerts()} WHERE state IN ('pending', 'firing') "
-                   "ORDER BY pending_since, id")
+            sql = (
+                f"SELECT {_COLUMNS} FROM {self._alerts()} WHERE state IN ('pending', 'firing') "
+                "ORDER BY pending_since, id"
+            )
             return [_from_row(r) for r in self._db.execute(sql)]
 
     def get(self, alert_id: str) -> Alert | None:
@@ -167,18 +177,22 @@ class AlertStore:
         if nodes:
             with self._lock:
                 with self._transaction():
-                    self._db.executemany("INSERT OR REPLACE INTO target_nodes (target, node) VALUES (?, ?)",
-                                         list(nodes.items()))
+                    self._db.executemany(
+                        "INSERT OR REPLACE INTO target_nodes (target, node) VALUES (?, ?)", list(nodes.items())
+                    )
 
     def prune(self, now: float) -> int:
         """Drop resolved alerts past the retention age or beyond the row cap; returns rows deleted."""
         with self._lock:
             with self._transaction():
-                old = self._db.execute("DELETE FROM main.alerts WHERE state = 'resolved' AND resolved < ?",
-                                       (now - self.retention_seconds,)).rowcount
+                old = self._db.execute(
+                    "DELETE FROM main.alerts WHERE state = 'resolved' AND resolved < ?", (now - self.retention_seconds,)
+                ).rowcount
                 extra = self._db.execute(
                     "DELETE FROM main.alerts WHERE id IN (SELECT id FROM main.alerts WHERE state = 'resolved' "
-                    "ORDER BY resolved DESC LIMIT -1 OFFSET ?)", (self.max_resolved,)).rowcount
+                    "ORDER BY resolved DESC LIMIT -1 OFFSET ?)",
+                    (self.max_resolved,),
+                ).rowcount
         if old or extra:
             log.info("alert history pruned", extra={"deleted": old + extra})
         return old + extra
@@ -188,8 +202,10 @@ class AlertStore:
         then, so that the usual reads keep the file's indexes). Called under the lock."""
         if not self._unsaved:
             return "main.alerts"
-        return ("(SELECT * FROM main.alerts WHERE id NOT IN (SELECT id FROM unsaved.alerts) "
-                "UNION ALL SELECT * FROM unsaved.alerts)")
+        return (
+            "(SELECT * FROM main.alerts WHERE id NOT IN (SELECT id FROM unsaved.alerts) "
+            "UNION ALL SELECT * FROM unsaved.alerts)"
+        )
 
     def _transaction(self) -> "_Tx":
         """BEGIN/COMMIT around a block (the connection is in autocommit mode)."""
@@ -234,17 +250,45 @@ def _where(q: AlertQuery) -> tuple[str, list[object]]:
 
 def _to_row(a: Alert) -> Sequence[object]:
     """An alert as a table row."""
-    return (a.id, a.fingerprint, a.kind.value, a.severity.value, a.state.value, a.node, a.gpu, a.uuid,
-            a.hpc_job, a.pending_since, a.started, a.resolved, a.updated, a.summary,
-            orjson.dumps(dict(a.evidence), option=orjson.OPT_NON_STR_KEYS, default=str), orjson.dumps(dict(a.labels)))
+    return (
+        a.id,
+        a.fingerprint,
+        a.kind.value,
+        a.severity.value,
+        a.state.value,
+        a.node,
+        a.gpu,
+        a.uuid,
+        a.hpc_job,
+        a.pending_since,
+        a.started,
+        a.resolved,
+        a.updated,
+        a.summary,
+        orjson.dumps(dict(a.evidence), option=orjson.OPT_NON_STR_KEYS, default=str),
+        orjson.dumps(dict(a.labels)),
+    )
 
 
 def _from_row(r: Sequence[object]) -> Alert:
     """A table row as an alert."""
     return Alert(
-        id=r[0], fingerprint=r[1], kind=AlertKind(r[2]), severity=Severity(r[3]), state=AlertState(r[4]),
-        node=r[5], gpu=r[6], uuid=r[7], hpc_job=r[8], pending_since=r[9], started=r[10], resolved=r[11],
-        updated=r[12], summary=r[13], evidence=orjson.loads(r[14]), labels=orjson.loads(r[15]),
+        id=r[0],
+        fingerprint=r[1],
+        kind=AlertKind(r[2]),
+        severity=Severity(r[3]),
+        state=AlertState(r[4]),
+        node=r[5],
+        gpu=r[6],
+        uuid=r[7],
+        hpc_job=r[8],
+        pending_since=r[9],
+        started=r[10],
+        resolved=r[11],
+        updated=r[12],
+        summary=r[13],
+        evidence=orjson.loads(r[14]),
+        labels=orjson.loads(r[15]),
     )
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "NVIDIA H100 80GB HBM3"
-NOT_SUPPORTED = 9223372036854775794       # DCGM's int64 "not supported", as dcgm-exporter prints it
+NOT_SUPPORTED = 9223372036854775794  # DCGM's int64 "not supported", as dcgm-exporter prints it
 DRIVER = "550.90.07"
 # dcgm-exporter's stock counters this fleet exports: (metric, TYPE, HELP), in the shipped file's order.
 COUNTERS = (
@@ -49,14 +49,14 @@ class Gpu:
     power_watts: float = 650.0
     utilization_ratio: float = 0.98
     sm_clock_hertz: float = 1.98e9
-    hbm_sensor: bool = True       # without, DCGM's "not supported" for the memory temperature
+    hbm_sensor: bool = True  # without, DCGM's "not supported" for the memory temperature
 
 
 @dataclass
 class Fleet:
     """Hosts of GPUs, each host's GPUs in one job; `reading(t, host, gpu)` gives a GPU's readings at time t."""
 
-    hosts: dict[str, str]                     # host -> hpc_job
+    hosts: dict[str, str]  # host -> hpc_job
     gpus_per_host: int
     reading: Callable[[float, str, int], Gpu]
     energy_mj: dict[tuple[str, int], float] = field(default_factory=dict)
@@ -67,22 +67,33 @@ class Fleet:
         for g in range(self.gpus_per_host):
             gpu = self.reading(t, host, g)
             self.energy_mj[(host, g)] = self.energy_mj.get((host, g), 3.6e9) + gpu.power_watts * dt * 1e3
-            values = {"DCGM_FI_DEV_SM_CLOCK": gpu.sm_clock_hertz / 1e6, "DCGM_FI_DEV_MEM_CLOCK": 2619.0,
-                      "DCGM_FI_DEV_MEMORY_TEMP": gpu.temperature_celsius - 6.0 if gpu.hbm_sensor else NOT_SUPPORTED,
-                      "DCGM_FI_DEV_GPU_TEMP": gpu.temperature_celsius, "DCGM_FI_DEV_POWER_USAGE": gpu.power_watts,
-                      "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": round(self.energy_mj[(host, g)]),
-                      "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": 0, "DCGM_FI_DEV_GPU_UTIL": round(gpu.utilization_ratio * 100),
-                      "DCGM_FI_DEV_MEM_COPY_UTIL": 41, "DCGM_FI_DEV_ENC_UTIL": 0, "DCGM_FI_DEV_DEC_UTIL": 0,
-                      "DCGM_FI_DEV_XID_ERRORS": 0, "DCGM_FI_DEV_FB_FREE": 1523, "DCGM_FI_DEV_FB_USED": 79557,
-                      "DCGM_FI_DEV_ROW_REMAP_FAILURE": 0}
+            values = {
+                "DCGM_FI_DEV_SM_CLOCK": gpu.sm_clock_hertz / 1e6,
+                "DCGM_FI_DEV_MEM_CLOCK": 2619.0,
+                "DCGM_FI_DEV_MEMORY_TEMP": gpu.temperature_celsius - 6.0 if gpu.hbm_sensor else NOT_SUPPORTED,
+                "DCGM_FI_DEV_GPU_TEMP": gpu.temperature_celsius,
+                "DCGM_FI_DEV_POWER_USAGE": gpu.power_watts,
+                "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": round(self.energy_mj[(host, g)]),
+                "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": 0,
+                "DCGM_FI_DEV_GPU_UTIL": round(gpu.utilization_ratio * 100),
+                "DCGM_FI_DEV_MEM_COPY_UTIL": 41,
+                "DCGM_FI_DEV_ENC_UTIL": 0,
+                "DCGM_FI_DEV_DEC_UTIL": 0,
+                "DCGM_FI_DEV_XID_ERRORS": 0,
+                "DCGM_FI_DEV_FB_FREE": 1523,
+                "DCGM_FI_DEV_FB_USED": 79557,
+                "DCGM_FI_DEV_ROW_REMAP_FAILURE": 0,
+            }
             rows.append((g, values))
         out = []
         for name, kind, doc in COUNTERS:
             out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
             for g, values in rows:
-                labels = (f'gpu="{g}",UUID="{uuid(host, g)}",pci_bus_id="00000000:{0x18 + 0x10 * g:02X}:00.0",'
-                          f'device="nvidia{g}",modelName="{MODEL}",Hostname="{host}",'
-                          f'DCGM_FI_DRIVER_VERSION="{DRIVER}",hpc_job="{self.hosts[host]}"')
+                labels = (
+                    f'gpu="{g}",UUID="{uuid(host, g)}",pci_bus_id="00000000:{0x18 + 0x10 * g:02X}:00.0",'
+                    f'device="nvidia{g}",modelName="{MODEL}",Hostname="{host}",'
+                    f'DCGM_FI_DRIVER_VERSION="{DRIVER}",hpc_job="{self.hosts[host]}"'
+                )
                 out.append(f"{name}{{{labels}}} {values[name]}")
         return "\n".join(out) + "\n"
 
@@ -117,8 +128,12 @@ def backfill(promtool: str, scrapes: list[tuple], tsdb: Path) -> None:
     source = tsdb.parent / "dcgm-scrapes.om"
     source.write_text(openmetrics(scrapes))
     tsdb.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(source), str(tsdb)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(source), str(tsdb)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -128,7 +143,7 @@ def record(fleet: Fleet, start: float, seconds: float, every: float) -> list[tup
     for k in range(int(seconds / every) + 1):
         t = start + k * every
         for n, host in enumerate(fleet.hosts):
-            at = t + 0.25 * n              # each target scraped at its own phase, as Prometheus spreads them
+            at = t + 0.25 * n  # each target scraped at its own phase, as Prometheus spreads them
             out.append((at, f"{host}:9400", fleet.scrape(at, every, host)))
     return out
 

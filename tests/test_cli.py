@@ -20,10 +20,12 @@ SERVER = [sys.executable, "-m", "gpufleet.server.cli"]
 AGENT = [sys.executable, "-m", "gpufleet.agent.cli"]
 
 
-def run(cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None,
-        timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
-                          stdin=subprocess.DEVNULL, check=False)
+def run(
+    cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, stdin=subprocess.DEVNULL, check=False
+    )
 
 
 def one_line(err: str) -> str:
@@ -71,7 +73,8 @@ def without(tmp_path: Path, *modules: str) -> dict[str, str]:
     sitecustomize on PYTHONPATH puts a finder first that refuses them (child processes inherit it)."""
     folder = tmp_path / "site"
     folder.mkdir()
-    (folder / "sitecustomize.py").write_text(textwrap.dedent(f"""
+    (folder / "sitecustomize.py").write_text(
+        textwrap.dedent(f"""
         import sys
 
         class _Missing:
@@ -83,7 +86,8 @@ def without(tmp_path: Path, *modules: str) -> dict[str, str]:
                 return None
 
         sys.meta_path.insert(0, _Missing())
-        """))
+        """)
+    )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(folder), env.get("PYTHONPATH"))))
     return env
@@ -104,8 +108,9 @@ def test_agent_on_a_server_only_install_names_the_agent_extra(tmp_path, argv):
 
 
 def test_demo_on_a_server_only_install_names_the_agent_extra(tmp_path):
-    proc = run([*SERVER, "demo", "--duration", "1", "--web.listen-address", "127.0.0.1:0"],
-               env=without(tmp_path, "pynvml"))
+    proc = run(
+        [*SERVER, "demo", "--duration", "1", "--web.listen-address", "127.0.0.1:0"], env=without(tmp_path, "pynvml")
+    )
     line = one_line(proc.stderr)
     assert proc.returncode == 2 and line.startswith("gpufleet-server demo: gpufleet-agent: error: nvidia-ml-py")
     assert "[agent]" in line and proc.stdout == ""
@@ -127,9 +132,11 @@ def test_server_on_an_agent_only_install_names_the_server_extra(tmp_path, missin
 def test_replay_of_input_without_a_valid_snapshot_exits_1_saying_so(tmp_path):
     once = run([*AGENT, "--simulate", "hgx-h100", "--once"])
     assert once.returncode == 0, once.stderr
-    inputs = {"once.json": once.stdout.encode(),      # --once pretty-prints across lines: none is a snapshot
-              "garbage.jsonl": b"hello\nworld\n{\"schema\": 1}\n",
-              "binary.bin": bytes(range(256)) * 8}
+    inputs = {
+        "once.json": once.stdout.encode(),  # --once pretty-prints across lines: none is a snapshot
+        "garbage.jsonl": b'hello\nworld\n{"schema": 1}\n',
+        "binary.bin": bytes(range(256)) * 8,
+    }
     for name, content in inputs.items():
         path = tmp_path / name
         path.write_bytes(content)
@@ -152,8 +159,7 @@ def test_replay_of_a_recorded_trace_still_exits_0(tmp_path):
 # --- targets ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("target", ["http://127.0.0.1:9471", "https://node:9471", "node:9471/metrics",
-                                    "http://node"])
+@pytest.mark.parametrize("target", ["http://127.0.0.1:9471", "https://node:9471", "node:9471/metrics", "http://node"])
 def test_url_shaped_targets_are_refused_alike_by_serve_and_check_config(tmp_path, target):
     lines = []
     for sub in ("serve", "check-config"):
@@ -169,15 +175,24 @@ def test_url_shaped_targets_are_refused_alike_by_serve_and_check_config(tmp_path
 
 
 def test_a_taken_port_creates_no_alert_store(tmp_path, taken_port):
-    proc = run([*SERVER, "--web.listen-address", f"127.0.0.1:{taken_port}", "--targets", "127.0.0.1:1"],
-               cwd=tmp_path)
+    proc = run([*SERVER, "--web.listen-address", f"127.0.0.1:{taken_port}", "--targets", "127.0.0.1:1"], cwd=tmp_path)
     assert proc.returncode == 2 and "cannot listen" in one_line(proc.stderr)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_bad_setting_creates_no_alert_store(tmp_path):
-    proc = run([*SERVER, "--web.listen-address", "127.0.0.1:0", "--pull.scheme", "https",
-                "--pull.tls.ca-file", str(tmp_path / "missing.pem")], cwd=tmp_path)
+    proc = run(
+        [
+            *SERVER,
+            "--web.listen-address",
+            "127.0.0.1:0",
+            "--pull.scheme",
+            "https",
+            "--pull.tls.ca-file",
+            str(tmp_path / "missing.pem"),
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "--pull.tls.ca-file" in one_line(proc.stderr)
     assert list(tmp_path.iterdir()) == []
 
@@ -191,12 +206,12 @@ def test_agent_exits_2_when_it_cannot_bind(taken_port):
     assert one_line(proc.stderr).startswith("gpufleet-agent: error: --web.listen-address: cannot listen")
 
 
-@pytest.mark.parametrize("where,fragment", [("missing/trace.jsonl", "does not exist"),
-                                            ("folder", "is a folder")])
+@pytest.mark.parametrize("where,fragment", [("missing/trace.jsonl", "does not exist"), ("folder", "is a folder")])
 def test_agent_checks_the_record_file_at_start(tmp_path, where, fragment):
     (tmp_path / "folder").mkdir()
-    proc = run([*AGENT, "--simulate", "hgx-h100", "--web.listen-address", "127.0.0.1:0",
-                "--record", str(tmp_path / where)])
+    proc = run(
+        [*AGENT, "--simulate", "hgx-h100", "--web.listen-address", "127.0.0.1:0", "--record", str(tmp_path / where)]
+    )
     assert proc.returncode == 2
     line = one_line(proc.stderr)
     assert line.startswith("gpufleet-agent: error: --record: ") and fragment in line

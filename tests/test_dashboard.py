@@ -22,14 +22,20 @@ import httpx
 import pytest
 import yaml
 
-from tests.agent.running import (PROMTOOL, agent_process, prometheus_process, requires_prometheus, requires_promtool,
-                                 server_process)
+from tests.agent.running import (
+    PROMTOOL,
+    agent_process,
+    prometheus_process,
+    requires_prometheus,
+    requires_promtool,
+    server_process,
+)
 from tests.dcgm_exposition import Fleet, Gpu
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "gpufleet.json"
 DEADLINE_SECONDS = 90.0
 POLL_SECONDS = 0.5
-GPUS = 16          # two demo nodes of 8 GPUs
+GPUS = 16  # two demo nodes of 8 GPUs
 # Panels that have data whenever agents and server run; the rest may rightly be empty (no alert firing,
 # no throttling, no rejected payload, no job baseline yet), but their queries must still be valid.
 ALWAYS = {
@@ -65,8 +71,12 @@ def panel_exprs(doc: dict, title: str) -> list[str]:
 
 def grafana(expr: str) -> str:
     """The query Grafana sends with every variable at All (allValue `.*`), 1 s scrapes and the last hour shown."""
-    return (expr.replace("$node", ".*").replace("$hpc_job", ".*").replace("$__rate_interval", "10s")
-            .replace("$__range", "1h"))
+    return (
+        expr.replace("$node", ".*")
+        .replace("$hpc_job", ".*")
+        .replace("$__rate_interval", "10s")
+        .replace("$__range", "1h")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +100,11 @@ def test_panels_are_well_formed(dashboard: dict) -> None:
 
 
 # Panels that count events: with nothing to count their query returns no series, and the truth is 0.
-COUNTS = ("Firing alerts by kind", "Rejected pulls/snapshots by reason", "GPU-hours lost in the time range, by job and cause")
+COUNTS = (
+    "Firing alerts by kind",
+    "Rejected pulls/snapshots by reason",
+    "GPU-hours lost in the time range, by job and cause",
+)
 
 
 def test_panels_that_count_show_zero_not_no_data(dashboard: dict) -> None:
@@ -102,7 +116,9 @@ def test_panels_that_count_show_zero_not_no_data(dashboard: dict) -> None:
 def test_alert_links_open_on_the_gpufleet_server_not_on_the_grafana_host(dashboard: dict) -> None:
     (url_var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "gpufleet_url"]
     assert url_var["type"] == "textbox" and re.match(r"^https?://", url_var["query"])
-    links = [link["url"] for p in panels(dashboard) for link in p.get("fieldConfig", {}).get("defaults", {}).get("links", [])]
+    links = [
+        link["url"] for p in panels(dashboard) for link in p.get("fieldConfig", {}).get("defaults", {}).get("links", [])
+    ]
     assert links and all(link.startswith("${gpufleet_url}/") for link in links), links
 
 
@@ -112,13 +128,29 @@ def test_every_query_runs_on_real_prometheus_and_the_panels_have_data(dashboard:
     once, not once per replica."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    with agent_process("--simulate", "demo", "--node", "dgx-01") as (_, port_a), \
-            agent_process("--simulate", "demo", "--node", "dgx-03") as (_, port_b), \
-            server_process(tmp_path / "a", "--targets", f"127.0.0.1:{port_a},127.0.0.1:{port_b}",
-                           "--pull.interval", "1s", "--pull.timeout", "1s") as (_, port_s), \
-            server_process(tmp_path / "b", "--targets", f"127.0.0.1:{port_a},127.0.0.1:{port_b}",
-                           "--pull.interval", "1s", "--pull.timeout", "1s") as (_, port_t), \
-            prometheus_process(tmp_path, [port_a, port_b], servers=[port_s, port_t]) as (prom, prom_port, log_path):
+    with (
+        agent_process("--simulate", "demo", "--node", "dgx-01") as (_, port_a),
+        agent_process("--simulate", "demo", "--node", "dgx-03") as (_, port_b),
+        server_process(
+            tmp_path / "a",
+            "--targets",
+            f"127.0.0.1:{port_a},127.0.0.1:{port_b}",
+            "--pull.interval",
+            "1s",
+            "--pull.timeout",
+            "1s",
+        ) as (_, port_s),
+        server_process(
+            tmp_path / "b",
+            "--targets",
+            f"127.0.0.1:{port_a},127.0.0.1:{port_b}",
+            "--pull.interval",
+            "1s",
+            "--pull.timeout",
+            "1s",
+        ) as (_, port_t),
+        prometheus_process(tmp_path, [port_a, port_b], servers=[port_s, port_t]) as (prom, prom_port, log_path),
+    ):
         api = httpx.Client(base_url=f"http://127.0.0.1:{prom_port}/api/v1", timeout=10)
 
         def query(expr: str) -> list[dict]:
@@ -134,14 +166,16 @@ def test_every_query_runs_on_real_prometheus_and_the_panels_have_data(dashboard:
             try:
                 counted = len(query("count_over_time(gpufleet_gpu_active_seconds_total[10s]) >= 3"))
                 jobs = len(query("gpufleet_job_stragglers"))
-            except httpx.TransportError:      # Prometheus not listening yet
+            except httpx.TransportError:  # Prometheus not listening yet
                 counted = jobs = 0
-            if counted == 2 * GPUS and jobs == 2 * 2:       # two readings per GPU; two jobs per server
+            if counted == 2 * GPUS and jobs == 2 * 2:  # two readings per GPU; two jobs per server
                 break
             waiter.wait(POLL_SECONDS)
         else:
-            pytest.fail(f"Prometheus never had three scrapes of both agents ({counted} of {2 * GPUS} series) "
-                        f"and the servers' job gauges ({jobs} of 2 jobs on each of 2 servers)")
+            pytest.fail(
+                f"Prometheus never had three scrapes of both agents ({counted} of {2 * GPUS} series) "
+                f"and the servers' job gauges ({jobs} of 2 jobs on each of 2 servers)"
+            )
 
         exported = set()
         for port in (port_a, port_b, port_s, port_t):
@@ -152,8 +186,10 @@ def test_every_query_runs_on_real_prometheus_and_the_panels_have_data(dashboard:
             if variable["type"] == "query":
                 metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variable["definition"]).groups()
                 values = api.get(f"/label/{label}/values", params={"match[]": metric}).json()["data"]
-                assert values == {"node": ["dgx-01", "dgx-03"], "hpc_job": ["71001", "71002"]}[label], \
-                    (variable["definition"], values)
+                assert values == {"node": ["dgx-01", "dgx-03"], "hpc_job": ["71001", "71002"]}[label], (
+                    variable["definition"],
+                    values,
+                )
 
         for panel in panels(dashboard):
             for target in panel.get("targets", []):
@@ -173,17 +209,33 @@ def test_every_query_runs_on_real_prometheus_and_the_panels_have_data(dashboard:
                     if "hpc_job" in expr:
                         assert {s["metric"]["hpc_job"] for s in result} == {"71001", "71002"}, panel["title"]
                 if panel["title"] in PER_JOB:
-                    assert sorted(s["metric"]["hpc_job"] for s in result) == ["71001", "71002"], \
-                        (panel["title"], expr, [s["metric"] for s in result])
+                    assert sorted(s["metric"]["hpc_job"] for s in result) == ["71001", "71002"], (
+                        panel["title"],
+                        expr,
+                        [s["metric"] for s in result],
+                    )
 
 
 def promql_expr_tests(tmp_path: Path, series: dict[str, str], expected: list[dict]) -> None:
     """Run promtool's promql_expr_test of `expected` over `series` (1 m apart), asserting it passes."""
-    (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [{
-        "interval": "1m", "input_series": [{"series": k, "values": v} for k, v in series.items()],
-        "promql_expr_test": expected}]}))
-    result = subprocess.run([PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)
+    (tmp_path / "tests.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [],
+                "evaluation_interval": "1m",
+                "tests": [
+                    {
+                        "interval": "1m",
+                        "input_series": [{"series": k, "values": v} for k, v in series.items()],
+                        "promql_expr_test": expected,
+                    }
+                ],
+            }
+        )
+    )
+    result = subprocess.run(
+        [PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -192,29 +244,54 @@ def test_an_ha_pair_shows_each_alert_once(dashboard: dict, tmp_path) -> None:
     """The alert panels over two replicas' series (no alert fires in the live test above): an alert both
     replicas hold is one row and counts once; one that only one replica holds yet (it saw the incident
     a tick sooner) is there too."""
-    both = {"straggler": ("warning", "n1", "3", "71001", "gpu_clocks_cut+hw_slowdown_or_power_brake", "st-1"),
-            "thermal_throttle": ("critical", "n2", "5", "", "temperature+hw_thermal_slowdown", "th-1")}
+    both = {
+        "straggler": ("warning", "n1", "3", "71001", "gpu_clocks_cut+hw_slowdown_or_power_brake", "st-1"),
+        "thermal_throttle": ("critical", "n2", "5", "", "temperature+hw_thermal_slowdown", "th-1"),
+    }
     names = ("kind", "severity", "node", "gpu", "hpc_job", "cause", "alert_id")
     series = {}
     for replica in ("srv-0:9472", "srv-1:9472"):
         server = f'job="gpufleet-server", instance="{replica}"'
         for kind, row in both.items():
             series[f'gpufleet_alerts{{{server}, kind="{kind}", severity="{row[0]}", state="firing"}}'] = "1x5"
-            series["gpufleet_alert_active{" + server + ", " + ", ".join(f'{k}="{v}"' for k, v in zip(names, (kind, *row)))
-                   + "}"] = "1x5"
+            series[
+                "gpufleet_alert_active{"
+                + server
+                + ", "
+                + ", ".join(f'{k}="{v}"' for k, v in zip(names, (kind, *row)))
+                + "}"
+            ] = "1x5"
     first = 'job="gpufleet-server", instance="srv-0:9472"'
     late = ("critical", "n4", "", "71002", "host_idle", "st-2")
     series[f'gpufleet_alerts{{{first}, kind="straggler", severity="critical", state="firing"}}'] = "1x5"
-    series["gpufleet_alert_active{" + first + ", " + ", ".join(f'{k}="{v}"' for k, v in zip(names, ("straggler", *late)))
-           + "}"] = "1x5"
+    series[
+        "gpufleet_alert_active{"
+        + first
+        + ", "
+        + ", ".join(f'{k}="{v}"' for k, v in zip(names, ("straggler", *late)))
+        + "}"
+    ] = "1x5"
     (by_kind,) = panel_exprs(dashboard, "Firing alerts by kind")
     (active,) = panel_exprs(dashboard, "Active alerts")
     rows = [("straggler", *both["straggler"]), ("thermal_throttle", *both["thermal_throttle"]), ("straggler", *late)]
-    expected = [{"expr": by_kind, "eval_time": "2m", "exp_samples": [
-                    {"labels": '{kind="straggler"}', "value": 2}, {"labels": '{kind="thermal_throttle"}', "value": 1}]},
-                {"expr": active, "eval_time": "2m", "exp_samples": [
-                    {"labels": "{" + ", ".join(f'{k}="{v}"' for k, v in zip(names, row) if v) + "}", "value": 1}
-                    for row in rows]}]
+    expected = [
+        {
+            "expr": by_kind,
+            "eval_time": "2m",
+            "exp_samples": [
+                {"labels": '{kind="straggler"}', "value": 2},
+                {"labels": '{kind="thermal_throttle"}', "value": 1},
+            ],
+        },
+        {
+            "expr": active,
+            "eval_time": "2m",
+            "exp_samples": [
+                {"labels": "{" + ", ".join(f'{k}="{v}"' for k, v in zip(names, row) if v) + "}", "value": 1}
+                for row in rows
+            ],
+        },
+    ]
     promql_expr_tests(tmp_path, series, expected)
 
 
@@ -227,9 +304,16 @@ def test_gpu_hours_lost_counts_each_job_and_cause_once_over_an_ha_pair(dashboard
         series[f'gpufleet_job_gpu_hours_lost_total{{{server}, hpc_job="71001", kind="straggler"}}'] = "0+1x120"
         series[f'gpufleet_job_gpu_hours_lost_total{{{server}, hpc_job="71001", kind="comm_bound"}}'] = "0+2x120"
     (lost,) = panel_exprs(dashboard, "GPU-hours lost in the time range, by job and cause")
-    expected = [{"expr": lost, "eval_time": "120m", "exp_samples": [
-        {"labels": '{hpc_job="71001", kind="comm_bound"}', "value": 120},
-        {"labels": '{hpc_job="71001", kind="straggler"}', "value": 60}]}]
+    expected = [
+        {
+            "expr": lost,
+            "eval_time": "120m",
+            "exp_samples": [
+                {"labels": '{hpc_job="71001", kind="comm_bound"}', "value": 120},
+                {"labels": '{hpc_job="71001", kind="straggler"}', "value": 60},
+            ],
+        }
+    ]
     promql_expr_tests(tmp_path, series, expected)
 
 
@@ -296,12 +380,16 @@ def test_the_panels_work_on_dcgm_exporter_data_through_the_recording_rules(dashb
     each panel that needs one it lacks says which."""
     checked = subprocess.run([PROMTOOL, "check", "rules", str(DCGM_RULES)], capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    fleet = Fleet(DCGM_HOSTS, DCGM_GPUS, lambda t, host, gpu: Gpu(temperature_celsius=60.0 + gpu,
-                                                                   power_watts=600.0 + 10 * gpu))
+    fleet = Fleet(
+        DCGM_HOSTS, DCGM_GPUS, lambda t, host, gpu: Gpu(temperature_celsius=60.0 + gpu, power_watts=600.0 + 10 * gpu)
+    )
     gpus = len(DCGM_HOSTS) * DCGM_GPUS
     with dcgm_exporter_endpoint(fleet) as port:
-        jobs = "".join(f"  - job_name: dcgm-exporter-{host}\n    metrics_path: /{host}/metrics\n"
-                       f"    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n" for host in DCGM_HOSTS)
+        jobs = "".join(
+            f"  - job_name: dcgm-exporter-{host}\n    metrics_path: /{host}/metrics\n"
+            f"    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
+            for host in DCGM_HOSTS
+        )
         with prometheus_process(tmp_path, [], jobs, rule_files=[DCGM_RULES]) as (prom, prom_port, log_path):
             api = httpx.Client(base_url=f"http://127.0.0.1:{prom_port}/api/v1", timeout=10)
 
@@ -339,9 +427,9 @@ def test_the_panels_work_on_dcgm_exporter_data_through_the_recording_rules(dashb
             assert low <= float(series["value"][1]) <= high, (title, series)
     util = results[("Utilization per GPU", 0)]
     assert {s["metric"]["hpc_job"] for s in util} == set(DCGM_HOSTS.values())
-    assert all(float(s["value"][1]) == pytest.approx(0.98) for s in util)         # 98 % -> 0.98
+    assert all(float(s["value"][1]) == pytest.approx(0.98) for s in util)  # 98 % -> 0.98
     clocks = results[("SM clock per GPU", 0)]
-    assert all(float(s["value"][1]) == pytest.approx(1.98e9) for s in clocks)     # 1980 MHz -> Hz
+    assert all(float(s["value"][1]) == pytest.approx(1.98e9) for s in clocks)  # 1980 MHz -> Hz
     for title, (i, field) in DCGM_LACKING.items():
         assert results[(title, i)] == [], title
         (panel,) = [p for p in panels(dashboard) if p.get("title") == title]

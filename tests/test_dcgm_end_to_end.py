@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -26,10 +25,10 @@ GPUS = 4
 HOSTS = {"node-a": "71001", "node-b": "71001", "node-c": "71001", "node-d": "71002"}
 SCRAPE_SECONDS = 10.0
 HISTORY_SECONDS = 900.0
-HOT = ("node-d", 2)               # 89 C from 240 s to 540 s (five minutes)
-SLOW = ("node-c", 1)              # from 360 s on: works full time while its job's other GPUs wait for it
+HOT = ("node-d", 2)  # 89 C from 240 s to 540 s (five minutes)
+SLOW = ("node-c", 1)  # from 360 s on: works full time while its job's other GPUs wait for it
 CYCLE_SECONDS = 15.0
-NO_HBM_SENSOR = ("node-a", 3)     # DCGM's blank for its memory temperature: unsupported, not a reading
+NO_HBM_SENSOR = ("node-a", 3)  # DCGM's blank for its memory temperature: unsupported, not a reading
 
 
 def reading(t_rel: float, host: str, gpu: int) -> Gpu:
@@ -38,7 +37,7 @@ def reading(t_rel: float, host: str, gpu: int) -> Gpu:
     if (host, gpu) == HOT and 240.0 <= t_rel < 540.0:
         temp = 89.0
     if HOSTS[host] == "71001" and t_rel >= 360.0 and (host, gpu) != SLOW:
-        power -= 110.0            # spinning in NCCL's collective, waiting: busy, less power
+        power -= 110.0  # spinning in NCCL's collective, waiting: busy, less power
     return Gpu(temperature_celsius=temp, power_watts=power, hbm_sensor=(host, gpu) != NO_HBM_SENSOR)
 
 
@@ -48,7 +47,7 @@ def dcgm_prometheus(tmp_path_factory):
     if PROMTOOL is None:
         pytest.skip("promtool not installed (apt-get install prometheus)")
     tmp = tmp_path_factory.mktemp("dcgm-prometheus")
-    start = float(int(time.time()) - 3 * 3600)    # within retention, and before anything Prometheus scrapes
+    start = float(int(time.time()) - 3 * 3600)  # within retention, and before anything Prometheus scrapes
     fleet = Fleet(HOSTS, GPUS, lambda t, host, gpu: reading(t - start, host, gpu))
     backfill(PROMTOOL, record(fleet, start, HISTORY_SECONDS, SCRAPE_SECONDS), tmp / "tsdb")
     with prometheus_process(tmp, []) as (_, port, _):
@@ -58,8 +57,18 @@ def dcgm_prometheus(tmp_path_factory):
 def pipeline(url: str, tmp_path, *flags: str):
     """The server's runtime reading `url` at a pinned clock, and a client of its API."""
     now = [0.0]
-    settings = load_settings(["--ingest.prometheus-url", url, "--storage.path", str(tmp_path / "alerts.db"),
-                              "--pull.interval", f"{CYCLE_SECONDS:.0f}s", *flags], env={})
+    settings = load_settings(
+        [
+            "--ingest.prometheus-url",
+            url,
+            "--storage.path",
+            str(tmp_path / "alerts.db"),
+            "--pull.interval",
+            f"{CYCLE_SECONDS:.0f}s",
+            *flags,
+        ],
+        env={},
+    )
     runtime = build_runtime(settings, clock=lambda: now[0])
     return runtime, now, TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
 
@@ -86,7 +95,7 @@ def test_the_server_finds_the_hot_and_the_slow_gpu_in_dcgm_exporter_data(dcgm_pr
 
     assert runtime.puller.samples_total >= len(HOSTS) * HISTORY_SECONDS / SCRAPE_SECONDS
     assert {n["node"]: n["gpus"] for n in runtime.view.nodes} == {h: GPUS for h in HOSTS}
-    assert runtime.puller.errors_by_reason() == {}        # the blank refused no snapshot
+    assert runtime.puller.errors_by_reason() == {}  # the blank refused no snapshot
     subjects = {kind: {(a.node, a.gpu, a.hpc_job) for a in alerts} for kind, alerts in fired.items()}
     assert set(subjects) == {"thermal_throttle", "straggler"}, subjects
     assert subjects.get("thermal_throttle") == {(*HOT, "71002")}, subjects
@@ -98,7 +107,7 @@ def test_the_server_finds_the_hot_and_the_slow_gpu_in_dcgm_exporter_data(dcgm_pr
     assert any(a.resolved is not None and a.resolved > start + 540.0 for a in fired["thermal_throttle"])
     straggler = [a for a in fired["straggler"] if a.started is not None]
     assert len({a.id for a in straggler}) == 1 and start + 360.0 < straggler[0].started <= start + 480.0
-    assert straggler[0].evidence["slowdown_measured_by"] == "power"        # no SM activity in stock counters
+    assert straggler[0].evidence["slowdown_measured_by"] == "power"  # no SM activity in stock counters
     # What the stock counters lack is said, per detector.
     metrics = client.get("/metrics").text
     assert 'gpufleet_server_source_reading_missing{detector="thermal_throttle",' in metrics
@@ -123,14 +132,14 @@ def test_no_matching_series_is_degraded_within_one_cycle(dcgm_prometheus, tmp_pa
     asyncio.run(one())
 
     health = client.get("/healthz")
-    assert health.status_code == 200           # the server works; what it reads is missing (see server.md)
+    assert health.status_code == 200  # the server works; what it reads is missing (see server.md)
     body = health.json()
     assert (body["status"], body["degraded_reason"]) == ("degraded", "no_series")
     assert "gpufleet_gpu_" in body["degraded_detail"] and "found no series" in body["degraded_detail"]
     assert 'gpufleet_server_blind_cycles_total{reason="no_series"} 1.0' in client.get("/metrics").text
 
 
-AGENT_NODE = "gpu-d"              # node-d also runs a gpufleet agent, which names it so
+AGENT_NODE = "gpu-d"  # node-d also runs a gpufleet agent, which names it so
 
 
 def agent_scrapes(start: float) -> list[tuple[float, str, str, str]]:
@@ -146,16 +155,18 @@ def agent_scrapes(start: float) -> list[tuple[float, str, str, str]]:
             energy[g] += gpu.power_watts * SCRAPE_SECONDS
             ids = f'node="{AGENT_NODE}",gpu="{g}",uuid="{uuid("node-d", g)}"'
             with_model = ids + ',model="NVIDIA H100 80GB HBM3"'
-            lines += [f"gpufleet_gpu_up{{{with_model}}} 1",
-                      f"gpufleet_gpu_temperature_celsius{{{with_model}}} {gpu.temperature_celsius}",
-                      f'gpufleet_gpu_temperature_limit_celsius{{{with_model},limit="slowdown"}} 87',
-                      f"gpufleet_gpu_power_watts{{{with_model}}} {gpu.power_watts}",
-                      f"gpufleet_gpu_energy_joules_total{{{with_model}}} {energy[g]}",
-                      f"gpufleet_gpu_utilization_ratio{{{with_model}}} {gpu.utilization_ratio}",
-                      f'gpufleet_gpu_clock_hertz{{{with_model},clock="sm"}} {gpu.sm_clock_hertz}',
-                      f'gpufleet_gpu_clock_max_hertz{{{with_model},clock="sm"}} 1.98e9',
-                      f"gpufleet_gpu_throttle_reasons{{{with_model}}} 0",
-                      f'gpufleet_gpu_job_info{{{ids},hpc_job="{HOSTS["node-d"]}"}} 1']
+            lines += [
+                f"gpufleet_gpu_up{{{with_model}}} 1",
+                f"gpufleet_gpu_temperature_celsius{{{with_model}}} {gpu.temperature_celsius}",
+                f'gpufleet_gpu_temperature_limit_celsius{{{with_model},limit="slowdown"}} 87',
+                f"gpufleet_gpu_power_watts{{{with_model}}} {gpu.power_watts}",
+                f"gpufleet_gpu_energy_joules_total{{{with_model}}} {energy[g]}",
+                f"gpufleet_gpu_utilization_ratio{{{with_model}}} {gpu.utilization_ratio}",
+                f'gpufleet_gpu_clock_hertz{{{with_model},clock="sm"}} {gpu.sm_clock_hertz}',
+                f'gpufleet_gpu_clock_max_hertz{{{with_model},clock="sm"}} 1.98e9',
+                f"gpufleet_gpu_throttle_reasons{{{with_model}}} 0",
+                f'gpufleet_gpu_job_info{{{ids},hpc_job="{HOSTS["node-d"]}"}} 1',
+            ]
         lines.append(f'gpufleet_agent_sample_age_seconds{{node="{AGENT_NODE}"}} 0.2')
         out.append((at, f"{AGENT_NODE}:9471", "\n".join(lines) + "\n", "gpufleet-agent"))
     return out
@@ -183,8 +194,12 @@ def test_a_gpu_with_an_agent_and_dcgm_exporter_in_one_prometheus_is_read_once_fr
         fired = asyncio.run(cycles())
 
     # node-d's GPUs are the agent's alone: no second node of the same UUIDs under dcgm-exporter's name.
-    assert {n["node"]: n["gpus"] for n in runtime.view.nodes} == {"node-a": GPUS, "node-b": GPUS, "node-c": GPUS,
-                                                                  AGENT_NODE: GPUS}
+    assert {n["node"]: n["gpus"] for n in runtime.view.nodes} == {
+        "node-a": GPUS,
+        "node-b": GPUS,
+        "node-c": GPUS,
+        AGENT_NODE: GPUS,
+    }
     thermal = [a for a in fired if a.kind.value == "thermal_throttle" and a.started is not None]
     assert {(a.node, a.gpu) for a in thermal} == {(AGENT_NODE, HOT[1])}
     # From the agent's readings: its slowdown temperature (87 C, which dcgm-exporter does not export) makes

@@ -19,8 +19,12 @@ SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scrip
 
 
 def _manifests() -> list[dict]:
-    return [doc for path in sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
-            for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [
+        doc
+        for path in sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
 
 
 def _parse(command: list[str]) -> None:
@@ -34,8 +38,12 @@ def _parse(command: list[str]) -> None:
 
 
 def test_every_container_runs_an_installed_command_with_flags_it_knows():
-    containers = [c for doc in _manifests() if doc["kind"] in ("StatefulSet", "DaemonSet")
-                  for c in doc["spec"]["template"]["spec"]["containers"]]
+    containers = [
+        c
+        for doc in _manifests()
+        if doc["kind"] in ("StatefulSet", "DaemonSet")
+        for c in doc["spec"]["template"]["spec"]["containers"]
+    ]
     assert {c["command"][0] for c in containers} == {"gpufleet-agent", "gpufleet-server"}
     for c in containers:
         assert c["command"][0] in SCRIPTS
@@ -50,7 +58,11 @@ def test_each_server_replica_has_its_own_alert_store(tmp_path):
     (claim,) = server["spec"]["volumeClaimTemplates"]
     (container,) = server["spec"]["template"]["spec"]["containers"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    (config,) = [d["data"]["server.yaml"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gpufleet-server"]
+    (config,) = [
+        d["data"]["server.yaml"]
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gpufleet-server"
+    ]
     (tmp_path / "server.yaml").write_text(config)
     settings = server_settings.load_settings(["--config.file", str(tmp_path / "server.yaml")], env={})
     assert container["args"] == ["serve", "--config.file", f"{mounts['config']}/server.yaml"]

@@ -55,14 +55,18 @@ def only(alerts: list[Alert], kind: AlertKind, **subject: object) -> Alert:
 
 
 def describe(alerts: list[Alert]) -> list[str]:
-    return [f"{a.kind.value} {a.node}/{a.gpu} job {a.hpc_job} +{(a.started or T0) - T0:.0f}s"
-            f"..{'open' if a.resolved is None else f'+{a.resolved - T0:.0f}s'}" for a in alerts]
+    return [
+        f"{a.kind.value} {a.node}/{a.gpu} job {a.hpc_job} +{(a.started or T0) - T0:.0f}s"
+        f"..{'open' if a.resolved is None else f'+{a.resolved - T0:.0f}s'}"
+        for a in alerts
+    ]
 
 
 def assert_fired_during_and_resolved_after(alert: Alert, inc: Incident) -> None:
     started, resolved = alert.started - T0, None if alert.resolved is None else alert.resolved - T0
-    assert inc.start_s <= started <= inc.end_s, f"{alert.kind.value} fired at +{started:.0f}s, " \
-                                                f"outside its incident ({inc.start_s:.0f}-{inc.end_s:.0f}s)"
+    assert inc.start_s <= started <= inc.end_s, (
+        f"{alert.kind.value} fired at +{started:.0f}s, outside its incident ({inc.start_s:.0f}-{inc.end_s:.0f}s)"
+    )
     assert resolved is not None, f"{alert.kind.value} {alert.node}/{alert.gpu} never resolved"
     assert resolved > inc.end_s, f"{alert.kind.value} resolved at +{resolved:.0f}s, before its incident ended"
 
@@ -73,8 +77,9 @@ def test_trace_is_every_node_every_second_with_jobs_attributed(demo: Scenario, d
     expected_jobs = {(node, index): job.id for job in demo.jobs for node, index in job.gpus}
     for sample in samples:
         assert len(sample) == demo.node(sample.node).gpu_count
-        assert {(sample.node, i): j for i, j in zip(sample.indices, sample.jobs)} == \
-            {(sample.node, i): expected_jobs[(sample.node, i)] for i in sample.indices}
+        assert {(sample.node, i): j for i, j in zip(sample.indices, sample.jobs)} == {
+            (sample.node, i): expected_jobs[(sample.node, i)] for i in sample.indices
+        }
     per_node = {node: sum(s.node == node for s in samples) for node in demo.nodes}
     assert set(per_node.values()) == {int(demo.duration_s / SAMPLE_INTERVAL_SECONDS) + 1}
 
@@ -110,10 +115,17 @@ def test_comm_slowdown_is_comm_bound_and_resolves(demo: Scenario, alerts: list[A
 
 def test_nothing_else_fires(demo: Scenario, alerts: list[Alert]) -> None:
     cooling, slow, comm = (incident(demo, k) for k in ("cooling_failure", "slow_gpu", "comm_slowdown"))
-    expected = {(AlertKind.THERMAL_THROTTLE, *cooling.gpus[0]), (AlertKind.STRAGGLER, *slow.gpus[0]),
-                (AlertKind.STRAGGLER, *cooling.gpus[0]), (AlertKind.COMM_BOUND, None, None)}
-    unexpected = [a for a in alerts if (a.kind, a.node, a.gpu) not in expected
-                  or (a.kind is AlertKind.COMM_BOUND and a.hpc_job != comm.job)]
+    expected = {
+        (AlertKind.THERMAL_THROTTLE, *cooling.gpus[0]),
+        (AlertKind.STRAGGLER, *slow.gpus[0]),
+        (AlertKind.STRAGGLER, *cooling.gpus[0]),
+        (AlertKind.COMM_BOUND, None, None),
+    }
+    unexpected = [
+        a
+        for a in alerts
+        if (a.kind, a.node, a.gpu) not in expected or (a.kind is AlertKind.COMM_BOUND and a.hpc_job != comm.job)
+    ]
     assert not unexpected, f"unexpected alerts: {describe(unexpected)}"
     assert all(a.resolved is not None for a in alerts), f"still open at the end: {describe(alerts)}"
 
@@ -121,8 +133,9 @@ def test_nothing_else_fires(demo: Scenario, alerts: list[Alert]) -> None:
 def test_agent_cli_record_output_meets_the_wire_contract(tmp_path: Path) -> None:
     """A real `gpufleet-agent --simulate demo --record FILE` process: every line it wrote parses server-side."""
     trace = tmp_path / "dgx-03.jsonl"
-    with agent_process("--simulate", "demo", "--node", "dgx-03", "--sample.interval", "0.2",
-                       "--record", str(trace)) as (proc, _port):
+    with agent_process(
+        "--simulate", "demo", "--node", "dgx-03", "--sample.interval", "0.2", "--record", str(trace)
+    ) as (proc, _port):
         waiter = threading.Event()
         for _ in range(300):  # at most 30 s; lines land every 0.2 s
             if trace.exists() and trace.read_bytes().count(b"\n") >= 3:

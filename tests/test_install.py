@@ -41,8 +41,13 @@ def wheel(tmp_path_factory) -> Path:
     for folder in FOLDERS:
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     out = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     if proc.returncode != 0 and "Missing dependencies" in proc.stdout + proc.stderr:
         pytest.skip(f"cannot build the wheel offline: {(proc.stdout + proc.stderr).strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -56,17 +61,39 @@ def fresh_venv(wheel, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("venv")
     venv.EnvBuilder(system_site_packages=False, with_pip=False).create(root)
     python = root / "bin" / "python"
-    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-                           "--no-index", "--quiet", str(wheel)], capture_output=True, text=True, timeout=300,
-                          check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--quiet",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root
 
 
 def in_venv(root: Path, code: str) -> subprocess.CompletedProcess[str]:
     # From an empty folder: run from the clone, `python -c` would find its agent/ and server/ folders.
-    return subprocess.run([str(root / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=root, env={"PATH": "/usr/bin:/bin"}, check=False)
+    return subprocess.run(
+        [str(root / "bin" / "python"), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+        env={"PATH": "/usr/bin:/bin"},
+        check=False,
+    )
 
 
 def test_the_wheel_is_named_as_the_docs_and_messages_say(wheel):
@@ -77,27 +104,43 @@ def test_the_wheel_holds_the_namespaced_packages_and_their_data(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"gpufleet"}
-    for module in ("gpufleet/config.py", "gpufleet/agent/cli.py", "gpufleet/server/cli.py",
-                   "gpufleet/agent/sim/scenarios/demo.yaml"):
+    for module in (
+        "gpufleet/config.py",
+        "gpufleet/agent/cli.py",
+        "gpufleet/server/cli.py",
+        "gpufleet/agent/sim/scenarios/demo.yaml",
+    ):
         assert module in names
 
 
 def test_installed_it_imports_as_gpufleet_and_nothing_top_level(fresh_venv):
-    proc = in_venv(fresh_venv, "import gpufleet, gpufleet.agent, gpufleet.server, gpufleet.extras; "
-                               "import importlib.util as u; "
-                               "assert all(u.find_spec(m) for m in ('gpufleet.config', 'gpufleet.agent.cli', "
-                               "'gpufleet.server.cli', 'gpufleet.server.engine', 'gpufleet.agent.sim'))")
+    proc = in_venv(
+        fresh_venv,
+        "import gpufleet, gpufleet.agent, gpufleet.server, gpufleet.extras; "
+        "import importlib.util as u; "
+        "assert all(u.find_spec(m) for m in ('gpufleet.config', 'gpufleet.agent.cli', "
+        "'gpufleet.server.cli', 'gpufleet.server.engine', 'gpufleet.agent.sim'))",
+    )
     assert proc.returncode == 0, proc.stderr
     for name in ("server", "agent"):
-        spec = in_venv(fresh_venv, f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is not None)")
+        spec = in_venv(
+            fresh_venv, f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is not None)"
+        )
         assert spec.returncode == 0, f"a top-level {name!r} is importable"
         plain = in_venv(fresh_venv, f"import {name}")
         assert plain.returncode == 1 and "ModuleNotFoundError" in plain.stderr
 
 
 def test_installed_without_its_extra_the_server_names_it_in_one_line(fresh_venv):
-    proc = subprocess.run([str(fresh_venv / "bin" / "gpufleet-server"), "--help"], capture_output=True, text=True,
-                          timeout=60, cwd=fresh_venv, env={"PATH": "/usr/bin:/bin"}, check=False)
+    proc = subprocess.run(
+        [str(fresh_venv / "bin" / "gpufleet-server"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=fresh_venv,
+        env={"PATH": "/usr/bin:/bin"},
+        check=False,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "[server]" in proc.stderr and wheel_name() in proc.stderr
 

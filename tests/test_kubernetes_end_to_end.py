@@ -34,14 +34,26 @@ SCENARIO = {
     "duration_s": 720,
     "nodes": [{"name": n, "model": "h100-sxm", "gpus": 8} for n in ("gpu-a", "gpu-b", "gpu-c")],
     "jobs": [
-        {"id": K8S_JOB, "scheduler": "kubernetes", "nodes": ["gpu-a", "gpu-b"], "step_time_s": 0.8,
-         "compute_fraction": 0.8, "memory_used_gib": 64},
-        {"id": SLURM_JOB, "nodes": ["gpu-c"], "step_time_s": 1.0, "compute_fraction": 0.75,
-         "memory_used_gib": 58},
+        {
+            "id": K8S_JOB,
+            "scheduler": "kubernetes",
+            "nodes": ["gpu-a", "gpu-b"],
+            "step_time_s": 0.8,
+            "compute_fraction": 0.8,
+            "memory_used_gib": 64,
+        },
+        {"id": SLURM_JOB, "nodes": ["gpu-c"], "step_time_s": 1.0, "compute_fraction": 0.75, "memory_used_gib": 58},
     ],
     "incidents": [
-        {"kind": "slow_gpu", "node": "gpu-b", "gpu": 5, "start_s": 220, "end_s": 360, "speed_factor": 0.7,
-         "silent": True},
+        {
+            "kind": "slow_gpu",
+            "node": "gpu-b",
+            "gpu": 5,
+            "start_s": 220,
+            "end_s": 360,
+            "speed_factor": 0.7,
+            "silent": True,
+        },
         {"kind": "comm_slowdown", "job": K8S_JOB, "start_s": 480, "end_s": 600, "factor": 3.0},
     ],
 }
@@ -80,16 +92,19 @@ def test_the_kubernetes_jobs_incidents_are_named_with_the_job(alerts: list[Alert
 
 
 def test_without_the_variable_the_job_is_its_rendezvous_and_its_incidents_are_named_with_it(
-        scenario: Scenario, tmp_path: Path) -> None:
+    scenario: Scenario, tmp_path: Path
+) -> None:
     trace = record_cluster(scenario, tmp_path, float(SCENARIO["duration_s"]), env_vars=("SLURM_JOB_ID",))
     pods: dict[str, set] = {}
     for line in trace:
         snapshot = orjson.loads(line)
         pods.setdefault(snapshot["node"], set()).update(
-            (g["hpc_job"], g["kubernetes_namespace"], g["kubernetes_pod"]) for g in snapshot["gpus"])
-    assert pods == {"gpu-a": {(K8S_RENDEZVOUS, "research", "llama-70b-worker-0")},
-                    "gpu-b": {(K8S_RENDEZVOUS, "research", "llama-70b-worker-1")},
-                    "gpu-c": {(SLURM_JOB, None, None)}}
+            (g["hpc_job"], g["kubernetes_namespace"], g["kubernetes_pod"]) for g in snapshot["gpus"]
+        )
+    assert pods == {
+        "gpu-a": {(K8S_RENDEZVOUS, "research", "llama-70b-worker-0")},
+        "gpu-b": {(K8S_RENDEZVOUS, "research", "llama-70b-worker-1")},
+        "gpu-c": {(SLURM_JOB, None, None)},
+    }
     described = [(a.kind.value, a.node, a.gpu, a.hpc_job) for a in run_replay(trace)]
     assert described == [("straggler", "gpu-b", 5, K8S_RENDEZVOUS), ("comm_bound", None, None, K8S_RENDEZVOUS)]
-

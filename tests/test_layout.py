@@ -43,23 +43,33 @@ def within(module: str, package: str) -> bool:
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN))
 def test_no_import_crosses_the_layers(folder):
     assert modules(folder), folder
-    crossings = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-                 for path in modules(folder) for line, module, _ in imports(path)
-                 if any(within(module, bad) for bad in FORBIDDEN[folder])]
+    crossings = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in modules(folder)
+        for line, module, _ in imports(path)
+        if any(within(module, bad) for bad in FORBIDDEN[folder])
+    ]
     assert not crossings, "\n".join(crossings)
 
 
 def test_the_checker_sees_imports_inside_functions_and_type_checking(tmp_path):
     sample = tmp_path / "m.py"
-    sample.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpufleet.agent.sim import X\n"
-                      "def f():\n    import gpufleet.agent.cli\n")
+    sample.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpufleet.agent.sim import X\n"
+        "def f():\n    import gpufleet.agent.cli\n"
+    )
     assert [m for _, m, _ in imports(sample)] == ["typing", "gpufleet.agent.sim", "gpufleet.agent.cli"]
 
 
 def test_bench_uses_only_public_functions_of_gpufleet():
-    private = [f"{path.relative_to(ROOT)}:{line} imports {name} from {module}"
-               for path in modules("bench") for line, module, names in imports(path)
-               if within(module, "gpufleet") for name in names if name.startswith("_")]
+    private = [
+        f"{path.relative_to(ROOT)}:{line} imports {name} from {module}"
+        for path in modules("bench")
+        for line, module, names in imports(path)
+        if within(module, "gpufleet")
+        for name in names
+        if name.startswith("_")
+    ]
     assert not private, "\n".join(private)
 
 

@@ -48,30 +48,52 @@ def scrape_until(url: str, ready: Callable[[str], bool], seconds: float = 90.0) 
 
 
 def test_the_docs_tables_name_every_metric_served(tmp_path: Path) -> None:
-    with agent_process("--simulate", "demo", "--node", "dgx-03", "--sample.interval", "0.5",
-                       "--nvlink.per-link") as (_, agent_port):
+    with agent_process("--simulate", "demo", "--node", "dgx-03", "--sample.interval", "0.5", "--nvlink.per-link") as (
+        _,
+        agent_port,
+    ):
         # GPM needs two samples before SM activity is read; the sample age only exists after the first.
-        agent = scrape_until(f"http://127.0.0.1:{agent_port}/metrics",
-                             lambda t: "gpufleet_gpu_sm_active_ratio{" in t
-                             and "gpufleet_agent_sample_age_seconds " in t)
-        with server_process(tmp_path, "--targets", f"127.0.0.1:{agent_port}", "--pull.interval", "1s",
-                            "--pull.timeout", "1s", "--webhook.url", "http://127.0.0.1:9/hook") as (_, server_port):
+        agent = scrape_until(
+            f"http://127.0.0.1:{agent_port}/metrics",
+            lambda t: "gpufleet_gpu_sm_active_ratio{" in t and "gpufleet_agent_sample_age_seconds " in t,
+        )
+        with server_process(
+            tmp_path,
+            "--targets",
+            f"127.0.0.1:{agent_port}",
+            "--pull.interval",
+            "1s",
+            "--pull.timeout",
+            "1s",
+            "--webhook.url",
+            "http://127.0.0.1:9/hook",
+        ) as (_, server_port):
             # Per-job and per-node families appear once the engine has evaluated a tick with samples.
-            server = scrape_until(f"http://127.0.0.1:{server_port}/metrics",
-                                  lambda t: "gpufleet_job_gpus{" in t and "gpufleet_node_gpus{" in t
-                                  and "gpufleet_server_engine_last_tick_timestamp_seconds " in t)
-    missing = {doc: sorted(served(text) - documented(ROOT / "docs" / doc))
-               for doc, text in (("agent.md", agent), ("server.md", server))}
+            server = scrape_until(
+                f"http://127.0.0.1:{server_port}/metrics",
+                lambda t: (
+                    "gpufleet_job_gpus{" in t
+                    and "gpufleet_node_gpus{" in t
+                    and "gpufleet_server_engine_last_tick_timestamp_seconds " in t
+                ),
+            )
+    missing = {
+        doc: sorted(served(text) - documented(ROOT / "docs" / doc))
+        for doc, text in (("agent.md", agent), ("server.md", server))
+    }
     assert missing == {"agent.md": [], "server.md": []}, (
         "metrics served but missing from the docs' tables: "
-        + "; ".join(f"docs/{doc}: {', '.join(names)}" for doc, names in missing.items() if names))
+        + "; ".join(f"docs/{doc}: {', '.join(names)}" for doc, names in missing.items() if names)
+    )
     assert len(served(agent)) > 30 and len(served(server)) > 30  # the scrapes were whole expositions
 
 
 def test_table_names_are_read_from_table_rows_only(tmp_path: Path) -> None:
     doc = tmp_path / "doc.md"
-    doc.write_text("Prose naming `gpufleet_not_in_a_table` is not a row.\n\n| series | meaning |\n|---|---|\n"
-                   "| `gpufleet_a_total`, `gpufleet_b` | prefix `gpufleet_` alone is no name |\n")
+    doc.write_text(
+        "Prose naming `gpufleet_not_in_a_table` is not a row.\n\n| series | meaning |\n|---|---|\n"
+        "| `gpufleet_a_total`, `gpufleet_b` | prefix `gpufleet_` alone is no name |\n"
+    )
     assert documented(doc) == {"gpufleet_a_total", "gpufleet_b"}
     exposition = "# HELP gpufleet_a_total x\n# TYPE gpufleet_a_total counter\ngpufleet_a_total 1\n"
     assert served(exposition) == {"gpufleet_a_total"}

@@ -15,8 +15,15 @@ import httpx
 import pytest
 import yaml
 
-from tests.agent.running import (PROMETHEUS, PROMTOOL, _daemon, agent_process, free_port, requires_prometheus,
-                                 requires_promtool)
+from tests.agent.running import (
+    PROMETHEUS,
+    PROMTOOL,
+    _daemon,
+    agent_process,
+    free_port,
+    requires_prometheus,
+    requires_promtool,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATOR = ROOT / "deploy" / "kubernetes" / "operator"
@@ -98,8 +105,10 @@ jobs:
      memory_used_gib: 64}
 """
 # kube-state-metrics as it would answer: the training pod, and the agent's own pod, with different teams.
-KUBE_STATE = (b'kube_pod_labels{namespace="research",pod="llama-70b-worker-0",label_team="nlp"} 1\n'
-              b'kube_pod_labels{namespace="monitoring",pod="gpufleet-agent-x7k2p",label_team="observability"} 1\n')
+KUBE_STATE = (
+    b'kube_pod_labels{namespace="research",pod="llama-70b-worker-0",label_team="nlp"} 1\n'
+    b'kube_pod_labels{namespace="monitoring",pod="gpufleet-agent-x7k2p",label_team="observability"} 1\n'
+)
 
 
 @contextlib.contextmanager
@@ -129,11 +138,22 @@ def _operator_scrape(monitor: dict, port: int) -> dict:
     relabelling gives a pod of the DaemonSet (namespace, pod, container of the agent's own pod)."""
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     meta = monitor["metadata"]
-    return {"job_name": f"podMonitor/{meta['namespace']}/{meta['name']}/0",
-            "honor_labels": endpoint.get("honorLabels", False), "metrics_path": endpoint["path"],
-            "static_configs": [{"targets": [f"127.0.0.1:{port}"],
-                                "labels": {"namespace": "monitoring", "pod": "gpufleet-agent-x7k2p",
-                                           "container": "agent", "endpoint": endpoint["port"]}}]}
+    return {
+        "job_name": f"podMonitor/{meta['namespace']}/{meta['name']}/0",
+        "honor_labels": endpoint.get("honorLabels", False),
+        "metrics_path": endpoint["path"],
+        "static_configs": [
+            {
+                "targets": [f"127.0.0.1:{port}"],
+                "labels": {
+                    "namespace": "monitoring",
+                    "pod": "gpufleet-agent-x7k2p",
+                    "container": "agent",
+                    "endpoint": endpoint["port"],
+                },
+            }
+        ],
+    }
 
 
 @requires_prometheus
@@ -141,18 +161,29 @@ def test_an_operator_style_scrape_keeps_the_training_pods_join_with_kube_state_m
     scenario = tmp_path / "k8s.yaml"
     scenario.write_text(SCENARIO)
     with agent_process("--simulate", str(scenario)) as (_, agent_port), _kube_state_metrics() as ksm_port:
-        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
-                  "scrape_configs": [
-                      _operator_scrape(_one("PodMonitor"), agent_port),
-                      {"job_name": "kube-state-metrics", "honor_labels": True,
-                       "static_configs": [{"targets": [f"127.0.0.1:{ksm_port}"]}]}]}
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+            "scrape_configs": [
+                _operator_scrape(_one("PodMonitor"), agent_port),
+                {
+                    "job_name": "kube-state-metrics",
+                    "honor_labels": True,
+                    "static_configs": [{"targets": [f"127.0.0.1:{ksm_port}"]}],
+                },
+            ],
+        }
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
-        cmd = [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-               f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
+        cmd = [
+            PROMETHEUS,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ]
         with _daemon("Prometheus", cmd, port, tmp_path / "prometheus.log", "http", None) as (prom, log_path):
             api = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=10)
-            join = ('gpufleet_gpu_pod_info * on(namespace, pod) group_left(label_team) kube_pod_labels')
+            join = "gpufleet_gpu_pod_info * on(namespace, pod) group_left(label_team) kube_pod_labels"
             waiter = threading.Event()
             result: list = []
             for _ in range(int(DEADLINE_SECONDS / POLL_SECONDS)):
@@ -162,11 +193,14 @@ def test_an_operator_style_scrape_keeps_the_training_pods_join_with_kube_state_m
                     break
                 waiter.wait(POLL_SECONDS)
             else:
-                pytest.fail("the join never matched: " + str(api.get("/query", params={
-                    "query": "gpufleet_gpu_pod_info"}).json()["data"]["result"]))
+                pytest.fail(
+                    "the join never matched: "
+                    + str(api.get("/query", params={"query": "gpufleet_gpu_pod_info"}).json()["data"]["result"])
+                )
             assert sorted(r["metric"]["gpu"] for r in result) == ["0", "1"]
             assert {(r["metric"]["namespace"], r["metric"]["pod"], r["metric"]["label_team"]) for r in result} == {
-                ("research", "llama-70b-worker-0", "nlp")}
+                ("research", "llama-70b-worker-0", "nlp")
+            }
             # Series without pod labels of their own keep the agent pod's target labels.
             own = api.get("/query", params={"query": "gpufleet_agent_nvml_up"}).json()["data"]["result"]
             assert own and own[0]["metric"]["pod"] == "gpufleet-agent-x7k2p"

@@ -34,7 +34,7 @@ from tests.test_end_to_end import assert_fired_during_and_resolved_after, descri
 SCRAPE_EVERY_SECONDS = 5
 # Scrape phase per node, in agent samples: these put dgx-01 and dgx-02 (one job) at different phases.
 OFFSETS = {"dgx-01": 0, "dgx-02": 3, "dgx-03": 1, "dgx-04": 4}
-SCRAPE_DELAY_SECONDS = 0.4       # a scrape lands this long after the sample it carries
+SCRAPE_DELAY_SECONDS = 0.4  # a scrape lands this long after the sample it carries
 _WANTED = re.compile(re.match(r'\{__name__=~"([^"]+)"', SELECTOR).group(1))
 
 
@@ -47,18 +47,26 @@ class ScrapedPrometheus:
     def scrape(self, at: float, instance: str, body: bytes) -> None:
         # Only the series the source asks for are parsed: prometheus_client's parser takes 30 ms for a
         # whole 8-GPU body, and this runs 577 times.
-        lines = [line for line in body.decode().splitlines()
-                 if not line.startswith("#") and _WANTED.fullmatch(line.split("{", 1)[0].split(" ", 1)[0])]
-        points = [({**s.labels, "__name__": s.name, "instance": instance, "job": "gpufleet-agent"}, s.value)
-                  for family in text_string_to_metric_families("\n".join(lines) + "\n") for s in family.samples]
+        lines = [
+            line
+            for line in body.decode().splitlines()
+            if not line.startswith("#") and _WANTED.fullmatch(line.split("{", 1)[0].split(" ", 1)[0])
+        ]
+        points = [
+            ({**s.labels, "__name__": s.name, "instance": instance, "job": "gpufleet-agent"}, s.value)
+            for family in text_string_to_metric_families("\n".join(lines) + "\n")
+            for s in family.samples
+        ]
         self.scrapes.append((at, instance, points))
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         query, at = request.url.params["query"], float(request.url.params["time"])
         if query.startswith("up{"):
             instances = sorted({instance for _, instance, _ in self.scrapes})
-            result = [{"metric": {"__name__": "up", "instance": i, "job": "gpufleet-agent"}, "value": [at, "1"]}
-                      for i in instances]
+            result = [
+                {"metric": {"__name__": "up", "instance": i, "job": "gpufleet-agent"}, "value": [at, "1"]}
+                for i in instances
+            ]
             return _answer("vector", result)
         match = re.fullmatch(r'\{__name__=~"([^"]+)", gpufleet_recorded_from=""\}\[(\d+)s\]', query)
         assert match, f"unexpected query {query!r}"
@@ -76,8 +84,9 @@ class ScrapedPrometheus:
 
 
 def _answer(kind: str, result: list) -> httpx.Response:
-    return httpx.Response(200, content=orjson.dumps({"status": "success",
-                                                     "data": {"resultType": kind, "result": result}}))
+    return httpx.Response(
+        200, content=orjson.dumps({"status": "success", "data": {"resultType": kind, "result": result}})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +117,12 @@ def rebuilt(scraped) -> list[dict]:
     """Every snapshot the source delivered, querying every 5 s from the start of the trace."""
     prometheus, _ = scraped
     now = [T0 + 2.5]
-    source = PrometheusSource("http://prometheus:9090", transport=httpx.MockTransport(prometheus.handler),
-                              clock=lambda: now[0], parse=lambda raw: raw)
+    source = PrometheusSource(
+        "http://prometheus:9090",
+        transport=httpx.MockTransport(prometheus.handler),
+        clock=lambda: now[0],
+        parse=lambda raw: raw,
+    )
     end = max(at for at, _, _ in prometheus.scrapes) + SCRAPE_EVERY_SECONDS
 
     async def pull_all() -> list[dict]:
@@ -146,7 +159,7 @@ def test_ratios_are_exact_means_of_every_agent_sample_since_the_previous_scrape(
         for gpu in snap["gpus"]:
             for field in ("sm_active_ratio", "utilization_ratio"):
                 if getattr(samples[node][since][gpu["uuid"]], field) is None:
-                    continue      # the counters start with the reading (GPM's first poll has none): the gauge
+                    continue  # the counters start with the reading (GPM's first poll has none): the gauge
                 values = [samples[node][t][gpu["uuid"]] for t in between]
                 mean = sum(getattr(v, field) for v in values) / len(values)
                 assert gpu[field] == pytest.approx(mean, abs=1e-9), (node, time - T0, gpu["index"], field)
@@ -161,7 +174,10 @@ def test_gauge_alone_would_differ_from_the_mean(scraped, rebuilt) -> None:
     _, samples = scraped
     differing = sum(
         abs(samples[s["node"]][s["time"]][g["uuid"]].sm_active_ratio - g["sm_active_ratio"]) > 0.02
-        for s in rebuilt for g in s["gpus"] if g.get("sm_active_ratio") is not None)
+        for s in rebuilt
+        for g in s["gpus"]
+        if g.get("sm_active_ratio") is not None
+    )
     assert differing > len(rebuilt) // 2
 
 

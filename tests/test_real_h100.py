@@ -54,8 +54,16 @@ def test_the_contract_parses_the_real_snapshot():
     sample = parse_snapshot(payload)
     gpu = payload["gpus"][0]
     assert sample.node == "vm" and sample.models == ("NVIDIA H100 80GB HBM3",)
-    for field in ("power_watts", "temperature_celsius", "sm_clock_hertz", "sm_clock_max_hertz",
-                  "power_limit_watts", "energy_joules_total", "memory_temperature_celsius", "throttle_reasons"):
+    for field in (
+        "power_watts",
+        "temperature_celsius",
+        "sm_clock_hertz",
+        "sm_clock_max_hertz",
+        "power_limit_watts",
+        "energy_joules_total",
+        "memory_temperature_celsius",
+        "throttle_reasons",
+    ):
         assert sample.value(0, field) == pytest.approx(gpu[field]), field
     assert sample.value(0, "xid_errors_total") == 0.0
     # The one reading a one-GPU virtual machine lacks is absent, not 0.
@@ -70,8 +78,9 @@ def test_the_contract_parses_every_line_of_the_real_trace():
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (Debian package prometheus)")
 @pytest.mark.parametrize("name", ["metrics-idle.txt", "metrics-load.txt"])
 def test_promtool_accepts_the_real_metrics(name):
-    result = subprocess.run([PROMTOOL, "check", "metrics"], input=(FIXTURES / name).read_bytes(),
-                            capture_output=True, timeout=60)
+    result = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=(FIXTURES / name).read_bytes(), capture_output=True, timeout=60
+    )
     assert result.returncode == 0, (result.stdout + result.stderr).decode()
     assert b"gpufleet_gpu_power_watts{" in (FIXTURES / name).read_bytes()
 
@@ -89,12 +98,28 @@ def _sim_run() -> tuple[list, list, list]:
     """The real run on the simulator: one H100, 15 s idle, 45 s of matmuls on 0.95 GiB, 15 s idle, in a
     room at 30 C; the agent's own reader samples it every second. Dense bf16 matmuls want more power than
     a training step (compute_intensity 1.43 against 0.95: about 960 W at 1.98 GHz)."""
-    scenario = parse_scenario({
-        "name": "h100-matmul", "duration_s": 75, "ambient_c": 30,
-        "nodes": [{"name": "vm", "model": "h100-sxm", "gpus": 1}],
-        "jobs": [{"id": "matmul", "nodes": ["vm"], "start_s": 15, "end_s": 60, "step_time_s": 0.5,
-                  "compute_fraction": 0.99, "compute_intensity": 1.43, "memory_used_gib": 0.95, "ramp_up_s": 0,
-                  "wind_down_s": 0}]})
+    scenario = parse_scenario(
+        {
+            "name": "h100-matmul",
+            "duration_s": 75,
+            "ambient_c": 30,
+            "nodes": [{"name": "vm", "model": "h100-sxm", "gpus": 1}],
+            "jobs": [
+                {
+                    "id": "matmul",
+                    "nodes": ["vm"],
+                    "start_s": 15,
+                    "end_s": 60,
+                    "step_time_s": 0.5,
+                    "compute_fraction": 0.99,
+                    "compute_intensity": 1.43,
+                    "memory_used_gib": 0.95,
+                    "ramp_up_s": 0,
+                    "wind_down_s": 0,
+                }
+            ],
+        }
+    )
     epoch = 1_795_699_500.0
     now = [epoch]
     reader = NvmlReader(SimNvml(scenario, node="vm", clock=lambda: now[0], epoch=epoch))
@@ -136,7 +161,10 @@ def test_simulated_h100_busy_reads_in_the_real_busy_ranges():
     _, busy, _ = _sim_run()
     assert len(busy) == 44
     low, high = real["memory_total_bytes"]["busy"]  # report.txt prints 4 significant digits
-    assert all(g.memory_total_bytes == H100_MEMORY_BYTES for g in busy) and low * 0.999 <= H100_MEMORY_BYTES <= high * 1.001
+    assert (
+        all(g.memory_total_bytes == H100_MEMORY_BYTES for g in busy)
+        and low * 0.999 <= H100_MEMORY_BYTES <= high * 1.001
+    )
     assert _within([g.memory_used_bytes for g in busy], *real["memory_used_bytes"]["busy"], slack=0.01)
     assert _within([g.memory_clock_hertz for g in busy], *real["memory_clock_hertz"]["busy"])
     assert _within([g.utilization_ratio for g in busy], *real["utilization_ratio"]["busy"])

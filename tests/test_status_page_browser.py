@@ -60,8 +60,9 @@ def recorded_agents(lines: list[bytes], clock: StepClock) -> httpx.MockTransport
         node = request.url.host
         since = float(parse_qs(request.url.query.decode()).get("since", ["-inf"])[-1])
         snaps = [s for s in by_node[node] if since < s["time"] <= clock.now]
-        return httpx.Response(200, content=orjson.dumps({"schema": 1, "node": node, "time": clock.now,
-                                                         "snapshots": snaps}))
+        return httpx.Response(
+            200, content=orjson.dumps({"schema": 1, "node": node, "time": clock.now, "snapshots": snaps})
+        )
 
     return httpx.MockTransport(answer)
 
@@ -73,8 +74,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Runt
     demo = load_scenario("demo")
     lines = record_cluster(demo, tmp, RECORDED_SECONDS, 1.0)
     clock = StepClock(T0)
-    settings = ServerSettings(targets=tuple(f"{node}:9471" for node in demo.nodes), pull_interval_seconds=PULL_SECONDS,
-                              storage_path=str(tmp / "server.db"), listen_address="127.0.0.1:0")
+    settings = ServerSettings(
+        targets=tuple(f"{node}:9471" for node in demo.nodes),
+        pull_interval_seconds=PULL_SECONDS,
+        storage_path=str(tmp / "server.db"),
+        listen_address="127.0.0.1:0",
+    )
     runtime = build_runtime(settings, clock=clock, transport=recorded_agents(lines, clock))
 
     async def pull_through_the_recording() -> None:
@@ -84,8 +89,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Runt
 
     asyncio.run(pull_through_the_recording())
     sock = listen_socket("127.0.0.1:0")
-    web = uvicorn.Server(uvicorn.Config(create_app(settings, runtime=runtime, run_pipeline=False),
-                                        log_config=None, access_log=False, lifespan="on"))
+    web = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings, runtime=runtime, run_pipeline=False), log_config=None, access_log=False, lifespan="on"
+        )
+    )
     thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -107,10 +115,19 @@ def chromium_dom(url: str, tmp_path: Path, *, js_budget_ms: int = 0) -> str:
     """The DOM Chromium built for `url` (after `js_budget_ms` of virtual time for scripts), offline but for
     127.0.0.1."""
     assert CHROMIUM is not None
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'chromium-profile'}",
-           "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+    ]
     if js_budget_ms:
         cmd.append(f"--virtual-time-budget={js_budget_ms}")
     done = subprocess.run([*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=120)

@@ -23,9 +23,10 @@ def _offline_security_supported() -> bool:
     return bool(match) and int(match.group(1)) >= 250  # --offline and --threshold came with 250
 
 
-requires_analyzer = pytest.mark.skipif(not _offline_security_supported(),
-                                       reason="systemd-analyze (systemd 250 or newer) is not installed; "
-                                              ".ci/run installs the systemd package")
+requires_analyzer = pytest.mark.skipif(
+    not _offline_security_supported(),
+    reason="systemd-analyze (systemd 250 or newer) is not installed; .ci/run installs the systemd package",
+)
 
 
 def service_section(unit: str) -> dict[str, list[str]]:
@@ -44,8 +45,18 @@ def service_section(unit: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("unit", ["gpufleet-agent.service", "gpufleet-server.service"])
 def test_the_unit_is_hardened_to_at_most_2(unit):
     result = subprocess.run(
-        [SYSTEMD_ANALYZE, "security", "--offline=yes", f"--threshold={round(MAX_EXPOSURE * 10)}", "--no-pager",
-         str(UNITS / unit)], capture_output=True, text=True, timeout=120)
+        [
+            SYSTEMD_ANALYZE,
+            "security",
+            "--offline=yes",
+            f"--threshold={round(MAX_EXPOSURE * 10)}",
+            "--no-pager",
+            str(UNITS / unit),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     match = re.search(r"Overall exposure level for \S+: (\d+\.\d)", result.stdout)
     assert match, result.stdout + result.stderr
     assert float(match.group(1)) <= MAX_EXPOSURE and result.returncode == 0, result.stdout
@@ -66,4 +77,3 @@ def test_the_agent_reaches_the_gpus_through_a_device_allow_list_not_an_exemption
 def test_the_server_keeps_no_capability():
     server = service_section("gpufleet-server.service")
     assert server["CapabilityBoundingSet"] == [""] and "AmbientCapabilities" not in server
-

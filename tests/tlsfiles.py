@@ -22,15 +22,16 @@ class Pki:
     server_key: Path
     client_cert: Path
     client_key: Path
-    other_ca_cert: Path      # a CA that signed neither certificate
-    next_cert: Path          # the server's renewed certificate (CN server-next), as cert-manager would write it
+    other_ca_cert: Path  # a CA that signed neither certificate
+    next_cert: Path  # the server's renewed certificate (CN server-next), as cert-manager would write it
     next_key: Path
-    next_client_cert: Path   # the client's renewed certificate (CN client-next)
+    next_client_cert: Path  # the client's renewed certificate (CN client-next)
     next_client_key: Path
 
 
 def make_pki(root: Path) -> Pki:
     """Every file under root (EC keys: fast to make)."""
+
     def run(*args: str) -> None:
         subprocess.run([OPENSSL, *args], check=True, capture_output=True, timeout=60)
 
@@ -49,20 +50,47 @@ def make_pki(root: Path) -> Pki:
         run("req", "-new", "-key", str(k), "-subj", f"/CN={name}", "-out", str(csr))
         extfile = root / f"{name}.ext"
         extfile.write_text(ext)
-        run("x509", "-req", "-in", str(csr), "-CA", str(ca_cert), "-CAkey", str(ca_key), "-CAcreateserial",
-            "-days", "2", "-extfile", str(extfile), "-out", str(cert))
+        run(
+            "x509",
+            "-req",
+            "-in",
+            str(csr),
+            "-CA",
+            str(ca_cert),
+            "-CAkey",
+            str(ca_key),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            str(extfile),
+            "-out",
+            str(cert),
+        )
         return cert, k
 
     ca_cert, ca_key = ca("test-ca")
-    server_cert, server_key = leaf("server", ca_cert, ca_key,
-                                   "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    server_cert, server_key = leaf(
+        "server", ca_cert, ca_key, "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"
+    )
     client_cert, client_key = leaf("client", ca_cert, ca_key, "extendedKeyUsage=clientAuth\n")
     other_cert, _ = ca("other-ca")
-    next_cert, next_key = leaf("server-next", ca_cert, ca_key,
-                               "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    next_cert, next_key = leaf(
+        "server-next", ca_cert, ca_key, "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"
+    )
     next_client_cert, next_client_key = leaf("client-next", ca_cert, ca_key, "extendedKeyUsage=clientAuth\n")
-    return Pki(ca_cert, server_cert, server_key, client_cert, client_key, other_cert, next_cert, next_key,
-               next_client_cert, next_client_key)
+    return Pki(
+        ca_cert,
+        server_cert,
+        server_key,
+        client_cert,
+        client_key,
+        other_cert,
+        next_cert,
+        next_key,
+        next_client_cert,
+        next_client_key,
+    )
 
 
 def web_config_file(path: Path, pki: Pki, user: str, password: str) -> Path:
@@ -71,7 +99,9 @@ def web_config_file(path: Path, pki: Pki, user: str, password: str) -> Path:
     import bcrypt
 
     hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(4)).decode()
-    path.write_text(f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
-                    f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca_cert}\n"
-                    f"basic_auth_users:\n  {user}: '{hashed}'\n")
+    path.write_text(
+        f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
+        f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca_cert}\n"
+        f"basic_auth_users:\n  {user}: '{hashed}'\n"
+    )
     return path

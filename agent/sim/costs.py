@@ -24,39 +24,43 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 # NVML function -> thread CPU microseconds per call (nvmlprof.txt, median of 40 cycles).
-CALL_COST_US: Mapping[str, float] = MappingProxyType({
-    "nvmlDeviceGetTotalEnergyConsumption": 2845.0,
-    "nvmlGpmSampleGet": 236.9,
-    "nvmlEventSetWait_v2": 164.1,
-    "nvmlDeviceGetMemoryInfo": 94.9,
-    "nvmlDeviceGetMemoryInfo_v2": 94.9,
-    "nvmlDeviceGetRemappedRows": 63.1,
-    "nvmlDeviceGetUtilizationRates": 44.8,
-    "nvmlDeviceGetComputeRunningProcesses": 40.9,
-    "nvmlDeviceGetComputeRunningProcesses_v3": 40.9,
-    "nvmlDeviceGetTemperatureV": 28.2,
-    "nvmlGpmMetricsGet": 13.4,
-    "nvmlDeviceGetTotalEccErrors": 12.6,
-    "nvmlDeviceGetCurrentClocksEventReasons": 11.7,
-    "nvmlDeviceGetClockInfo": 10.5,
-    "nvmlDeviceGetEnforcedPowerLimit": 9.1,
-    "nvmlDeviceGetPowerUsage": 1.0,
-})
+CALL_COST_US: Mapping[str, float] = MappingProxyType(
+    {
+        "nvmlDeviceGetTotalEnergyConsumption": 2845.0,
+        "nvmlGpmSampleGet": 236.9,
+        "nvmlEventSetWait_v2": 164.1,
+        "nvmlDeviceGetMemoryInfo": 94.9,
+        "nvmlDeviceGetMemoryInfo_v2": 94.9,
+        "nvmlDeviceGetRemappedRows": 63.1,
+        "nvmlDeviceGetUtilizationRates": 44.8,
+        "nvmlDeviceGetComputeRunningProcesses": 40.9,
+        "nvmlDeviceGetComputeRunningProcesses_v3": 40.9,
+        "nvmlDeviceGetTemperatureV": 28.2,
+        "nvmlGpmMetricsGet": 13.4,
+        "nvmlDeviceGetTotalEccErrors": 12.6,
+        "nvmlDeviceGetCurrentClocksEventReasons": 11.7,
+        "nvmlDeviceGetClockInfo": 10.5,
+        "nvmlDeviceGetEnforcedPowerLimit": 9.1,
+        "nvmlDeviceGetPowerUsage": 1.0,
+    }
+)
 # Field id name -> thread CPU microseconds when asked alone (fieldprof.txt).
-FIELD_COST_US: Mapping[str, float] = MappingProxyType({
-    "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 3194.0,
-    "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN": 714.0,
-    "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN": 665.0,
-    "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 153.0,
-    "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 152.0,
-    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX": 8.0,
-    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX": 8.0,
-    "NVML_FI_DEV_POWER_INSTANT": 3.0,
-    "NVML_FI_DEV_MEMORY_TEMP": 3.0,
-    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP": 3.0,
-    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN": 3.0,
-    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST": 3.0,
-})
+FIELD_COST_US: Mapping[str, float] = MappingProxyType(
+    {
+        "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 3194.0,
+        "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN": 714.0,
+        "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN": 665.0,
+        "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 153.0,
+        "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 152.0,
+        "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX": 8.0,
+        "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX": 8.0,
+        "NVML_FI_DEV_POWER_INSTANT": 3.0,
+        "NVML_FI_DEV_MEMORY_TEMP": 3.0,
+        "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP": 3.0,
+        "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN": 3.0,
+        "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST": 3.0,
+    }
+)
 # Calls and fields the profile did not time (identity, thresholds, ...): the profile's "everything
 # else" ran 3-40 us, so the upper end.
 DEFAULT_CALL_COST_US = 40.0
@@ -79,8 +83,13 @@ class CostedNvml:
     simulated NVML cost.
     """
 
-    def __init__(self, inner: Any, *, call_cost_us: Mapping[str, float] = CALL_COST_US,
-                 field_cost_us: Mapping[str, float] = FIELD_COST_US) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        call_cost_us: Mapping[str, float] = CALL_COST_US,
+        field_cost_us: Mapping[str, float] = FIELD_COST_US,
+    ) -> None:
         self._inner = inner
         self._call_cost_s = {name: us / 1e6 for name, us in call_cost_us.items()}
         self._field_cost_s = _field_costs(inner, field_cost_us)

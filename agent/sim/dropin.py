@@ -55,8 +55,7 @@ def install_from_environment(module: types.ModuleType) -> Any:
     scenario = load_scenario(os.environ[ENV_SCENARIO])
     node = os.environ.get(ENV_NODE) or scenario.nodes[0]
     epoch = os.environ.get(ENV_EPOCH)
-    sim = SimNvml(scenario, node=node, epoch=float(epoch) if epoch else None,
-                  seed=int(os.environ.get(ENV_SEED) or 0))
+    sim = SimNvml(scenario, node=node, epoch=float(epoch) if epoch else None, seed=int(os.environ.get(ENV_SEED) or 0))
     install(sim, module)
     return sim
 
@@ -109,12 +108,15 @@ class SimNvmlLib:
             # Linux has no Windows driver models: the driver answers NOT_SUPPORTED.
             "nvmlDeviceGetDriverModel": lambda *_: module.NVML_ERROR_NOT_SUPPORTED,
             "nvmlDeviceGetDriverModel_v2": lambda *_: module.NVML_ERROR_NOT_SUPPORTED,
-            "nvmlDeviceGetComputeRunningProcesses_v3":
-                lambda h, n, out: self._processes(sim.nvmlDeviceGetComputeRunningProcesses, h, n, out),
-            "nvmlDeviceGetGraphicsRunningProcesses_v3":
-                lambda h, n, out: self._processes(sim.nvmlDeviceGetGraphicsRunningProcesses, h, n, out),
-            "nvmlDeviceGetMPSComputeRunningProcesses_v3":
-                lambda h, n, out: self._processes(sim.nvmlDeviceGetMPSComputeRunningProcesses, h, n, out),
+            "nvmlDeviceGetComputeRunningProcesses_v3": lambda h, n, out: self._processes(
+                sim.nvmlDeviceGetComputeRunningProcesses, h, n, out
+            ),
+            "nvmlDeviceGetGraphicsRunningProcesses_v3": lambda h, n, out: self._processes(
+                sim.nvmlDeviceGetGraphicsRunningProcesses, h, n, out
+            ),
+            "nvmlDeviceGetMPSComputeRunningProcesses_v3": lambda h, n, out: self._processes(
+                sim.nvmlDeviceGetMPSComputeRunningProcesses, h, n, out
+            ),
         }
 
     def __getattr__(self, name: str) -> Callable[..., int]:

@@ -119,8 +119,16 @@ class _GpmSample:
 class SimNvml(ToolCalls):
     """A pynvml-compatible NVML for one node of a scenario; every NVML_*/nvml* constant is an attribute."""
 
-    def __init__(self, scenario: Scenario, node: str, clock: Callable[[], float] = time.time,
-                 epoch: float | None = None, seed: int = 0, *, block_on_events: bool | None = None):
+    def __init__(
+        self,
+        scenario: Scenario,
+        node: str,
+        clock: Callable[[], float] = time.time,
+        epoch: float | None = None,
+        seed: int = 0,
+        *,
+        block_on_events: bool | None = None,
+    ):
         self.scenario = scenario
         self.node = node
         self.seed = seed
@@ -144,8 +152,10 @@ class SimNvml(ToolCalls):
         self._xids = self._xid_schedule()
         self._pids = self._assign_pids()
         self._uuids = tuple(self._uuid(i) for i in range(count))
-        log.debug("simulated NVML ready", extra={"scenario": scenario.name, "node": node, "gpus": count,
-                                                  "epoch": self.epoch, "seed": seed})
+        log.debug(
+            "simulated NVML ready",
+            extra={"scenario": scenario.name, "node": node, "gpus": count, "epoch": self.epoch, "seed": seed},
+        )
 
     # --- set-up --------------------------------------------------------------------------------------
 
@@ -429,9 +439,14 @@ class SimNvml(ToolCalls):
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
         with self._lock:
             tl = self._timeline
-            reading = _FieldReading(self._model, tl.state(index, t), tl.integral(index, t),
-                                    tl.counter_base(index, t), tl.temperature(index, t),
-                                    tl.world.gpus[tl.world.own[index]].link_weights)
+            reading = _FieldReading(
+                self._model,
+                tl.state(index, t),
+                tl.integral(index, t),
+                tl.counter_base(index, t),
+                tl.temperature(index, t),
+                tl.world.gpus[tl.world.own[index]].link_weights,
+            )
         stamp = int(self._clock() * 1e6)
         for i, field in enumerate(fieldIds):
             if isinstance(field, int):
@@ -605,7 +620,7 @@ class SimNvml(ToolCalls):
 
     def _upcoming_time(self, es: _EventSet) -> float | None:
         with self._lock:
-            for event in self._xids[es.cursor:]:
+            for event in self._xids[es.cursor :]:
                 if event.gpu in es.registered:
                     return event.time_s
         return None
@@ -625,8 +640,15 @@ class _FieldReading:
 
     __slots__ = ("model", "state", "counters", "temp_c", "weights")
 
-    def __init__(self, model: GpuModel, state: ph.BucketState, integral: tuple[float, ...],
-                 base: tuple[float, ...], temp_c: float, weights: tuple[float, ...]):
+    def __init__(
+        self,
+        model: GpuModel,
+        state: ph.BucketState,
+        integral: tuple[float, ...],
+        base: tuple[float, ...],
+        temp_c: float,
+        weights: tuple[float, ...],
+    ):
         self.model = model
         self.state = state
         self.counters = [max(0.0, a - b) for a, b in zip(integral, base)]
@@ -697,9 +719,15 @@ _copy_pynvml_names()
 def _slurm_process(job: JobSpec, node: str, gpu: int, rank: int) -> tuple[dict[str, str], str, None]:
     """A job step's task as slurmstepd starts it (cgroup v2)."""
     env = {
-        "SLURM_JOB_ID": job.id, "SLURM_JOB_USER": job.user, "SLURM_STEP_ID": "0",
-        "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(gpu), "SLURM_NODEID": str(job.nodes.index(node)),
-        "CUDA_VISIBLE_DEVICES": str(gpu), "HOME": f"/home/{job.user}", "PATH": "/usr/bin:/bin",
+        "SLURM_JOB_ID": job.id,
+        "SLURM_JOB_USER": job.user,
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(gpu),
+        "SLURM_NODEID": str(job.nodes.index(node)),
+        "CUDA_VISIBLE_DEVICES": str(gpu),
+        "HOME": f"/home/{job.user}",
+        "PATH": "/usr/bin:/bin",
     }
     return env, f"0::/system.slice/slurmstepd.scope/job_{job.id}/step_0/user/task_0\n", None
 
@@ -716,10 +744,17 @@ def _pod_process(job: JobSpec, node: str, gpu: int, rank: int) -> tuple[dict[str
     container = hashlib.blake2b(f"{job.id}/{node}/trainer".encode(), digest_size=32).hexdigest()
     gpus_here = sum(1 for n, _ in job.gpus if n == node)
     env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin", "HOSTNAME": pod, "HOME": "/root",
-        "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443",
-        "MASTER_ADDR": f"{name}-worker-0", "MASTER_PORT": "29500", "WORLD_SIZE": str(len(job.gpus)),
-        "RANK": str(rank), "LOCAL_RANK": str(gpu), "LOCAL_WORLD_SIZE": str(gpus_here),
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOSTNAME": pod,
+        "HOME": "/root",
+        "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+        "KUBERNETES_SERVICE_PORT": "443",
+        "MASTER_ADDR": f"{name}-worker-0",
+        "MASTER_PORT": "29500",
+        "WORLD_SIZE": str(len(job.gpus)),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(gpu),
+        "LOCAL_WORLD_SIZE": str(gpus_here),
         "GPUFLEET_JOB": job.id,
     }
     cgroup = f"0::/kubepods.slice/kubepods-pod{pod_uid}.slice/cri-containerd-{container}.scope\n"

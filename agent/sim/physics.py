@@ -51,14 +51,38 @@ WINDOW_BUCKETS = 1200
 
 # Throttle (clocks-event) bits.
 IDLE, SW_POWER_CAP, HW_SLOWDOWN, SW_THERMAL, HW_THERMAL, HW_POWER_BRAKE = (
-    int(r) for r in (ThrottleReason.GPU_IDLE, ThrottleReason.SW_POWER_CAP, ThrottleReason.HW_SLOWDOWN,
-                     ThrottleReason.SW_THERMAL_SLOWDOWN, ThrottleReason.HW_THERMAL_SLOWDOWN,
-                     ThrottleReason.HW_POWER_BRAKE_SLOWDOWN))
+    int(r)
+    for r in (
+        ThrottleReason.GPU_IDLE,
+        ThrottleReason.SW_POWER_CAP,
+        ThrottleReason.HW_SLOWDOWN,
+        ThrottleReason.SW_THERMAL_SLOWDOWN,
+        ThrottleReason.HW_THERMAL_SLOWDOWN,
+        ThrottleReason.HW_POWER_BRAKE_SLOWDOWN,
+    )
+)
 
 # Layout of the per-second rate vector (and of its running integral).
-(UTIL, MEM_UTIL, SM, OCC, TENSOR, POWER_W, SM_CLOCK_MHZ, MEM_CLOCK_MHZ, NVLINK_TX_KIB, NVLINK_RX_KIB,
- PCIE_TX_BYTES, PCIE_RX_BYTES, NS_SW_POWER_CAP, NS_SW_THERMAL, NS_HW_THERMAL, NS_HW_POWER_BRAKE,
- NS_SYNC_BOOST, MEM_TEMP_EXCESS) = range(18)
+(
+    UTIL,
+    MEM_UTIL,
+    SM,
+    OCC,
+    TENSOR,
+    POWER_W,
+    SM_CLOCK_MHZ,
+    MEM_CLOCK_MHZ,
+    NVLINK_TX_KIB,
+    NVLINK_RX_KIB,
+    PCIE_TX_BYTES,
+    PCIE_RX_BYTES,
+    NS_SW_POWER_CAP,
+    NS_SW_THERMAL,
+    NS_HW_THERMAL,
+    NS_HW_POWER_BRAKE,
+    NS_SYNC_BOOST,
+    MEM_TEMP_EXCESS,
+) = range(18)
 N_RATES = 18
 _ZERO = (0.0,) * N_RATES
 
@@ -255,16 +279,19 @@ def thermal_clock(model: GpuModel, temp_c: float) -> tuple[float, int]:
     return 1.0, 0
 
 
-def hw_thermal_duty(g: GpuStatic, thermal: Thermal, inlet_c: float, resistance_factor: float,
-                    run_watts: float, hw_watts: float) -> float:
+def hw_thermal_duty(
+    g: GpuStatic, thermal: Thermal, inlet_c: float, resistance_factor: float, run_watts: float, hw_watts: float
+) -> float:
     """Share of the next bucket HW thermal slowdown spends at its clock (drawing hw_watts instead of
     run_watts) so that the die ends it at its slowdown threshold; 0 when it stays under it anyway. The end
     temperature is linear in the bucket's mean power, so the share follows from the two end points."""
     model = g.model
-    base = (inlet_c * (1.0 - g.sink_decay) + thermal.sink_c * g.sink_decay
-            + (thermal.temp_c - thermal.sink_c) * g.die_decay)
-    per_watt = resistance_factor * (model.sink_resistance_c_per_w * (1.0 - g.sink_decay)
-                                    + model.die_resistance_c_per_w * (1.0 - g.die_decay))
+    base = (
+        inlet_c * (1.0 - g.sink_decay) + thermal.sink_c * g.sink_decay + (thermal.temp_c - thermal.sink_c) * g.die_decay
+    )
+    per_watt = resistance_factor * (
+        model.sink_resistance_c_per_w * (1.0 - g.sink_decay) + model.die_resistance_c_per_w * (1.0 - g.die_decay)
+    )
     threshold = model.slowdown_celsius
     end_run, end_hw = base + per_watt * run_watts, base + per_watt * hw_watts
     if end_run <= threshold:
@@ -314,8 +341,9 @@ def local_effects(g: GpuStatic, thermal: Thermal, t: float, ambient_c: float) ->
             reasons |= SW_POWER_CAP
         hw_ratio = min(ratio, HW_THERMAL_CLOCK)
         demand = demanded_dynamic_watts(model, job)
-        run_w, hw_w = ((model.idle_watts + demand * r ** POWER_CLOCK_EXPONENT) * g.silicon_factor
-                       for r in (ratio, hw_ratio))
+        run_w, hw_w = (
+            (model.idle_watts + demand * r**POWER_CLOCK_EXPONENT) * g.silicon_factor for r in (ratio, hw_ratio)
+        )
         duty = hw_thermal_duty(g, thermal, ambient_c + rise + g.slot_offset_c, resistance, run_w, hw_w)
         if duty > 0.0:
             reasons |= HW_THERMAL | SW_THERMAL | HW_SLOWDOWN
@@ -382,8 +410,9 @@ def job_phases(world: World, job: JobSpec, k: int, t: float, local: list[Local])
     }
 
 
-def gpu_bucket(world: World, p: int, k: int, t: float, thermal: Thermal, loc: Local,
-               phases: Phases | None) -> tuple[BucketState, Thermal]:
+def gpu_bucket(
+    world: World, p: int, k: int, t: float, thermal: Thermal, loc: Local, phases: Phases | None
+) -> tuple[BucketState, Thermal]:
     """One GPU's rates over bucket k and its thermal state at the start of bucket k+1."""
     g = world.gpus[p]
     model = g.model
@@ -404,8 +433,11 @@ def gpu_bucket(world: World, p: int, k: int, t: float, thermal: Thermal, loc: Lo
         memory_used = _memory_used(g, phases)
         job_id = phases.job.id
     rates[POWER_W] = power
-    for bit, index in ((SW_POWER_CAP, NS_SW_POWER_CAP), (SW_THERMAL, NS_SW_THERMAL),
-                       (HW_POWER_BRAKE, NS_HW_POWER_BRAKE)):
+    for bit, index in (
+        (SW_POWER_CAP, NS_SW_POWER_CAP),
+        (SW_THERMAL, NS_SW_THERMAL),
+        (HW_POWER_BRAKE, NS_HW_POWER_BRAKE),
+    ):
         if reasons & bit:
             rates[index] = 1e9
     rates[NS_HW_THERMAL] = 1e9 * loc.hw_duty
@@ -423,8 +455,9 @@ def gpu_bucket(world: World, p: int, k: int, t: float, thermal: Thermal, loc: Lo
     return state, Thermal(temp_next, sink_next)
 
 
-def _busy_outputs(rates: list[float], g: GpuStatic, ph: Phases, loc: Local,
-                  noise: tuple[float, float, float, float]) -> float:
+def _busy_outputs(
+    rates: list[float], g: GpuStatic, ph: Phases, loc: Local, noise: tuple[float, float, float, float]
+) -> float:
     """Fill utilization, activity, clocks and link rates of a GPU running a job; return its power."""
     model = g.model
     n0, n1, n2, n3 = noise

@@ -25,19 +25,25 @@ PROG = "gpufleet-sim-run"
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, usage=f"{PROG} [--node NODE] [--seed N] [--epoch UNIX_SECONDS] SCENARIO -- CMD [ARG...]",
+        prog=PROG,
+        usage=f"{PROG} [--node NODE] [--seed N] [--epoch UNIX_SECONDS] SCENARIO -- CMD [ARG...]",
         description="Run a program with the NVML simulator installed as pynvml.",
-        epilog="example: gpufleet-sim-run hgx-h100 -- nvitop --once")
+        epilog="example: gpufleet-sim-run hgx-h100 -- nvitop --once",
+    )
     parser.add_argument("scenario", help="built-in scenario name or a YAML/JSON scenario file")
     parser.add_argument("--node", help="node of the scenario to simulate (default: its first)")
     parser.add_argument("--seed", type=int, default=0, help="simulator seed (default 0)")
-    parser.add_argument("--epoch", type=float,
-                        help="scenario time zero, unix seconds (default: now; every process CMD starts shares it)")
+    parser.add_argument(
+        "--epoch",
+        type=float,
+        help="scenario time zero, unix seconds (default: now; every process CMD starts shares it)",
+    )
     return parser
 
 
-def prepare(scenario: str, node: str | None, seed: int, epoch: float, shim_dir: Path,
-            environ: dict[str, str]) -> dict[str, str]:
+def prepare(
+    scenario: str, node: str | None, seed: int, epoch: float, shim_dir: Path, environ: dict[str, str]
+) -> dict[str, str]:
     """Write the shim into shim_dir and return the environment CMD runs with."""
     (shim_dir / "pynvml.py").write_text(SHIM_SOURCE)
     env = dict(environ)
@@ -58,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     args = _parser().parse_args(argv[:split])
-    command = argv[split + 1:]
+    command = argv[split + 1 :]
     if not command:
         sys.stderr.write(f"{PROG}: error: no command to run (SCENARIO -- CMD [ARG...])\n")
         return 2
@@ -68,8 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"{PROG}: error: scenario: {exc}\n")
         return 2
     if args.node and args.node not in scenario.nodes:
-        sys.stderr.write(f"{PROG}: error: --node: {args.node!r} is not a node of scenario {args.scenario!r} "
-                         f"(nodes: {', '.join(scenario.nodes)})\n")
+        sys.stderr.write(
+            f"{PROG}: error: --node: {args.node!r} is not a node of scenario {args.scenario!r} "
+            f"(nodes: {', '.join(scenario.nodes)})\n"
+        )
         return 2
     # A scenario file is read again by each process CMD starts, from any working directory.
     source = str(Path(args.scenario).resolve()) if Path(args.scenario).is_file() else args.scenario

@@ -194,8 +194,15 @@ class _Obj:
     def has(self, name: str) -> bool:
         return self.data.get(name) is not None
 
-    def number(self, name: str, default: Any = _MISSING, *, low: float | None = None,
-               high: float | None = None, low_open: bool = False) -> Any:
+    def number(
+        self,
+        name: str,
+        default: Any = _MISSING,
+        *,
+        low: float | None = None,
+        high: float | None = None,
+        low_open: bool = False,
+    ) -> Any:
         value = self.raw(name, default)
         if value is None:
             return None
@@ -263,8 +270,7 @@ def _parse(data: Any) -> Scenario:
     jobs = tuple(_parse_job(_Obj(item, f"jobs[{i}]"), nodes) for i, item in enumerate(top.items("jobs", [])))
     _check_jobs(jobs)
     incidents = tuple(
-        _parse_incident(_Obj(item, f"incidents[{i}]"), nodes, jobs)
-        for i, item in enumerate(top.items("incidents", []))
+        _parse_incident(_Obj(item, f"incidents[{i}]"), nodes, jobs) for i, item in enumerate(top.items("incidents", []))
     )
     top.done()
     return Scenario(name, description, duration, ambient, driver, cuda, nodes, jobs, incidents)
@@ -386,6 +392,7 @@ def _overlap(a0: float, a1: float | None, b0: float, b1: float | None) -> bool:
 
 # --- incidents -------------------------------------------------------------------------------------------
 
+
 def _parse_incident(obj: _Obj, nodes: tuple[NodeSpec, ...], jobs: tuple[JobSpec, ...]) -> Incident:
     kind = obj.text("kind")
     parser = _INCIDENT_PARSERS.get(kind)
@@ -401,8 +408,9 @@ def _parse_incident(obj: _Obj, nodes: tuple[NodeSpec, ...], jobs: tuple[JobSpec,
     return Incident(kind=kind, start_s=start, end_s=end, **fields)
 
 
-def _gpu_targets(obj: _Obj, nodes: tuple[NodeSpec, ...], jobs: tuple[JobSpec, ...], *,
-                 allow_job: bool = False) -> dict[str, Any]:
+def _gpu_targets(
+    obj: _Obj, nodes: tuple[NodeSpec, ...], jobs: tuple[JobSpec, ...], *, allow_job: bool = False
+) -> dict[str, Any]:
     """Resolve node/gpu(s) or (where allowed) job into the incident's GPU set."""
     if allow_job and obj.has("job"):
         if obj.has("node"):
@@ -523,10 +531,20 @@ def timetable(scenario: Scenario) -> dict[str, Any]:
     return {
         "name": scenario.name,
         "nodes": list(scenario.nodes),
-        "jobs": [{"id": job.id, "nodes": list(job.nodes), "gpus": [[node, index] for node, index in job.gpus]}
-                 for job in scenario.jobs],
-        "incidents": [{"kind": inc.kind, "start_s": inc.start_s, "end_s": inc.end_s, "job": inc.job,
-                       "gpus": [[node, index] for node, index in inc.gpus], "nodes": list(inc.nodes),
-                       "silent": inc.silent}
-                      for inc in scenario.incidents],
+        "jobs": [
+            {"id": job.id, "nodes": list(job.nodes), "gpus": [[node, index] for node, index in job.gpus]}
+            for job in scenario.jobs
+        ],
+        "incidents": [
+            {
+                "kind": inc.kind,
+                "start_s": inc.start_s,
+                "end_s": inc.end_s,
+                "job": inc.job,
+                "gpus": [[node, index] for node, index in inc.gpus],
+                "nodes": list(inc.nodes),
+                "silent": inc.silent,
+            }
+            for inc in scenario.incidents
+        ],
     }

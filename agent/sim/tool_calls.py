@@ -75,8 +75,9 @@ class ToolCalls:
     def nvmlDeviceGetPcieThroughput(self, handle: Any, counter: int) -> int:
         """PCIe bytes over the last second, KiB/s as NVML reports them."""
         index, t = self._device(handle)
-        slot = {pynvml.NVML_PCIE_UTIL_TX_BYTES: ph.PCIE_TX_BYTES,
-                pynvml.NVML_PCIE_UTIL_RX_BYTES: ph.PCIE_RX_BYTES}.get(counter)
+        slot = {pynvml.NVML_PCIE_UTIL_TX_BYTES: ph.PCIE_TX_BYTES, pynvml.NVML_PCIE_UTIL_RX_BYTES: ph.PCIE_RX_BYTES}.get(
+            counter
+        )
         if slot is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         with self._lock:

@@ -26,23 +26,46 @@ async def list_alerts(
     node: _Name = None,
     gpu: Annotated[int | None, Query(ge=0, le=1_000_000, description="GPU index on the node")] = None,
     hpc_job: _Name = None,
-    since: Annotated[float | None, Query(
-        ge=0, allow_inf_nan=False,
-        description="Unix seconds: only alerts still open or resolved at or after this time")] = None,
+    since: Annotated[
+        float | None,
+        Query(
+            ge=0,
+            allow_inf_nan=False,
+            description="Unix seconds: only alerts still open or resolved at or after this time",
+        ),
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
 ) -> AlertPageModel:
     """Alerts from the store matching every given filter."""
-    query = AlertQuery(state=state, kind=kind, severity=severity, node=node, gpu=gpu, hpc_job=hpc_job,
-                       since=since, limit=limit, offset=offset)
+    query = AlertQuery(
+        state=state,
+        kind=kind,
+        severity=severity,
+        node=node,
+        gpu=gpu,
+        hpc_job=hpc_job,
+        since=since,
+        limit=limit,
+        offset=offset,
+    )
     page = await run_in_threadpool(runtime.store.query, query)
     end = offset + len(page.alerts)
-    return AlertPageModel(alerts=[AlertModel.of(a) for a in page.alerts], total=page.total, limit=limit,
-                          offset=offset, next_offset=end if end < page.total else None)
+    return AlertPageModel(
+        alerts=[AlertModel.of(a) for a in page.alerts],
+        total=page.total,
+        limit=limit,
+        offset=offset,
+        next_offset=end if end < page.total else None,
+    )
 
 
-@router.get("/alerts/{alert_id}", response_model=AlertModel, summary="One alert occurrence",
-            responses={404: {"model": ErrorModel}})
+@router.get(
+    "/alerts/{alert_id}",
+    response_model=AlertModel,
+    summary="One alert occurrence",
+    responses={404: {"model": ErrorModel}},
+)
 async def get_alert(runtime: RuntimeDep, alert_id: str) -> AlertModel:
     """An alert by id; 404 when unknown (or pruned from history)."""
     alert = await run_in_threadpool(runtime.store.get, alert_id)

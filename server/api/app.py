@@ -18,8 +18,9 @@ from gpufleet.server.runtime import Runtime
 from gpufleet.server.settings import ServerSettings
 
 
-def create_app(settings: ServerSettings, *, runtime: Runtime, run_pipeline: bool = True,
-               web: WebConfig | None = None) -> FastAPI:
+def create_app(
+    settings: ServerSettings, *, runtime: Runtime, run_pipeline: bool = True, web: WebConfig | None = None
+) -> FastAPI:
     """An app serving `runtime`; with run_pipeline the lifespan starts and stops its pull loop; `web`: basic
     auth and headers from --web.config.file (TLS itself is the HTTP server's, see serve.uvicorn_server)."""
 
@@ -36,7 +37,9 @@ def create_app(settings: ServerSettings, *, runtime: Runtime, run_pipeline: bool
     # /docs from the Swagger UI files fastapi-offline installs, served by this app: GPU clusters are often
     # air-gapped, and FastAPI's default page loads Swagger UI from a CDN.
     app = FastAPIOffline(
-        docs_url="/docs", redoc_url=None, static_url="/docs/assets",
+        docs_url="/docs",
+        redoc_url=None,
+        static_url="/docs/assets",
         title="gpufleet server",
         summary="Stragglers, thermal throttling and communication-bound drops in GPU training clusters.",
         version="0.1.0",
@@ -50,8 +53,13 @@ def create_app(settings: ServerSettings, *, runtime: Runtime, run_pipeline: bool
     app.include_router(health.router)
     app.include_router(page.router)
 
-    @app.get("/metrics", tags=["metrics"], summary="Prometheus exposition",
-             response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    @app.get(
+        "/metrics",
+        tags=["metrics"],
+        summary="Prometheus exposition",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
+    )
     async def metrics() -> Response:
         """Active alerts, job health and the server's own ingest and engine health."""
         body = await run_in_threadpool(generate_latest, registry)

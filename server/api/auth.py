@@ -32,9 +32,17 @@ class WebGuard:
                 # bcrypt runs tens of milliseconds for credentials not seen before: off the event loop.
                 ok = await run_in_threadpool(self.auth.allows, given)
             if not ok:
-                await reply({"type": "http.response.start", "status": 401, "headers": [
-                    (b"content-type", b"application/json"), (b"content-length", str(len(_UNAUTHORIZED)).encode()),
-                    (b"www-authenticate", b'Basic realm="gpufleet-server", charset="UTF-8"')]})
+                await reply(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(_UNAUTHORIZED)).encode()),
+                            (b"www-authenticate", b'Basic realm="gpufleet-server", charset="UTF-8"'),
+                        ],
+                    }
+                )
                 await reply({"type": "http.response.body", "body": _UNAUTHORIZED})
                 return
         await self.app(scope, receive, reply)
@@ -44,4 +52,5 @@ class WebGuard:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), *self.headers]}
             await send(message)
+
         return wrapped

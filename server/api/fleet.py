@@ -16,10 +16,13 @@ router = APIRouter(tags=["fleet"])
 async def list_nodes(runtime: RuntimeDep) -> NodesModel:
     """Every node the engine tracks and the health of every agent target."""
     view = runtime.view
-    targets = [TargetModel.model_validate(
-        {k: v for k, v in asdict(h).items() if k in TargetModel.model_fields}) for h in runtime.puller.health()]
-    return NodesModel(nodes=[NodeModel.model_validate(n) for n in view.nodes], targets=targets,
-                      evaluated_at=view.evaluated_at)
+    targets = [
+        TargetModel.model_validate({k: v for k, v in asdict(h).items() if k in TargetModel.model_fields})
+        for h in runtime.puller.health()
+    ]
+    return NodesModel(
+        nodes=[NodeModel.model_validate(n) for n in view.nodes], targets=targets, evaluated_at=view.evaluated_at
+    )
 
 
 @router.get("/jobs", response_model=JobsModel, summary="Per-job health")

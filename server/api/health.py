@@ -11,8 +11,12 @@ from gpufleet.server.api.models import HealthModel
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=HealthModel, summary="Liveness and pipeline summary",
-            responses={503: {"model": HealthModel}})
+@router.get(
+    "/healthz",
+    response_model=HealthModel,
+    summary="Liveness and pipeline summary",
+    responses={503: {"model": HealthModel}},
+)
 async def healthz(runtime: RuntimeDep) -> JSONResponse:
     """200 while cycles complete; 503 before the first cycle or when cycles stopped completing. "degraded"
     with a reason also while alert changes wait for the store (a failed write, retried every cycle) or when
@@ -35,12 +39,20 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
         detail = f"looked for {blind.looked_for}; found {blind.found}"
     else:
         status = "ok"
-    body = HealthModel(status=status, targets=len(health), targets_up=sum(1 for h in health if h.up),
-                       cycles=stats.cycles_total, last_tick=last, open_alerts=len(runtime.view.alerts),
-                       degraded_reason=reason, degraded_detail=detail,
-                       store_unsaved_changes=stats.store_unsaved_changes,
-                       store_unsaved_age_seconds=None if stats.store_unsaved_since is None
-                       else max(0.0, runtime.clock() - stats.store_unsaved_since))
+    body = HealthModel(
+        status=status,
+        targets=len(health),
+        targets_up=sum(1 for h in health if h.up),
+        cycles=stats.cycles_total,
+        last_tick=last,
+        open_alerts=len(runtime.view.alerts),
+        degraded_reason=reason,
+        degraded_detail=detail,
+        store_unsaved_changes=stats.store_unsaved_changes,
+        store_unsaved_age_seconds=None
+        if stats.store_unsaved_since is None
+        else max(0.0, runtime.clock() - stats.store_unsaved_since),
+    )
     # Blind or unsaved is degraded but answers 200: the process works and a restart cannot bring back what it
     # reads or free the disk (it would lose the unsaved changes), so a liveness probe on /healthz must not
     # loop it; gpufleet_server_blind, gpufleet_server_store_unsaved_changes and the log say it instead.

@@ -17,8 +17,10 @@ class AlertModel(BaseModel):
     kind: AlertKind
     severity: Severity
     state: AlertState
-    node: str | None = Field(description="Node name; null for job-level alerts; an agent's HOST:PORT for "
-                                         "node_unreachable about an agent never heard from.")
+    node: str | None = Field(
+        description="Node name; null for job-level alerts; an agent's HOST:PORT for "
+        "node_unreachable about an agent never heard from."
+    )
     gpu: int | None = Field(description="GPU index on the node; null for node- and job-level alerts.")
     uuid: str | None = Field(description="GPU UUID when the alert is about one GPU.")
     hpc_job: str | None = Field(description="Scheduler job id the subject belongs to, if known.")
@@ -27,18 +29,24 @@ class AlertModel(BaseModel):
     resolved: float | None
     updated: float
     summary: str
-    description: str = Field(description="One line for a person: the summary, where it is (node, GPU, job, pod) "
-                                         "and what to look at.")
-    cause: str = Field(description="The short why, from a fixed vocabulary joined by '+': a straggler's pattern "
-                                   "and what cut its clocks, what made a GPU thermal, an XID's code; empty "
-                                   "where the kind says it all.",
-                       examples=["gpu_clocks_cut+hw_slowdown_or_power_brake"])
-    labels: dict[str, str] = Field(description="Routing labels: the server's configured external labels "
-                                               "(--alert.external-labels) and, on Kubernetes, the namespace and "
-                                               "pod of the subject where all its GPUs agree on them.",
-                                   examples=[{"cluster": "eu-1", "namespace": "research", "pod": "llama-worker-3"}])
-    runbook_url: str | None = Field(description="Link from --alert.runbook-url for this alert; null when not "
-                                                "configured.")
+    description: str = Field(
+        description="One line for a person: the summary, where it is (node, GPU, job, pod) and what to look at."
+    )
+    cause: str = Field(
+        description="The short why, from a fixed vocabulary joined by '+': a straggler's pattern "
+        "and what cut its clocks, what made a GPU thermal, an XID's code; empty "
+        "where the kind says it all.",
+        examples=["gpu_clocks_cut+hw_slowdown_or_power_brake"],
+    )
+    labels: dict[str, str] = Field(
+        description="Routing labels: the server's configured external labels "
+        "(--alert.external-labels) and, on Kubernetes, the namespace and "
+        "pod of the subject where all its GPUs agree on them.",
+        examples=[{"cluster": "eu-1", "namespace": "research", "pod": "llama-worker-3"}],
+    )
+    runbook_url: str | None = Field(
+        description="Link from --alert.runbook-url for this alert; null when not configured."
+    )
     evidence: dict[str, Any] = Field(description="The numbers that triggered it, against peers or baseline.")
 
     @classmethod
@@ -75,20 +83,28 @@ class JobModel(BaseModel):
     sm_active_ratio: float | None = None
     baseline_sm_active_ratio: float | None = Field(None, description="The job's own recent SM activity baseline.")
     power_watts: float | None = None
-    estimated_slowdown_ratio: float | None = Field(None, description=(
-        "The job's step-time slowdown now (0-1): how far its GPUs' SM activity (power where that is not "
-        "reported) sits below the job's own baseline at evaluated_at. A straggler alert's 'by ~N % per step' "
-        "is another figure: the slowdown put down to its culprit GPU or node, estimated from it against its "
-        "peers as the alert fired."))
+    estimated_slowdown_ratio: float | None = Field(
+        None,
+        description=(
+            "The job's step-time slowdown now (0-1): how far its GPUs' SM activity (power where that is not "
+            "reported) sits below the job's own baseline at evaluated_at. A straggler alert's 'by ~N % per step' "
+            "is another figure: the slowdown put down to its culprit GPU or node, estimated from it against its "
+            "peers as the alert fired."
+        ),
+    )
     stragglers: list[StragglerRef] = Field(default_factory=list)
     comm_bound: bool | None = None
     input_bound: bool | None = None
     comm_bound_share: float | None = Field(None, description="Share of evaluated ticks spent communication-bound.")
     evaluated_ticks: int | None = None
-    gpu_hours_lost: float | None = Field(None, description="GPU-hours the job lost while a straggler, input_bound or "
-                                                            "comm_bound alert of it fired, since the engine first saw it.")
-    gpu_hours_lost_by_kind: dict[str, float] = Field(default_factory=dict,
-                                                     description="gpu_hours_lost by the kind of alert it is put down to.")
+    gpu_hours_lost: float | None = Field(
+        None,
+        description="GPU-hours the job lost while a straggler, input_bound or "
+        "comm_bound alert of it fired, since the engine first saw it.",
+    )
+    gpu_hours_lost_by_kind: dict[str, float] = Field(
+        default_factory=dict, description="gpu_hours_lost by the kind of alert it is put down to."
+    )
 
 
 class NodeModel(BaseModel):
@@ -113,12 +129,18 @@ class TargetModel(BaseModel):
     stale: bool = Field(description="The agent answers but has sent no new sample for a while.")
     last_attempt: float | None
     last_success: float | None
-    last_sample_time: float | None = Field(description="Sample time of the newest snapshot received, in the agent's clock.")
+    last_sample_time: float | None = Field(
+        description="Sample time of the newest snapshot received, in the agent's clock."
+    )
     consecutive_failures: int
     last_error: str | None
-    clock_offset_seconds: float | None = Field(None, description=(
-        "The agent's clock minus the server's, measured from its answers; taken out of its sample times once "
-        "it reaches --pull.clock-offset-min."))
+    clock_offset_seconds: float | None = Field(
+        None,
+        description=(
+            "The agent's clock minus the server's, measured from its answers; taken out of its sample times once "
+            "it reaches --pull.clock-offset-min."
+        ),
+    )
 
 
 class JobsModel(BaseModel):
@@ -149,10 +171,14 @@ class HealthModel(BaseModel):
     # (no_series, all_rejected, all_targets_down, no_targets, source_down), with what it looked for and found.
     degraded_reason: str | None = None
     degraded_detail: str | None = None
-    store_unsaved_changes: int = Field(0, description="Alert changes the store has not taken yet (a failed "
-                                                      "write, retried every cycle); degraded while above 0.")
-    store_unsaved_age_seconds: float | None = Field(None, description="How long the oldest of them has waited; "
-                                                                      "null while none waits.")
+    store_unsaved_changes: int = Field(
+        0,
+        description="Alert changes the store has not taken yet (a failed "
+        "write, retried every cycle); degraded while above 0.",
+    )
+    store_unsaved_age_seconds: float | None = Field(
+        None, description="How long the oldest of them has waited; null while none waits."
+    )
 
 
 class ErrorModel(BaseModel):

@@ -65,8 +65,9 @@ async def alert_page(runtime: RuntimeDep, alert_id: str) -> HTMLResponse:
     try:
         alert = await alert_routes.get_alert(runtime, alert_id)
     except HTTPException as exc:
-        return HTMLResponse(_document("alert not found", refresh, f"<p>{escape(str(exc.detail))}</p>"),
-                            status_code=exc.status_code)
+        return HTMLResponse(
+            _document("alert not found", refresh, f"<p>{escape(str(exc.detail))}</p>"), status_code=exc.status_code
+        )
     return HTMLResponse(render_alert(alert, runtime.view.evaluated_at, refresh))
 
 
@@ -75,31 +76,46 @@ def refresh_seconds(pull_interval_seconds: float) -> int:
     return max(MIN_REFRESH_SECONDS, math.ceil(pull_interval_seconds))
 
 
-def render_overview(nodes: NodesModel, jobs: JobsModel, firing: AlertPageModel, recent: AlertPageModel,
-                    refresh: int) -> str:
+def render_overview(
+    nodes: NodesModel, jobs: JobsModel, firing: AlertPageModel, recent: AlertPageModel, refresh: int
+) -> str:
     """The `/` page."""
     now = jobs.evaluated_at if jobs.evaluated_at is not None else nodes.evaluated_at
-    body = [_fleet(nodes, firing.total, now), _jobs(jobs.jobs, firing.alerts), _firing(firing, now),
-            _recent([a for a in recent.alerts if a.state is not AlertState.FIRING])]
+    body = [
+        _fleet(nodes, firing.total, now),
+        _jobs(jobs.jobs, firing.alerts),
+        _firing(firing, now),
+        _recent([a for a in recent.alerts if a.state is not AlertState.FIRING]),
+    ]
     return _document("gpufleet", refresh, "".join(body), now)
 
 
 def render_alert(alert: AlertModel, now: float | None, refresh: int) -> str:
     """The `/ui/alerts/{id}` page."""
-    facts = [("state", _state(alert)), ("severity", _severity(alert.severity.value)),
-             ("kind", escape(alert.kind.value)), ("subject", escape(subject(alert))),
-             ("GPU UUID", escape(alert.uuid or "-")), ("job", escape(alert.hpc_job or "-")),
-             ("cause", escape(alert.cause or "-")),
-             ("pending since", _time(alert.pending_since)), ("firing since", _time(alert.started)),
-             ("resolved", _time(alert.resolved)), ("updated", _time(alert.updated)),
-             ("id", f"<code>{escape(alert.id)}</code> (<a href=\"/alerts/{_path(alert.id)}\">JSON</a>)")]
+    facts = [
+        ("state", _state(alert)),
+        ("severity", _severity(alert.severity.value)),
+        ("kind", escape(alert.kind.value)),
+        ("subject", escape(subject(alert))),
+        ("GPU UUID", escape(alert.uuid or "-")),
+        ("job", escape(alert.hpc_job or "-")),
+        ("cause", escape(alert.cause or "-")),
+        ("pending since", _time(alert.pending_since)),
+        ("firing since", _time(alert.started)),
+        ("resolved", _time(alert.resolved)),
+        ("updated", _time(alert.updated)),
+        ("id", f'<code>{escape(alert.id)}</code> (<a href="/alerts/{_path(alert.id)}">JSON</a>)'),
+    ]
     if alert.state is AlertState.FIRING and alert.started is not None and now is not None:
         facts.insert(1, ("firing for", escape(_duration(now - alert.started))))
     rows = "".join(f"<tr><th>{escape(k)}</th><td>{_value(v)}</td></tr>" for k, v in alert.evidence.items())
-    body = (f"<h2>{escape(alert.kind.value)}: {escape(subject(alert))}</h2><p>{escape(alert.summary)}</p>"
-            f"<dl>{''.join(f'<dt>{k}</dt><dd>{v}</dd>' for k, v in facts)}</dl>"
-            f"<h2>Evidence</h2>" + (f"<table>{rows}</table>" if rows else "<p class=muted>none</p>")
-            + "<p><a href=\"/\">&larr; status page</a></p>")
+    body = (
+        f"<h2>{escape(alert.kind.value)}: {escape(subject(alert))}</h2><p>{escape(alert.summary)}</p>"
+        f"<dl>{''.join(f'<dt>{k}</dt><dd>{v}</dd>' for k, v in facts)}</dl>"
+        f"<h2>Evidence</h2>"
+        + (f"<table>{rows}</table>" if rows else "<p class=muted>none</p>")
+        + '<p><a href="/">&larr; status page</a></p>'
+    )
     return _document(f"{alert.kind.value}: {subject(alert)}", refresh, body, now)
 
 
@@ -114,28 +130,40 @@ def subject(alert: AlertModel) -> str:
 def _fleet(nodes: NodesModel, firing_total: int, now: float | None) -> str:
     targets = nodes.targets
     up = sum(1 for t in targets if t.up)
-    cards = [("nodes", str(len(nodes.nodes))), ("GPUs", str(sum(n.gpus or 0 for n in nodes.nodes))),
-             ("agents up", f"{up} of {len(targets)}"), ("alerts firing", str(firing_total))]
-    html = ["<h2>Fleet</h2><div class=cards>",
-            *(f"<div class=card><b>{escape(v)}</b><span class=muted>{escape(k)}</span></div>" for k, v in cards),
-            "</div>"]
+    cards = [
+        ("nodes", str(len(nodes.nodes))),
+        ("GPUs", str(sum(n.gpus or 0 for n in nodes.nodes))),
+        ("agents up", f"{up} of {len(targets)}"),
+        ("alerts firing", str(firing_total)),
+    ]
+    html = [
+        "<h2>Fleet</h2><div class=cards>",
+        *(f"<div class=card><b>{escape(v)}</b><span class=muted>{escape(k)}</span></div>" for k, v in cards),
+        "</div>",
+    ]
     down = [t for t in targets if not t.up or t.stale]
     if down:
         rows = "".join(
             f"<tr><td>{escape(t.target)}</td><td>{escape(t.node or '-')}</td>"
             f"<td class=bad>{'stale' if t.up else 'down'}</td><td class=n>{t.consecutive_failures}</td>"
-            f"<td>{escape(t.last_error or '-')}</td><td>{_ago(t.last_success, now)}</td></tr>" for t in down)
-        html.append("<h2>Agents not answering</h2><table><tr><th>agent</th><th>node</th><th>state</th>"
-                    f"<th>failures</th><th>last error</th><th>last success</th></tr>{rows}</table>")
+            f"<td>{escape(t.last_error or '-')}</td><td>{_ago(t.last_success, now)}</td></tr>"
+            for t in down
+        )
+        html.append(
+            "<h2>Agents not answering</h2><table><tr><th>agent</th><th>node</th><th>state</th>"
+            f"<th>failures</th><th>last error</th><th>last success</th></tr>{rows}</table>"
+        )
     return "".join(html)
 
 
 def _jobs(jobs: list[JobModel], firing: list[AlertModel]) -> str:
     if not jobs:
         return "<h2>Jobs</h2><p class=muted>no job attributed yet</p>"
-    head = ("<tr><th>job</th><th>GPUs</th><th>nodes</th><th>SM activity</th>"
-            "<th title=\"The job's step-time slowdown now, read from its GPUs' activity against the job's own "
-            "baseline\">slower than its baseline now</th><th>GPU-hours lost</th><th>health</th></tr>")
+    head = (
+        "<tr><th>job</th><th>GPUs</th><th>nodes</th><th>SM activity</th>"
+        "<th title=\"The job's step-time slowdown now, read from its GPUs' activity against the job's own "
+        'baseline">slower than its baseline now</th><th>GPU-hours lost</th><th>health</th></tr>'
+    )
     rows = []
     for job in jobs:
         sm = _ratio(job.sm_active_ratio)
@@ -143,12 +171,17 @@ def _jobs(jobs: list[JobModel], firing: list[AlertModel]) -> str:
             sm += f" <span class=muted>(baseline {_ratio(job.baseline_sm_active_ratio)})</span>"
         lost = _hours(job.gpu_hours_lost)
         if job.gpu_hours_lost_by_kind:
-            lost += " <span class=muted>(" + ", ".join(
-                f"{escape(k)} {_hours(v)}" for k, v in sorted(job.gpu_hours_lost_by_kind.items())) + ")</span>"
-        rows.append(f"<tr><td><b>{escape(job.hpc_job or '-')}</b></td><td class=n>{job.gpus or 0}</td>"
-                    f"<td>{escape(', '.join(job.nodes))}</td><td>{sm}</td>"
-                    f"<td class=n>{_percent(job.estimated_slowdown_ratio)}</td><td>{lost}</td>"
-                    f"<td>{_health(job, firing)}</td></tr>")
+            lost += (
+                " <span class=muted>("
+                + ", ".join(f"{escape(k)} {_hours(v)}" for k, v in sorted(job.gpu_hours_lost_by_kind.items()))
+                + ")</span>"
+            )
+        rows.append(
+            f"<tr><td><b>{escape(job.hpc_job or '-')}</b></td><td class=n>{job.gpus or 0}</td>"
+            f"<td>{escape(', '.join(job.nodes))}</td><td>{sm}</td>"
+            f"<td class=n>{_percent(job.estimated_slowdown_ratio)}</td><td>{lost}</td>"
+            f"<td>{_health(job, firing)}</td></tr>"
+        )
     return f"<h2>Jobs</h2><table>{head}{''.join(rows)}</table>"
 
 
@@ -157,11 +190,18 @@ def _health(job: JobModel, firing: list[AlertModel]) -> str:
     parts = []
     for ref in job.stragglers:
         where = ref.node if ref.gpu is None else f"{ref.node} GPU {ref.gpu}"
-        alert = next((a for a in firing if a.kind.value == "straggler" and a.hpc_job == job.hpc_job
-                      and a.node == ref.node and a.gpu == ref.gpu), None)
+        alert = next(
+            (
+                a
+                for a in firing
+                if a.kind.value == "straggler" and a.hpc_job == job.hpc_job and a.node == ref.node and a.gpu == ref.gpu
+            ),
+            None,
+        )
         text = f"straggler {escape(where or '-')}"
-        parts.append(f"<a class=bad href=\"{_alert_href(alert)}\">{text}</a>" if alert
-                     else f"<span class=bad>{text}</span>")
+        parts.append(
+            f'<a class=bad href="{_alert_href(alert)}">{text}</a>' if alert else f"<span class=bad>{text}</span>"
+        )
     parts += [f"<span class=bad>{flag}</span>" for flag in ("comm_bound", "input_bound") if getattr(job, flag)]
     return ", ".join(parts) or "<span class=ok>ok</span>"
 
@@ -173,39 +213,51 @@ def _firing(page: AlertPageModel, now: float | None) -> str:
     more = f" <span class=muted>(newest {shown} of {page.total})</span>" if page.total > shown else ""
     rows = "".join(
         f"<tr><td>{_severity(a.severity.value)}</td><td>{escape(a.kind.value)}</td>"
-        f"<td class=nw><a href=\"{_alert_href(a)}\"><b>{escape(subject(a))}</b></a></td>"
+        f'<td class=nw><a href="{_alert_href(a)}"><b>{escape(subject(a))}</b></a></td>'
         f"<td>{_ago(a.started, now, suffix='')}</td>"
-        f"<td>{escape(a.summary)}<div class=ev>{_evidence_line(a.evidence)}</div></td></tr>" for a in page.alerts)
-    return (f"<h2>Firing alerts ({page.total}){more}</h2><table><tr><th>severity</th><th>kind</th><th>subject</th>"
-            f"<th>for</th><th>summary and evidence</th></tr>{rows}</table>")
+        f"<td>{escape(a.summary)}<div class=ev>{_evidence_line(a.evidence)}</div></td></tr>"
+        for a in page.alerts
+    )
+    return (
+        f"<h2>Firing alerts ({page.total}){more}</h2><table><tr><th>severity</th><th>kind</th><th>subject</th>"
+        f"<th>for</th><th>summary and evidence</th></tr>{rows}</table>"
+    )
 
 
 def _recent(recent: Iterable[AlertModel]) -> str:
     rows = "".join(
         f"<tr><td>{_time(a.updated)}</td><td>{_state(a)}</td><td>{escape(a.kind.value)}</td>"
-        f"<td><a href=\"{_alert_href(a)}\">{escape(subject(a))}</a></td><td>{escape(a.summary)}</td></tr>"
-        for a in recent)
+        f'<td><a href="{_alert_href(a)}">{escape(subject(a))}</a></td><td>{escape(a.summary)}</td></tr>'
+        for a in recent
+    )
     if not rows:
         return "<h2>Recent alerts</h2><p class=muted>none besides those firing</p>"
-    return ("<h2>Recent alerts</h2><table><tr><th>updated</th><th>state</th><th>kind</th><th>subject</th>"
-            f"<th>summary</th></tr>{rows}</table>")
+    return (
+        "<h2>Recent alerts</h2><table><tr><th>updated</th><th>state</th><th>kind</th><th>subject</th>"
+        f"<th>summary</th></tr>{rows}</table>"
+    )
 
 
 def _document(title: str, refresh: int, body: str, now: float | None = None) -> str:
     when = "not evaluated yet" if now is None else f"evaluated {_time(now)}"
-    return (f"<!doctype html><html lang=en><head><meta charset=utf-8>"
-            f"<meta name=viewport content=\"width=device-width,initial-scale=1\">"
-            f"<meta http-equiv=refresh content=\"{refresh}\"><title>{escape(title)}</title><style>{_CSS}</style>"
-            f"</head><body><header><h1><a href=\"/\" style=\"color:#fff;text-decoration:none\">gpufleet</a></h1>"
-            f"<span>{when}</span><a href=\"/docs\">API</a><a href=\"/alerts\">alerts JSON</a>"
-            f"<a href=\"/metrics\">metrics</a></header><main>{body}</main></body></html>")
+    return (
+        f"<!doctype html><html lang=en><head><meta charset=utf-8>"
+        f'<meta name=viewport content="width=device-width,initial-scale=1">'
+        f'<meta http-equiv=refresh content="{refresh}"><title>{escape(title)}</title><style>{_CSS}</style>'
+        f'</head><body><header><h1><a href="/" style="color:#fff;text-decoration:none">gpufleet</a></h1>'
+        f'<span>{when}</span><a href="/docs">API</a><a href="/alerts">alerts JSON</a>'
+        f'<a href="/metrics">metrics</a></header><main>{body}</main></body></html>'
+    )
 
 
 def _evidence_line(evidence: dict[str, Any]) -> str:
     """Scalar evidence as `key value` pairs, for the overview; the alert's page shows all of it."""
     # Spaces between the pairs: the line wraps there instead of widening the table past the screen.
-    return " ".join(f"<span>{escape(k)} <b>{_value(v)}</b></span>" for k, v in evidence.items()
-                   if v is None or isinstance(v, (str, int, float, bool)))
+    return " ".join(
+        f"<span>{escape(k)} <b>{_value(v)}</b></span>"
+        for k, v in evidence.items()
+        if v is None or isinstance(v, (str, int, float, bool))
+    )
 
 
 def _value(value: Any) -> str:

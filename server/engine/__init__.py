@@ -42,25 +42,32 @@ class Engine:
         self.windows = Windows(cfg.tick_seconds, cfg.bins(cfg.window_seconds))
         self.registry = GroupRegistry(cfg.group_retention_seconds)
         # Noise is read from changes over twice the smoothing: readings that far apart share no sample.
-        self.history = GroupHistory(cfg.bins(cfg.baseline_seconds), cfg.baseline_percentile,
-                                    cfg.bins(cfg.min_history_seconds), cfg.bins(2 * cfg.smooth_seconds))
-        self.lifecycle = Lifecycle({
-            AlertKind.THERMAL_THROTTLE: (cfg.thermal_for_seconds, cfg.thermal_clear_seconds),
-            AlertKind.STRAGGLER: (cfg.straggler_for_seconds, cfg.straggler_clear_seconds),
-            AlertKind.COMM_BOUND: (cfg.comm_for_seconds, cfg.workload_clear_seconds),
-            AlertKind.INPUT_BOUND: (cfg.input_for_seconds, cfg.workload_clear_seconds),
-            AlertKind.NODE_UNREACHABLE: (0.0, 0.0),
-            AlertKind.GPU_LOST: (0.0, 0.0),
-            AlertKind.XID: (0.0, 0.0),
-            AlertKind.ECC: (0.0, 0.0),
-        }, cfg.pending_grace_seconds)
+        self.history = GroupHistory(
+            cfg.bins(cfg.baseline_seconds),
+            cfg.baseline_percentile,
+            cfg.bins(cfg.min_history_seconds),
+            cfg.bins(2 * cfg.smooth_seconds),
+        )
+        self.lifecycle = Lifecycle(
+            {
+                AlertKind.THERMAL_THROTTLE: (cfg.thermal_for_seconds, cfg.thermal_clear_seconds),
+                AlertKind.STRAGGLER: (cfg.straggler_for_seconds, cfg.straggler_clear_seconds),
+                AlertKind.COMM_BOUND: (cfg.comm_for_seconds, cfg.workload_clear_seconds),
+                AlertKind.INPUT_BOUND: (cfg.input_for_seconds, cfg.workload_clear_seconds),
+                AlertKind.NODE_UNREACHABLE: (0.0, 0.0),
+                AlertKind.GPU_LOST: (0.0, 0.0),
+                AlertKind.XID: (0.0, 0.0),
+                AlertKind.ECC: (0.0, 0.0),
+            },
+            cfg.pending_grace_seconds,
+        )
         self._straggler = straggler.StragglerState()
         self._workload = workload.WorkloadState()
         self._health = health.HealthState()
         self._thermal_index = FingerprintIndex(AlertKind.THERMAL_THROTTLE)
         self._straggler_index = FingerprintIndex(AlertKind.STRAGGLER)
         self._next_bin: int | None = None
-        self._first: float | None = None     # time of the oldest sample of the first flush that binned any
+        self._first: float | None = None  # time of the oldest sample of the first flush that binned any
         self._ticks = 0
         self._last_t: float | None = None
         self._last_tick: Tick | None = None
@@ -69,7 +76,7 @@ class Engine:
         self._regime_ticks = np.zeros(0, dtype=np.int64)
         self._last_busy_t = np.full(0, -np.inf)
         self._members: GroupMembers | None = None
-        self._dated = 0         # groups [0, _dated) have been checked by _date_running
+        self._dated = 0  # groups [0, _dated) have been checked by _date_running
 
     # -- input ------------------------------------------------------------------------------
     def ingest(self, sample: NodeSample) -> None:
@@ -103,6 +110,8 @@ class Engine:
             # oldest snapshot says (an agent's clock at the epoch, a buffer from before an outage).
             floor_bin = last_closed - w.ring + 1
             self._next_bin = floor_bin if self._next_bin is None else max(self._next_bin, floor_bin)
+        # Set above on the first call, kept ever since.
+        assert self._next_bin is not None
         binned = w.samples
         w.flush(min_bin=self._next_bin - w.ring + 1)
         if not w.samples:
@@ -170,8 +179,16 @@ class Engine:
         has_data = np.asarray(held[:smooth_bins].any(axis=0))
         busy = med["util"] >= cfg.busy_utilization
         n = w.n
-        gid, ngid = self.registry.build(t, w.slot_job[:n], w.slot_node_id[:n], w.slot_model_id[:n],
-                                        w.job_names, has_data, busy, self._engaged(t, busy, med["util"]))
+        gid, ngid = self.registry.build(
+            t,
+            w.slot_job[:n],
+            w.slot_node_id[:n],
+            w.slot_model_id[:n],
+            w.job_names,
+            has_data,
+            busy,
+            self._engaged(t, busy, med["util"]),
+        )
         n_groups = len(self.registry.keys)
         if self.registry.recycled:
             self._recycle(self.registry.recycled)
@@ -184,11 +201,26 @@ class Engine:
         if self._ticks % _BASELINE_REFRESH_TICKS == 0 or self.history.base.shape[1] < n_groups:
             self.history.refresh(k, n_groups)
         self._regime(groups)
-        drop, source = workload.job_drop(groups, self.history, cfg.workload_clock_ratio,
-                                         cfg.workload_capped_clock_ratio)
-        tick = Tick(k, t, cfg, w, latest, med, levels, has_data, groups, self.registry, drop, source,
-                    (self.history.baseline("sm"), self.history.baseline("power")), held,
-                    workload.sag(groups, self.history, drop, source))
+        drop, source = workload.job_drop(
+            groups, self.history, cfg.workload_clock_ratio, cfg.workload_capped_clock_ratio
+        )
+        tick = Tick(
+            k,
+            t,
+            cfg,
+            w,
+            latest,
+            med,
+            levels,
+            has_data,
+            groups,
+            self.registry,
+            drop,
+            source,
+            (self.history.baseline("sm"), self.history.baseline("power")),
+            held,
+            workload.sag(groups, self.history, drop, source),
+        )
         outcomes: dict[AlertKind, Outcome] = {}
         outcomes[AlertKind.THERMAL_THROTTLE] = thermal.detect(tick, self._thermal_index)
         healths = health.detect(tick, self._health, w.drain_events())
@@ -197,8 +229,9 @@ class Engine:
         outcomes[AlertKind.STRAGGLER] = strag.outcome
         explained = self._explained(tick, outcomes, halted)
         silent = self._jobs_on_silent_nodes(t, healths[AlertKind.NODE_UNREACHABLE])
-        work = workload.detect(tick, self.history, explained, strag.standout_groups | silent,
-                               strag.idle_groups | silent, self._workload)
+        work = workload.detect(
+            tick, self.history, explained, strag.standout_groups | silent, strag.idle_groups | silent, self._workload
+        )
         outcomes[AlertKind.COMM_BOUND] = _only(work, AlertKind.COMM_BOUND)
         outcomes[AlertKind.INPUT_BOUND] = _only(work, AlertKind.INPUT_BOUND)
         outcomes.update(healths)
@@ -282,7 +315,7 @@ class Engine:
         n = len(busy)
         if len(self._last_busy_t) < n:
             grown = np.full(max(n, 2 * len(self._last_busy_t)), -np.inf)
-            grown[:len(self._last_busy_t)] = self._last_busy_t
+            grown[: len(self._last_busy_t)] = self._last_busy_t
             self._last_busy_t = grown
         last = self._last_busy_t[:n]
         last[busy] = t
@@ -295,7 +328,9 @@ class Engine:
         cfg = self.config
         n = groups.n_groups
         if len(self._regime_ticks) < n:
-            self._regime_ticks = np.concatenate([self._regime_ticks, np.zeros(n - len(self._regime_ticks), dtype=np.int64)])
+            self._regime_ticks = np.concatenate(
+                [self._regime_ticks, np.zeros(n - len(self._regime_ticks), dtype=np.int64)]
+            )
         base_clk = self.history.baseline("clock")[:n]
         moved = np.abs(groups.clock / base_clk - 1.0) > 1.0 - cfg.workload_clock_ratio
         ticks = np.where(moved, self._regime_ticks[:n] + 1, 0)
@@ -354,8 +389,8 @@ class Engine:
             opened = self.lifecycle.opened(fp)
             if f.node in w.node_ids and (opened is None or opened >= since):
                 nodes.append(w.node_ids[f.node])
-        on = np.isin(w.slot_node_id[:w.n], nodes)
-        return self._job_groups(w.job_names[c] for c in set(w.slot_job[:w.n][on].tolist()) if c >= 0)
+        on = np.isin(w.slot_node_id[: w.n], nodes)
+        return self._job_groups(w.job_names[c] for c in set(w.slot_job[: w.n][on].tolist()) if c >= 0)
 
     def _job_groups(self, jobs) -> set[int]:
         """Group ids of the named jobs that have a group now."""
@@ -382,8 +417,11 @@ class Engine:
         # Ticks well below the history's median stay out of it. Measured from the baseline (a high
         # percentile) instead, the cut fell inside a noisy job's ordinary range: only the upper half of
         # its levels was kept, which raised the baseline further.
-        healthy = ((grp.util >= cfg.job_active_utilization) & ~(tick.sag >= threshold / 2)
-                   & (tick.t - self.registry.first_seen[:grp.n_groups] >= cfg.startup_grace_seconds / 2))
+        healthy = (
+            (grp.util >= cfg.job_active_utilization)
+            & ~(tick.sag >= threshold / 2)
+            & (tick.t - self.registry.first_seen[: grp.n_groups] >= cfg.startup_grace_seconds / 2)
+        )
         for g in suppressed:
             healthy[g] = False
         self.history.record(tick.k, grp, healthy)
@@ -417,14 +455,24 @@ class Engine:
             mine = [a for a in open_alerts if a.hpc_job == job and a.state is AlertState.FIRING]
             counts = self._job_ticks.get(job, [0, 0])
             lost = self._job_lost.get(job, {})
-            out.append(JobHealth(
-                job, int(grp.size[gid]), tuple(sorted({w.slot_node[s] for s in members.tolist()})),
-                _f(grp.util[gid]), _f(grp.sm[gid]), _f(base_sm[gid]) if gid < len(base_sm) else None,
-                _f(grp.power[gid]), _f(tick.slowdown[gid]),
-                tuple({"node": a.node, "gpu": a.gpu} for a in mine if a.kind is AlertKind.STRAGGLER),
-                any(a.kind is AlertKind.COMM_BOUND for a in mine), any(a.kind is AlertKind.INPUT_BOUND for a in mine),
-                counts[1] / counts[0] if counts[0] else 0.0, counts[0],
-                tuple((kind.value, round(lost[kind], 4)) for kind in _COSTING if kind in lost)))
+            out.append(
+                JobHealth(
+                    job,
+                    int(grp.size[gid]),
+                    tuple(sorted({w.slot_node[s] for s in members.tolist()})),
+                    _f(grp.util[gid]),
+                    _f(grp.sm[gid]),
+                    _f(base_sm[gid]) if gid < len(base_sm) else None,
+                    _f(grp.power[gid]),
+                    _f(tick.slowdown[gid]),
+                    tuple({"node": a.node, "gpu": a.gpu} for a in mine if a.kind is AlertKind.STRAGGLER),
+                    any(a.kind is AlertKind.COMM_BOUND for a in mine),
+                    any(a.kind is AlertKind.INPUT_BOUND for a in mine),
+                    counts[1] / counts[0] if counts[0] else 0.0,
+                    counts[0],
+                    tuple((kind.value, round(lost[kind], 4)) for kind in _COSTING if kind in lost),
+                )
+            )
         return sorted(out, key=lambda j: j.hpc_job)
 
     def nodes(self) -> list[NodeHealth]:
@@ -433,26 +481,42 @@ class Engine:
         open_alerts = self.lifecycle.alerts()
         unreachable = {a.node for a in open_alerts if a.kind is AlertKind.NODE_UNREACHABLE}
         out = []
-        node_ids = w.slot_node_id[:w.n]
+        node_ids = w.slot_node_id[: w.n]
         for nid, node in enumerate(w.node_names):
             last = w.node_last_time[nid]
             if last != last:
-                continue            # forgotten (forget_node) and not heard from since
+                continue  # forgotten (forget_node) and not heard from since
             slots = np.flatnonzero(node_ids == nid)
             jobs = sorted({w.job_names[c] for c in w.slot_job[slots].tolist() if c >= 0})
-            out.append(NodeHealth(node, len(slots), node not in unreachable, _f(last),
-                                  None if self._last_t is None or last != last else max(0.0, self._last_t - float(last)),
-                                  tuple(jobs), sum(1 for a in open_alerts if a.node == node)))
+            out.append(
+                NodeHealth(
+                    node,
+                    len(slots),
+                    node not in unreachable,
+                    _f(last),
+                    None if self._last_t is None or last != last else max(0.0, self._last_t - float(last)),
+                    tuple(jobs),
+                    sum(1 for a in open_alerts if a.node == node),
+                )
+            )
         return out
 
     def stats(self) -> EngineStats:
         """Counters about the engine itself."""
         alerts = self.lifecycle.alerts()
-        return EngineStats(self.windows.samples, self.windows.late_dropped, self.windows.too_old_dropped,
-                           self.windows.pending(), self._ticks,
-                           self._last_t, self.windows.n, len(self.windows.node_names),
-                           sum(1 for j in self.windows.job_names), len(alerts),
-                           sum(1 for a in alerts if a.state is AlertState.FIRING))
+        return EngineStats(
+            self.windows.samples,
+            self.windows.late_dropped,
+            self.windows.too_old_dropped,
+            self.windows.pending(),
+            self._ticks,
+            self._last_t,
+            self.windows.n,
+            len(self.windows.node_names),
+            sum(1 for j in self.windows.job_names),
+            len(alerts),
+            sum(1 for a in alerts if a.state is AlertState.FIRING),
+        )
 
 
 def _only(outcome: Outcome, kind: AlertKind) -> Outcome:

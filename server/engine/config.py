@@ -144,7 +144,10 @@ class EngineConfig:
             raise ValueError("tick_seconds must be > 0")
         if self.smooth_seconds < self.tick_seconds:
             raise ValueError("smooth_seconds must be >= tick_seconds")
-        if self.window_seconds < max(self.smooth_seconds, self.unreachable_seconds, self.gpu_lost_seconds) + 2 * self.tick_seconds:
+        if (
+            self.window_seconds
+            < max(self.smooth_seconds, self.unreachable_seconds, self.gpu_lost_seconds) + 2 * self.tick_seconds
+        ):
             raise ValueError("window_seconds must exceed smooth/unreachable/gpu_lost seconds by two ticks")
         if self.group_retention_seconds < max(self.baseline_seconds, self.window_seconds):
             raise ValueError("group_retention_seconds must be >= baseline_seconds and window_seconds")

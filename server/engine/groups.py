@@ -86,7 +86,7 @@ class GroupLayout:
             self.table = np.full((n_groups, width), -1, dtype=np.intp)
             column = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
             self.table[ids[order], column] = self.where[order]
-            self._scratch = np.empty((0, 0))         # values plus a NaN column, reused across ticks
+            self._scratch = np.empty((0, 0))  # values plus a NaN column, reused across ticks
             self._first = np.empty(0, dtype=np.intp)  # where each (reading, group) row starts, flat
 
     def medians(self, values: np.ndarray) -> np.ndarray:
@@ -101,7 +101,7 @@ class GroupLayout:
             self._scratch = np.full((k, n + 1), np.nan)
             self._first = np.arange(k * G) * width
         self._scratch[:, :n] = values
-        rows = np.sort(self._scratch[:, self.table], axis=2)                    # NaN last in each row
+        rows = np.sort(self._scratch[:, self.table], axis=2)  # NaN last in each row
         cnt = width - np.isnan(rows).sum(axis=2).ravel()
         # cnt // 2 < width always; an empty group's middle is padding, i.e. NaN.
         flat = rows.ravel()
@@ -130,14 +130,14 @@ def group_means(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarra
 class Groups:
     """One tick's grouping: GPU-level group id and node-level group id per slot, plus group stats."""
 
-    gid: np.ndarray          # per slot, GPU-level peer group (-1: none)
-    ngid: np.ndarray         # per slot, node-level group (-1: none)
+    gid: np.ndarray  # per slot, GPU-level peer group (-1: none)
+    ngid: np.ndarray  # per slot, node-level group (-1: none)
     n_groups: int
-    size: np.ndarray         # per group, members with data
-    levels: np.ndarray       # (4, n_groups) medians of the smoothed per-GPU LEVELS, rows as named below
-    slow: np.ndarray         # per group means of the smoothed throttle-bit shares
+    size: np.ndarray  # per group, members with data
+    levels: np.ndarray  # (4, n_groups) medians of the smoothed per-GPU LEVELS, rows as named below
+    slow: np.ndarray  # per group means of the smoothed throttle-bit shares
     power_cap: np.ndarray
-    members: "GroupMembers | None" = None   # what the statistics were taken over (reused next tick)
+    members: "GroupMembers | None" = None  # what the statistics were taken over (reused next tick)
 
     @property
     def sm(self) -> np.ndarray:
@@ -176,7 +176,7 @@ class GroupRegistry:
         self.keys: list[tuple] = []
         self.first_seen = np.full(0, np.nan)
         self.is_job = np.zeros(0, dtype=bool)
-        self.dated = np.zeros(0, dtype=bool)       # dated back: running before it was first seen
+        self.dated = np.zeros(0, dtype=bool)  # dated back: running before it was first seen
         # Unattributed node groups restarted by the last build() (see _build), and each one's members.
         self.restarted: list[int] = []
         # Ids given to new groups by the last build(), each with the key it had before.
@@ -184,7 +184,7 @@ class GroupRegistry:
         self._busy_sets: dict[int, tuple[int, ...]] = {}
         self._last_build: tuple | None = None
         self._present: set[int] = set()
-        self._vacated: dict[int, float] = {}       # group without members -> since when (insertion order)
+        self._vacated: dict[int, float] = {}  # group without members -> since when (insertion order)
 
     def intern(self, key: tuple, t: float) -> int:
         """Id for a group key, registering it (first seen at t) when new."""
@@ -235,9 +235,17 @@ class GroupRegistry:
         """Every unattributed group of one GPU model: the per-node ones and the cluster-wide one."""
         return {gid for key, gid in self.ids.items() if key[0] != JOB and key[-1] == model_id}
 
-    def build(self, t: float, slot_job: np.ndarray, slot_node: np.ndarray, slot_model: np.ndarray,
-              job_names: list[str], has_data: np.ndarray, busy: np.ndarray,
-              engaged: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def build(
+        self,
+        t: float,
+        slot_job: np.ndarray,
+        slot_node: np.ndarray,
+        slot_model: np.ndarray,
+        job_names: list[str],
+        has_data: np.ndarray,
+        busy: np.ndarray,
+        engaged: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Per-slot GPU-level and node-level group ids for this tick (read-only arrays). `engaged`: the
         unattributed GPUs that count in node-level comparisons (default: all)."""
         if engaged is None:
@@ -268,9 +276,17 @@ class GroupRegistry:
             self._vacated.pop(g, None)
         self._present = present
 
-    def _build(self, t: float, slot_job: np.ndarray, slot_node: np.ndarray, slot_model: np.ndarray,
-               job_names: list[str], has_data: np.ndarray, busy: np.ndarray,
-               engaged: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _build(
+        self,
+        t: float,
+        slot_job: np.ndarray,
+        slot_node: np.ndarray,
+        slot_model: np.ndarray,
+        job_names: list[str],
+        has_data: np.ndarray,
+        busy: np.ndarray,
+        engaged: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """build() without the reuse."""
         n = len(slot_job)
         gid = np.full(n, -1, dtype=np.int64)
@@ -328,8 +344,14 @@ class GroupMembers:
         return n_groups == self.n_groups and equal(gid, self.gid) and equal(ngid, self.ngid)
 
 
-def group_stats(gid: np.ndarray, ngid: np.ndarray, n_groups: int, levels: np.ndarray, fractions: np.ndarray,
-                members: GroupMembers | None = None) -> Groups:
+def group_stats(
+    gid: np.ndarray,
+    ngid: np.ndarray,
+    n_groups: int,
+    levels: np.ndarray,
+    fractions: np.ndarray,
+    members: GroupMembers | None = None,
+) -> Groups:
     """Group medians of the per-slot levels (4, n) and means of the throttle fractions (slow,
     power_cap) over `members` (built from gid/ngid when not given or not matching)."""
     if members is None or not members.same(gid, ngid, n_groups):
@@ -345,8 +367,8 @@ class GroupHistory:
     """Ring of per-group medians per tick; the baseline is a high percentile over healthy ticks."""
 
     SERIES = ("sm", "power", "util", "clock")
-    _LEVEL_ROWS = np.array(list(map(LEVELS.index, SERIES)))     # SERIES as rows of Groups.levels
-    _NOISE_SERIES = ("sm", "power")                              # the series a job-wide drop is read from
+    _LEVEL_ROWS = np.array(list(map(LEVELS.index, SERIES)))  # SERIES as rows of Groups.levels
+    _NOISE_SERIES = ("sm", "power")  # the series a job-wide drop is read from
     _NOISE_ROWS = np.array(list(map(SERIES.index, _NOISE_SERIES)))
 
     def __init__(self, ring_ticks: int, percentile: float, min_ticks: int, lag_ticks: int) -> None:

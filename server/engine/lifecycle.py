@@ -15,8 +15,18 @@ from typing import Any, Iterable, Mapping
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Transition
 from gpufleet.server.engine.detectors import Finding, Outcome
 
-_LIVE_KEYS = frozenset(("gpu_hours_lost", "silent_seconds", "count", "last_event_time", "uncorrected_errors_new",
-                        "last_error_time", "remapped_rows_pending", "remapped_rows_failure"))
+_LIVE_KEYS = frozenset(
+    (
+        "gpu_hours_lost",
+        "silent_seconds",
+        "count",
+        "last_event_time",
+        "uncorrected_errors_new",
+        "last_error_time",
+        "remapped_rows_pending",
+        "remapped_rows_failure",
+    )
+)
 _RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2}
 
 
@@ -48,9 +58,23 @@ class _Record:
 
     def alert(self, resolved: float | None = None, state: AlertState | None = None) -> Alert:
         """Immutable snapshot of this record."""
-        return Alert(self.id, self.fingerprint, self.kind, self.severity, state or self.state, self.node,
-                     self.gpu, self.uuid, self.hpc_job, self.pending_since, self.started, resolved,
-                     self.updated, self.summary, dict(self.evidence))
+        return Alert(
+            self.id,
+            self.fingerprint,
+            self.kind,
+            self.severity,
+            state or self.state,
+            self.node,
+            self.gpu,
+            self.uuid,
+            self.hpc_job,
+            self.pending_since,
+            self.started,
+            resolved,
+            self.updated,
+            self.summary,
+            dict(self.evidence),
+        )
 
 
 class Lifecycle:
@@ -70,8 +94,11 @@ class Lifecycle:
                 rec = self.records.get(fp)
                 if rec is None or t > rec.settled_until:
                     self._on(t, fp, finding, for_s, out)
-            for fp in [fp for fp, r in self.records.items()
-                       if r.kind is kind and fp not in outcome.findings and t > r.settled_until]:
+            for fp in [
+                fp
+                for fp, r in self.records.items()
+                if r.kind is kind and fp not in outcome.findings and t > r.settled_until
+            ]:
                 self._off(t, self.records[fp], outcome.clear(fp), clear_s, out)
         return out
 
@@ -79,8 +106,20 @@ class Lifecycle:
         """The condition holds: open, keep pending, fire, or refresh."""
         rec = self.records.get(fp)
         if rec is None:
-            rec = self.records[fp] = _Record(f"{fp}-{int(t)}", fp, f.kind, f.node, f.gpu, f.uuid, f.hpc_job, t,
-                                             f.severity, f.summary, f.evidence, updated=t)
+            rec = self.records[fp] = _Record(
+                f"{fp}-{int(t)}",
+                fp,
+                f.kind,
+                f.node,
+                f.gpu,
+                f.uuid,
+                f.hpc_job,
+                t,
+                f.severity,
+                f.summary,
+                f.evidence,
+                updated=t,
+            )
             if for_s > 0:
                 out.append(Transition(rec.alert(), None))
         rec.clear_since = None
@@ -157,13 +196,17 @@ class Lifecycle:
         """hpc_jobs with an open alert of the given kinds (opened at or after `since`)."""
         return {job for job, _, _ in self.open_subjects(kinds, since) if job is not None}
 
-    def open_subjects(self, kinds: Iterable[AlertKind],
-                      since: float = float("-inf")) -> dict[tuple[str | None, str | None, int | None], float]:
+    def open_subjects(
+        self, kinds: Iterable[AlertKind], since: float = float("-inf")
+    ) -> dict[tuple[str | None, str | None, int | None], float]:
         """(hpc_job, node, gpu) of every open alert of the given kinds (opened at or after `since`), each
         with when it opened."""
         wanted = set(kinds)
-        return {(r.hpc_job, r.node, r.gpu): r.pending_since for r in self.records.values()
-                if r.kind in wanted and r.pending_since >= since}
+        return {
+            (r.hpc_job, r.node, r.gpu): r.pending_since
+            for r in self.records.values()
+            if r.kind in wanted and r.pending_since >= since
+        }
 
     def restore(self, alerts: Iterable[Alert]) -> int:
         """Re-seed open alerts (ids, pending_since, started kept); returns how many were taken."""
@@ -171,8 +214,22 @@ class Lifecycle:
         for a in alerts:
             if a.state not in (AlertState.PENDING, AlertState.FIRING) or a.fingerprint in self.records:
                 continue
-            self.records[a.fingerprint] = _Record(a.id, a.fingerprint, a.kind, a.node, a.gpu, a.uuid, a.hpc_job,
-                                                  a.pending_since, a.severity, a.summary, dict(a.evidence),
-                                                  a.state, a.started, a.updated, settled_until=a.updated)
+            self.records[a.fingerprint] = _Record(
+                a.id,
+                a.fingerprint,
+                a.kind,
+                a.node,
+                a.gpu,
+                a.uuid,
+                a.hpc_job,
+                a.pending_since,
+                a.severity,
+                a.summary,
+                dict(a.evidence),
+                a.state,
+                a.started,
+                a.updated,
+                settled_until=a.updated,
+            )
             taken += 1
         return taken

@@ -85,7 +85,12 @@ class Prepared:
             for i in range(end, nxt):
                 smp = samples[i]
                 ident = known.get(smp.node)
-                if ident is None or ident[0] is not smp.indices or ident[1] is not smp.uuids or ident[2] is not smp.jobs:
+                if (
+                    ident is None
+                    or ident[0] is not smp.indices
+                    or ident[1] is not smp.uuids
+                    or ident[2] is not smp.jobs
+                ):
                     known[smp.node] = (smp.indices, smp.uuids, smp.jobs)
                     changed |= i >= flush_end
                 rows += len(smp.indices)
@@ -102,9 +107,13 @@ class Prepared:
         chunk_samples = self.samples[start:end]
         resolved = list(map(w._resolve, chunk_samples))
         counts = np.fromiter((len(r[0]) for r in resolved), dtype=np.int64, count=len(resolved))
-        chunk = _Chunk(start, end, np.concatenate([[0], np.cumsum(counts)]),
-                       np.array([smp.time for smp in chunk_samples]),
-                       np.array([w.node_ids.get(smp.node, -1) for smp in chunk_samples], dtype=np.int64))
+        chunk = _Chunk(
+            start,
+            end,
+            np.concatenate([[0], np.cumsum(counts)]),
+            np.array([smp.time for smp in chunk_samples]),
+            np.array([w.node_ids.get(smp.node, -1) for smp in chunk_samples], dtype=np.int64),
+        )
         if not chunk.row_start[-1]:
             return chunk
         # A snapshot that lists no GPU keeps its node's previous job codes: leave it out, as flush() does.
@@ -133,7 +142,7 @@ class Prepared:
         w = self.w
         key = (bins - bins[0]) * w._cap + slots
         valid = ~np.isnan(derived)
-        add = np.concatenate([np.where(valid, derived, 0.0), valid])              # sums, then counts
+        add = np.concatenate([np.where(valid, derived, 0.0), valid])  # sums, then counts
         if (key[1:] > key[:-1]).all():
             # One row per cell, in cell order already (a tick's snapshots list GPUs in slot order): the
             # sums are the rows (+ 0.0, which is what a sum from zero makes of -0.0).
@@ -149,8 +158,9 @@ class Prepared:
             cell_of_row = np.empty(len(key), dtype=np.int64)
             cell_of_row[order] = np.cumsum(first) - 1
             ids = (cell_of_row + np.arange(len(add))[:, None] * n_cells).ravel()
-            chunk.cell_sums = np.bincount(ids, weights=add.ravel(),
-                                          minlength=len(add) * n_cells).reshape(len(add), n_cells)
+            chunk.cell_sums = np.bincount(ids, weights=add.ravel(), minlength=len(add) * n_cells).reshape(
+                len(add), n_cells
+            )
         chunk.cell_rows = np.diff(np.append(starts, len(key)))
         chunk.cell_bin = bins[order[starts]]
         # Slots are registered while the chunk is built, never after: the layout (_cap) holds until
@@ -165,8 +175,8 @@ class Prepared:
         i0, i1 = a - chunk.start, e - chunk.start
         r0, r1 = int(chunk.row_start[i0]), int(chunk.row_start[i1])
         if r0 == r1:
-            return None                                           # snapshots that list no GPU
-        listed = np.diff(chunk.row_start[i0:i1 + 1]) > 0
+            return None  # snapshots that list no GPU
+        listed = np.diff(chunk.row_start[i0 : i1 + 1]) > 0
         sample_times = chunk.sample_time[i0:i1][listed]
         node_ids = chunk.node_id[i0:i1][listed]
         w.samples += r1 - r0
@@ -181,8 +191,11 @@ class Prepared:
             chunk.events = [ev for ev in chunk.events if ev.time > until]
         bins = self.bins
         first_bin, last_bin = int(bins[a]), int(bins[e - 1])
-        whole = ((a == 0 or bins[a - 1] < first_bin) and (e == len(bins) or bins[e] > last_bin)
-                 and last_bin - first_bin < w.ring)
+        whole = (
+            (a == 0 or bins[a - 1] < first_bin)
+            and (e == len(bins) or bins[e] > last_bin)
+            and last_bin - first_bin < w.ring
+        )
         if whole:
             c0, c1 = np.searchsorted(chunk.cell_bin, [first_bin, last_bin + 1]).tolist()
             self._write_cells(chunk, c0, c1, min_bin)
@@ -219,8 +232,24 @@ class _Chunk:
     times, derived readings and limits; counter events not yet released; and cells (bin, slot) in bin
     order."""
 
-    __slots__ = ("start", "end", "row_start", "sample_time", "node_id", "slots", "codes", "times", "derived",
-                 "limits", "events", "cell_sums", "cell_rows", "cell_bin", "cell_flat", "cell_at")
+    __slots__ = (
+        "start",
+        "end",
+        "row_start",
+        "sample_time",
+        "node_id",
+        "slots",
+        "codes",
+        "times",
+        "derived",
+        "limits",
+        "events",
+        "cell_sums",
+        "cell_rows",
+        "cell_bin",
+        "cell_flat",
+        "cell_at",
+    )
     # Set once the chunk has rows (_chunk_of); an empty chunk has none of them.
     slots: np.ndarray
     codes: np.ndarray
@@ -233,8 +262,9 @@ class _Chunk:
     cell_flat: np.ndarray
     cell_at: np.ndarray
 
-    def __init__(self, start: int, end: int, row_start: np.ndarray, sample_time: np.ndarray,
-                 node_id: np.ndarray) -> None:
+    def __init__(
+        self, start: int, end: int, row_start: np.ndarray, sample_time: np.ndarray, node_id: np.ndarray
+    ) -> None:
         self.start, self.end = start, end
         self.row_start, self.sample_time, self.node_id = row_start, sample_time, node_id
         self.events: list[CounterEvent] = []

@@ -9,8 +9,17 @@ import numpy as np
 from gpufleet.server.engine.config import EngineConfig
 from gpufleet.server.engine.groups import LEVELS, GroupRegistry, Groups
 from gpufleet.server.engine.reduce import nan_mean_first_axis, nan_median_first_axis
-from gpufleet.server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_POWER, B_POWER_CAP, B_SLOW, B_SM, B_THERMAL, B_UTIL,
-                                   Windows)
+from gpufleet.server.engine.windows import (
+    B_CLOCK_RATIO,
+    B_HW_THERMAL,
+    B_POWER,
+    B_POWER_CAP,
+    B_SLOW,
+    B_SM,
+    B_THERMAL,
+    B_UTIL,
+    Windows,
+)
 
 # Only what detectors read every tick is smoothed; the temperature median is needed just for the
 # evidence of a thermal finding and is taken on demand (smoothed_row).
@@ -23,22 +32,22 @@ _ROWS = np.array([_LEVEL_ROWS[name] for name in LEVELS] + [b for _, b in _FRACTI
 class Tick:
     """Everything detectors read at one closed bin."""
 
-    k: int                          # bin number
-    t: float                        # bin end, sample-time seconds: the time this evaluation speaks for
+    k: int  # bin number
+    t: float  # bin end, sample-time seconds: the time this evaluation speaks for
     config: EngineConfig
     windows: Windows
-    latest: np.ndarray              # (N_BINNED, n) newest bin means
-    med: dict[str, np.ndarray]      # smoothed (median / fraction over smooth window) per slot
-    levels: np.ndarray              # (4, n) the medians among med, rows as groups.LEVELS
-    has_data: np.ndarray            # slot has a sample in the smoothing window
+    latest: np.ndarray  # (N_BINNED, n) newest bin means
+    med: dict[str, np.ndarray]  # smoothed (median / fraction over smooth window) per slot
+    levels: np.ndarray  # (4, n) the medians among med, rows as groups.LEVELS
+    has_data: np.ndarray  # slot has a sample in the smoothing window
     groups: Groups
     registry: GroupRegistry
-    slowdown: np.ndarray            # per group: peers' activity drop vs the group's baseline (NaN: unknown)
-    slowdown_source: np.ndarray     # per group: 0 = none, 1 = SM activity, 2 = power
-    slowdown_baselines: tuple[np.ndarray, np.ndarray]   # per group baseline SM activity, power
-    held: np.ndarray                # (bins, n) newest first: slot has a sample in bin k - i
-    sag: np.ndarray                 # per group: the same series' drop below its history's median (see
-                                    # workload.sag; the slowdown until the median is known)
+    slowdown: np.ndarray  # per group: peers' activity drop vs the group's baseline (NaN: unknown)
+    slowdown_source: np.ndarray  # per group: 0 = none, 1 = SM activity, 2 = power
+    slowdown_baselines: tuple[np.ndarray, np.ndarray]  # per group baseline SM activity, power
+    held: np.ndarray  # (bins, n) newest first: slot has a sample in bin k - i
+    sag: np.ndarray  # per group: the same series' drop below its history's median (see
+    # workload.sag; the slowdown until the median is known)
 
     def seen(self, n_bins: int) -> np.ndarray:
         """Per slot: whether any sample fell into the last n_bins bins."""
@@ -54,7 +63,7 @@ def read_windows(w: Windows, k: int, n_bins: int, held: np.ndarray) -> tuple[np.
     `held` is w.held(k, m) for some m >= n_bins (the engine reads it once for several look-backs).
     """
     latest = w.latest(k, held[0])
-    window = w.recent(k, n_bins, _ROWS, held[:n_bins])                        # (bins, rows, n)
+    window = w.recent(k, n_bins, _ROWS, held[:n_bins])  # (bins, rows, n)
     n_levels = len(LEVELS)
     return latest, nan_median_first_axis(window[:, :n_levels]), nan_mean_first_axis(window[:, n_levels:])
 
@@ -90,8 +99,11 @@ def throttle_causes(tick: Tick, slots: np.ndarray) -> list[str]:
     samples of these slots, taken together; for the wording of a finding, never for deciding one."""
     n_bins = tick.config.bins(tick.config.smooth_seconds)
     held = tick.held[:n_bins] if len(tick.held) >= n_bins else None
-    shares = nan_mean_first_axis(tick.windows.recent(tick.k, n_bins, _SHARE_ROWS, held)[:, :, slots].transpose(0, 2, 1)
-                                 .reshape(-1, len(_SHARE_ROWS)))
+    shares = nan_mean_first_axis(
+        tick.windows.recent(tick.k, n_bins, _SHARE_ROWS, held)[:, :, slots]
+        .transpose(0, 2, 1)
+        .reshape(-1, len(_SHARE_ROWS))
+    )
     hw_thermal, thermal, slow, power_cap = shares.tolist()
     # Heat's bits are among the slowdown bits, so the samples slowed by anything else are the difference.
     hits = (hw_thermal >= 0.5, thermal >= 0.5 and not hw_thermal >= 0.5, slow - thermal >= 0.5, power_cap >= 0.5)

@@ -18,10 +18,10 @@ class JobHealth:
     baseline_sm_active_ratio: float | None
     power_watts: float | None
     estimated_slowdown_ratio: float | None
-    stragglers: tuple[dict, ...]          # {"node": ..., "gpu": ... or None}
+    stragglers: tuple[dict, ...]  # {"node": ..., "gpu": ... or None}
     comm_bound: bool
     input_bound: bool
-    comm_bound_share: float               # share of evaluated ticks the job was comm-bound
+    comm_bound_share: float  # share of evaluated ticks the job was comm-bound
     evaluated_ticks: int
     # (kind, GPU-hours) lost while that kind's alert fired for the job, since the engine first saw it
     gpu_hours_lost_by_kind: tuple[tuple[str, float], ...] = ()

@@ -18,18 +18,58 @@ from operator import attrgetter
 import numpy as np
 
 from gpufleet.reasons import CLOCK_CUT_REASONS, THERMAL_REASONS, ThrottleReason
-from gpufleet.server.contract import (CLOCK, CLOCK_MAX, ECC_UNCORRECTED, ENERGY, LAST_XID, MEM_MAX_TEMP, MEM_TEMP, POWER,
-                             POWER_LIMIT, REMAP_FAILURE, REMAP_PENDING, SLOWDOWN_TEMP, SM, TEMP, THROTTLE, UP,
-                             UTIL, XID_TOTAL, NodeSample)
+from gpufleet.server.contract import (
+    CLOCK,
+    CLOCK_MAX,
+    ECC_UNCORRECTED,
+    ENERGY,
+    LAST_XID,
+    MEM_MAX_TEMP,
+    MEM_TEMP,
+    POWER,
+    POWER_LIMIT,
+    REMAP_FAILURE,
+    REMAP_PENDING,
+    SLOWDOWN_TEMP,
+    SM,
+    TEMP,
+    THROTTLE,
+    UP,
+    UTIL,
+    XID_TOTAL,
+    NodeSample,
+)
 from gpufleet.server.engine.prepared import Prepared
 
 # Binned quantities (rows of the rings).
-(B_UTIL, B_SM, B_TEMP, B_MEM_TEMP, B_POWER, B_POWER_LIMIT, B_CLOCK_RATIO, B_UP, B_THERMAL, B_HW_THERMAL,
- B_SLOW, B_POWER_CAP, B_REMAP_PENDING, B_REMAP_FAILURE) = range(14)
+(
+    B_UTIL,
+    B_SM,
+    B_TEMP,
+    B_MEM_TEMP,
+    B_POWER,
+    B_POWER_LIMIT,
+    B_CLOCK_RATIO,
+    B_UP,
+    B_THERMAL,
+    B_HW_THERMAL,
+    B_SLOW,
+    B_POWER_CAP,
+    B_REMAP_PENDING,
+    B_REMAP_FAILURE,
+) = range(14)
 N_BINNED = 14
-_DIRECT = ((B_UTIL, UTIL), (B_SM, SM), (B_TEMP, TEMP), (B_MEM_TEMP, MEM_TEMP), (B_POWER, POWER),
-           (B_POWER_LIMIT, POWER_LIMIT), (B_UP, UP), (B_REMAP_PENDING, REMAP_PENDING),
-           (B_REMAP_FAILURE, REMAP_FAILURE))
+_DIRECT = (
+    (B_UTIL, UTIL),
+    (B_SM, SM),
+    (B_TEMP, TEMP),
+    (B_MEM_TEMP, MEM_TEMP),
+    (B_POWER, POWER),
+    (B_POWER_LIMIT, POWER_LIMIT),
+    (B_UP, UP),
+    (B_REMAP_PENDING, REMAP_PENDING),
+    (B_REMAP_FAILURE, REMAP_FAILURE),
+)
 # A device's temperature limits do not change while it runs: the newest one reported is kept per GPU
 # (Windows.slot_limits) instead of a ring of bins, which at 8,000 GPUs and 10-minute windows would
 # hold 16 MB per limit. Rows of slot_limits:
@@ -39,7 +79,7 @@ THERMAL_BITS = int(THERMAL_REASONS)
 HW_THERMAL_BIT = int(ThrottleReason.HW_THERMAL_SLOWDOWN)
 SLOW_BITS = int(CLOCK_CUT_REASONS | ThrottleReason.SW_THERMAL_SLOWDOWN)
 POWER_CAP_BIT = int(ThrottleReason.SW_POWER_CAP)
-_COUNTER_COLS = np.array([ENERGY, XID_TOTAL, ECC_UNCORRECTED])     # _counters' column i is counter i
+_COUNTER_COLS = np.array([ENERGY, XID_TOTAL, ECC_UNCORRECTED])  # _counters' column i is counter i
 _DIRECT_ROWS = np.array([b for b, _ in _DIRECT])
 _DIRECT_COLS = np.array([c for _, c in _DIRECT])
 _BIT_ROWS = np.array([B_THERMAL, B_HW_THERMAL, B_SLOW, B_POWER_CAP])
@@ -54,7 +94,7 @@ class CounterEvent:
 
     slot: int
     time: float
-    kind: str            # "xid" or "ecc"
+    kind: str  # "xid" or "ecc"
     delta: int
     codes: tuple[int, ...]
 
@@ -75,7 +115,7 @@ class _NodeCache:
 class Windows:
     """Slot registry (one slot per node/GPU index) plus binned rings and counter state."""
 
-    LIMIT_COLS = LIMIT_COLS      # for server.engine.prepared, which cannot import this module
+    LIMIT_COLS = LIMIT_COLS  # for server.engine.prepared, which cannot import this module
     # Per-slot (last axis) arrays, reallocated by _grow as slots are added.
     acc: np.ndarray
     bin_id: np.ndarray
@@ -112,7 +152,7 @@ class Windows:
         self._xid_maps: dict[int, dict[int, int]] = {}
         self.samples = 0
         self.late_dropped = 0
-        self.too_old_dropped = 0        # snapshots older than the window, never binned
+        self.too_old_dropped = 0  # snapshots older than the window, never binned
         self.newest_time = -np.inf
         self.resumed_time = -np.inf
         self._prepared: Prepared | None = None
@@ -130,8 +170,11 @@ class Windows:
 
         def grow(arr: np.ndarray | None, fill: float, shape_prefix: tuple = (), dtype=np.float64) -> np.ndarray:
             # Zeros come from calloc: the rings' pages are only touched where a sample lands.
-            new = (np.zeros(shape_prefix + (cap,), dtype=dtype) if fill == 0
-                   else np.full(shape_prefix + (cap,), fill, dtype=dtype))
+            new = (
+                np.zeros(shape_prefix + (cap,), dtype=dtype)
+                if fill == 0
+                else np.full(shape_prefix + (cap,), fill, dtype=dtype)
+            )
             if arr is not None and old:
                 new[..., :old] = arr
             return new
@@ -193,7 +236,7 @@ class Windows:
         if cache is None:
             cache = self._nodes[sample.node] = _NodeCache()
         elif sample.indices is cache.indices and sample.uuids is cache.uuids and sample.jobs is cache.jobs:
-            return cache.slots, cache.job_codes     # the parser shares a node's identity tuples between lines
+            return cache.slots, cache.job_codes  # the parser shares a node's identity tuples between lines
         if sample.indices != cache.indices or sample.uuids != cache.uuids:
             slots = []
             for index, uuid, model in zip(sample.indices, sample.uuids, sample.models):
@@ -218,7 +261,7 @@ class Windows:
         nid = self.node_ids.get(node)
         if nid is None:
             return np.empty(0, dtype=np.int64)
-        slots = np.flatnonzero(self.slot_node_id[:self.n] == nid)
+        slots = np.flatnonzero(self.slot_node_id[: self.n] == nid)
         self.bin_id[:, slots] = -1
         self.slot_job[slots] = NO_JOB
         self.slot_job_since[slots] = np.nan
@@ -259,7 +302,7 @@ class Windows:
         resolved = list(map(self._resolve, inbox))
         slot_lists = [r[0] for r in resolved]
         counts = list(map(len, slot_lists))
-        if 0 in counts:                                           # drop snapshots that list no GPU
+        if 0 in counts:  # drop snapshots that list no GPU
             pairs = [(smp, r) for smp, r in zip(inbox, resolved) if len(r[0])]
             if not pairs:
                 return
@@ -278,7 +321,7 @@ class Windows:
         # The inbox is in time order, so a node's last write carries its newest time (fmax skips NaN).
         self.node_last_time[node_ids] = np.fmax(self.node_last_time[node_ids], sample_times)
         in_order = times >= self.slot_last_time[slots]
-        by_slot = np.argsort(slots, kind="stable")            # per slot, still in time order
+        by_slot = np.argsort(slots, kind="stable")  # per slot, still in time order
         self._update_jobs(slots, codes, times, in_order, by_slot)
         self.note_limits(slots, values[:, LIMIT_COLS])
         sorted_slots = slots[by_slot]
@@ -313,11 +356,17 @@ class Windows:
         if known.all():
             self.slot_limits[:, slots] = limits.T
         else:
-            r, c = np.nonzero(known)                      # row-major: a GPU's newer rows come later
+            r, c = np.nonzero(known)  # row-major: a GPU's newer rows come later
             self.slot_limits[c, slots[r]] = limits[r, c]
 
-    def _update_jobs(self, slots: np.ndarray, codes: np.ndarray, times: np.ndarray,
-                     in_order: np.ndarray, by_slot: np.ndarray | None = None) -> None:
+    def _update_jobs(
+        self,
+        slots: np.ndarray,
+        codes: np.ndarray,
+        times: np.ndarray,
+        in_order: np.ndarray,
+        by_slot: np.ndarray | None = None,
+    ) -> None:
         """Current job of each GPU follows its newest sample; a change restarts its job clock (by_slot:
         rows ordered by slot, then time; computed here when None and needed)."""
         if in_order.all() and (codes == self.slot_job[slots]).all():
@@ -327,7 +376,7 @@ class Windows:
             return
         if by_slot is None:
             by_slot = np.argsort(slots, kind="stable")
-        order = by_slot[in_order[by_slot]]                    # in-order rows, per slot in time order
+        order = by_slot[in_order[by_slot]]  # in-order rows, per slot in time order
         s, c, t = slots[order], codes[order], times[order]
         prev = np.empty_like(c)
         prev[1:] = c[:-1]
@@ -343,8 +392,16 @@ class Windows:
         self.slot_last_job[s[attributed]] = c[attributed]
         self.slot_last_time[s] = t
 
-    def _counters(self, slots: np.ndarray, times: np.ndarray, values: np.ndarray, in_order: np.ndarray,
-                  inbox: list, order: np.ndarray, one_per_slot: bool = False) -> np.ndarray:
+    def _counters(
+        self,
+        slots: np.ndarray,
+        times: np.ndarray,
+        values: np.ndarray,
+        in_order: np.ndarray,
+        inbox: list,
+        order: np.ndarray,
+        one_per_slot: bool = False,
+    ) -> np.ndarray:
         """Difference energy/XID/ECC counters per GPU (rows taken in `order`: by slot, then time); returns
         average power from energy per row (NaN where there is no previous reading, time did not advance,
         or the counter was reset)."""
@@ -359,7 +416,7 @@ class Windows:
                 continue
             if i and np.array_equal(v[ok], self._counter_val[i, s[ok]]):
                 self._counter_time[i, s[ok]] = t[ok]
-                continue            # no counter moved: nothing to difference
+                continue  # no counter moved: nothing to difference
             delta, dt, reset = self._diff(i, s[ok], t[ok], v[ok], one_per_slot)
             if i == 0:
                 # Energy across a reset has no known rate; everything else counts from zero.
@@ -369,8 +426,9 @@ class Windows:
                 self._record_events(i, order[ok], s[ok], t[ok], delta, values, inbox)
         return power
 
-    def _health_counters_moved(self, counters: np.ndarray, known: np.ndarray, s: np.ndarray,
-                               t: np.ndarray) -> tuple[int, ...]:
+    def _health_counters_moved(
+        self, counters: np.ndarray, known: np.ndarray, s: np.ndarray, t: np.ndarray
+    ) -> tuple[int, ...]:
         """Columns of the XID/ECC counters to difference: none when no reading differs from its GPU's
         last one (the usual case; then only their reading times advance), else both."""
         r, c = np.nonzero(known[:, 1:])
@@ -381,8 +439,9 @@ class Windows:
         self._counter_time[c, s[r]] = t[r]
         return ()
 
-    def _diff(self, i: int, s: np.ndarray, t: np.ndarray, v: np.ndarray,
-              one_per_slot: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _diff(
+        self, i: int, s: np.ndarray, t: np.ndarray, v: np.ndarray, one_per_slot: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-row increase and elapsed time against the same GPU's previous reading (rows by slot, then
         time; one_per_slot: no GPU appears twice, so every previous reading is the stored one)."""
         if one_per_slot:
@@ -412,8 +471,9 @@ class Windows:
         self._counter_time[i, s[last]] = t[last]
         return prev_v, prev_t
 
-    def _record_events(self, i: int, rows: np.ndarray, s: np.ndarray, t: np.ndarray, delta: np.ndarray,
-                       values: np.ndarray, inbox: list) -> None:
+    def _record_events(
+        self, i: int, rows: np.ndarray, s: np.ndarray, t: np.ndarray, delta: np.ndarray, values: np.ndarray, inbox: list
+    ) -> None:
         """Turn XID/ECC counter increases into events (rare; plain Python is fine)."""
         hit = np.flatnonzero(delta > 0)
         if not len(hit):
@@ -424,8 +484,7 @@ class Windows:
             codes: tuple[int, ...] = ()
             if i == 1:
                 codes = self._xid_codes(slot, row_xids[row] if row_xids else None, values[row, LAST_XID])
-            self.events.append(CounterEvent(slot, float(t[h]), "xid" if i == 1 else "ecc",
-                                            int(delta[h]), codes))
+            self.events.append(CounterEvent(slot, float(t[h]), "xid" if i == 1 else "ecc", int(delta[h]), codes))
 
     def _xid_codes(self, slot: int, by_code: dict[int, int] | None, last_xid: float) -> tuple[int, ...]:
         """Which XID codes increased: from the per-code map when present, else the last XID."""
@@ -456,8 +515,9 @@ class Windows:
         out[_BIT_ROWS] = np.where(known, (bits & _BIT_MASKS) != 0, np.nan)
         return out
 
-    def _bin(self, slots: np.ndarray, times: np.ndarray, derived: np.ndarray, min_bin: int,
-             one_per_slot: bool = False) -> None:
+    def _bin(
+        self, slots: np.ndarray, times: np.ndarray, derived: np.ndarray, min_bin: int, one_per_slot: bool = False
+    ) -> None:
         """Accumulate rows into their (bin, GPU) cells, resetting cells that held an older bin
         (one_per_slot: no GPU appears twice in the batch, so no two rows share a cell)."""
         bins = np.floor(times / self.tick).astype(np.int64)
@@ -476,7 +536,7 @@ class Windows:
         if fresh.any():
             self.bin_id[pos[fresh], slots[fresh]] = bins[fresh]
         valid = ~np.isnan(derived)
-        add = np.concatenate([np.where(valid, derived, 0.0), valid])          # sums, then counts
+        add = np.concatenate([np.where(valid, derived, 0.0), valid])  # sums, then counts
         if one_per_slot:
             # Every cell once (the usual case at tick-rate sampling): scatter straight away.
             at = self._row_offsets + cell
@@ -524,10 +584,11 @@ class Windows:
     def held(self, last_bin: int, n_bins: int) -> np.ndarray:
         """Shape (n_bins, n), newest first: whether each slot has a sample in bin last_bin - i."""
         ks = last_bin - np.arange(n_bins)
-        return self.bin_id[ks % self.ring, :self.n] == ks[:, None]
+        return self.bin_id[ks % self.ring, : self.n] == ks[:, None]
 
-    def recent(self, last_bin: int, n_bins: int, rows: np.ndarray | list[int],
-               held: np.ndarray | None = None) -> np.ndarray:
+    def recent(
+        self, last_bin: int, n_bins: int, rows: np.ndarray | list[int], held: np.ndarray | None = None
+    ) -> np.ndarray:
         """Bin means of some binned rows, shape (n_bins, len(rows), n) newest first; NaN where no sample
         or unsupported. `held` is self.held(last_bin, n_bins) when the caller has it already."""
         if held is None:
@@ -535,11 +596,11 @@ class Windows:
         n = self.n
         pos = ((last_bin - np.arange(n_bins)) % self.ring)[:, None]
         rows = np.asarray(rows)
-        acc = self.acc[np.concatenate([rows, rows + N_BINNED])[None, :], pos, :n]   # sums, then counts
+        acc = self.acc[np.concatenate([rows, rows + N_BINNED])[None, :], pos, :n]  # sums, then counts
         # 0/0 (no sample) is NaN already; a stale cell (an older bin at that position) is masked by
         # multiplying with NaN, and x * 1.0 keeps every other mean exactly.
         with np.errstate(invalid="ignore", divide="ignore"):
-            means = acc[:, :len(rows)] / acc[:, len(rows):]
+            means = acc[:, : len(rows)] / acc[:, len(rows) :]
         return means * np.where(held, 1.0, np.nan)[:, None, :]
 
     def has_data(self, last_bin: int, n_bins: int) -> np.ndarray:

@@ -37,8 +37,8 @@ class AgentAlerts:
 
     def __init__(self, *, after_seconds: float = 30.0) -> None:
         self.after_seconds = after_seconds
-        self._open: dict[str, _Open] = {}          # target -> state while it is down or stale
-        self.nodes: dict[str, str] = {}            # target -> node name it last reported (survives restarts)
+        self._open: dict[str, _Open] = {}  # target -> state while it is down or stale
+        self.nodes: dict[str, str] = {}  # target -> node name it last reported (survives restarts)
 
     def restore(self, alerts: Iterable[Alert], nodes: Mapping[str, str]) -> int:
         """Take back this module's open alerts and the remembered target -> node names; returns alerts taken."""
@@ -87,8 +87,11 @@ class AgentAlerts:
         """The target answers with samples again, the engine has its node, or it is gone: resolve."""
         state = self._open.pop(target, None)
         if state is not None and state.alert is not None:
-            out.append(Transition(replace(state.alert, state=AlertState.RESOLVED, resolved=now, updated=now),
-                                  AlertState.FIRING))
+            out.append(
+                Transition(
+                    replace(state.alert, state=AlertState.RESOLVED, resolved=now, updated=now), AlertState.FIRING
+                )
+            )
 
 
 def _alert(h: TargetHealth, node: str | None, since: float, now: float, after: float) -> Alert:
@@ -100,12 +103,30 @@ def _alert(h: TargetHealth, node: str | None, since: float, now: float, after: f
         what = f"agent {h.target} has not answered since the server started ({h.last_error})"
     else:
         what = f"agent {h.target} has not answered for {now - since:.0f} s ({h.last_error})"
-    evidence = {"source": SOURCE, "target": h.target, "reason": "stale" if h.stale else "down",
-                "consecutive_failures": h.consecutive_failures, "last_error": h.last_error,
-                "last_success": h.last_success, "last_sample_time": h.last_sample_time, "threshold_seconds": after}
+    evidence = {
+        "source": SOURCE,
+        "target": h.target,
+        "reason": "stale" if h.stale else "down",
+        "consecutive_failures": h.consecutive_failures,
+        "last_error": h.last_error,
+        "last_success": h.last_success,
+        "last_sample_time": h.last_sample_time,
+        "threshold_seconds": after,
+    }
     return Alert(
-        id=f"{fp}-{int(since)}", fingerprint=fp, kind=AlertKind.NODE_UNREACHABLE,
-        severity=Severity.CRITICAL, state=AlertState.FIRING, node=node or h.target, gpu=None, uuid=None,
-        hpc_job=None, pending_since=since, started=now, resolved=None,
-        updated=now, summary=what if node is None else f"{what}; its node {node} is not being watched",
-        evidence=evidence)
+        id=f"{fp}-{int(since)}",
+        fingerprint=fp,
+        kind=AlertKind.NODE_UNREACHABLE,
+        severity=Severity.CRITICAL,
+        state=AlertState.FIRING,
+        node=node or h.target,
+        gpu=None,
+        uuid=None,
+        hpc_job=None,
+        pending_since=since,
+        started=now,
+        resolved=None,
+        updated=now,
+        summary=what if node is None else f"{what}; its node {node} is not being watched",
+        evidence=evidence,
+    )

@@ -26,8 +26,8 @@ from collections import deque
 log = logging.getLogger(__name__)
 
 DEFAULT_MIN_OFFSET_SECONDS = 10.0
-_ANSWERS = 12                   # a minute of 5 s pulls: how soon a corrected clock is trusted again
-_TOLERANCE_SECONDS = 2.0        # moving a node's bins for less than this would only track delay jitter
+_ANSWERS = 12  # a minute of 5 s pulls: how soon a corrected clock is trusted again
+_TOLERANCE_SECONDS = 2.0  # moving a node's bins for less than this would only track delay jitter
 # A change of stamp minus arrival beyond this is the clock stepping, not delay: an answer is late by a pull
 # timeout and a sampling interval at most (seconds), while a step left standing for a minute of answers
 # puts the node's samples that far from its peers, past the engine's unreachable threshold (30 s).
@@ -57,8 +57,10 @@ class ClockOffsets:
             seen = self._seen[target] = deque(maxlen=_ANSWERS)
         difference = stamp - arrived
         if seen and abs(difference - seen[-1]) > STEP_SECONDS:
-            log.warning("agent clock stepped", extra={"target": target, "node": node,
-                                                      "step_seconds": round(difference - seen[-1], 3)})
+            log.warning(
+                "agent clock stepped",
+                extra={"target": target, "node": node, "step_seconds": round(difference - seen[-1], 3)},
+            )
             seen.clear()
         seen.append(difference)
         if not self.min_offset_seconds:
@@ -71,8 +73,10 @@ class ClockOffsets:
             return applied
         self._applied[target] = wanted
         if wanted:
-            log.warning("agent clock offset taken out", extra={"target": target, "node": node,
-                                                               "offset_seconds": round(wanted, 3)})
+            log.warning(
+                "agent clock offset taken out",
+                extra={"target": target, "node": node, "offset_seconds": round(wanted, 3)},
+            )
         else:
             log.info("agent clock agrees again", extra={"target": target, "node": node})
         return wanted

@@ -24,7 +24,7 @@ class Reading:
     scale: float = 1.0
     # Where two metrics give one field, the higher rank wins (the finer reading, or the newer field name).
     rank: int = 0
-    counter: bool = False         # grows without bound (energy, error counts): only 64-bit blanks apply
+    counter: bool = False  # grows without bound (energy, error counts): only 64-bit blanks apply
 
     def value(self, raw: float) -> float | None:
         """The reading in the contract's unit, or None where DCGM wrote a blank (unsupported) instead."""
@@ -46,9 +46,9 @@ READINGS: Mapping[str, Reading] = {
     "DCGM_FI_DEV_GPU_TEMP": Reading("temperature_celsius"),
     "DCGM_FI_DEV_MEMORY_TEMP": Reading("memory_temperature_celsius"),
     "DCGM_FI_DEV_POWER_USAGE": Reading("power_watts"),
-    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": Reading("energy_joules_total", 1e-3, counter=True),   # mJ
-    "DCGM_FI_DEV_SM_CLOCK": Reading("sm_clock_hertz", 1e6),                            # MHz
-    "DCGM_FI_DEV_GPU_UTIL": Reading("utilization_ratio", 1e-2),                        # %
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": Reading("energy_joules_total", 1e-3, counter=True),  # mJ
+    "DCGM_FI_DEV_SM_CLOCK": Reading("sm_clock_hertz", 1e6),  # MHz
+    "DCGM_FI_DEV_GPU_UTIL": Reading("utilization_ratio", 1e-2),  # %
     # The share of time any kernel ran, from the profiling counters: NVML's utilization at a finer grain.
     # Not SM activity: a GPU waiting in a collective runs NCCL's kernel and reads busy, so taken as SM
     # activity it would hide every straggler's waiting peers.
@@ -61,7 +61,7 @@ READINGS: Mapping[str, Reading] = {
     "DCGM_FI_DEV_ROW_REMAP_PENDING": Reading("remapped_rows_pending"),
     "DCGM_FI_DEV_SLOWDOWN_TEMP": Reading("slowdown_temperature_celsius"),
     "DCGM_FI_DEV_MEM_MAX_OP_TEMP": Reading("memory_max_operating_temperature_celsius"),
-    "DCGM_FI_DEV_MAX_SM_CLOCK": Reading("sm_clock_max_hertz", 1e6),            # MHz
+    "DCGM_FI_DEV_MAX_SM_CLOCK": Reading("sm_clock_max_hertz", 1e6),  # MHz
     "DCGM_FI_DEV_POWER_MGMT_LIMIT": Reading("power_limit_watts"),
     "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": Reading("ecc_uncorrected_errors_total", counter=True),
     # NVML's clocks-event (throttle) reasons bitmask, under DCGM's name before and after 3.3.
@@ -94,12 +94,8 @@ MISSING_EFFECTS: Mapping[str, tuple[tuple[str, str], ...]] = {
         ("straggler", "measures slowdowns by power, which moves less than SM activity"),
         ("comm_bound", "measures the job's drop by power, and only while clocks hold"),
     ),
-    "memory_max_operating_temperature_celsius": (
-        ("thermal_throttle", "HBM at its own limit does not trigger"),
-    ),
-    "ecc_uncorrected_errors_total": (
-        ("ecc", "no uncorrected ECC errors counted: only row remapping failures alert"),
-    ),
+    "memory_max_operating_temperature_celsius": (("thermal_throttle", "HBM at its own limit does not trigger"),),
+    "ecc_uncorrected_errors_total": (("ecc", "no uncorrected ECC errors counted: only row remapping failures alert"),),
 }
 
 
@@ -110,5 +106,9 @@ def metrics_for(field: str) -> tuple[str, ...]:
 
 def missing_effects(seen_fields: frozenset[str]) -> tuple[tuple[str, str, str], ...]:
     """(reading, detector, effect) for every reading in MISSING_EFFECTS that no GPU has."""
-    return tuple((reading, detector, effect) for reading, effects in MISSING_EFFECTS.items()
-                 if reading not in seen_fields for detector, effect in effects)
+    return tuple(
+        (reading, detector, effect)
+        for reading, effects in MISSING_EFFECTS.items()
+        if reading not in seen_fields
+        for detector, effect in effects
+    )

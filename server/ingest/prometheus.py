@@ -43,8 +43,15 @@ import msgspec
 import orjson
 
 from gpufleet.server.ingest import dcgm
-from gpufleet.server.ingest.puller import (Blindness, IngestAccounting, PullError, PullResult, TargetHealth,
-                                           _default_parse, bounded)
+from gpufleet.server.ingest.puller import (
+    Blindness,
+    IngestAccounting,
+    PullError,
+    PullResult,
+    TargetHealth,
+    _default_parse,
+    bounded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +66,13 @@ _FIELDS: dict[str, tuple[str | None, dict[str | None, str]]] = {
     "gpufleet_gpu_sm_active_ratio": (None, {None: "sm_active_ratio"}),
     "gpufleet_gpu_temperature_celsius": (None, {None: "temperature_celsius"}),
     "gpufleet_gpu_memory_temperature_celsius": (None, {None: "memory_temperature_celsius"}),
-    "gpufleet_gpu_temperature_limit_celsius": ("limit", {
-        "slowdown": "slowdown_temperature_celsius",
-        "memory_max_operating": "memory_max_operating_temperature_celsius"}),
+    "gpufleet_gpu_temperature_limit_celsius": (
+        "limit",
+        {
+            "slowdown": "slowdown_temperature_celsius",
+            "memory_max_operating": "memory_max_operating_temperature_celsius",
+        },
+    ),
     "gpufleet_gpu_power_watts": (None, {None: "power_watts"}),
     "gpufleet_gpu_power_limit_watts": (None, {None: "power_limit_watts"}),
     "gpufleet_gpu_energy_joules_total": (None, {None: "energy_joules_total"}),
@@ -97,7 +108,7 @@ def selector(schema: str = "auto") -> str:
     """The series one cycle asks for: the agents' (`gpufleet`), dcgm-exporter's (`dcgm`), or both (`auto`)."""
     names = {"gpufleet": _GPUFLEET_NAMES, "dcgm": sorted(dcgm.READINGS)}.get(schema)
     names = names if names is not None else _GPUFLEET_NAMES + sorted(dcgm.READINGS)
-    return "{__name__=~\"" + "|".join(names) + "\", " + RECORDED_LABEL + "=\"\"}"
+    return '{__name__=~"' + "|".join(names) + '", ' + RECORDED_LABEL + '=""}'
 
 
 SELECTOR = selector()
@@ -136,7 +147,7 @@ class _Gpu:
     xids: dict[str, int] | None = None
     # reading label -> [seconds active, seconds sampled] (NaN until that series is seen)
     activity: dict[str, list[float]] | None = None
-    ranks: dict[str, int] | None = None       # field -> rank of the dcgm metric that set it
+    ranks: dict[str, int] | None = None  # field -> rank of the dcgm metric that set it
     dcgm: bool = False
 
     def take(self, target: tuple, model: str | None, value: float) -> None:
@@ -147,11 +158,11 @@ class _Gpu:
         if model is not None:
             self.model = model
         if field is not None:
-            if from_dcgm is not None:       # a dcgm-exporter metric: the higher rank of two for one field wins
+            if from_dcgm is not None:  # a dcgm-exporter metric: the higher rank of two for one field wins
                 self.dcgm = True
                 converted = from_dcgm.value(value)
                 if converted is None:
-                    return                  # DCGM's blank: unsupported, as an absent series
+                    return  # DCGM's blank: unsupported, as an absent series
                 if self.ranks is None:
                     self.ranks = {}
                 if self.ranks.get(field, -1) > from_dcgm.rank:
@@ -202,26 +213,31 @@ class PrometheusSource(IngestAccounting):
         self._clock = clock
         self._parse = parse or _default_parse()
         self._timeout_seconds = timeout_seconds
-        self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds),
-                                         follow_redirects=False, headers={"accept": "application/json"},
-                                         verify=verify, auth=auth)
+        self._client = httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(timeout_seconds),
+            follow_redirects=False,
+            headers={"accept": "application/json"},
+            verify=verify,
+            auth=auth,
+        )
         self._last_query: float | None = None
         self._range_cap = max_lookback_seconds
-        self._newest: dict[str, float] = {}          # node -> newest sample time already delivered
+        self._newest: dict[str, float] = {}  # node -> newest sample time already delivered
         # (node, uuid, reading) -> (seconds active, seconds sampled, sample time) at the last delivered scrape
         self._activity: dict[tuple[str, str, str], tuple[float, float, float]] = {}
-        self._instances: dict[str, str] = {}         # instance -> node it scrapes
-        self._jobs: set[str] = set()                 # Prometheus scrape jobs the agents are in
+        self._instances: dict[str, str] = {}  # instance -> node it scrapes
+        self._jobs: set[str] = set()  # Prometheus scrape jobs the agents are in
         self._health: dict[str, TargetHealth] = {}
-        self._unlisted_since: dict[str, float] = {}   # instance -> since when `up` has not listed it
+        self._unlisted_since: dict[str, float] = {}  # instance -> since when `up` has not listed it
         # uuid -> newest sample time of an agent's series for the GPU: its dcgm-exporter series are left out
         self._agent_uuids: dict[str, float] = {}
         # dcgm uuid -> (last XID code seen, XIDs counted since): the gauge holds the last code, not a count
         self._dcgm_xids: dict[str, tuple[float, int]] = {}
-        self._dcgm_fields: frozenset[str] | None = None   # contract fields some dcgm GPU had, once known
-        self.missing: tuple[tuple[str, str, str], ...] = ()   # (reading, detector, effect) the source lacks
+        self._dcgm_fields: frozenset[str] | None = None  # contract fields some dcgm GPU had, once known
+        self.missing: tuple[tuple[str, str, str], ...] = ()  # (reading, detector, effect) the source lacks
         self._cycle_blind: Blindness | None = None
-        self._last_usable: float | None = None        # when an answer last held usable GPU series
+        self._last_usable: float | None = None  # when an answer last held usable GPU series
 
     async def aclose(self) -> None:
         """Close the connection to Prometheus."""
@@ -250,18 +266,28 @@ class PrometheusSource(IngestAccounting):
                 # A range Prometheus cannot answer in time (the first cycle's history of a big fleet, the
                 # backlog after an outage) would fail the same way every cycle: ask for less next time.
                 self._range_cap = max(self._steady_range(), lookback / 2)
-                log.warning("prometheus answer too slow or big, asking for less history",
-                            extra={"url": self.url, "lookback_seconds": lookback,
-                                   "next_lookback_seconds": self._range_cap})
-            self._health = {t: replace(h, up=False, last_attempt=now, last_error=f"prometheus: {exc}",
-                                       consecutive_failures=h.consecutive_failures + 1)
-                            for t, h in self._health.items()}
+                log.warning(
+                    "prometheus answer too slow or big, asking for less history",
+                    extra={"url": self.url, "lookback_seconds": lookback, "next_lookback_seconds": self._range_cap},
+                )
+            self._health = {
+                t: replace(
+                    h,
+                    up=False,
+                    last_attempt=now,
+                    last_error=f"prometheus: {exc}",
+                    consecutive_failures=h.consecutive_failures + 1,
+                )
+                for t, h in self._health.items()
+            }
             self._cycle_blind = Blindness("source_down", f"an answer from Prometheus at {self.url}", str(exc)[:200])
         else:
             skipped = 0.0 if self._last_query is None else now - lookback - self._last_query
             if skipped > 0:
-                log.warning("scrapes older than the shortened lookback were skipped",
-                            extra={"url": self.url, "skipped_seconds": round(skipped, 3)})
+                log.warning(
+                    "scrapes older than the shortened lookback were skipped",
+                    extra={"url": self.url, "skipped_seconds": round(skipped, 3)},
+                )
             self._last_query = now
             self._range_cap = min(self.max_lookback_seconds, 2 * self._range_cap)
             snapshots, arrived, usable = self._assemble(series)
@@ -273,32 +299,46 @@ class PrometheusSource(IngestAccounting):
                     self._record_error("schema", f"node {raw.get('node')!r}: {exc}")
             self._cycle_blind = self._blind_answer(series, usable, len(snapshots), rejected, lookback, now)
             self._update_health(await self._up(now), arrived, now)
-        return self._finish_cycle(PullResult(samples=samples, started=started,
-                                             duration_seconds=time.perf_counter() - t0, targets=len(self._health),
-                                             failed_targets=failed, rejected_snapshots=rejected))
+        return self._finish_cycle(
+            PullResult(
+                samples=samples,
+                started=started,
+                duration_seconds=time.perf_counter() - t0,
+                targets=len(self._health),
+                failed_targets=failed,
+                rejected_snapshots=rejected,
+            )
+        )
 
     def _blindness(self, result: PullResult) -> Blindness | None:
         return self._cycle_blind
 
-    def _blind_answer(self, series: list[_Series], usable: int, snapshots: int, rejected: int,
-                      lookback: float, now: float) -> Blindness | None:
+    def _blind_answer(
+        self, series: list[_Series], usable: int, snapshots: int, rejected: int, lookback: float, now: float
+    ) -> Blindness | None:
         """Blind when Prometheus held no usable GPU series on the first cycle (which asks for minutes) or for
         --pull.stale-after since (a scrape interval longer than the cycle leaves some ranges empty), or when
         every rebuilt snapshot was refused. A range with usable series but no new scrape is not blind."""
-        wanted = {"gpufleet": "gpufleet agents' gpufleet_gpu_* series",
-                  "dcgm": "dcgm-exporter's DCGM_FI_* series"}.get(self.schema,
-                                                                  "gpufleet_gpu_* or dcgm-exporter DCGM_FI_* series")
+        wanted = {"gpufleet": "gpufleet agents' gpufleet_gpu_* series", "dcgm": "dcgm-exporter's DCGM_FI_* series"}.get(
+            self.schema, "gpufleet_gpu_* or dcgm-exporter DCGM_FI_* series"
+        )
         looked_for = f"{wanted} with node/gpu/uuid (dcgm: Hostname/gpu/UUID) labels, last {lookback:.0f}s"
         if usable:
             self._last_usable = now
         elif self._last_usable is None or now - self._last_usable > self.stale_after_seconds:
-            found = (f"{len(series)} series, none with those labels" if series
-                     else "no series of those names (check --ingest.prometheus-schema and that Prometheus "
-                          "scrapes the exporters)")
+            found = (
+                f"{len(series)} series, none with those labels"
+                if series
+                else "no series of those names (check --ingest.prometheus-schema and that Prometheus "
+                "scrapes the exporters)"
+            )
             return Blindness("no_series", looked_for, found)
         if snapshots and rejected >= snapshots:
-            return Blindness("all_rejected", looked_for, f"{snapshots} snapshot(s) rebuilt, every one rejected "
-                                                         "(see gpufleet_server_rejected_total)")
+            return Blindness(
+                "all_rejected",
+                looked_for,
+                f"{snapshots} snapshot(s) rebuilt, every one rejected (see gpufleet_server_rejected_total)",
+            )
         return None
 
     def _lookback(self, now: float) -> float:
@@ -332,8 +372,12 @@ class PrometheusSource(IngestAccounting):
 
     async def _fetch(self, promql: str, at: float) -> tuple[bytes | bytearray, int]:
         """One instant query's raw answer and HTTP status; PullError when it cannot be had in time."""
-        async with bounded(self._timeout_seconds), self._client.stream(
-                "GET", f"{self.url}/api/v1/query", params={"query": promql, "time": f"{at:.3f}"}) as response:
+        async with (
+            bounded(self._timeout_seconds),
+            self._client.stream(
+                "GET", f"{self.url}/api/v1/query", params={"query": promql, "time": f"{at:.3f}"}
+            ) as response,
+        ):
             buf = bytearray()
             async for chunk in response.aiter_bytes():
                 buf += chunk
@@ -347,7 +391,7 @@ class PrometheusSource(IngestAccounting):
             try:
                 answer = _MATRIX_DECODER.decode(buf)
             except (msgspec.DecodeError, UnicodeDecodeError):
-                pass        # the tolerant path below says what is wrong with it
+                pass  # the tolerant path below says what is wrong with it
             else:
                 if answer.status == "success":
                     return answer.data.result
@@ -378,7 +422,7 @@ class PrometheusSource(IngestAccounting):
             taken = at - ages[(node, at)] if (node, at) in ages else at
             present = [(index, g) for index, g in sorted(gpus.items()) if g.readings is not None]
             if not present or taken <= self._newest.get(node, float("-inf")) + _SAME_SAMPLE_SECONDS:
-                continue     # the same sample scraped again (an agent whose sampling is stuck): not new
+                continue  # the same sample scraped again (an agent whose sampling is stuck): not new
             rows = [self._with_activity_means(node, taken, g, self._row(index, g)) for index, g in present]
             self._dcgm_rows(rows, [g for _, g in present])
             out.append({"schema": 1, "node": node, "time": taken, "gpus": rows})
@@ -425,17 +469,25 @@ class PrometheusSource(IngestAccounting):
         if missing != self.missing:
             self.missing = missing
             for reading, detector, effect in missing:
-                log.warning("dcgm-exporter source lacks a reading", extra={
-                    "reading": reading, "detector": detector, "effect": effect,
-                    "export": " or ".join(dcgm.metrics_for(reading))})
+                log.warning(
+                    "dcgm-exporter source lacks a reading",
+                    extra={
+                        "reading": reading,
+                        "detector": detector,
+                        "effect": effect,
+                        "export": " or ".join(dcgm.metrics_for(reading)),
+                    },
+                )
 
-    def _gather(self, series: list[_Series]) -> tuple[dict[tuple[str, float], dict[int, _Gpu]],
-                                                      dict[tuple[str, float], float], dict[tuple[str, float], str],
-                                                      int]:
+    def _gather(
+        self, series: list[_Series]
+    ) -> tuple[
+        dict[tuple[str, float], dict[int, _Gpu]], dict[tuple[str, float], float], dict[tuple[str, float], str], int
+    ]:
         """The points newer than what was delivered, per (node, scrape time): each GPU's readings, the
         sample's age the agent reported, the instance scraped; and how many series were usable."""
         scrapes: dict[tuple[str, float], dict[int, _Gpu]] = defaultdict(dict)
-        by_gpu: dict[tuple[str, int], dict[float, _Gpu]] = {}     # the same records, by GPU then scrape
+        by_gpu: dict[tuple[str, int], dict[float, _Gpu]] = {}  # the same records, by GPU then scrape
         ages: dict[tuple[str, float], float] = {}
         sources: dict[tuple[str, float], str] = {}
         agents = self._agent_uuids
@@ -448,7 +500,7 @@ class PrometheusSource(IngestAccounting):
             name, node, index, uuid = key
             if name in dcgm.READINGS:
                 if uuid in agents:
-                    continue    # the GPU's agent says it all, in its own units and times: counted once
+                    continue  # the GPU's agent says it all, in its own units and times: counted once
             elif uuid and s.values:
                 agents[uuid] = s.values[-1][0]
             usable += 1
@@ -488,7 +540,7 @@ class PrometheusSource(IngestAccounting):
                     if value == 1.0:
                         gpu.job = target[5]
                 else:
-                    if target[5] is not None:       # a dcgm-exporter series' hpc_job label
+                    if target[5] is not None:  # a dcgm-exporter series' hpc_job label
                         gpu.job = target[5]
                     gpu.take(target, model, value)
         return scrapes, ages, sources, usable
@@ -521,8 +573,16 @@ class PrometheusSource(IngestAccounting):
             node, gpu, uuid = labels.get("node"), labels.get("gpu"), labels.get("uuid")
         if name == _AGE and isinstance(node, str) and node:
             return name, node, -1, ""
-        if not (isinstance(name, str) and isinstance(node, str) and isinstance(gpu, str) and isinstance(uuid, str)
-                and name and node and uuid and gpu.isdigit()):
+        if not (
+            isinstance(name, str)
+            and isinstance(node, str)
+            and isinstance(gpu, str)
+            and isinstance(uuid, str)
+            and name
+            and node
+            and uuid
+            and gpu.isdigit()
+        ):
             wanted = "Hostname/gpu/UUID" if name in dcgm.READINGS else "node/gpu/uuid"
             self._record_error("schema", f"series without {wanted} labels: {str(labels)[:200]}")
             return None
@@ -554,12 +614,18 @@ class PrometheusSource(IngestAccounting):
             last_new = now if got_new or previous.last_new_data is None else previous.last_new_data
             is_up = state.get(instance, previous.up if instance not in arrived else True)
             self._health[instance] = replace(
-                previous, node=self._instances.get(instance, previous.node), up=is_up,
-                stale=is_up and now - last_new > self.stale_after_seconds, last_attempt=now,
-                last_success=now if is_up else previous.last_success, last_new_data=last_new,
-                last_sample_time=newest, consecutive_failures=0 if is_up else previous.consecutive_failures + 1,
-                last_error=None if is_up else "prometheus reports the scrape failing (up == 0)")
-        if state:       # `up` answered (an empty answer, or a failed query, says nothing about who left)
+                previous,
+                node=self._instances.get(instance, previous.node),
+                up=is_up,
+                stale=is_up and now - last_new > self.stale_after_seconds,
+                last_attempt=now,
+                last_success=now if is_up else previous.last_success,
+                last_new_data=last_new,
+                last_sample_time=newest,
+                consecutive_failures=0 if is_up else previous.consecutive_failures + 1,
+                last_error=None if is_up else "prometheus reports the scrape failing (up == 0)",
+            )
+        if state:  # `up` answered (an empty answer, or a failed query, says nothing about who left)
             self._forget_unlisted(state, arrived, now)
 
     def _forget_unlisted(self, listed: Mapping[str, bool], arrived: Mapping[str, float], now: float) -> None:
@@ -575,8 +641,9 @@ class PrometheusSource(IngestAccounting):
         self._count_error((self.url, reason), detail, "prometheus read rejected", {"url": self.url})
 
 
-def _target(name: str, labels: Mapping[str, Any]) -> tuple[str | None, bool, str, int, str, Any,
-                                                         dcgm.Reading | None] | None:
+def _target(
+    name: str, labels: Mapping[str, Any]
+) -> tuple[str | None, bool, str, int, str, Any, dcgm.Reading | None] | None:
     """What every point of one GPU series sets (the same at each point, so decided once per series):
     (contract field or None, whether it is a bool, activity reading, which activity counter, XID code,
     hpc_job of a job-info or dcgm-exporter series, how to read a dcgm-exporter metric); None for a metric
@@ -596,8 +663,15 @@ def _target(name: str, labels: Mapping[str, Any]) -> tuple[str | None, bool, str
     reading = dcgm.READINGS.get(name)
     if reading is not None:
         job = labels.get(dcgm.JOB_LABEL)
-        return (reading.field, reading.field in dcgm.BOOLS, "", 0, "", job if isinstance(job, str) and job else None,
-                reading)
+        return (
+            reading.field,
+            reading.field in dcgm.BOOLS,
+            "",
+            0,
+            "",
+            job if isinstance(job, str) and job else None,
+            reading,
+        )
     return None
 
 
@@ -619,7 +693,9 @@ def _result(buf: bytes | bytearray, status: int) -> list[Any]:
     except orjson.JSONDecodeError:
         if status != 200:
             # Not Prometheus's API answering: a proxy, or its web config refusing our credentials (401, 403).
-            raise PullError("http_status", f"HTTP {status}: {bytes(buf[:200]).decode(errors='replace').strip()}") from None
+            raise PullError(
+                "http_status", f"HTTP {status}: {bytes(buf[:200]).decode(errors='replace').strip()}"
+            ) from None
         raise PullError("malformed_json", f"HTTP {status}") from None
     if not isinstance(doc, dict) or doc.get("status") != "success":
         error = doc.get("error") if isinstance(doc, dict) else None

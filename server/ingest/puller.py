@@ -35,7 +35,7 @@ DEFAULT_MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
 # 40 minutes of an 8-GPU node sampled every second.
 DEFAULT_MAX_ENTRIES = 1_000_000
 DEFAULT_MAX_SNAPSHOTS = 3600
-DEFAULT_MAX_GPUS = 256          # per snapshot, and distinct GPU indices per node
+DEFAULT_MAX_GPUS = 256  # per snapshot, and distinct GPU indices per node
 DEFAULT_MAX_NODES = 10_000
 # A target's first pull asks for this much of the agent's ring, not all of it: what the engine needs
 # to judge (its smoothing and minimum history), not the agent's whole 300 s or more.
@@ -89,7 +89,7 @@ class TargetHealth:
     last_sample_time: float | None = None
     consecutive_failures: int = 0
     last_error: str | None = None
-    clock_offset_seconds: float | None = None     # agent clock minus ours, as measured (None: not yet)
+    clock_offset_seconds: float | None = None  # agent clock minus ours, as measured (None: not yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,13 +149,15 @@ class IngestAccounting:
         self._errors: Counter[tuple[str, str]] = Counter()
         self._gone_errors: Counter[str] = Counter()
         self._published: tuple[Mapping[tuple[str, str], int], Mapping[str, int]] = (
-            MappingProxyType({}), MappingProxyType({}))
+            MappingProxyType({}),
+            MappingProxyType({}),
+        )
         self.pulls_total = 0
         self.samples_total = 0
         self.cycles_total = 0
         self.last_cycle: PullResult | None = None
-        self.blind: Blindness | None = None                  # set while the last cycle was blind
-        self.blind_cycles: Counter[str] = Counter()          # reason -> blind cycles
+        self.blind: Blindness | None = None  # set while the last cycle was blind
+        self.blind_cycles: Counter[str] = Counter()  # reason -> blind cycles
 
     def _finish_cycle(self, result: PullResult) -> PullResult:
         """Account one whole cycle."""
@@ -176,8 +178,10 @@ class IngestAccounting:
         if blind is not None:
             self.blind_cycles[blind.reason] += 1
             if previous is None or previous.reason != blind.reason:
-                log.warning("ingest is blind: no usable GPU samples", extra={
-                    "reason": blind.reason, "looked_for": blind.looked_for, "found": blind.found})
+                log.warning(
+                    "ingest is blind: no usable GPU samples",
+                    extra={"reason": blind.reason, "looked_for": blind.looked_for, "found": blind.found},
+                )
         elif previous is not None:
             log.info("ingest sees GPU samples again", extra={"after": previous.reason})
 
@@ -221,11 +225,17 @@ def _blind_from_counts(result: PullResult) -> Blindness | None:
     if result.targets == 0:
         return Blindness("no_targets", "agent targets from the configured discovery", "no target listed")
     if result.failed_targets >= result.targets:
-        return Blindness("all_targets_down", f"snapshots from {result.targets} target(s)",
-                         "every pull failed (see gpufleet_server_pull_errors_total)")
+        return Blindness(
+            "all_targets_down",
+            f"snapshots from {result.targets} target(s)",
+            "every pull failed (see gpufleet_server_pull_errors_total)",
+        )
     if result.rejected_snapshots:
-        return Blindness("all_rejected", f"snapshots from {result.targets} target(s)",
-                         f"{result.rejected_snapshots} snapshot(s), every one rejected")
+        return Blindness(
+            "all_rejected",
+            f"snapshots from {result.targets} target(s)",
+            f"{result.rejected_snapshots} snapshot(s), every one rejected",
+        )
     return None
 
 
@@ -326,7 +336,10 @@ class Puller(IngestAccounting):
             if self._ssl is None:
                 self._ssl = ssl.create_default_context()  # building one per client would load the CA store 1000 times
             client = httpx.AsyncClient(
-                transport=self._transport, timeout=self._timeout, follow_redirects=False, verify=self._ssl,
+                transport=self._transport,
+                timeout=self._timeout,
+                follow_redirects=False,
+                verify=self._ssl,
                 auth=self._auth,
                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=300),
                 headers={"accept": "application/json"},
@@ -396,20 +409,27 @@ class Puller(IngestAccounting):
                 self._shrink(target, since, span, now)
             self._record_error(target, exc.reason, exc.detail)
             self._health[target] = replace(
-                previous, up=False, last_attempt=now, last_error=str(exc),
+                previous,
+                up=False,
+                last_attempt=now,
+                last_error=str(exc),
                 consecutive_failures=previous.consecutive_failures + 1,
             )
             return False, [], 0
         if newest is not None:
             self._span.pop(target, None)
-        self._health[target] = replace(self._healthy(previous, node, now, newest, bool(samples)),
-                                       clock_offset_seconds=self.clocks.estimate(target))
+        self._health[target] = replace(
+            self._healthy(previous, node, now, newest, bool(samples)), clock_offset_seconds=self.clocks.estimate(target)
+        )
         return True, samples, rejected
 
     def _first_span_now(self, targets: list[str]) -> float:
         """What each first pull of this cycle asks for: first_span, or its share of the cycle's budget."""
-        firsts = sum(1 for t in targets if t not in self._span
-                     and (t not in self._health or self._health[t].last_sample_time is None))
+        firsts = sum(
+            1
+            for t in targets
+            if t not in self._span and (t not in self._health or self._health[t].last_sample_time is None)
+        )
         if not firsts:
             return self.first_span_seconds
         share = self.first_budget_seconds / firsts
@@ -433,8 +453,10 @@ class Puller(IngestAccounting):
             span = max(gap, _MIN_SPAN_SECONDS)
         shorter = max(span / 2, _MIN_SPAN_SECONDS)
         if shorter < span:
-            log.warning("answer too big: asking the agent for a shorter span",
-                        extra={"target": target, "span_seconds": round(shorter, 3)})
+            log.warning(
+                "answer too big: asking the agent for a shorter span",
+                extra={"target": target, "span_seconds": round(shorter, 3)},
+            )
         self._span[target] = shorter
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -443,20 +465,34 @@ class Puller(IngestAccounting):
             self._decoder = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufleet-decode")
         return await asyncio.get_running_loop().run_in_executor(self._decoder, fn, *args)
 
-    def _healthy(self, previous: TargetHealth, node: str | None, now: float, newest: float | None,
-                 got_new: bool) -> TargetHealth:
+    def _healthy(
+        self, previous: TargetHealth, node: str | None, now: float, newest: float | None, got_new: bool
+    ) -> TargetHealth:
         """Health after a successful answer; stale when no new sample has arrived for too long."""
         last_new = now if got_new or previous.last_new_data is None else previous.last_new_data
         stale = now - last_new > self.stale_after_seconds
         if stale and not previous.stale:
             log.warning("agent serves stale samples", extra={"target": previous.target, "node": node})
         return replace(
-            previous, node=node or previous.node, up=True, stale=stale, last_attempt=now, last_success=now,
-            last_new_data=last_new, last_sample_time=newest, consecutive_failures=0, last_error=None,
+            previous,
+            node=node or previous.node,
+            up=True,
+            stale=stale,
+            last_attempt=now,
+            last_success=now,
+            last_new_data=last_new,
+            last_sample_time=newest,
+            consecutive_failures=0,
+            last_error=None,
         )
 
-    async def _fetch(self, target: str, since: float | None, span: float | None = None,
-                     gate: tuple[contextlib.AsyncExitStack, asyncio.Semaphore] | None = None) -> bytearray:
+    async def _fetch(
+        self,
+        target: str,
+        since: float | None,
+        span: float | None = None,
+        gate: tuple[contextlib.AsyncExitStack, asyncio.Semaphore] | None = None,
+    ) -> bytearray:
         """GET the target's snapshots newer than `since` (and within `span` seconds of its newest), the agent's
         part within the pull timeout, refusing oversized bodies; PullError on a non-200 status or a body over
         the limit.
@@ -472,11 +508,12 @@ class Puller(IngestAccounting):
         if span is not None:
             params["span"] = repr(round(span, 3))
         loop = asyncio.get_running_loop()
-        async with bounded(None), contextlib.AsyncExitStack() as stream:   # closing the stream may fail too
+        async with bounded(None), contextlib.AsyncExitStack() as stream:  # closing the stream may fail too
             started = loop.time()
             async with bounded(self._timeout_seconds):
                 response = await stream.enter_async_context(
-                    self._client(target).stream("GET", url, params=params or None))
+                    self._client(target).stream("GET", url, params=params or None)
+                )
                 if response.status_code != 200:
                     raise PullError("http_status", str(response.status_code))
                 declared = response.headers.get("content-length")
@@ -514,8 +551,9 @@ class Puller(IngestAccounting):
             raise PullError("too_many_snapshots", f"{len(doc['snapshots'])} snapshots, over {self.max_snapshots}")
         return doc
 
-    async def _decode(self, target: str, doc: dict[str, Any], since: float | None, now: float
-                      ) -> tuple[str | None, list[Any], int, float | None]:
+    async def _decode(
+        self, target: str, doc: dict[str, Any], since: float | None, now: float
+    ) -> tuple[str | None, list[Any], int, float | None]:
         """Validate each snapshot of a loaded answer; returns (node, samples, rejected count, newest time).
 
         `since` and the newest time are in the agent's clock (they are what it is asked for next); the
@@ -534,8 +572,11 @@ class Puller(IngestAccounting):
                 continue  # an agent that ignores `since` must not make us ingest twice
             if raw_time is not None and raw_time > horizon:
                 rejected += 1
-                self._record_error(target, "future_time",
-                                   f"sample time {raw_time!r} is {raw_time - now:.0f}s ahead of the server clock")
+                self._record_error(
+                    target,
+                    "future_time",
+                    f"sample time {raw_time!r} is {raw_time - now:.0f}s ahead of the server clock",
+                )
                 continue  # and `since` stays put, or the agent's honest samples after it would never be asked for
             identity_error = self._identity_error(node, raw)
             if identity_error is not None:
@@ -551,8 +592,10 @@ class Puller(IngestAccounting):
             # before `since`, and asked for with it the agent would hold them back until its clock passes
             # `since` again (an hour's step: an hour dark). It starts its buffer afresh on such a step, so
             # the next pull asks for all of it.
-            log.warning("agent clock went back; asking for its samples afresh",
-                        extra={"target": target, "node": node, "behind_seconds": round(since - served, 3)})
+            log.warning(
+                "agent clock went back; asking for its samples afresh",
+                extra={"target": target, "node": node, "behind_seconds": round(since - served, 3)},
+            )
             newest = None
         offset = self._clock_offset(target, node, served, newest_fresh, now)
         oldest = now - self.max_past_seconds
@@ -560,8 +603,11 @@ class Puller(IngestAccounting):
         for raw, raw_time in fresh:
             if raw_time is not None and raw_time - offset < oldest:
                 rejected += 1
-                self._record_error(target, "too_old",
-                                   f"sample time {raw_time - offset!r} is {now - raw_time + offset:.0f}s behind the server clock")
+                self._record_error(
+                    target,
+                    "too_old",
+                    f"sample time {raw_time - offset!r} is {now - raw_time + offset:.0f}s behind the server clock",
+                )
                 continue
             current.append((raw, raw_time))
         samples, problems = await self._off_loop(self._parse_all, current, offset)
@@ -634,8 +680,9 @@ class Puller(IngestAccounting):
             del self._target_of[node]
             self._gpus_of.pop(node, None)
 
-    def _clock_offset(self, target: str, node: str | None, served: float | None, newest: float | None,
-                      now: float) -> float:
+    def _clock_offset(
+        self, target: str, node: str | None, served: float | None, newest: float | None, now: float
+    ) -> float:
         """The offset to take out of this answer's sample times: learned from the agent's stamp of the answer
         (as _agent_clock vetted it), or else from its newest sample, when the answer has either."""
         stamp = served if served is not None else newest

@@ -38,8 +38,7 @@ def parse_address(text: str, *, default_port: int | None = None) -> str:
     raw = text.strip()
     if "://" in raw:
         # Taken as HOST:PORT, "http://a:9471" would become "http://a:9471:9471" and fail every pull.
-        raise TargetError(f"target {text!r} is a URL: give HOST:PORT (the scheme is pull.scheme, "
-                          "one for every agent)")
+        raise TargetError(f"target {text!r} is a URL: give HOST:PORT (the scheme is pull.scheme, one for every agent)")
     if any(c in raw for c in "/@?# "):
         raise TargetError(f"target {text!r} is not HOST:PORT (no path, user or spaces)")
     host, sep, port = raw.rpartition(":")
@@ -101,8 +100,7 @@ class FileSdTargets:
         try:
             st = self.path.stat()
         except OSError as exc:
-            log.warning("file_sd unreadable, keeping last targets",
-                        extra={"path": str(self.path), "error": str(exc)})
+            log.warning("file_sd unreadable, keeping last targets", extra={"path": str(self.path), "error": str(exc)})
             return list(self._targets)
         stamp = (st.st_mtime_ns, st.st_size)
         if stamp != self._stamp:
@@ -114,8 +112,7 @@ class FileSdTargets:
         try:
             content = self.path.read_bytes()
         except OSError as exc:
-            log.warning("file_sd unreadable, keeping last targets",
-                        extra={"path": str(self.path), "error": str(exc)})
+            log.warning("file_sd unreadable, keeping last targets", extra={"path": str(self.path), "error": str(exc)})
             return
         self._stamp = stamp
         if content == self._content:
@@ -150,8 +147,7 @@ class DnsTargets:
         try:
             addresses = self._resolver(self.host)
         except OSError as exc:
-            log.warning("dns resolution failed, keeping last targets",
-                        extra={"dns_name": self.host, "error": str(exc)})
+            log.warning("dns resolution failed, keeping last targets", extra={"dns_name": self.host, "error": str(exc)})
             return list(self._targets)
         self._targets = sorted({_join(a, self.port) for a in addresses})
         return list(self._targets)

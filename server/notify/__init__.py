@@ -19,7 +19,7 @@ class Notifier(Protocol):
     """Receives transitions without blocking; delivers them from its own task."""
 
     name: str
-    url: str                # where it delivers (no credentials: the settings refuse them in URLs)
+    url: str  # where it delivers (no credentials: the settings refuse them in URLs)
     sent_total: int
     failed_total: int
     dropped_total: int
@@ -31,8 +31,9 @@ class Notifier(Protocol):
     async def aclose(self) -> None: ...
 
 
-async def post_with_retry(client: httpx.AsyncClient, url: str, body: bytes, *, attempts: int,
-                          backoff_seconds: float, sleep: Sleep, what: str) -> bool:
+async def post_with_retry(
+    client: httpx.AsyncClient, url: str, body: bytes, *, attempts: int, backoff_seconds: float, sleep: Sleep, what: str
+) -> bool:
     """POST JSON, retrying connection errors and 5xx/429 with doubling backoff; True when delivered."""
     delay = backoff_seconds
     for attempt in range(1, attempts + 1):
@@ -46,8 +47,16 @@ async def post_with_retry(client: httpx.AsyncClient, url: str, body: bytes, *, a
             # OSError covers ssl.SSLError: under TLS 1.3 a receiver refusing our client certificate says so
             # on the first read, which httpx passes on as it is.
             retryable, error = True, f"{exc.__class__.__name__}: {exc}"
-        log.warning("notification failed", extra={"notifier": what, "url": url, "attempt": attempt,
-                                                  "error": error[:300], "retrying": retryable and attempt < attempts})
+        log.warning(
+            "notification failed",
+            extra={
+                "notifier": what,
+                "url": url,
+                "attempt": attempt,
+                "error": error[:300],
+                "retrying": retryable and attempt < attempts,
+            },
+        )
         if not retryable or attempt == attempts:
             return False
         await sleep(delay)
@@ -55,8 +64,9 @@ async def post_with_retry(client: httpx.AsyncClient, url: str, body: bytes, *, a
     return False
 
 
-async def deliver_until_stopped(step: Callable[[], Awaitable[object]], stop: asyncio.Event, *,
-                                tick_seconds: float, what: str) -> None:
+async def deliver_until_stopped(
+    step: Callable[[], Awaitable[object]], stop: asyncio.Event, *, tick_seconds: float, what: str
+) -> None:
     """Run a notifier's delivery step every tick until stopped; a failing step is logged, never fatal."""
     while not stop.is_set():
         try:

@@ -37,9 +37,17 @@ def to_alertmanager(alert: Alert, *, now: float, resend_interval_seconds: float,
     """One alert in Alertmanager's postable shape; null subjects are left out of the labels."""
     # `cause` is a label so that routes can send, say, power-brake stragglers to whoever runs the racks. It
     # comes from evidence that is frozen once firing, but for an escalation, when severity changes too.
-    labels = {"alertname": alertname(alert), "kind": alert.kind.value, "severity": alert.severity.value,
-              "node": alert.node, "gpu": None if alert.gpu is None else str(alert.gpu), "hpc_job": alert.hpc_job,
-              "cause": cause(alert) or None, "source": "gpufleet", **alert.labels}
+    labels = {
+        "alertname": alertname(alert),
+        "kind": alert.kind.value,
+        "severity": alert.severity.value,
+        "node": alert.node,
+        "gpu": None if alert.gpu is None else str(alert.gpu),
+        "hpc_job": alert.hpc_job,
+        "cause": cause(alert) or None,
+        "source": "gpufleet",
+        **alert.labels,
+    }
     body: dict[str, Any] = {
         "labels": {k: v for k, v in labels.items() if v is not None},
         "annotations": {
@@ -48,7 +56,7 @@ def to_alertmanager(alert: Alert, *, now: float, resend_interval_seconds: float,
             "evidence": orjson.dumps(dict(alert.evidence), option=orjson.OPT_NON_STR_KEYS, default=str).decode(),
         },
         "startsAt": rfc3339(alert.started if alert.started is not None else alert.pending_since),
-        "generatorURL": f"{external_url.rstrip('/')}/ui/alerts/{alert.id}",   # the alert's page, for a person
+        "generatorURL": f"{external_url.rstrip('/')}/ui/alerts/{alert.id}",  # the alert's page, for a person
     }
     if alert.uuid:
         body["annotations"]["uuid"] = alert.uuid
@@ -66,11 +74,22 @@ class AlertmanagerNotifier:
 
     name = "alertmanager"
 
-    def __init__(self, url: str, *, resend_interval_seconds: float = 60.0, external_url: str = "http://localhost:9472",
-                 timeout_seconds: float = 10.0, attempts: int = 4, backoff_seconds: float = 1.0,
-                 transport: httpx.AsyncBaseTransport | None = None,
-                 verify: ssl.SSLContext | bool = True, auth: httpx.Auth | None = None, clock: Callable[[], float] = time.time,
-                 sleep: Sleep = asyncio.sleep, tick_seconds: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        resend_interval_seconds: float = 60.0,
+        external_url: str = "http://localhost:9472",
+        timeout_seconds: float = 10.0,
+        attempts: int = 4,
+        backoff_seconds: float = 1.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
+        auth: httpx.Auth | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Sleep = asyncio.sleep,
+        tick_seconds: float = 1.0,
+    ) -> None:
         self.url = url.rstrip("/") + "/api/v2/alerts"
         self.resend_interval_seconds = resend_interval_seconds
         self.external_url = external_url
@@ -79,9 +98,10 @@ class AlertmanagerNotifier:
         self.tick_seconds = tick_seconds
         self._clock = clock
         self._sleep = sleep
-        self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds), verify=verify,
-                                         auth=auth)
-        self._firing: dict[str, Alert] = {}     # alert id -> latest firing state
+        self._client = httpx.AsyncClient(
+            transport=transport, timeout=httpx.Timeout(timeout_seconds), verify=verify, auth=auth
+        )
+        self._firing: dict[str, Alert] = {}  # alert id -> latest firing state
         # (alert id, severity) -> state to send on the next step; the severity is part of the key because it
         # is a label: an escalated alert's old label set must be ended alongside the new one being sent.
         self._outbox: dict[tuple[str, str], Alert] = {}
@@ -121,10 +141,21 @@ class AlertmanagerNotifier:
             self._last_resend = now
         if not batch:
             return True
-        payload = [to_alertmanager(a, now=now, resend_interval_seconds=self.resend_interval_seconds,
-                                   external_url=self.external_url) for a in batch.values()]
-        ok = await post_with_retry(self._client, self.url, orjson.dumps(payload), attempts=self.attempts,
-                                   backoff_seconds=self.backoff_seconds, sleep=self._sleep, what=self.name)
+        payload = [
+            to_alertmanager(
+                a, now=now, resend_interval_seconds=self.resend_interval_seconds, external_url=self.external_url
+            )
+            for a in batch.values()
+        ]
+        ok = await post_with_retry(
+            self._client,
+            self.url,
+            orjson.dumps(payload),
+            attempts=self.attempts,
+            backoff_seconds=self.backoff_seconds,
+            sleep=self._sleep,
+            what=self.name,
+        )
         if ok:
             self.sent_total += len(payload)
         else:

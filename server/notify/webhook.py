@@ -32,17 +32,28 @@ class WebhookNotifier:
 
     name = "webhook"
 
-    def __init__(self, url: str, *, timeout_seconds: float = 10.0, attempts: int = 4, backoff_seconds: float = 1.0,
-                 max_queue: int = 10_000, transport: httpx.AsyncBaseTransport | None = None,
-                 verify: ssl.SSLContext | bool = True, auth: httpx.Auth | None = None,
-                 sleep: Sleep = asyncio.sleep, tick_seconds: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_seconds: float = 10.0,
+        attempts: int = 4,
+        backoff_seconds: float = 1.0,
+        max_queue: int = 10_000,
+        transport: httpx.AsyncBaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
+        auth: httpx.Auth | None = None,
+        sleep: Sleep = asyncio.sleep,
+        tick_seconds: float = 1.0,
+    ) -> None:
         self.url = url
         self.attempts = attempts
         self.backoff_seconds = backoff_seconds
         self.tick_seconds = tick_seconds
         self._sleep = sleep
-        self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_seconds), verify=verify,
-                                         auth=auth)
+        self._client = httpx.AsyncClient(
+            transport=transport, timeout=httpx.Timeout(timeout_seconds), verify=verify, auth=auth
+        )
         self._queue: deque[Transition] = deque()
         self._max_queue = max_queue
         self.sent_total = 0
@@ -65,8 +76,15 @@ class WebhookNotifier:
         while self._queue:
             t = self._queue.popleft()
             body = orjson.dumps(transition_body(t), option=orjson.OPT_NON_STR_KEYS, default=str)
-            if await post_with_retry(self._client, self.url, body, attempts=self.attempts,
-                                     backoff_seconds=self.backoff_seconds, sleep=self._sleep, what=self.name):
+            if await post_with_retry(
+                self._client,
+                self.url,
+                body,
+                attempts=self.attempts,
+                backoff_seconds=self.backoff_seconds,
+                sleep=self._sleep,
+                what=self.name,
+            ):
                 self.sent_total += 1
                 delivered += 1
             else:

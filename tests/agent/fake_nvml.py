@@ -36,7 +36,9 @@ class FakeGpu:
     max_clocks_mhz: dict[int, int] = field(
         default_factory=lambda: {pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 2619}
     )
-    clocks_mhz: dict[int, int] = field(default_factory=lambda: {pynvml.NVML_CLOCK_SM: 1755, pynvml.NVML_CLOCK_MEM: 2619})
+    clocks_mhz: dict[int, int] = field(
+        default_factory=lambda: {pynvml.NVML_CLOCK_SM: 1755, pynvml.NVML_CLOCK_MEM: 2619}
+    )
     utilization: tuple[int, int] = (98, 41)
     temperature: int = 71
     reasons: int = 0
@@ -44,7 +46,10 @@ class FakeGpu:
     memory_total: int = 85_520_809_984
     power_limit_mw: int = 700_000
     ecc: dict[int, int] = field(
-        default_factory=lambda: {pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: 3, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: 0}
+        default_factory=lambda: {
+            pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: 3,
+            pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: 0,
+        }
     )
     remapped_rows: tuple[int, int, int, int] = (2, 0, 0, 0)
     # (field id, scope) -> value; int/float. Missing keys answer NOT_SUPPORTED per entry.

@@ -14,22 +14,47 @@ H100 = "NVIDIA H100 80GB HBM3"
 def gpu(index: int, **overrides) -> GpuSample:
     """A fully populated H100 sample; override any field."""
     base = dict(
-        index=index, uuid=f"GPU-{index:08x}-1111-2222-3333-444455556666", model=H100,
-        pci_bus_id=f"00000000:{0x18 + index:02X}:00.0", serial=f"165022001{index:04d}",
-        vbios_version="96.00.99.00.01", utilization_ratio=0.98, memory_utilization_ratio=0.41,
-        sm_active_ratio=0.81, sm_occupancy_ratio=0.32, memory_used_bytes=47036445491,
-        memory_total_bytes=85520809984, memory_free_bytes=37923405824, temperature_celsius=71.0, memory_temperature_celsius=78.0,
-        slowdown_temperature_celsius=87.0, shutdown_temperature_celsius=92.0,
-        max_operating_temperature_celsius=85.0, memory_max_operating_temperature_celsius=95.0,
-        power_watts=655.0, power_limit_watts=700.0, energy_joules_total=2225020545.4,
-        sm_clock_hertz=1.98e9, sm_clock_max_hertz=1.98e9, memory_clock_hertz=2.619e9,
-        memory_clock_max_hertz=2.619e9, throttle_reasons=0x24,
+        index=index,
+        uuid=f"GPU-{index:08x}-1111-2222-3333-444455556666",
+        model=H100,
+        pci_bus_id=f"00000000:{0x18 + index:02X}:00.0",
+        serial=f"165022001{index:04d}",
+        vbios_version="96.00.99.00.01",
+        utilization_ratio=0.98,
+        memory_utilization_ratio=0.41,
+        sm_active_ratio=0.81,
+        sm_occupancy_ratio=0.32,
+        memory_used_bytes=47036445491,
+        memory_total_bytes=85520809984,
+        memory_free_bytes=37923405824,
+        temperature_celsius=71.0,
+        memory_temperature_celsius=78.0,
+        slowdown_temperature_celsius=87.0,
+        shutdown_temperature_celsius=92.0,
+        max_operating_temperature_celsius=85.0,
+        memory_max_operating_temperature_celsius=95.0,
+        power_watts=655.0,
+        power_limit_watts=700.0,
+        energy_joules_total=2225020545.4,
+        sm_clock_hertz=1.98e9,
+        sm_clock_max_hertz=1.98e9,
+        memory_clock_hertz=2.619e9,
+        memory_clock_max_hertz=2.619e9,
+        throttle_reasons=0x24,
         throttle_seconds_total={"sw_power_cap": 12.5, "sw_thermal_slowdown": 3.25},
-        nvlink_tx_bytes_total=73598817976388, nvlink_rx_bytes_total=81149436696481,
-        pcie_tx_bytes_total=435114117676, pcie_rx_bytes_total=293621035166,
-        ecc_corrected_errors_total=2, ecc_uncorrected_errors_total=0, remapped_rows_correctable=1,
-        remapped_rows_uncorrectable=0, remapped_rows_pending=False, remapped_rows_failure=False,
-        xid_errors_total=3, xid_errors_by_code={79: 1, 48: 2}, last_xid=79,
+        nvlink_tx_bytes_total=73598817976388,
+        nvlink_rx_bytes_total=81149436696481,
+        pcie_tx_bytes_total=435114117676,
+        pcie_rx_bytes_total=293621035166,
+        ecc_corrected_errors_total=2,
+        ecc_uncorrected_errors_total=0,
+        remapped_rows_correctable=1,
+        remapped_rows_uncorrectable=0,
+        remapped_rows_pending=False,
+        remapped_rows_failure=False,
+        xid_errors_total=3,
+        xid_errors_by_code={79: 1, 48: 2},
+        last_xid=79,
     )
     base.update(overrides)
     return GpuSample(**base)
@@ -37,9 +62,15 @@ def gpu(index: int, **overrides) -> GpuSample:
 
 def snapshot(n: int = 2, time: float = 1763800000.25, node: str = "dgx-017", **gpu_overrides) -> NodeSnapshot:
     """A snapshot of n populated GPUs."""
-    return NodeSnapshot(node=node, time=time, gpus=tuple(gpu(i, **gpu_overrides) for i in range(n)),
-                        driver_version="550.54.15", nvml_version="12.550.54.15", cuda_driver_version="12.4",
-                        sample_duration_seconds=0.0042)
+    return NodeSnapshot(
+        node=node,
+        time=time,
+        gpus=tuple(gpu(i, **gpu_overrides) for i in range(n)),
+        driver_version="550.54.15",
+        nvml_version="12.550.54.15",
+        cuda_driver_version="12.4",
+        sample_duration_seconds=0.0042,
+    )
 
 
 class FakeClock:

@@ -24,7 +24,16 @@ ROOT = Path(__file__).resolve().parents[2]
 @contextlib.contextmanager
 def agent_process(*args: str, timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen, int]]:
     """Run the agent on 127.0.0.1:0 with JSON logs (info level or lower: the start line carries the port)."""
-    cmd = [sys.executable, "-m", "gpufleet.agent.cli", "--web.listen-address", "127.0.0.1:0", "--log.format", "json", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpufleet.agent.cli",
+        "--web.listen-address",
+        "127.0.0.1:0",
+        "--log.format",
+        "json",
+        *args,
+    ]
     with _started("agent", cmd, _logged_port("agent started", lambda r: r["port"]), timeout) as (proc, port):
         yield proc, port
 
@@ -33,8 +42,21 @@ def agent_process(*args: str, timeout: float = 30.0) -> Iterator[tuple[subproces
 def server_process(tmp_path: Path, *args: str, timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen, int]]:
     """Run `gpufleet-server serve` on 127.0.0.1:0 with its alert store in tmp_path; yields once it logged
     that it listens, with the port it was given."""
-    cmd = [sys.executable, "-m", "gpufleet.server.cli", "serve", "--web.listen-address", "127.0.0.1:0",
-           "--storage.path", str(tmp_path / "server.db"), "--log.level", "info", "--log.format", "json", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpufleet.server.cli",
+        "serve",
+        "--web.listen-address",
+        "127.0.0.1:0",
+        "--storage.path",
+        str(tmp_path / "server.db"),
+        "--log.level",
+        "info",
+        "--log.format",
+        "json",
+        *args,
+    ]
     port_of = _logged_port("gpufleet-server listening", lambda r: r["address"].rpartition(":")[2])
     with _started("server", cmd, port_of, timeout) as started:
         yield started
@@ -42,6 +64,7 @@ def server_process(tmp_path: Path, *args: str, timeout: float = 30.0) -> Iterato
 
 def _logged_port(msg: str, port: Callable[[dict], object]) -> Callable[[bytes], int | None]:
     """Reads the port, with `port`, from the JSON log record whose message is `msg`."""
+
     def port_of(line: bytes) -> int | None:
         with contextlib.suppress(ValueError):
             record = orjson.loads(line)
@@ -53,11 +76,13 @@ def _logged_port(msg: str, port: Callable[[dict], object]) -> Callable[[bytes], 
 
 
 @contextlib.contextmanager
-def _started(what: str, cmd: list[str], ready_from: Callable[[bytes], int | None],
-             timeout: float) -> Iterator[tuple[subprocess.Popen, int]]:
+def _started(
+    what: str, cmd: list[str], ready_from: Callable[[bytes], int | None], timeout: float
+) -> Iterator[tuple[subprocess.Popen, int]]:
     """Start cmd, read its log until ready_from(line) gives the port; SIGTERM (then kill) on the way out."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     found: list[int] = []
     ready = threading.Event()
     lines: list[bytes] = []
@@ -87,8 +112,9 @@ def _started(what: str, cmd: list[str], ready_from: Callable[[bytes], int | None
 
 
 PROMETHEUS = shutil.which("prometheus")
-requires_prometheus = pytest.mark.skipif(PROMETHEUS is None,
-                                         reason="prometheus binary not installed (apt-get install prometheus)")
+requires_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None, reason="prometheus binary not installed (apt-get install prometheus)"
+)
 PROMTOOL = shutil.which("promtool")
 requires_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
 
@@ -101,9 +127,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def prometheus_process(tmp_path: Path, targets: list[int], scrape: str = "", *, web_config: Path | None = None,
-                       client: dict | None = None, servers: list[int] | None = None,
-                       rule_files: list[Path] | None = None) -> Iterator[tuple[subprocess.Popen, int, Path]]:
+def prometheus_process(
+    tmp_path: Path,
+    targets: list[int],
+    scrape: str = "",
+    *,
+    web_config: Path | None = None,
+    client: dict | None = None,
+    servers: list[int] | None = None,
+    rule_files: list[Path] | None = None,
+) -> Iterator[tuple[subprocess.Popen, int, Path]]:
     """A real Prometheus on 127.0.0.1 scraping the given local ports every second as job gpufleet-agent
     (`scrape`: more lines of that job's scrape config, indented as its keys), `servers` as job
     gpufleet-server, and evaluating `rule_files` every second (`web_config`: serve HTTPS behind that
@@ -115,27 +148,37 @@ def prometheus_process(tmp_path: Path, targets: list[int], scrape: str = "", *, 
     def listed(ports: list[int]) -> str:
         return ", ".join(f"'127.0.0.1:{p}'" for p in ports)
 
-    text = ("global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
-            "scrape_configs:\n"
-            "  - job_name: gpufleet-agent\n"
-            f"    static_configs: [{{targets: [{listed(targets)}]}}]\n" + scrape)
+    text = (
+        "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: gpufleet-agent\n"
+        f"    static_configs: [{{targets: [{listed(targets)}]}}]\n" + scrape
+    )
     if servers:
         text += f"  - job_name: gpufleet-server\n    static_configs: [{{targets: [{listed(servers)}]}}]\n"
     if rule_files:
         text += "rule_files: [" + ", ".join(f"'{path}'" for path in rule_files) + "]\n"
     config.write_text(text)
-    cmd = [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-           f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
+    cmd = [
+        PROMETHEUS,
+        f"--config.file={config}",
+        f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--log.level=warn",
+    ]
     if web_config is not None:
         cmd.append(f"--web.config.file={web_config}")
-    with _daemon("Prometheus", cmd, port, tmp_path / "prometheus.log", "https" if web_config else "http",
-                 client) as (proc, log_path):
+    with _daemon("Prometheus", cmd, port, tmp_path / "prometheus.log", "https" if web_config else "http", client) as (
+        proc,
+        log_path,
+    ):
         yield proc, port, log_path
 
 
 @contextlib.contextmanager
-def _daemon(what: str, cmd: list[str], port: int, log_path: Path, scheme: str,
-            client: dict | None) -> Iterator[tuple[subprocess.Popen, Path]]:
+def _daemon(
+    what: str, cmd: list[str], port: int, log_path: Path, scheme: str, client: dict | None
+) -> Iterator[tuple[subprocess.Popen, Path]]:
     """Run a Prometheus-family binary logging to log_path until it is ready; stop it on the way out."""
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file)
@@ -151,8 +194,16 @@ def _daemon(what: str, cmd: list[str], port: int, log_path: Path, scheme: str,
                 proc.wait()
 
 
-def _wait_ready(proc: subprocess.Popen, port: int, log_path: Path, timeout: float = 60.0, *,
-                what: str, scheme: str, client: dict | None) -> None:
+def _wait_ready(
+    proc: subprocess.Popen,
+    port: int,
+    log_path: Path,
+    timeout: float = 60.0,
+    *,
+    what: str,
+    scheme: str,
+    client: dict | None,
+) -> None:
     """Until it answers /-/ready with 200 (`client`: httpx options, for one behind a web config). Prometheus
     listens before it has opened its TSDB and answers 503 "Service Unavailable" meanwhile; a query in that
     gap failed a test on a loaded CI machine."""
@@ -169,12 +220,14 @@ def _wait_ready(proc: subprocess.Popen, port: int, log_path: Path, timeout: floa
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 requires_alertmanager = pytest.mark.skipif(
-    ALERTMANAGER is None, reason="alertmanager binary not installed (apt-get install prometheus-alertmanager)")
+    ALERTMANAGER is None, reason="alertmanager binary not installed (apt-get install prometheus-alertmanager)"
+)
 
 
 @contextlib.contextmanager
-def alertmanager_process(tmp_path: Path, web_config: Path | None = None,
-                         client: dict | None = None) -> Iterator[tuple[subprocess.Popen, int, Path]]:
+def alertmanager_process(
+    tmp_path: Path, web_config: Path | None = None, client: dict | None = None
+) -> Iterator[tuple[subprocess.Popen, int, Path]]:
     """A real Alertmanager on 127.0.0.1, routing everything nowhere, without clustering; behind
     `web_config` (HTTPS) when given, `client` holding the httpx options that get past it. Yields
     (process, port, log)."""
@@ -182,10 +235,17 @@ def alertmanager_process(tmp_path: Path, web_config: Path | None = None,
     port = free_port()
     config = tmp_path / "alertmanager.yml"
     config.write_text("route: {receiver: nowhere}\nreceivers: [{name: nowhere}]\n")
-    cmd = [ALERTMANAGER, f"--config.file={config}", f"--storage.path={tmp_path / 'am-data'}",
-           f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"]
+    cmd = [
+        ALERTMANAGER,
+        f"--config.file={config}",
+        f"--storage.path={tmp_path / 'am-data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--cluster.listen-address=",
+        "--log.level=warn",
+    ]
     if web_config is not None:
         cmd.append(f"--web.config.file={web_config}")
-    with _daemon("Alertmanager", cmd, port, tmp_path / "alertmanager.log", "https" if web_config else "http",
-                 client) as (proc, log_path):
+    with _daemon(
+        "Alertmanager", cmd, port, tmp_path / "alertmanager.log", "https" if web_config else "http", client
+    ) as (proc, log_path):
         yield proc, port, log_path

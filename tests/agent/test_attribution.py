@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.agent.attribution import (MAX_CONTAINER_FILE_BYTES, BackgroundAttributor, JobAttributor,
-                                        NotRegularFile, Pod, read_in_root, read_regular)
+from gpufleet.agent.attribution import (
+    MAX_CONTAINER_FILE_BYTES,
+    BackgroundAttributor,
+    JobAttributor,
+    NotRegularFile,
+    Pod,
+    read_in_root,
+    read_regular,
+)
 
 
 def proc(root, pid, environ: bytes | None = None, cgroup: str | None = None):
@@ -41,13 +48,19 @@ def test_cgroup_v1_and_v2_paths(tmp_path):
 
 
 # A Kubernetes training container (cgroup v2, systemd driver) as the kubelet starts it.
-POD_CGROUP = ("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod3f1c2e4a_9b7d_4c1e_8a2f_"
-              "6d5e4c3b2a19.slice/cri-containerd-5b0e1c.scope\n")
+POD_CGROUP = (
+    "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod3f1c2e4a_9b7d_4c1e_8a2f_"
+    "6d5e4c3b2a19.slice/cri-containerd-5b0e1c.scope\n"
+)
 
 
 def test_a_kubernetes_pod_names_its_job_by_gpufleet_job(tmp_path):
-    proc(tmp_path, 14, b"HOSTNAME=llama-worker-3\0KUBERNETES_SERVICE_HOST=10.96.0.1\0"
-                       b"GPUFLEET_JOB=research/llama-70b\0RANK=24\0", POD_CGROUP)
+    proc(
+        tmp_path,
+        14,
+        b"HOSTNAME=llama-worker-3\0KUBERNETES_SERVICE_HOST=10.96.0.1\0GPUFLEET_JOB=research/llama-70b\0RANK=24\0",
+        POD_CGROUP,
+    )
     att = JobAttributor(tmp_path)
     assert att.job_for(0, "GPU-a", (14,)) == "research/llama-70b"
 
@@ -64,7 +77,8 @@ def pod(root, pid, environ: bytes, namespace: str | None, hostname: bytes = b"p"
         (d / "root" / "etc").mkdir(parents=True)
         (d / "root" / "etc" / "resolv.conf").write_text(
             f"# written by the kubelet\nnameserver 10.96.0.10\nsearch {namespace}.svc.cluster.local "
-            "svc.cluster.local cluster.local\noptions ndots:5\n")
+            "svc.cluster.local cluster.local\noptions ndots:5\n"
+        )
     return d
 
 
@@ -75,46 +89,56 @@ def test_a_pytorch_job_without_the_variable_is_named_by_its_rendezvous_in_its_na
         pod(tmp_path, pid, b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0RANK=%d\0" % rank, "research")
     pod(tmp_path, 22, b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0RANK=8\0", "vision")
     att = JobAttributor(tmp_path, node="gpu-07")
-    assert att.job_for(0, "GPU-a", (20,)) == att.job_for(1, "GPU-b", (21,)) \
+    assert (
+        att.job_for(0, "GPU-a", (20,))
+        == att.job_for(1, "GPU-b", (21,))
         == "llama-master-0.research.svc.cluster.local:23456"
+    )
     assert att.job_for(2, "GPU-c", (22,)) == "llama-master-0.vision.svc.cluster.local:23456"
     assert JobAttributor(tmp_path, rendezvous=False).job_for(0, "GPU-a", (20,)) is None
 
 
 def test_a_rendezvous_yields_to_a_job_variable_and_a_slurm_cgroup(tmp_path):
     pod(tmp_path, 23, b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0GPUFLEET_JOB=research/llama\0", "research")
-    proc(tmp_path, 24, b"MASTER_ADDR=node017\0MASTER_PORT=29500\0",
-         "0::/system.slice/slurmstepd.scope/job_4242/step_0\n")
+    proc(
+        tmp_path, 24, b"MASTER_ADDR=node017\0MASTER_PORT=29500\0", "0::/system.slice/slurmstepd.scope/job_4242/step_0\n"
+    )
     att = JobAttributor(tmp_path)
     assert att.job_for(0, "GPU-a", (23,)) == "research/llama"
     assert att.job_for(1, "GPU-b", (24,)) == "4242"
 
 
-@pytest.mark.parametrize("environ, namespace, job", [
-    # Host networking or an IP: the address is already unique.
-    (b"MASTER_ADDR=10.1.4.17\0MASTER_PORT=29500\0", "research", "10.1.4.17:29500"),
-    (b"MASTER_ADDR=dgx-03.cluster.example\0MASTER_PORT=29500\0", "research", "dgx-03.cluster.example:29500"),
-    (b"MASTER_ADDR=[fd00::7]\0MASTER_PORT=29500\0", None, "fd00::7:29500"),
-    # A short name with no resolv.conf to complete it stays as it is.
-    (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0", None, "llama-master-0:23456"),
-    # One pod's job on loopback: put under the pod, or every pod's on every node would be one job.
-    (b"MASTER_ADDR=localhost\0MASTER_PORT=29500\0", "research", "research/p/localhost:29500"),
-    # ... under the node where the pod cannot be told (host networking: the node's loopback).
-    (b"MASTER_ADDR=127.0.0.1\0MASTER_PORT=29501\0", None, "gpu-07/127.0.0.1:29501"),
-    # A process alone in its job shares a rendezvous with nobody (a template's leftover variables).
-    (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0WORLD_SIZE=1\0", "research", None),
-    (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0WORLD_SIZE=16\0", "research",
-     "llama-master-0.research.svc.cluster.local:23456"),
-    # Multi-host JAX.
-    (b"JAX_COORDINATOR_ADDRESS=jax-trainer-0.jax-trainer:1234\0", "research", "jax-trainer-0.jax-trainer:1234"),
-    (b"JAX_COORDINATOR_ADDRESS=coord:1234\0", "ml", "coord.ml.svc.cluster.local:1234"),
-    # Half a rendezvous, or nonsense, names nothing.
-    (b"MASTER_ADDR=llama-master-0\0", "research", None),
-    (b"MASTER_PORT=29500\0", "research", None),
-    (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=99999\0", "research", None),
-    (b"MASTER_ADDR=bad host\0MASTER_PORT=1\0", "research", None),
-    (b"JAX_COORDINATOR_ADDRESS=nocolon\0", "research", None),
-])
+@pytest.mark.parametrize(
+    "environ, namespace, job",
+    [
+        # Host networking or an IP: the address is already unique.
+        (b"MASTER_ADDR=10.1.4.17\0MASTER_PORT=29500\0", "research", "10.1.4.17:29500"),
+        (b"MASTER_ADDR=dgx-03.cluster.example\0MASTER_PORT=29500\0", "research", "dgx-03.cluster.example:29500"),
+        (b"MASTER_ADDR=[fd00::7]\0MASTER_PORT=29500\0", None, "fd00::7:29500"),
+        # A short name with no resolv.conf to complete it stays as it is.
+        (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0", None, "llama-master-0:23456"),
+        # One pod's job on loopback: put under the pod, or every pod's on every node would be one job.
+        (b"MASTER_ADDR=localhost\0MASTER_PORT=29500\0", "research", "research/p/localhost:29500"),
+        # ... under the node where the pod cannot be told (host networking: the node's loopback).
+        (b"MASTER_ADDR=127.0.0.1\0MASTER_PORT=29501\0", None, "gpu-07/127.0.0.1:29501"),
+        # A process alone in its job shares a rendezvous with nobody (a template's leftover variables).
+        (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0WORLD_SIZE=1\0", "research", None),
+        (
+            b"MASTER_ADDR=llama-master-0\0MASTER_PORT=23456\0WORLD_SIZE=16\0",
+            "research",
+            "llama-master-0.research.svc.cluster.local:23456",
+        ),
+        # Multi-host JAX.
+        (b"JAX_COORDINATOR_ADDRESS=jax-trainer-0.jax-trainer:1234\0", "research", "jax-trainer-0.jax-trainer:1234"),
+        (b"JAX_COORDINATOR_ADDRESS=coord:1234\0", "ml", "coord.ml.svc.cluster.local:1234"),
+        # Half a rendezvous, or nonsense, names nothing.
+        (b"MASTER_ADDR=llama-master-0\0", "research", None),
+        (b"MASTER_PORT=29500\0", "research", None),
+        (b"MASTER_ADDR=llama-master-0\0MASTER_PORT=99999\0", "research", None),
+        (b"MASTER_ADDR=bad host\0MASTER_PORT=1\0", "research", None),
+        (b"JAX_COORDINATOR_ADDRESS=nocolon\0", "research", None),
+    ],
+)
 def test_rendezvous_forms(tmp_path, environ, namespace, job):
     pod(tmp_path, 25, environ, namespace)
     assert JobAttributor(tmp_path, node="gpu-07").job_for(0, "GPU-a", (25,)) == job
@@ -248,20 +272,23 @@ def test_a_pod_process_names_its_pod_and_namespace(tmp_path):
     (account / "namespace").write_text("vision")
     att = JobAttributor(tmp_path, node="gpu-07")
     assert att.pod_for((30,)) == Pod("vision", "llama-worker-3")
-    assert att.job_for(0, "GPU-a", (30,)) is None                  # a pod is not a job
+    assert att.job_for(0, "GPU-a", (30,)) is None  # a pod is not a job
     assert JobAttributor(tmp_path, mapping_dir=tmp_path / "none").pod_for((30,)) is None
 
 
-@pytest.mark.parametrize("environ, cgroup, namespace, hostname", [
-    # Not in a pod: a Slurm task with the same variables.
-    (b"HOSTNAME=llama-worker-3\0", "0::/system.slice/slurmstepd.scope/job_1/step_0\n", "research", None),
-    # Host networking: the pod's hostname is the node's, bare or qualified.
-    (b"", POD_CGROUP, "research", b"gpu-07"),
-    (b"", POD_CGROUP, "research", b"GPU-07.cluster.example"),
-    # No namespace to be found, or names that are not Kubernetes names.
-    (b"", POD_CGROUP, None, b"llama-worker-3"),
-    (b"", POD_CGROUP, "research", b"Not_A_Pod"),
-])
+@pytest.mark.parametrize(
+    "environ, cgroup, namespace, hostname",
+    [
+        # Not in a pod: a Slurm task with the same variables.
+        (b"HOSTNAME=llama-worker-3\0", "0::/system.slice/slurmstepd.scope/job_1/step_0\n", "research", None),
+        # Host networking: the pod's hostname is the node's, bare or qualified.
+        (b"", POD_CGROUP, "research", b"gpu-07"),
+        (b"", POD_CGROUP, "research", b"GPU-07.cluster.example"),
+        # No namespace to be found, or names that are not Kubernetes names.
+        (b"", POD_CGROUP, None, b"llama-worker-3"),
+        (b"", POD_CGROUP, "research", b"Not_A_Pod"),
+    ],
+)
 def test_no_pod_where_it_cannot_be_told(tmp_path, environ, cgroup, namespace, hostname):
     if hostname is None:
         d = proc(tmp_path, 33, environ, cgroup)
@@ -318,6 +345,7 @@ def test_a_real_process_is_named_by_its_rendezvous_through_the_real_procfs(sleep
 
 # --- files inside containers: regular files only, never blocking, never outside the container's root --------
 
+
 def bounded(call, timeout: float = 10.0):
     """Run call on a thread; fail (rather than hang the suite) if it blocks."""
     result: list = []
@@ -356,11 +384,11 @@ def test_a_fifo_as_resolv_conf_is_skipped_not_waited_on(tmp_path):
 def test_an_absolute_symlink_in_a_container_resolves_inside_it_not_on_the_host(tmp_path):
     host = tmp_path / "host"
     host.mkdir()
-    (host / "namespace").write_text("kube-system")      # what the host (or another pod) holds there
+    (host / "namespace").write_text("kube-system")  # what the host (or another pod) holds there
     procfs = tmp_path / "proc"
     procfs.mkdir()
     d = pod(procfs, 72, b"RANK=3\0", "research", hostname=b"llama-worker-3")
-    (account_dir(d) / "namespace").symlink_to(host / "namespace")   # an absolute link, from the container
+    (account_dir(d) / "namespace").symlink_to(host / "namespace")  # an absolute link, from the container
     att = JobAttributor(procfs, node="gpu-07")
     assert att.pod_for((72,)) == Pod("research", "llama-worker-3")  # not kube-system: resolv.conf's
     # The same path inside the container is what the link means there.
@@ -411,7 +439,7 @@ def test_reads_are_capped_and_only_regular_files_are_opened(tmp_path):
     (root / "big").write_bytes(b"x" * (MAX_CONTAINER_FILE_BYTES * 4))
     assert len(read_in_root(root, "/big", MAX_CONTAINER_FILE_BYTES)) == MAX_CONTAINER_FILE_BYTES
     with pytest.raises(NotRegularFile) as info:
-        read_regular("/dev/zero", 10)     # endless, and a device: refused before it is opened
+        read_regular("/dev/zero", 10)  # endless, and a device: refused before it is opened
     assert info.value.kind == "char_device"
     with pytest.raises(NotRegularFile):
         read_in_root(root, ".", 10)
@@ -419,20 +447,21 @@ def test_reads_are_capped_and_only_regular_files_are_opened(tmp_path):
 
 # --- off the sampler's critical path -------------------------------------------------------------------
 
+
 def test_the_background_attributor_answers_from_the_last_finished_cycle(tmp_path):
     proc(tmp_path, 80, b"SLURM_JOB_ID=4242\0")
     proc(tmp_path, 81, b"SLURM_JOB_ID=4243\0")
     att = BackgroundAttributor(JobAttributor(tmp_path), start=False)
-    assert att.job_for(0, "GPU-a", (80,)) is None           # not looked at yet
+    assert att.job_for(0, "GPU-a", (80,)) is None  # not looked at yet
     att.end_cycle()
     assert att.resolve_pending()
     assert att.job_for(0, "GPU-a", (80,)) == "4242"
-    assert att.job_for(0, "GPU-a", (81,)) == "4242"         # new processes: the last answer until looked at
-    assert att.job_for(1, "GPU-b", ()) is None              # no processes: no job at once
+    assert att.job_for(0, "GPU-a", (81,)) == "4242"  # new processes: the last answer until looked at
+    assert att.job_for(1, "GPU-b", ()) is None  # no processes: no job at once
     att.end_cycle()
     att.resolve_pending()
     assert att.job_for(0, "GPU-a", (81,)) == "4243"
-    assert att.job_for(0, "GPU-z", (81,)) is None           # another GPU at that index: nothing carried over
+    assert att.job_for(0, "GPU-z", (81,)) is None  # another GPU at that index: nothing carried over
 
 
 def test_a_read_stuck_in_the_kernel_does_not_stop_sampling(tmp_path):
@@ -453,12 +482,18 @@ def test_a_read_stuck_in_the_kernel_does_not_stop_sampling(tmp_path):
     inner._environ = stuck_environ
     att = BackgroundAttributor(inner)
     clock = FakeClock()
-    sampler = Sampler(StubReader(gpus=1, pids={0: (90,)}), SnapshotStore(), node="n", attributor=att,
-                      clock=clock.time, monotonic=clock.monotonic)
+    sampler = Sampler(
+        StubReader(gpus=1, pids={0: (90,)}),
+        SnapshotStore(),
+        node="n",
+        attributor=att,
+        clock=clock.time,
+        monotonic=clock.monotonic,
+    )
     try:
         assert bounded(sampler.run_once).gpus[0].hpc_job is None
         assert entered.wait(10)
-        for _ in range(3):                                   # the thread is stuck; sampling is not
+        for _ in range(3):  # the thread is stuck; sampling is not
             clock.advance(1)
             assert bounded(sampler.run_once).gpus[0].hpc_job is None
         release.set()

@@ -17,12 +17,28 @@ from tests.agent.running import agent_process
 # The snapshot contract (schema 1) of issue 2: GPU fields and the JSON types each may take.
 NUM = (int, float)
 GPU_FIELDS = {
-    "index": int, "uuid": str, "model": str, "hpc_job": (str, type(None)), "up": bool,
-    "utilization_ratio": NUM, "sm_active_ratio": NUM, "memory_used_bytes": int, "memory_total_bytes": int,
-    "temperature_celsius": NUM, "memory_temperature_celsius": NUM, "slowdown_temperature_celsius": NUM,
-    "power_watts": NUM, "power_limit_watts": NUM, "energy_joules_total": NUM, "sm_clock_hertz": NUM,
-    "sm_clock_max_hertz": NUM, "throttle_reasons": int, "nvlink_tx_bytes_total": int,
-    "nvlink_rx_bytes_total": int, "pcie_tx_bytes_total": int, "pcie_rx_bytes_total": int,
+    "index": int,
+    "uuid": str,
+    "model": str,
+    "hpc_job": (str, type(None)),
+    "up": bool,
+    "utilization_ratio": NUM,
+    "sm_active_ratio": NUM,
+    "memory_used_bytes": int,
+    "memory_total_bytes": int,
+    "temperature_celsius": NUM,
+    "memory_temperature_celsius": NUM,
+    "slowdown_temperature_celsius": NUM,
+    "power_watts": NUM,
+    "power_limit_watts": NUM,
+    "energy_joules_total": NUM,
+    "sm_clock_hertz": NUM,
+    "sm_clock_max_hertz": NUM,
+    "throttle_reasons": int,
+    "nvlink_tx_bytes_total": int,
+    "nvlink_rx_bytes_total": int,
+    "pcie_tx_bytes_total": int,
+    "pcie_rx_bytes_total": int,
     "xid_errors_total": int,
 }
 
@@ -92,23 +108,31 @@ def test_mapping_dir_overrides_simulated_procfs(capsys, tmp_path):
 
 def test_a_kubernetes_job_is_named_by_the_variables_the_agent_is_told_to_read(capsys, tmp_path):
     scenario = tmp_path / "k8s.yaml"
-    scenario.write_text("nodes: [{name: n1, model: h100-sxm, gpus: 2}]\n"
-                        "jobs: [{id: research/llama, nodes: [n1], scheduler: kubernetes}]\n")
+    scenario.write_text(
+        "nodes: [{name: n1, model: h100-sxm, gpus: 2}]\n"
+        "jobs: [{id: research/llama, nodes: [n1], scheduler: kubernetes}]\n"
+    )
     doc = once(capsys, "--simulate", str(scenario))
     assert [g["hpc_job"] for g in doc["gpus"]] == ["research/llama"] * 2
-    assert [(g["kubernetes_namespace"], g["kubernetes_pod"]) for g in doc["gpus"]] == [("research", "llama-worker-0")] * 2
+    assert [(g["kubernetes_namespace"], g["kubernetes_pod"]) for g in doc["gpus"]] == [
+        ("research", "llama-worker-0")
+    ] * 2
     # Without the variable, the job's rendezvous (the operator's MASTER_ADDR, in the pod's namespace) names it.
     doc = once(capsys, "--simulate", str(scenario), "--hpc-job-env-vars", "SLURM_JOB_ID")
     assert [g["hpc_job"] for g in doc["gpus"]] == ["llama-worker-0.research.svc.cluster.local:29500"] * 2
-    doc = once(capsys, "--simulate", str(scenario), "--hpc-job-env-vars", "SLURM_JOB_ID",
-               "--hpc-job-rendezvous", "false")
+    doc = once(
+        capsys, "--simulate", str(scenario), "--hpc-job-env-vars", "SLURM_JOB_ID", "--hpc-job-rendezvous", "false"
+    )
     assert [g["hpc_job"] for g in doc["gpus"]] == [None, None]
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--simulate", "no-such-scenario"], "--simulate"),
-    (["--simulate", "hgx-h100", "--node", "elsewhere"], "--node"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--simulate", "no-such-scenario"], "--simulate"),
+        (["--simulate", "hgx-h100", "--node", "elsewhere"], "--node"),
+    ],
+)
 def test_bad_simulation_arguments_exit_2(capsys, args, fragment):
     assert main(["--once", *args]) == 2
     err = capsys.readouterr().err

@@ -27,8 +27,10 @@ def test_env_name_spelling():
 
 def test_precedence_flag_over_env_over_file(tmp_path):
     f = tmp_path / "agent.yaml"
-    f.write_text("sample.interval: 5\nnode: from-file\nlog.level: debug\nnvlink.per-link: true\n"
-                 "web.listen-address: '127.0.0.1:9500'\n")
+    f.write_text(
+        "sample.interval: 5\nnode: from-file\nlog.level: debug\nnvlink.per-link: true\n"
+        "web.listen-address: '127.0.0.1:9500'\n"
+    )
     env = {"GPUFLEET_AGENT_SAMPLE_INTERVAL": "2.5", "GPUFLEET_AGENT_NODE": "from-env"}
     cfg = load_config(["--config.file", str(f), "--node", "from-flag"], environ=env)
     assert cfg.node == "from-flag"
@@ -61,33 +63,41 @@ def test_job_variables_from_flag_environment_and_file(tmp_path):
     assert load_config(["--config.file", str(f)], environ={}).hpc_job_env_vars == ("GPUFLEET_JOB", "SLURM_JOB_ID")
 
 
-@pytest.mark.parametrize("addr,expected", [
-    (":9471", ("", 9471)), ("127.0.0.1:0", ("127.0.0.1", 0)), ("[::1]:9000", ("::1", 9000)),
-    ("node1.example:80", ("node1.example", 80)),
-])
+@pytest.mark.parametrize(
+    "addr,expected",
+    [
+        (":9471", ("", 9471)),
+        ("127.0.0.1:0", ("127.0.0.1", 0)),
+        ("[::1]:9000", ("::1", 9000)),
+        ("node1.example:80", ("node1.example", 80)),
+    ],
+)
 def test_listen_addresses(addr, expected):
     cfg = load_config(["--web.listen-address", addr], environ={})
     assert (cfg.listen_host, cfg.listen_port) == expected
 
 
-@pytest.mark.parametrize("argv,fragment", [
-    (["--sample.interval", "0"], "--sample.interval"),
-    (["--sample.interval", "fast"], "--sample.interval"),
-    (["--sample.interval", "nan"], "--sample.interval"),
-    (["--snapshots.retention", "60"], "--snapshots.retention: must be between 120"),
-    (["--web.listen-address", "9471"], "--web.listen-address"),
-    (["--web.listen-address", ":70000"], "--web.listen-address"),
-    (["--web.listen-address", "::1:80"], "--web.listen-address"),
-    (["--log.level", "loud"], "--log.level"),
-    (["--log.format", "xml"], "--log.format"),
-    (["--simulate.seed", "1.5"], "--simulate.seed"),
-    (["--node", "two words"], "--node"),
-    (["--no-such-flag"], "--no-such-flag"),
-    (["--sample.interval"], "--sample.interval"),
-    (["--hpc-job-env-vars", "SLURM-JOB-ID"], "--hpc-job-env-vars: 'SLURM-JOB-ID' is not an environment variable"),
-    (["--hpc-job-env-vars", "A,,B"], "--hpc-job-env-vars: must not be empty"),
-    (["--hpc-job-env-vars", " "], "--hpc-job-env-vars: must not be empty"),
-])
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--sample.interval", "0"], "--sample.interval"),
+        (["--sample.interval", "fast"], "--sample.interval"),
+        (["--sample.interval", "nan"], "--sample.interval"),
+        (["--snapshots.retention", "60"], "--snapshots.retention: must be between 120"),
+        (["--web.listen-address", "9471"], "--web.listen-address"),
+        (["--web.listen-address", ":70000"], "--web.listen-address"),
+        (["--web.listen-address", "::1:80"], "--web.listen-address"),
+        (["--log.level", "loud"], "--log.level"),
+        (["--log.format", "xml"], "--log.format"),
+        (["--simulate.seed", "1.5"], "--simulate.seed"),
+        (["--node", "two words"], "--node"),
+        (["--no-such-flag"], "--no-such-flag"),
+        (["--sample.interval"], "--sample.interval"),
+        (["--hpc-job-env-vars", "SLURM-JOB-ID"], "--hpc-job-env-vars: 'SLURM-JOB-ID' is not an environment variable"),
+        (["--hpc-job-env-vars", "A,,B"], "--hpc-job-env-vars: must not be empty"),
+        (["--hpc-job-env-vars", " "], "--hpc-job-env-vars: must not be empty"),
+    ],
+)
 def test_bad_flags_name_themselves(argv, fragment):
     with pytest.raises(ConfigError) as info:
         load_config(argv, environ={})
@@ -99,16 +109,19 @@ def test_bad_env_names_the_variable():
         load_config([], environ={"GPUFLEET_AGENT_SAMPLE_INTERVAL": "-1"})
 
 
-@pytest.mark.parametrize("content,fragment", [
-    ("sample.interval: soon\n", "'sample.interval'"),
-    ("bogus.key: 1\n", "unknown key 'bogus.key'"),
-    ("- a\n- b\n", "must hold a mapping"),
-    ("a: [unclosed\n", "not valid YAML"),
-    ("once: maybe\n", "'once'"),
-    ("node: {a: 1}\n", "'node'"),
-    ("hpc-job-env-vars: []\n", "'hpc-job-env-vars': must name at least one variable"),
-    ("hpc-job-env-vars: [1JOB]\n", "'hpc-job-env-vars': '1JOB' is not an environment variable name"),
-])
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        ("sample.interval: soon\n", "'sample.interval'"),
+        ("bogus.key: 1\n", "unknown key 'bogus.key'"),
+        ("- a\n- b\n", "must hold a mapping"),
+        ("a: [unclosed\n", "not valid YAML"),
+        ("once: maybe\n", "'once'"),
+        ("node: {a: 1}\n", "'node'"),
+        ("hpc-job-env-vars: []\n", "'hpc-job-env-vars': must name at least one variable"),
+        ("hpc-job-env-vars: [1JOB]\n", "'hpc-job-env-vars': '1JOB' is not an environment variable name"),
+    ],
+)
 def test_bad_file_entries(tmp_path, content, fragment):
     f = tmp_path / "c.yaml"
     f.write_text(content)
@@ -137,8 +150,17 @@ def test_main_exits_2_with_one_line(capsys):
 def test_main_help_exits_0(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--web.listen-address", "--sample.interval", "--simulate.epoch", "--hpc-job-mapping-dir",
-                 "--path.procfs", "--nvlink.per-link", "--record", "--once", "--config.file"):
+    for flag in (
+        "--web.listen-address",
+        "--sample.interval",
+        "--simulate.epoch",
+        "--hpc-job-mapping-dir",
+        "--path.procfs",
+        "--nvlink.per-link",
+        "--record",
+        "--once",
+        "--config.file",
+    ):
         assert flag in out
 
 

@@ -19,21 +19,42 @@ EXPECTED = Path(__file__).parent / "expected"
 
 def fixed_snapshot() -> NodeSnapshot:
     """GPU 0 full with per-link NVLink, a job and a pod; GPU 1 partly unsupported; GPU 2 lost."""
-    g0 = gpu(0, hpc_job="4242", kubernetes_namespace="research", kubernetes_pod="llama-worker-3",
-             nvlink_link_tx_bytes_total=(1000, 2000), nvlink_link_rx_bytes_total=(3000, None))
-    g1 = gpu(1, sm_active_ratio=None, sm_occupancy_ratio=None, memory_temperature_celsius=None,
-             memory_max_operating_temperature_celsius=None, throttle_seconds_total={}, xid_errors_by_code={},
-             xid_errors_total=0, model='Odd "model"\\name', serial=None, throttle_reasons=0x1)
+    g0 = gpu(
+        0,
+        hpc_job="4242",
+        kubernetes_namespace="research",
+        kubernetes_pod="llama-worker-3",
+        nvlink_link_tx_bytes_total=(1000, 2000),
+        nvlink_link_rx_bytes_total=(3000, None),
+    )
+    g1 = gpu(
+        1,
+        sm_active_ratio=None,
+        sm_occupancy_ratio=None,
+        memory_temperature_celsius=None,
+        memory_max_operating_temperature_celsius=None,
+        throttle_seconds_total={},
+        xid_errors_by_code={},
+        xid_errors_total=0,
+        model='Odd "model"\\name',
+        serial=None,
+        throttle_reasons=0x1,
+    )
     g2 = GpuSample(index=2, uuid="GPU-lost", model="NVIDIA H100 80GB HBM3", up=False)
     return dataclasses.replace(snapshot(n=0), gpus=(g0, g1, g2))
 
 
 def fixed_health() -> AgentHealth:
     return AgentHealth(
-        node="dgx-017", version="0.1.0", nvml_up=True, cycles_total=42,
+        node="dgx-017",
+        version="0.1.0",
+        nvml_up=True,
+        cycles_total=42,
         errors={("power_watts", "Timeout"): 2, ("attribution", "environ:EACCES"): 1},
-        capabilities={0: {"sm_active_ratio": True, "memory_temperature_celsius": True},
-                      1: {"sm_active_ratio": False, "memory_temperature_celsius": False}},
+        capabilities={
+            0: {"sm_active_ratio": True, "memory_temperature_celsius": True},
+            1: {"sm_active_ratio": False, "memory_temperature_celsius": False},
+        },
     )
 
 
@@ -75,8 +96,7 @@ def test_families_without_any_reading_are_left_out():
     body = render(bare, AgentHealth(node="n", version="0.1.0", nvml_up=True))
     names = set(series(body))
     assert "gpufleet_gpu_up" in names and "gpufleet_gpu_info" in names
-    assert not any(n.startswith("gpufleet_gpu_") and n not in ("gpufleet_gpu_up", "gpufleet_gpu_info")
-                   for n in names)
+    assert not any(n.startswith("gpufleet_gpu_") and n not in ("gpufleet_gpu_up", "gpufleet_gpu_info") for n in names)
     assert b"# HELP gpufleet_gpu_power_watts" not in body
 
 
@@ -102,8 +122,9 @@ def test_job_is_its_own_info_series():
 
 def test_pod_is_its_own_info_series():
     s = series(render(fixed_snapshot(), fixed_health()))
-    assert [(x.labels["gpu"], x.labels["namespace"], x.labels["pod"]) for x in s["gpufleet_gpu_pod_info"]] == \
-        [("0", "research", "llama-worker-3")]
+    assert [(x.labels["gpu"], x.labels["namespace"], x.labels["pod"]) for x in s["gpufleet_gpu_pod_info"]] == [
+        ("0", "research", "llama-worker-3")
+    ]
 
 
 def test_nvml_down_serves_only_agent_health():
@@ -162,8 +183,13 @@ def test_process_metrics_come_from_a_registry_of_the_renderers_own():
     before = set(REGISTRY._collector_to_names)
     body = Renderer(process_metrics=True).render(fixed_snapshot(), fixed_health())
     s = series(body)
-    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_start_time_seconds",
-                 "process_open_fds", "process_max_fds"):
+    for name in (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_start_time_seconds",
+        "process_open_fds",
+        "process_max_fds",
+    ):
         assert len(s[name]) == 1 and s[name][0].value > 0, name
     assert set(REGISTRY._collector_to_names) == before
     assert body.startswith(render(fixed_snapshot(), fixed_health()))
@@ -171,13 +197,18 @@ def test_process_metrics_come_from_a_registry_of_the_renderers_own():
 
 
 def test_nvml_cost_and_reading_periods_match_prometheus_client():
-    health = dataclasses.replace(fixed_health(), nvml_seconds={"nvmlGpmSampleGet": 1.5, "nvmlDeviceGetFieldValues": 0.25},
-                                 reading_periods={"energy_joules_total": 60.0, "utilization_ratio": 1.0})
+    health = dataclasses.replace(
+        fixed_health(),
+        nvml_seconds={"nvmlGpmSampleGet": 1.5, "nvmlDeviceGetFieldValues": 0.25},
+        reading_periods={"energy_joules_total": 60.0, "utilization_ratio": 1.0},
+    )
     body = render(fixed_snapshot(), health)
     assert body == render_reference(fixed_snapshot(), health)
     samples = series(body)
     assert {s.labels["call"] for s in samples["gpufleet_agent_nvml_seconds_total"]} == {
-        "nvmlGpmSampleGet", "nvmlDeviceGetFieldValues"}
+        "nvmlGpmSampleGet",
+        "nvmlDeviceGetFieldValues",
+    }
     assert len(samples["gpufleet_agent_reading_period_seconds"]) == 2
 
 

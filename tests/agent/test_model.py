@@ -23,9 +23,13 @@ def reference(sample) -> dict:
 
 
 def test_to_dict_agrees_with_the_plain_conversion_in_order():
-    sample = gpu(0, nvlink_link_tx_bytes_total=(1, None), counter_resets=("energy_joules_total",),
-                 xid_errors_by_code=MappingProxyType({79: 2}),
-                 slow_readings_age_seconds=MappingProxyType({"energy_joules_total": 37.0}))
+    sample = gpu(
+        0,
+        nvlink_link_tx_bytes_total=(1, None),
+        counter_resets=("energy_joules_total",),
+        xid_errors_by_code=MappingProxyType({79: 2}),
+        slow_readings_age_seconds=MappingProxyType({"energy_joules_total": 37.0}),
+    )
     out = sample.to_dict()
     assert out == reference(sample) and list(out) == list(reference(sample))
     assert out["xid_errors_by_code"] == {"79": 2} and out["nvlink_link_tx_bytes_total"] == [1, None]
@@ -34,4 +38,6 @@ def test_to_dict_agrees_with_the_plain_conversion_in_order():
 
 def test_empty_mappings_and_tuples_are_empty_json_containers():
     out = gpu(1, throttle_seconds_total={}, counter_resets=()).to_dict()
-    assert out["throttle_seconds_total"] == {} and out["counter_resets"] == [] and out["slow_readings_age_seconds"] == {}
+    assert (
+        out["throttle_seconds_total"] == {} and out["counter_resets"] == [] and out["slow_readings_age_seconds"] == {}
+    )

@@ -10,8 +10,14 @@ import pynvml
 from gpufleet.agent.nvml_calls import IDENTITY, POLLED, STATIC, cuda_version_text, text
 from gpufleet.agent.model import GpuSample
 
-DEPRECATED = ("nvmlDeviceGetTemperature(", "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetViolationStatus",
-              "nvmlDeviceGetNvLinkUtilizationCounter", "nvmlDeviceGetPcieThroughput", "nvmlDeviceGetDetailedEccErrors")
+DEPRECATED = (
+    "nvmlDeviceGetTemperature(",
+    "nvmlDeviceGetCurrentClocksThrottleReasons",
+    "nvmlDeviceGetViolationStatus",
+    "nvmlDeviceGetNvLinkUtilizationCounter",
+    "nvmlDeviceGetPcieThroughput",
+    "nvmlDeviceGetDetailedEccErrors",
+)
 
 
 def test_readings_are_sample_fields():

@@ -40,16 +40,21 @@ def test_error_code_of_pynvml_exceptions_only():
 
 
 def test_library_fatal_codes():
-    fatal = [pynvml.NVML_ERROR_UNINITIALIZED, pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
-             pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH]
+    fatal = [
+        pynvml.NVML_ERROR_UNINITIALIZED,
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+        pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
+        pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+    ]
     assert all(is_library_fatal(code) for code in fatal)
     assert not any(is_library_fatal(c) for c in (None, pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_TIMEOUT))
 
 
 def test_error_counts_from_many_threads():
     counts = ErrorCounts()
-    threads = [threading.Thread(target=lambda: [counts.add("power_watts", "timeout") for _ in range(1000)])
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: [counts.add("power_watts", "timeout") for _ in range(1000)]) for _ in range(4)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

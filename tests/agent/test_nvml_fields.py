@@ -16,8 +16,12 @@ def test_entries_without_and_with_per_link():
     assert [e.scope for e in base if e.reading.startswith("nvlink")] == [ALL_LINKS, ALL_LINKS]
     links = batch_entries(fake, link_count=2, per_link=True)
     extra = [(e.reading, e.scope) for e in links if e not in base]
-    assert extra == [("nvlink_link_tx_bytes_total.0", 0), ("nvlink_link_rx_bytes_total.0", 0),
-                     ("nvlink_link_tx_bytes_total.1", 1), ("nvlink_link_rx_bytes_total.1", 1)]
+    assert extra == [
+        ("nvlink_link_tx_bytes_total.0", 0),
+        ("nvlink_link_rx_bytes_total.0", 0),
+        ("nvlink_link_tx_bytes_total.1", 1),
+        ("nvlink_link_rx_bytes_total.1", 1),
+    ]
 
 
 def test_field_ids_missing_from_this_pynvml_are_skipped():
@@ -29,8 +33,15 @@ def test_field_ids_missing_from_this_pynvml_are_skipped():
 
 @pytest.mark.parametrize(
     ("value_type", "member", "value"),
-    [(0, "dVal", 1.5), (1, "uiVal", 7), (2, "ulVal", 8), (3, "ullVal", 2**63), (4, "sllVal", -3), (5, "siVal", -4),
-     (6, "usVal", 9)],
+    [
+        (0, "dVal", 1.5),
+        (1, "uiVal", 7),
+        (2, "ulVal", 8),
+        (3, "ullVal", 2**63),
+        (4, "sllVal", -3),
+        (5, "siVal", -4),
+        (6, "usVal", 9),
+    ],
 )
 def test_decode_each_value_type(value_type, member, value):
     slot = pynvml.c_nvmlFieldValue_t()

@@ -105,7 +105,11 @@ def test_units_are_converted_exactly():
     assert (gpu.remapped_rows_pending, gpu.remapped_rows_failure) == (False, False)
     assert (gpu.xid_errors_total, dict(gpu.xid_errors_by_code), gpu.last_xid) == (0, {}, None)
     assert gpu.counter_resets == () and gpu.hpc_job is None
-    assert (reader.driver_version, reader.nvml_version, reader.cuda_driver_version) == ("550.54.15", "12.550.54.15", "12.4")
+    assert (reader.driver_version, reader.nvml_version, reader.cuda_driver_version) == (
+        "550.54.15",
+        "12.550.54.15",
+        "12.4",
+    )
     assert dict(reader.errors) == {}
 
 
@@ -425,17 +429,32 @@ def test_per_link_counter_going_backwards_is_flagged():
         (lambda g: setattr(g, "temperature", 200), "temperature_celsius", "temperature_celsius"),
         (lambda g: setattr(g, "temperature", -41), "temperature_celsius", "temperature_celsius"),
         (lambda g: g.fields.update({(pynvml.NVML_FI_DEV_POWER_INSTANT, 0): 5_000_001}), "power_watts", "power_watts"),
-        (lambda g: setattr(g, "clocks_mhz", {pynvml.NVML_CLOCK_SM: 5001, pynvml.NVML_CLOCK_MEM: 2619}),
-         "sm_clock_hertz", "sm_clock_hertz"),
-        (lambda g: g.fields.update({(pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, 0): -5}),
-         "pcie_rx_bytes_total", "pcie_rx_bytes_total"),
-        (lambda g: g.fields.update({(pynvml.NVML_FI_DEV_MEMORY_TEMP, 0): math.nan}),
-         "memory_temperature_celsius", "memory_temperature_celsius"),
-        (lambda g: g.fields.update({(pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, 0): math.inf}),
-         "energy_joules_total", "energy_joules_total"),
+        (
+            lambda g: setattr(g, "clocks_mhz", {pynvml.NVML_CLOCK_SM: 5001, pynvml.NVML_CLOCK_MEM: 2619}),
+            "sm_clock_hertz",
+            "sm_clock_hertz",
+        ),
+        (
+            lambda g: g.fields.update({(pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, 0): -5}),
+            "pcie_rx_bytes_total",
+            "pcie_rx_bytes_total",
+        ),
+        (
+            lambda g: g.fields.update({(pynvml.NVML_FI_DEV_MEMORY_TEMP, 0): math.nan}),
+            "memory_temperature_celsius",
+            "memory_temperature_celsius",
+        ),
+        (
+            lambda g: g.fields.update({(pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, 0): math.inf}),
+            "energy_joules_total",
+            "energy_joules_total",
+        ),
         (lambda g: g.gpm_values.update({pynvml.NVML_GPM_METRIC_SM_UTIL: 100.5}), "sm_active_ratio", "sm_active_ratio"),
-        (lambda g: g.fields.update({(pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST, 0): -1}),
-         None, "throttle_seconds_total"),
+        (
+            lambda g: g.fields.update({(pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST, 0): -1}),
+            None,
+            "throttle_seconds_total",
+        ),
     ],
 )
 def test_nonsense_values_are_dropped_and_counted(two_gpus, mutate, field, reading):

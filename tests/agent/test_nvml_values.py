@@ -65,13 +65,24 @@ def test_every_rule_names_a_sample_field():
 
 def test_counter_tracker_flags_only_backwards_counters():
     tracker = CounterTracker()
-    first = {"energy_joules_total": 10.0, "power_watts": 500.0, "nvlink_link_tx_bytes_total": (5, None, 7),
-             "throttle_seconds_total": MappingProxyType({"sw_power_cap": 2.0})}
+    first = {
+        "energy_joules_total": 10.0,
+        "power_watts": 500.0,
+        "nvlink_link_tx_bytes_total": (5, None, 7),
+        "throttle_seconds_total": MappingProxyType({"sw_power_cap": 2.0}),
+    }
     assert tracker.check("GPU-a", first) == ()
-    second = {"energy_joules_total": 9.0, "power_watts": 100.0, "nvlink_link_tx_bytes_total": (6, 1, 3),
-              "throttle_seconds_total": MappingProxyType({"sw_power_cap": 1.0})}
-    assert tracker.check("GPU-a", second) == ("energy_joules_total", "nvlink_link_tx_bytes_total",
-                                              "throttle_seconds_total")
+    second = {
+        "energy_joules_total": 9.0,
+        "power_watts": 100.0,
+        "nvlink_link_tx_bytes_total": (6, 1, 3),
+        "throttle_seconds_total": MappingProxyType({"sw_power_cap": 1.0}),
+    }
+    assert tracker.check("GPU-a", second) == (
+        "energy_joules_total",
+        "nvlink_link_tx_bytes_total",
+        "throttle_seconds_total",
+    )
     assert tracker.check("GPU-b", second) == ()  # per GPU
 
 

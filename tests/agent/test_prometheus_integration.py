@@ -28,8 +28,10 @@ def query(port: int, promql: str) -> list[dict]:
 
 @requires_prometheus
 def test_prometheus_scrapes_the_agent(tmp_path):
-    with agent_process("--simulate", "hgx-h100", "--node", "hgx-h100-01") as (agent, agent_port), \
-            prometheus_process(tmp_path, [agent_port]) as (prom, prom_port, log_path):
+    with (
+        agent_process("--simulate", "hgx-h100", "--node", "hgx-h100-01") as (agent, agent_port),
+        prometheus_process(tmp_path, [agent_port]) as (prom, prom_port, log_path),
+    ):
         result: list[dict] = []
         waiter = threading.Event()
         for _ in range(int(DEADLINE_SECONDS / POLL_SECONDS)):
@@ -52,16 +54,25 @@ def test_prometheus_scrapes_an_agent_behind_mutual_tls_and_basic_auth(tmp_path):
     """The exporter-toolkit file a fleet already has, read by our agent, scraped by Prometheus's own client."""
     pki = make_pki(tmp_path)
     web = tmp_path / "web.yml"
-    web.write_text(f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
-                   f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca_cert}\n"
-                   f"basic_auth_users:\n  prometheus: '{bcrypt.hashpw(b's3cret', bcrypt.gensalt(4)).decode()}'\n")
+    web.write_text(
+        f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
+        f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca_cert}\n"
+        f"basic_auth_users:\n  prometheus: '{bcrypt.hashpw(b's3cret', bcrypt.gensalt(4)).decode()}'\n"
+    )
     secret = tmp_path / "password"
     secret.write_text("s3cret\n")
-    scrape = (f"    scheme: https\n"
-              f"    tls_config: {{ca_file: '{pki.ca_cert}', cert_file: '{pki.client_cert}', key_file: '{pki.client_key}'}}\n"
-              f"    basic_auth: {{username: prometheus, password_file: '{secret}'}}\n")
-    with agent_process("--simulate", "hgx-h100", "--node", "hgx-h100-01", "--web.config.file", str(web)) as (_, agent_port), \
-            prometheus_process(tmp_path, [agent_port], scrape) as (prom, prom_port, log_path):
+    scrape = (
+        f"    scheme: https\n"
+        f"    tls_config: {{ca_file: '{pki.ca_cert}', cert_file: '{pki.client_cert}', key_file: '{pki.client_key}'}}\n"
+        f"    basic_auth: {{username: prometheus, password_file: '{secret}'}}\n"
+    )
+    with (
+        agent_process("--simulate", "hgx-h100", "--node", "hgx-h100-01", "--web.config.file", str(web)) as (
+            _,
+            agent_port,
+        ),
+        prometheus_process(tmp_path, [agent_port], scrape) as (prom, prom_port, log_path),
+    ):
         up: list[dict] = []
         waiter = threading.Event()
         for _ in range(int(DEADLINE_SECONDS / POLL_SECONDS)):

@@ -41,8 +41,18 @@ def test_fixed_snapshot_passes():
 
 
 def test_health_only_exposition_passes():
-    assert_clean(render(None, AgentHealth(node="n", version="0.1.0", nvml_up=False, nvml_error="NvmlUnavailable",
-                                          errors={("nvml_init", "driver_not_loaded"): 3})))
+    assert_clean(
+        render(
+            None,
+            AgentHealth(
+                node="n",
+                version="0.1.0",
+                nvml_up=False,
+                nvml_error="NvmlUnavailable",
+                errors={("nvml_init", "driver_not_loaded"): 3},
+            ),
+        )
+    )
 
 
 @pytest.mark.parametrize("scenario", ["hgx-h100", "a100", "pcie"])
@@ -66,5 +76,5 @@ def test_simulated_node_passes(scenario):
     # agent's own process_* families.
     reference = render_reference(snap, pub.health, pub.activity)
     assert pub.metrics.startswith(reference)
-    assert pub.metrics[len(reference):].startswith(b"# HELP process_")
+    assert pub.metrics[len(reference) :].startswith(b"# HELP process_")
     assert_clean(pub.metrics + render_age(clock.now, snap, snap.node))

@@ -57,9 +57,9 @@ def test_copytruncate_and_reopen_keep_appending_to_the_path(tmp_path):
     path = tmp_path / "trace.jsonl"
     rec = Recorder(path)
     assert rec.write(b'{"a":1}')
-    path.write_bytes(b"")                  # logrotate copytruncate: same file, emptied
+    path.write_bytes(b"")  # logrotate copytruncate: same file, emptied
     assert rec.write(b'{"b":2}')
-    rec.reopen()                           # what SIGHUP asks for
+    rec.reopen()  # what SIGHUP asks for
     assert rec.write(b'{"c":3}')
     rec.close()
     assert path.read_bytes() == b'{"b":2}\n{"c":3}\n'

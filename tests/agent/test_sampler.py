@@ -18,8 +18,9 @@ def make(reader=None, **kwargs):
     clock = FakeClock()
     store = SnapshotStore()
     reader = reader or StubReader()
-    sampler = Sampler(reader, store, node="dgx-017", clock=clock.time, monotonic=clock.monotonic,
-                      jitter=lambda: 0.5, **kwargs)
+    sampler = Sampler(
+        reader, store, node="dgx-017", clock=clock.time, monotonic=clock.monotonic, jitter=lambda: 0.5, **kwargs
+    )
     return sampler, reader, store, clock
 
 
@@ -31,7 +32,7 @@ def test_cycle_publishes_snapshot_json_and_metrics():
     pub = store.latest()
     assert pub.snapshot is snap
     assert orjson.loads(pub.snapshot_json) == snap.to_dict()
-    assert b"gpufleet_agent_nvml_up{node=\"dgx-017\"} 1.0" in pub.metrics
+    assert b'gpufleet_agent_nvml_up{node="dgx-017"} 1.0' in pub.metrics
     assert b"gpufleet_gpu_utilization_ratio" in pub.metrics
     assert pub.health.capabilities[1]["memory_temperature_celsius"] is False
 
@@ -132,8 +133,9 @@ def test_run_loop_keeps_a_drift_free_schedule():
     clock = FakeClock()
     reader = StubReader()
     stop = FakeStop(clock, cycles=5)
-    sampler = Sampler(reader, SnapshotStore(), node="n", interval=1.0, clock=clock.time,
-                      monotonic=clock.monotonic, stop=stop)
+    sampler = Sampler(
+        reader, SnapshotStore(), node="n", interval=1.0, clock=clock.time, monotonic=clock.monotonic, stop=stop
+    )
 
     def slow():
         clock.advance(0.25)  # each read takes a quarter second
@@ -148,8 +150,9 @@ def test_run_loop_skips_ticks_after_an_overrun():
     clock = FakeClock()
     reader = StubReader()
     stop = FakeStop(clock, cycles=2)
-    sampler = Sampler(reader, SnapshotStore(), node="n", interval=1.0, clock=clock.time,
-                      monotonic=clock.monotonic, stop=stop)
+    sampler = Sampler(
+        reader, SnapshotStore(), node="n", interval=1.0, clock=clock.time, monotonic=clock.monotonic, stop=stop
+    )
     reader.read_effects = [lambda: clock.advance(3.5), None]
     sampler.run()
     assert stop.waits[0] == 0.5  # back on the grid, not a burst of catch-up cycles
@@ -284,7 +287,7 @@ def test_a_missed_guess_costs_one_render_and_the_scrape_renders_as_before():
         while clock.mono < 1000.0 + at:
             sampler.run_once()
             clock.advance(1.0)
-        store.latest().metrics
+        _ = store.latest().metrics  # a scrape reads the body
     for _ in range(30):  # the scraper went away: one render ahead, then none
         sampler.run_once()
         clock.advance(1.0)

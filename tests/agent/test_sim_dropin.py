@@ -82,9 +82,14 @@ def test_the_calls_gpustat_and_nvitop_make_answer_with_nvml_types_and_units(sim_
 
 
 def test_no_process_means_not_found_for_process_utilization():
-    scenario = parse_scenario({
-        "name": "later", "duration_s": 120, "nodes": [{"name": "n1", "model": "h100-sxm", "gpus": 1}],
-        "jobs": [{"id": "7", "nodes": ["n1"], "start_s": 60, "step_time_s": 1.0, "compute_fraction": 0.9}]})
+    scenario = parse_scenario(
+        {
+            "name": "later",
+            "duration_s": 120,
+            "nodes": [{"name": "n1", "model": "h100-sxm", "gpus": 1}],
+            "jobs": [{"id": "7", "nodes": ["n1"], "start_s": 60, "step_time_s": 1.0, "compute_fraction": 0.9}],
+        }
+    )
     clock = Clock(30.0)
     sim = SimNvml(scenario, node="n1", clock=clock, epoch=EPOCH)
     sim.nvmlInit()
@@ -179,8 +184,13 @@ def test_sim_run_returns_the_programs_exit_code_and_127_when_it_cannot_start(cap
 
 
 def _run(*command: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpufleet.agent.sim.run", *command], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "TERM": "dumb"})
+    return subprocess.run(
+        [sys.executable, "-m", "gpufleet.agent.sim.run", *command],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "TERM": "dumb"},
+    )
 
 
 def _tool(name: str) -> str:
@@ -203,16 +213,18 @@ def test_gpustat_as_published_shows_the_simulated_node():
 
 def test_nvitop_api_as_published_sees_the_simulated_gpus():
     _tool("nvitop")
-    script = ("import json; from nvitop import Device; "
-              "print(json.dumps([[d.index, d.name(), d.memory_total(), d.memory_used(), d.power_limit(), "
-              "d.temperature(), d.cuda_compute_capability(), d.mig_mode()] for d in Device.all()]))")
+    script = (
+        "import json; from nvitop import Device; "
+        "print(json.dumps([[d.index, d.name(), d.memory_total(), d.memory_used(), d.power_limit(), "
+        "d.temperature(), d.cuda_compute_capability(), d.mig_mode()] for d in Device.all()]))"
+    )
     # Two minutes into the scenario: the job has its memory.
     done = _run("--epoch", str(time.time() - 120), "a100", "--", sys.executable, "-c", script)
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     a100 = load_scenario("a100")
     assert len(rows) == a100.node(a100.nodes[0]).gpu_count
-    for index, name, total, used, limit, temperature, capability, mig in rows:
+    for _, name, total, used, limit, temperature, capability, mig in rows:
         assert name == "NVIDIA A100-SXM4-80GB"
         assert total == 81920 * 1024 * 1024 and 0 < used < total
         assert limit == 400_000 and 20 < temperature < 95
@@ -234,9 +246,22 @@ def test_nvitop_exporter_as_published_scraped_once():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     child = subprocess.Popen(
-        [sys.executable, "-m", "gpufleet.agent.sim.run", "hgx-h100", "--", exporter,
-         "--bind-address", "127.0.0.1", "--port", str(port)],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        [
+            sys.executable,
+            "-m",
+            "gpufleet.agent.sim.run",
+            "hgx-h100",
+            "--",
+            exporter,
+            "--bind-address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         lines = []
         for line in child.stderr:  # ends when the exporter exits; it says when it serves

@@ -131,8 +131,9 @@ def test_same_inputs_same_readings_regardless_of_history():
         cb.at(t)
         read_b = _fields(b, 5, [pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, pynvml.NVML_FI_DEV_POWER_INSTANT])
         assert [v.value.ullVal for v in read_a] == [v.value.ullVal for v in read_b]
-        assert a.nvmlDeviceGetTemperatureV(a.nvmlDeviceGetHandleByIndex(5), 0) == \
-            b.nvmlDeviceGetTemperatureV(b.nvmlDeviceGetHandleByIndex(5), 0)
+        assert a.nvmlDeviceGetTemperatureV(a.nvmlDeviceGetHandleByIndex(5), 0) == b.nvmlDeviceGetTemperatureV(
+            b.nvmlDeviceGetHandleByIndex(5), 0
+        )
 
 
 def test_agents_for_different_nodes_agree_on_a_remote_straggler():
@@ -213,10 +214,14 @@ def test_idle_gpu_has_idle_bit_and_no_processes():
 def test_field_values_types_units_and_counters():
     nvml, clock = _sim("hgx-h100", "hgx-h100-01", t=200)
     ids = [
-        pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION,
-        pynvml.NVML_FI_DEV_MEMORY_TEMP, pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES,
-        pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, UINT_MAX),
-        (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, UINT_MAX), pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT,
+        pynvml.NVML_FI_DEV_POWER_INSTANT,
+        pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION,
+        pynvml.NVML_FI_DEV_MEMORY_TEMP,
+        pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES,
+        pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES,
+        (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, UINT_MAX),
+        (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, UINT_MAX),
+        pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT,
         pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN,
     ]
     first = _fields(nvml, 0, ids)
@@ -250,14 +255,25 @@ def test_per_link_nvlink_sums_to_total_and_bad_link_is_per_entry():
 
 def test_mixed_per_entry_return_codes():
     nvml, _ = _sim("pcie", "pcie-01", t=200)
-    values = _fields(nvml, 0, [
-        pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_FI_DEV_MEMORY_TEMP,
-        (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, UINT_MAX), pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT,
-        pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, pynvml.NVML_FI_DEV_ECC_CURRENT,
-    ])
+    values = _fields(
+        nvml,
+        0,
+        [
+            pynvml.NVML_FI_DEV_POWER_INSTANT,
+            pynvml.NVML_FI_DEV_MEMORY_TEMP,
+            (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, UINT_MAX),
+            pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT,
+            pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES,
+            pynvml.NVML_FI_DEV_ECC_CURRENT,
+        ],
+    )
     assert [v.nvmlReturn for v in values] == [
-        pynvml.NVML_SUCCESS, pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_NOT_SUPPORTED,
-        pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_SUCCESS, pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_SUCCESS,
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_SUCCESS,
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
     ]
     assert values[4].value.ullVal > 0  # the PCIe card's collectives travel over PCIe
 
@@ -290,8 +306,9 @@ def test_pcie_card_unsupported_paths():
     with pytest.raises(pynvml.NVMLError_NotSupported):
         nvml.nvmlDeviceGetRemappedRows(handle)
     assert nvml.nvmlDeviceGetArchitecture(handle) == pynvml.NVML_DEVICE_ARCH_ADA
-    assert nvml.nvmlDeviceGetTotalEccErrors(
-        handle, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC) == 0
+    assert (
+        nvml.nvmlDeviceGetTotalEccErrors(handle, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC) == 0
+    )
 
 
 def test_gpm_argument_errors():
@@ -334,8 +351,12 @@ def test_gpu_lost_only_for_that_gpu_from_its_start():
     lost = nvml.nvmlDeviceGetHandleByIndex(7)
     assert nvml.nvmlDeviceGetUUID(lost)
     clock.at(751)
-    for call in (nvml.nvmlDeviceGetUUID, nvml.nvmlDeviceGetUtilizationRates,
-                 nvml.nvmlDeviceGetCurrentClocksEventReasons, nvml.nvmlDeviceGetComputeRunningProcesses):
+    for call in (
+        nvml.nvmlDeviceGetUUID,
+        nvml.nvmlDeviceGetUtilizationRates,
+        nvml.nvmlDeviceGetCurrentClocksEventReasons,
+        nvml.nvmlDeviceGetComputeRunningProcesses,
+    ):
         with pytest.raises(pynvml.NVMLError_GpuIsLost):
             call(lost)
     with pytest.raises(pynvml.NVMLError_GpuIsLost):
@@ -365,7 +386,8 @@ def test_xid_delivered_in_order_exactly_once():
         assert isinstance(data, pynvml.c_nvmlEventData_t)
         assert data.eventType == pynvml.nvmlEventTypeXidCriticalError
         index = [ctypes.cast(nvml.nvmlDeviceGetHandleByIndex(i), ctypes.c_void_p).value for i in range(8)].index(
-            ctypes.cast(data.device, ctypes.c_void_p).value)
+            ctypes.cast(data.device, ctypes.c_void_p).value
+        )
         got.append((index, data.eventData))
     # Burst of three XID 79 on GPU 6 over 120-130 s, one XID 13 on GPU 2 at 125 s, in time order.
     assert got == [(6, 79), (6, 79), (2, 13), (6, 79)]
@@ -391,8 +413,12 @@ def test_xid_only_for_registered_gpus_and_after_registration():
 
 def test_counter_reset_restarts_counters():
     nvml, clock = _sim("cluster-incidents", "node-a", t=699)
-    ids = [pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, UINT_MAX),
-           pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP]
+    ids = [
+        pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION,
+        (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, UINT_MAX),
+        pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES,
+        pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP,
+    ]
     before = [v.value.ullVal for v in _fields(nvml, 0, ids)]
     assert before[3] == pytest.approx(100e9, rel=0.02)  # ~100 s under the power cap, in ns
     clock.at(702)
@@ -426,10 +452,15 @@ def test_power_cap_lowers_enforced_limit():
 def test_full_load_reads_power_capped_at_the_enforced_limit():
     """A load wanting more than the board's limit, and an operator cap above that limit: the enforced limit
     stays the board's, and the power the governor holds the GPU at sits under it with SW_POWER_CAP."""
-    scenario = parse_scenario({
-        "name": "burn", "duration_s": 300, "nodes": [{"name": "n", "model": "h100-sxm", "gpus": 1}],
-        "jobs": [{"id": "j", "nodes": ["n"], "ramp_up_s": 0, "compute_fraction": 0.99, "compute_intensity": 1.43}],
-        "incidents": [{"kind": "power_cap", "node": "n", "start_s": 0, "watts": 900}]})
+    scenario = parse_scenario(
+        {
+            "name": "burn",
+            "duration_s": 300,
+            "nodes": [{"name": "n", "model": "h100-sxm", "gpus": 1}],
+            "jobs": [{"id": "j", "nodes": ["n"], "ramp_up_s": 0, "compute_fraction": 0.99, "compute_intensity": 1.43}],
+            "incidents": [{"kind": "power_cap", "node": "n", "start_s": 0, "watts": 900}],
+        }
+    )
     clock = FakeClock(120)
     nvml = SimNvml(scenario, node="n", clock=clock, epoch=clock.epoch)
     nvml.nvmlInit()
@@ -472,10 +503,12 @@ def test_materialize_procfs(tmp_path):
 
 
 def test_materialize_procfs_of_a_kubernetes_job(tmp_path):
-    scenario = parse_scenario({
-        "nodes": [{"name": "n1", "model": "h100-sxm", "gpus": 2}, {"name": "n2", "model": "h100-sxm", "gpus": 2}],
-        "jobs": [{"id": "research/llama", "nodes": ["n1", "n2"], "scheduler": "kubernetes"}],
-    })
+    scenario = parse_scenario(
+        {
+            "nodes": [{"name": "n1", "model": "h100-sxm", "gpus": 2}, {"name": "n2", "model": "h100-sxm", "gpus": 2}],
+            "jobs": [{"id": "research/llama", "nodes": ["n1", "n2"], "scheduler": "kubernetes"}],
+        }
+    )
     nvml = SimNvml(scenario, "n2", clock=lambda: 1000.0, epoch=0.0)
     pids = nvml.materialize_procfs(tmp_path)
     assert len(pids) == 2
@@ -499,8 +532,7 @@ def test_blocking_wait_is_woken_by_shutdown():
     import threading
 
     clock = FakeClock(0)
-    nvml = SimNvml(load_scenario("hgx-h100"), node="hgx-h100-01", clock=clock, epoch=clock.epoch,
-                   block_on_events=True)
+    nvml = SimNvml(load_scenario("hgx-h100"), node="hgx-h100-01", clock=clock, epoch=clock.epoch, block_on_events=True)
     nvml.nvmlInit()
     es = nvml.nvmlEventSetCreate()
     nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(0), pynvml.nvmlEventTypeXidCriticalError, es)

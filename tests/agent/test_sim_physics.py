@@ -110,10 +110,15 @@ def test_temperature_follows_power_in_two_stages():
     """A full load from idle: the die's own rise over the heatsink within a second or two, the heatsink's
     first-order rise over minutes (about 63 % of the way after its time constant), and the sum of both
     rises per watt once settled."""
-    scenario = parse_scenario({
-        "name": "step", "duration_s": 1200, "ambient_c": 25,
-        "nodes": [{"name": "n", "model": "h100-sxm", "gpus": 1}],
-        "jobs": [{"id": "j", "nodes": ["n"], "start_s": 100, "ramp_up_s": 0}]})
+    scenario = parse_scenario(
+        {
+            "name": "step",
+            "duration_s": 1200,
+            "ambient_c": 25,
+            "nodes": [{"name": "n", "model": "h100-sxm", "gpus": 1}],
+            "jobs": [{"id": "j", "nodes": ["n"], "start_s": 100, "ramp_up_s": 0}],
+        }
+    )
     tl = Timeline(build_world(scenario, "n", 0))
     idle, busy = _avg(tl, 0, ph.POWER_W, 50, 100), _avg(tl, 0, ph.POWER_W, 100, 1100)
     before, fast, settled = tl.temperature(0, 100.0), tl.temperature(0, 102.0), tl.temperature(0, 1100.0)
@@ -219,9 +224,12 @@ def test_power_cap_is_uniform_and_respected():
 
 
 def _single_job(intensity: float, cap_watts: float | None = None) -> Timeline:
-    doc = {"name": "one", "duration_s": 400, "nodes": [{"name": "n", "model": "h100-sxm", "gpus": 2}],
-           "jobs": [{"id": "j", "nodes": ["n"], "ramp_up_s": 0, "compute_fraction": 0.9,
-                     "compute_intensity": intensity}]}
+    doc = {
+        "name": "one",
+        "duration_s": 400,
+        "nodes": [{"name": "n", "model": "h100-sxm", "gpus": 2}],
+        "jobs": [{"id": "j", "nodes": ["n"], "ramp_up_s": 0, "compute_fraction": 0.9, "compute_intensity": intensity}],
+    }
     if cap_watts is not None:
         doc["incidents"] = [{"kind": "power_cap", "job": "j", "start_s": 200, "watts": cap_watts}]
     return Timeline(build_world(parse_scenario(doc), "n", 0))

@@ -63,8 +63,9 @@ def test_health_only_publication_updates_latest_without_buffering():
     store = SnapshotStore()
     store.publish(pub(100.0))
     first = store.latest()
-    down = Publication(first.snapshot, AgentHealth(node="dgx-017", version="0.1.0", nvml_up=False),
-                       b"down", first.snapshot_json)
+    down = Publication(
+        first.snapshot, AgentHealth(node="dgx-017", version="0.1.0", nvml_up=False), b"down", first.snapshot_json
+    )
     store.publish(down)
     store.publish(pub(None))
     assert store.latest().metrics == b"metrics" and store.latest().snapshot is None

@@ -18,8 +18,12 @@ def units() -> list[Unit]:
         Unit("energy_joules_total", ("energy_joules_total",), 25.6 * MS),
         Unit("pcie_tx_bytes_total", ("pcie_tx_bytes_total",), 1.2 * MS),
         Unit("memory_used_bytes", ("memory_used_bytes", "memory_total_bytes"), 0.76 * MS),
-        Unit("throttle_seconds_total.hw_thermal_slowdown", ("throttle_seconds_total.hw_thermal_slowdown",),
-             5.7 * MS, integrable=True),
+        Unit(
+            "throttle_seconds_total.hw_thermal_slowdown",
+            ("throttle_seconds_total.hw_thermal_slowdown",),
+            5.7 * MS,
+            integrable=True,
+        ),
     ]
 
 

@@ -25,8 +25,7 @@ def agent():
     clock = FakeClock()
     store = SnapshotStore()
     reader = StubReader()
-    sampler = Sampler(reader, store, node="dgx-017", clock=clock.time, monotonic=clock.monotonic,
-                      jitter=lambda: 0.5)
+    sampler = Sampler(reader, store, node="dgx-017", clock=clock.time, monotonic=clock.monotonic, jitter=lambda: 0.5)
     server = AgentHttpServer(store, host="127.0.0.1", port=0, interval=1.0, clock=clock.time, poll_interval=0.01)
     server.start()
     yield server, sampler, clock, reader, store
@@ -54,8 +53,7 @@ def test_before_the_first_sample(agent):
     assert orjson.loads(get(server, "/healthz")[2])["status"] == "starting"
     status, _, body = get(server, "/snapshot")
     assert status == 503 and orjson.loads(body)["error"] == "no_snapshot"
-    assert orjson.loads(get(server, "/snapshots")[2]) == {"schema": 1, "node": "", "time": clock.now,
-                                                         "snapshots": []}
+    assert orjson.loads(get(server, "/snapshots")[2]) == {"schema": 1, "node": "", "time": clock.now, "snapshots": []}
 
 
 def test_metrics_carries_prerendered_body_and_age(agent):
@@ -85,7 +83,7 @@ def test_snapshots_since(agent):
         sampler.run_once()
         clock.advance(1)
     all_ = orjson.loads(get(server, "/snapshots")[2])
-    assert all_["schema"] == 1 and all_["node"] == "dgx-017" and all_["time"] == start + 4   # the agent's clock now
+    assert all_["schema"] == 1 and all_["node"] == "dgx-017" and all_["time"] == start + 4  # the agent's clock now
     assert [s["time"] for s in all_["snapshots"]] == [start, start + 1, start + 2, start + 3]
     newer = orjson.loads(get(server, f"/snapshots?since={start + 1}")[2])
     assert [s["time"] for s in newer["snapshots"]] == [start + 2, start + 3]
@@ -101,7 +99,7 @@ def test_snapshots_within_a_span_of_the_newest(agent):
         clock.advance(1)
     spanned = orjson.loads(get(server, "/snapshots?span=1.5")[2])
     assert [s["time"] for s in spanned["snapshots"]] == [start + 2, start + 3]
-    both = orjson.loads(get(server, f"/snapshots?since={start + 2}&span=2.5")[2])      # the later bound wins
+    both = orjson.loads(get(server, f"/snapshots?since={start + 2}&span=2.5")[2])  # the later bound wins
     assert [s["time"] for s in both["snapshots"]] == [start + 3]
     for query in ("span=0", "span=-1", "span=abc", "span=inf"):
         status, _, body = get(server, f"/snapshots?{query}")
@@ -262,18 +260,19 @@ def test_the_pre_outage_ring_is_not_served_after_nvml_comes_back(agent):
 
     def gone() -> None:
         from gpufleet.agent.nvml_reader import NvmlUnavailable
+
         raise NvmlUnavailable("GPU is lost")
 
     reader.read_effects = [gone]
-    sampler.run_once()                      # NVML goes away; the last snapshot stays published
+    sampler.run_once()  # NVML goes away; the last snapshot stays published
     reader.open_failures = 10**6
-    for _ in range(40):                     # an outage well past the 300 s retention
+    for _ in range(40):  # an outage well past the 300 s retention
         clock.advance(10)
         sampler.run_once()
     doc = orjson.loads(get(server, "/snapshots")[2])
     assert doc["snapshots"] == [] and len(store) == 0
-    reader.open_failures = 0                # NVML is back
-    clock.advance(60)                       # past the open backoff
+    reader.open_failures = 0  # NVML is back
+    clock.advance(60)  # past the open backoff
     snap = sampler.run_once()
     assert snap is not None
     doc = orjson.loads(get(server, "/snapshots")[2])
@@ -281,6 +280,7 @@ def test_the_pre_outage_ring_is_not_served_after_nvml_comes_back(agent):
 
 
 # --- methods, bodies and framing ------------------------------------------------------------------------
+
 
 def raw_exchange(server, data: bytes) -> bytes:
     """Send raw bytes, read until the server closes the connection."""
@@ -309,8 +309,11 @@ def test_every_method_but_get_and_head_is_405_json_with_allow(agent, method):
 def test_a_request_after_a_body_on_one_connection_is_read_as_its_own(agent):
     server, sampler, *_ = agent
     sampler.run_once()
-    answer = raw_exchange(server, b"POST /metrics HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello"
-                                  b"GET /healthz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    answer = raw_exchange(
+        server,
+        b"POST /metrics HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello"
+        b"GET /healthz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    )
     first, second = answer.split(b"HTTP/1.1 ")[1:]
     assert first.startswith(b"405 ") and second.startswith(b"200 ")
     assert b'"status":"ok"' in second and b"400" not in answer
@@ -327,13 +330,22 @@ def test_a_body_over_the_limit_is_answered_and_the_connection_closed(agent):
 
 def test_a_chunked_request_is_answered_then_closed(agent):
     server, *_ = agent
-    answer = raw_exchange(server, b"GET /healthz HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
-                                  b"5\r\nhello\r\n0\r\n\r\nGET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+    answer = raw_exchange(
+        server,
+        b"GET /healthz HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n0\r\n\r\nGET /healthz HTTP/1.1\r\nHost: a\r\n\r\n",
+    )
     assert answer.count(b"HTTP/1.1 ") == 1 and b"\r\nConnection: close\r\n" in answer
 
 
-@pytest.mark.parametrize("headers", [b"Content-Length: 5\r\nContent-Length: 6\r\n", b"Content-Length: -1\r\n",
-                                     b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n"])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        b"Content-Length: 5\r\nContent-Length: 6\r\n",
+        b"Content-Length: -1\r\n",
+        b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+    ],
+)
 def test_ambiguous_body_framing_is_400_json(agent, headers):
     server, *_ = agent
     answer = raw_exchange(server, b"POST /metrics HTTP/1.1\r\nHost: a\r\n" + headers + b"\r\nhello")
@@ -352,6 +364,7 @@ def test_http_server_errors_are_json(agent):
 
 
 # --- gzip -----------------------------------------------------------------------------------------------
+
 
 def get_metrics(server, accept_encoding: str | None, method: str = "GET"):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
@@ -402,6 +415,7 @@ def test_a_body_is_compressed_once_however_often_it_is_scraped(agent):
 
 # --- connections ----------------------------------------------------------------------------------------
 
+
 def test_the_listen_backlog_suits_a_scrape_fleet(agent):
     server, *_ = agent
     assert server._httpd.request_queue_size >= 128
@@ -414,15 +428,15 @@ def test_connections_beyond_the_limit_wait_in_the_backlog_until_a_worker_is_free
     waiting = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     try:
         waiting.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
-        assert server.limits.saturated.wait(10)          # both workers busy: not accepted
+        assert server.limits.saturated.wait(10)  # both workers busy: not accepted
         waiting.setblocking(False)
         with pytest.raises(BlockingIOError):
             waiting.recv(100)
         waiting.setblocking(True)
-        for sock in held:                                 # the held connections are still served
+        for sock in held:  # the held connections are still served
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
             assert sock.recv(100).startswith(b"HTTP/1.1 503 ")  # no sample yet: starting
-        held.pop().close()                                # a worker is free: the waiting one is served
+        held.pop().close()  # a worker is free: the waiting one is served
         assert waiting.recv(100).startswith(b"HTTP/1.1 503 ")
         assert server.limits.warn.totals["connections:limit"] >= 1
     finally:
@@ -432,8 +446,7 @@ def test_connections_beyond_the_limit_wait_in_the_backlog_until_a_worker_is_free
 
 
 def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout():
-    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, poll_interval=0.01,
-                             idle_timeout_seconds=0.2)
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, poll_interval=0.01, idle_timeout_seconds=0.2)
     server.start()
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
@@ -453,7 +466,7 @@ def test_a_request_must_arrive_whole_before_its_deadline_however_it_trickles():
         b.sendall(b"GET")
         assert reader.readinto(buffer) == 3
         now[0] = 29.0
-        b.sendall(b" /")                  # each byte in time for a per-read timeout...
+        b.sendall(b" /")  # each byte in time for a per-read timeout...
         assert reader.readinto(buffer) == 2
         now[0] = 30.5
         b.sendall(b"metrics")
@@ -463,8 +476,7 @@ def test_a_request_must_arrive_whole_before_its_deadline_however_it_trickles():
 
 def test_repeated_accept_errors_are_logged_once_per_interval_with_a_count(caplog):
     mono, pauses = [100.0], []
-    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, monotonic=lambda: mono[0],
-                             pause=pauses.append)
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, monotonic=lambda: mono[0], pause=pauses.append)
     real = server._httpd.socket
 
     class OutOfDescriptors:
@@ -483,7 +495,7 @@ def test_repeated_accept_errors_are_logged_once_per_interval_with_a_count(caplog
         server.close()
     lines = [r for r in caplog.records if r.getMessage() == "cannot accept connections"]
     assert [(r.kind, r.count) for r in lines] == [("accept:EMFILE", 1), ("accept:EMFILE", 1000)]
-    assert pauses == [0.1] * 1001          # the accept loop backs off instead of spinning
+    assert pauses == [0.1] * 1001  # the accept loop backs off instead of spinning
 
 
 def test_a_client_reset_is_one_structured_debug_line_not_a_traceback(agent, caplog, capfd):
@@ -491,9 +503,9 @@ def test_a_client_reset_is_one_structured_debug_line_not_a_traceback(agent, capl
     sampler.run_once()
     with caplog.at_level(logging.DEBUG, logger="gpufleet.agent.webserver"):
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: a\r\n")   # headers not finished
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: a\r\n")  # headers not finished
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        sock.close()                                              # RST
+        sock.close()  # RST
         assert server.limits.wait_for(0, timeout=10)
         try:
             raise BrokenPipeError(errno.EPIPE, "Broken pipe")

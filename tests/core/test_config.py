@@ -6,15 +6,36 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.agent.config import load_config
-from gpufleet.config import (ConfigError, format_address, layered, parse_bool, parse_duration, parse_listen_address,
-                             parse_size, read_config_file)
+from gpufleet.config import (
+    ConfigError,
+    format_address,
+    layered,
+    parse_bool,
+    parse_duration,
+    parse_listen_address,
+    parse_size,
+    read_config_file,
+)
 from gpufleet.server.settings import load_settings
 
 
-@pytest.mark.parametrize("text,value", [
-    ("true", True), ("yes", True), ("on", True), ("1", True), ("ON", True), (True, True),
-    ("false", False), ("no", False), ("off", False), ("0", False), ("Off", False), (False, False),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("true", True),
+        ("yes", True),
+        ("on", True),
+        ("1", True),
+        ("ON", True),
+        (True, True),
+        ("false", False),
+        ("no", False),
+        ("off", False),
+        ("0", False),
+        ("Off", False),
+        (False, False),
+    ],
+)
 def test_booleans(text, value):
     assert parse_bool(text) is value
 
@@ -25,10 +46,24 @@ def test_bad_booleans(text):
         parse_bool(text)
 
 
-@pytest.mark.parametrize("text,seconds", [
-    ("1m30s", 90), ("500ms", 0.5), ("30", 30), ("2.5", 2.5), (2.5, 2.5), (3, 3), ("5s", 5), ("1h", 3600),
-    ("1d", 86400), ("1w", 7 * 86400), ("1h30m", 5400), ("1m0s500ms", 60.5), ("0.5s", 0.5),
-])
+@pytest.mark.parametrize(
+    "text,seconds",
+    [
+        ("1m30s", 90),
+        ("500ms", 0.5),
+        ("30", 30),
+        ("2.5", 2.5),
+        (2.5, 2.5),
+        (3, 3),
+        ("5s", 5),
+        ("1h", 3600),
+        ("1d", 86400),
+        ("1w", 7 * 86400),
+        ("1h30m", 5400),
+        ("1m0s500ms", 60.5),
+        ("0.5s", 0.5),
+    ],
+)
 def test_durations(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)
 
@@ -44,10 +79,18 @@ def test_zero_duration_only_where_it_means_off():
     assert parse_duration("0", allow_zero=True) == 0.0
 
 
-@pytest.mark.parametrize("text,size", [
-    ("4MiB", 4 * 1024**2), ("4MB", 4_000_000), ("4194304", 4194304), (512, 512), ("1GiB", 1024**3),
-    ("10KB", 10_000), ("7B", 7),
-])
+@pytest.mark.parametrize(
+    "text,size",
+    [
+        ("4MiB", 4 * 1024**2),
+        ("4MB", 4_000_000),
+        ("4194304", 4194304),
+        (512, 512),
+        ("1GiB", 1024**3),
+        ("10KB", 10_000),
+        ("7B", 7),
+    ],
+)
 def test_sizes(text, size):
     assert parse_size(text) == size
 
@@ -58,10 +101,15 @@ def test_bad_sizes(text):
         parse_size(text)
 
 
-@pytest.mark.parametrize("text,address", [
-    (":9471", ("", 9471)), ("127.0.0.1:80", ("127.0.0.1", 80)), ("[::1]:9000", ("::1", 9000)),
-    ("node.example:0", ("node.example", 0)),
-])
+@pytest.mark.parametrize(
+    "text,address",
+    [
+        (":9471", ("", 9471)),
+        ("127.0.0.1:80", ("127.0.0.1", 80)),
+        ("[::1]:9000", ("::1", 9000)),
+        ("node.example:0", ("node.example", 0)),
+    ],
+)
 def test_listen_addresses(text, address):
     assert parse_listen_address(text) == address
     assert parse_listen_address(format_address(*address)) == address
@@ -75,17 +123,30 @@ def test_bad_listen_addresses(text):
 
 def test_layers_flag_over_env_over_file_and_name_the_origin():
     parsers = {"pull.interval": parse_duration}
-    assert layered(parsers, flags={"pull.interval": "1s"}, environ={"X_PULL_INTERVAL": "2s"}, env_prefix="X_",
-                   file_values={"pull.interval": "3s"}, file_path="f.yaml") == {"pull.interval": 1.0}
-    assert layered(parsers, flags={}, environ={"X_PULL_INTERVAL": "2s"}, env_prefix="X_",
-                   file_values={"pull.interval": "3s"}, file_path="f.yaml") == {"pull.interval": 2.0}
+    assert layered(
+        parsers,
+        flags={"pull.interval": "1s"},
+        environ={"X_PULL_INTERVAL": "2s"},
+        env_prefix="X_",
+        file_values={"pull.interval": "3s"},
+        file_path="f.yaml",
+    ) == {"pull.interval": 1.0}
+    assert layered(
+        parsers,
+        flags={},
+        environ={"X_PULL_INTERVAL": "2s"},
+        env_prefix="X_",
+        file_values={"pull.interval": "3s"},
+        file_path="f.yaml",
+    ) == {"pull.interval": 2.0}
     assert layered(parsers, flags={}, environ={}, env_prefix="X_", file_values={}, file_path=None) == {}
-    for flags, environ, file_values, origin in (({"pull.interval": "x"}, {}, {}, "--pull.interval: "),
-                                                ({}, {"X_PULL_INTERVAL": "x"}, {}, "X_PULL_INTERVAL: "),
-                                                ({}, {}, {"pull.interval": "x"}, "config file f.yaml: 'pull.interval': ")):
+    for flags, environ, file_values, origin in (
+        ({"pull.interval": "x"}, {}, {}, "--pull.interval: "),
+        ({}, {"X_PULL_INTERVAL": "x"}, {}, "X_PULL_INTERVAL: "),
+        ({}, {}, {"pull.interval": "x"}, "config file f.yaml: 'pull.interval': "),
+    ):
         with pytest.raises(ConfigError) as info:
-            layered(parsers, flags=flags, environ=environ, env_prefix="X_", file_values=file_values,
-                    file_path="f.yaml")
+            layered(parsers, flags=flags, environ=environ, env_prefix="X_", file_values=file_values, file_path="f.yaml")
         assert str(info.value).startswith(origin)
 
 
@@ -100,6 +161,7 @@ def test_config_file_errors_are_one_line(tmp_path):
 
 
 # The two programs, through their own loaders: the same spellings mean the same things.
+
 
 @pytest.mark.parametrize("word,value", [("on", True), ("off", False), ("yes", True), ("0", False)])
 def test_both_programs_read_the_same_booleans(word, value):
@@ -145,6 +207,8 @@ def test_agent_config_does_not_load_the_simulator():
     import subprocess
     import sys
 
-    code = ("import sys, gpufleet.agent.config as c; c.load_config([], environ={}); "
-            "sys.exit(any(m.startswith('gpufleet.agent.sim') for m in sys.modules))")
+    code = (
+        "import sys, gpufleet.agent.config as c; c.load_config([], environ={}); "
+        "sys.exit(any(m.startswith('gpufleet.agent.sim') for m in sys.modules))"
+    )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

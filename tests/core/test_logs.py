@@ -24,8 +24,9 @@ def logged():
 def test_json_lines_carry_the_context_and_not_uvicorns_coloured_copy(logged):
     stream = logged("json")
     # As uvicorn logs it: the same message again with terminal colour codes, in `extra`.
-    logging.getLogger("uvicorn.error").info("Started server process [%d]", 42,
-                                            extra={"color_message": "Started server process [\x1b[36m%d\x1b[0m]"})
+    logging.getLogger("uvicorn.error").info(
+        "Started server process [%d]", 42, extra={"color_message": "Started server process [\x1b[36m%d\x1b[0m]"}
+    )
     logging.getLogger("gpufleet.server.serve").warning("cannot pull", extra={"target": "dgx-01:9471", "attempt": 3})
     first, second = map(orjson.loads, stream.getvalue().splitlines())
     assert set(first) == {"ts", "level", "logger", "msg"} and first["msg"] == "Started server process [42]"

@@ -43,28 +43,36 @@ def write(tmp_path, text: str) -> str:
 
 # --- reading the file -------------------------------------------------------------------------------------
 
+
 def test_an_empty_file_asks_for_nothing(tmp_path):
     web = load_web_config(write(tmp_path, ""))
     assert web.tls is None and not web.users and not web.headers and web.authenticator() is None
 
 
 def test_users_and_headers_are_read(tmp_path):
-    web = load_web_config(write(tmp_path, f"basic_auth_users:\n  prometheus: '{HASH}'\n"
-                                          "http_server_config:\n  headers:\n    X-Frame-Options: deny\n"))
+    web = load_web_config(
+        write(
+            tmp_path,
+            f"basic_auth_users:\n  prometheus: '{HASH}'\nhttp_server_config:\n  headers:\n    X-Frame-Options: deny\n",
+        )
+    )
     assert web.users == {"prometheus": HASH.encode()} and web.headers == {"X-Frame-Options": "deny"}
     assert web.tls is None
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("tls_server_config: {cert_file: a}\n", "needs both cert_file and key_file"),
-    ("basic_auth_users: {prometheus: hunter2}\n", "must be a bcrypt hash"),
-    ("basic_auth_users: {'a:b': '" + HASH + "'}\n", "not a valid user name"),
-    ("basic_auth: {}\n", "unknown key 'basic_auth'"),
-    ("http_server_config: {headers: {'X-A': \"a\\r\\nb\"}}\n", "bad header"),
-    ("http_server_config: {compression: true}\n", "unknown key 'http_server_config.compression'"),
-    ("- a list\n", "must be a mapping"),
-    ("tls_server_config: [\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("tls_server_config: {cert_file: a}\n", "needs both cert_file and key_file"),
+        ("basic_auth_users: {prometheus: hunter2}\n", "must be a bcrypt hash"),
+        ("basic_auth_users: {'a:b': '" + HASH + "'}\n", "not a valid user name"),
+        ("basic_auth: {}\n", "unknown key 'basic_auth'"),
+        ("http_server_config: {headers: {'X-A': \"a\\r\\nb\"}}\n", "bad header"),
+        ("http_server_config: {compression: true}\n", "unknown key 'http_server_config.compression'"),
+        ("- a list\n", "must be a mapping"),
+        ("tls_server_config: [\n", "not valid YAML"),
+    ],
+)
 def test_a_bad_file_is_refused_by_name(tmp_path, text, fragment):
     with pytest.raises(WebConfigError, match=fragment.replace("(", r"\(")):
         load_web_config(write(tmp_path, text))
@@ -76,18 +84,22 @@ def test_an_unreadable_file_is_refused(tmp_path):
 
 
 @needs_openssl
-@pytest.mark.parametrize("extra, fragment", [
-    ("  cipher_suites: [TLS_AES_128_GCM_SHA256]\n", "cipher_suites is not supported"),
-    ("  client_auth_type: RequireAnyClientCert\n", "asked for but not verified"),
-    ("  client_auth_type: Sometimes\n", "is not one of"),
-    ("  client_auth_type: RequireAndVerifyClientCert\n", "needs client_ca_file"),
-    ("  client_ca_file: {ca}\n", "client_auth_type is NoClientCert"),
-    ("  min_version: SSL3\n", "min_version 'SSL3' is not one of"),
-    ("  session_tickets: false\n", "unknown key 'tls_server_config.session_tickets'"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ("  cipher_suites: [TLS_AES_128_GCM_SHA256]\n", "cipher_suites is not supported"),
+        ("  client_auth_type: RequireAnyClientCert\n", "asked for but not verified"),
+        ("  client_auth_type: Sometimes\n", "is not one of"),
+        ("  client_auth_type: RequireAndVerifyClientCert\n", "needs client_ca_file"),
+        ("  client_ca_file: {ca}\n", "client_auth_type is NoClientCert"),
+        ("  min_version: SSL3\n", "min_version 'SSL3' is not one of"),
+        ("  session_tickets: false\n", "unknown key 'tls_server_config.session_tickets'"),
+    ],
+)
 def test_tls_settings_that_cannot_be_honoured_are_refused(tmp_path, pki, extra, fragment):
-    text = (f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
-            + extra.format(ca=pki.ca_cert))
+    text = f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n" + extra.format(
+        ca=pki.ca_cert
+    )
     with pytest.raises(WebConfigError, match=fragment):
         load_web_config(write(tmp_path, text))
 
@@ -100,6 +112,7 @@ def test_a_key_that_does_not_match_its_certificate_is_refused(tmp_path, pki):
 
 
 # --- basic auth -------------------------------------------------------------------------------------------
+
 
 class CountingCheck:
     def __init__(self) -> None:
@@ -118,8 +131,17 @@ def test_basic_auth_takes_the_right_password_only():
     assert not auth.allows(creds("nobody", "s3cret"))
 
 
-@pytest.mark.parametrize("header", [None, "", "Bearer abc", "Basic !!!", "Basic " + base64.b64encode(b"no-colon").decode(),
-                                   "Basic " + base64.b64encode(b"\xff:\xfe").decode()])
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "",
+        "Bearer abc",
+        "Basic !!!",
+        "Basic " + base64.b64encode(b"no-colon").decode(),
+        "Basic " + base64.b64encode(b"\xff:\xfe").decode(),
+    ],
+)
 def test_malformed_authorization_headers_are_refused(header):
     assert not BasicAuth({"prometheus": HASH.encode()}).allows(header)
 
@@ -150,12 +172,13 @@ def test_an_unknown_user_is_checked_at_the_highest_configured_cost():
 
     users = {"prometheus": HASH.encode(), "grafana": bcrypt.hashpw(b"x", bcrypt.gensalt(6))}
     assert not BasicAuth(users, check).allows(creds("admin", "s3cret"))
-    assert seen[0].startswith(b"$2b$06$") and len(seen[0]) == 60      # a well-formed hash at cost 6
+    assert seen[0].startswith(b"$2b$06$") and len(seen[0]) == 60  # a well-formed hash at cost 6
     assert not BasicAuth({"prometheus": HASH.encode()}, check).allows(creds("admin", ""))
     assert seen[1].startswith(b"$2b$04$")
 
 
 # --- a real server ----------------------------------------------------------------------------------------
+
 
 @pytest.fixture()
 def serve():
@@ -164,10 +187,12 @@ def serve():
     def start(web: WebConfig) -> AgentHttpServer:
         clock = FakeClock()
         store = SnapshotStore()
-        Sampler(StubReader(), store, node="dgx-017", clock=clock.time, monotonic=clock.monotonic,
-                jitter=lambda: 0.5).run_once()
-        server = AgentHttpServer(store, host="127.0.0.1", port=0, interval=1.0, clock=clock.time,
-                                 poll_interval=0.01, web=web)
+        Sampler(
+            StubReader(), store, node="dgx-017", clock=clock.time, monotonic=clock.monotonic, jitter=lambda: 0.5
+        ).run_once()
+        server = AgentHttpServer(
+            store, host="127.0.0.1", port=0, interval=1.0, clock=clock.time, poll_interval=0.01, web=web
+        )
         server.start()
         servers.append(server)
         return server
@@ -210,8 +235,9 @@ def test_basic_auth_guards_every_endpoint_but_healthz(serve):
 
 
 def tls_context(tmp_path, pki, extra: str = "") -> ssl.SSLContext:
-    tls = load_web_config(write(tmp_path, f"tls_server_config:\n  cert_file: {pki.server_cert}\n"
-                                          f"  key_file: {pki.server_key}\n{extra}")).tls
+    tls = load_web_config(
+        write(tmp_path, f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n{extra}")
+    ).tls
     assert tls is not None
     return tls
 
@@ -231,7 +257,9 @@ def test_tls_serves_https_and_nothing_in_the_clear(serve, pki, tmp_path):
 
 @needs_openssl
 def test_mutual_tls_wants_a_client_certificate_from_the_ca(serve, pki, tmp_path):
-    tls = tls_context(tmp_path, pki, f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca_cert}\n")
+    tls = tls_context(
+        tmp_path, pki, f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca_cert}\n"
+    )
     server = serve(WebConfig(tls=tls))
     assert request(server, "/snapshot", context=client_context(pki, cert=True))[0] == 200
     with pytest.raises((ssl.SSLError, ConnectionError, http.client.HTTPException)):
@@ -248,6 +276,7 @@ def test_the_agent_refuses_a_bad_web_config_in_one_line(tmp_path, capsys):
 
 # --- renewed certificates ---------------------------------------------------------------------------------
 
+
 def renewable(pki, tmp_path):
     """The server's certificate and key copied where a renewal can overwrite them, a hand-moved clock, and
     a web config serving them."""
@@ -255,8 +284,9 @@ def renewable(pki, tmp_path):
     shutil.copy(pki.server_cert, cert)
     shutil.copy(pki.server_key, key)
     now = [0.0]
-    web = load_web_config(write(tmp_path, f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"),
-                          clock=lambda: now[0])
+    web = load_web_config(
+        write(tmp_path, f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"), clock=lambda: now[0]
+    )
     return cert, key, now, web
 
 
@@ -278,7 +308,7 @@ def test_a_renewed_certificate_is_served_without_a_restart(serve, pki, tmp_path)
     now[0] += 5
     assert peer_name(server, pki) == "server" and web.reloading.reloads == 0
     shutil.copy(pki.next_cert, cert)
-    assert peer_name(server, pki) == "server"          # checked at most once a second
+    assert peer_name(server, pki) == "server"  # checked at most once a second
     now[0] += 5
     assert peer_name(server, pki) == "server-next" and web.reloading.reloads == 1
 
@@ -287,6 +317,7 @@ def test_a_renewed_certificate_is_served_without_a_restart(serve, pki, tmp_path)
 def test_an_asyncio_server_holding_the_context_serves_the_renewed_certificate_too(pki, tmp_path):
     """uvicorn binds its context once, at start: the switch must work on asyncio's TLS as well."""
     import asyncio
+
     cert, key, now, web = renewable(pki, tmp_path)
 
     async def scenario() -> list[str]:
@@ -297,8 +328,9 @@ def test_an_asyncio_server_holding_the_context_serves_the_renewed_certificate_to
         port = server.sockets[0].getsockname()[1]
         names = []
         for _ in range(2):
-            _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_context(pki),
-                                                      server_hostname="127.0.0.1")
+            _, writer = await asyncio.open_connection(
+                "127.0.0.1", port, ssl=client_context(pki), server_hostname="127.0.0.1"
+            )
             subject = writer.get_extra_info("peercert")["subject"]
             names.append(dict(item[0] for item in subject)["commonName"])
             writer.close()

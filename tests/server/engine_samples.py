@@ -18,11 +18,24 @@ Override = Callable[[float, str, int], dict[str, Any]]
 def healthy(index: int, job: str | None = "j1", **kw: Any) -> GpuSample:
     """A busy, cool, unthrottled H100 in a training job."""
     base: dict[str, Any] = dict(
-        index=index, uuid=f"GPU-{index:04d}", model="NVIDIA H100", hpc_job=job, utilization_ratio=0.98,
-        sm_active_ratio=0.80, temperature_celsius=60.0, slowdown_temperature_celsius=87.0, power_watts=500.0,
-        power_limit_watts=700.0, sm_clock_hertz=MAX_HZ, sm_clock_max_hertz=MAX_HZ, throttle_reasons=0,
-        xid_errors_total=0, ecc_uncorrected_errors_total=0, remapped_rows_pending=False,
-        remapped_rows_failure=False)
+        index=index,
+        uuid=f"GPU-{index:04d}",
+        model="NVIDIA H100",
+        hpc_job=job,
+        utilization_ratio=0.98,
+        sm_active_ratio=0.80,
+        temperature_celsius=60.0,
+        slowdown_temperature_celsius=87.0,
+        power_watts=500.0,
+        power_limit_watts=700.0,
+        sm_clock_hertz=MAX_HZ,
+        sm_clock_max_hertz=MAX_HZ,
+        throttle_reasons=0,
+        xid_errors_total=0,
+        ecc_uncorrected_errors_total=0,
+        remapped_rows_pending=False,
+        remapped_rows_failure=False,
+    )
     base.update(kw)
     return GpuSample(**base)
 
@@ -37,8 +50,15 @@ def sample(node: str, t: float, gpus: list[GpuSample]) -> NodeSample:
     return parse_line(snapshot_line(node, t, gpus))
 
 
-def cluster_lines(seconds: float, interval: float = 5.0, nodes: int = 2, gpus: int = 8,
-                  override: Override | None = None, job: str | None = "j1", t0: float = T0) -> list[bytes]:
+def cluster_lines(
+    seconds: float,
+    interval: float = 5.0,
+    nodes: int = 2,
+    gpus: int = 8,
+    override: Override | None = None,
+    job: str | None = "j1",
+    t0: float = T0,
+) -> list[bytes]:
     """Lines for `nodes` x `gpus` GPUs every `interval` s; override(t_rel, node, gpu) patches fields."""
     lines = []
     steps = int(seconds / interval)

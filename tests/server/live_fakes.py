@@ -11,10 +11,24 @@ from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Trans
 def snapshot(node: str, t: float, *, temps: tuple[float, ...] = (60.0, 60.0), job: str | None = "j1") -> dict:
     """A minimal snapshot-contract dict with one entry per GPU temperature."""
     return {
-        "schema": 1, "node": node, "time": t, "driver_version": "550.0", "nvml_version": None,
-        "cuda_driver_version": None, "sample_duration_seconds": 0.01,
-        "gpus": [{"index": i, "uuid": f"GPU-{node}-{i}", "model": "H100", "up": True, "hpc_job": job,
-                  "temperature_celsius": temp} for i, temp in enumerate(temps)],
+        "schema": 1,
+        "node": node,
+        "time": t,
+        "driver_version": "550.0",
+        "nvml_version": None,
+        "cuda_driver_version": None,
+        "sample_duration_seconds": 0.01,
+        "gpus": [
+            {
+                "index": i,
+                "uuid": f"GPU-{node}-{i}",
+                "model": "H100",
+                "up": True,
+                "hpc_job": job,
+                "temperature_celsius": temp,
+            }
+            for i, temp in enumerate(temps)
+        ],
     }
 
 
@@ -62,11 +76,23 @@ class StubEngine:
             fp = fingerprint(AlertKind.THERMAL_THROTTLE, node, gpu, job)
             current = self._open.get(fp)
             if temp >= 90 and current is None:
-                alert = Alert(id=f"{fp}-{int(t)}", fingerprint=fp, kind=AlertKind.THERMAL_THROTTLE,
-                              severity=Severity.WARNING, state=AlertState.FIRING, node=node, gpu=gpu,
-                              uuid=f"GPU-{node}-{gpu}", hpc_job=job, pending_since=t, started=t, resolved=None,
-                              updated=t, summary=f"{node} GPU {gpu} at {temp:.0f} C",
-                              evidence={"temperature_celsius": temp})
+                alert = Alert(
+                    id=f"{fp}-{int(t)}",
+                    fingerprint=fp,
+                    kind=AlertKind.THERMAL_THROTTLE,
+                    severity=Severity.WARNING,
+                    state=AlertState.FIRING,
+                    node=node,
+                    gpu=gpu,
+                    uuid=f"GPU-{node}-{gpu}",
+                    hpc_job=job,
+                    pending_since=t,
+                    started=t,
+                    resolved=None,
+                    updated=t,
+                    summary=f"{node} GPU {gpu} at {temp:.0f} C",
+                    evidence={"temperature_celsius": temp},
+                )
                 self._open[fp] = alert
                 out.append(Transition(alert, None))
             elif temp < 90 and current is not None:
@@ -88,21 +114,43 @@ class StubEngine:
         for fp, alert in list(self._open.items()):
             if alert.node == node:
                 del self._open[fp]
-                out.append(Transition(_replace(alert, state=AlertState.RESOLVED, resolved=t, updated=t,
-                                               evidence={**alert.evidence, "resolved_reason": reason}),
-                                      AlertState.FIRING))
+                out.append(
+                    Transition(
+                        _replace(
+                            alert,
+                            state=AlertState.RESOLVED,
+                            resolved=t,
+                            updated=t,
+                            evidence={**alert.evidence, "resolved_reason": reason},
+                        ),
+                        AlertState.FIRING,
+                    )
+                )
         self._latest = {k: v for k, v in self._latest.items() if k[0] != node}
         return out
 
     def jobs(self) -> list[_Health]:
         jobs = sorted({job for _, _, job in self._latest.values() if job})
-        return [_Health({"hpc_job": j, "gpus": sum(1 for *_, jj in self._latest.values() if jj == j),
-                         "stragglers": [], "comm_bound": False, "estimated_slowdown_ratio": 0.0,
-                         "gpu_hours_lost": 0.5, "gpu_hours_lost_by_kind": {"straggler": 0.5}}) for j in jobs]
+        return [
+            _Health(
+                {
+                    "hpc_job": j,
+                    "gpus": sum(1 for *_, jj in self._latest.values() if jj == j),
+                    "stragglers": [],
+                    "comm_bound": False,
+                    "estimated_slowdown_ratio": 0.0,
+                    "gpu_hours_lost": 0.5,
+                    "gpu_hours_lost_by_kind": {"straggler": 0.5},
+                }
+            )
+            for j in jobs
+        ]
 
     def nodes(self) -> list[_Health]:
-        return [_Health({"node": n, "gpus": sum(1 for (nn, _) in self._latest if nn == n)})
-                for n in sorted({n for n, _ in self._latest})]
+        return [
+            _Health({"node": n, "gpus": sum(1 for (nn, _) in self._latest if nn == n)})
+            for n in sorted({n for n, _ in self._latest})
+        ]
 
     def stats(self) -> _Health:
         return _Health({"samples": len(self.samples), "gpus": len(self._latest)})
@@ -114,13 +162,34 @@ def _replace(alert: Alert, **changes: Any) -> Alert:
     return replace(alert, **changes)
 
 
-def make_alert(n: int, *, kind: AlertKind = AlertKind.STRAGGLER, state: AlertState = AlertState.FIRING,
-               severity: Severity = Severity.WARNING, node: str | None = "dgx-01", gpu: int | None = 0,
-               hpc_job: str | None = "71001", t: float = 1000.0) -> Alert:
+def make_alert(
+    n: int,
+    *,
+    kind: AlertKind = AlertKind.STRAGGLER,
+    state: AlertState = AlertState.FIRING,
+    severity: Severity = Severity.WARNING,
+    node: str | None = "dgx-01",
+    gpu: int | None = 0,
+    hpc_job: str | None = "71001",
+    t: float = 1000.0,
+) -> Alert:
     """An alert with distinct id/time per n."""
     fp = fingerprint(kind, node, gpu, hpc_job, extra=str(n))
     resolved = t + n + 50 if state is AlertState.RESOLVED else None
-    return Alert(id=f"{fp}-{n}", fingerprint=fp, kind=kind, severity=severity, state=state, node=node, gpu=gpu,
-                 uuid=None if gpu is None else f"GPU-{n}", hpc_job=hpc_job, pending_since=t + n,
-                 started=None if state is AlertState.PENDING else t + n + 10, resolved=resolved,
-                 updated=t + n + 10, summary=f"alert {n}", evidence={"n": n, "peers_median": 0.5})
+    return Alert(
+        id=f"{fp}-{n}",
+        fingerprint=fp,
+        kind=kind,
+        severity=severity,
+        state=state,
+        node=node,
+        gpu=gpu,
+        uuid=None if gpu is None else f"GPU-{n}",
+        hpc_job=hpc_job,
+        pending_since=t + n,
+        started=None if state is AlertState.PENDING else t + n + 10,
+        resolved=resolved,
+        updated=t + n + 10,
+        summary=f"alert {n}",
+        evidence={"n": n, "peers_median": 0.5},
+    )

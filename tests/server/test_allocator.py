@@ -17,5 +17,5 @@ def test_without_mallopt_nothing_is_changed(monkeypatch):
         def __init__(self, _name):
             pass
 
-    monkeypatch.setattr(allocator.ctypes, "CDLL", NoMallopt)     # e.g. macOS, musl: no such symbol
+    monkeypatch.setattr(allocator.ctypes, "CDLL", NoMallopt)  # e.g. macOS, musl: no such symbol
     assert allocator.tune_malloc() is False

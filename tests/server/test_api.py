@@ -25,20 +25,23 @@ def build(tmp_path, handler=None, engine=None) -> tuple[Runtime, TestClient]:
     settings = ServerSettings(storage_path=str(tmp_path / "api.db"))
     transport = httpx.MockTransport(handler or (lambda r: httpx.Response(200, content=b'{"schema":1,"snapshots":[]}')))
     puller = Puller(StaticTargets(("a:1",)), transport=transport, parse=parse_dict, clock=lambda: 5000.0)
-    runtime = Runtime(engine=engine or StubEngine(), puller=puller, store=AlertStore(settings.storage_path),
-                      clock=lambda: 5000.0)
+    runtime = Runtime(
+        engine=engine or StubEngine(), puller=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0
+    )
     return runtime, TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
 
 
 @pytest.fixture
 def seeded(tmp_path):
     runtime, client = build(tmp_path)
-    runtime.store.upsert([
-        make_alert(1, kind=AlertKind.THERMAL_THROTTLE, severity=Severity.CRITICAL, node="dgx-03", gpu=5),
-        make_alert(2, kind=AlertKind.STRAGGLER, node="dgx-03", gpu=5, hpc_job="7"),
-        make_alert(3, kind=AlertKind.COMM_BOUND, node=None, gpu=None, hpc_job="7", state=AlertState.RESOLVED),
-        *[make_alert(10 + i, node="dgx-09", gpu=i % 8, hpc_job="8") for i in range(30)],
-    ])
+    runtime.store.upsert(
+        [
+            make_alert(1, kind=AlertKind.THERMAL_THROTTLE, severity=Severity.CRITICAL, node="dgx-03", gpu=5),
+            make_alert(2, kind=AlertKind.STRAGGLER, node="dgx-03", gpu=5, hpc_job="7"),
+            make_alert(3, kind=AlertKind.COMM_BOUND, node=None, gpu=None, hpc_job="7", state=AlertState.RESOLVED),
+            *[make_alert(10 + i, node="dgx-09", gpu=i % 8, hpc_job="8") for i in range(30)],
+        ]
+    )
     return client
 
 
@@ -60,7 +63,9 @@ def test_filters(seeded) -> None:
 
 def test_an_alert_says_its_cause_and_the_schema_documents_it(tmp_path) -> None:
     runtime, client = build(tmp_path)
-    braked = replace(make_alert(1), evidence={"pattern": "gpu_clocks_cut", "throttle_causes": ["hw_slowdown_or_power_brake"]})
+    braked = replace(
+        make_alert(1), evidence={"pattern": "gpu_clocks_cut", "throttle_causes": ["hw_slowdown_or_power_brake"]}
+    )
     runtime.store.upsert([braked])
     (body,) = client.get("/alerts").json()["alerts"]
     assert body["cause"] == "gpu_clocks_cut+hw_slowdown_or_power_brake"
@@ -71,8 +76,12 @@ def test_an_alert_says_its_cause_and_the_schema_documents_it(tmp_path) -> None:
 
 def test_a_kubernetes_job_filters_whether_the_client_escapes_its_slash_or_not(tmp_path) -> None:
     runtime, client = build(tmp_path)
-    runtime.store.upsert([make_alert(1, node="gpu-b", gpu=5, hpc_job="research/llama-70b"),
-                          make_alert(2, node="gpu-c", gpu=1, hpc_job="research")])
+    runtime.store.upsert(
+        [
+            make_alert(1, node="gpu-b", gpu=5, hpc_job="research/llama-70b"),
+            make_alert(2, node="gpu-c", gpu=1, hpc_job="research"),
+        ]
+    )
     assert summaries(client.get("/alerts", params={"hpc_job": "research/llama-70b"})) == ["alert 1"]
     assert summaries(client.get("/alerts?hpc_job=research/llama-70b")) == ["alert 1"]
 
@@ -88,11 +97,27 @@ def test_pagination(seeded) -> None:
     assert beyond["alerts"] == [] and beyond["total"] == 33
 
 
-@pytest.mark.parametrize("params", [
-    {"state": "burning"}, {"kind": "STRAGGLER"}, {"severity": "high"}, {"gpu": "five"}, {"gpu": -1},
-    {"gpu": 10**30}, {"since": "yesterday"}, {"since": "nan"}, {"since": "inf"}, {"since": -5},
-    {"limit": 0}, {"limit": 100000}, {"limit": "x"}, {"offset": -1}, {"node": ""}, {"hpc_job": "x" * 1000},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"state": "burning"},
+        {"kind": "STRAGGLER"},
+        {"severity": "high"},
+        {"gpu": "five"},
+        {"gpu": -1},
+        {"gpu": 10**30},
+        {"since": "yesterday"},
+        {"since": "nan"},
+        {"since": "inf"},
+        {"since": -5},
+        {"limit": 0},
+        {"limit": 100000},
+        {"limit": "x"},
+        {"offset": -1},
+        {"node": ""},
+        {"hpc_job": "x" * 1000},
+    ],
+)
 def test_bad_parameters_are_422_with_a_reason(seeded, params) -> None:
     response = seeded.get("/alerts", params=params)
     assert response.status_code == 422, response.text
@@ -129,9 +154,18 @@ def test_nodes_jobs_health_after_a_cycle(tmp_path) -> None:
     asyncio.run(runtime.cycle())
     health = client.get("/healthz")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "targets": 1, "targets_up": 1, "cycles": 1, "last_tick": 5000.0,
-                             "open_alerts": 1, "degraded_reason": None, "degraded_detail": None,
-                             "store_unsaved_changes": 0, "store_unsaved_age_seconds": None}
+    assert health.json() == {
+        "status": "ok",
+        "targets": 1,
+        "targets_up": 1,
+        "cycles": 1,
+        "last_tick": 5000.0,
+        "open_alerts": 1,
+        "degraded_reason": None,
+        "degraded_detail": None,
+        "store_unsaved_changes": 0,
+        "store_unsaved_age_seconds": None,
+    }
     nodes = client.get("/nodes").json()
     assert [(n["node"], n["gpus"]) for n in nodes["nodes"]] == [("dgx-01", 2)]
     assert nodes["targets"][0]["target"] == "a:1" and nodes["targets"][0]["node"] == "dgx-01"
@@ -189,11 +223,13 @@ def test_restart_persistence(tmp_path) -> None:
 def test_lifespan_runs_the_pipeline_and_stops_cleanly(tmp_path) -> None:
     payload = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0)]))
     settings = ServerSettings(storage_path=str(tmp_path / "l.db"))
-    puller = Puller(StaticTargets(("a:1",)), transport=httpx.MockTransport(lambda r: httpx.Response(200, content=payload)),
-                    parse=parse_dict)
+    puller = Puller(
+        StaticTargets(("a:1",)),
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, content=payload)),
+        parse=parse_dict,
+    )
     engine = StubEngine()
-    runtime = Runtime(engine=engine, puller=puller, store=AlertStore(settings.storage_path),
-                      pull_interval_seconds=3600)
+    runtime = Runtime(engine=engine, puller=puller, store=AlertStore(settings.storage_path), pull_interval_seconds=3600)
     with TestClient(create_app(settings, runtime=runtime)) as client:
         assert runtime.wait_for_cycles(1, timeout=10)  # the first cycle runs as soon as the lifespan starts
         assert client.get("/healthz").json()["cycles"] == 1

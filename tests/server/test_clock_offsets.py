@@ -31,8 +31,10 @@ def test_an_agreeing_clock_is_left_alone_whatever_the_delays():
 @pytest.mark.parametrize("offset", [-60.0, 45.0, -12.0])
 def test_an_offset_is_measured_from_the_least_delayed_answer(offset):
     clocks = ClockOffsets()
-    taken = [clocks.observe("a:1", 1000.0 + 5 * i + offset - delay, 1000.0 + 5 * i)
-             for i, delay in enumerate((3.0, 0.4, 8.0, 0.5))]
+    taken = [
+        clocks.observe("a:1", 1000.0 + 5 * i + offset - delay, 1000.0 + 5 * i)
+        for i, delay in enumerate((3.0, 0.4, 8.0, 0.5))
+    ]
     # The first answer already shows it (less its 3 s delay); the second, less delayed, refines it.
     assert taken[0] == pytest.approx(offset - 3.0)
     assert taken[1:] == [pytest.approx(offset - 0.4)] * 3
@@ -52,13 +54,17 @@ def test_jitter_does_not_move_the_offset_and_a_corrected_clock_is_trusted_again(
         applied.append(clocks.observe("a:1", t + 14.0, t, "n1"))
         t += 5
     assert applied[:11] == [pytest.approx(29.9)] * 11 and applied[11] == 14.0
-    assert clocks.observe("a:1", t + 30.0, t, "n1") == 30.0         # and a step forward of 16 s: at once
+    assert clocks.observe("a:1", t + 30.0, t, "n1") == 30.0  # and a step forward of 16 s: at once
     t += 5
     # NTP stepped it back to ours: learned from the first answer after the step.
     assert clocks.observe("a:1", t - 0.5, t, "n1") == 0.0
     assert [r.getMessage() for r in caplog.records] == [
-        "agent clock offset taken out", "agent clock offset taken out", "agent clock offset taken out",
-        "agent clock stepped", "agent clock agrees again"]
+        "agent clock offset taken out",
+        "agent clock offset taken out",
+        "agent clock offset taken out",
+        "agent clock stepped",
+        "agent clock agrees again",
+    ]
     assert caplog.records[0].offset_seconds == 29.9 and caplog.records[0].node == "n1"
     assert caplog.records[3].step_seconds == -30.5
     # A clock that ran behind shows itself corrected at once: the new answers are the least delayed.
@@ -73,14 +79,16 @@ def test_a_clock_step_either_way_is_taken_out_from_the_first_answer_after_it(ste
         assert clocks.observe("a:1", t - 0.5, t) == 0.0
         t += 5
     assert clocks.observe("a:1", t + step - 0.5, t) == step - 0.5
-    assert clocks.observe("a:1", t + 5 + step - 0.3, t + 5) == step - 0.5         # then jitter, as before
+    assert clocks.observe("a:1", t + 5 + step - 0.3, t + 5) == step - 0.5  # then jitter, as before
 
 
 def test_an_offset_near_the_threshold_does_not_flap():
     # A clock behind and creeping back: each answer is the least delayed yet, so the estimate is the newest.
     clocks = ClockOffsets(min_offset_seconds=10.0)
-    got = [clocks.observe("a:1", 1000.0 + 5 * i + offset, 1000.0 + 5 * i)
-           for i, offset in enumerate((-11.0, -9.0, -8.0, -6.0, -4.0))]
+    got = [
+        clocks.observe("a:1", 1000.0 + 5 * i + offset, 1000.0 + 5 * i)
+        for i, offset in enumerate((-11.0, -9.0, -8.0, -6.0, -4.0))
+    ]
     # Taken out at 10 s, kept down to 5 s; moved only by more than 2 s.
     assert got == [-11.0, -11.0, -8.0, -8.0, 0.0]
     assert ClockOffsets(min_offset_seconds=10.0).observe("a:1", 991.0, 1000.0) == 0.0
@@ -102,6 +110,7 @@ def test_the_flag_sets_the_threshold_and_zero_means_never():
 
 # -- through the puller -----------------------------------------------------------------------------
 
+
 def _agent(now: list[float], offset: float, *, stamped: bool = True):
     """One agent whose clock reads `offset` seconds off the server's: a snapshot a second, 300 s buffered."""
     requests = []
@@ -110,8 +119,11 @@ def _agent(now: list[float], offset: float, *, stamped: bool = True):
         since = request.url.params.get("since")
         requests.append(since)
         agent_now = now[0] + offset
-        snaps = [snapshot("n1", t) for t in range(int(agent_now) - 300, int(agent_now) + 1)
-                 if since is None or t > float(since)]
+        snaps = [
+            snapshot("n1", t)
+            for t in range(int(agent_now) - 300, int(agent_now) + 1)
+            if since is None or t > float(since)
+        ]
         body = envelope("n1", snaps)
         if stamped:
             body["time"] = agent_now
@@ -124,8 +136,12 @@ def _agent(now: list[float], offset: float, *, stamped: bool = True):
 def test_samples_of_a_node_behind_come_out_in_the_server_clock_while_since_stays_in_the_agent_clock(stamped):
     now = [10_000.0]
     handler, requests = _agent(now, -60.0, stamped=stamped)
-    puller = Puller(StaticTargets(("10.0.0.1:9471",)), transport=httpx.MockTransport(handler),
-                    clock=lambda: now[0], parse=parse_dict)
+    puller = Puller(
+        StaticTargets(("10.0.0.1:9471",)),
+        transport=httpx.MockTransport(handler),
+        clock=lambda: now[0],
+        parse=parse_dict,
+    )
 
     async def pulls():
         out = []
@@ -136,9 +152,9 @@ def test_samples_of_a_node_behind_come_out_in_the_server_clock_while_since_stays
         return out
 
     first, second, third = asyncio.run(pulls())
-    assert [s["time"] for s in first.samples][-1] == 10_000.0     # the newest, taken just now
+    assert [s["time"] for s in first.samples][-1] == 10_000.0  # the newest, taken just now
     assert [s["time"] for s in second.samples] == [10_001.0 + i for i in range(5)]
-    assert requests == [None, repr(9940.0), repr(9945.0)]          # what the agent's buffer is keyed by
+    assert requests == [None, repr(9940.0), repr(9945.0)]  # what the agent's buffer is keyed by
     (health,) = puller.health()
     assert health.clock_offset_seconds == -60.0 and health.last_sample_time == 9950.0
 
@@ -150,16 +166,18 @@ def test_a_nonsense_answer_time_falls_back_to_the_newest_sample():
     def broken(request):
         response = handler(request)
         body = orjson.loads(response.content)
-        body["time"] = 0.0           # milliseconds, a zero, a typo: not an agent clock
+        body["time"] = 0.0  # milliseconds, a zero, a typo: not an agent clock
         return httpx.Response(200, content=orjson.dumps(body))
 
-    puller = Puller(StaticTargets(("10.0.0.1:9471",)), transport=httpx.MockTransport(broken),
-                    clock=lambda: now[0], parse=parse_dict)
+    puller = Puller(
+        StaticTargets(("10.0.0.1:9471",)), transport=httpx.MockTransport(broken), clock=lambda: now[0], parse=parse_dict
+    )
     result = asyncio.run(puller.pull_once())
     assert result.samples[-1]["time"] == 10_000.0 and puller.health()[0].clock_offset_seconds == 0.0
 
 
 # -- the live pipeline with the real engine -----------------------------------------------------------
+
 
 def _cluster_agents(now: list[float], skew: dict[str, float], seconds: float):
     """Three nodes' agents serving cluster_lines as they are taken: by the true time, stamped in each node's
@@ -174,8 +192,7 @@ def _cluster_agents(now: list[float], skew: dict[str, float], seconds: float):
         node = f"n{int(request.url.host.rsplit('.', 1)[1]) - 1}"
         since = request.url.params.get("since")
         off = skew.get(node, 0.0)
-        snaps = [s for s in by_node[node]
-                 if s["time"] - off <= now[0] and (since is None or s["time"] > float(since))]
+        snaps = [s for s in by_node[node] if s["time"] - off <= now[0] and (since is None or s["time"] > float(since))]
         return httpx.Response(200, content=orjson.dumps({**envelope(node, snaps), "time": now[0] + off}))
 
     return handler
@@ -187,9 +204,11 @@ def test_a_node_with_its_clock_off_stays_in_the_comparisons_of_the_live_server(t
     now = [T0 + 2.0]
     seconds = 900.0
     handler = _cluster_agents(now, {"n1": skew}, seconds)
-    settings = ServerSettings(targets=tuple(f"10.0.0.{i + 1}:9471" for i in range(3)),
-                              storage_path=str(tmp_path / "c.db"),
-                              pull_clock_offset_min_seconds=10.0 if correct else 0.0)
+    settings = ServerSettings(
+        targets=tuple(f"10.0.0.{i + 1}:9471" for i in range(3)),
+        storage_path=str(tmp_path / "c.db"),
+        pull_clock_offset_min_seconds=10.0 if correct else 0.0,
+    )
     runtime = build_runtime(settings, clock=lambda: now[0], transport=httpx.MockTransport(handler))
 
     async def cycles():
@@ -214,6 +233,7 @@ def test_a_node_with_its_clock_off_stays_in_the_comparisons_of_the_live_server(t
 
 
 # -- clock steps on a live agent ----------------------------------------------------------------------
+
 
 class _SteppingAgents:
     """gpufleet agents for n0..n2 sampling every 5 s of true time; n1's clock steps by `step` seconds at
@@ -256,8 +276,9 @@ class _SteppingAgents:
 def test_an_agent_whose_clock_steps_is_never_dark_and_its_samples_stay_in_step(tmp_path, step):
     now = [T0 + 2.0]
     agents = _SteppingAgents(now, step, at=T0 + 400.0)
-    settings = ServerSettings(targets=tuple(f"10.0.0.{i + 1}:9471" for i in range(3)),
-                              storage_path=str(tmp_path / "c.db"))
+    settings = ServerSettings(
+        targets=tuple(f"10.0.0.{i + 1}:9471" for i in range(3)), storage_path=str(tmp_path / "c.db")
+    )
     runtime = build_runtime(settings, clock=lambda: now[0], transport=httpx.MockTransport(agents))
     gaps = []
 

@@ -14,26 +14,25 @@ from gpufleet.server.connections import OncePerInterval, is_accept_error
 from tests.agent.running import server_process
 
 IDLE_SOCKETS = 150
-FILE_LIMIT = 64          # the server's open-file limit, lowered in its process: half is its connection budget
+FILE_LIMIT = 64  # the server's open-file limit, lowered in its process: half is its connection budget
 
 
 def accept_error() -> logging.LogRecord:
-    return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system resource",
-                             (), None)
+    return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system resource", (), None)
 
 
 def test_accept_errors_are_logged_once_per_interval_with_the_count_held_back() -> None:
     now = [0.0]
     flt = OncePerInterval(is_accept_error, interval_seconds=10.0, clock=lambda: now[0])
     passed = []
-    for i in range(1000):                                   # 1000 retries over 25 s
+    for i in range(1000):  # 1000 retries over 25 s
         now[0] = i * 0.025
         record = accept_error()
         if flt.filter(record):
             passed.append((now[0], record.repeated))
     assert passed == [(0.0, 0), (10.0, 399), (20.0, 399)]
     other = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "Task exception was never retrieved", (), None)
-    assert flt.filter(other)                                 # other asyncio records pass untouched
+    assert flt.filter(other)  # other asyncio records pass untouched
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
@@ -50,9 +49,11 @@ def test_idle_connections_cannot_take_the_api_down(tmp_path) -> None:
     with server_process(tmp_path, "--targets", "127.0.0.1:1", "--web.read-header-timeout", "2s") as (proc, port):
         resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (FILE_LIMIT, FILE_LIMIT))
         with contextlib.ExitStack() as stack:
-            idle = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
-                    for _ in range(IDLE_SOCKETS)]
-            idle[-1].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")     # a request head that never ends
+            idle = [
+                stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+                for _ in range(IDLE_SOCKETS)
+            ]
+            idle[-1].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # a request head that never ends
             # More idle sockets than the server has descriptors for, and still it answers.
             answer = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
             assert answer.status_code in (200, 503) and "status" in answer.json()

@@ -39,22 +39,25 @@ def test_unknown_fields_are_ignored_and_integer_job_becomes_text():
     assert parse_snapshot(payload).jobs[0] == "4242"
 
 
-@pytest.mark.parametrize("mutate, reason", [
-    (lambda p: p.pop("node"), "node"),
-    (lambda p: p.pop("time"), "time"),
-    (lambda p: p.pop("gpus"), "gpus"),
-    (lambda p: p.update(schema=2), "schema"),
-    (lambda p: p.update(time="yesterday"), "time"),
-    (lambda p: p["gpus"][0].update(utilization_ratio="0.5"), "utilization_ratio"),
-    (lambda p: p["gpus"][0].update(power_watts=True), "power_watts"),
-    (lambda p: p["gpus"][0].update(up=1), "up"),
-    (lambda p: p["gpus"][0].update(temperature_celsius=900.0), "temperature_celsius"),
-    (lambda p: p["gpus"][0].update(utilization_ratio=42.0), "utilization_ratio"),
-    (lambda p: p["gpus"][0].update(power_watts=-5.0), "power_watts"),
-    (lambda p: p["gpus"][1].update(index=0), "duplicate"),
-    (lambda p: p["gpus"][0].update(uuid=7), "uuid"),
-    (lambda p: p["gpus"][0].update(xid_errors_by_code=[1]), "xid"),
-])
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda p: p.pop("node"), "node"),
+        (lambda p: p.pop("time"), "time"),
+        (lambda p: p.pop("gpus"), "gpus"),
+        (lambda p: p.update(schema=2), "schema"),
+        (lambda p: p.update(time="yesterday"), "time"),
+        (lambda p: p["gpus"][0].update(utilization_ratio="0.5"), "utilization_ratio"),
+        (lambda p: p["gpus"][0].update(power_watts=True), "power_watts"),
+        (lambda p: p["gpus"][0].update(up=1), "up"),
+        (lambda p: p["gpus"][0].update(temperature_celsius=900.0), "temperature_celsius"),
+        (lambda p: p["gpus"][0].update(utilization_ratio=42.0), "utilization_ratio"),
+        (lambda p: p["gpus"][0].update(power_watts=-5.0), "power_watts"),
+        (lambda p: p["gpus"][1].update(index=0), "duplicate"),
+        (lambda p: p["gpus"][0].update(uuid=7), "uuid"),
+        (lambda p: p["gpus"][0].update(xid_errors_by_code=[1]), "xid"),
+    ],
+)
 def test_schema_violations_are_rejected_with_a_reason(mutate, reason):
     payload = _payload()
     mutate(payload)
@@ -138,9 +141,8 @@ def test_batches_split_by_gpu_rows_give_the_same_results_as_single_lines():
 
 def test_lines_of_one_node_share_its_identity_and_a_job_change_is_kept():
     # 600 lines span several batches; the node's strings are held once, not once per line.
-    lines = [snapshot_line("n0", T0 + i, [healthy(0), healthy(1, job="77" if i >= 300 else "j1")])
-             for i in range(600)]
-    lines.append(snapshot_line("n0", T0 + 600, [healthy(0), healthy(0)]))     # duplicate index, same node
+    lines = [snapshot_line("n0", T0 + i, [healthy(0), healthy(1, job="77" if i >= 300 else "j1")]) for i in range(600)]
+    lines.append(snapshot_line("n0", T0 + 600, [healthy(0), healthy(0)]))  # duplicate index, same node
     parsed = [s for _, s in parse_lines(lines)]
     first, before, after, dup = parsed[0], parsed[299], parsed[300], parsed[-1]
     assert before.uuids is first.uuids and before.jobs is first.jobs and before.node is first.node
@@ -166,4 +168,5 @@ def test_slow_reading_ages_from_the_agent_are_accepted_and_ignored():
     payload = _payload()
     payload["gpus"][0]["slow_readings_age_seconds"] = {"energy_joules_total": 37.0, "memory_used_bytes": 12.5}
     assert parse_snapshot(payload).value(0, "energy_joules_total") == parse_snapshot(_payload()).value(
-        0, "energy_joules_total")
+        0, "energy_joules_total"
+    )

@@ -14,8 +14,16 @@ from dataclasses import replace
 import httpx
 
 from gpufleet.server.alerts import AlertKind, AlertState, Transition
-from gpufleet.server.demo import (Scenario, TerminalPrinter, incident_subject, loss_summary, main, server_socket,
-                                  subject, timeline)
+from gpufleet.server.demo import (
+    Scenario,
+    TerminalPrinter,
+    incident_subject,
+    loss_summary,
+    main,
+    server_socket,
+    subject,
+    timeline,
+)
 from tests.server.live_fakes import make_alert
 
 
@@ -29,13 +37,17 @@ def test_printer_shows_firing_and_resolved_only() -> None:
     out = io.StringIO()
     printer = TerminalPrinter(epoch=1000.0, out=out)
     alert = make_alert(1, kind=AlertKind.THERMAL_THROTTLE, node="dgx-03", gpu=5, hpc_job="71001")  # started 1011
-    printer.submit([
-        Transition(replace(alert, state=AlertState.PENDING, started=None), None),
-        Transition(alert, AlertState.PENDING),
-        Transition(alert, AlertState.FIRING),                     # refresh: no line
-        Transition(replace(alert, state=AlertState.RESOLVED, resolved=1100.0), AlertState.FIRING),
-        Transition(replace(make_alert(2), state=AlertState.RESOLVED, started=None), AlertState.PENDING),  # never fired
-    ])
+    printer.submit(
+        [
+            Transition(replace(alert, state=AlertState.PENDING, started=None), None),
+            Transition(alert, AlertState.PENDING),
+            Transition(alert, AlertState.FIRING),  # refresh: no line
+            Transition(replace(alert, state=AlertState.RESOLVED, resolved=1100.0), AlertState.FIRING),
+            Transition(
+                replace(make_alert(2), state=AlertState.RESOLVED, started=None), AlertState.PENDING
+            ),  # never fired
+        ]
+    )
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
     assert "(+   11s) FIRING   thermal_throttle" in lines[0] and "dgx-03 GPU 5 (job 71001): alert 1" in lines[0]
@@ -53,9 +65,16 @@ def _through_the_agent_command(scenario) -> Scenario:
 
 
 def test_timeline_lists_the_demo_incidents_in_order_with_what_to_expect() -> None:
-    demo = Scenario.from_json(__import__("orjson").loads(subprocess.run(
-        [sys.executable, "-m", "gpufleet.agent.cli", "--simulate", "demo", "--print-scenario"],
-        capture_output=True, check=True, timeout=60).stdout))
+    demo = Scenario.from_json(
+        __import__("orjson").loads(
+            subprocess.run(
+                [sys.executable, "-m", "gpufleet.agent.cli", "--simulate", "demo", "--print-scenario"],
+                capture_output=True,
+                check=True,
+                timeout=60,
+            ).stdout
+        )
+    )
     lines = timeline(demo, epoch=1000.0)
     incidents = sorted(demo.incidents, key=lambda i: i.start_s)
     assert len(lines) == len(incidents) + 1
@@ -73,13 +92,19 @@ def test_timeline_lists_the_demo_incidents_in_order_with_what_to_expect() -> Non
 def test_incident_subject_for_several_gpus_and_whole_nodes() -> None:
     from gpufleet.agent.sim import parse_scenario
 
-    scenario = _through_the_agent_command(parse_scenario({
-        "nodes": [{"name": "a"}, {"name": "b"}],
-        "jobs": [{"id": "9", "nodes": ["a"]}],
-        "incidents": [{"kind": "slow_gpu", "node": "a", "gpus": [0, 1], "start_s": 1},
-                      {"kind": "nvml_init_failure", "node": "b", "start_s": 1},
-                      {"kind": "xid", "node": "b", "gpu": 3, "code": 79, "start_s": 1}],
-    }))
+    scenario = _through_the_agent_command(
+        parse_scenario(
+            {
+                "nodes": [{"name": "a"}, {"name": "b"}],
+                "jobs": [{"id": "9", "nodes": ["a"]}],
+                "incidents": [
+                    {"kind": "slow_gpu", "node": "a", "gpus": [0, 1], "start_s": 1},
+                    {"kind": "nvml_init_failure", "node": "b", "start_s": 1},
+                    {"kind": "xid", "node": "b", "gpu": 3, "code": 79, "start_s": 1},
+                ],
+            }
+        )
+    )
     several, node, unattributed = scenario.incidents
     assert incident_subject(scenario, several) == "a GPUs 0,1 (job 9)"
     assert incident_subject(scenario, node) == "b"
@@ -88,10 +113,17 @@ def test_incident_subject_for_several_gpus_and_whole_nodes() -> None:
 
 
 def test_loss_summary_names_each_job_and_what_it_lost_to() -> None:
-    jobs = ({"hpc_job": "71002", "gpu_hours_lost": 0.2447, "gpu_hours_lost_by_kind": {"straggler": 0.1242, "comm_bound": 0.1205}},
-            {"hpc_job": "71001", "gpu_hours_lost": 0.0, "gpu_hours_lost_by_kind": {}})
-    assert loss_summary(jobs) == ("GPU-hours lost while alerts fired: job 71001 0.00; "
-                                  "job 71002 0.24 (straggler 0.12, comm_bound 0.12)")
+    jobs = (
+        {
+            "hpc_job": "71002",
+            "gpu_hours_lost": 0.2447,
+            "gpu_hours_lost_by_kind": {"straggler": 0.1242, "comm_bound": 0.1205},
+        },
+        {"hpc_job": "71001", "gpu_hours_lost": 0.0, "gpu_hours_lost_by_kind": {}},
+    )
+    assert loss_summary(jobs) == (
+        "GPU-hours lost while alerts fired: job 71001 0.00; job 71002 0.24 (straggler 0.12, comm_bound 0.12)"
+    )
     assert loss_summary(()) == ""
 
 
@@ -99,9 +131,21 @@ def test_demo_runs_serves_what_it_prints_and_stops_by_itself() -> None:
     """Real agent processes and the real server for a few seconds: every URL the banner prints answers 200
     (the demo's own terminal notifier once broke /metrics), so does `gpufleet-server status`, and
     --duration makes it exit 0 by itself."""
-    proc = subprocess.Popen([sys.executable, "-m", "gpufleet.server.cli", "demo", "--duration", "12",
-                             "--web.listen-address", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpufleet.server.cli",
+            "demo",
+            "--duration",
+            "12",
+            "--web.listen-address",
+            "127.0.0.1:0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         banner = []
         for line in proc.stdout:

@@ -46,8 +46,11 @@ class Agents:
         if node in self.down:
             raise httpx.ConnectError("refused", request=request)
         since = request.url.params.get("since")
-        snaps = [s for s in self.by_node[node]
-                 if s["time"] <= self.now[0] and s["time"] > (float(since) if since else self.now[0] - 60)]
+        snaps = [
+            s
+            for s in self.by_node[node]
+            if s["time"] <= self.now[0] and s["time"] > (float(since) if since else self.now[0] - 60)
+        ]
         body = {**envelope(node, snaps), "time": self.now[0]}
         if not self.named:
             del body["node"]
@@ -57,8 +60,13 @@ class Agents:
 def _runtime(tmp_path, now, agents, targets) -> Runtime:
     settings = ServerSettings(storage_path=str(tmp_path / "alerts.db"))
     puller = Puller(targets, transport=httpx.MockTransport(agents), clock=lambda: now[0])
-    return Runtime(engine=build_engine(settings), puller=puller, store=AlertStore(settings.storage_path),
-                   clock=lambda: now[0], removed_grace_seconds=GRACE)
+    return Runtime(
+        engine=build_engine(settings),
+        puller=puller,
+        store=AlertStore(settings.storage_path),
+        clock=lambda: now[0],
+        removed_grace_seconds=GRACE,
+    )
 
 
 def _run(runtime: Runtime, now: list[float], until: float, each=None) -> None:
@@ -83,11 +91,11 @@ def test_a_node_removed_from_discovery_resolves_after_the_grace_and_stays_resolv
     targets = Targets(["10.0.0.1:9471", "10.0.0.2:9471"])
     runtime = _runtime(tmp_path, now, agents, targets)
     _run(runtime, now, T0 + 300)
-    agents.down.add("n1")                                   # the node dies...
+    agents.down.add("n1")  # the node dies...
     _run(runtime, now, T0 + 400)
     (open_,) = runtime.store.open_alerts()
     assert (open_.kind, open_.node, open_.state) == (AlertKind.NODE_UNREACHABLE, "n1", AlertState.FIRING)
-    targets.current.remove("10.0.0.2:9471")                 # ... and is taken out of the fleet
+    targets.current.remove("10.0.0.2:9471")  # ... and is taken out of the fleet
     removed_at = now[0]
     resolved_at = []
 
@@ -128,7 +136,7 @@ def test_a_restart_with_no_targets_resolves_the_restored_alerts_after_the_grace(
     assert empty.restore() == 1
     started = now[0]
     _run(empty, now, started + GRACE - 5)
-    assert [a.node for a in empty.store.open_alerts()] == ["n1"]          # within the grace: still firing
+    assert [a.node for a in empty.store.open_alerts()] == ["n1"]  # within the grace: still firing
     _run(empty, now, started + GRACE + 5)
     assert empty.store.open_alerts() == []
     assert _resolved(empty.store)[0].evidence["resolved_reason"] == REMOVED_REASON

@@ -36,13 +36,15 @@ def _drive(samples, step=5.0, end=None, phase=0.0):
             eng.ingest(s)
         transitions += eng.advance(t)
         t += step
-    return eng, [(tr.alert.id, tr.alert.state, tr.alert.started, tr.alert.resolved, tr.alert.severity) for tr in transitions]
-
+    return eng, [
+        (tr.alert.id, tr.alert.state, tr.alert.started, tr.alert.resolved, tr.alert.severity) for tr in transitions
+    ]
 
 
 def _fired(transitions: list) -> list:
     """The transitions past pending, comparable across replicas."""
     return sorted((i, s.value, st, r, sev.value) for i, s, st, r, sev in transitions if s is not AlertState.PENDING)
+
 
 def test_same_samples_same_alerts_whatever_the_ingest_chunking():
     samples = [parse_line(line) for line in cluster_lines(700, override=_incident)]
@@ -76,6 +78,7 @@ def test_views_report_jobs_nodes_and_stats():
 
 def _hot(*culprits):
     """_incident with any number of hot, clock-cut GPUs holding the job back."""
+
     def override(t, node, gpu):
         kw = {}
         if (node, gpu) in culprits and t >= 400:
@@ -83,6 +86,7 @@ def _hot(*culprits):
         elif t >= 400:
             kw.update(sm_active_ratio=0.6, power_watts=420.0)
         return kw
+
     return override
 
 
@@ -165,5 +169,5 @@ def test_an_unattributed_node_whose_busy_set_changes_forgets_its_baseline_and_of
             eng.ingest(s)
     eng.advance(T0 + 445)
     assert eng.registry.first_seen[n0] > T0 + 400
-    assert eng.history.baseline("sm")[n0] != eng.history.baseline("sm")[n0]        # NaN: no baseline yet
-    assert (eng._straggler.learned[slots] <= 9).all()                  # at most the ticks since 400 s
+    assert eng.history.baseline("sm")[n0] != eng.history.baseline("sm")[n0]  # NaN: no baseline yet
+    assert (eng._straggler.learned[slots] <= 9).all()  # at most the ticks since 400 s

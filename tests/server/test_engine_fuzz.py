@@ -13,10 +13,22 @@ import pytest
 from gpufleet.server.contract import ContractError, parse_snapshot
 from gpufleet.server.engine import Engine, EngineConfig
 
-READINGS = ("utilization_ratio", "sm_active_ratio", "temperature_celsius", "slowdown_temperature_celsius",
-            "power_watts", "power_limit_watts", "energy_joules_total", "sm_clock_hertz", "sm_clock_max_hertz",
-            "throttle_reasons", "xid_errors_total", "ecc_uncorrected_errors_total", "memory_temperature_celsius",
-            "memory_max_operating_temperature_celsius")
+READINGS = (
+    "utilization_ratio",
+    "sm_active_ratio",
+    "temperature_celsius",
+    "slowdown_temperature_celsius",
+    "power_watts",
+    "power_limit_watts",
+    "energy_joules_total",
+    "sm_clock_hertz",
+    "sm_clock_max_hertz",
+    "throttle_reasons",
+    "xid_errors_total",
+    "ecc_uncorrected_errors_total",
+    "memory_temperature_celsius",
+    "memory_max_operating_temperature_celsius",
+)
 
 
 def reading(rng: random.Random, name: str) -> float | int | None:
@@ -38,11 +50,13 @@ def reading(rng: random.Random, name: str) -> float | int | None:
 def snapshot(rng: random.Random, node: int, t: float) -> dict:
     gpus = []
     for i in range(rng.choice([1, 2, 4, 8, 8])):
-        gpu = {"index": i if rng.random() > 0.03 else rng.randrange(16),
-               "uuid": f"GPU-{node}-{i}" if rng.random() > 0.03 else f"GPU-{rng.randrange(99)}",
-               "model": "NVIDIA H100 80GB HBM3" if rng.random() > 0.05 else "NVIDIA A100-SXM4-80GB",
-               "hpc_job": ("1", "2", None)[node % 3] if rng.random() > 0.05 else rng.choice(["1", "2", "", 7, None]),
-               "up": rng.random() > 0.03}
+        gpu = {
+            "index": i if rng.random() > 0.03 else rng.randrange(16),
+            "uuid": f"GPU-{node}-{i}" if rng.random() > 0.03 else f"GPU-{rng.randrange(99)}",
+            "model": "NVIDIA H100 80GB HBM3" if rng.random() > 0.05 else "NVIDIA A100-SXM4-80GB",
+            "hpc_job": ("1", "2", None)[node % 3] if rng.random() > 0.05 else rng.choice(["1", "2", "", 7, None]),
+            "up": rng.random() > 0.03,
+        }
         gpu.update({name: reading(rng, name) for name in READINGS})
         if rng.random() < 0.02:
             gpu.update(xid_errors_by_code={"79": 1, "13": rng.randrange(5)}, last_xid=79)
@@ -63,7 +77,7 @@ def test_random_valid_samples_neither_raise_nor_warn(seed):
                 try:
                     engine.ingest(parse_snapshot(snapshot(rng, node, t)))
                 except ContractError:
-                    pass    # a duplicate GPU index: the contract's to refuse, not the engine's concern
+                    pass  # a duplicate GPU index: the contract's to refuse, not the engine's concern
             if rng.random() < 0.7:
                 engine.advance(t + rng.choice([0.0, 5.0, 60.0, -10.0]))
                 engine.jobs(), engine.nodes(), engine.alerts()

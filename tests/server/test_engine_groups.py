@@ -6,8 +6,19 @@ import numpy as np
 
 import pytest
 
-from gpufleet.server.engine.groups import (CLUSTER_MODEL, JOB, NODE_MODEL, GroupLayout, GroupMembers, GroupRegistry,
-                                  group_mean, group_means, group_median, group_medians, group_stats)
+from gpufleet.server.engine.groups import (
+    CLUSTER_MODEL,
+    JOB,
+    NODE_MODEL,
+    GroupLayout,
+    GroupMembers,
+    GroupRegistry,
+    group_mean,
+    group_means,
+    group_median,
+    group_medians,
+    group_stats,
+)
 
 
 def test_group_median_ignores_nan_and_negative_ids():
@@ -67,9 +78,9 @@ def test_an_unattributed_node_group_restarts_when_its_busy_set_changes():
     assert build(300.0, [True, True, True, True]) == (g, [g]) and reg.first_seen[g] == 300.0
     assert not reg.dated[g]
     assert build(400.0, [True, True, False, False]) == (g, [g])
-    build(500.0, [False, False, False, False])             # the node idles: no group at all
+    build(500.0, [False, False, False, False])  # the node idles: no group at all
     assert build(600.0, [True, True, False, False]) == (g, [g]) and reg.first_seen[g] == 600.0
-    assert len(reg.keys) == 2                               # the node group and the cluster group
+    assert len(reg.keys) == 2  # the node group and the cluster group
 
 
 def _slow_median(values, gid, n_groups):
@@ -85,9 +96,9 @@ def _slow_median(values, gid, n_groups):
 def test_batched_group_medians_match_one_group_at_a_time():
     rng = np.random.default_rng(4)
     n, n_groups = 500, 37
-    values = rng.normal(size=(3, n)).round(1)          # rounding makes ties
+    values = rng.normal(size=(3, n)).round(1)  # rounding makes ties
     values[rng.random((3, n)) < 0.2] = np.nan
-    gid = rng.integers(-1, n_groups - 2, n)            # the last groups stay empty
+    gid = rng.integers(-1, n_groups - 2, n)  # the last groups stay empty
     med = group_medians(values, gid, n_groups)
     assert med.shape == (3, n_groups)
     for r in range(3):
@@ -98,7 +109,7 @@ def test_batched_group_medians_match_one_group_at_a_time():
 
 def test_group_medians_beyond_16_bit_ids_fall_back_exactly():
     rng = np.random.default_rng(5)
-    n_groups = 20_000                                  # 2 rows x 20,000 ids > int16
+    n_groups = 20_000  # 2 rows x 20,000 ids > int16
     gid = rng.integers(0, n_groups, 60_000)
     values = rng.random((2, 60_000))
     med = group_medians(values, gid, n_groups)
@@ -118,19 +129,19 @@ def test_batched_group_means_match_one_group_at_a_time():
 def test_group_layout_medians_match_group_medians(seed):
     rng = np.random.default_rng(seed)
     n, n_groups = 120, 9
-    ids = rng.integers(-1, n_groups - 1, n)             # the last group stays empty
-    where = rng.permutation(200)[:n]                     # members' columns in a wider array
+    ids = rng.integers(-1, n_groups - 1, n)  # the last group stays empty
+    where = rng.permutation(200)[:n]  # members' columns in a wider array
     layout = GroupLayout(ids, n_groups, where)
     for nan_share in (0.0, 0.3):
         values = rng.normal(size=(4, 200)).round(1)
         values[rng.random(values.shape) < nan_share] = np.nan
-        values[1] = np.nan                               # an unsupported reading
-        values[2, where[ids == 0]] = np.nan              # a group without this reading
+        values[1] = np.nan  # an unsupported reading
+        values[2, where[ids == 0]] = np.nan  # a group without this reading
         np.testing.assert_array_equal(layout.medians(values), group_medians(values[:, where], ids, n_groups))
 
 
 def test_lopsided_group_layout_falls_back_exactly():
-    ids = np.array([0] * 300 + list(range(1, 40)))      # padding every group to 300 would dominate
+    ids = np.array([0] * 300 + list(range(1, 40)))  # padding every group to 300 would dominate
     values = np.random.default_rng(1).random((2, len(ids)))
     layout = GroupLayout(ids, 40)
     assert not layout.padded
@@ -146,8 +157,9 @@ def test_group_stats_reuse_members_only_for_the_same_grouping():
     again = group_stats(gid.copy(), ngid.copy(), 3, levels, fractions, first.members)
     assert again.members is first.members
     np.testing.assert_array_equal(again.levels, [[1, 3.5, 5], [7, 9.5, 11], [13, 15.5, 17], [19, 21.5, 23]])
-    moved = group_stats(np.array([0, 0, 1, 1, 1, -1]), np.array([0, 0, 1, 1, 1, 2]), 3, levels, fractions,
-                        first.members)
+    moved = group_stats(
+        np.array([0, 0, 1, 1, 1, -1]), np.array([0, 0, 1, 1, 1, 2]), 3, levels, fractions, first.members
+    )
     assert moved.members is not first.members and moved.levels[0, 0] == 0.5
     assert isinstance(moved.members, GroupMembers)
 
@@ -159,7 +171,7 @@ def test_build_reuses_ids_for_unchanged_inputs_and_rebuilds_on_change():
     model = np.zeros(4, dtype=np.int64)
     has, busy = np.ones(4, dtype=bool), np.ones(4, dtype=bool)
     gid, ngid = reg.build(100.0, slot_job, node, model, ["j"], has, busy)
-    assert not gid.flags.writeable                       # shared across ticks: nobody may edit it
+    assert not gid.flags.writeable  # shared across ticks: nobody may edit it
     same, _ = reg.build(105.0, slot_job.copy(), node, model, ["j"], has, busy)
     assert same is gid
     busy[3] = False
@@ -180,11 +192,11 @@ def test_the_id_of_a_group_gone_for_the_retention_goes_to_the_next_new_group():
 
     a, b = build(0.0, [0, 1], ["a", "b"])
     assert reg.recycled == [] and a != b
-    build(100.0, [-1, 1], ["a", "b"])                       # a has no member from 100 s on
-    assert build(900.0, [2, 1], ["a", "b", "c"])[0] != a     # 800 s later: not yet
-    build(950.0, [-1, 1], ["a", "b", "c"])                  # c leaves too
+    build(100.0, [-1, 1], ["a", "b"])  # a has no member from 100 s on
+    assert build(900.0, [2, 1], ["a", "b", "c"])[0] != a  # 800 s later: not yet
+    build(950.0, [-1, 1], ["a", "b", "c"])  # c leaves too
     ids = len(reg.keys)
-    (d, _) = build(1000.0, [3, 1], ["a", "b", "c", "d"])      # 900 s after a left: its id is d's
+    (d, _) = build(1000.0, [3, 1], ["a", "b", "c", "d"])  # 900 s after a left: its id is d's
     assert d == a and reg.recycled == [(a, (JOB, "a"))] and len(reg.keys) == ids
     assert reg.keys[a] == (JOB, "d") and (JOB, "a") not in reg.ids and reg.first_seen[a] == 1000.0
     # A group back before its id was taken keeps it, and its first sighting.

@@ -30,7 +30,11 @@ def test_brief_gap_is_not_unreachable():
 
 def test_gpu_reporting_down_is_lost():
     def lost(t, node, gpu):
-        return {"up": False, "utilization_ratio": None, "sm_active_ratio": None} if (node, gpu) == ("n0", 5) and t >= 400 else {}
+        return (
+            {"up": False, "utilization_ratio": None, "sm_active_ratio": None}
+            if (node, gpu) == ("n0", 5) and t >= 400
+            else {}
+        )
 
     (a,) = _of("gpu_lost", lost)
     assert (a.node, a.gpu, a.resolved) == ("n0", 5, None)
@@ -42,11 +46,17 @@ def test_gpu_lost_seconds_before_its_node_falls_silent_is_lost_at_once():
     def lost_then_silent(t, node, gpu):
         if node == "n0" and 405 <= t < 700:
             return {"_absent": True}
-        return {"up": False, "utilization_ratio": None, "sm_active_ratio": None} \
-            if (node, gpu) == ("n0", 5) and t >= 403 else {}
+        return (
+            {"up": False, "utilization_ratio": None, "sm_active_ratio": None}
+            if (node, gpu) == ("n0", 5) and t >= 403
+            else {}
+        )
 
-    (a,) = [a for a in run_replay(cluster_lines(900.0, interval=1.0, override=lost_then_silent))
-            if a.kind.value == "gpu_lost"]
+    (a,) = [
+        a
+        for a in run_replay(cluster_lines(900.0, interval=1.0, override=lost_then_silent))
+        if a.kind.value == "gpu_lost"
+    ]
     assert (a.node, a.gpu, a.resolved) == ("n0", 5, None)
     assert a.started <= T0 + 410, f"fired at +{a.started - T0:.0f}s, when the node came back"
 
@@ -66,7 +76,7 @@ def test_xid_increase_fires_with_code_and_meaning_and_survives_counter_reset():
         if t < 300:
             return {"xid_errors_total": 5, "last_xid": 13}
         if t < 400:
-            return {"xid_errors_total": 0, "last_xid": None}        # agent restart: counter reset
+            return {"xid_errors_total": 0, "last_xid": None}  # agent restart: counter reset
         return {"xid_errors_total": 2, "last_xid": 79, "xid_errors_by_code": {79: 2}}
 
     alerts = _of("xid", xid)

@@ -35,12 +35,12 @@ def test_noise_is_read_from_changes_so_a_trend_and_a_level_shift_do_not_count_as
     assert np.std(series) > 12.0
     assert 2.4 < hist.spread("power")[0] < 4.0
     assert hist.median("power")[0] < hist.baseline("power")[0]
-    assert np.isnan(hist.spread("sm")[0])              # SM activity not reported: no noise either
+    assert np.isnan(hist.spread("sm")[0])  # SM activity not reported: no noise either
 
 
 def test_noise_waits_for_three_lags_of_pairs_and_is_forgotten_with_the_history():
     rng = np.random.default_rng(4)
-    series = 300.0 + rng.normal(0.0, 3.0, 3 * LAG + LAG - 1)    # one pair short of 3 × LAG
+    series = 300.0 + rng.normal(0.0, 3.0, 3 * LAG + LAG - 1)  # one pair short of 3 × LAG
     hist = _history(series)
     assert hist.baseline("power")[0] > 0 and np.isnan(hist.spread("power")[0])
     hist = _history(np.append(series, 300.0))

@@ -28,7 +28,7 @@ def test_pending_then_firing_after_for_then_resolved_after_clear_hold():
     (tr,) = _step(lc, 30, True)
     assert (tr.previous, tr.alert.state, tr.alert.started) == (AlertState.PENDING, AlertState.FIRING, 30)
     assert _step(lc, 35, False, clear=True) == []
-    assert _step(lc, 40, False, clear=False) == []          # in the hysteresis band: the hold restarts
+    assert _step(lc, 40, False, clear=False) == []  # in the hysteresis band: the hold restarts
     assert _step(lc, 45, False, clear=True) == []
     (tr,) = _step(lc, 65, False, clear=True)
     assert tr.alert.state is AlertState.RESOLVED and tr.alert.resolved == 65 and tr.alert.started == 30
@@ -38,9 +38,9 @@ def test_pending_then_firing_after_for_then_resolved_after_clear_hold():
 def test_pending_is_dropped_when_clear_and_kept_without_data():
     lc = Lifecycle({K: (30.0, 0.0)}, pending_grace=10.0)
     _step(lc, 0, True)
-    assert _step(lc, 5, False, clear=None) == []            # no data: keep
-    assert _step(lc, 10, False, clear=False) == []          # within grace
-    (tr,) = _step(lc, 20, False, clear=False)               # grace exceeded
+    assert _step(lc, 5, False, clear=None) == []  # no data: keep
+    assert _step(lc, 10, False, clear=False) == []  # within grace
+    (tr,) = _step(lc, 20, False, clear=False)  # grace exceeded
     assert tr.previous is AlertState.PENDING and tr.alert.started is None
 
 
@@ -50,9 +50,9 @@ def test_ticks_off_within_the_pending_grace_do_not_count_towards_for():
     lc = Lifecycle({K: (30.0, 0.0)}, pending_grace=10.0)
     _step(lc, 0, True)
     _step(lc, 5, True)
-    assert _step(lc, 10, False, clear=False) == []          # off for one tick, within grace
+    assert _step(lc, 10, False, clear=False) == []  # off for one tick, within grace
     for t in (15, 20, 25, 30):
-        assert _step(lc, t, True) == []                     # held 25 s of the 30 s since it opened
+        assert _step(lc, t, True) == []  # held 25 s of the 30 s since it opened
     (tr,) = _step(lc, 35, True)
     assert tr.alert.state is AlertState.FIRING and tr.alert.started == 35 and tr.alert.pending_since == 0
     # "No data" counts neither way: it is not the condition going off.
@@ -86,7 +86,7 @@ def test_restore_keeps_id_and_started_and_dedups():
     (open_alert,) = lc.alerts()
     fresh = Lifecycle({K: (30.0, 0.0)})
     assert fresh.restore([open_alert, open_alert]) == 1
-    assert _step(fresh, 100, True) == []                     # same fingerprint: no new alert
+    assert _step(fresh, 100, True) == []  # same fingerprint: no new alert
     (a,) = fresh.alerts()
     assert (a.id, a.started, a.state) == (open_alert.id, 30, AlertState.FIRING)
 

@@ -28,8 +28,11 @@ def _a_then_b(t, node, gpu):
         return {"hpc_job": None, "utilization_ratio": 0.0, "sm_active_ratio": 0.0, "power_watts": 70.0}
     kw: dict = {"hpc_job": "b"}
     if 2300 <= t < 2700:
-        kw.update({"utilization_ratio": 0.70, "sm_active_ratio": 0.55, "power_watts": 380.0} if node == "n1"
-                  else {"sm_active_ratio": 0.60, "power_watts": 400.0})
+        kw.update(
+            {"utilization_ratio": 0.70, "sm_active_ratio": 0.55, "power_watts": 380.0}
+            if node == "n1"
+            else {"sm_active_ratio": 0.60, "power_watts": 400.0}
+        )
     if 3100 <= t < 3400:
         kw.update(sm_active_ratio=0.55, power_watts=400.0)
     return kw
@@ -48,7 +51,7 @@ def test_a_job_given_a_recycled_id_is_judged_as_itself():
         engine.ingest(sample)
         engine.advance(sample.time)
         a_id = engine.registry.ids.get((JOB, "a"), a_id)
-    assert engine.registry.ids[(JOB, "b")] == a_id                 # b took a's id
+    assert engine.registry.ids[(JOB, "b")] == a_id  # b took a's id
 
     recycled = run_replay(lines, {"group_retention_seconds": RETENTION_S})
     fresh = run_replay(lines, EngineConfig(group_retention_seconds=math.inf))
@@ -76,8 +79,8 @@ def test_groups_stay_as_many_as_the_jobs_of_the_retention_need():
             engine.advance(sample.time)
         sizes[retention] = len(engine.registry.keys)
         assert engine.history.values.shape[1] <= sizes[retention]
-    assert sizes[math.inf] == 8 * 36                               # every job ever seen
-    assert sizes[RETENTION_S] <= 8 * (RETENTION_S / 150 + 2)       # those of the last retention
+    assert sizes[math.inf] == 8 * 36  # every job ever seen
+    assert sizes[RETENTION_S] <= 8 * (RETENTION_S / 150 + 2)  # those of the last retention
 
 
 class _Windows:
@@ -95,14 +98,14 @@ def test_the_straggler_index_forgets_jobs_its_gpus_left_but_not_an_open_alert():
     w = _Windows(4)
     index = FingerprintIndex(AlertKind.STRAGGLER)
     fps = []
-    for k in range(50):                            # every GPU starts a new job, fifty times over
+    for k in range(50):  # every GPU starts a new job, fifty times over
         w.job_names += [f"{k}-{s}" for s in range(4)]
         w.slot_job[:] = np.arange(4) + 4 * k
         fps.append(subject_fingerprint(AlertKind.STRAGGLER, "n0", 1, f"{k}-1"))
         assert index.get(w, fps[-1]) == (1, 4 * k + 1)
-    still_open = fps[3]                            # an alert about GPU 1's fourth job, not yet resolved
+    still_open = fps[3]  # an alert about GPU 1's fourth job, not yet resolved
     index.prune({still_open})
-    assert index.get(w, still_open) == (1, 13)     # its clear test still finds the GPU (and the job moved on)
-    assert index.get(w, fps[-1]) == (1, 197)       # the jobs the GPUs run now are kept
+    assert index.get(w, still_open) == (1, 13)  # its clear test still finds the GPU (and the job moved on)
+    assert index.get(w, fps[-1]) == (1, 197)  # the jobs the GPUs run now are kept
     assert index.get(w, fps[10]) is None
     assert len(index._map) == 5

@@ -7,8 +7,14 @@ import warnings
 import numpy as np
 import pytest
 
-from gpufleet.server.engine.reduce import (equal, median, nan_mean_first_axis, nan_median_first_axis, nan_to_zero,
-                                  sorted_nan_last)
+from gpufleet.server.engine.reduce import (
+    equal,
+    median,
+    nan_mean_first_axis,
+    nan_median_first_axis,
+    nan_to_zero,
+    sorted_nan_last,
+)
 
 
 def _windows(rng: np.random.Generator, bins: int, nan_share: float) -> np.ndarray:
@@ -19,12 +25,12 @@ def _windows(rng: np.random.Generator, bins: int, nan_share: float) -> np.ndarra
     return x
 
 
-@pytest.mark.parametrize("bins", [1, 2, 5, 6, 8, 9, 12])       # both sides of the sorting-network limit
-@pytest.mark.parametrize("nan_share", [0.0, 0.05, 0.5])        # full, a few partial, mostly partial
+@pytest.mark.parametrize("bins", [1, 2, 5, 6, 8, 9, 12])  # both sides of the sorting-network limit
+@pytest.mark.parametrize("nan_share", [0.0, 0.05, 0.5])  # full, a few partial, mostly partial
 def test_nan_median_matches_numpy(bins, nan_share):
     x = _windows(np.random.default_rng(bins), bins, nan_share)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)         # numpy warns on all-NaN columns
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy warns on all-NaN columns
         expected = np.nanmedian(x, axis=0)
     np.testing.assert_array_equal(nan_median_first_axis(x), expected)
 
@@ -52,7 +58,7 @@ def test_nan_to_zero_matches_nan_to_num():
     x = np.array([[np.nan, np.inf, -np.inf], [-0.0, 1.5, -2.0]])
     out = nan_to_zero(x)
     np.testing.assert_array_equal(out, np.nan_to_num(x))
-    assert np.isnan(x[0, 0])                                    # input untouched
+    assert np.isnan(x[0, 0])  # input untouched
 
 
 def test_median_matches_numpy_for_odd_even_and_empty():
@@ -66,4 +72,4 @@ def test_median_matches_numpy_for_odd_even_and_empty():
 def test_equal_is_array_equal():
     a = np.array([1, 2, 3])
     assert equal(a, a.copy()) and not equal(a, a[:2]) and not equal(a, np.array([1, 2, 4]))
-    assert not equal(np.array([np.nan]), np.array([np.nan]))     # as np.array_equal: NaN != NaN
+    assert not equal(np.array([np.nan]), np.array([np.nan]))  # as np.array_equal: NaN != NaN

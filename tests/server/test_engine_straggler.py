@@ -123,6 +123,7 @@ def test_rank_less_utilized_all_along_is_structural_not_a_straggler():
     # twice it) is the job's shape: a later job-wide comm slowdown is comm_bound, not blamed on it. So is
     # one a little less utilized (a gap learned as its offset).
     for util in (0.80, 0.90):
+
         def rank0(t, node, gpu, util=util):
             kw = {"utilization_ratio": util} if (node, gpu) == ("n0", 0) else {}
             if 400 <= t < 700:
@@ -257,7 +258,7 @@ def test_unused_gpu_of_the_allocation_is_not_a_straggler():
 def test_structural_offsets_present_all_along_are_ignored():
     def structural(t, node, gpu):
         kw = {"sm_clock_hertz": 1.75e9, "temperature_celsius": 75.0} if (node, gpu) == ("n0", 2) else {}
-        if 400 <= t < 700:   # a job-wide comm slowdown later must not blame the odd GPU
+        if 400 <= t < 700:  # a job-wide comm slowdown later must not blame the odd GPU
             kw.update(sm_active_ratio=0.6, power_watts=420.0)
         return kw
 
@@ -288,6 +289,7 @@ def test_a_host_stalling_twice_briefly_is_not_named_but_longer_stalls_are():
                     return {"utilization_ratio": 0.55, "sm_active_ratio": 0.45, "power_watts": 350.0}
                 return {"sm_active_ratio": 0.55, "power_watts": 400.0}
             return {}
+
         return override
 
     assert "straggler" not in _by_kind(cluster_lines(900, nodes=3, override=stalls(15)))
@@ -299,8 +301,13 @@ def test_a_host_stalling_twice_briefly_is_not_named_but_longer_stalls_are():
 def test_uniform_power_cap_makes_nobody_stand_out():
     def capped(t, node, gpu):
         if t >= 400:
-            return {"power_watts": 380.0, "power_limit_watts": 400.0, "sm_clock_hertz": 1.6e9,
-                    "throttle_reasons": 0x4, "sm_active_ratio": None}
+            return {
+                "power_watts": 380.0,
+                "power_limit_watts": 400.0,
+                "sm_clock_hertz": 1.6e9,
+                "throttle_reasons": 0x4,
+                "sm_active_ratio": None,
+            }
         return {"sm_active_ratio": None}
 
     assert _by_kind(cluster_lines(900, override=capped)) == {}
@@ -339,13 +346,19 @@ def test_unattributed_gpu_braked_in_the_first_minute_of_a_trace_is_named():
     assert s.started <= T0 + 40 + 120 and s.resolved is not None
 
 
-@pytest.mark.parametrize("bits,causes,words", [
-    (0x88, ["hw_slowdown_or_power_brake"], "power brake, not heat"),
-    (0x48, ["hw_thermal_slowdown"], "HW thermal slowdown (heat)"),
-    (0x20, ["sw_thermal_slowdown"], "SW thermal slowdown (heat)"),
-    (0x8C, ["hw_slowdown_or_power_brake", "sw_power_cap"], "power brake, not heat (power delivery, or power draw "
-                                                          "too high); SW power cap"),
-])
+@pytest.mark.parametrize(
+    "bits,causes,words",
+    [
+        (0x88, ["hw_slowdown_or_power_brake"], "power brake, not heat"),
+        (0x48, ["hw_thermal_slowdown"], "HW thermal slowdown (heat)"),
+        (0x20, ["sw_thermal_slowdown"], "SW thermal slowdown (heat)"),
+        (
+            0x8C,
+            ["hw_slowdown_or_power_brake", "sw_power_cap"],
+            "power brake, not heat (power delivery, or power draw too high); SW power cap",
+        ),
+    ],
+)
 def test_a_gpu_whose_clocks_are_cut_is_named_with_what_cut_them(bits, causes, words):
     # What an operator does next depends on it: cooling for heat, the power supply for a brake.
     def cut(t, node, gpu):
@@ -367,11 +380,13 @@ def test_a_straggler_with_no_throttle_bits_names_no_cause():
 
 def _lost_at_380(busy: bool):
     """_slow_gpu without attribution, and GPU n0/7 falls off the bus at 380 s, after running work or idle."""
+
     def override(t, node, gpu):
         if (node, gpu) != ("n0", 7):
             return _slow_gpu(t, node, gpu)
         kw = {} if busy else {"utilization_ratio": 0.0, "sm_active_ratio": 0.0, "power_watts": 60.0}
         return {**kw, "up": t < 380}
+
     return override
 
 
@@ -392,7 +407,7 @@ def _two_unattributed_jobs(t, node, gpu):
         if t < 200:
             return {"utilization_ratio": 0.0, "sm_active_ratio": 0.0, "power_watts": 70.0}
         return {"sm_active_ratio": 0.5, "power_watts": 330.0}
-    if 500 <= t < 800:   # the first job waits for its silently slow GPU n1/1
+    if 500 <= t < 800:  # the first job waits for its silently slow GPU n1/1
         if (node, gpu) == ("n1", 1):
             return {"sm_active_ratio": 0.75}
         return {"sm_active_ratio": 0.5, "power_watts": 360.0}
@@ -432,11 +447,13 @@ def test_unattributed_node_is_not_named_for_one_gpu_between_two_jobs():
 def _shared_node(first_job, second_job=None):
     """Pre-Hopper (power only), one node, no hpc_job: GPUs 0-3 run one job at 400 W, GPUs 4-7 another at
     350 W. From 500 s to 800 s first_job(gpu) and second_job(gpu) give the watts that GPU draws instead."""
+
     def override(t, node, gpu):
         watts = 400.0 if gpu < 4 else 350.0
         if 500 <= t < 800:
             watts = (first_job if gpu < 4 else second_job or (lambda g: None))(gpu) or watts
         return {"sm_active_ratio": None, "power_watts": watts}
+
     return override
 
 
@@ -456,8 +473,11 @@ def test_unattributed_shared_node_names_nobody_when_no_one_gpu_alone_works_harde
     # One job's GPUs all sink (a communication slowdown or a cap): nobody rises. They sink while the other
     # job's GPUs all rise together (a phase of that job): no one GPU stands apart. One job's GPUs all rise:
     # nobody sank.
-    decoys = [_shared_node(lambda g: 350.0), _shared_node(lambda g: 350.0, lambda g: 370.0),
-              _shared_node(lambda g: None, lambda g: 370.0)]
+    decoys = [
+        _shared_node(lambda g: 350.0),
+        _shared_node(lambda g: 350.0, lambda g: 370.0),
+        _shared_node(lambda g: None, lambda g: 370.0),
+    ]
     for decoy in decoys:
         assert _by_kind(cluster_lines(1000, nodes=1, override=decoy, job=None)) == {}
 
@@ -475,7 +495,6 @@ def test_unattributed_nodes_of_separate_jobs_do_not_blame_each_other():
 
     assert _by_kind(cluster_lines(1000, nodes=2, override=n0_slows, job=None)) == {}
     assert _by_kind(cluster_lines(1000, nodes=3, override=n0_slows, job=None)) == {}
-
 
 
 def test_unattributed_host_bound_node_of_a_half_node_job_is_named():

@@ -7,8 +7,9 @@ from tests.server.engine_samples import T0, cluster_lines
 
 
 def _alerts(override, seconds=900.0, interval=5.0):
-    return [a for a in run_replay(cluster_lines(seconds, interval, override=override))
-            if a.kind.value == "thermal_throttle"]
+    return [
+        a for a in run_replay(cluster_lines(seconds, interval, override=override)) if a.kind.value == "thermal_throttle"
+    ]
 
 
 def test_sustained_heat_fires_after_for_duration_and_resolves_with_hysteresis():
@@ -17,7 +18,7 @@ def test_sustained_heat_fires_after_for_duration_and_resolves_with_hysteresis():
             if 300 <= t < 600:
                 return {"temperature_celsius": 84.5}
             if 600 <= t < 700:
-                return {"temperature_celsius": 81.0}   # below threshold but inside the hysteresis band
+                return {"temperature_celsius": 81.0}  # below threshold but inside the hysteresis band
         return {}
 
     (a,) = _alerts(hot)
@@ -68,7 +69,7 @@ def test_hbm_at_its_own_limit_fires_critical_with_a_cool_die_and_resolves_with_h
             if 300 <= t < 600:
                 base["memory_temperature_celsius"] = 95.0
             elif 600 <= t < 700:
-                base["memory_temperature_celsius"] = 93.0     # under its limit, inside the hysteresis band
+                base["memory_temperature_celsius"] = 93.0  # under its limit, inside the hysteresis band
         return base
 
     (a,) = _alerts(hbm)

@@ -50,10 +50,10 @@ def _cluster(eng: Engine, seconds: float, t0: float = T0) -> None:
 
 def test_an_old_snapshot_in_a_fresh_engines_first_cycle_is_dropped_not_walked_from(counted):
     eng = Engine()
-    eng.ingest(sample("n9", 1000.0, [healthy(0)]))          # an agent clock at the epoch, or an ancient buffer
+    eng.ingest(sample("n9", 1000.0, [healthy(0)]))  # an agent clock at the epoch, or an ancient buffer
     _cluster(eng, 60)
     eng.advance(T0 + 65)
-    assert len(counted) == 13                               # T0 .. T0 + 60: where the kept samples begin
+    assert len(counted) == 13  # T0 .. T0 + 60: where the kept samples begin
     stats = eng.stats()
     assert stats.too_old_snapshots_dropped == 1
     assert "n9" not in {n.node for n in eng.nodes()}
@@ -62,7 +62,7 @@ def test_an_old_snapshot_in_a_fresh_engines_first_cycle_is_dropped_not_walked_fr
 
 def test_a_first_cycle_of_only_old_snapshots_starts_a_window_before_now(counted):
     eng = Engine()
-    _cluster(eng, 60, t0=T0 - 2 * 86_400)                  # agents serving what they held before an outage
+    _cluster(eng, 60, t0=T0 - 2 * 86_400)  # agents serving what they held before an outage
     eng.advance(T0)
     assert len(counted) <= _RING + 1
     assert eng.stats().too_old_snapshots_dropped == len(cluster_lines(60))
@@ -74,8 +74,8 @@ def test_a_snapshot_older_than_the_window_behind_its_nodes_newest_is_counted_and
     _cluster(eng, 120)
     eng.advance(T0 + 125)
     last = {n.node: n.last_sample_time for n in eng.nodes()}
-    eng.ingest(sample("n0", T0 + 120 - 400.0, [healthy(g) for g in range(8)]))     # 400 s behind n0's newest
-    eng.ingest(sample("n1", T0 + 120 - 200.0, [healthy(g) for g in range(8)]))     # late, but within the window
+    eng.ingest(sample("n0", T0 + 120 - 400.0, [healthy(g) for g in range(8)]))  # 400 s behind n0's newest
+    eng.ingest(sample("n1", T0 + 120 - 200.0, [healthy(g) for g in range(8)]))  # late, but within the window
     eng.advance(T0 + 130)
     assert eng.stats().too_old_snapshots_dropped == 1
     assert {n.node: n.last_sample_time for n in eng.nodes()} == last
@@ -112,7 +112,7 @@ def test_a_fresh_servers_first_cycle_with_an_agent_serving_an_ancient_snapshot_s
     now = [T0 + 62.0]
     lines = [orjson.loads(line) for line in cluster_lines(60)]
     ancient = {**lines[0], "time": 1000.0}
-    stale = {**lines[1], "time": T0 - 1800.0}                  # half an hour old: the puller lets it through
+    stale = {**lines[1], "time": T0 - 1800.0}  # half an hour old: the puller lets it through
 
     def agent(request: httpx.Request) -> httpx.Response:
         node = f"n{int(request.url.host.rsplit('.', 1)[1]) - 1}"

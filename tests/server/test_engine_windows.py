@@ -24,7 +24,7 @@ def test_samples_in_one_bin_are_averaged_and_bits_become_fractions():
     win = w.window(k, 2)
     assert win[B_UTIL, 0, 0] == np.float64(0.4).item() or abs(win[B_UTIL, 0, 0] - 0.4) < 1e-12
     assert abs(win[B_THERMAL, 0, 0] - 2 / 3) < 1e-12
-    assert np.isnan(win[B_UTIL, 1, 0])                        # previous bin: no data
+    assert np.isnan(win[B_UTIL, 1, 0])  # previous bin: no data
 
 
 def test_a_mask_with_nvmls_unknown_reason_bit_63_is_read_without_an_invalid_cast():
@@ -40,8 +40,13 @@ def test_a_mask_with_nvmls_unknown_reason_bit_63_is_read_without_an_invalid_cast
 def test_each_gpu_keeps_its_newest_reported_limits_and_a_limit_never_reported_stays_unknown():
     w = _w()
     w.add(sample("n0", T0, [healthy(0, memory_max_operating_temperature_celsius=95.0), healthy(1)]))
-    w.add(sample("n0", T0 + 1, [healthy(0, slowdown_temperature_celsius=None,
-                                        memory_max_operating_temperature_celsius=None), healthy(1)]))
+    w.add(
+        sample(
+            "n0",
+            T0 + 1,
+            [healthy(0, slowdown_temperature_celsius=None, memory_max_operating_temperature_celsius=None), healthy(1)],
+        )
+    )
     w.flush(min_bin=0)
     w.add(sample("n0", T0 + 6, [healthy(0, slowdown_temperature_celsius=86.0), healthy(1)]))
     w.flush(min_bin=0)
@@ -68,7 +73,7 @@ def test_ingest_order_and_chunking_do_not_change_the_bins():
 
 def test_power_comes_from_energy_when_power_is_unsupported_and_resets_are_skipped():
     w = _w()
-    energy = [0.0, 1000.0, 2000.0, 50.0, 1050.0]                 # reset between the 3rd and 4th sample
+    energy = [0.0, 1000.0, 2000.0, 50.0, 1050.0]  # reset between the 3rd and 4th sample
     for i, e in enumerate(energy):
         w.add(sample("n0", T0 + 5 * i, [healthy(0, power_watts=None, energy_joules_total=e)]))
     w.flush(0)
@@ -76,7 +81,7 @@ def test_power_comes_from_energy_when_power_is_unsupported_and_resets_are_skippe
     powers = [w.window(k0 + i, 1)[B_POWER, 0, 0] for i in range(5)]
     assert np.isnan(powers[0])
     assert powers[1] == 200.0 and powers[2] == 200.0
-    assert np.isnan(powers[3])                                    # went backwards: no rate
+    assert np.isnan(powers[3])  # went backwards: no rate
     assert powers[4] == 200.0
 
 
@@ -111,8 +116,9 @@ def test_job_change_restarts_the_gpu_job_clock():
 def test_one_sample_per_gpu_batches_bin_like_sub_tick_batches():
     # One sample per GPU per flush takes the direct scatter; several per GPU take the merging path.
     # Both must leave the same bins, including when a later flush adds to a bin already holding data.
-    samples = [sample("n0", T0 + t, [healthy(g, utilization_ratio=0.1 * g + 0.01 * t) for g in range(3)])
-               for t in range(10)]
+    samples = [
+        sample("n0", T0 + t, [healthy(g, utilization_ratio=0.1 * g + 0.01 * t) for g in range(3)]) for t in range(10)
+    ]
     one, many = _w(), _w()
     for s in samples:
         one.add(s)
@@ -128,11 +134,11 @@ def test_one_sample_per_gpu_batches_bin_like_sub_tick_batches():
 
 def test_latest_recent_and_held_agree_with_window():
     w = _w()
-    for t in (0, 1, 12, 13, 30):                         # bins 0, 2 and 6 of GPU 0; GPU 1 only at 30
+    for t in (0, 1, 12, 13, 30):  # bins 0, 2 and 6 of GPU 0; GPU 1 only at 30
         w.add(sample("n0", T0 + t, [healthy(0, utilization_ratio=0.01 * t)] + ([healthy(1)] if t == 30 else [])))
     w.flush(0)
     k = int((T0 + 30) // 5)
-    full = w.window(k, 7)                                # (rows, bins, n)
+    full = w.window(k, 7)  # (rows, bins, n)
     held = w.held(k, 7)
     np.testing.assert_array_equal(held, ~np.isnan(full[B_UTIL]))
     np.testing.assert_array_equal(w.has_data(k, 3), held[:3].any(axis=0))
@@ -147,20 +153,46 @@ def _messy_trace() -> list:
     second, n1 every 5 s, n2 joining after 40 s, a job change on n0, an energy counter reset, new XIDs, a
     snapshot that lists no GPU, and a GPU that drops out of n1's list and comes back; n3 every 5 s, its
     GPUs listed in reverse order from 50 s, and alone after 90 s (one row per cell, out of slot order)."""
-    lines = [snapshot_line("n3", T0 + t + 0.75, [healthy(g, power_watts=250.0 + t + g) for g in
-                                                  (range(3) if t < 50 else range(2, -1, -1))])
-             for t in range(0, 140, 5)]
+    lines = [
+        snapshot_line(
+            "n3",
+            T0 + t + 0.75,
+            [healthy(g, power_watts=250.0 + t + g) for g in (range(3) if t < 50 else range(2, -1, -1))],
+        )
+        for t in range(0, 140, 5)
+    ]
     for t in range(90):
         if t == 60:
             lines.append(snapshot_line("n0", T0 + t + 0.5, []))
-        lines.append(snapshot_line("n0", T0 + t, [
-            healthy(g, job="a" if t < 33 else "b", utilization_ratio=0.5 + 0.005 * t + 0.01 * g,
-                    energy_joules_total=(t if t < 50 else t - 50) * 400.0 + g, xid_errors_total=int(t >= 70),
-                    last_xid=79 if t >= 70 else None) for g in range(2)]))
+        lines.append(
+            snapshot_line(
+                "n0",
+                T0 + t,
+                [
+                    healthy(
+                        g,
+                        job="a" if t < 33 else "b",
+                        utilization_ratio=0.5 + 0.005 * t + 0.01 * g,
+                        energy_joules_total=(t if t < 50 else t - 50) * 400.0 + g,
+                        xid_errors_total=int(t >= 70),
+                        last_xid=79 if t >= 70 else None,
+                    )
+                    for g in range(2)
+                ],
+            )
+        )
         if t % 5 == 2:
-            lines.append(snapshot_line("n1", T0 + t, [
-                healthy(g, power_watts=300.0 + t, sm_active_ratio=None if g else 0.4 + 0.001 * t)
-                for g in range(3) if not (g == 1 and 20 <= t < 45)]))
+            lines.append(
+                snapshot_line(
+                    "n1",
+                    T0 + t,
+                    [
+                        healthy(g, power_watts=300.0 + t, sm_active_ratio=None if g else 0.4 + 0.001 * t)
+                        for g in range(3)
+                        if not (g == 1 and 20 <= t < 45)
+                    ],
+                )
+            )
         if t >= 40:
             lines.append(snapshot_line("n2", T0 + t + 0.25, [healthy(0, job=None, temperature_celsius=80.0 + 0.1 * t)]))
     samples = [s for _, s in parse_lines(lines)]
@@ -170,10 +202,24 @@ def _messy_trace() -> list:
 def _state(w: Windows) -> tuple:
     """Everything a flush leaves behind that the engine reads."""
     n = w.n
-    return (n, list(w.slot_node), list(w.slot_uuid), list(w.job_names), w.samples, w.late_dropped,
-            w.newest_time, w.resumed_time, w.node_last_time.tobytes(), w.slot_job[:n].tobytes(),
-            w.slot_job_since[:n].tobytes(), w.slot_last_time[:n].tobytes(), w.bin_id.tobytes(), w.acc.tobytes(),
-            w.slot_limits[:, :n].tobytes(), [(e.slot, e.time, e.kind, e.delta, e.codes) for e in w.drain_events()])
+    return (
+        n,
+        list(w.slot_node),
+        list(w.slot_uuid),
+        list(w.job_names),
+        w.samples,
+        w.late_dropped,
+        w.newest_time,
+        w.resumed_time,
+        w.node_last_time.tobytes(),
+        w.slot_job[:n].tobytes(),
+        w.slot_job_since[:n].tobytes(),
+        w.slot_last_time[:n].tobytes(),
+        w.bin_id.tobytes(),
+        w.acc.tobytes(),
+        w.slot_limits[:, :n].tobytes(),
+        [(e.slot, e.time, e.kind, e.delta, e.codes) for e in w.drain_events()],
+    )
 
 
 @pytest.mark.parametrize("chunk_rows", [7, 40, 100_000])
@@ -189,7 +235,7 @@ def test_prepared_flushes_leave_exactly_what_unprepared_ones_do(monkeypatch, chu
         pending = list(samples)
         for cut in cuts + [np.inf]:
             batch = [s for s in pending if s.time < cut]
-            pending = pending[len(batch):]
+            pending = pending[len(batch) :]
             for w in (plain, prepared):
                 for s in batch:
                     w.add(s)

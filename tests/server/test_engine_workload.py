@@ -70,6 +70,7 @@ def test_comm_bound_is_not_held_back_by_gpus_standing_out_within_the_noise():
             if 400 <= t < 800:
                 kw["power_watts"] = _noisy_power(t, node, gpu, 330.0, spread)
             return kw
+
         return override
 
     alerts = run_replay(cluster_lines(1000, override=noisy_comm(0.05)))
@@ -86,16 +87,19 @@ def test_comm_bound_is_not_held_back_by_gpus_standing_out_within_the_noise():
         return kw
 
     assert [(a.kind.value, a.node, a.gpu) for a in run_replay(cluster_lines(1000, override=culprit))] == [
-        ("straggler", "n1", 3)]
+        ("straggler", "n1", 3)
+    ]
 
 
 def _power_wander(drop_from: float, salt: int = 10):
     """A power-only job of 330 W times a job-wide factor redrawn every 30 s (seeded: the whole job's power
     wanders together, by 3.5 %), 30 % lower from drop_from on."""
+
     def override(t, node, gpu):
         z = np.random.default_rng([int(t) // 30, salt]).standard_normal()
         watts = 330.0 * (1.0 + 0.035 * z) * (0.7 if t >= drop_from else 1.0)
         return {"sm_active_ratio": None, "power_watts": _noisy_power(t, node, gpu, watts, 0.01)}
+
     return override
 
 
@@ -154,8 +158,13 @@ def test_a_mild_power_cap_without_sm_activity_is_not_comm_bound():
 def test_gpus_waiting_under_a_cap_they_no_longer_reach_are_comm_bound():
     # The mirror: GPUs spinning in collectives fall below their cap, the bit goes and clocks recover.
     def waiting(t, node, gpu):
-        kw = {"sm_active_ratio": None, "power_watts": 300.0, "power_limit_watts": 300.0,
-              "sm_clock_hertz": MAX_HZ * 0.95, "throttle_reasons": 0x4}
+        kw = {
+            "sm_active_ratio": None,
+            "power_watts": 300.0,
+            "power_limit_watts": 300.0,
+            "sm_clock_hertz": MAX_HZ * 0.95,
+            "throttle_reasons": 0x4,
+        }
         if t >= 400:
             kw.update(power_watts=250.0, sm_clock_hertz=MAX_HZ, throttle_reasons=0)
         return kw
@@ -187,7 +196,8 @@ def test_a_job_that_starts_while_watched_keeps_its_start_up_out_of_its_baseline(
     assert _kinds(cluster_lines(900, override=warm_up)) == []
     # The same warm-up as the trace's first sample is a job seen mid-run, and its drop is one.
     assert _kinds(cluster_lines(900, override=lambda t, n, g: warm_up(t + 10, n, g))) == [
-        ("comm_bound", "j1", None, None)]
+        ("comm_bound", "j1", None, None)
+    ]
 
 
 def test_a_job_hung_by_a_node_that_went_silent_is_not_comm_bound():
@@ -205,4 +215,5 @@ def test_a_job_hung_by_a_node_that_went_silent_is_not_comm_bound():
         return {}
 
     assert _kinds(cluster_lines(900, interval=10.0, nodes=3, override=crash)) == [
-        ("node_unreachable", None, "n2", None)]
+        ("node_unreachable", None, "n2", None)
+    ]

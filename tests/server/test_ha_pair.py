@@ -50,15 +50,16 @@ def _replica(samples, step: float, phase: float) -> list:
 def test_alertmanager_holds_each_incident_of_an_ha_pair_once(tmp_path):
     samples = sorted((parse_line(line) for line in cluster_lines(700, override=_incidents)), key=lambda s: s.time)
     replicas = [_replica(samples, 5.0, 0.0), _replica(samples, 5.0, 3.3)]
-    firing = [{a.id for a in (tr.alert for tr in transitions) if a.state is AlertState.FIRING}
-              for transitions in replicas]
+    firing = [
+        {a.id for a in (tr.alert for tr in transitions) if a.state is AlertState.FIRING} for transitions in replicas
+    ]
     assert firing[0] == firing[1] and len(firing[0]) >= 2
 
     with alertmanager_process(tmp_path) as (_, port, log_path):
         url = f"http://127.0.0.1:{port}"
 
         async def push() -> None:
-            notifiers = [AlertmanagerNotifier(url, external_url=f'http://srv-{i}:9472') for i, _ in enumerate(replicas)]
+            notifiers = [AlertmanagerNotifier(url, external_url=f"http://srv-{i}:9472") for i, _ in enumerate(replicas)]
             try:
                 for notifier, transitions in zip(notifiers, replicas):
                     # Every alert as it fired, none resolved (Alertmanager would show a resolved one too): its
@@ -76,8 +77,19 @@ def test_alertmanager_holds_each_incident_of_an_ha_pair_once(tmp_path):
     for tr in replicas[0]:
         if tr.alert.state is AlertState.FIRING:
             expected[tr.alert.id] = tr.alert
-    subjects = sorted((a["labels"]["alertname"], a["labels"].get("node"), a["labels"].get("gpu"),
-                       a["labels"].get("cause")) for a in held)
-    assert subjects == sorted({("Gpufleet" + "".join(p.capitalize() for p in a.kind.value.split("_")), a.node,
-                                None if a.gpu is None else str(a.gpu), cause(a) or None) for a in expected.values()})
+    subjects = sorted(
+        (a["labels"]["alertname"], a["labels"].get("node"), a["labels"].get("gpu"), a["labels"].get("cause"))
+        for a in held
+    )
+    assert subjects == sorted(
+        {
+            (
+                "Gpufleet" + "".join(p.capitalize() for p in a.kind.value.split("_")),
+                a.node,
+                None if a.gpu is None else str(a.gpu),
+                cause(a) or None,
+            )
+            for a in expected.values()
+        }
+    )
     assert ("GpufleetStraggler", "n1", "3", "gpu_clocks_cut+hw_slowdown_or_power_brake") in subjects

@@ -40,21 +40,35 @@ def firing(n: int = 1, **kw):
 
 
 def am(recorder: Recorder, now: list[float], **kw) -> AlertmanagerNotifier:
-    return AlertmanagerNotifier("http://am:9093/", transport=httpx.MockTransport(recorder), clock=lambda: now[0],
-                                sleep=no_sleep, external_url="http://gpufleet:9472", **kw)
+    return AlertmanagerNotifier(
+        "http://am:9093/",
+        transport=httpx.MockTransport(recorder),
+        clock=lambda: now[0],
+        sleep=no_sleep,
+        external_url="http://gpufleet:9472",
+        **kw,
+    )
 
 
 def test_alertmanager_payload_shape() -> None:
     rec, now = Recorder(), [2000.0]
     notifier = am(rec, now)
-    alert = firing(1, kind=AlertKind.THERMAL_THROTTLE, severity=Severity.CRITICAL, node="dgx-03", gpu=5, hpc_job="71001")
+    alert = firing(
+        1, kind=AlertKind.THERMAL_THROTTLE, severity=Severity.CRITICAL, node="dgx-03", gpu=5, hpc_job="71001"
+    )
     notifier.submit([Transition(alert, AlertState.PENDING)])
     assert asyncio.run(notifier.step())
     assert rec.urls == ["http://am:9093/api/v2/alerts"]
     [body] = rec.bodies[0]
-    assert body["labels"] == {"alertname": "GpufleetThermalThrottle", "kind": "thermal_throttle",
-                              "severity": "critical", "node": "dgx-03", "gpu": "5", "hpc_job": "71001",
-                              "source": "gpufleet"}
+    assert body["labels"] == {
+        "alertname": "GpufleetThermalThrottle",
+        "kind": "thermal_throttle",
+        "severity": "critical",
+        "node": "dgx-03",
+        "gpu": "5",
+        "hpc_job": "71001",
+        "source": "gpufleet",
+    }
     assert body["annotations"]["summary"] == "alert 1"
     assert json.loads(body["annotations"]["evidence"]) == {"n": 1, "peers_median": 0.5}
     assert body["startsAt"] == rfc3339(alert.started) == "1970-01-01T00:16:51.000Z"
@@ -82,17 +96,17 @@ def test_resend_while_firing_and_ends_at_on_resolve() -> None:
     notifier.submit([Transition(alert, AlertState.PENDING)])
 
     async def scenario():
-        await notifier.step()                      # t=1000: sent (new + first resend)
+        await notifier.step()  # t=1000: sent (new + first resend)
         now[0] = 1030
-        notifier.submit([Transition(alert, AlertState.FIRING)])   # refresh: nothing new to send
+        notifier.submit([Transition(alert, AlertState.FIRING)])  # refresh: nothing new to send
         await notifier.step()
         now[0] = 1061
-        await notifier.step()                      # resend interval passed: sent again
+        await notifier.step()  # resend interval passed: sent again
         now[0] = 1070
         notifier.submit([Transition(replace(alert, state=AlertState.RESOLVED, resolved=1069.0), AlertState.FIRING)])
-        await notifier.step()                      # resolution goes out at once
+        await notifier.step()  # resolution goes out at once
         now[0] = 1200
-        await notifier.step()                      # nothing firing: nothing to resend
+        await notifier.step()  # nothing firing: nothing to resend
 
     asyncio.run(scenario())
     assert len(rec.bodies) == 3
@@ -105,17 +119,23 @@ def test_escalation_is_sent_at_once_and_ends_the_old_label_set() -> None:
     The cause, a label too, changes with it: the old label set is ended with the old cause."""
     rec, now = Recorder(), [1000.0]
     notifier = am(rec, now, resend_interval_seconds=60)
-    warning = replace(firing(1, kind=AlertKind.THERMAL_THROTTLE), evidence={
-        "temperature_celsius": 84.0, "threshold_celsius": 83.0, "throttle_reasons": ["sw_thermal_slowdown"]})
-    critical = replace(warning, severity=Severity.CRITICAL, updated=1020.0, evidence={
-        "temperature_celsius": 88.0, "threshold_celsius": 83.0, "throttle_reasons": ["hw_thermal_slowdown"]})
+    warning = replace(
+        firing(1, kind=AlertKind.THERMAL_THROTTLE),
+        evidence={"temperature_celsius": 84.0, "threshold_celsius": 83.0, "throttle_reasons": ["sw_thermal_slowdown"]},
+    )
+    critical = replace(
+        warning,
+        severity=Severity.CRITICAL,
+        updated=1020.0,
+        evidence={"temperature_celsius": 88.0, "threshold_celsius": 83.0, "throttle_reasons": ["hw_thermal_slowdown"]},
+    )
 
     async def scenario():
         notifier.submit([Transition(warning, AlertState.PENDING)])
         await notifier.step()
         now[0] = 1021.0
         notifier.submit([Transition(critical, AlertState.FIRING)])  # escalation while firing
-        await notifier.step()                                          # well before the next resend
+        await notifier.step()  # well before the next resend
         now[0] = 1030.0
         notifier.submit([Transition(replace(critical, state=AlertState.RESOLVED, resolved=1029.0), AlertState.FIRING)])
         await notifier.step()
@@ -123,9 +143,11 @@ def test_escalation_is_sent_at_once_and_ends_the_old_label_set() -> None:
     asyncio.run(scenario())
     sent = [[(b["labels"]["severity"], b["labels"]["cause"], b["endsAt"]) for b in body] for body in rec.bodies]
     hot, hotter = "temperature+sw_thermal_slowdown", "temperature+hw_thermal_slowdown"
-    assert sent == [[("warning", hot, rfc3339(1240.0))],
-                    [("warning", hot, rfc3339(1020.0)), ("critical", hotter, rfc3339(1021.0 + 240.0))],
-                    [("critical", hotter, rfc3339(1029.0))]]
+    assert sent == [
+        [("warning", hot, rfc3339(1240.0))],
+        [("warning", hot, rfc3339(1020.0)), ("critical", hotter, rfc3339(1021.0 + 240.0))],
+        [("critical", hotter, rfc3339(1029.0))],
+    ]
 
 
 def test_retries_with_backoff_then_counts_failure_and_keeps_resolution() -> None:
@@ -135,14 +157,20 @@ def test_retries_with_backoff_then_counts_failure_and_keeps_resolution() -> None
     async def sleep(d: float) -> None:
         delays.append(d)
 
-    notifier = AlertmanagerNotifier("http://am:9093", transport=httpx.MockTransport(rec), clock=lambda: now[0],
-                                    sleep=sleep, attempts=4, backoff_seconds=0.5)
+    notifier = AlertmanagerNotifier(
+        "http://am:9093",
+        transport=httpx.MockTransport(rec),
+        clock=lambda: now[0],
+        sleep=sleep,
+        attempts=4,
+        backoff_seconds=0.5,
+    )
     alert = firing(1)
     notifier.submit([Transition(replace(alert, state=AlertState.RESOLVED, resolved=5.0), AlertState.FIRING)])
     assert asyncio.run(notifier.step()) is False
     assert delays == [0.5, 1.0, 2.0]
     assert notifier.failed_total == 1
-    assert asyncio.run(notifier.step()) is True       # the resolution was kept and goes out next time
+    assert asyncio.run(notifier.step()) is True  # the resolution was kept and goes out next time
     assert rec.bodies[-1][0]["endsAt"] == rfc3339(5.0)
     assert notifier.sent_total == 1
 
@@ -157,6 +185,7 @@ def test_client_error_is_not_retried() -> None:
 
 def test_submit_never_blocks_on_a_dead_alertmanager() -> None:
     """submit() only queues; delivery happens in step()/run(), so the engine thread never waits on HTTP."""
+
     def explode(request: httpx.Request) -> httpx.Response:
         raise AssertionError("submit must not send")
 
@@ -186,20 +215,28 @@ def test_webhook_posts_state_changes_only() -> None:
     rec = Recorder()
     hook = WebhookNotifier("http://hooks/x", transport=httpx.MockTransport(rec), sleep=no_sleep)
     alert = firing(1)
-    hook.submit([Transition(replace(alert, state=AlertState.PENDING, started=None), None),
-                 Transition(alert, AlertState.PENDING),
-                 Transition(alert, AlertState.FIRING),
-                 Transition(replace(alert, state=AlertState.RESOLVED, resolved=9.0), AlertState.FIRING)])
+    hook.submit(
+        [
+            Transition(replace(alert, state=AlertState.PENDING, started=None), None),
+            Transition(alert, AlertState.PENDING),
+            Transition(alert, AlertState.FIRING),
+            Transition(replace(alert, state=AlertState.RESOLVED, resolved=9.0), AlertState.FIRING),
+        ]
+    )
     assert asyncio.run(hook.step()) == 3
-    assert [(b["previous"], b["state"]) for b in rec.bodies] == [(None, "pending"), ("pending", "firing"),
-                                                                 ("firing", "resolved")]
+    assert [(b["previous"], b["state"]) for b in rec.bodies] == [
+        (None, "pending"),
+        ("pending", "firing"),
+        ("firing", "resolved"),
+    ]
     assert rec.bodies[1]["alert"]["id"] == alert.id and rec.bodies[1]["source"] == "gpufleet"
 
 
 def test_webhook_failure_counted_and_queue_bounded() -> None:
     rec = Recorder([500, 500])
-    hook = WebhookNotifier("http://hooks/x", transport=httpx.MockTransport(rec), sleep=no_sleep, attempts=2,
-                           max_queue=2)
+    hook = WebhookNotifier(
+        "http://hooks/x", transport=httpx.MockTransport(rec), sleep=no_sleep, attempts=2, max_queue=2
+    )
     hook.submit([Transition(firing(i), None) for i in range(3)])
     assert hook.dropped_total == 1
     assert asyncio.run(hook.step()) == 1

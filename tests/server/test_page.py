@@ -56,34 +56,58 @@ def refs(html: str) -> Refs:
 def build(tmp_path, web: WebConfig | None = None) -> tuple[Runtime, TestClient]:
     settings = ServerSettings(storage_path=str(tmp_path / "page.db"))
     transport = httpx.MockTransport(lambda r: httpx.Response(200, content=b'{"schema":1,"snapshots":[]}'))
-    puller = Puller(StaticTargets(("10.0.0.3:9471", "10.0.0.9:9471")), transport=transport, parse=parse_dict,
-                    clock=lambda: 5000.0)
-    runtime = Runtime(engine=StubEngine(), puller=puller, store=AlertStore(settings.storage_path),
-                      clock=lambda: 5000.0)
+    puller = Puller(
+        StaticTargets(("10.0.0.3:9471", "10.0.0.9:9471")), transport=transport, parse=parse_dict, clock=lambda: 5000.0
+    )
+    runtime = Runtime(engine=StubEngine(), puller=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0)
     return runtime, TestClient(create_app(settings, runtime=runtime, run_pipeline=False, web=web))
 
 
-JOB = {"hpc_job": "71002", "gpus": 16, "nodes": ["dgx-03", "dgx-04"], "utilization_ratio": 0.9,
-       "sm_active_ratio": 0.61, "baseline_sm_active_ratio": 0.8, "power_watts": 500.0,
-       "estimated_slowdown_ratio": 0.23, "stragglers": [{"node": "dgx-03", "gpu": 2}], "comm_bound": False,
-       "input_bound": False, "comm_bound_share": 0.0, "evaluated_ticks": 300, "gpu_hours_lost": 0.12,
-       "gpu_hours_lost_by_kind": {"straggler": 0.12}}
-CALM_JOB = {**JOB, "hpc_job": "71001", "nodes": ["dgx-01"], "stragglers": [], "gpu_hours_lost": 0.0,
-            "gpu_hours_lost_by_kind": {}, "estimated_slowdown_ratio": 0.0}
+JOB = {
+    "hpc_job": "71002",
+    "gpus": 16,
+    "nodes": ["dgx-03", "dgx-04"],
+    "utilization_ratio": 0.9,
+    "sm_active_ratio": 0.61,
+    "baseline_sm_active_ratio": 0.8,
+    "power_watts": 500.0,
+    "estimated_slowdown_ratio": 0.23,
+    "stragglers": [{"node": "dgx-03", "gpu": 2}],
+    "comm_bound": False,
+    "input_bound": False,
+    "comm_bound_share": 0.0,
+    "evaluated_ticks": 300,
+    "gpu_hours_lost": 0.12,
+    "gpu_hours_lost_by_kind": {"straggler": 0.12},
+}
+CALM_JOB = {
+    **JOB,
+    "hpc_job": "71001",
+    "nodes": ["dgx-01"],
+    "stragglers": [],
+    "gpu_hours_lost": 0.0,
+    "gpu_hours_lost_by_kind": {},
+    "estimated_slowdown_ratio": 0.0,
+}
 
 
 @pytest.fixture
 def seeded(tmp_path):
     runtime, client = build(tmp_path)
     asyncio.run(runtime.puller.pull_once())  # both agents answer
-    straggler = make_alert(1, kind=AlertKind.STRAGGLER, severity=Severity.CRITICAL, node="dgx-03", gpu=2,
-                           hpc_job="71002")
-    resolved = make_alert(2, kind=AlertKind.COMM_BOUND, node=None, gpu=None, hpc_job="71002",
-                          state=AlertState.RESOLVED)
+    straggler = make_alert(
+        1, kind=AlertKind.STRAGGLER, severity=Severity.CRITICAL, node="dgx-03", gpu=2, hpc_job="71002"
+    )
+    resolved = make_alert(2, kind=AlertKind.COMM_BOUND, node=None, gpu=None, hpc_job="71002", state=AlertState.RESOLVED)
     runtime.store.upsert([straggler, resolved])
-    runtime.view = FleetView(jobs=(JOB, CALM_JOB), evaluated_at=1100.0, nodes=(
-        {"node": "dgx-03", "gpus": 8, "reachable": True, "hpc_jobs": ["71002"], "open_alerts": 1},
-        {"node": "dgx-01", "gpus": 8, "reachable": True, "hpc_jobs": ["71001"], "open_alerts": 0}))
+    runtime.view = FleetView(
+        jobs=(JOB, CALM_JOB),
+        evaluated_at=1100.0,
+        nodes=(
+            {"node": "dgx-03", "gpus": 8, "reachable": True, "hpc_jobs": ["71002"], "open_alerts": 1},
+            {"node": "dgx-01", "gpus": 8, "reachable": True, "hpc_jobs": ["71001"], "open_alerts": 0},
+        ),
+    )
     return client, straggler, resolved
 
 
@@ -96,14 +120,14 @@ def test_overview_names_the_culprit_gpu_its_job_and_what_it_cost(seeded) -> None
     assert ">2</b><span class=muted>nodes" in html and ">16</b><span class=muted>GPUs" in html
     assert "2 of 2</b><span class=muted>agents up" in html
     assert "<b>71002</b>" in html and "<b>71001</b>" in html
-    assert "straggler dgx-03 GPU 2</a>" in html          # the job's health names the culprit and links its alert
-    assert "dgx-03 GPU 2 (job 71002)" in html             # the firing alert's subject
+    assert "straggler dgx-03 GPU 2</a>" in html  # the job's health names the culprit and links its alert
+    assert "dgx-03 GPU 2 (job 71002)" in html  # the firing alert's subject
     assert "23 %" in html and "slower than its baseline now" in html
-    assert "straggler 0.12" in html                       # GPU-hours lost, by kind
-    assert "peers_median <b>0.5</b>" in html             # the firing alert's evidence, inline
+    assert "straggler 0.12" in html  # GPU-hours lost, by kind
+    assert "peers_median <b>0.5</b>" in html  # the firing alert's evidence, inline
     links = refs(html).links
     assert f"/ui/alerts/{straggler.id}" in links and f"/ui/alerts/{resolved.id}" in links  # firing and recent
-    assert "<span class=ok>ok</span>" in html             # the calm job
+    assert "<span class=ok>ok</span>" in html  # the calm job
 
 
 def test_alert_page_shows_the_whole_alert_and_links_its_json(seeded) -> None:
@@ -127,7 +151,7 @@ def test_unknown_alert_is_a_404_page(seeded) -> None:
 def test_what_agents_report_is_escaped(tmp_path) -> None:
     runtime, client = build(tmp_path)
     evil = "<script>alert(1)</script>"
-    alert = make_alert(1, node=evil, gpu=0, hpc_job="j\"><img src=x>")
+    alert = make_alert(1, node=evil, gpu=0, hpc_job='j"><img src=x>')
     runtime.store.upsert([alert])
     job = {**JOB, "hpc_job": evil, "nodes": [evil], "stragglers": [{"node": evil, "gpu": 0}]}
     runtime.view = FleetView(jobs=(job,), evaluated_at=1100.0)
@@ -148,7 +172,7 @@ def test_the_page_reloads_itself_every_pull_interval_and_loads_nothing(seeded) -
     client, straggler, _ = seeded
     for path in ("/", f"/ui/alerts/{straggler.id}"):
         found = refs(client.get(path).text)
-        assert found.refresh == "5" and found.loads == [], path   # inline CSS, no script, no external asset
+        assert found.refresh == "5" and found.loads == [], path  # inline CSS, no script, no external asset
         assert all(not urlsplit(link).netloc for link in found.links), found.links
     assert refresh_seconds(30.0) == 30 and refresh_seconds(0.5) == 5
 
@@ -160,7 +184,7 @@ def test_docs_loads_only_what_the_server_itself_serves(seeded) -> None:
     loads = refs(page.text).loads
     assert any(u.endswith(".js") for u in loads) and any(u.endswith(".css") for u in loads), loads
     for url in loads:
-        assert not urlsplit(url).netloc and url.startswith("/"), url   # same origin: no CDN
+        assert not urlsplit(url).netloc and url.startswith("/"), url  # same origin: no CDN
         assert client.get(url).status_code == 200, url
     assert "/openapi.json" in page.text and client.get("/openapi.json").status_code == 200
 
@@ -182,8 +206,12 @@ def test_agents_not_answering_are_listed_with_their_error(tmp_path) -> None:
             raise httpx.ConnectError("connection refused")
         return httpx.Response(200, content=b'{"schema":1,"snapshots":[]}')
 
-    puller = Puller(StaticTargets(("10.0.0.3:9471", "10.0.0.9:9471")), transport=httpx.MockTransport(refuse),
-                    parse=parse_dict, clock=lambda: 5000.0)
+    puller = Puller(
+        StaticTargets(("10.0.0.3:9471", "10.0.0.9:9471")),
+        transport=httpx.MockTransport(refuse),
+        parse=parse_dict,
+        clock=lambda: 5000.0,
+    )
     runtime = Runtime(engine=StubEngine(), puller=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0)
     asyncio.run(puller.pull_once())
     html = TestClient(create_app(settings, runtime=runtime, run_pipeline=False)).get("/").text

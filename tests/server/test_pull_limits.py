@@ -20,18 +20,19 @@ class RingAgents:
     """Agents with a ring of one snapshot per second up to `newest`, honouring `since` and `span` as
     gpufleet agents do; `nodes` says which node name each target answers with."""
 
-    def __init__(self, nodes: dict[str, str], newest: float = 1000.0, ring_seconds: int = 300,
-                 gpus: int = 2) -> None:
+    def __init__(self, nodes: dict[str, str], newest: float = 1000.0, ring_seconds: int = 300, gpus: int = 2) -> None:
         self.nodes = nodes
         self.newest = newest
         self.ring_seconds = ring_seconds
         self.gpus = gpus
         self.requests: list[tuple[str, str | None, str | None]] = []
-        self.body: dict[str, bytes] = {}          # a fixed answer for a target
+        self.body: dict[str, bytes] = {}  # a fixed answer for a target
 
     def ring(self, target: str) -> list[dict]:
         node = self.nodes[target]
-        return [snapshot(node, self.newest - age, temps=(60.0,) * self.gpus) for age in range(self.ring_seconds - 1, -1, -1)]
+        return [
+            snapshot(node, self.newest - age, temps=(60.0,) * self.gpus) for age in range(self.ring_seconds - 1, -1, -1)
+        ]
 
     def answer(self, request: httpx.Request) -> bytes:
         target = f"{request.url.host}:{request.url.port}"
@@ -40,8 +41,12 @@ class RingAgents:
         if target in self.body:
             return self.body[target]
         floor = max(float(since) if since else -1.0, self.newest - float(span) if span else -1.0)
-        return orjson.dumps({**envelope(self.nodes[target], [s for s in self.ring(target) if s["time"] > floor]),
-                             "time": self.newest + 0.5})
+        return orjson.dumps(
+            {
+                **envelope(self.nodes[target], [s for s in self.ring(target) if s["time"] > floor]),
+                "time": self.newest + 0.5,
+            }
+        )
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=self.answer(request))
@@ -50,8 +55,12 @@ class RingAgents:
 def make(agents: RingAgents, **kwargs) -> Puller:
     kwargs.setdefault("clock_offset_min_seconds", 0.0)
     kwargs.setdefault("parse", parse_dict)
-    return Puller(StaticTargets(tuple(agents.nodes)), transport=httpx.MockTransport(agents.handler),
-                  clock=lambda: 1001.0, **kwargs)
+    return Puller(
+        StaticTargets(tuple(agents.nodes)),
+        transport=httpx.MockTransport(agents.handler),
+        clock=lambda: 1001.0,
+        **kwargs,
+    )
 
 
 def cycles(puller: Puller, n: int) -> list:
@@ -59,6 +68,7 @@ def cycles(puller: Puller, n: int) -> list:
         out = [await puller.pull_once() for _ in range(n)]
         await puller.aclose()
         return out
+
     return asyncio.run(go())
 
 
@@ -68,11 +78,15 @@ def up(puller: Puller) -> dict[str, bool]:
 
 # --- bounded before decoding, and decoded off the event loop ------------------------------------------------
 
+
 def test_millions_of_tiny_entries_are_refused_before_any_decoding(monkeypatch) -> None:
     # 2 M empty GPU entries in 4 MB: decoded, each would be a Python object (gigabytes in all).
     agents = RingAgents({"a:1": "n1", "b:1": "n2"})
-    agents.body["a:1"] = (b'{"schema":1,"node":"n1","snapshots":[{"node":"n1","time":1000,"gpus":['
-                          + b",".join([b"{}"] * 2_000_000) + b"]}]}")
+    agents.body["a:1"] = (
+        b'{"schema":1,"node":"n1","snapshots":[{"node":"n1","time":1000,"gpus":['
+        + b",".join([b"{}"] * 2_000_000)
+        + b"]}]}"
+    )
     loads = []
     real_loads = orjson.loads
     monkeypatch.setattr(puller_module.orjson, "loads", lambda body: loads.append(len(body)) or real_loads(body))
@@ -81,7 +95,7 @@ def test_millions_of_tiny_entries_are_refused_before_any_decoding(monkeypatch) -
     assert puller.errors == {("a:1", "too_many_entries"): 1}
     assert up(puller) == {"a:1": False, "b:1": True}
     assert {s["node"] for s in result.samples} == {"n2"}
-    assert len(loads) == 1            # only b's answer was decoded
+    assert len(loads) == 1  # only b's answer was decoded
 
 
 def test_too_many_snapshots_in_an_answer_are_refused_and_the_target_is_not_up() -> None:
@@ -93,8 +107,9 @@ def test_too_many_snapshots_in_an_answer_are_refused_and_the_target_is_not_up() 
 
 def test_a_snapshot_with_more_gpus_than_allowed_is_rejected_alone() -> None:
     agents = RingAgents({"a:1": "n1"}, ring_seconds=2, gpus=3)
-    agents.body["a:1"] = orjson.dumps(envelope("n1", [snapshot("n1", 999.0, temps=(60.0,) * 5),
-                                                      snapshot("n1", 1000.0, temps=(60.0,) * 3)]))
+    agents.body["a:1"] = orjson.dumps(
+        envelope("n1", [snapshot("n1", 999.0, temps=(60.0,) * 5), snapshot("n1", 1000.0, temps=(60.0,) * 3)])
+    )
     puller = make(agents, max_gpus=4)
     result = cycles(puller, 1)[0]
     assert [s["time"] for s in result.samples] == [1000.0] and result.rejected_snapshots == 1
@@ -124,13 +139,14 @@ def test_decoding_and_validation_run_off_the_event_loop() -> None:
 
 # --- first pulls, and answers too big to take ---------------------------------------------------------------
 
+
 def test_a_first_pull_asks_for_the_engines_span_not_the_whole_ring() -> None:
     agents = RingAgents({"a:1": "n1"})
     puller = make(agents, first_span_seconds=120.0)
     first, second = cycles(puller, 2)
     assert agents.requests[0] == ("a:1", None, "120.0")
     assert len(first.samples) == 120 and min(s["time"] for s in first.samples) == 881.0
-    assert agents.requests[1] == ("a:1", "1000.0", None)            # then only what is new
+    assert agents.requests[1] == ("a:1", "1000.0", None)  # then only what is new
     assert second.samples == []
 
 
@@ -144,13 +160,13 @@ def test_many_first_pulls_in_one_cycle_share_a_budget_of_seconds() -> None:
 
     agents = RingAgents({"a:1": "n1"}, ring_seconds=200, gpus=1)
     puller = make(agents, first_span_seconds=120.0, first_budget_seconds=300.0)
-    assert len(cycles(puller, 1)[0].samples) == 120 and agents.requests[0][2] == "120.0"   # alone: the whole span
+    assert len(cycles(puller, 1)[0].samples) == 120 and agents.requests[0][2] == "120.0"  # alone: the whole span
 
 
 def test_first_pulls_are_read_a_few_at_a_time_and_later_pulls_all_at_once() -> None:
     targets = {f"10.0.0.{i}:9471": f"n{i}" for i in range(12)}
     agents = RingAgents(targets, ring_seconds=3)
-    reading = [0, 0]   # now, most at once
+    reading = [0, 0]  # now, most at once
 
     class Body(httpx.AsyncByteStream):
         def __init__(self, data: bytes) -> None:
@@ -160,15 +176,21 @@ def test_first_pulls_are_read_a_few_at_a_time_and_later_pulls_all_at_once() -> N
             reading[0] += 1
             reading[1] = max(reading)
             for _ in range(3):
-                await asyncio.sleep(0)      # hand the loop to the other pulls mid-body
+                await asyncio.sleep(0)  # hand the loop to the other pulls mid-body
             yield self.data
             reading[0] -= 1
 
     async def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, stream=Body(agents.answer(request)))
 
-    puller = Puller(StaticTargets(tuple(targets)), transport=httpx.MockTransport(handler), clock=lambda: 1001.0,
-                    parse=parse_dict, clock_offset_min_seconds=0.0, first_concurrency=3)
+    puller = Puller(
+        StaticTargets(tuple(targets)),
+        transport=httpx.MockTransport(handler),
+        clock=lambda: 1001.0,
+        parse=parse_dict,
+        clock_offset_min_seconds=0.0,
+        first_concurrency=3,
+    )
 
     async def go():
         first = await puller.pull_once()
@@ -208,6 +230,7 @@ def test_too_many_entries_shrink_the_next_ask_too() -> None:
 
 # --- identity -----------------------------------------------------------------------------------------------
 
+
 def test_a_target_cannot_answer_for_another_targets_node() -> None:
     agents = RingAgents({"a:1": "hgx-01", "b:1": "hgx-01"}, ring_seconds=2)
     puller = make(agents)
@@ -223,7 +246,7 @@ def test_a_target_keeps_the_node_it_was_first_seen_as() -> None:
 
     async def go():
         first = await puller.pull_once()
-        agents.nodes["a:1"] = "hgx-02"                # the same address now says it is another node
+        agents.nodes["a:1"] = "hgx-02"  # the same address now says it is another node
         agents.newest += 5
         second = await puller.pull_once()
         await puller.aclose()
@@ -251,8 +274,14 @@ def test_nodes_and_gpus_per_node_are_bounded_and_freed_when_a_target_leaves() ->
             return list(listed)
 
     agents = RingAgents({"a:1": "n1", "b:1": "n2", "c:1": "n3"}, ring_seconds=1)
-    puller = Puller(Listed(), transport=httpx.MockTransport(agents.handler), clock=lambda: 1001.0,
-                    parse=parse_dict, clock_offset_min_seconds=0.0, max_nodes=2)
+    puller = Puller(
+        Listed(),
+        transport=httpx.MockTransport(agents.handler),
+        clock=lambda: 1001.0,
+        parse=parse_dict,
+        clock_offset_min_seconds=0.0,
+        max_nodes=2,
+    )
 
     async def go():
         first = await puller.pull_once()
@@ -264,7 +293,7 @@ def test_nodes_and_gpus_per_node_are_bounded_and_freed_when_a_target_leaves() ->
 
     first, second = asyncio.run(go())
     assert {s["node"] for s in first.samples} == {"n1", "n2"}
-    assert {s["node"] for s in second.samples} == {"n2", "n3"}            # n1's place went to n3
+    assert {s["node"] for s in second.samples} == {"n2", "n3"}  # n1's place went to n3
     assert puller.errors == {("c:1", "too_many_nodes"): 1}
 
     # GPU indices per node: a node showing new ones on every answer stops at max_gpus.
@@ -281,6 +310,7 @@ def test_nodes_and_gpus_per_node_are_bounded_and_freed_when_a_target_leaves() ->
 
 # --- /metrics reads the counts from another thread ----------------------------------------------------------
 
+
 def test_error_counts_read_by_metrics_do_not_change_under_the_reader() -> None:
     agents = RingAgents({"a:1": "n1", "b:1": "n2", "c:1": "n3"}, ring_seconds=1)
     agents.body = {"a:1": b"{bad", "b:1": b"{bad"}
@@ -290,10 +320,10 @@ def test_error_counts_read_by_metrics_do_not_change_under_the_reader() -> None:
         await puller.pull_once()
         counts = puller.errors
         reading = iter(counts.items())
-        next(reading)                                    # a /metrics scrape half-way through the dict ...
-        agents.body["c:1"] = b"[]"                       # ... while the loop counts a new (target, reason)
+        next(reading)  # a /metrics scrape half-way through the dict ...
+        agents.body["c:1"] = b"[]"  # ... while the loop counts a new (target, reason)
         await puller.pull_once()
-        rest = list(reading)                             # a live dict would raise "changed size during iteration"
+        rest = list(reading)  # a live dict would raise "changed size during iteration"
         await puller.aclose()
         return counts, rest
 
@@ -304,6 +334,7 @@ def test_error_counts_read_by_metrics_do_not_change_under_the_reader() -> None:
 
 # --- settings -----------------------------------------------------------------------------------------------
 
+
 def test_the_limits_are_settings_and_reach_the_puller(tmp_path) -> None:
     import dataclasses
 
@@ -312,9 +343,25 @@ def test_the_limits_are_settings_and_reach_the_puller(tmp_path) -> None:
     from gpufleet.server.serve import build_source
     from gpufleet.server.settings import ConfigError, load_settings
 
-    settings = load_settings(["--targets", "a:1", "--pull.max-snapshots", "100", "--pull.max-gpus", "16",
-                              "--pull.max-nodes", "50", "--pull.max-entries", "5000", "--pull.first-concurrency", "2",
-                              "--storage.path", str(tmp_path / "s.db")], env={})
+    settings = load_settings(
+        [
+            "--targets",
+            "a:1",
+            "--pull.max-snapshots",
+            "100",
+            "--pull.max-gpus",
+            "16",
+            "--pull.max-nodes",
+            "50",
+            "--pull.max-entries",
+            "5000",
+            "--pull.first-concurrency",
+            "2",
+            "--storage.path",
+            str(tmp_path / "s.db"),
+        ],
+        env={},
+    )
     settings = dataclasses.replace(settings, engine={"min_history_seconds": 200})
     puller = build_source(settings)
     assert (puller.max_snapshots, puller.max_gpus, puller.max_nodes, puller.max_entries) == (100, 16, 50, 5000)

@@ -19,7 +19,7 @@ class FakeAgents:
     """A MockTransport handler serving /snapshots for several nodes from per-node buffers."""
 
     def __init__(self, nodes: dict[str, str]) -> None:
-        self.nodes = nodes                      # target -> node name
+        self.nodes = nodes  # target -> node name
         self.buffers: dict[str, list[dict]] = {t: [] for t in nodes}
         self.requests: list[tuple[str, str | None]] = []
         self.override: dict[str, httpx.Response | Exception] = {}
@@ -43,8 +43,13 @@ def make_puller(agents: FakeAgents, **kwargs) -> tuple[Puller, list[float]]:
     # tests turn the correction back on.
     kwargs.setdefault("clock_offset_min_seconds", 0.0)
     now = [1000.0]
-    puller = Puller(StaticTargets(tuple(agents.nodes)), transport=httpx.MockTransport(agents.handler),
-                    clock=lambda: now[0], parse=parse_dict, **kwargs)
+    puller = Puller(
+        StaticTargets(tuple(agents.nodes)),
+        transport=httpx.MockTransport(agents.handler),
+        clock=lambda: now[0],
+        parse=parse_dict,
+        **kwargs,
+    )
     return puller, now
 
 
@@ -88,25 +93,44 @@ def test_agent_ignoring_since_is_not_ingested_twice() -> None:
 
 
 def test_bad_payloads_are_rejected_counted_and_do_not_poison_other_targets() -> None:
-    agents = FakeAgents({"good:1": "ok", "json:1": "x", "env:1": "x", "big:1": "x", "http:1": "x",
-                         "down:1": "x", "slow:1": "x", "schema2:1": "x"})
+    agents = FakeAgents(
+        {
+            "good:1": "ok",
+            "json:1": "x",
+            "env:1": "x",
+            "big:1": "x",
+            "http:1": "x",
+            "down:1": "x",
+            "slow:1": "x",
+            "schema2:1": "x",
+        }
+    )
     agents.buffers["good:1"] = [snapshot("ok", 1.0)]
-    agents.override.update({
-        "json:1": httpx.Response(200, content=b"{not json"),
-        "env:1": httpx.Response(200, content=b'{"schema": 1, "snapshots": 7}'),
-        "schema2:1": httpx.Response(200, content=b'{"schema": 2, "snapshots": []}'),
-        "big:1": httpx.Response(200, content=b"[" + b" " * 5000 + b"]"),
-        "http:1": httpx.Response(503, content=b'{"status": "stale"}'),
-        "down:1": httpx.ConnectError("refused"),
-        "slow:1": httpx.ReadTimeout("slow"),
-    })
+    agents.override.update(
+        {
+            "json:1": httpx.Response(200, content=b"{not json"),
+            "env:1": httpx.Response(200, content=b'{"schema": 1, "snapshots": 7}'),
+            "schema2:1": httpx.Response(200, content=b'{"schema": 2, "snapshots": []}'),
+            "big:1": httpx.Response(200, content=b"[" + b" " * 5000 + b"]"),
+            "http:1": httpx.Response(503, content=b'{"status": "stale"}'),
+            "down:1": httpx.ConnectError("refused"),
+            "slow:1": httpx.ReadTimeout("slow"),
+        }
+    )
     puller, _ = make_puller(agents, max_payload_bytes=4096)
     result = run(puller.pull_once())
     assert [s["node"] for s in result.samples] == ["ok"]
     assert result.failed_targets == 7
     reasons = {target: reason for (target, reason) in puller.errors}
-    assert reasons == {"json:1": "malformed_json", "env:1": "schema", "schema2:1": "schema", "big:1": "oversized",
-                       "http:1": "http_status", "down:1": "connect", "slow:1": "timeout"}
+    assert reasons == {
+        "json:1": "malformed_json",
+        "env:1": "schema",
+        "schema2:1": "schema",
+        "big:1": "oversized",
+        "http:1": "http_status",
+        "down:1": "connect",
+        "slow:1": "timeout",
+    }
     health = {h.target: h for h in puller.health()}
     assert health["good:1"].up and health["good:1"].node == "ok" and health["good:1"].last_sample_time == 1.0
     assert not health["down:1"].up and health["down:1"].consecutive_failures == 1
@@ -213,8 +237,9 @@ def test_real_parser_rejects_contract_violations_when_available() -> None:
     agents = FakeAgents({"a:1": "n1"})
     good = snapshot("n1", 1.0)
     agents.buffers["a:1"] = [{"schema": 1, "node": "n1", "time": "soon"}, good]
-    puller = Puller(StaticTargets(("a:1",)), transport=httpx.MockTransport(agents.handler),
-                    parse=contract.parse_snapshot)
+    puller = Puller(
+        StaticTargets(("a:1",)), transport=httpx.MockTransport(agents.handler), parse=contract.parse_snapshot
+    )
     result = run(puller.pull_once())
     assert result.rejected_snapshots == 1
     assert len(result.samples) == 1
@@ -236,8 +261,12 @@ def test_an_answer_that_trickles_is_cut_at_the_pull_timeout_and_others_still_arr
             return httpx.Response(200, content=trickle())
         return httpx.Response(200, content=good)
 
-    puller = Puller(StaticTargets(("stall:1", "good:1")), transport=httpx.MockTransport(handler), parse=parse_dict,
-                    timeout_seconds=0.05)
+    puller = Puller(
+        StaticTargets(("stall:1", "good:1")),
+        transport=httpx.MockTransport(handler),
+        parse=parse_dict,
+        timeout_seconds=0.05,
+    )
     result = run(asyncio.wait_for(puller.pull_once(), timeout=30))
     assert [s["node"] for s in result.samples] == ["ok"]
     assert puller.errors == {("stall:1", "timeout"): 1}
@@ -263,8 +292,13 @@ def test_pulls_run_concurrently_up_to_the_limit() -> None:
             return httpx.Response(200, content=orjson.dumps(envelope(node, [snapshot(node, 1.0)])))
 
         peak[0] = 0
-        puller = Puller(StaticTargets(tuple(targets)), transport=httpx.MockTransport(handler), parse=parse_dict,
-                        concurrency=concurrency, timeout_seconds=20)
+        puller = Puller(
+            StaticTargets(tuple(targets)),
+            transport=httpx.MockTransport(handler),
+            parse=parse_dict,
+            concurrency=concurrency,
+            timeout_seconds=20,
+        )
         result = await asyncio.wait_for(puller.pull_once(), timeout=30)
         assert result.failed_targets == 0 and len(result.samples) == len(targets)
         return peak[0]
@@ -283,8 +317,10 @@ def test_one_keep_alive_connection_per_agent_across_pulls() -> None:
             while True:
                 await reader.readuntil(b"\r\n\r\n")
                 body = orjson.dumps(envelope("n1", [snapshot("n1", 1.0)]))
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                             % (len(body), body))
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(body), body)
+                )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
@@ -307,8 +343,11 @@ def test_a_sample_stamped_far_ahead_is_rejected_and_does_not_strand_since() -> N
     """One bogus future time (or an unparseable huge one) must not make every later honest sample look old."""
     agents = FakeAgents({"a:1": "n1"})
     puller, now = make_puller(agents, max_future_seconds=300)  # server clock at 1000
-    agents.buffers["a:1"] = [snapshot("n1", 990.0), snapshot("n1", 1000.0 + 3600),
-                             {**snapshot("n1", 995.0), "time": 1e300}]
+    agents.buffers["a:1"] = [
+        snapshot("n1", 990.0),
+        snapshot("n1", 1000.0 + 3600),
+        {**snapshot("n1", 995.0), "time": 1e300},
+    ]
 
     async def scenario():
         first = await puller.pull_once()
@@ -324,10 +363,18 @@ def test_a_sample_stamped_far_ahead_is_rejected_and_does_not_strand_since() -> N
     assert agents.requests[1] == ("a:1", "990.0")
 
 
-def _health(target: str, *, up: bool, stale: bool = False, node: str | None = None,
-            last_success: float | None = None) -> TargetHealth:
-    return TargetHealth(target=target, node=node, up=up, stale=stale, last_success=last_success,
-                        consecutive_failures=0 if up else 3, last_error=None if up else "connect: refused")
+def _health(
+    target: str, *, up: bool, stale: bool = False, node: str | None = None, last_success: float | None = None
+) -> TargetHealth:
+    return TargetHealth(
+        target=target,
+        node=node,
+        up=up,
+        stale=stale,
+        last_success=last_success,
+        consecutive_failures=0 if up else 3,
+        last_error=None if up else "connect: refused",
+    )
 
 
 def test_agent_down_since_start_alerts_after_the_threshold_and_clears_once_the_engine_has_it() -> None:
@@ -337,17 +384,25 @@ def test_agent_down_since_start_alerts_after_the_threshold_and_clears_once_the_e
     assert alerts.step([down], covered=set(), now=1025.0) == []
     [fired] = alerts.step([down], covered=set(), now=1030.0)
     a = fired.alert
-    assert (fired.previous, a.state, a.kind, a.severity) == (None, AlertState.FIRING, AlertKind.NODE_UNREACHABLE,
-                                                             Severity.CRITICAL)
+    assert (fired.previous, a.state, a.kind, a.severity) == (
+        None,
+        AlertState.FIRING,
+        AlertKind.NODE_UNREACHABLE,
+        Severity.CRITICAL,
+    )
     assert (a.node, a.gpu, a.hpc_job, a.pending_since, a.started) == ("10.0.0.4:9471", None, None, 1000.0, 1030.0)
     assert "has not answered since the server started (connect: refused)" in a.summary
     assert a.evidence["target"] == "10.0.0.4:9471" and is_ours(a)
-    assert alerts.step([down], covered=set(), now=1035.0) == []      # no refresh noise while it stays down
+    assert alerts.step([down], covered=set(), now=1035.0) == []  # no refresh noise while it stays down
     assert alerts.alerts() == [a]
     up = _health("10.0.0.4:9471", up=True, node="dgx-04", last_success=1040.0)
     [resolved] = alerts.step([up], covered={"dgx-04"}, now=1040.0)
     assert (resolved.previous, resolved.alert.state, resolved.alert.resolved, resolved.alert.id) == (
-        AlertState.FIRING, AlertState.RESOLVED, 1040.0, a.id)
+        AlertState.FIRING,
+        AlertState.RESOLVED,
+        1040.0,
+        a.id,
+    )
     assert alerts.alerts() == []
 
 

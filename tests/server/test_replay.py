@@ -50,8 +50,11 @@ def test_the_windows_are_sized_once_for_every_gpu_of_the_trace():
     # 72 GPUs, more than the windows hold before they grow. n1's GPU 7 reports only from 200 s on; n8
     # joins at 300 s; n0's GPU 3 leaves at 100 s.
     def churn(t, node, gpu):
-        gone = (node == "n1" and gpu == 7 and t < 200) or (node == "n8" and t < 300) or (
-            node == "n0" and gpu == 3 and t >= 100)
+        gone = (
+            (node == "n1" and gpu == 7 and t < 200)
+            or (node == "n8" and t < 300)
+            or (node == "n0" and gpu == 3 and t >= 100)
+        )
         return {"_absent": True} if gone else {}
 
     samples, _ = _load([("trace", cluster_lines(400, nodes=9, override=churn))])
@@ -63,7 +66,7 @@ def test_the_windows_are_sized_once_for_every_gpu_of_the_trace():
     for s in samples:
         engine.ingest(s)
     engine.advance(samples[-1].time + 60)
-    assert engine.windows.n == 72 and engine.windows.acc is rings       # never regrown
+    assert engine.windows.n == 72 and engine.windows.acc is rings  # never regrown
 
 
 def _shifted(lines: list[bytes], node: str, seconds: float) -> list[bytes]:
@@ -170,8 +173,18 @@ def test_cli_prints_one_json_object_per_alert_and_skips_bad_lines(tmp_path, caps
     out, err = capsys.readouterr()
     (line,) = out.splitlines()
     obj = orjson.loads(line)
-    assert {"kind", "severity", "node", "gpu", "uuid", "hpc_job", "started", "resolved", "summary",
-            "evidence"} <= obj.keys()
+    assert {
+        "kind",
+        "severity",
+        "node",
+        "gpu",
+        "uuid",
+        "hpc_job",
+        "started",
+        "resolved",
+        "summary",
+        "evidence",
+    } <= obj.keys()
     assert (obj["kind"], obj["node"], obj["gpu"], obj["resolved"]) == ("thermal_throttle", "n0", 6, None)
     assert "n0.jsonl" in err and "line" in err
 
@@ -305,7 +318,7 @@ def test_a_newline_less_trace_is_read_in_bounded_memory_and_the_lines_after_it_r
         assert out == expected and len(out.splitlines()) == 1
         (cut,) = [line for line in err.splitlines() if "line exceeds 65536 bytes" in line]
         assert trace.name in cut
-        assert peak < baseline + (4 << 20)        # read whole, the zeros alone would be 8 MB
+        assert peak < baseline + (4 << 20)  # read whole, the zeros alone would be 8 MB
 
 
 def test_bounded_lines_cuts_an_overlong_line_and_keeps_its_neighbours(monkeypatch):

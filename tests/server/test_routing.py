@@ -26,8 +26,10 @@ from tests.server.live_fakes import make_alert
 
 
 def _pod_sample(node: str, pods: dict[int, tuple[str, str] | None], job: str = "j1"):
-    gpus = [healthy(i, job=job, kubernetes_namespace=p[0] if p else None, kubernetes_pod=p[1] if p else None)
-            for i, p in pods.items()]
+    gpus = [
+        healthy(i, job=job, kubernetes_namespace=p[0] if p else None, kubernetes_pod=p[1] if p else None)
+        for i, p in pods.items()
+    ]
     return sample(node, T0, gpus)
 
 
@@ -41,9 +43,13 @@ def test_a_gpu_alert_carries_the_external_labels_and_its_gpus_pod():
 
 def test_a_job_alert_names_the_namespace_its_pods_share_and_no_single_pod():
     routing = AlertRouting()
-    routing.observe([_pod_sample("n0", {0: ("research", "llama-0")}),
-                     _pod_sample("n1", {0: ("research", "llama-1")}),
-                     _pod_sample("n2", {0: ("other", "x-0")}, job="j2")])
+    routing.observe(
+        [
+            _pod_sample("n0", {0: ("research", "llama-0")}),
+            _pod_sample("n1", {0: ("research", "llama-1")}),
+            _pod_sample("n2", {0: ("other", "x-0")}, job="j2"),
+        ]
+    )
     job_alert = routing.label(replace(make_alert(1, kind=AlertKind.COMM_BOUND), node=None, gpu=None, hpc_job="j1"))
     assert job_alert.labels == {"namespace": "research"}
     node_alert = routing.label(replace(make_alert(2), node="n1", gpu=None, hpc_job="j1"))
@@ -94,8 +100,15 @@ def test_the_runbook_template_is_checked_at_start_and_filled_per_alert():
 
 
 def test_the_description_is_one_line_with_the_summary_the_subject_and_what_to_look_at():
-    alert = replace(make_alert(1, kind=AlertKind.THERMAL_THROTTLE), node="dgx-02", gpu=5, uuid="GPU-abc",
-                    hpc_job="71001", summary="GPU 5 on dgx-02 at 89 °C", labels={"namespace": "ml", "pod": "w-3"})
+    alert = replace(
+        make_alert(1, kind=AlertKind.THERMAL_THROTTLE),
+        node="dgx-02",
+        gpu=5,
+        uuid="GPU-abc",
+        hpc_job="71001",
+        summary="GPU 5 on dgx-02 at 89 °C",
+        labels={"namespace": "ml", "pod": "w-3"},
+    )
     text = description(alert)
     assert "\n" not in text and text.startswith("GPU 5 on dgx-02 at 89 °C.")
     assert "node dgx-02, GPU 5 (GPU-abc), job 71001, pod ml/w-3" in text and "cooling" in text
@@ -130,8 +143,9 @@ class _Feed:
 
     async def pull_once(self) -> PullResult:
         batch = self.batches.pop(0) if self.batches else []
-        return PullResult(samples=batch, started=0.0, duration_seconds=0.0, targets=2, failed_targets=0,
-                          rejected_snapshots=0)
+        return PullResult(
+            samples=batch, started=0.0, duration_seconds=0.0, targets=2, failed_targets=0, rejected_snapshots=0
+        )
 
     def health(self):
         return []
@@ -152,8 +166,11 @@ def _training_lines(seconds: float) -> list[list]:
             for g in range(8):
                 kw = {"kubernetes_namespace": "research", "kubernetes_pod": f"llama-worker-{n}"}
                 if k * 5 >= 300:
-                    kw.update({"sm_clock_hertz": 0.7 * MAX_HZ, "throttle_reasons": 0x88, "power_watts": 330.0}
-                              if (n, g) == (1, 3) else {"sm_active_ratio": 0.6, "power_watts": 410.0})
+                    kw.update(
+                        {"sm_clock_hertz": 0.7 * MAX_HZ, "throttle_reasons": 0x88, "power_watts": 330.0}
+                        if (n, g) == (1, 3)
+                        else {"sm_active_ratio": 0.6, "power_watts": 410.0}
+                    )
                 gpus.append(healthy(g, **kw))
             batch.append(parse_line(snapshot_line(f"n{n}", t + 0.1 * n, gpus)))
         batches.append(batch)
@@ -169,10 +186,14 @@ def test_external_labels_namespace_and_pod_reach_a_real_alertmanager(tmp_path):
 
         async def run() -> None:
             notifier = AlertmanagerNotifier(url, external_url="http://gpufleet.example:9472")
-            runtime = Runtime(engine=Engine(EngineConfig(settle_seconds=4.0)), puller=_Feed(batches),
-                              store=AlertStore(tmp_path / "a.db"), notifiers=[notifier],
-                              clock=lambda: next(clock),
-                              routing=AlertRouting({"cluster": "eu-1"}, "https://wiki.example.com/{kind}"))
+            runtime = Runtime(
+                engine=Engine(EngineConfig(settle_seconds=4.0)),
+                puller=_Feed(batches),
+                store=AlertStore(tmp_path / "a.db"),
+                notifiers=[notifier],
+                clock=lambda: next(clock),
+                routing=AlertRouting({"cluster": "eu-1"}, "https://wiki.example.com/{kind}"),
+            )
             try:
                 for _ in batches:
                     await runtime.cycle()

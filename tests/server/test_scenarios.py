@@ -38,8 +38,10 @@ def _problems(trace, alerts) -> list[str]:
     out = [f"missed {scenarios.describe_truth(t, t0)}" for t in result.missed]
     out += [f"late by {ttf:.0f}s: {scenarios.describe_truth(t, t0)}" for t, ttf in result.late]
     out += [f"false alert {scenarios.describe_alert(a, t0)}" for a in result.false_alerts]
-    out += [f"stuck alert {scenarios.describe_alert(a, t0)} after {scenarios.describe_truth(t, t0)}"
-            for a, t in result.stuck]
+    out += [
+        f"stuck alert {scenarios.describe_alert(a, t0)} after {scenarios.describe_truth(t, t0)}"
+        for a, t in result.stuck
+    ]
     return out
 
 
@@ -165,14 +167,28 @@ def test_replay_cli_prints_one_json_alert_per_line(run_replay, tmp_path):
     trace = generate(scenarios.BY_NAME["cooling_failure"].build(0))
     path = tmp_path / "trace.jsonl"
     path.write_bytes(b"".join(line + b"\n" for line in trace.lines) + b"{not json\n")
-    proc = subprocess.run([sys.executable, "-m", "gpufleet.server.cli", "replay", str(path)], capture_output=True,
-                          timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpufleet.server.cli", "replay", str(path)],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     alerts = [orjson.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     for a in alerts:
-        assert {"kind", "severity", "node", "gpu", "uuid", "hpc_job", "started", "resolved", "summary",
-                "evidence"} <= set(a)
-    assert str(len(trace.lines) + 1).encode() in proc.stderr   # the malformed line, by number
+        assert {
+            "kind",
+            "severity",
+            "node",
+            "gpu",
+            "uuid",
+            "hpc_job",
+            "started",
+            "resolved",
+            "summary",
+            "evidence",
+        } <= set(a)
+    assert str(len(trace.lines) + 1).encode() in proc.stderr  # the malformed line, by number
     key = lambda a: (a["kind"], a["node"], a["gpu"], a["hpc_job"], a["started"])  # noqa: E731
     in_process = [scenarios.normalize(a) for a in run_replay(trace.lines)]
     assert sorted(map(key, alerts)) == sorted(map(key, in_process)) and alerts
@@ -180,8 +196,10 @@ def test_replay_cli_prints_one_json_alert_per_line(run_replay, tmp_path):
 
 # ------------------------------------------------------------------ the scoring rules (no engine needed)
 
+
 def _truth(kind="straggler", node="n0", gpu=3, job="7", start=1000.0, end=1400.0, required=True, lead=0.0):
     from bench.tracegen import Truth
+
     return Truth(kind, node, gpu, job, start, end, required, "", lead)
 
 
@@ -211,8 +229,13 @@ def test_score_window_grace_lead_and_deadline():
     assert scenarios.score([_alert(started=960.0)], [truth]).kinds["straggler"].fp == 1
     # A node clock running behind stamps an instant alert up to CLOCK_SLACK_S before the true start.
     lost = _truth("gpu_lost", start=1000.0)
-    assert scenarios.score([_alert("gpu_lost", started=1000.0 - scenarios.CLOCK_SLACK_S)], [lost]).kinds["gpu_lost"].tp == 1
-    assert scenarios.score([_alert("gpu_lost", started=999.0 - scenarios.CLOCK_SLACK_S)], [lost]).kinds["gpu_lost"].fp == 1
+    assert (
+        scenarios.score([_alert("gpu_lost", started=1000.0 - scenarios.CLOCK_SLACK_S)], [lost]).kinds["gpu_lost"].tp
+        == 1
+    )
+    assert (
+        scenarios.score([_alert("gpu_lost", started=999.0 - scenarios.CLOCK_SLACK_S)], [lost]).kinds["gpu_lost"].fp == 1
+    )
     assert scenarios.score([_alert(started=1400.0 + scenarios.GRACE_S)], [truth]).kinds["straggler"].tp == 1
     assert scenarios.score([_alert(started=1401.0 + scenarios.GRACE_S)], [truth]).kinds["straggler"].fp == 1
     late = scenarios.score([_alert(started=970.0 + scenarios.DEADLINE_S + 1)], [truth]).late
@@ -232,7 +255,7 @@ def test_score_an_alert_outliving_its_incident_is_stuck():
     truth = _truth(start=1000.0, end=1400.0)
     due = 1400.0 + scenarios.RESOLVE_S
     open_alert = {**_alert(), "resolved": None}
-    assert scenarios.score([open_alert], [truth]).stuck == []                  # no trace end: not judged
+    assert scenarios.score([open_alert], [truth]).stuck == []  # no trace end: not judged
     assert scenarios.score([open_alert], [truth], trace_end=due - 1).stuck == []
     assert len(scenarios.score([open_alert], [truth], trace_end=due + 1).stuck) == 1
     assert scenarios.score([{**_alert(), "resolved": due}], [truth], trace_end=9e9).stuck == []
@@ -258,13 +281,29 @@ def test_score_allowed_truths_are_neutral_and_job_alerts_match_on_hpc_job():
 
 def test_score_accepts_alert_objects():
     from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity
-    alert = Alert("x", "f", AlertKind.STRAGGLER, Severity.WARNING, AlertState.FIRING, "n0", 3, None, "7",
-                  1030.0, 1040.0, None, 1040.0, "s")
+
+    alert = Alert(
+        "x",
+        "f",
+        AlertKind.STRAGGLER,
+        Severity.WARNING,
+        AlertState.FIRING,
+        "n0",
+        3,
+        None,
+        "7",
+        1030.0,
+        1040.0,
+        None,
+        1040.0,
+        "s",
+    )
     assert scenarios.score([alert], [_truth()]).kinds["straggler"].tp == 1
 
 
 def test_detection_doc_section_replaces_only_between_markers(tmp_path):
     from bench.detection_eval import BEGIN, END, HEADING, write_section
+
     doc = tmp_path / "detection.md"
     write_section(doc, "first")
     assert HEADING in doc.read_text() and "first" in doc.read_text()
@@ -276,40 +315,60 @@ def test_detection_doc_section_replaces_only_between_markers(tmp_path):
 
 def test_mid_job_skips_the_start_up_of_jobs_starting_with_the_trace_and_moves_incidents_earlier_together():
     from bench.tracegen import ClusterSpec, Incident, Job, NodeSpec
+
     spec = ClusterSpec(
         (NodeSpec("n0"),),
         (Job("a", "1", (("n0", (0, 1, 2, 3)),)), Job("b", "2", (("n0", (4, 5, 6, 7)),), start_s=100.0)),
-        (Incident("slow_gpu", 300.0, 500.0, "n0", 1), Incident("jitter", 350.0, 360.0, "n0", 2),
-         Incident("gpu_lost", 400.0, 1e9, "n0", 3), Incident("counter_reset", 450.0, 0.0, "n0")))
+        (
+            Incident("slow_gpu", 300.0, 500.0, "n0", 1),
+            Incident("jitter", 350.0, 360.0, "n0", 2),
+            Incident("gpu_lost", 400.0, 1e9, "n0", 3),
+            Incident("counter_reset", 450.0, 0.0, "n0"),
+        ),
+    )
     out = scenarios.mid_job(spec, 60.0)
     assert [(j.startup_s, j.start_s) for j in out.jobs] == [(0.0, 0.0), (spec.jobs[1].startup_s, 100.0)]
-    assert [(i.start_s, i.end_s) for i in out.incidents] == [(60.0, 260.0), (110.0, 120.0), (160.0, 1e9),
-                                                              (210.0, 0.0)]
+    assert [(i.start_s, i.end_s) for i in out.incidents] == [(60.0, 260.0), (110.0, 120.0), (160.0, 1e9), (210.0, 0.0)]
     # Incidents already earlier than the onset stay where they are.
     assert scenarios.mid_job(spec, 400.0).incidents == spec.incidents
 
 
 def test_mid_job_leaves_the_incidents_of_a_job_starting_later_where_they_were():
     from bench.tracegen import ClusterSpec, Incident, Job, NodeSpec
+
     spec = ClusterSpec(
         (NodeSpec("n0"), NodeSpec("n1")),
         (Job("a", "1", (("n0", (0, 1, 2, 3)),)), Job("b", "2", (("n1", (0, 1, 2, 3)),), start_s=200.0)),
-        (Incident("comm_slowdown", 500.0, 900.0, job="b"), Incident("slow_gpu", 520.0, 800.0, "n1", 2),
-         Incident("cooling_failure", 400.0, 700.0, "n1"), Incident("slow_gpu", 300.0, 600.0, "n0", 1),
-         Incident("jitter", 350.0, 360.0, "n1", 5)))
+        (
+            Incident("comm_slowdown", 500.0, 900.0, job="b"),
+            Incident("slow_gpu", 520.0, 800.0, "n1", 2),
+            Incident("cooling_failure", 400.0, 700.0, "n1"),
+            Incident("slow_gpu", 300.0, 600.0, "n0", 1),
+            Incident("jitter", 350.0, 360.0, "n1", 5),
+        ),
+    )
     out = scenarios.mid_job(spec, 60.0)
     # Job b's slowdown, a GPU of b and a node b runs on keep their times; job a's straggler and a GPU
     # no job uses move by the same 240 s.
-    assert [(i.start_s, i.end_s) for i in out.incidents] == [(500.0, 900.0), (520.0, 800.0), (400.0, 700.0),
-                                                              (60.0, 360.0), (110.0, 120.0)]
+    assert [(i.start_s, i.end_s) for i in out.incidents] == [
+        (500.0, 900.0),
+        (520.0, 800.0),
+        (400.0, 700.0),
+        (60.0, 360.0),
+        (110.0, 120.0),
+    ]
 
 
-@pytest.mark.parametrize("scenario, probe, bad", [
-    ("decoy_jitter", ["--noise-scale", "2"], ["--noise-scale", "-1"]),
-    ("comm_slowdown", ["--mid-job", "120"], ["--mid-job", "-5"]),
-])
+@pytest.mark.parametrize(
+    "scenario, probe, bad",
+    [
+        ("decoy_jitter", ["--noise-scale", "2"], ["--noise-scale", "-1"]),
+        ("comm_slowdown", ["--mid-job", "120"], ["--mid-job", "-5"]),
+    ],
+)
 def test_detection_eval_probes_score_and_never_write_into_the_document(tmp_path, capsys, scenario, probe, bad):
     from bench.detection_eval import main
+
     doc = tmp_path / "detection.md"
     doc.write_text("untouched\n")
     assert main(["--seeds", "1", "--scenarios", scenario, *probe, "--doc", str(doc)]) == 0
@@ -320,6 +379,7 @@ def test_detection_eval_probes_score_and_never_write_into_the_document(tmp_path,
 
 def test_benchmarks_doc_section_replaces_only_its_own_figures(tmp_path):
     from bench.replay_bench import BEGIN, END, HEADING, write_section
+
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n## Agent\n\nagent figures\n")
     write_section(doc, "v1\n")
@@ -359,8 +419,9 @@ def test_a_gpu_standing_out_for_a_tick_now_and_then_does_not_hold_back_input_bou
     assert alert.hpc_job == truth.hpc_job and alert.started - truth.start < 90.0
 
 
-@pytest.mark.parametrize("name,seed,interval_s", [("decoy_jitter", 48, 1.0), ("decoy_jitter", 51, 10.0),
-                                                 ("busy_32", 74, 5.0)])
+@pytest.mark.parametrize(
+    "name,seed,interval_s", [("decoy_jitter", 48, 1.0), ("decoy_jitter", 51, 10.0), ("busy_32", 74, 5.0)]
+)
 def test_jitters_back_to_back_name_nobody_once_the_gpu_recovered(run_replay, name, seed, interval_s):
     # Seeds never tuned on. decoy_jitter 48: three GPUs of one node slow in turn for 10-15 s each, the
     # job waiting 32 s in all; 51: one GPU slow twice, 14 s and 10 s, 4 s apart; busy_32 74: one GPU

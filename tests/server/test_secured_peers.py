@@ -17,8 +17,14 @@ from gpufleet.server.notify.alertmanager import AlertmanagerNotifier
 from gpufleet.server.serve import build_notifiers, build_source
 from gpufleet.server.settings import load_settings
 from gpufleet.server.status import main as status
-from tests.agent.running import (agent_process, alertmanager_process, prometheus_process, requires_alertmanager,
-                                 requires_prometheus, server_process)
+from tests.agent.running import (
+    agent_process,
+    alertmanager_process,
+    prometheus_process,
+    requires_alertmanager,
+    requires_prometheus,
+    server_process,
+)
 from tests.server.live_fakes import make_alert
 from tests.tlsfiles import make_pki, needs_openssl, web_config_file
 
@@ -40,11 +46,20 @@ def client_options(pki) -> dict:
 
 
 def flags(prefix: str, pki, tmp_path, password: str = PASSWORD) -> list[str]:
-    secret = tmp_path / f"{prefix}-{password}"      # one file per password: a changed file is read again
+    secret = tmp_path / f"{prefix}-{password}"  # one file per password: a changed file is read again
     secret.write_text(password + "\n")
-    return [f"--{prefix}.tls.ca-file", str(pki.ca_cert), f"--{prefix}.tls.cert-file", str(pki.client_cert),
-            f"--{prefix}.tls.key-file", str(pki.client_key), f"--{prefix}.basic-auth.username", USER,
-            f"--{prefix}.basic-auth.password-file", str(secret)]
+    return [
+        f"--{prefix}.tls.ca-file",
+        str(pki.ca_cert),
+        f"--{prefix}.tls.cert-file",
+        str(pki.client_cert),
+        f"--{prefix}.tls.key-file",
+        str(pki.client_key),
+        f"--{prefix}.basic-auth.username",
+        USER,
+        f"--{prefix}.basic-auth.password-file",
+        str(secret),
+    ]
 
 
 @requires_alertmanager
@@ -56,10 +71,12 @@ def test_alerts_reach_an_alertmanager_behind_mutual_tls_and_basic_auth(pki, tmp_
     web = web_config_file(tmp_path / "web.yml", pki, USER, PASSWORD)
     with alertmanager_process(tmp_path, web, options) as (_, port, log_path):
         url = f"https://127.0.0.1:{port}"
-        (good,) = build_notifiers(load_settings(["--alertmanager.url", url, *flags("alertmanager", pki, tmp_path)],
-                                                env={}))
-        (bad,) = build_notifiers(load_settings(["--alertmanager.url", url,
-                                                *flags("alertmanager", pki, tmp_path, password="guess")], env={}))
+        (good,) = build_notifiers(
+            load_settings(["--alertmanager.url", url, *flags("alertmanager", pki, tmp_path)], env={})
+        )
+        (bad,) = build_notifiers(
+            load_settings(["--alertmanager.url", url, *flags("alertmanager", pki, tmp_path, password="guess")], env={})
+        )
         no_cert = AlertmanagerNotifier(url, attempts=1, verify=ssl.create_default_context(cafile=str(pki.ca_cert)))
         assert isinstance(good, AlertmanagerNotifier)
 
@@ -76,7 +93,7 @@ def test_alerts_reach_an_alertmanager_behind_mutual_tls_and_basic_auth(pki, tmp_
 
         delivered, refused, unproven = asyncio.run(deliver())
         assert delivered and good.sent_total == 1, log_path.read_text(errors="replace")[-2000:]
-        assert not refused and bad.failed_total == 1       # 401: not retried, counted
+        assert not refused and bad.failed_total == 1  # 401: not retried, counted
         assert not unproven and no_cert.failed_total == 1  # a TLS alert, counted rather than raised
         stored = httpx.get(f"{url}/api/v2/alerts", **options).json()
     assert [a["labels"]["alertname"] for a in stored] == ["GpufleetStraggler"]
@@ -87,16 +104,43 @@ def test_alerts_reach_an_alertmanager_behind_mutual_tls_and_basic_auth(pki, tmp_
 @needs_openssl
 def test_the_pipeline_reads_a_prometheus_behind_mutual_tls_and_basic_auth(pki, tmp_path):
     web = web_config_file(tmp_path / "web.yml", pki, USER, PASSWORD)
-    with agent_process("--simulate", "demo", "--node", "dgx-01") as (_, agent_port), \
-            prometheus_process(tmp_path, [agent_port], web_config=web, client=client_options(pki)) as \
-            (prom, prom_port, log_path):
+    with (
+        agent_process("--simulate", "demo", "--node", "dgx-01") as (_, agent_port),
+        prometheus_process(tmp_path, [agent_port], web_config=web, client=client_options(pki)) as (
+            prom,
+            prom_port,
+            log_path,
+        ),
+    ):
         url = f"https://127.0.0.1:{prom_port}"
-        source = build_source(load_settings(["--ingest.prometheus-url", url, "--pull.interval", "1s",
-                                             "--pull.timeout", "1s", *flags("ingest.prometheus", pki, tmp_path)],
-                                            env={}))
-        wrong = build_source(load_settings(["--ingest.prometheus-url", url, "--pull.interval", "1s",
-                                            "--pull.timeout", "1s",
-                                            *flags("ingest.prometheus", pki, tmp_path, password="guess")], env={}))
+        source = build_source(
+            load_settings(
+                [
+                    "--ingest.prometheus-url",
+                    url,
+                    "--pull.interval",
+                    "1s",
+                    "--pull.timeout",
+                    "1s",
+                    *flags("ingest.prometheus", pki, tmp_path),
+                ],
+                env={},
+            )
+        )
+        wrong = build_source(
+            load_settings(
+                [
+                    "--ingest.prometheus-url",
+                    url,
+                    "--pull.interval",
+                    "1s",
+                    "--pull.timeout",
+                    "1s",
+                    *flags("ingest.prometheus", pki, tmp_path, password="guess"),
+                ],
+                env={},
+            )
+        )
         assert isinstance(source, PrometheusSource)
         waiter = threading.Event()
 
@@ -130,7 +174,7 @@ def test_status_reads_a_server_behind_mutual_tls_and_basic_auth(pki, tmp_path, c
         assert out.startswith(f"gpufleet-server {url}: 0 of 0 agents up") and "nothing firing" in out
         assert status(["--url", url, *flags("api", pki, tmp_path, password="guess")]) == 1
         assert "wants credentials" in capsys.readouterr().err
-        no_cert = flags("api", pki, tmp_path)[:2] + flags("api", pki, tmp_path)[6:]     # CA and credentials only
+        no_cert = flags("api", pki, tmp_path)[:2] + flags("api", pki, tmp_path)[6:]  # CA and credentials only
         assert "--api.tls.cert-file" not in no_cert and "--api.basic-auth.username" in no_cert
         assert status(["--url", url, *no_cert]) == 1
         assert f"cannot read {url}" in capsys.readouterr().err

@@ -38,22 +38,25 @@ def test_durations(text, seconds) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("argv,env,needle", [
-    (["--pull.interval", "soon"], {}, "--pull.interval"),
-    (["--pull.interval", "0s"], {}, "--pull.interval"),
-    (["--web.listen-address", "nowhere"], {}, "--web.listen-address"),
-    (["--targets", "a:1,b:http"], {}, "--targets"),
-    (["--pull.interval", "5s", "--pull.timeout", "10s"], {}, "pull.timeout"),
-    (["--alertmanager.url", "am:9093"], {}, "--alertmanager.url"),
-    (["--alertmanager.url", "http://am:9093,http://am:9093"], {}, "the same URL twice"),
-    (["--alertmanager.url", " , "], {}, "at least one"),
-    (["--alertmanager.url", "http://am-0:9093,https://gpufleet:s3cret@am-1:9093"], {}, "no credentials in the URL"),
-    (["--ingest.prometheus-url", "https://reader:s3cret@prom:9090"], {}, "basic-auth"),
-    (["--log.level", "loud"], {}, "--log.level"),
-    (["--pull.max-bytes", "lots"], {}, "--pull.max-bytes"),
-    ([], {"GPUFLEET_SERVER_PULL_TIMEOUT": "-1"}, "GPUFLEET_SERVER_PULL_TIMEOUT"),
-    (["--no-such-flag"], {}, "--no-such-flag"),
-])
+@pytest.mark.parametrize(
+    "argv,env,needle",
+    [
+        (["--pull.interval", "soon"], {}, "--pull.interval"),
+        (["--pull.interval", "0s"], {}, "--pull.interval"),
+        (["--web.listen-address", "nowhere"], {}, "--web.listen-address"),
+        (["--targets", "a:1,b:http"], {}, "--targets"),
+        (["--pull.interval", "5s", "--pull.timeout", "10s"], {}, "pull.timeout"),
+        (["--alertmanager.url", "am:9093"], {}, "--alertmanager.url"),
+        (["--alertmanager.url", "http://am:9093,http://am:9093"], {}, "the same URL twice"),
+        (["--alertmanager.url", " , "], {}, "at least one"),
+        (["--alertmanager.url", "http://am-0:9093,https://gpufleet:s3cret@am-1:9093"], {}, "no credentials in the URL"),
+        (["--ingest.prometheus-url", "https://reader:s3cret@prom:9090"], {}, "basic-auth"),
+        (["--log.level", "loud"], {}, "--log.level"),
+        (["--pull.max-bytes", "lots"], {}, "--pull.max-bytes"),
+        ([], {"GPUFLEET_SERVER_PULL_TIMEOUT": "-1"}, "GPUFLEET_SERVER_PULL_TIMEOUT"),
+        (["--no-such-flag"], {}, "--no-such-flag"),
+    ],
+)
 def test_bad_values_name_the_setting(argv, env, needle) -> None:
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_settings(argv, env=env)
@@ -101,8 +104,19 @@ def test_taken_listen_address_exits_2_before_pulling_anything(capsys, tmp_path) 
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["--web.listen-address", f"127.0.0.1:{port}", "--targets", "127.0.0.1:1",
-                     "--storage.path", str(tmp_path / "x.db")]) == 2
+        assert (
+            main(
+                [
+                    "--web.listen-address",
+                    f"127.0.0.1:{port}",
+                    "--targets",
+                    "127.0.0.1:1",
+                    "--storage.path",
+                    str(tmp_path / "x.db"),
+                ]
+            )
+            == 2
+        )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("gpufleet-server: cannot listen on --web.listen-address")
     assert f"127.0.0.1:{port}" in err and "in use" in err
@@ -147,11 +161,15 @@ def test_wired_pipeline_with_mock_agents_and_injected_clock(tmp_path) -> None:
         snaps = [snapshot(node, t, temps=temps[node]) for t in (now[0] - 1, now[0]) if t > since]
         return httpx.Response(200, content=orjson.dumps(envelope(node, snaps)))
 
-    settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "w.db"),
-                              alertmanager_urls=("http://am:9093",))
+    settings = ServerSettings(
+        targets=("10.0.0.1:9471", "10.0.0.2:9471"),
+        storage_path=str(tmp_path / "w.db"),
+        alertmanager_urls=("http://am:9093",),
+    )
     engine = StubEngine()
-    runtime = build_runtime(settings, engine=engine, clock=lambda: now[0], transport=httpx.MockTransport(handler),
-                            parse=parse_dict)
+    runtime = build_runtime(
+        settings, engine=engine, clock=lambda: now[0], transport=httpx.MockTransport(handler), parse=parse_dict
+    )
     advanced: list[float] = []
     original = engine.advance
     engine.advance = lambda t: (advanced.append(t), original(t))[1]
@@ -199,16 +217,30 @@ def _thermal_agents(now: list[float], hot, first_since):
 
     def gpu(node: str, i: int, t: float) -> dict:
         is_hot = hot(node, i, t)
-        return {"index": i, "uuid": f"GPU-{node}-{i}", "model": "NVIDIA H100", "up": True, "hpc_job": "71001",
-                "utilization_ratio": 1.0, "sm_active_ratio": 0.8, "temperature_celsius": 95.0 if is_hot else 62.0,
-                "slowdown_temperature_celsius": 90.0, "power_watts": 600.0, "power_limit_watts": 700.0,
-                "sm_clock_hertz": 1.98e9, "sm_clock_max_hertz": 1.98e9, "throttle_reasons": 0x20 if is_hot else 0}
+        return {
+            "index": i,
+            "uuid": f"GPU-{node}-{i}",
+            "model": "NVIDIA H100",
+            "up": True,
+            "hpc_job": "71001",
+            "utilization_ratio": 1.0,
+            "sm_active_ratio": 0.8,
+            "temperature_celsius": 95.0 if is_hot else 62.0,
+            "slowdown_temperature_celsius": 90.0,
+            "power_watts": 600.0,
+            "power_limit_watts": 700.0,
+            "sm_clock_hertz": 1.98e9,
+            "sm_clock_max_hertz": 1.98e9,
+            "throttle_reasons": 0x20 if is_hot else 0,
+        }
 
     def handler(request: httpx.Request) -> httpx.Response:
         node = {"10.0.0.1": "dgx-01", "10.0.0.2": "dgx-02"}[request.url.host]
         since = float(request.url.params.get("since", first_since()))
-        snaps = [{"schema": 1, "node": node, "time": float(t), "gpus": [gpu(node, i, t) for i in range(4)]}
-                 for t in range(int(since) + 1, int(now[0]) + 1)]
+        snaps = [
+            {"schema": 1, "node": node, "time": float(t), "gpus": [gpu(node, i, t) for i in range(4)]}
+            for t in range(int(since) + 1, int(now[0]) + 1)
+        ]
         return httpx.Response(200, content=orjson.dumps(envelope(node, snaps)))
 
     return handler
@@ -219,8 +251,9 @@ def test_real_engine_fires_thermal_alert_through_the_live_pipeline(tmp_path) -> 
     pytest.importorskip("gpufleet.server.engine", reason="engine not written yet")
     now = [10_000.0]
     start = now[0]
-    handler = _thermal_agents(now, lambda node, i, t: node == "dgx-02" and i == 1 and t >= start + 60,
-                              first_since=lambda: start - 1)
+    handler = _thermal_agents(
+        now, lambda node, i, t: node == "dgx-02" and i == 1 and t >= start + 60, first_since=lambda: start - 1
+    )
     settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "r.db"))
     runtime = build_runtime(settings, clock=lambda: now[0], transport=httpx.MockTransport(handler))
 
@@ -264,12 +297,14 @@ def test_agent_down_since_start_alerts_through_the_pipeline_and_keeps_its_alert_
         node = {"10.0.0.1": "dgx-01", "10.0.0.2": "dgx-02"}[request.url.host]
         return httpx.Response(200, content=orjson.dumps(envelope(node, [snapshot(node, now[0])])))
 
-    settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "d.db"),
-                              pull_stale_after_seconds=30)
+    settings = ServerSettings(
+        targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "d.db"), pull_stale_after_seconds=30
+    )
 
     def runtime_with(engine: StubEngine):
-        return build_runtime(settings, engine=engine, clock=lambda: now[0], transport=httpx.MockTransport(handler),
-                             parse=parse_dict)
+        return build_runtime(
+            settings, engine=engine, clock=lambda: now[0], transport=httpx.MockTransport(handler), parse=parse_dict
+        )
 
     async def cycles(runtime, n: int) -> list:
         out = []
@@ -281,7 +316,10 @@ def test_agent_down_since_start_alerts_through_the_pipeline_and_keeps_its_alert_
     first = runtime_with(StubEngine())
     [fired] = asyncio.run(cycles(first, 7))
     assert (fired.alert.kind.value, fired.alert.node, fired.alert.started) == (
-        "node_unreachable", "10.0.0.2:9471", 1035.0)
+        "node_unreachable",
+        "10.0.0.2:9471",
+        1035.0,
+    )
     assert first.store.get(fired.alert.id).state.value == "firing"
     assert [a.id for a in first.view.alerts] == [fired.alert.id]
     first.store.close()
@@ -289,7 +327,7 @@ def test_agent_down_since_start_alerts_through_the_pipeline_and_keeps_its_alert_
     engine = StubEngine()
     second = runtime_with(engine)
     assert second.restore() == 1 and engine.restored == []  # ours, not the engine's
-    assert asyncio.run(cycles(second, 3)) == []              # still down: same alert, no duplicate
+    assert asyncio.run(cycles(second, 3)) == []  # still down: same alert, no duplicate
     assert [a.id for a in second.view.alerts] == [fired.alert.id]
     down.clear()
     [resolved] = asyncio.run(cycles(second, 1))
@@ -303,8 +341,11 @@ def test_real_engine_keeps_an_alert_across_a_restart_and_resolves_it_under_the_s
     pytest.importorskip("gpufleet.server.engine", reason="engine not written yet")
     now = [10_000.0]
     start, hot_until = now[0], [float("inf")]
-    handler = _thermal_agents(now, lambda node, i, t: node == "dgx-02" and i == 1 and start + 60 <= t < hot_until[0],
-                              first_since=lambda: now[0] - 300)            # an agent buffers 300 s
+    handler = _thermal_agents(
+        now,
+        lambda node, i, t: node == "dgx-02" and i == 1 and start + 60 <= t < hot_until[0],
+        first_since=lambda: now[0] - 300,
+    )  # an agent buffers 300 s
 
     settings = ServerSettings(targets=("10.0.0.1:9471", "10.0.0.2:9471"), storage_path=str(tmp_path / "k.db"))
 
@@ -324,7 +365,8 @@ def test_real_engine_keeps_an_alert_across_a_restart_and_resolves_it_under_the_s
     assert second.restore() == 1
     asyncio.run(cycles(second, 10))
     assert [(a.id, a.state.value, a.started) for a in second.store.open_alerts()] == [
-        (fired.id, "firing", fired.started)]
+        (fired.id, "firing", fired.started)
+    ]
     hot_until[0] = now[0]
     asyncio.run(cycles(second, 40))
     [after] = second.store.query(AlertQuery()).alerts
@@ -336,7 +378,10 @@ def test_alertmanager_replicas_from_a_list_in_the_file_or_commas_in_a_flag(tmp_p
     config.write_text("alertmanager.url: [http://am-0:9093, 'http://am-1:9093/']\n")
     replicas = ("http://am-0:9093", "http://am-1:9093")
     assert load_settings(["--config.file", str(config)], env={}).alertmanager_urls == replicas
-    assert load_settings(["--alertmanager.url", "http://am-0:9093, http://am-1:9093"], env={}).alertmanager_urls == replicas
+    assert (
+        load_settings(["--alertmanager.url", "http://am-0:9093, http://am-1:9093"], env={}).alertmanager_urls
+        == replicas
+    )
 
 
 def test_check_config_says_ok_or_names_the_first_problem(tmp_path, capsys) -> None:
@@ -345,11 +390,20 @@ def test_check_config_says_ok_or_names_the_first_problem(tmp_path, capsys) -> No
 
     file_sd = tmp_path / "agents.yml"
     file_sd.write_text("- targets: [dgx-01:9471, dgx-02:9471]\n")
-    ok = ["check-config", "--targets", "dgx-03:9471", "--targets.file-sd", str(file_sd),
-          "--alertmanager.url", "http://am-0:9093,http://am-1:9093", "--storage.path", str(tmp_path / "a.db")]
+    ok = [
+        "check-config",
+        "--targets",
+        "dgx-03:9471",
+        "--targets.file-sd",
+        str(file_sd),
+        "--alertmanager.url",
+        "http://am-0:9093,http://am-1:9093",
+        "--storage.path",
+        str(tmp_path / "a.db"),
+    ]
     assert cli(ok) == 0
     assert capsys.readouterr().out.startswith("config OK: reading agents, 3 listed target(s), 2 Alertmanager(s)")
-    assert not (tmp_path / "a.db").exists()         # nothing opened, nothing started
+    assert not (tmp_path / "a.db").exists()  # nothing opened, nothing started
 
     file_sd.write_text("- targets: [dgx-01:http]\n")
     empty = tmp_path / "token"

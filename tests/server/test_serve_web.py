@@ -31,8 +31,7 @@ def client(tmp_path):
     settings = ServerSettings(storage_path=str(tmp_path / "api.db"))
     transport = httpx.MockTransport(lambda r: httpx.Response(200, content=b'{"schema":1,"snapshots":[]}'))
     puller = Puller(StaticTargets(("a:1",)), transport=transport, parse=parse_dict, clock=lambda: 5000.0)
-    runtime = Runtime(engine=StubEngine(), puller=puller, store=AlertStore(settings.storage_path),
-                      clock=lambda: 5000.0)
+    runtime = Runtime(engine=StubEngine(), puller=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0)
     web = WebConfig(users={"grafana": HASH}, headers={"X-Content-Type-Options": "nosniff"})
     return TestClient(create_app(settings, runtime=runtime, run_pipeline=False, web=web))
 
@@ -40,7 +39,9 @@ def client(tmp_path):
 @pytest.mark.parametrize("path", ["/alerts", "/jobs", "/nodes", "/metrics", "/openapi.json"])
 def test_every_route_but_healthz_wants_credentials(client, path):
     refused = client.get(path)
-    assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith('Basic realm="gpufleet-server"')
+    assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith(
+        'Basic realm="gpufleet-server"'
+    )
     assert refused.headers["x-content-type-options"] == "nosniff"
     assert client.get(path, auth=("grafana", "wrong")).status_code == 401
     answered = client.get(path, auth=("grafana", "s3cret"))
@@ -65,8 +66,10 @@ def test_a_bad_web_config_exits_2_with_one_line(tmp_path, capsys):
 def test_a_real_server_answers_https_with_basic_auth_and_stops_on_sigterm(tmp_path):
     pki = make_pki(tmp_path)
     web = tmp_path / "web.yml"
-    web.write_text(f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
-                   f"basic_auth_users:\n  grafana: '{HASH.decode()}'\n")
+    web.write_text(
+        f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
+        f"basic_auth_users:\n  grafana: '{HASH.decode()}'\n"
+    )
     with server_process(tmp_path, "--web.config.file", str(web), "--targets", "127.0.0.1:1") as (proc, port):
         with httpx.Client(verify=ssl.create_default_context(cafile=str(pki.ca_cert)), timeout=10) as http:
             assert "targets" in http.get(f"https://127.0.0.1:{port}/healthz").json()

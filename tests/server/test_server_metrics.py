@@ -30,8 +30,9 @@ def samples(registry) -> dict[tuple[str, tuple], float]:
 
 
 def make_runtime(tmp_path, handler) -> Runtime:
-    puller = Puller(StaticTargets(("a:1", "b:1")), transport=httpx.MockTransport(handler), parse=parse_dict,
-                    clock=lambda: 100.0)
+    puller = Puller(
+        StaticTargets(("a:1", "b:1")), transport=httpx.MockTransport(handler), parse=parse_dict, clock=lambda: 100.0
+    )
     return Runtime(engine=StubEngine(), puller=puller, store=AlertStore(tmp_path / "m.db"), clock=lambda: 100.0)
 
 
@@ -49,8 +50,13 @@ def test_alerts_jobs_and_ingest_series(tmp_path) -> None:
     active = [k for k in got if k[0] == "gpufleet_alert_active"]
     assert len(active) == 1
     labels = dict(active[0][1])
-    assert (labels["kind"], labels["node"], labels["gpu"], labels["hpc_job"]) == ("thermal_throttle", "dgx-01", "0", "j1")
-    assert labels["cause"] == ""        # the stub's evidence has no threshold to be over
+    assert (labels["kind"], labels["node"], labels["gpu"], labels["hpc_job"]) == (
+        "thermal_throttle",
+        "dgx-01",
+        "0",
+        "j1",
+    )
+    assert labels["cause"] == ""  # the stub's evidence has no threshold to be over
     assert got[("gpufleet_alerts", (("kind", "thermal_throttle"), ("severity", "warning"), ("state", "firing")))] == 1
     assert got[("gpufleet_job_gpus", (("hpc_job", "j1"),))] == 2
     assert got[("gpufleet_job_comm_bound", (("hpc_job", "j1"),))] == 0
@@ -75,9 +81,18 @@ def test_alerts_jobs_and_ingest_series(tmp_path) -> None:
 def test_resolved_alerts_and_ended_jobs_disappear(tmp_path) -> None:
     runtime = make_runtime(tmp_path, lambda r: httpx.Response(200, content=b'{"schema":1,"snapshots":[]}'))
     registry = build_registry(runtime)
-    runtime.view = FleetView(alerts=(make_alert(1), make_alert(2, state=AlertState.PENDING)),
-                             jobs=({"hpc_job": "7", "gpus": 8, "estimated_slowdown_ratio": float("nan"), "stragglers": [{"node": "a", "gpu": 1}],
-                                    "gpu_hours_lost_by_kind": {"straggler": 1.25, "comm_bound": 0.5}},))
+    runtime.view = FleetView(
+        alerts=(make_alert(1), make_alert(2, state=AlertState.PENDING)),
+        jobs=(
+            {
+                "hpc_job": "7",
+                "gpus": 8,
+                "estimated_slowdown_ratio": float("nan"),
+                "stragglers": [{"node": "a", "gpu": 1}],
+                "gpu_hours_lost_by_kind": {"straggler": 1.25, "comm_bound": 0.5},
+            },
+        ),
+    )
     first = samples(registry)
     assert first[("gpufleet_job_gpu_hours_lost_total", (("hpc_job", "7"), ("kind", "straggler")))] == 1.25
     assert first[("gpufleet_job_gpu_hours_lost_total", (("hpc_job", "7"), ("kind", "comm_bound")))] == 0.5
@@ -87,8 +102,10 @@ def test_resolved_alerts_and_ended_jobs_disappear(tmp_path) -> None:
     assert not any(k[0] == "gpufleet_job_slowdown_ratio" for k in first)  # NaN means unknown: no series
     runtime.view = FleetView()
     second = samples(registry)
-    assert not any(k[0] in ("gpufleet_alert_active", "gpufleet_alerts", "gpufleet_job_gpus",
-                            "gpufleet_job_gpu_hours_lost_total") for k in second)
+    assert not any(
+        k[0] in ("gpufleet_alert_active", "gpufleet_alerts", "gpufleet_job_gpus", "gpufleet_job_gpu_hours_lost_total")
+        for k in second
+    )
 
 
 def test_empty_runtime_exposes_no_unknown_values(tmp_path) -> None:
@@ -106,15 +123,19 @@ def test_every_alertmanager_replica_gets_every_alert_and_its_own_counters(tmp_pa
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "am-1":
-            return httpx.Response(400)       # refused: not retried, counted
+            return httpx.Response(400)  # refused: not retried, counted
         received.append(orjson.loads(request.content)[0]["labels"]["alertname"])
         return httpx.Response(200)
 
-    settings = load_settings(["--alertmanager.url", "http://am-0:9093,http://am-1:9093/", "--webhook.url",
-                              "http://hooks/x"], env={})
+    settings = load_settings(
+        ["--alertmanager.url", "http://am-0:9093,http://am-1:9093/", "--webhook.url", "http://hooks/x"], env={}
+    )
     notifiers = build_notifiers(settings, transport=httpx.MockTransport(handler))
-    assert [n.url for n in notifiers] == ["http://am-0:9093/api/v2/alerts", "http://am-1:9093/api/v2/alerts",
-                                          "http://hooks/x"]
+    assert [n.url for n in notifiers] == [
+        "http://am-0:9093/api/v2/alerts",
+        "http://am-1:9093/api/v2/alerts",
+        "http://hooks/x",
+    ]
 
     async def deliver() -> None:
         for n in notifiers[:2]:
@@ -125,8 +146,13 @@ def test_every_alertmanager_replica_gets_every_alert_and_its_own_counters(tmp_pa
 
     asyncio.run(deliver())
     assert received == ["GpufleetStraggler"]
-    runtime = Runtime(engine=StubEngine(), puller=Puller(StaticTargets(()), transport=httpx.MockTransport(handler)),
-                      store=AlertStore(tmp_path / "n.db"), notifiers=notifiers, clock=lambda: 100.0)
+    runtime = Runtime(
+        engine=StubEngine(),
+        puller=Puller(StaticTargets(()), transport=httpx.MockTransport(handler)),
+        store=AlertStore(tmp_path / "n.db"),
+        notifiers=notifiers,
+        clock=lambda: 100.0,
+    )
     got = samples(build_registry(runtime))
     sent, failed = "gpufleet_server_notifications_sent_total", "gpufleet_server_notifications_failed_total"
     assert got[(sent, (("notifier", "alertmanager"), ("url", "http://am-0:9093/api/v2/alerts")))] == 1

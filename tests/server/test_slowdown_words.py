@@ -40,6 +40,7 @@ def test_the_straggler_summary_and_the_job_each_name_their_own_figure() -> None:
     # The job's figure says it is the job now against its own baseline, and that the alert's is another one.
     described = JobModel.model_fields["estimated_slowdown_ratio"].description or ""
     assert "now" in described and "own baseline" in described and "'by ~N % per step'" in described
-    header = render({"evaluated_at": T0, "jobs": [job.to_dict()]}, {"total": 0, "alerts": []},
-                    {"nodes": [], "targets": []}, url="u").splitlines()[2]
+    header = render(
+        {"evaluated_at": T0, "jobs": [job.to_dict()]}, {"total": 0, "alerts": []}, {"nodes": [], "targets": []}, url="u"
+    ).splitlines()[2]
     assert "SLOWER-VS-BASELINE" in header.split()

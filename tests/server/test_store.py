@@ -22,8 +22,13 @@ def store(tmp_path):
 def test_upsert_keeps_latest_state_and_roundtrips_every_field(store) -> None:
     alert = make_alert(1, gpu=5)
     store.upsert([alert])
-    resolved = replace(alert, state=AlertState.RESOLVED, resolved=2000.0, updated=2000.0,
-                       evidence={"nested": {"a": [1, 2]}, "ratio": 0.25, "none": None})
+    resolved = replace(
+        alert,
+        state=AlertState.RESOLVED,
+        resolved=2000.0,
+        updated=2000.0,
+        evidence={"nested": {"a": [1, 2]}, "ratio": 0.25, "none": None},
+    )
     store.upsert([resolved])
     assert store.get(alert.id) == resolved
     assert store.query(AlertQuery()).total == 1
@@ -47,12 +52,14 @@ def test_persistence_across_reopen(tmp_path) -> None:
 
 
 def test_filters_combine(store) -> None:
-    store.upsert([
-        make_alert(1, kind=AlertKind.THERMAL_THROTTLE, severity=Severity.CRITICAL, node="dgx-03", gpu=5),
-        make_alert(2, kind=AlertKind.STRAGGLER, node="dgx-03", gpu=5, hpc_job="7"),
-        make_alert(3, kind=AlertKind.COMM_BOUND, node=None, gpu=None, hpc_job="7", state=AlertState.RESOLVED),
-        make_alert(4, kind=AlertKind.STRAGGLER, node="dgx-01", gpu=0, hpc_job="8", state=AlertState.PENDING),
-    ])
+    store.upsert(
+        [
+            make_alert(1, kind=AlertKind.THERMAL_THROTTLE, severity=Severity.CRITICAL, node="dgx-03", gpu=5),
+            make_alert(2, kind=AlertKind.STRAGGLER, node="dgx-03", gpu=5, hpc_job="7"),
+            make_alert(3, kind=AlertKind.COMM_BOUND, node=None, gpu=None, hpc_job="7", state=AlertState.RESOLVED),
+            make_alert(4, kind=AlertKind.STRAGGLER, node="dgx-01", gpu=0, hpc_job="8", state=AlertState.PENDING),
+        ]
+    )
 
     def ids(**kw):
         return [a.summary for a in store.query(AlertQuery(**kw)).alerts]

@@ -47,8 +47,12 @@ class Clock:
 def _build(tmp_path, clock, engine=None):
     settings = ServerSettings(storage_path=str(tmp_path / "alerts.db"))
     hot = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0, temps=(95.0, 91.0))]))
-    puller = Puller(StaticTargets(("a:1",)), transport=httpx.MockTransport(lambda r: httpx.Response(200, content=hot)),
-                    parse=lambda raw: raw, clock=clock)
+    puller = Puller(
+        StaticTargets(("a:1",)),
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, content=hot)),
+        parse=lambda raw: raw,
+        clock=clock,
+    )
     store = FullDiskStore(settings.storage_path)
     runtime = Runtime(engine=engine or StubEngine(), puller=puller, store=store, clock=clock)
     return runtime, store, TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
@@ -65,21 +69,21 @@ def test_alerts_that_fired_while_the_disk_was_full_are_written_once_it_has_room(
     clock = Clock(5000.0)
     runtime, store, client = _build(tmp_path, clock)
     store.full = True
-    asyncio.run(runtime.cycle())                             # two GPUs start throttling: two alerts fire
+    asyncio.run(runtime.cycle())  # two GPUs start throttling: two alerts fire
     assert [a.state.value for a in runtime.view.alerts] == ["firing", "firing"]
-    assert client.get("/alerts").json()["total"] == 0        # nothing reached the store
+    assert client.get("/alerts").json()["total"] == 0  # nothing reached the store
     clock.t = 5030.0
-    asyncio.run(runtime.cycle())                             # still full: retried, still waiting
+    asyncio.run(runtime.cycle())  # still full: retried, still waiting
     health = client.get("/healthz")
     # Degraded, but 200: a liveness probe must not restart a server that would lose what waits.
     assert health.status_code == 200 and health.json()["degraded_reason"] == "store_unsaved"
-    assert health.json()["status"] == "degraded" and health.json()["store_unsaved_changes"] == 3   # 2 alerts, 1 node
+    assert health.json()["status"] == "degraded" and health.json()["store_unsaved_changes"] == 3  # 2 alerts, 1 node
     assert health.json()["store_unsaved_age_seconds"] == 30.0
     assert _metric(client, "gpufleet_server_store_unsaved_changes") == 3
     assert _metric(client, "gpufleet_server_store_unsaved_age_seconds") == 30.0
     assert _metric(client, "gpufleet_server_store_errors_total") == 2
 
-    store.full = False                                       # space returns; no new transition this cycle
+    store.full = False  # space returns; no new transition this cycle
     clock.t = 5035.0
     asyncio.run(runtime.cycle())
     firing = client.get("/alerts", params={"state": "firing"}).json()
@@ -90,7 +94,7 @@ def test_alerts_that_fired_while_the_disk_was_full_are_written_once_it_has_room(
     assert store.target_nodes() == {"a:1": "dgx-01"}
     store.close()
 
-    engine = StubEngine()                                    # and a restart restores both
+    engine = StubEngine()  # and a restart restores both
     runtime2, _, _ = _build(tmp_path, clock, engine=engine)
     assert runtime2.restore() == 2
     assert sorted(a.id for a in engine.restored) == sorted(a["id"] for a in firing["alerts"])
@@ -102,7 +106,7 @@ def test_the_newest_state_of_an_alert_is_what_the_store_gets_after_an_outage(tmp
     store.full = True
     asyncio.run(runtime.cycle())
     (first, _) = runtime.view.alerts
-    runtime.engine._latest[("dgx-01", 0)] = (5040.0, 60.0, "j1")     # GPU 0 cools: its alert resolves
+    runtime.engine._latest[("dgx-01", 0)] = (5040.0, 60.0, "j1")  # GPU 0 cools: its alert resolves
     clock.t = 5045.0
     asyncio.run(runtime.cycle())
     store.full = False
@@ -132,8 +136,12 @@ def test_alerts_a_full_disk_kept_out_of_the_file_are_listed_by_alerts_meanwhile(
     clock = Clock(5000.0)
     settings = ServerSettings(storage_path=str(tmp_path / "alerts.db"))
     hot = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0, temps=(95.0, 91.0))]))
-    puller = Puller(StaticTargets(("a:1",)), transport=httpx.MockTransport(lambda r: httpx.Response(200, content=hot)),
-                    parse=lambda raw: raw, clock=clock)
+    puller = Puller(
+        StaticTargets(("a:1",)),
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, content=hot)),
+        parse=lambda raw: raw,
+        clock=clock,
+    )
     store = AlertStore(settings.storage_path)
     _fill(store)
     runtime = Runtime(engine=StubEngine(), puller=puller, store=store, clock=clock)
@@ -147,7 +155,7 @@ def test_alerts_a_full_disk_kept_out_of_the_file_are_listed_by_alerts_meanwhile(
     assert client.get(f"/alerts/{first['id']}").json()["id"] == first["id"]
     assert len(store.open_alerts()) == 2
 
-    store._db.execute("PRAGMA max_page_count = 1073741823")   # room again
+    store._db.execute("PRAGMA max_page_count = 1073741823")  # room again
     clock.t = 5005.0
     asyncio.run(runtime.cycle())
     assert runtime.stats.store_unsaved_since is None
@@ -165,7 +173,7 @@ def _fill(store: AlertStore) -> None:
     store._db.execute(f"PRAGMA max_page_count = {pages + 4}")
     filler = make_alert(0, state=AlertState.RESOLVED)
     n = 0
-    for pad in (1000, 100, 1):           # big rows fill the pages, then small ones their last gaps
+    for pad in (1000, 100, 1):  # big rows fill the pages, then small ones their last gaps
         while True:
             n += 1
             try:

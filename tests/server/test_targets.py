@@ -7,8 +7,15 @@ import os
 
 import pytest
 
-from gpufleet.server.ingest.targets import (CombinedTargets, DnsTargets, FileSdTargets, StaticTargets, TargetError,
-                                   parse_address, parse_file_sd)
+from gpufleet.server.ingest.targets import (
+    CombinedTargets,
+    DnsTargets,
+    FileSdTargets,
+    StaticTargets,
+    TargetError,
+    parse_address,
+    parse_file_sd,
+)
 
 
 def test_parse_address_normalises_and_rejects() -> None:
@@ -38,7 +45,7 @@ def test_file_sd_json_and_yaml() -> None:
     assert parse_file_sd(js) == ["a:1", "b:2", "c:3"]
     assert parse_file_sd(b"- targets: ['x:9471']\n  labels: {a: b}\n") == ["x:9471"]
     assert parse_file_sd(b"") == []
-    for bad in (b"{not json", b"{\"targets\": []}", b"- 3\n", b"- targets: x:1\n"):
+    for bad in (b"{not json", b'{"targets": []}', b"- 3\n", b"- targets: x:1\n"):
         with pytest.raises(TargetError):
             parse_file_sd(bad)
 

@@ -12,8 +12,7 @@ import pytest
 
 from gpufleet.agent.model import GpuSample, NodeSnapshot
 from bench import scenarios
-from bench.tracegen import (A100, H100, ClusterSpec, Incident, Job, NodeSpec, SpecError, Trace,
-                                   generate, write_trace)
+from bench.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSpec, SpecError, Trace, generate, write_trace
 
 T0 = 1_763_800_000.0
 
@@ -45,22 +44,42 @@ def _median(rows, key, lo, hi):
 
 # ------------------------------------------------------------------------------------------ contract
 
+
 def test_every_line_is_a_valid_schema_1_snapshot():
-    trace = _trace(_cluster([Incident("xid", 300, 310, "n0", 2, code=48, count=2),
-                             Incident("gpu_lost", 400, 1e9, "n1", 3, severity=20)], model=A100))
+    trace = _trace(
+        _cluster(
+            [
+                Incident("xid", 300, 310, "n0", 2, code=48, count=2),
+                Incident("gpu_lost", 400, 1e9, "n1", 3, severity=20),
+            ],
+            model=A100,
+        )
+    )
     fields = set(GpuSample.__slots__)
     for line in trace.lines:
         snap = orjson.loads(line)
         assert snap["schema"] == 1 and isinstance(snap["time"], float)
         for g in snap["gpus"]:
             assert set(g) == fields
-            sample = GpuSample(**{**g, "xid_errors_by_code": {int(k): v for k, v in g["xid_errors_by_code"].items()},
-                                  "counter_resets": tuple(g["counter_resets"]),
-                                  "nvlink_link_tx_bytes_total": tuple(g["nvlink_link_tx_bytes_total"]),
-                                  "nvlink_link_rx_bytes_total": tuple(g["nvlink_link_rx_bytes_total"])})
+            sample = GpuSample(
+                **{
+                    **g,
+                    "xid_errors_by_code": {int(k): v for k, v in g["xid_errors_by_code"].items()},
+                    "counter_resets": tuple(g["counter_resets"]),
+                    "nvlink_link_tx_bytes_total": tuple(g["nvlink_link_tx_bytes_total"]),
+                    "nvlink_link_rx_bytes_total": tuple(g["nvlink_link_rx_bytes_total"]),
+                }
+            )
             assert sample.to_dict() == g
-        rebuilt = NodeSnapshot(snap["node"], snap["time"], (), snap["driver_version"], snap["nvml_version"],
-                               snap["cuda_driver_version"], snap["sample_duration_seconds"]).to_dict()
+        rebuilt = NodeSnapshot(
+            snap["node"],
+            snap["time"],
+            (),
+            snap["driver_version"],
+            snap["nvml_version"],
+            snap["cuda_driver_version"],
+            snap["sample_duration_seconds"],
+        ).to_dict()
         assert {k: v for k, v in rebuilt.items() if k != "gpus"} == {k: v for k, v in snap.items() if k != "gpus"}
 
 
@@ -73,12 +92,13 @@ def test_lines_parse_with_the_server_contract_parser():
 
 def test_unsupported_readings_are_null_never_zero():
     a100 = _series(_trace(_cluster(model=A100)))
-    assert all(r["sm_active_ratio"] is None and r["sm_occupancy_ratio"] is None
-               for rows in a100.values() for r in rows)
+    assert all(r["sm_active_ratio"] is None and r["sm_occupancy_ratio"] is None for rows in a100.values() for r in rows)
     lost = _series(_trace(_cluster([Incident("gpu_lost", 400, 1e9, "n1", 3, severity=20)])))[("n1", 3)]
     after = [r for r in lost if r["_t"] > 405]
-    assert after and all(not r["up"] and r["power_watts"] is None and r["temperature_celsius"] is None
-                         and r["utilization_ratio"] is None for r in after)
+    assert after and all(
+        not r["up"] and r["power_watts"] is None and r["temperature_celsius"] is None and r["utilization_ratio"] is None
+        for r in after
+    )
 
 
 def test_same_spec_same_lines_and_other_seed_other_lines():
@@ -107,10 +127,18 @@ def test_write_trace_writes_one_line_per_snapshot(tmp_path):
 
 # ---------------------------------------------------------------------------------------- sampling
 
+
 def test_time_order_and_per_node_clock_skew():
     spec = _cluster(duration=300.0, nodes=3)
-    spec = ClusterSpec(tuple(NodeSpec(n.name, n.model, 8, 27.0, skew) for n, skew in
-                             zip(spec.nodes, (-1.5, 0.0, 1.5))), spec.jobs, (), 300.0, 5.0, T0, 1)
+    spec = ClusterSpec(
+        tuple(NodeSpec(n.name, n.model, 8, 27.0, skew) for n, skew in zip(spec.nodes, (-1.5, 0.0, 1.5))),
+        spec.jobs,
+        (),
+        300.0,
+        5.0,
+        T0,
+        1,
+    )
     snaps = [orjson.loads(line) for line in generate(spec).lines]
     times = [s["time"] for s in snaps]
     assert times == sorted(times)
@@ -138,16 +166,22 @@ def test_dropped_lines_never_more_than_two_in_a_row():
 
 
 def test_agent_down_stops_lines_and_restarts_the_xid_tally():
-    trace = _trace(_cluster([Incident("xid", 100, 101, "n1", 0, code=13),
-                             Incident("agent_down", 300, 480, "n1")]))
+    trace = _trace(_cluster([Incident("xid", 100, 101, "n1", 0, code=13), Incident("agent_down", 300, 480, "n1")]))
     rows = _series(trace)[("n1", 0)]
     times = np.array([r["_t"] for r in rows])
     assert np.diff(times).max() >= 175
     assert rows[int(np.searchsorted(times, 290)) - 1]["xid_errors_total"] == 1
     assert rows[int(np.searchsorted(times, 485))]["xid_errors_total"] == 0
     # What the agent never saw is no truth; the XID it reported before going down is.
-    seen = _trace(_cluster([Incident("xid", 100, 101, "n1", 0, code=92), Incident("xid", 350, 351, "n1", 1, code=92),
-                            Incident("agent_down", 300, 480, "n1")]))
+    seen = _trace(
+        _cluster(
+            [
+                Incident("xid", 100, 101, "n1", 0, code=92),
+                Incident("xid", 350, 351, "n1", 1, code=92),
+                Incident("agent_down", 300, 480, "n1"),
+            ]
+        )
+    )
     assert [(t.kind, t.gpu) for t in seen.truths if t.kind == "xid"] == [("xid", 0)]
     # The GPU's ECC counter survives the agent's restart: an uncorrectable error raised while it was down
     # shows once it is back, and an ecc alert then is right.
@@ -161,6 +195,7 @@ def test_agent_down_stops_lines_and_restarts_the_xid_tally():
 
 
 # ------------------------------------------------------------------------------------------ physics
+
 
 def test_counters_monotonic_except_at_flagged_resets_and_energy_integrates_power():
     trace = _trace(_cluster([Incident("counter_reset", 400, 0, "n0")], interval=1.0, duration=600.0))
@@ -176,8 +211,15 @@ def test_counters_monotonic_except_at_flagged_resets_and_energy_integrates_power
 
 
 def test_training_reads_busy_and_idle_gpus_read_idle():
-    spec = ClusterSpec((NodeSpec("n0", H100), NodeSpec("idle", H100)),
-                       (Job("j", "1", (("n0", tuple(range(8))),), startup_s=60.0),), (), 400.0, 5.0, T0, 2)
+    spec = ClusterSpec(
+        (NodeSpec("n0", H100), NodeSpec("idle", H100)),
+        (Job("j", "1", (("n0", tuple(range(8))),), startup_s=60.0),),
+        (),
+        400.0,
+        5.0,
+        T0,
+        2,
+    )
     series = _series(generate(spec))
     busy, idle = series[("n0", 0)], series[("idle", 0)]
     assert _median(busy, "utilization_ratio", 120, 400) >= 0.95
@@ -194,8 +236,12 @@ def test_noise_scale_scales_the_reading_noise_and_one_is_the_default():
 
     def spread(noise_scale):
         series = _series(generate(replace(base, noise_scale=noise_scale)))
-        return np.array([[np.std([r[key] for r in rows if 150 <= r["_t"] < 400]) for rows in series.values()]
-                         for key in ("sm_active_ratio", "power_watts", "utilization_ratio")]).mean(axis=1)
+        return np.array(
+            [
+                [np.std([r[key] for r in rows if 150 <= r["_t"] < 400]) for rows in series.values()]
+                for key in ("sm_active_ratio", "power_watts", "utilization_ratio")
+            ]
+        ).mean(axis=1)
 
     one, two = spread(1.0), spread(2.0)
     assert np.all(one > 0) and np.all((1.7 < two / one) & (two / one < 2.3))
@@ -225,15 +271,23 @@ def test_a_die_within_a_degree_of_the_threshold_allows_a_thermal_alert_and_requi
 def test_a_hot_die_is_required_only_from_what_its_agent_reported():
     # The die is clearly above 83 °C from about +330 s to +700 s. Heat nobody read cannot be alerted on.
     def required(*down):
-        trace = _trace(_cluster([Incident("hot_gpu", 200, 700, "n0", 3, severity=86.0)]
-                                + [Incident("agent_down", a, b, "n0") for a, b in down], duration=1000.0))
-        return [(round(t.start - T0), round(t.end - T0)) for t in trace.truths
-                if t.kind == "thermal_throttle" and t.required]
+        trace = _trace(
+            _cluster(
+                [Incident("hot_gpu", 200, 700, "n0", 3, severity=86.0)]
+                + [Incident("agent_down", a, b, "n0") for a, b in down],
+                duration=1000.0,
+            )
+        )
+        return [
+            (round(t.start - T0), round(t.end - T0))
+            for t in trace.truths
+            if t.kind == "thermal_throttle" and t.required
+        ]
 
     ((start, end),) = required()
     assert start == pytest.approx(330, abs=10) and end == pytest.approx(703, abs=10)
-    assert required((340, 800)) == []                    # seen hot for 10 s, then never again while hot
-    ((start, _),) = required((100, 400))                 # hot while down: required from the agent's return
+    assert required((340, 800)) == []  # seen hot for 10 s, then never again while hot
+    ((start, _),) = required((100, 400))  # hot while down: required from the agent's return
     assert start == 400
 
 
@@ -250,20 +304,26 @@ def test_silent_slow_gpu_stays_busy_while_its_peers_wait():
 def test_a_straggler_is_required_from_when_its_own_agent_reports():
     # Nobody can name a culprit while its own agent is down; its peers' agents saw them wait meanwhile.
     def required(*down):
-        trace = _trace(_cluster([Incident("slow_gpu", 300, 700, "n1", 5, severity=0.7)]
-                                + [Incident("agent_down", a, b, node) for a, b, node in down], duration=1000.0))
+        trace = _trace(
+            _cluster(
+                [Incident("slow_gpu", 300, 700, "n1", 5, severity=0.7)]
+                + [Incident("agent_down", a, b, node) for a, b, node in down],
+                duration=1000.0,
+            )
+        )
         return [(round(t.start - T0), t.lead_s) for t in trace.truths if t.kind == "straggler" and t.required]
 
     ((start, _),) = required()
     assert start == pytest.approx(300, abs=10)
     assert required((250, 400, "n1")) == [(400, 0.0)]
-    assert required((250, 400, "n0"))[0][0] == start    # a peer's agent down: nothing hides the culprit
+    assert required((250, 400, "n0"))[0][0] == start  # a peer's agent down: nothing hides the culprit
     assert required((250, 800, "n1")) == []
 
 
 def test_cooling_failure_heats_then_throttles_and_cuts_clocks():
-    trace = _trace(_cluster([Incident("cooling_failure", 250, 1e9, "n0", 4, severity=2.4, count=60)],
-                            interval=1.0, duration=900.0))
+    trace = _trace(
+        _cluster([Incident("cooling_failure", 250, 1e9, "n0", 4, severity=2.4, count=60)], interval=1.0, duration=900.0)
+    )
     rows = _series(trace)[("n0", 4)]
     late = [r for r in rows if r["_t"] > 600]
     assert max(r["temperature_celsius"] for r in late) >= 85
@@ -285,8 +345,12 @@ def test_a_comm_slowdown_is_true_from_when_one_of_its_nodes_reports():
     # Both nodes' agents down over the slowdown's start: nothing shows it until one is back. One node
     # down: the other shows it from the start.
     def comm(*down):
-        trace = _trace(_cluster([Incident("comm_slowdown", 300, 700, job="j", severity=3.0)]
-                                + [Incident("agent_down", 250, 400, node) for node in down]))
+        trace = _trace(
+            _cluster(
+                [Incident("comm_slowdown", 300, 700, job="j", severity=3.0)]
+                + [Incident("agent_down", 250, 400, node) for node in down]
+            )
+        )
         (truth,) = [t for t in trace.truths if t.kind == "comm_bound"]
         return truth.start - T0
 
@@ -328,7 +392,7 @@ def test_power_brake_sets_0x80_with_hw_slowdown_and_is_a_straggler():
 def test_gpu_lost_hangs_its_job_then_the_job_dies():
     series = _series(_trace(_cluster([Incident("gpu_lost", 400, 1e9, "n1", 3, severity=30)])))
     peer = series[("n0", 0)]
-    hang = [r for r in peer if 407 < r["_t"] < 428]   # GPM averages the previous interval
+    hang = [r for r in peer if 407 < r["_t"] < 428]  # GPM averages the previous interval
     assert hang and all(r["utilization_ratio"] > 0.9 and r["sm_active_ratio"] < 0.2 for r in hang)
     dead = [r for r in peer if r["_t"] > 440]
     assert all(r["hpc_job"] is None and r["utilization_ratio"] == 0 for r in dead)
@@ -341,8 +405,10 @@ def test_jitter_is_too_brief_to_be_a_straggler():
 
 # ---------------------------------------------------------------------------------------- catalog
 
-@pytest.mark.parametrize("scenario", [s for s in scenarios.CATALOG if not s.name.startswith("busy")],
-                         ids=lambda s: s.name)
+
+@pytest.mark.parametrize(
+    "scenario", [s for s in scenarios.CATALOG if not s.name.startswith("busy")], ids=lambda s: s.name
+)
 def test_catalog_truths_match_the_scenario_intent(scenario):
     for seed in range(2 if scenario.small else 1):
         trace = generate(scenario.build(seed))
@@ -350,8 +416,11 @@ def test_catalog_truths_match_the_scenario_intent(scenario):
             assert not trace.truths, [scenarios.describe_truth(t, trace.spec.t0) for t in trace.truths]
         else:
             assert trace.truths, f"{scenario.name} seed {seed} produced no truth"
-        assert not [t for t in trace.truths if t.kind == "comm_bound" and not t.required and
-                    any(s.kind == "straggler" for s in trace.truths)]
+        assert not [
+            t
+            for t in trace.truths
+            if t.kind == "comm_bound" and not t.required and any(s.kind == "straggler" for s in trace.truths)
+        ]
 
 
 def test_busy_scenarios_mix_several_incidents():

@@ -40,8 +40,9 @@ class Finding:
 _JOB_KEYED = frozenset((AlertKind.STRAGGLER, AlertKind.COMM_BOUND, AlertKind.INPUT_BOUND))
 
 
-def subject_fingerprint(kind: AlertKind, node: str | None, gpu: int | None, hpc_job: str | None,
-                        extra: str = "") -> str:
+def subject_fingerprint(
+    kind: AlertKind, node: str | None, gpu: int | None, hpc_job: str | None, extra: str = ""
+) -> str:
     """Fingerprint of an alert subject; hpc_job only counts for job-scoped kinds."""
     return fingerprint(kind, node, gpu, hpc_job if kind in _JOB_KEYED else None, extra)
 
@@ -69,7 +70,7 @@ def plain(value: Any) -> Any:
     if kind is float:
         return None if value != value else value
     if kind is int or kind is str or kind is bool or value is None:
-        return value          # the common cases first: isinstance against the Mapping ABC is slow
+        return value  # the common cases first: isinstance against the Mapping ABC is slow
     if kind is dict or isinstance(value, Mapping):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -104,8 +105,7 @@ class FingerprintIndex:
         """Forget the fingerprints of jobs a GPU no longer runs, except those in `keep` (open alerts): a
         job-keyed index otherwise gains one entry each time any GPU starts another job, for good."""
         if len(self._map) > 2 * len(self._done):
-            self._map = {fp: (s, code) for fp, (s, code) in self._map.items()
-                         if fp in keep or self._done[s] == code}
+            self._map = {fp: (s, code) for fp, (s, code) in self._map.items() if fp in keep or self._done[s] == code}
 
     def _sync(self, w: Any) -> None:
         """Add fingerprints for new slots and slots that changed job."""

@@ -104,11 +104,24 @@ def _unreachable(tick: Tick, state: HealthState) -> Outcome:
     out = Outcome()
     for nid in (late & known).nonzero()[0].tolist():
         node = w.node_names[nid]
-        out.add(Finding(AlertKind.NODE_UNREACHABLE, node, None, None, None, Severity.CRITICAL,
-                        f"node {node} sent no sample for {lag[nid]:.0f} s",
-                        {"last_sample_time": float(last[nid]), "silent_seconds": round(float(lag[nid]), 1),
-                         "usual_lag_seconds": round(float(base[nid]), 1),
-                         "threshold_seconds": cfg.unreachable_seconds, "gpus": _gpus_on(w, nid)}))
+        out.add(
+            Finding(
+                AlertKind.NODE_UNREACHABLE,
+                node,
+                None,
+                None,
+                None,
+                Severity.CRITICAL,
+                f"node {node} sent no sample for {lag[nid]:.0f} s",
+                {
+                    "last_sample_time": float(last[nid]),
+                    "silent_seconds": round(float(lag[nid]), 1),
+                    "usual_lag_seconds": round(float(base[nid]), 1),
+                    "threshold_seconds": cfg.unreachable_seconds,
+                    "gpus": _gpus_on(w, nid),
+                },
+            )
+        )
 
     def test(fp: str) -> bool | None:
         nid = state.node_fps.get(fp)
@@ -120,7 +133,7 @@ def _unreachable(tick: Tick, state: HealthState) -> Outcome:
 
 def _gpus_on(w, nid: int) -> int:
     """How many GPUs the node had."""
-    return int(np.count_nonzero(w.slot_node_id[:w.n] == nid))
+    return int(np.count_nonzero(w.slot_node_id[: w.n] == nid))
 
 
 def _gpu_lost(tick: Tick, state: HealthState) -> Outcome:
@@ -140,13 +153,23 @@ def _gpu_lost(tick: Tick, state: HealthState) -> Outcome:
     back = up >= 1.0
     out = Outcome()
     for slot in (down | vanished).nonzero()[0].tolist():
-        why = "reports up=false" if down[slot] else f"missing from its node's snapshots for {cfg.gpu_lost_seconds:.0f} s"
+        why = (
+            "reports up=false" if down[slot] else f"missing from its node's snapshots for {cfg.gpu_lost_seconds:.0f} s"
+        )
         job = _job_of(tick, slot)
-        out.add(Finding(AlertKind.GPU_LOST, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], job,
-                        Severity.CRITICAL,
-                        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} lost: {why}"
-                        + (f" (job {job} cannot go on without it)" if job else ""),
-                        {"up": None if up[slot] != up[slot] else bool(up[slot] >= 0.5), "missing": bool(vanished[slot])}))
+        out.add(
+            Finding(
+                AlertKind.GPU_LOST,
+                w.slot_node[slot],
+                w.slot_index[slot],
+                w.slot_uuid[slot],
+                job,
+                Severity.CRITICAL,
+                f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} lost: {why}"
+                + (f" (job {job} cannot go on without it)" if job else ""),
+                {"up": None if up[slot] != up[slot] else bool(up[slot] >= 0.5), "missing": bool(vanished[slot])},
+            )
+        )
 
     def test(fp: str) -> bool | None:
         hit = state.lost_index.get(w, fp)
@@ -183,11 +206,17 @@ def _xid(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
     for slot, code in sorted(fresh):
         when, count = state.xid_last[(slot, code)]
         meaning = XID_MEANINGS.get(code, "unknown XID code" if code >= 0 else "XID code not reported")
-        f = Finding(AlertKind.XID, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], _job_of(tick, slot),
-                    Severity.CRITICAL if code in _XID_CRITICAL else Severity.WARNING,
-                    f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} XID {code if code >= 0 else '?'}: {meaning}",
-                    {"code": code if code >= 0 else None, "meaning": meaning, "count": count,
-                     "last_event_time": when}, extra=str(code))
+        f = Finding(
+            AlertKind.XID,
+            w.slot_node[slot],
+            w.slot_index[slot],
+            w.slot_uuid[slot],
+            _job_of(tick, slot),
+            Severity.CRITICAL if code in _XID_CRITICAL else Severity.WARNING,
+            f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} XID {code if code >= 0 else '?'}: {meaning}",
+            {"code": code if code >= 0 else None, "meaning": meaning, "count": count, "last_event_time": when},
+            extra=str(code),
+        )
         state.xid_fps[f.fingerprint] = (slot, code)
         out.add(f)
 
@@ -222,11 +251,24 @@ def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
             why.append("row remapping pending (reset needed)")
         if failure[slot]:
             why.append("row remapping failed")
-        out.add(Finding(AlertKind.ECC, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], _job_of(tick, slot),
-                        Severity.CRITICAL, f"GPU {w.slot_index[slot]} on {w.slot_node[slot]}: " + ", ".join(why),
-                        {"uncorrected_errors_new": count, "last_error_time": when,
-                         "remapped_rows_pending": bool(pending[slot]), "remapped_rows_failure": bool(failure[slot])},
-                        live_summary=True))
+        out.add(
+            Finding(
+                AlertKind.ECC,
+                w.slot_node[slot],
+                w.slot_index[slot],
+                w.slot_uuid[slot],
+                _job_of(tick, slot),
+                Severity.CRITICAL,
+                f"GPU {w.slot_index[slot]} on {w.slot_node[slot]}: " + ", ".join(why),
+                {
+                    "uncorrected_errors_new": count,
+                    "last_error_time": when,
+                    "remapped_rows_pending": bool(pending[slot]),
+                    "remapped_rows_failure": bool(failure[slot]),
+                },
+                live_summary=True,
+            )
+        )
 
     def test(fp: str) -> bool | None:
         hit = state.ecc_index.get(w, fp)

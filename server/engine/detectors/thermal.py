@@ -17,8 +17,16 @@ from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.detectors import Finding, Outcome, FingerprintIndex, r3
 from gpufleet.server.engine.reduce import median
 from gpufleet.server.engine.tick import Tick, smoothed_row
-from gpufleet.server.engine.windows import (B_CLOCK_RATIO, B_HW_THERMAL, B_MEM_TEMP, B_TEMP, B_THERMAL, B_UTIL, L_MEM_MAX,
-                                   L_SLOWDOWN)
+from gpufleet.server.engine.windows import (
+    B_CLOCK_RATIO,
+    B_HW_THERMAL,
+    B_MEM_TEMP,
+    B_TEMP,
+    B_THERMAL,
+    B_UTIL,
+    L_MEM_MAX,
+    L_SLOWDOWN,
+)
 
 
 def detect(tick: Tick, index: FingerprintIndex) -> Outcome:
@@ -27,12 +35,15 @@ def detect(tick: Tick, index: FingerprintIndex) -> Outcome:
     temp = tick.latest[B_TEMP]
     bits = tick.latest[B_THERMAL]
     # NaN on either side (no HBM sensor, no limit reported) compares false: never hot, never in the way.
-    hbm_limit = tick.windows.slot_limits[L_MEM_MAX, :tick.windows.n]
+    hbm_limit = tick.windows.slot_limits[L_MEM_MAX, : tick.windows.n]
     hbm_over = tick.latest[B_MEM_TEMP] - (hbm_limit - cfg.thermal_memory_margin_celsius)
     on = (temp >= cfg.thermal_temperature_celsius) | (bits > 0) | (hbm_over >= 0)
-    clear = (~(temp >= cfg.thermal_temperature_celsius - cfg.thermal_clear_margin_celsius)
-             & ~(hbm_over >= -cfg.thermal_clear_margin_celsius)
-             & ~(bits > 0) & ~(np.isnan(temp) & np.isnan(bits)))
+    clear = (
+        ~(temp >= cfg.thermal_temperature_celsius - cfg.thermal_clear_margin_celsius)
+        & ~(hbm_over >= -cfg.thermal_clear_margin_celsius)
+        & ~(bits > 0)
+        & ~(np.isnan(temp) & np.isnan(bits))
+    )
     unknown = np.isnan(temp) & np.isnan(bits)
     out = Outcome()
     for slot in on.nonzero()[0].tolist():
@@ -66,8 +77,11 @@ def _finding(tick: Tick, slot: int) -> Finding:
     near_limit = slowdown == slowdown and temp >= slowdown - cfg.thermal_slowdown_margin_celsius
     hbm_hot = hbm >= hbm_max - cfg.thermal_memory_margin_celsius
     critical = cut_by_bits or cut_clock or near_limit or hbm_hot
-    reasons = [r for r, hit in (("hw_thermal_slowdown", hw > 0),
-                                ("sw_thermal_slowdown", thermal_bits > 0 and not hw > 0)) if hit]
+    reasons = [
+        r
+        for r, hit in (("hw_thermal_slowdown", hw > 0), ("sw_thermal_slowdown", thermal_bits > 0 and not hw > 0))
+        if hit
+    ]
     gid = tick.groups.gid[slot]
     peer_temp = float("nan")
     if gid >= 0:
@@ -99,6 +113,13 @@ def _finding(tick: Tick, slot: int) -> Finding:
         "near_slowdown_limit": bool(near_limit),
         "estimated_clock_loss_ratio": r3(1.0 - clock) if clock == clock and clock < 1.0 else 0.0,
     }
-    return Finding(AlertKind.THERMAL_THROTTLE, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], job,
-                   Severity.CRITICAL if critical else Severity.WARNING,
-                   f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} thermal: " + ", ".join(why), evidence)
+    return Finding(
+        AlertKind.THERMAL_THROTTLE,
+        w.slot_node[slot],
+        w.slot_index[slot],
+        w.slot_uuid[slot],
+        job,
+        Severity.CRITICAL if critical else Severity.WARNING,
+        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} thermal: " + ", ".join(why),
+        evidence,
+    )

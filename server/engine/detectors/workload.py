@@ -23,8 +23,9 @@ from gpufleet.server.engine.groups import JOB, GroupHistory, Groups
 from gpufleet.server.engine.tick import Tick
 
 
-def job_drop(groups: Groups, history: GroupHistory, clock_ratio: float,
-             capped_clock_ratio: float) -> tuple[np.ndarray, np.ndarray]:
+def job_drop(
+    groups: Groups, history: GroupHistory, clock_ratio: float, capped_clock_ratio: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Per group: relative activity drop vs baseline, and its source (0 none, 1 SM activity, 2 power)."""
     base_sm, base_pw, base_clk = history.baseline("sm"), history.baseline("power"), history.baseline("clock")
     drop_sm = 1.0 - groups.sm / base_sm
@@ -56,8 +57,9 @@ def sag(groups: Groups, history: GroupHistory, drop: np.ndarray, source: np.ndar
     return np.where(np.isnan(below), drop, below)
 
 
-def beyond_noise(sagged: np.ndarray, history: GroupHistory, source: np.ndarray, sigmas: float,
-                 threshold: np.ndarray) -> np.ndarray:
+def beyond_noise(
+    sagged: np.ndarray, history: GroupHistory, source: np.ndarray, sigmas: float, threshold: np.ndarray
+) -> np.ndarray:
     """Per group: does the level lie `sigmas` of the job's own noise below its history's median
     (`sagged`, from sag)? The baseline is a high percentile, so in a noisy series it sits well
     above the usual level: with the generator's noise tripled, a power-only job's half-minute median
@@ -108,8 +110,9 @@ class WorkloadState:
         self._known = min(self._known, gid)
 
 
-def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set[int], idling: set[int],
-           state: WorkloadState) -> Outcome:
+def detect(
+    tick: Tick, history: GroupHistory, explained: set[int], standout: set[int], idling: set[int], state: WorkloadState
+) -> Outcome:
     """Job-level comm_bound / input_bound findings; none in groups whose drop is explained (a straggler,
     thermal throttling, a lost GPU), nor where someone stands out (for input_bound: by idling, the groups
     in `idling`). Only an explanation clears an open alert: a GPU standing out at the weaker margins for
@@ -123,10 +126,10 @@ def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set
     is_job = reg.is_job[:G]
     drop = tick.slowdown
     base_u = history.baseline("util")
-    why = np.zeros(G, dtype=bool)         # the drop has an explanation
+    why = np.zeros(G, dtype=bool)  # the drop has an explanation
     if explained:
         why[list(explained)] = True
-    held_comm, held_inp = why.copy(), why.copy()      # no finding now
+    held_comm, held_inp = why.copy(), why.copy()  # no finding now
     if standout:
         held_comm[list(standout)] = True
     if idling:
@@ -134,12 +137,20 @@ def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set
     aged = tick.t - reg.first_seen[:G] >= cfg.startup_grace_seconds + cfg.min_history_seconds
     ok = is_job & (grp.size >= 2) & aged
     threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
-    dropped = ok & (drop >= threshold) & beyond_noise(tick.sag, history, tick.slowdown_source,
-                                                      cfg.workload_noise_sigmas, threshold)
+    dropped = (
+        ok
+        & (drop >= threshold)
+        & beyond_noise(tick.sag, history, tick.slowdown_source, cfg.workload_noise_sigmas, threshold)
+    )
     spinning = grp.util >= cfg.comm_min_utilization
     comm = dropped & spinning & ~held_comm
-    inp = (dropped & ~spinning & ~held_inp & (base_u - grp.util >= cfg.input_utilization_drop)
-           & (grp.util >= cfg.job_active_utilization))
+    inp = (
+        dropped
+        & ~spinning
+        & ~held_inp
+        & (base_u - grp.util >= cfg.input_utilization_drop)
+        & (grp.util >= cfg.job_active_utilization)
+    )
     # Recovered once back within half the threshold of the job's usual level, its history's median.
     # Measured from the baseline, a noisy job rarely got there: at triple noise a comm_bound stayed
     # open 470 s past the end of its slowdown while the job's level wandered 4-6 % under the baseline.
@@ -149,8 +160,11 @@ def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set
     out = Outcome()
     by_fp = state.fingerprints(reg, is_job)
     for gid in (comm | inp).nonzero()[0].tolist():
-        out.add(_finding(tick, state, gid, AlertKind.COMM_BOUND if comm[gid] else AlertKind.INPUT_BOUND,
-                         base_u[gid], history))
+        out.add(
+            _finding(
+                tick, state, gid, AlertKind.COMM_BOUND if comm[gid] else AlertKind.INPUT_BOUND, base_u[gid], history
+            )
+        )
 
     def clear_test(fp: str) -> bool | None:
         hit = by_fp.get(fp)
@@ -165,8 +179,9 @@ def detect(tick: Tick, history: GroupHistory, explained: set[int], standout: set
     return out
 
 
-def _finding(tick: Tick, state: WorkloadState, gid: int, kind: AlertKind, base_util: float,
-             history: GroupHistory) -> Finding:
+def _finding(
+    tick: Tick, state: WorkloadState, gid: int, kind: AlertKind, base_util: float, history: GroupHistory
+) -> Finding:
     """Evidence and cost for one job-level drop."""
     cfg = tick.config
     grp = tick.groups
@@ -181,16 +196,26 @@ def _finding(tick: Tick, state: WorkloadState, gid: int, kind: AlertKind, base_u
     base = history.baseline("sm" if by_sm else "power")[gid]
     cur = grp.sm[gid] if by_sm else grp.power[gid]
     evidence = {
-        "signal": signal, "baseline": r3(base), "current": r3(cur), "drop_ratio": r3(drop),
-        "utilization_ratio": r3(grp.util[gid]), "baseline_utilization_ratio": r3(base_util),
-        "sm_clock_ratio": r3(grp.clock[gid]), "gpus": int(grp.size[gid]),
-        "estimated_job_slowdown_ratio": r3(drop), "gpu_hours_lost": round(lost, 4),
+        "signal": signal,
+        "baseline": r3(base),
+        "current": r3(cur),
+        "drop_ratio": r3(drop),
+        "utilization_ratio": r3(grp.util[gid]),
+        "baseline_utilization_ratio": r3(base_util),
+        "sm_clock_ratio": r3(grp.clock[gid]),
+        "gpus": int(grp.size[gid]),
+        "estimated_job_slowdown_ratio": r3(drop),
+        "gpu_hours_lost": round(lost, 4),
     }
     if kind is AlertKind.COMM_BOUND:
-        summary = (f"job {job} is communication-bound: {signal} {cur:.2f} vs baseline {base:.2f} "
-                   f"(-{drop * 100:.0f} %) with utilization {grp.util[gid]:.2f} and no GPU standing out")
+        summary = (
+            f"job {job} is communication-bound: {signal} {cur:.2f} vs baseline {base:.2f} "
+            f"(-{drop * 100:.0f} %) with utilization {grp.util[gid]:.2f} and no GPU standing out"
+        )
     else:
-        summary = (f"job {job} is input-bound: {signal} -{drop * 100:.0f} % and utilization "
-                   f"{grp.util[gid]:.2f} vs {base_util:.2f} job-wide")
+        summary = (
+            f"job {job} is input-bound: {signal} -{drop * 100:.0f} % and utilization "
+            f"{grp.util[gid]:.2f} vs {base_util:.2f} job-wide"
+        )
     sev = Severity.WARNING if drop < 0.3 else Severity.CRITICAL
     return Finding(kind, None, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)

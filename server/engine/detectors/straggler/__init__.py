@@ -20,9 +20,20 @@ import numpy as np
 
 from gpufleet.server.engine.detectors import FingerprintIndex, Outcome
 from gpufleet.server.engine.detectors.straggler.common import PW, SCALES, SM, UTIL
-from gpufleet.server.engine.detectors.straggler.gpus import (SPREAD_K, cuts, deviation, excess_in_noise, gpu_finding,
-                                                    group_conditions, learn, mixed_fallback, reset_moved,
-                                                    shared_node, signals, standing_now)
+from gpufleet.server.engine.detectors.straggler.gpus import (
+    SPREAD_K,
+    cuts,
+    deviation,
+    excess_in_noise,
+    gpu_finding,
+    group_conditions,
+    learn,
+    mixed_fallback,
+    reset_moved,
+    shared_node,
+    signals,
+    standing_now,
+)
 from gpufleet.server.engine.detectors.straggler.nodes import node_level, whole_node
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 from gpufleet.server.engine.reduce import nan_to_zero
@@ -41,7 +52,9 @@ class Result:
         self.idle_groups = idle_groups
 
 
-def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: AbstractSet[int] = frozenset()) -> Result:
+def detect(
+    tick: Tick, state: StragglerState, index: FingerprintIndex, halted: AbstractSet[int] = frozenset()
+) -> Result:
     """GPU-level and node-level straggler findings for this tick (none in halted groups: a job hung by a
     lost GPU has no straggler among the GPUs left)."""
     cfg = tick.config
@@ -56,18 +69,20 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: A
     u = m["util"]
     in_group = g >= 0
     gi = np.where(in_group, g, 0)
-    peers = grp.levels[:, gi]                                 # each slot's group medians
+    peers = grp.levels[:, gi]  # each slot's group medians
     gsm = peers[SM]
     dev = deviation(tick.levels, peers)
-    (group_ok, cross_ok, dropped, wait_util, active, in_job,
-     measured) = group_conditions(tick, state, cfg, halted)[:, gi] & in_group
+    (group_ok, cross_ok, dropped, wait_util, active, in_job, measured) = (
+        group_conditions(tick, state, cfg, halted)[:, gi] & in_group
+    )
     # Judged once learned (before this tick's learning): its offsets and usual levels mean something. The
     # 90 s of learning also forget a job's ramp-up. A group already running when first seen has none, so
     # there the fast learning's first 45 s suffice (0.7^9: 4 % of the first reading left). A rank of a
     # trace recorded mid-job that idled on its host from +60 s had learned 55 s, and it never learns
     # while it idles: it was never judged, and its job read as comm_bound.
-    warm_ticks = np.where(tick.registry.dated[gi] & in_group, cfg.bins(cfg.startup_grace_seconds / 2),
-                          cfg.bins(cfg.startup_grace_seconds))
+    warm_ticks = np.where(
+        tick.registry.dated[gi] & in_group, cfg.bins(cfg.startup_grace_seconds / 2), cfg.bins(cfg.startup_grace_seconds)
+    )
     busy = (u >= cfg.busy_utilization) & in_group
     judged_ok = (state.learned[:n] >= warm_ticks) & group_ok
     eligible = busy & judged_ok
@@ -95,7 +110,7 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: A
     cross = in_job & ((plain >= 1.0) | idle_cross) | cut & in_group
     eligible_cross = ((busy & cross) | idle_cross) & cross_ok
     waiting = (dropped | cross) & wait_util
-    culprit, other = signals(cfg, ex, tick.levels[:PW + 1], state, gsm_unknown, m["slow"], gslow)
+    culprit, other = signals(cfg, ex, tick.levels[: PW + 1], state, gsm_unknown, m["slow"], gslow)
     sig, weak = ((culprit | cut) & ~victim) | idle
     on = (eligible | eligible_cross) & waiting & sig
     on &= standing_now(tick, cfg, state, gi, gsm_unknown, on)
@@ -105,10 +120,16 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: A
     # that never cleared). Such a GPU is never warm either: a rank idling that much all along is judged
     # by the cross-section alone.
     idling = dev[UTIL] <= -cfg.node_idle_gap
-    shared = shared_node(tick, cfg, state, gi, busy & (u >= cfg.straggler_waiting_utilization) & judged_ok,
-                         gsm_unknown)
-    learn(state, cfg, dev, tick.levels[:PW + 1], busy & wait_util & ~cut & ~victim & ~idling,
-          waiting | shared.waiting, in_job)
+    shared = shared_node(tick, cfg, state, gi, busy & (u >= cfg.straggler_waiting_utilization) & judged_ok, gsm_unknown)
+    learn(
+        state,
+        cfg,
+        dev,
+        tick.levels[: PW + 1],
+        busy & wait_util & ~cut & ~victim & ~idling,
+        waiting | shared.waiting,
+        in_job,
+    )
     on &= ~mixed_fallback(tick, eligible & weak & in_group, gi)
     on |= shared.on[0]
     weak = weak | shared.on[1]
@@ -133,12 +154,22 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: A
     # the job's power median, which sits between the two nodes: the three highest crossed the full
     # margin and one was named alone before the node was.
     cross_weak = ((busy & cross_holding) | eligible_cross) & cross_ok
-    whole_findings, whole_standout, whole_pairs, on = whole_node(tick, state, on,
-                                                                 (eligible | cross_weak) & holding & weak,
-                                                                 idle[0])
+    whole_findings, whole_standout, whole_pairs, on = whole_node(
+        tick, state, on, (eligible | cross_weak) & holding & weak, idle[0]
+    )
     for slot in on.nonzero()[0].tolist():
-        out.add(gpu_finding(tick, state, slot, ex[:, slot], dev[:, slot], bool(cross[slot]), bool(idle[0, slot]),
-                            shared if shared.on[0, slot] else None))
+        out.add(
+            gpu_finding(
+                tick,
+                state,
+                slot,
+                ex[:, slot],
+                dev[:, slot],
+                bool(cross[slot]),
+                bool(idle[0, slot]),
+                shared if shared.on[0, slot] else None,
+            )
+        )
     for f in node_findings + whole_findings:
         out.add(f)
     node_standout |= whole_standout
@@ -151,8 +182,17 @@ def detect(tick: Tick, state: StragglerState, index: FingerprintIndex, halted: A
     return Result(out, standout, idle_groups)
 
 
-def _clear_test(tick: Tick, index: FingerprintIndex, judged: np.ndarray, warm: np.ndarray, holding: np.ndarray,
-                weak: np.ndarray, cross: np.ndarray, node_pairs: dict[str, tuple[int, int]], node_standout: set[tuple[int, int]]):
+def _clear_test(
+    tick: Tick,
+    index: FingerprintIndex,
+    judged: np.ndarray,
+    warm: np.ndarray,
+    holding: np.ndarray,
+    weak: np.ndarray,
+    cross: np.ndarray,
+    node_pairs: dict[str, tuple[int, int]],
+    node_standout: set[tuple[int, int]],
+):
     """Clear once the GPU no longer stands out even at reduced margins, its group stopped waiting (even
     at the reduced cross-sectional margin: holding) or went idle, or it left the job.
 

@@ -56,5 +56,5 @@ def newest(tick: Tick, rows: np.ndarray) -> np.ndarray | None:
     the tick holds two bins."""
     if len(tick.held) < 2:
         return None
-    recent = tick.windows.recent(tick.k, 2, rows, tick.held[:2])            # (2, rows, n), newest first
+    recent = tick.windows.recent(tick.k, 2, rows, tick.held[:2])  # (2, rows, n), newest first
     return np.where(tick.held[0], recent[0], recent[1])

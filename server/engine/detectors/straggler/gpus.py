@@ -11,8 +11,18 @@ import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.detectors import Finding, r3, subject_fingerprint
-from gpufleet.server.engine.detectors.straggler.common import (CLK, NOW_ROWS, PW, SCALES, SM, UTIL, clock_cut, follow,
-                                                      learning_rate, newest)
+from gpufleet.server.engine.detectors.straggler.common import (
+    CLK,
+    NOW_ROWS,
+    PW,
+    SCALES,
+    SM,
+    UTIL,
+    clock_cut,
+    follow,
+    learning_rate,
+    newest,
+)
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 from gpufleet.server.engine.groups import JOB
 from gpufleet.server.engine.reduce import nan_to_zero
@@ -32,8 +42,9 @@ _SPREAD_TIME_CONSTANT_S = 60.0
 _RISE = 0.4
 
 
-def standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_unknown: np.ndarray,
-                 on: np.ndarray) -> np.ndarray:
+def standing_now(
+    tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_unknown: np.ndarray, on: np.ndarray
+) -> np.ndarray:
     """Per slot: whether a GPU found standing out over the smoothing window still does in its newest
     readings (its newest bin, or the one before where that is empty), at the weaker margins; True where
     it has neither (no evidence against).
@@ -50,16 +61,18 @@ def standing_now(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, gsm_unk
     if now is None:
         return np.ones_like(on)
     members = tick.groups.members
-    assert members is not None      # Engine.advance builds them with every tick's groups
-    peers = members.layout.medians(now[:UTIL + 1])[:, gi]
-    dev = deviation(now[:UTIL + 1], peers)
-    ex = dev - nan_to_zero(state.offset[:, :len(on)])
+    assert members is not None  # Engine.advance builds them with every tick's groups
+    peers = members.layout.medians(now[: UTIL + 1])[:, gi]
+    dev = deviation(now[: UTIL + 1], peers)
+    ex = dev - nan_to_zero(state.offset[:, : len(on)])
     weak = SCALES[1, 0]
-    standing = ((ex[SM] >= weak * cfg.straggler_sm_excess)
-                | (gsm_unknown & (ex[PW] >= weak * cfg.straggler_power_excess))
-                | (-ex[CLK] >= weak * cfg.straggler_clock_deficit)
-                | (-np.fmin(ex[UTIL], dev[UTIL]) >= weak * cfg.node_idle_gap)
-                | (now[UTIL + 1] >= 0.5))
+    standing = (
+        (ex[SM] >= weak * cfg.straggler_sm_excess)
+        | (gsm_unknown & (ex[PW] >= weak * cfg.straggler_power_excess))
+        | (-ex[CLK] >= weak * cfg.straggler_clock_deficit)
+        | (-np.fmin(ex[UTIL], dev[UTIL]) >= weak * cfg.node_idle_gap)
+        | (now[UTIL + 1] >= 0.5)
+    )
     return standing | np.isnan(now[UTIL])
 
 
@@ -84,9 +97,17 @@ def group_conditions(tick: Tick, state: StragglerState, cfg, halted: AbstractSet
     min_drop = np.where(tick.slowdown_source == 2, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
     if halted:
         big[list(halted)] = False
-    return np.array([aged & big & active, steady & big, tick.slowdown >= min_drop,
-                     grp.util >= cfg.straggler_waiting_utilization, active, tick.registry.is_job[:G],
-                     ~np.isnan(tick.slowdown)])
+    return np.array(
+        [
+            aged & big & active,
+            steady & big,
+            tick.slowdown >= min_drop,
+            grp.util >= cfg.straggler_waiting_utilization,
+            active,
+            tick.registry.is_job[:G],
+            ~np.isnan(tick.slowdown),
+        ]
+    )
 
 
 def mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarray:
@@ -99,7 +120,7 @@ def mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarr
     nobody in it is named. A job group is exempt: there a brake on half a node is a real finding.
     """
     grp = tick.groups
-    fallback = ~tick.registry.is_job[:grp.n_groups]
+    fallback = ~tick.registry.is_job[: grp.n_groups]
     if not fallback.any() or not standing.any():
         return np.zeros(len(gi), dtype=bool)
     counts = np.bincount(gi[standing], minlength=grp.n_groups)
@@ -111,15 +132,16 @@ def mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarr
 class SharedNode:
     """A straggler found inside an unattributed node group that holds two jobs (see shared_node)."""
 
-    on: np.ndarray          # (2, n) at SCALES: the one GPU busier than usual while others sank
-    waiting: np.ndarray     # per slot: its group shows the pattern
-    drop: np.ndarray        # per slot: its group's sunk GPUs' mean share of activity lost
-    rise: np.ndarray        # per slot: its reading against its own usual level, less 1
-    sunk: np.ndarray        # per slot: sank below its usual level (a waiting peer)
+    on: np.ndarray  # (2, n) at SCALES: the one GPU busier than usual while others sank
+    waiting: np.ndarray  # per slot: its group shows the pattern
+    drop: np.ndarray  # per slot: its group's sunk GPUs' mean share of activity lost
+    rise: np.ndarray  # per slot: its reading against its own usual level, less 1
+    sunk: np.ndarray  # per slot: sank below its usual level (a waiting peer)
 
 
-def shared_node(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, judged: np.ndarray,
-                gsm_unknown: np.ndarray) -> SharedNode:
+def shared_node(
+    tick: Tick, cfg, state: StragglerState, gi: np.ndarray, judged: np.ndarray, gsm_unknown: np.ndarray
+) -> SharedNode:
     """Per slot: the one GPU of an unattributed node group that got busier than its own usual level while
     two or more of the group sank below theirs, at full utilization.
 
@@ -134,12 +156,12 @@ def shared_node(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, judged: 
     """
     grp = tick.groups
     n = len(gi)
-    fallback = judged & ~tick.registry.is_job[:grp.n_groups][gi]
+    fallback = judged & ~tick.registry.is_job[: grp.n_groups][gi]
     if not fallback.any():
         none = np.zeros(n, dtype=bool)
         return SharedNode(np.zeros((2, n), dtype=bool), none, np.full(n, np.nan), np.full(n, np.nan), none)
     with np.errstate(invalid="ignore", divide="ignore"):
-        own = tick.levels[:PW + 1] / state.level[:, :n] - 1.0
+        own = tick.levels[: PW + 1] / state.level[:, :n] - 1.0
         rel = np.where(gsm_unknown, own[PW], own[SM])
         margin = np.where(gsm_unknown, cfg.straggler_power_excess, cfg.straggler_sm_excess)
         sunk = fallback & (rel <= -margin)
@@ -153,14 +175,15 @@ def shared_node(tick: Tick, cfg, state: StragglerState, gi: np.ndarray, judged: 
 
 def reset_moved(state: StragglerState, g: np.ndarray) -> None:
     """A GPU that joined another group starts learning afresh."""
-    moved = (g >= 0) & (g != state.learned_gid[:len(g)])
+    moved = (g >= 0) & (g != state.learned_gid[: len(g)])
     if moved.any():
         state.forget(np.flatnonzero(moved))
         state.learned_gid[moved] = g[moved]
 
 
-def cuts(tick: Tick, cfg, dev: np.ndarray, gslow: np.ndarray, gi: np.ndarray,
-         in_group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def cuts(
+    tick: Tick, cfg, dev: np.ndarray, gslow: np.ndarray, gi: np.ndarray, in_group: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Per slot: clocks cut (see clock_cut), and "victim": a GPU without slowdown bits in a group where
     some GPU's clocks are cut, whose activity excess is spinning at full clocks, not work.
 
@@ -178,8 +201,7 @@ def cuts(tick: Tick, cfg, dev: np.ndarray, gslow: np.ndarray, gi: np.ndarray,
         dev_free = tick.levels[CLK] / free_clock[gi] - 1.0
         # Where clocks are not reported, the bits alone, as long as the group has GPUs reporting none.
         free = np.bincount(gi[in_group & (slow < 0.5)], minlength=grp.n_groups) > 0
-        more = bits & in_group & ((-dev_free >= cfg.straggler_clock_deficit)
-                                  | (np.isnan(tick.levels[CLK]) & free[gi]))
+        more = bits & in_group & ((-dev_free >= cfg.straggler_clock_deficit) | (np.isnan(tick.levels[CLK]) & free[gi]))
         dev[CLK] = np.where(more, np.fmin(dev[CLK], dev_free), dev[CLK])
         cut |= more
     if not cut.any():
@@ -188,9 +210,15 @@ def cuts(tick: Tick, cfg, dev: np.ndarray, gslow: np.ndarray, gi: np.ndarray,
     return cut, in_group & cut_groups[gi] & ~cut & ~bits
 
 
-
-def signals(cfg, ex: np.ndarray, own: np.ndarray, state: StragglerState, gsm_unknown: np.ndarray,
-            slow: np.ndarray, gslow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def signals(
+    cfg,
+    ex: np.ndarray,
+    own: np.ndarray,
+    state: StragglerState,
+    gsm_unknown: np.ndarray,
+    slow: np.ndarray,
+    gslow: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """Culprit signals at each of SCALES x the configured margins, shape (2, n) (NaN comparisons are False),
     and those of them that are not the activity excess alone (clocks, bits); own: each GPU's smoothed SM
     activity and power, shape (2, n), set against their usual levels.
@@ -201,22 +229,29 @@ def signals(cfg, ex: np.ndarray, own: np.ndarray, state: StragglerState, gsm_unk
     drawing 10 W more than the others stood out by 10 %. Power is the looser test because an operator's
     cap lowers it too: a culprit under a cap to 250 W drew 0.73 of what it had before.
     """
-    kept = ~(own < _STAYS * state.level[:, :own.shape[1]])
+    kept = ~(own < _STAYS * state.level[:, : own.shape[1]])
     sm_excess = (ex[SM] >= SCALES * cfg.straggler_sm_excess) & kept[SM]
     power_excess = gsm_unknown & (ex[PW] >= SCALES * cfg.straggler_power_excess) & kept[PW]
     clock_deficit = -ex[CLK] >= SCALES * cfg.straggler_clock_deficit
     # Slowdown bits on one GPU and not its peers, confirmed by half a margin of a reading; where the
     # GPU reports no clocks (the reading that shows what the bits do), the bits stand alone.
-    bits = ((slow >= 0.5) & ~(gslow >= 0.25)
-            & (np.isnan(ex[CLK]) | (-ex[CLK] >= SCALES * cfg.straggler_clock_deficit / 2)
-               | (ex[SM] >= SCALES * cfg.straggler_sm_excess / 2)
-               | (ex[PW] >= SCALES * cfg.straggler_power_excess / 2)))
+    bits = (
+        (slow >= 0.5)
+        & ~(gslow >= 0.25)
+        & (
+            np.isnan(ex[CLK])
+            | (-ex[CLK] >= SCALES * cfg.straggler_clock_deficit / 2)
+            | (ex[SM] >= SCALES * cfg.straggler_sm_excess / 2)
+            | (ex[PW] >= SCALES * cfg.straggler_power_excess / 2)
+        )
+    )
     other = clock_deficit | bits
     return sm_excess | power_excess | other, other
 
 
-def excess_in_noise(state: StragglerState, cfg, grp, act: np.ndarray, gi: np.ndarray,
-                    in_group: np.ndarray) -> np.ndarray:
+def excess_in_noise(
+    state: StragglerState, cfg, grp, act: np.ndarray, gi: np.ndarray, in_group: np.ndarray
+) -> np.ndarray:
     """Per slot: its activity excess (act: SM activity's, or power's where SM activity is unsupported)
     over its group's median, in robust standard deviations of the group's excesses (NaN: unknown).
 
@@ -243,8 +278,15 @@ def excess_in_noise(state: StragglerState, cfg, grp, act: np.ndarray, gi: np.nda
     return (act - center) / np.fmax(sigma, state.spread[:n])
 
 
-def learn(state: StragglerState, cfg, dev: np.ndarray, own: np.ndarray, steady: np.ndarray,
-          waiting: np.ndarray, in_job: np.ndarray) -> None:
+def learn(
+    state: StragglerState,
+    cfg,
+    dev: np.ndarray,
+    own: np.ndarray,
+    steady: np.ndarray,
+    waiting: np.ndarray,
+    in_job: np.ndarray,
+) -> None:
     """Track each GPU's structural offset from its peers while its group runs steadily and unslowed.
 
     The first startup_grace_seconds of steady running learn fast (forgetting the ramp-up); after that
@@ -273,8 +315,16 @@ def learn(state: StragglerState, cfg, dev: np.ndarray, own: np.ndarray, steady: 
     state.learned[:n] += learn
 
 
-def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, dev: np.ndarray,
-                cross: bool = False, idle: bool = False, shared: SharedNode | None = None) -> Finding:
+def gpu_finding(
+    tick: Tick,
+    state: StragglerState,
+    slot: int,
+    ex: np.ndarray,
+    dev: np.ndarray,
+    cross: bool = False,
+    idle: bool = False,
+    shared: SharedNode | None = None,
+) -> Finding:
     """Evidence, cost and wording for one culprit GPU (idle: it idles on its host while its peers wait;
     shared: found by shared_node, against the GPUs of its node that sank)."""
     cfg = tick.config
@@ -313,30 +363,42 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
     causes = throttle_causes(tick, np.array([slot]))
     if m["slow"][slot] >= 0.5:
         # Heat and the rest can each hold under half the samples while slowing bits hold most of them.
-        reasons.append("throttled: " + "; ".join(THROTTLE_CAUSES[c] for c in causes) if causes
-                       else "throttle/slowdown bits set")
+        reasons.append(
+            "throttled: " + "; ".join(THROTTLE_CAUSES[c] for c in causes) if causes else "throttle/slowdown bits set"
+        )
     if idle:
         reasons.append(f"utilization {m['util'][slot]:.2f} vs peers {grp.util[gid]:.2f}: idle, waiting on its host")
     # A shared-node culprit's slowdown is read from its waiting peers' own levels, not the group's baseline.
     sm_known = not math.isnan(grp.sm[gid]) if waiting_peers else tick.slowdown_source[gid] == 1
     measured_by = "sm_active" if sm_known else "power"
     if waiting_peers and shared is not None:
-        reasons.append(f"{'SM activity' if sm_known else 'power'} {shared.rise[slot] * 100:.0f} % above its usual "
-                       f"level while GPUs {', '.join(map(str, waiting_peers))} of this node fell "
-                       f"{shared.drop[slot] * 100:.0f} % below theirs")
+        reasons.append(
+            f"{'SM activity' if sm_known else 'power'} {shared.rise[slot] * 100:.0f} % above its usual "
+            f"level while GPUs {', '.join(map(str, waiting_peers))} of this node fell "
+            f"{shared.drop[slot] * 100:.0f} % below theirs"
+        )
     fp = subject_fingerprint(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], job)
     cost = max(slowdown, 0.0) * slowed_gpus * cfg.tick_seconds / 3600.0
     lost = state.add_cost(fp, tick.t, cost)
     evidence = {
-        "peer_group": tick.registry.kind(gid), "peer_group_size": size,
-        "sm_active_ratio": r3(m["sm"][slot]), "peer_median_sm_active_ratio": r3(grp.sm[gid]),
-        "sm_clock_ratio": r3(m["clock"][slot]), "peer_median_sm_clock_ratio": r3(grp.clock[gid]),
-        "power_watts": r3(m["power"][slot]), "peer_median_power_watts": r3(grp.power[gid]),
-        "utilization_ratio": r3(m["util"][slot]), "peer_median_utilization_ratio": r3(grp.util[gid]),
+        "peer_group": tick.registry.kind(gid),
+        "peer_group_size": size,
+        "sm_active_ratio": r3(m["sm"][slot]),
+        "peer_median_sm_active_ratio": r3(grp.sm[gid]),
+        "sm_clock_ratio": r3(m["clock"][slot]),
+        "peer_median_sm_clock_ratio": r3(grp.clock[gid]),
+        "power_watts": r3(m["power"][slot]),
+        "peer_median_power_watts": r3(grp.power[gid]),
+        "utilization_ratio": r3(m["util"][slot]),
+        "peer_median_utilization_ratio": r3(grp.util[gid]),
         "slow_throttle_bits_share": r3(m["slow"][slot]),
         "throttle_causes": causes,
-        "excess_vs_own_baseline": {"sm_active": r3(ex[SM]), "power": r3(ex[PW]), "sm_clock": r3(ex[CLK]),
-                                   "utilization": r3(ex[UTIL])},
+        "excess_vs_own_baseline": {
+            "sm_active": r3(ex[SM]),
+            "power": r3(ex[PW]),
+            "sm_clock": r3(ex[CLK]),
+            "utilization": r3(ex[UTIL]),
+        },
         "pattern": "host_idle" if idle else "gpu_clocks_cut" if cut else "gpu_slow",
         "estimated_job_slowdown_ratio": r3(slowdown),
         "slowdown_measured_by": measured_by,
@@ -351,8 +413,21 @@ def gpu_finding(tick: Tick, state: StragglerState, slot: int, ex: np.ndarray, de
     sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
     # "By ~N % per step": the slowdown put down to this GPU, as it fires (the summary stays as it fired). Not
     # the job's figure in /jobs, which is the job now against its own baseline: the two may differ.
-    by = f"by ~{evidence['estimated_job_slowdown_ratio'] * 100:.0f} % per step (estimated as it fired)"
-    summary = (f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} holds back "
-               f"{'job ' + job if job else 'its peers'} {by}: " + "; ".join(reasons))
-    return Finding(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot], job, sev,
-                   summary, evidence, cost_gpu_hours=cost)
+    # Unknown (no baseline yet, no waiting peers measured): the summary says who and why, without a figure.
+    share = evidence["estimated_job_slowdown_ratio"]
+    by = f" by ~{share * 100:.0f} % per step (estimated as it fired)" if isinstance(share, float) else ""
+    summary = (
+        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} holds back "
+        f"{'job ' + job if job else 'its peers'}{by}: " + "; ".join(reasons)
+    )
+    return Finding(
+        AlertKind.STRAGGLER,
+        w.slot_node[slot],
+        w.slot_index[slot],
+        w.slot_uuid[slot],
+        job,
+        sev,
+        summary,
+        evidence,
+        cost_gpu_hours=cost,
+    )

@@ -10,8 +10,17 @@ import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.detectors import Finding, r3, subject_fingerprint
-from gpufleet.server.engine.detectors.straggler.common import (NOW_ROWS, PW, SCALES, SM, UTIL, clock_cut, follow,
-                                                      learning_rate, newest)
+from gpufleet.server.engine.detectors.straggler.common import (
+    NOW_ROWS,
+    PW,
+    SCALES,
+    SM,
+    UTIL,
+    clock_cut,
+    follow,
+    learning_rate,
+    newest,
+)
 from gpufleet.server.engine.groups import JOB, GroupLayout
 from gpufleet.server.engine.reduce import equal, nan_median_first_axis, nan_to_zero
 from gpufleet.server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
@@ -42,7 +51,11 @@ class NodeOffsets:
         keys = gids * _PAIR_KEY + nids
         pos = np.searchsorted(self._pair_keys, keys)
         pos = np.minimum(pos, max(len(self._pair_keys) - 1, 0))
-        known = (len(self._pair_keys) > 0) & (self._pair_keys[pos] == keys) if len(self._pair_keys) else np.zeros(len(keys), bool)
+        known = (
+            (len(self._pair_keys) > 0) & (self._pair_keys[pos] == keys)
+            if len(self._pair_keys)
+            else np.zeros(len(keys), bool)
+        )
         if not known.all():
             for gg, nn in zip(gids[~known].tolist(), nids[~known].tolist()):
                 self.pair_slot(tick, gg, nn)
@@ -59,8 +72,13 @@ class NodeOffsets:
         """
         n_nodes, n_groups = len(tick.windows.node_names), tick.groups.n_groups
         lay = self._node_layout
-        if (lay is not None and lay.n_nodes == n_nodes and lay.n_groups == n_groups
-                and equal(lay.ng, ng) and equal(lay.sel, sel)):
+        if (
+            lay is not None
+            and lay.n_nodes == n_nodes
+            and lay.n_groups == n_groups
+            and equal(lay.ng, ng)
+            and equal(lay.sel, sel)
+        ):
             return lay.usable
         lay = self._node_layout = _NodePairs(self, tick, ng.copy(), sel.copy(), node_id, n_nodes, n_groups)
         return lay.usable
@@ -92,15 +110,24 @@ class NodeOffsets:
         fp = self._node_fps.get((gid, nid))
         if fp is None:
             fp = self._node_fps[(gid, nid)] = subject_fingerprint(
-                AlertKind.STRAGGLER, tick.windows.node_names[nid], None, tick.registry.job(gid))
+                AlertKind.STRAGGLER, tick.windows.node_names[nid], None, tick.registry.job(gid)
+            )
         return fp
 
 
 class _NodePairs:
     """Node-level members grouped into (group, node) pairs, and the pairs of groups spanning 2+ nodes."""
 
-    def __init__(self, state: NodeOffsets, tick: Tick, ng: np.ndarray, sel: np.ndarray, node_id: np.ndarray,
-                 n_nodes: int, n_groups: int) -> None:
+    def __init__(
+        self,
+        state: NodeOffsets,
+        tick: Tick,
+        ng: np.ndarray,
+        sel: np.ndarray,
+        node_id: np.ndarray,
+        n_nodes: int,
+        n_groups: int,
+    ) -> None:
         self.ng, self.sel, self.n_nodes, self.n_groups = ng, sel, n_nodes, n_groups
         key = ng[sel] * n_nodes + node_id[sel]
         uniq, self.inv = np.unique(key, return_inverse=True)
@@ -110,23 +137,24 @@ class _NodePairs:
         self.usable = self if multi.any() else None
         self.sel_pairs = np.flatnonzero(multi)
         self.gids, self.nids = self.pair_group[self.sel_pairs], pair_node[self.sel_pairs]
-        self.idx: np.ndarray | slice = (state.pair_slots(tick, self.gids, self.nids) if self.usable
-                                        else self.sel_pairs)
+        self.idx: np.ndarray | slice = state.pair_slots(tick, self.gids, self.nids) if self.usable else self.sel_pairs
         # Pairs are registered in the order first seen, so the index is usually a plain range: a slice
         # reads and writes the learned offsets without copying through fancy indexing.
         if len(self.idx) and np.array_equal(self.idx, np.arange(self.idx[0], self.idx[0] + len(self.idx))):
             self.idx = slice(int(self.idx[0]), int(self.idx[0]) + len(self.idx))
         slots = range(len(state.pair_fps))[self.idx] if isinstance(self.idx, slice) else self.idx.tolist()
-        self.pairs = {state.pair_fps[i]: (int(gg), int(nn)) for i, gg, nn in zip(slots, self.gids.tolist(),
-                                                                                 self.nids.tolist())}
+        self.pairs = {
+            state.pair_fps[i]: (int(gg), int(nn)) for i, gg, nn in zip(slots, self.gids.tolist(), self.nids.tolist())
+        }
         # Grouped medians over the same membership every tick: GPUs into pairs, pairs into groups.
         self.members = GroupLayout(self.inv, len(uniq), np.flatnonzero(sel))
         self.nodes_of_group = GroupLayout(self.pair_group, n_groups)
         self.three_or_more = bool((self.per_group >= 3).any())
 
 
-def node_level(tick: Tick, state: StragglerState,
-               halted: AbstractSet[int] = frozenset()) -> tuple[list[Finding], set[tuple[int, int]], set[int], dict]:
+def node_level(
+    tick: Tick, state: StragglerState, halted: AbstractSet[int] = frozenset()
+) -> tuple[list[Finding], set[tuple[int, int]], set[int], dict]:
     """Nodes holding their group back while the other nodes wait in collectives: their GPUs idle (host-
     bound), busier than the others' (slow), or with their clocks cut. Returns the findings, the (group,
     node) pairs standing out at the weaker margins, the groups where one of those idles, and the pairs."""
@@ -135,7 +163,7 @@ def node_level(tick: Tick, state: StragglerState,
     sel = (grp.ngid >= 0) & ~np.isnan(tick.med["util"])
     if not sel.any():
         return [], set(), set(), {}
-    lay = state.nodes.node_pairs(tick, grp.ngid, sel, w.slot_node_id[:w.n])
+    lay = state.nodes.node_pairs(tick, grp.ngid, sel, w.slot_node_id[: w.n])
     if lay is None:
         return [], set(), set(), {}
     gids, nids, idx = lay.gids, lay.nids, lay.idx
@@ -147,8 +175,11 @@ def node_level(tick: Tick, state: StragglerState,
     # starvation as offset while it warms up, up to the 0.05 cap, and less that, a host idling half of
     # each step (gap 0.285, the job 39 % slower) fell short of 0.24.
     prev = nan_to_zero(state.nodes.pair_offset[:, idx])
-    r.cross = tick.registry.is_job[gids] & r.steady & (
-        (r.gap >= 2 * cfg.node_idle_gap) | (r.node_busy & (r.act - prev[1] >= 2 * r.act_margin)))
+    r.cross = (
+        tick.registry.is_job[gids]
+        & r.steady
+        & ((r.gap >= 2 * cfg.node_idle_gap) | (r.node_busy & (r.act - prev[1] >= 2 * r.act_margin)))
+    )
     aged = tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds
     r.cut &= tick.registry.is_job[gids] & r.steady & aged
     waiting = ((r.waiting_drop >= r.min_drop) & r.steady) | r.cross | r.cut
@@ -183,8 +214,21 @@ class _PairReadings:
     """Per (group, node) pair of a _NodePairs layout (its sel_pairs): the node's readings against the
     group's other nodes', and what node_level derives from them."""
 
-    __slots__ = ("waiting_drop", "min_drop", "gap", "steady", "act", "act_margin", "clk_dev", "cut",
-                 "others_cut", "node_busy", "cross", "idle", "busier")
+    __slots__ = (
+        "waiting_drop",
+        "min_drop",
+        "gap",
+        "steady",
+        "act",
+        "act_margin",
+        "clk_dev",
+        "cut",
+        "others_cut",
+        "node_busy",
+        "cross",
+        "idle",
+        "busier",
+    )
     waiting_drop: np.ndarray
     min_drop: np.ndarray
     gap: np.ndarray
@@ -226,15 +270,16 @@ def _pair_readings(tick: Tick, lay: _NodePairs) -> _PairReadings:
     # The others then draw more power spinning at full clocks: that is not "busy while the others wait".
     r.clk_dev = node_clk / o_clk - 1.0
     r.cut = clock_cut(cfg, r.clk_dev, node_slow, o_slow)
-    r.others_cut = clock_cut(cfg, -r.clk_dev, o_slow, node_slow)       # -clk_dev: near enough for a margin
+    r.others_cut = clock_cut(cfg, -r.clk_dev, o_slow, node_slow)  # -clk_dev: near enough for a margin
     # "Busy while the others wait" needs the others spinning at least as much as this node; others
     # that idle more than it are starved themselves (that is the host-idle pattern, on them).
     r.node_busy = (node_u >= cfg.busy_utilization) & ~(r.gap < -cfg.node_idle_gap / 2) & ~r.others_cut
     return r
 
 
-def _learn_pairs(tick: Tick, nodes: NodeOffsets, lay: _NodePairs, r: _PairReadings,
-                 waiting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _learn_pairs(
+    tick: Tick, nodes: NodeOffsets, lay: _NodePairs, r: _PairReadings, waiting: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Follow each pair's offsets (idle gap, activity) while its group runs steadily and unslowed; the
     offsets after this tick, and which pairs are still warming up."""
     cfg, idx = tick.config, lay.idx
@@ -255,16 +300,18 @@ def _pair_finding(tick: Tick, state: StragglerState, lay: _NodePairs, r: _PairRe
     """The finding for pair i, named by what set it apart; None for an unattributed node found busier
     on its median whose GPUs are not busier rank for rank (see _node_wide_busy)."""
     cfg, w, ng = tick.config, tick.windows, tick.groups.ngid
-    u, node_id = tick.med["util"], w.slot_node_id[:w.n]
+    u, node_id = tick.med["util"], w.slot_node_id[: w.n]
     gid, nid = int(lay.gids[i]), int(lay.nids[i])
     members = np.flatnonzero((ng == gid) & (node_id == nid) & ~np.isnan(u))
     rest = np.flatnonzero((ng == gid) & (node_id != nid) & ~np.isnan(u))
     idle_score, busy_score = r.idle[i] / cfg.node_idle_gap, r.busier[i] / r.act_margin[i]
     # NaN busy score: not judged (unattributed) or unknown; then what fired is the idle gap.
-    pattern = ("cut" if r.cut[i] else "busy" if busy_score == busy_score and not idle_score >= busy_score
-               else "idle")
-    if pattern == "busy" and not tick.registry.is_job[gid] and not _node_wide_busy(tick, members, rest,
-                                                                                 float(r.act_margin[i])):
+    pattern = "cut" if r.cut[i] else "busy" if busy_score == busy_score and not idle_score >= busy_score else "idle"
+    if (
+        pattern == "busy"
+        and not tick.registry.is_job[gid]
+        and not _node_wide_busy(tick, members, rest, float(r.act_margin[i]))
+    ):
         return None
     drop = r.waiting_drop[i]
     slowdown = drop if drop == drop else 0.0
@@ -277,12 +324,13 @@ def _pair_finding(tick: Tick, state: StragglerState, lay: _NodePairs, r: _PairRe
     return _slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern)
 
 
-def _pair_score_now(tick: Tick, lay: "_NodePairs", off: np.ndarray, judged_busy: np.ndarray,
-                    act_margin: np.ndarray) -> np.ndarray:
+def _pair_score_now(
+    tick: Tick, lay: "_NodePairs", off: np.ndarray, judged_busy: np.ndarray, act_margin: np.ndarray
+) -> np.ndarray:
     """Per (group, node) pair: node_level's score (idle gap or activity excess over the learned offsets,
     in margins) on the newest readings (see gpus.standing_now); NaN where the node has none."""
     cfg = tick.config
-    now = newest(tick, NOW_ROWS[:UTIL + 1])
+    now = newest(tick, NOW_ROWS[: UTIL + 1])
     if now is None:
         return np.full(len(judged_busy), np.nan)
     nodes = lay.members.medians(now)
@@ -326,13 +374,14 @@ def _others(x: np.ndarray, lay: "_NodePairs") -> np.ndarray:
     # The other node's value, or NaN where it has none (an unsupported reading is absent, never 0).
     other = np.where(count > known, total - filled, np.nan)
     if not lay.three_or_more:
-        return other                        # the only pairs that count are in groups of two nodes
+        return other  # the only pairs that count are in groups of two nodes
     two = lay.per_group[pair_group] == 2
     return np.where(two, other, lay.nodes_of_group.medians(x)[:, pair_group])
 
 
-def _node_activity(node_sm: np.ndarray, node_pw: np.ndarray, o_sm: np.ndarray,
-                   o_pw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _node_activity(
+    node_sm: np.ndarray, node_pw: np.ndarray, o_sm: np.ndarray, o_pw: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """A node's activity relative to the other nodes' less 1: SM activity, or power where that is
     unsupported; and where power was used."""
     act_sm = node_sm / o_sm - 1.0
@@ -349,7 +398,7 @@ def whole_node(tick: Tick, state: StragglerState, on: np.ndarray, weak: np.ndarr
     if not on.any():
         return [], set(), {}, on
     n_nodes = len(w.node_names)
-    key = np.where(members, g * n_nodes + w.slot_node_id[:w.n], -1)
+    key = np.where(members, g * n_nodes + w.slot_node_id[: w.n], -1)
     uniq, inv = np.unique(key[members], return_inverse=True)
     n_pairs = len(uniq)
     size = np.bincount(inv, minlength=n_pairs)
@@ -377,14 +426,22 @@ def whole_node(tick: Tick, state: StragglerState, on: np.ndarray, weak: np.ndarr
     return findings, standout, pairs, on
 
 
-def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, slots: np.ndarray,
-                       others: np.ndarray, slowdown: float | None = None, pattern: str = "busy") -> Finding:
+def _slow_node_finding(
+    tick: Tick,
+    state: StragglerState,
+    gid: int,
+    nid: int,
+    slots: np.ndarray,
+    others: np.ndarray,
+    slowdown: float | None = None,
+    pattern: str = "busy",
+) -> Finding:
     """Evidence for a node holding its group back: its GPUs busy (or idle) while the other nodes wait."""
     cfg = tick.config
     node = tick.windows.node_names[nid]
     job = tick.registry.job(gid)
     slowdown = float(tick.slowdown[gid]) if slowdown is None else float(slowdown)
-    known = slowdown == slowdown        # NaN: the job has no baseline yet (a node slow from its start)
+    known = slowdown == slowdown  # NaN: the job has no baseline yet (a node slow from its start)
     size = int(tick.groups.size[gid])
     fp = subject_fingerprint(AlertKind.STRAGGLER, node, None, job)
     cost = (max(slowdown, 0.0) if known else 0.0) * size * cfg.tick_seconds / 3600.0
@@ -395,19 +452,30 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
     rest_sm, rest_pw, rest_clk, rest_u = map(r3, nan_median_first_axis(tick.levels[:, others].T).tolist())
     causes = throttle_causes(tick, slots)
     evidence = {
-        "peer_group": tick.registry.kind(gid), "peer_group_size": size, "node_gpus": int(len(slots)),
-        "node_median_sm_active_ratio": node_sm, "other_nodes_sm_active_ratio": rest_sm,
-        "node_median_sm_clock_ratio": node_clk, "other_nodes_sm_clock_ratio": rest_clk,
-        "node_median_power_watts": node_pw, "other_nodes_power_watts": rest_pw,
-        "node_median_utilization_ratio": node_u, "other_nodes_utilization_ratio": rest_u,
-        "estimated_job_slowdown_ratio": r3(slowdown), "gpu_hours_lost": round(lost, 4),
+        "peer_group": tick.registry.kind(gid),
+        "peer_group_size": size,
+        "node_gpus": int(len(slots)),
+        "node_median_sm_active_ratio": node_sm,
+        "other_nodes_sm_active_ratio": rest_sm,
+        "node_median_sm_clock_ratio": node_clk,
+        "other_nodes_sm_clock_ratio": rest_clk,
+        "node_median_power_watts": node_pw,
+        "other_nodes_power_watts": rest_pw,
+        "node_median_utilization_ratio": node_u,
+        "other_nodes_utilization_ratio": rest_u,
+        "estimated_job_slowdown_ratio": r3(slowdown),
+        "gpu_hours_lost": round(lost, 4),
     }
     if pattern == "idle":
-        what = (f"its GPUs idle (utilization {evidence['node_median_utilization_ratio']} vs "
-                f"{evidence['other_nodes_utilization_ratio']}), host-bound")
+        what = (
+            f"its GPUs idle (utilization {evidence['node_median_utilization_ratio']} vs "
+            f"{evidence['other_nodes_utilization_ratio']}), host-bound"
+        )
     elif pattern == "cut":
-        what = (f"its GPUs' clocks are cut, with throttle bits the other nodes lack (SM clock {_pct(node_clk)} "
-                f"of max vs {_pct(rest_clk)}" + "".join("; " + THROTTLE_CAUSES[c] for c in causes) + ")")
+        what = (
+            f"its GPUs' clocks are cut, with throttle bits the other nodes lack (SM clock {_pct(node_clk)} "
+            f"of max vs {_pct(rest_clk)}" + "".join("; " + THROTTLE_CAUSES[c] for c in causes) + ")"
+        )
     else:
         what = "its GPUs stay busy"
     evidence["pattern"] = {"idle": "host_idle", "cut": "node_clocks_cut"}.get(pattern, "node_slow")
@@ -416,7 +484,7 @@ def _slow_node_finding(tick: Tick, state: StragglerState, gid: int, nid: int, sl
         evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
     # Worded as a GPU straggler's figure (see gpu_finding): the slowdown put down to this node, as it fires.
     share = evidence["estimated_job_slowdown_ratio"]
-    by = f" by ~{share * 100:.0f} % per step (estimated as it fired)" if known else ""
+    by = f" by ~{share * 100:.0f} % per step (estimated as it fired)" if known and isinstance(share, float) else ""
     subject = f"job {job}" if job else "its peer nodes"
     summary = f"node {node} holds back {subject}{by}: {what} while the other nodes wait"
     sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING

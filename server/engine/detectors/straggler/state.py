@@ -17,10 +17,10 @@ class StragglerState:
 
     def __init__(self) -> None:
         self.offset = np.full((4, 0), np.nan)
-        self.level = np.full((2, 0), np.nan)      # usual SM activity and power, rows as LEVELS' first two
+        self.level = np.full((2, 0), np.nan)  # usual SM activity and power, rows as LEVELS' first two
         self.learned_gid = np.full(0, -1, dtype=np.int64)
         self.learned = np.zeros(0, dtype=np.int64)
-        self.spread = np.full(0, np.nan)           # its group's recent spread of activity excesses
+        self.spread = np.full(0, np.nan)  # its group's recent spread of activity excesses
         self.cost: dict[str, tuple[float, float]] = {}
         self._steady = np.full(0, np.nan)
         self.nodes = NodeOffsets()
@@ -67,8 +67,8 @@ class StragglerState:
         if have < grp.n_groups:
             self._steady = np.concatenate([self._steady, np.full(grp.n_groups - have, np.nan)])
         steady = grp.util >= cfg.straggler_waiting_utilization
-        self._steady[:grp.n_groups] = np.where(steady, np.fmin(self._steady[:grp.n_groups], tick.t), np.nan)
-        return self._steady[:grp.n_groups]
+        self._steady[: grp.n_groups] = np.where(steady, np.fmin(self._steady[: grp.n_groups], tick.t), np.nan)
+        return self._steady[: grp.n_groups]
 
     def prune(self, t: float) -> None:
         """Forget cost tallies of subjects quiet for a long time."""
