@@ -205,21 +205,21 @@ class Engine:
             groups, self.history, cfg.workload_clock_ratio, cfg.workload_capped_clock_ratio
         )
         tick = Tick(
-            k,
-            t,
-            cfg,
-            w,
-            latest,
-            med,
-            levels,
-            has_data,
-            groups,
-            self.registry,
-            drop,
-            source,
-            (self.history.baseline("sm"), self.history.baseline("power")),
-            held,
-            workload.sag(groups, self.history, drop, source),
+            k=k,
+            t=t,
+            config=cfg,
+            windows=w,
+            latest=latest,
+            med=med,
+            levels=levels,
+            has_data=has_data,
+            groups=groups,
+            registry=self.registry,
+            slowdown=drop,
+            slowdown_source=source,
+            slowdown_baselines=(self.history.baseline("sm"), self.history.baseline("power")),
+            held=held,
+            sag=workload.sag(groups, self.history, drop, source),
         )
         outcomes: dict[AlertKind, Outcome] = {}
         outcomes[AlertKind.THERMAL_THROTTLE] = thermal.detect(tick, self._thermal_index)
@@ -457,20 +457,22 @@ class Engine:
             lost = self._job_lost.get(job, {})
             out.append(
                 JobHealth(
-                    job,
-                    int(grp.size[gid]),
-                    tuple(sorted({w.slot_node[s] for s in members.tolist()})),
-                    _f(grp.util[gid]),
-                    _f(grp.sm[gid]),
-                    _f(base_sm[gid]) if gid < len(base_sm) else None,
-                    _f(grp.power[gid]),
-                    _f(tick.slowdown[gid]),
-                    tuple({"node": a.node, "gpu": a.gpu} for a in mine if a.kind is AlertKind.STRAGGLER),
-                    any(a.kind is AlertKind.COMM_BOUND for a in mine),
-                    any(a.kind is AlertKind.INPUT_BOUND for a in mine),
-                    counts[1] / counts[0] if counts[0] else 0.0,
-                    counts[0],
-                    tuple((kind.value, round(lost[kind], 4)) for kind in _COSTING if kind in lost),
+                    hpc_job=job,
+                    gpus=int(grp.size[gid]),
+                    nodes=tuple(sorted({w.slot_node[s] for s in members.tolist()})),
+                    utilization_ratio=_f(grp.util[gid]),
+                    sm_active_ratio=_f(grp.sm[gid]),
+                    baseline_sm_active_ratio=_f(base_sm[gid]) if gid < len(base_sm) else None,
+                    power_watts=_f(grp.power[gid]),
+                    estimated_slowdown_ratio=_f(tick.slowdown[gid]),
+                    stragglers=tuple({"node": a.node, "gpu": a.gpu} for a in mine if a.kind is AlertKind.STRAGGLER),
+                    comm_bound=any(a.kind is AlertKind.COMM_BOUND for a in mine),
+                    input_bound=any(a.kind is AlertKind.INPUT_BOUND for a in mine),
+                    comm_bound_share=counts[1] / counts[0] if counts[0] else 0.0,
+                    evaluated_ticks=counts[0],
+                    gpu_hours_lost_by_kind=tuple(
+                        (kind.value, round(lost[kind], 4)) for kind in _COSTING if kind in lost
+                    ),
                 )
             )
         return sorted(out, key=lambda j: j.hpc_job)
@@ -490,13 +492,13 @@ class Engine:
             jobs = sorted({w.job_names[c] for c in w.slot_job[slots].tolist() if c >= 0})
             out.append(
                 NodeHealth(
-                    node,
-                    len(slots),
-                    node not in unreachable,
-                    _f(last),
-                    None if self._last_t is None or last != last else max(0.0, self._last_t - float(last)),
-                    tuple(jobs),
-                    sum(1 for a in open_alerts if a.node == node),
+                    node=node,
+                    gpus=len(slots),
+                    reachable=node not in unreachable,
+                    last_sample_time=_f(last),
+                    lag_seconds=None if self._last_t is None or last != last else max(0.0, self._last_t - float(last)),
+                    hpc_jobs=tuple(jobs),
+                    open_alerts=sum(1 for a in open_alerts if a.node == node),
                 )
             )
         return out
@@ -505,17 +507,17 @@ class Engine:
         """Counters about the engine itself."""
         alerts = self.lifecycle.alerts()
         return EngineStats(
-            self.windows.samples,
-            self.windows.late_dropped,
-            self.windows.too_old_dropped,
-            self.windows.pending(),
-            self._ticks,
-            self._last_t,
-            self.windows.n,
-            len(self.windows.node_names),
-            sum(1 for j in self.windows.job_names),
-            len(alerts),
-            sum(1 for a in alerts if a.state is AlertState.FIRING),
+            samples_ingested=self.windows.samples,
+            late_samples_dropped=self.windows.late_dropped,
+            too_old_snapshots_dropped=self.windows.too_old_dropped,
+            pending_samples=self.windows.pending(),
+            ticks=self._ticks,
+            last_tick_time=self._last_t,
+            gpus=self.windows.n,
+            nodes=len(self.windows.node_names),
+            jobs=sum(1 for j in self.windows.job_names),
+            open_alerts=len(alerts),
+            firing_alerts=sum(1 for a in alerts if a.state is AlertState.FIRING),
         )
 
 

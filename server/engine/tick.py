@@ -28,7 +28,7 @@ _FRACTION_ROWS = (("slow", B_SLOW), ("power_cap", B_POWER_CAP))
 _ROWS = np.array([_LEVEL_ROWS[name] for name in LEVELS] + [b for _, b in _FRACTION_ROWS])
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Tick:
     """Everything detectors read at one closed bin."""
 

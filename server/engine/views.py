@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class JobHealth:
     """One hpc_job at the latest evaluation."""
 
@@ -41,7 +41,7 @@ class JobHealth:
         return d
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NodeHealth:
     """One node at the latest evaluation."""
 
@@ -60,7 +60,7 @@ class NodeHealth:
         return d
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineStats:
     """The engine's own health."""
 
