@@ -19,7 +19,7 @@ from gpufleet.server.engine.detectors import FingerprintIndex, Outcome
 from gpufleet.server.engine.detectors import health, straggler, thermal, workload
 from gpufleet.server.engine.groups import JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
 from gpufleet.server.engine.lifecycle import Lifecycle
-from gpufleet.server.engine.tick import Tick, read_windows, smoothed
+from gpufleet.server.engine.tick import SlowdownSource, Tick, read_windows, smoothed
 from gpufleet.server.engine.views import EngineStats, JobHealth, NodeHealth
 from gpufleet.server.engine.windows import Windows
 
@@ -413,7 +413,7 @@ class Engine:
         """Store this tick in the group history; only healthy ticks feed baselines."""
         cfg = self.config
         grp = tick.groups
-        threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
+        threshold = np.where(tick.slowdown_source == SlowdownSource.POWER, cfg.workload_power_drop, cfg.workload_drop)
         # Ticks well below the history's median stay out of it. Measured from the baseline (a high
         # percentile) instead, the cut fell inside a noisy job's ordinary range: only the upper half of
         # its levels was kept, which raised the baseline further.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 
@@ -28,6 +29,14 @@ _FRACTION_ROWS = (("slow", B_SLOW), ("power_cap", B_POWER_CAP))
 _ROWS = np.array([_LEVEL_ROWS[name] for name in LEVELS] + [b for _, b in _FRACTION_ROWS])
 
 
+class SlowdownSource(IntEnum):
+    """Which reading a group's slowdown is measured on (the values are what Tick.slowdown_source holds)."""
+
+    NONE = 0  # no reading to measure it on: the slowdown is unknown
+    SM_ACTIVITY = 1  # SM activity against its baseline
+    POWER = 2  # power against its baseline, where SM activity is unsupported and clocks hold
+
+
 @dataclass(slots=True, kw_only=True)
 class Tick:
     """Everything detectors read at one closed bin."""
@@ -43,7 +52,7 @@ class Tick:
     groups: Groups
     registry: GroupRegistry
     slowdown: np.ndarray  # per group: peers' activity drop vs the group's baseline (NaN: unknown)
-    slowdown_source: np.ndarray  # per group: 0 = none, 1 = SM activity, 2 = power
+    slowdown_source: np.ndarray  # per group: a SlowdownSource value
     slowdown_baselines: tuple[np.ndarray, np.ndarray]  # per group baseline SM activity, power
     held: np.ndarray  # (bins, n) newest first: slot has a sample in bin k - i
     sag: np.ndarray  # per group: the same series' drop below its history's median (see

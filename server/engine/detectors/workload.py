@@ -20,13 +20,13 @@ import numpy as np
 from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.detectors import Finding, Outcome, r3, subject_fingerprint
 from gpufleet.server.engine.groups import JOB, GroupHistory, Groups
-from gpufleet.server.engine.tick import Tick
+from gpufleet.server.engine.tick import SlowdownSource, Tick
 
 
 def job_drop(
     groups: Groups, history: GroupHistory, clock_ratio: float, capped_clock_ratio: float
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per group: relative activity drop vs baseline, and its source (0 none, 1 SM activity, 2 power)."""
+    """Per group: relative activity drop vs baseline, and its source (SlowdownSource values)."""
     base_sm, base_pw, base_clk = history.baseline("sm"), history.baseline("power"), history.baseline("clock")
     drop_sm = 1.0 - groups.sm / base_sm
     drop_pw = 1.0 - groups.power / base_pw
@@ -42,7 +42,7 @@ def job_drop(
     use_sm = ~np.isnan(drop_sm)
     use_pw = ~use_sm & ~np.isnan(drop_pw) & clocks_hold
     drop = np.where(use_sm, drop_sm, np.where(use_pw, drop_pw, np.nan))
-    source = np.where(use_sm, 1, np.where(use_pw, 2, 0))
+    source = np.where(use_sm, SlowdownSource.SM_ACTIVITY, np.where(use_pw, SlowdownSource.POWER, SlowdownSource.NONE))
     return drop, source
 
 
@@ -50,10 +50,10 @@ def sag(groups: Groups, history: GroupHistory, drop: np.ndarray, source: np.ndar
     """Per group: how far the drop's series (see job_drop) lies below the median of its healthy
     history, as a fraction of that median: the job's distance from its usual level, where the drop is
     its distance from its best. Where the median is not known yet, the drop itself."""
-    sm = source == 1
+    sm = source == SlowdownSource.SM_ACTIVITY
     level = np.where(sm, groups.sm, groups.power)
     middle = np.where(sm, history.median("sm"), history.median("power"))
-    below = np.where(source > 0, 1.0 - level / middle, np.nan)
+    below = np.where(source != SlowdownSource.NONE, 1.0 - level / middle, np.nan)
     return np.where(np.isnan(below), drop, below)
 
 
@@ -73,7 +73,7 @@ def beyond_noise(
     baseline 4.6 % above it) opened comm_bound 4-6 minutes in. The spread overstates the noise of a
     history that holds a trend: a job climbing back from a straggler had its levels spread 5 %, and a
     real 10 % drop below its median would have been taken for noise without that cap."""
-    sm = source == 1
+    sm = source == SlowdownSource.SM_ACTIVITY
     middle = np.where(sm, history.median("sm"), history.median("power"))
     noise = np.where(sm, history.spread("sm"), history.spread("power")) / middle
     levels = np.where(sm, history.level_spread("sm"), history.level_spread("power")) / middle
@@ -136,7 +136,7 @@ def detect(
         held_inp[list(idling)] = True
     aged = tick.t - reg.first_seen[:G] >= cfg.startup_grace_seconds + cfg.min_history_seconds
     ok = is_job & (grp.size >= 2) & aged
-    threshold = np.where(tick.slowdown_source == 2, cfg.workload_power_drop, cfg.workload_drop)
+    threshold = np.where(tick.slowdown_source == SlowdownSource.POWER, cfg.workload_power_drop, cfg.workload_drop)
     dropped = (
         ok
         & (drop >= threshold)
@@ -187,7 +187,7 @@ def _finding(
     grp = tick.groups
     job = tick.registry.job(gid)
     drop = float(tick.slowdown[gid])
-    by_sm = tick.slowdown_source[gid] == 1
+    by_sm = tick.slowdown_source[gid] == SlowdownSource.SM_ACTIVITY
     fp = subject_fingerprint(kind, None, None, job)
     cost = drop * int(grp.size[gid]) * cfg.tick_seconds / 3600.0
     lost = state.cost.get(fp, 0.0) + cost

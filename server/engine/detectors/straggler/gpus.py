@@ -26,7 +26,7 @@ from gpufleet.server.engine.detectors.straggler.common import (
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 from gpufleet.server.engine.groups import JOB
 from gpufleet.server.engine.reduce import nan_to_zero
-from gpufleet.server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
+from gpufleet.server.engine.tick import THROTTLE_CAUSES, SlowdownSource, Tick, throttle_causes
 
 # Sign of the culprit direction of the SM, power and clock offsets (a culprit's clock is lower).
 _CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
@@ -94,7 +94,9 @@ def group_conditions(tick: Tick, state: StragglerState, cfg, halted: AbstractSet
     active = grp.util >= cfg.job_active_utilization
     aged = tick.t - tick.registry.first_seen[:G] >= cfg.startup_grace_seconds
     steady = tick.t - state.steady_since(tick, cfg) >= cfg.startup_grace_seconds / 2
-    min_drop = np.where(tick.slowdown_source == 2, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
+    min_drop = np.where(
+        tick.slowdown_source == SlowdownSource.POWER, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown
+    )
     if halted:
         big[list(halted)] = False
     return np.array(
@@ -369,7 +371,7 @@ def gpu_finding(
     if idle:
         reasons.append(f"utilization {m['util'][slot]:.2f} vs peers {grp.util[gid]:.2f}: idle, waiting on its host")
     # A shared-node culprit's slowdown is read from its waiting peers' own levels, not the group's baseline.
-    sm_known = not math.isnan(grp.sm[gid]) if waiting_peers else tick.slowdown_source[gid] == 1
+    sm_known = not math.isnan(grp.sm[gid]) if waiting_peers else tick.slowdown_source[gid] == SlowdownSource.SM_ACTIVITY
     measured_by = "sm_active" if sm_known else "power"
     if waiting_peers and shared is not None:
         reasons.append(
