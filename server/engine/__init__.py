@@ -19,6 +19,7 @@ from gpufleet.server.engine.detectors import FingerprintIndex, Outcome
 from gpufleet.server.engine.detectors import health, straggler, thermal, workload
 from gpufleet.server.engine.groups import JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
 from gpufleet.server.engine.lifecycle import Lifecycle
+from gpufleet.server.engine.prepared import prepare_windows
 from gpufleet.server.engine.tick import SlowdownSource, Tick, read_windows, smoothed
 from gpufleet.server.engine.views import EngineStats, JobHealth, NodeHealth
 from gpufleet.server.engine.windows import Windows
@@ -85,8 +86,8 @@ class Engine:
 
     def prepare(self, samples: list[NodeSample]) -> None:
         """Replay: exactly these samples, sorted by time then node, will be ingested in this order (see
-        Windows.prepare). The alerts are the same as without this call; the flushes cost about half."""
-        self.windows.prepare(samples)
+        prepared.prepare_windows). The alerts are the same as without this call; the flushes cost about half."""
+        prepare_windows(self.windows, samples)
 
     def reserve(self, gpus: int) -> None:
         """Capacity hint: about this many GPUs will report (replay knows; the live server need not say)."""

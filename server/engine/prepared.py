@@ -3,7 +3,7 @@
 A flush pays numpy's per-call cost once per tick whatever it carries: resolving slots, differencing
 counters, deriving readings and summing bins took a third to a half of replay's engine time on small
 clusters. Replay knows every sample up front, so it promises the order in which they will come
-(Windows.prepare) and this module does that per-row work for a chunk of many ticks in one pass.
+(prepare_windows) and this module does that per-row work for a chunk of many ticks in one pass.
 
 Each flush then applies only its own samples: jobs, sample and node times, counter events and bin cells.
 What the engine reads after every flush is bit-for-bit what unprepared flushes leave (sums are taken
@@ -15,18 +15,20 @@ because only replay needs it.
 from __future__ import annotations
 
 from operator import is_
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from gpufleet.server.contract import NodeSample
-
-if TYPE_CHECKING:
-    from gpufleet.server.engine.windows import CounterEvent, Windows
+from gpufleet.server.engine.windows import LIMIT_COLS, CounterEvent, Windows
 
 # About this many GPU rows are prepared at a time: enough to spread numpy's per-call cost over tens to
 # hundreds of ticks of a small cluster, few enough to keep a chunk's arrays to a few megabytes.
 PREPARED_CHUNK_ROWS = 8192
+
+
+def prepare_windows(windows: Windows, samples: list[NodeSample]) -> None:
+    """Replay's promise to `windows`: exactly these samples, sorted by time then node, will be add()ed in
+    this order, each flush taking the next ones."""
+    windows.prepare(Prepared(windows, samples))
 
 
 class Prepared:
@@ -132,7 +134,7 @@ class Prepared:
         power = w._counters(slots, times, values, np.ones(len(slots), dtype=bool), nonempty, by_slot, one_per_slot)
         chunk.events, w.events = w.events, outer
         chunk.derived = derived = w._derive(values, power)
-        chunk.limits = values[:, w.LIMIT_COLS]
+        chunk.limits = values[:, LIMIT_COLS]
         self._cells(chunk, np.floor(times / w.tick).astype(np.int64), slots, derived)
         return chunk
 

@@ -6,14 +6,15 @@ counters (energy, XID, ECC) are differenced per GPU in time order, robust to res
 backwards restarts from zero), wraps, gaps and late samples (older than the GPU's newest: ignored for
 rates, still binned). Bins are keyed by sample time, so a node's clock skew only shifts its own bins.
 
-Replay knows every sample up front and says so with `prepare()`: the per-row work is then done for many
-ticks at once (server.engine.prepared), while each flush still applies only its own samples.
+Replay knows every sample up front and says so with server.engine.prepared.prepare_windows(): the
+per-row work is then done for many ticks at once, while each flush still applies only its own samples.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Protocol
 
 import numpy as np
 
@@ -39,7 +40,6 @@ from gpufleet.server.contract import (
     XID_TOTAL,
     NodeSample,
 )
-from gpufleet.server.engine.prepared import Prepared
 
 # Binned quantities (rows of the rings).
 (
@@ -112,10 +112,16 @@ class _NodeCache:
         self.job_codes = np.empty(0, dtype=np.int64)
 
 
+class PreparedFlushes(Protocol):
+    """What flush() hands its samples to once they were promised up front: server.engine.prepared's
+    Prepared, which works on this module's internals and so imports it (never the other way round)."""
+
+    def flush(self, inbox: list[NodeSample], min_bin: int) -> None: ...
+
+
 class Windows:
     """Slot registry (one slot per node/GPU index) plus binned rings and counter state."""
 
-    LIMIT_COLS = LIMIT_COLS  # for server.engine.prepared, which cannot import this module
     # Per-slot (last axis) arrays, reallocated by _grow as slots are added.
     acc: np.ndarray
     bin_id: np.ndarray
@@ -155,7 +161,7 @@ class Windows:
         self.too_old_dropped = 0  # snapshots older than the window, never binned
         self.newest_time = -np.inf
         self.resumed_time = -np.inf
-        self._prepared: Prepared | None = None
+        self._prepared: PreparedFlushes | None = None
         self._grow(64)
 
     # -- registry -----------------------------------------------------------------------------
@@ -563,10 +569,10 @@ class Windows:
         acc[at] = np.where(fresh[order], 0.0, acc[at]) + add
 
     # -- replay ---------------------------------------------------------------------------------
-    def prepare(self, samples: list[NodeSample]) -> None:
-        """Replay's promise: exactly these samples, sorted by time then node, will be add()ed in this
-        order, each flush taking the next ones (see server.engine.prepared)."""
-        self._prepared = Prepared(self, samples)
+    def prepare(self, prepared: PreparedFlushes) -> None:
+        """Replay's promise: the samples `prepared` holds will be add()ed in its order, each flush taking
+        the next ones (server.engine.prepared.prepare_windows makes the promise)."""
+        self._prepared = prepared
 
     # -- reading ------------------------------------------------------------------------------
     def window(self, last_bin: int, n_bins: int) -> np.ndarray:

@@ -231,7 +231,7 @@ def test_prepared_flushes_leave_exactly_what_unprepared_ones_do(monkeypatch, chu
     samples = _messy_trace()
     for cuts in ([T0 + 5 * i for i in range(1, 29)], [T0 + 2.5 + 7 * i for i in range(20)]):
         plain, prepared = _w(), _w()
-        prepared.prepare(samples)
+        prepared_module.prepare_windows(prepared, samples)
         pending = list(samples)
         for cut in cuts + [np.inf]:
             batch = [s for s in pending if s.time < cut]
@@ -248,8 +248,8 @@ def test_prepared_windows_refuse_samples_out_of_order_or_not_the_prepared_ones()
     samples = _messy_trace()
     w = _w()
     with pytest.raises(ValueError, match="sorted"):
-        w.prepare(samples[::-1])
-    w.prepare(samples)
+        prepared_module.prepare_windows(w, samples[::-1])
+    prepared_module.prepare_windows(w, samples)
     w.add(samples[1])
     with pytest.raises(RuntimeError, match="prepared"):
         w.flush(0)

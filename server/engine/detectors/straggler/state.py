@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpufleet.server.engine.detectors.straggler.nodes import NodeOffsets
+from gpufleet.server.engine.detectors.straggler.node_pairs import NodeOffsets
 from gpufleet.server.engine.tick import Tick
 
 _COST_KEEP_SECONDS = 600.0
