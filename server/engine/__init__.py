@@ -14,6 +14,7 @@ import numpy as np
 
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Transition
 from gpufleet.server.contract import NodeSample
+from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.config import EngineConfig
 from gpufleet.server.engine.detectors import FingerprintIndex, Outcome
 from gpufleet.server.engine.detectors import health, straggler, thermal, workload
@@ -328,10 +329,7 @@ class Engine:
         application clocks changed) starts a new baseline instead of reading the change as a slowdown."""
         cfg = self.config
         n = groups.n_groups
-        if len(self._regime_ticks) < n:
-            self._regime_ticks = np.concatenate(
-                [self._regime_ticks, np.zeros(n - len(self._regime_ticks), dtype=np.int64)]
-            )
+        self._regime_ticks = grown(self._regime_ticks, n, 0)
         base_clk = self.history.baseline("clock")[:n]
         moved = np.abs(groups.clock / base_clk - 1.0) > 1.0 - cfg.workload_clock_ratio
         ticks = np.where(moved, self._regime_ticks[:n] + 1, 0)

@@ -13,6 +13,7 @@ from statistics import NormalDist
 
 import numpy as np
 
+from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.reduce import equal
 from gpufleet.server.engine.windows import NO_JOB
 
@@ -389,15 +390,11 @@ class GroupHistory:
 
     def _fit(self, n_groups: int) -> None:
         """Grow per-group arrays to n_groups."""
-        have = self.values.shape[1]
-        if n_groups <= have:
-            return
-        pad = n_groups - have
-        self.values = np.concatenate([self.values, np.full((len(self.SERIES), pad, self.ring), np.nan)], axis=1)
-        self.base = np.concatenate([self.base, np.full((len(self.SERIES), pad), np.nan)], axis=1)
-        self.middle = np.concatenate([self.middle, np.full((len(self.SERIES), pad), np.nan)], axis=1)
-        self.noise = np.concatenate([self.noise, np.full((len(self._NOISE_ROWS), pad), np.nan)], axis=1)
-        self.count = np.concatenate([self.count, np.zeros(pad, dtype=np.int64)])
+        self.values = grown(self.values, n_groups, np.nan, axis=1)
+        self.base = grown(self.base, n_groups, np.nan)
+        self.middle = grown(self.middle, n_groups, np.nan)
+        self.noise = grown(self.noise, n_groups, np.nan)
+        self.count = grown(self.count, n_groups, 0)
 
     def record(self, k: int, groups: Groups, healthy: np.ndarray) -> None:
         """Store this tick's group medians; unhealthy ticks are stored as gaps."""

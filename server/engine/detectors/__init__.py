@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity, fingerprint
+from gpufleet.server.engine.arrays import grown
 
 
 @dataclass(slots=True)
@@ -110,8 +111,7 @@ class FingerprintIndex:
     def _sync(self, w: Any) -> None:
         """Add fingerprints for new slots and slots that changed job."""
         n = w.n
-        if len(self._done) < n:
-            self._done = np.concatenate([self._done, np.full(n - len(self._done), -2, dtype=np.int64)])
+        self._done = grown(self._done, n, -2)
         jobs = w.slot_job[:n] if self._keyed else np.full(n, -1, dtype=np.int64)
         for s in (self._done[:n] != jobs).nonzero()[0].tolist():
             code = int(jobs[s])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
+from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.detectors import FingerprintIndex, Finding, Outcome, subject_fingerprint
 from gpufleet.server.engine.tick import Tick
 from gpufleet.server.engine.windows import B_REMAP_FAILURE, B_REMAP_PENDING, B_UP, CounterEvent
@@ -90,7 +91,7 @@ def _unreachable(tick: Tick, state: HealthState) -> Outcome:
     last = w.node_last_time
     n_nodes = len(last)
     if len(state.lag_base) < n_nodes:
-        state.lag_base = np.concatenate([state.lag_base, np.full(n_nodes - len(state.lag_base), np.nan)])
+        state.lag_base = grown(state.lag_base, n_nodes, np.nan)
         for nid in range(len(state.node_fp_list), n_nodes):
             fp = subject_fingerprint(AlertKind.NODE_UNREACHABLE, w.node_names[nid], None, None)
             state.node_fp_list.append(fp)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpufleet.server.alerts import AlertKind
+from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.detectors import subject_fingerprint
 from gpufleet.server.engine.groups import GroupLayout
 from gpufleet.server.engine.reduce import equal
@@ -74,8 +75,8 @@ class NodeOffsets:
             i = self.pair_index[(gid, nid)] = len(self.pair_fps)
             self._all_keys.append(gid * _PAIR_KEY + nid)
             self.pair_fps.append(self.node_fingerprint(tick, gid, nid))
-            self.pair_offset = np.concatenate([self.pair_offset, np.full((2, 1), np.nan)], axis=1)
-            self.pair_learned = np.append(self.pair_learned, 0)
+            self.pair_offset = grown(self.pair_offset, i + 1, np.nan)
+            self.pair_learned = grown(self.pair_learned, i + 1, 0)
         return i
 
     def recycle(self, gid: int, job: str | None, node_names: list[str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.detectors.straggler.node_pairs import NodeOffsets
 from gpufleet.server.engine.tick import Tick
 
@@ -36,15 +37,11 @@ class StragglerState:
 
     def fit(self, n: int) -> None:
         """Grow per-slot arrays to n slots."""
-        have = self.level.shape[1]
-        if n <= have:
-            return
-        pad = n - have
-        self.offset = np.concatenate([self.offset, np.full((4, pad), np.nan)], axis=1)
-        self.level = np.concatenate([self.level, np.full((2, pad), np.nan)], axis=1)
-        self.learned_gid = np.concatenate([self.learned_gid, np.full(pad, -1, dtype=np.int64)])
-        self.learned = np.concatenate([self.learned, np.zeros(pad, dtype=np.int64)])
-        self.spread = np.concatenate([self.spread, np.full(pad, np.nan)])
+        self.offset = grown(self.offset, n, np.nan)
+        self.level = grown(self.level, n, np.nan)
+        self.learned_gid = grown(self.learned_gid, n, -1)
+        self.learned = grown(self.learned, n, 0)
+        self.spread = grown(self.spread, n, np.nan)
 
     def recycle(self, gid: int, job: str | None, node_names: list[str]) -> None:
         """The group id went to a new group: what was learned about the old one's nodes and its waiting
@@ -63,9 +60,7 @@ class StragglerState:
     def steady_since(self, tick: Tick, cfg) -> np.ndarray:
         """Per group: since when its median utilization has been at the 'waiting' level (NaN: not now)."""
         grp = tick.groups
-        have = len(self._steady)
-        if have < grp.n_groups:
-            self._steady = np.concatenate([self._steady, np.full(grp.n_groups - have, np.nan)])
+        self._steady = grown(self._steady, grp.n_groups, np.nan)
         steady = grp.util >= cfg.straggler_waiting_utilization
         self._steady[: grp.n_groups] = np.where(steady, np.fmin(self._steady[: grp.n_groups], tick.t), np.nan)
         return self._steady[: grp.n_groups]
