@@ -8,6 +8,7 @@ randomness, no I/O: the live server and offline replay produce identical alerts 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Iterable
 
 import numpy as np
@@ -16,7 +17,7 @@ from gpufleet.server.alerts import Alert, AlertKind, AlertState, Transition
 from gpufleet.server.contract import NodeSample
 from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.config import EngineConfig
-from gpufleet.server.engine.detectors import FingerprintIndex, Outcome
+from gpufleet.server.engine.detectors import Context, FingerprintIndex, Outcome
 from gpufleet.server.engine.detectors import health, straggler, thermal, workload
 from gpufleet.server.engine.groups import JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
 from gpufleet.server.engine.lifecycle import Lifecycle
@@ -67,7 +68,6 @@ class Engine:
         self._workload = workload.WorkloadState()
         self._health = health.HealthState()
         self._thermal_index = FingerprintIndex(AlertKind.THERMAL_THROTTLE)
-        self._straggler_index = FingerprintIndex(AlertKind.STRAGGLER)
         self._next_bin: int | None = None
         self._first: float | None = None  # time of the oldest sample of the first flush that binned any
         self._ticks = 0
@@ -224,23 +224,30 @@ class Engine:
             sag=workload.sag(groups, self.history, drop, source),
         )
         outcomes: dict[AlertKind, Outcome] = {}
-        outcomes[AlertKind.THERMAL_THROTTLE] = thermal.detect(tick, self._thermal_index)
-        healths = health.detect(tick, self._health, w.drain_events())
+        # Each detector sees what the ones before it concluded, through the context.
+        context = Context(history=self.history, events=w.drain_events())
+        outcomes[AlertKind.THERMAL_THROTTLE] = thermal.detect(tick, self._thermal_index, context)
+        healths = health.detect(tick, self._health, context)
         halted = self._halted(t, healths[AlertKind.GPU_LOST])
-        strag = straggler.detect(tick, self._straggler, self._straggler_index, halted)
+        context = replace(context, halted=halted)
+        strag = straggler.detect(tick, self._straggler, context)
         outcomes[AlertKind.STRAGGLER] = strag.outcome
         explained = self._explained(tick, outcomes, halted)
         silent = self._jobs_on_silent_nodes(t, healths[AlertKind.NODE_UNREACHABLE])
-        work = workload.detect(
-            tick, self.history, explained, strag.standout_groups | silent, strag.idle_groups | silent, self._workload
+        context = replace(
+            context,
+            explained=explained,
+            standout=strag.standout_groups | silent,
+            idling=strag.idle_groups | silent,
         )
+        work = workload.detect(tick, self._workload, context)
         outcomes[AlertKind.COMM_BOUND] = _only(work, AlertKind.COMM_BOUND)
         outcomes[AlertKind.INPUT_BOUND] = _only(work, AlertKind.INPUT_BOUND)
         outcomes.update(healths)
         transitions = self.lifecycle.step(t, outcomes)
         self._count_losses(outcomes)
         if self._ticks % _PRUNE_TICKS == 0:
-            self._straggler_index.prune(set(self.lifecycle.records))
+            self._straggler.index.prune(set(self.lifecycle.records))
         self._record_history(tick, explained, outcomes)
         self._ticks += 1
         self._last_t = t

@@ -4,12 +4,28 @@ and a clear test for subjects that had an alert open. The lifecycle decides what
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity, fingerprint
 from gpufleet.server.engine.arrays import grown
+from gpufleet.server.engine.groups import GroupHistory
+from gpufleet.server.engine.windows import CounterEvent
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Context:
+    """What a detector reads besides the tick and its own state: the groups' history and what the engine
+    and the detectors run before it concluded this tick. Every detector is called as detect(tick, state,
+    context), so the order they run in alone decides what each can see."""
+
+    history: GroupHistory  # per-group baselines, medians and noise (job-level drops are measured on it)
+    events: Sequence[CounterEvent] = ()  # health counter increases drained from the windows this tick
+    halted: AbstractSet[int] = frozenset()  # groups hung by a lost GPU: no straggler among the GPUs left
+    explained: AbstractSet[int] = frozenset()  # groups whose drop a straggler, heat or a lost GPU explains
+    standout: AbstractSet[int] = frozenset()  # groups where a GPU or node stands out, or on a silent node
+    idling: AbstractSet[int] = frozenset()  # groups where one idles below its peers, or on a silent node
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.arrays import grown
-from gpufleet.server.engine.detectors import FingerprintIndex, Finding, Outcome, subject_fingerprint
+from gpufleet.server.engine.detectors import Context, FingerprintIndex, Finding, Outcome, subject_fingerprint
 from gpufleet.server.engine.tick import Tick
 from gpufleet.server.engine.windows import B_REMAP_FAILURE, B_REMAP_PENDING, B_UP, CounterEvent
 
@@ -71,9 +71,9 @@ class HealthState:
             self.lag_base[nid] = np.nan
 
 
-def detect(tick: Tick, state: HealthState, events: list[CounterEvent]) -> dict[AlertKind, Outcome]:
-    """All health outcomes for this tick."""
-    state.events.extend(events)
+def detect(tick: Tick, state: HealthState, context: Context) -> dict[AlertKind, Outcome]:
+    """All health outcomes for this tick (the context's counter events are this tick's new ones)."""
+    state.events.extend(context.events)
     due = [e for e in state.events if e.time < tick.t]
     state.events = [e for e in state.events if e.time >= tick.t]
     return {

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
-from gpufleet.server.engine.detectors import Finding, Outcome, FingerprintIndex, r3
+from gpufleet.server.engine.detectors import Context, Finding, FingerprintIndex, Outcome, r3
 from gpufleet.server.engine.reduce import median
 from gpufleet.server.engine.tick import Tick, smoothed_row
 from gpufleet.server.engine.windows import (
@@ -29,8 +29,9 @@ from gpufleet.server.engine.windows import (
 )
 
 
-def detect(tick: Tick, index: FingerprintIndex) -> Outcome:
-    """Findings for every GPU whose newest bin is hot or thermally throttled."""
+def detect(tick: Tick, state: FingerprintIndex, context: Context) -> Outcome:
+    """Findings for every GPU whose newest bin is hot or thermally throttled (the state is the alerts'
+    fingerprint index; nothing in the context matters to heat)."""
     cfg = tick.config
     temp = tick.latest[B_TEMP]
     bits = tick.latest[B_THERMAL]
@@ -50,7 +51,7 @@ def detect(tick: Tick, index: FingerprintIndex) -> Outcome:
         out.add(_finding(tick, slot))
 
     def clear_test(fp: str) -> bool | None:
-        hit = index.get(tick.windows, fp)
+        hit = state.get(tick.windows, fp)
         if hit is None or hit[0] >= len(clear) or unknown[hit[0]]:
             return None
         return bool(clear[hit[0]])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
-from gpufleet.server.engine.detectors import Finding, Outcome, r3, subject_fingerprint
+from gpufleet.server.engine.detectors import Context, Finding, Outcome, r3, subject_fingerprint
 from gpufleet.server.engine.groups import JOB, GroupHistory, Groups
 from gpufleet.server.engine.tick import SlowdownSource, Tick
 
@@ -110,15 +110,14 @@ class WorkloadState:
         self._known = min(self._known, gid)
 
 
-def detect(
-    tick: Tick, history: GroupHistory, explained: set[int], standout: set[int], idling: set[int], state: WorkloadState
-) -> Outcome:
+def detect(tick: Tick, state: WorkloadState, context: Context) -> Outcome:
     """Job-level comm_bound / input_bound findings; none in groups whose drop is explained (a straggler,
-    thermal throttling, a lost GPU), nor where someone stands out (for input_bound: by idling, the groups
-    in `idling`). Only an explanation clears an open alert: a GPU standing out at the weaker margins for
+    thermal throttling, a lost GPU: the context's `explained`), nor where someone stands out (its
+    `standout`; for input_bound: by idling, its `idling`). Only an explanation clears an open alert: a GPU standing out at the weaker margins for
     a tick or two while the whole job idles or spins is noise (at 10 s sampling it reset a pending
     input_bound every minute, which then fired three minutes late); the lifecycle's pending grace
     carries the alert over it."""
+    history, explained, standout, idling = context.history, context.explained, context.standout, context.idling
     cfg = tick.config
     grp = tick.groups
     reg = tick.registry

@@ -14,11 +14,9 @@ whole is active and measurably slowed (which also rules out jitter, wind-down an
 
 from __future__ import annotations
 
-from typing import AbstractSet
-
 import numpy as np
 
-from gpufleet.server.engine.detectors import FingerprintIndex, Outcome
+from gpufleet.server.engine.detectors import Context, FingerprintIndex, Outcome
 from gpufleet.server.engine.detectors.straggler.common import PW, SCALES, SM, UTIL
 from gpufleet.server.engine.detectors.straggler.gpus import (
     SPREAD_K,
@@ -52,11 +50,10 @@ class Result:
         self.idle_groups = idle_groups
 
 
-def detect(
-    tick: Tick, state: StragglerState, index: FingerprintIndex, halted: AbstractSet[int] = frozenset()
-) -> Result:
-    """GPU-level and node-level straggler findings for this tick (none in halted groups: a job hung by a
-    lost GPU has no straggler among the GPUs left)."""
+def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
+    """GPU-level and node-level straggler findings for this tick (none in the context's halted groups: a
+    job hung by a lost GPU has no straggler among the GPUs left)."""
+    halted = context.halted
     cfg = tick.config
     n = tick.windows.n
     state.fit(n)
@@ -177,7 +174,7 @@ def detect(
     standout |= {gid for gid, _ in node_standout}
     judged = (busy | starved) & active
     warm = (state.learned[:n] >= warm_ticks) & measured
-    out.clear = _clear_test(tick, index, judged, warm, holding, weak, cross, node_pairs, node_standout)
+    out.clear = _clear_test(tick, state.index, judged, warm, holding, weak, cross, node_pairs, node_standout)
     state.prune(tick.t)
     return Result(out, standout, idle_groups)
 

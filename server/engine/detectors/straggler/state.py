@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpufleet.server.alerts import AlertKind
 from gpufleet.server.engine.arrays import grown
+from gpufleet.server.engine.detectors import FingerprintIndex
 from gpufleet.server.engine.detectors.straggler.node_pairs import NodeOffsets
 from gpufleet.server.engine.tick import Tick
 
@@ -14,7 +16,7 @@ _COST_KEEP_SECONDS = 600.0
 class StragglerState:
     """Per GPU: structural offsets from its peers, its own usual SM activity and power, time on the job,
     and its group's recent spread of activity excesses; per node, its NodeOffsets; per subject, the cost
-    so far."""
+    so far; and the alerts' fingerprint index."""
 
     def __init__(self) -> None:
         self.offset = np.full((4, 0), np.nan)
@@ -25,6 +27,7 @@ class StragglerState:
         self.cost: dict[str, tuple[float, float]] = {}
         self._steady = np.full(0, np.nan)
         self.nodes = NodeOffsets()
+        self.index = FingerprintIndex(AlertKind.STRAGGLER)
 
     def forget(self, slots: np.ndarray) -> None:
         """Learn these GPUs afresh (their group's work changed)."""
