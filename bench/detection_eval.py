@@ -401,6 +401,12 @@ def render_report(rep: Report) -> str:
                 "",
             ]
         lines += _condition_table(ev)
+        short = [
+            f"{r.name} ({r.required - r.detected} missed, {r.fp} false)"
+            for r in ev.per_scenario
+            if r.required > r.detected or r.fp
+        ]
+        lines += ["", f"Scenarios with a miss or a false alert: {', '.join(short) or 'none'}."]
     lines += [
         "",
         "### Ablations",

@@ -138,3 +138,31 @@ def test_report_section_is_written_between_its_markers_only(tmp_path):
     text = doc.read_text()
     assert text.startswith("# Evaluation\n\nintro\n") and "v2" in text and "v1" not in text
     assert text.count(detection_eval.EVAL_BEGIN) == 1
+
+
+def test_report_says_which_kinds_were_not_scored_which_seeds_ran_and_where_it_failed():
+    def ev(first_seed=0, unscored=()):
+        kinds = {k: scenarios.KindScore() for k in scenarios.ALERT_KINDS if k not in unscored}
+        kinds["straggler"] = scenarios.KindScore(tp=3, fp=1, required=4, detected=3, ttf_s=[40.0, 50.0, 60.0])
+        row = detection_eval.ScenarioResult("slow_node", runs=2, required=4, detected=3, fp=1)
+        return detection_eval.Evaluation(2, kinds, dict(kinds), [row], 0, 0.0, first_seed, unscored)
+
+    rep = detection_eval.Report(
+        ["slow_node"],
+        [
+            ("Defaults", "as generated", ev()),
+            ("Unattributed", "no hpc_job", ev(unscored=scenarios.JOB_LEVEL_KINDS)),
+            ("Hold-out", "frozen", ev(first_seed=detection_eval.HOLDOUT_FIRST_SEED)),
+        ],
+        1,
+        [],
+        {},
+        60.0,
+    )
+    text = detection_eval.render_report(rep)
+    assert "1 of the" in text and "a subset" in text and "--seeds 2" in text
+    first = detection_eval.HOLDOUT_FIRST_SEED
+    assert f"| Hold-out | frozen | {first:,} – {first + 1:,} |" in text
+    assert text.count("Not scored: `comm_bound`, `input_bound`") == 1
+    assert "| `straggler` | 0.750 | 0.750 | 3 | 1 | 4 | 3 | 50 | 50 |" in text
+    assert "slow_node (1 missed, 1 false)" in text
