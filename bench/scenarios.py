@@ -987,6 +987,27 @@ def _stuck(
     return out
 
 
+# Kinds whose subject is a job. Without `hpc_job` on any GPU the fleet names no job, so there is nothing to
+# score them by: an unattributed evaluation leaves them out on both sides (truths and alerts).
+JOB_LEVEL_KINDS = ("comm_bound", "input_bound")
+
+
+def unattributed(alerts: Iterable[Any], truths: Iterable[Truth]) -> tuple[list[dict[str, Any]], list[Truth]]:
+    """The alerts and truths a fleet without job attribution is scored on.
+
+    Job-level kinds, and any truth whose subject is a job, are dropped; every other truth keeps its GPU or
+    node subject with the job removed (matching never looked at the job for those). Alerts of other kinds
+    stay, so a node- or GPU-level alert nothing explains still counts as false.
+    """
+    kept_alerts = [a for a in map(normalize, alerts) if a["kind"] not in JOB_LEVEL_KINDS]
+    kept_truths = [
+        replace(t, hpc_job=None)
+        for t in truths
+        if t.kind not in JOB_LEVEL_KINDS and not (t.node is None and t.gpu is None)
+    ]
+    return kept_alerts, kept_truths
+
+
 def describe_truth(t: Truth, t0: float) -> str:
     """One line for a failure message."""
     subject = t.hpc_job if t.node is None else f"{t.node}/gpu{t.gpu}" if t.gpu is not None else f"{t.node}/node"

@@ -63,6 +63,11 @@ _RESET_FIELDS = (
 APPLICATION_XIDS = frozenset({13, 31, 43, 45})
 
 
+# Bumped whenever a change here alters the trace of any spec and seed: hold-out figures (bench.detection_eval)
+# are only comparable between runs of one generator version.
+GENERATOR_VERSION = 1
+
+
 @dataclass(frozen=True, slots=True)
 class GpuModel:
     """Static properties of one GPU model, as NVML reports them, plus its thermal resistance."""
@@ -194,8 +199,9 @@ class ClusterSpec:
     drop_ratio: float = 0.0
     order: str = "time"  # time | node (cat of record files) | pulls (per-node batches)
     max_jitter_s: float = 0.03
-    # Scales every per-second reading noise (step time, utilization, SM activity, power, the job-wide
-    # phase catch): a robustness probe for telemetry noisier than this model's.
+    # Scales every reading noise: the per-second ones (step time, utilization, SM activity, power, the
+    # job-wide phase catch) and the sensors' at each sample (die and HBM temperature, SM clock) - a
+    # robustness probe for telemetry noisier than this model's.
     noise_scale: float = 1.0
 
 
@@ -739,14 +745,15 @@ class _Physics:
         active = r["phase"] != IDLE
         max_hz = np.array([m.sm_clock_max_hz for m in self.lay.model_of])
         idle_hz = np.array([m.sm_clock_idle_hz for m in self.lay.model_of])
-        clock = np.where(active, max_hz * r["c"] * (1.0 + rng.normal(0, 0.003, G)), idle_hz)
+        ns = self.lay.spec.noise_scale
+        clock = np.where(active, max_hz * r["c"] * (1.0 + rng.normal(0, 0.003 * ns, G)), idle_hz)
         out["clock"][k] = np.minimum(np.round(clock / 15e6) * 15e6, max_hz)
         out["util"][k] = np.round(r["util"], 2)
         out["sm"][k] = np.round(sm_avg, 4)
         out["occ"][k] = np.round(occ_avg, 4)
         out["power"][k] = np.round(r["power"], 3)
-        out["temp"][k] = np.round(self.temp + sch.bump[t] + rng.normal(0, 0.3, G))
-        out["memtemp"][k] = np.round(self.temp + self.mem_delta + rng.normal(0, 0.3, G))
+        out["temp"][k] = np.round(self.temp + sch.bump[t] + rng.normal(0, 0.3 * ns, G))
+        out["memtemp"][k] = np.round(self.temp + self.mem_delta + rng.normal(0, 0.3 * ns, G))
         out["bits"][k] = r["bits"]
         out["energy"][k] = np.round(acc["energy"], 3)
         out["nvl"][k] = np.floor(acc["nvl"] / 1024.0) * 1024.0
@@ -995,12 +1002,14 @@ def _truths(lay: _Layout, sch: _Schedule, res: _Result) -> list[Truth]:
     # Integer sensor plus noise (0.3 °C): near the threshold the reading flickers across it. A die clearly
     # above it (or thermally throttled) must be reported, timed from its run within half a degree. Within a
     # degree an alert is allowed: a die at 82.2 °C reads 83 one time in five, and at 10 s sampling four such
-    # readings in a row are 30 s "at 83 °C". While a node's agent is down its GPUs' heat is never read: a
-    # required truth, and its 30 s, count only what the agent saw.
+    # readings in a row are 30 s "at 83 °C"; with a noisier sensor (noise_scale above 1) that band widens in
+    # proportion. While a node's agent is down its GPUs' heat is never read: a required truth, and its 30 s,
+    # count only what the agent saw.
     reported = sch.up & ~sch.agent_down[:, lay.node_of]
+    band = max(1.0, spec.noise_scale)
     near = (res.temp_true >= THERMAL_ALERT_CELSIUS - 0.5) & reported
     clear = (res.temp_true >= THERMAL_ALERT_CELSIUS + 0.5) & reported
-    plausible = (res.temp_true >= THERMAL_ALERT_CELSIUS - 1.0) & sch.up
+    plausible = (res.temp_true >= THERMAL_ALERT_CELSIUS - band) & sch.up
     throttled = ((res.bits & (BIT_SW_THERMAL | BIT_HW_THERMAL)) != 0) & reported
     for g in np.flatnonzero((plausible | throttled).any(axis=0)):
         hot = clear[:, g] | throttled[:, g]

@@ -429,3 +429,19 @@ def test_busy_scenarios_mix_several_incidents():
     assert len({i.kind for i in spec.incidents}) >= 3
     assert any(j.hpc_job is None for j in spec.jobs)
     assert any(n.model is A100 for n in spec.nodes) and any(n.model is H100 for n in spec.nodes)
+
+
+def test_noise_scale_also_scales_the_temperature_and_clock_sensors():
+    base = _cluster(interval=1.0, duration=400.0)
+
+    def jumps(noise_scale, key):
+        # Mean size of the step between consecutive readings: the die warms over tens of seconds, so at
+        # 1 s sampling what moves a reading from one second to the next is the sensor's own noise.
+        series = _series(generate(replace(base, noise_scale=noise_scale)))
+        return np.mean(
+            [np.mean(np.abs(np.diff([r[key] for r in rows if 150 <= r["_t"] < 400]))) for rows in series.values()]
+        )
+
+    for key in ("temperature_celsius", "memory_temperature_celsius", "sm_clock_hertz"):
+        assert jumps(4.0, key) > 3 * jumps(1.0, key) > 0, key
+    assert jumps(0.0, "sm_clock_hertz") == 0
