@@ -27,7 +27,7 @@ from urllib.parse import parse_qs
 
 import httpx
 
-from bench.server_live_bench import RETENTION_SECONDS, FakeAgent, _free_port, proc_rss_bytes, wait_for_file
+from bench.server_live_bench import RETENTION_SECONDS, FakeAgent, _free_port, proc_rss_bytes, respond, wait_for_file
 
 
 class RingAgent(FakeAgent):
@@ -63,23 +63,8 @@ class RingAgent(FakeAgent):
 
 
 async def serve_ring(agent: RingAgent, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """A keep-alive HTTP/1.1 responder for GET /snapshots."""
-    try:
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            target = head.split(b" ", 2)[1].decode()
-            body = agent.answer_query(target.partition("?")[2])
-            writer.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                + str(len(body)).encode()
-                + b"\r\n\r\n"
-                + body
-            )
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
+    """GET /snapshots of one agent with a full ring."""
+    await respond(reader, writer, lambda target: (agent.answer_query(target.partition("?")[2]), b"application/json"))
 
 
 async def run_ring_agents(count: int, sd_file: Path) -> None:

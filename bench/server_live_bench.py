@@ -30,7 +30,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import orjson
@@ -143,19 +143,14 @@ class FakeAgent:
         return body + render_age(now, snap, self.node)
 
 
-async def serve_agent(agent: FakeAgent, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """A tiny keep-alive HTTP/1.1 responder for GET /snapshots."""
+async def respond(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answer: Callable[[str], tuple[bytes, bytes]]
+) -> None:
+    """A tiny keep-alive HTTP/1.1 responder: answer(request target) gives the body and its content type."""
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
-            target = head.split(b" ", 2)[1].decode()
-            if target.startswith("/metrics"):
-                body, kind = agent.metrics(), b"text/plain; version=0.0.4"
-            else:
-                since = None
-                if "since=" in target:
-                    since = float(target.split("since=", 1)[1].split("&", 1)[0])
-                body, kind = agent.answer(since), b"application/json"
+            body, kind = answer(head.split(b" ", 2)[1].decode())
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: "
                 + kind
@@ -169,6 +164,18 @@ async def serve_agent(agent: FakeAgent, reader: asyncio.StreamReader, writer: as
         pass
     finally:
         writer.close()
+
+
+async def serve_agent(agent: FakeAgent, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """GET /metrics and GET /snapshots?since= of one fake agent."""
+
+    def answer(target: str) -> tuple[bytes, bytes]:
+        if target.startswith("/metrics"):
+            return agent.metrics(), b"text/plain; version=0.0.4"
+        since = float(target.split("since=", 1)[1].split("&", 1)[0]) if "since=" in target else None
+        return agent.answer(since), b"application/json"
+
+    await respond(reader, writer, answer)
 
 
 async def run_fake_agents(count: int, sd_file: Path) -> None:
