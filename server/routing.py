@@ -50,6 +50,7 @@ class AlertRouting:
             raise ValueError(f"external label {clash[0]!r} is one the server sets itself")
         self.runbook_url = check_runbook_template(runbook_url) if runbook_url else None
         self._gpus: dict[tuple[str, int], tuple[str | None, Pod]] = {}  # (node, gpu) -> (job, pod)
+        self._nodes: set[str] = set()  # nodes whose latest sample named a pod
         self._given: dict[str, Mapping[str, str]] = {}  # alert id -> its labels
 
     def observe(self, samples: Iterable[NodeSample]) -> None:
@@ -57,6 +58,12 @@ class AlertRouting:
         for s in samples:
             if not isinstance(s, NodeSample):
                 continue
+            if s.pods is None and s.node not in self._nodes:
+                continue  # no pod on this node before or now: nothing to learn (most samples off Kubernetes)
+            if s.pods is None:
+                self._nodes.discard(s.node)
+            else:
+                self._nodes.add(s.node)
             pods = s.pods or (None,) * len(s.indices)
             for index, job, pod in zip(s.indices, s.jobs, pods):
                 if pod is None:
