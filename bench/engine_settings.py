@@ -60,11 +60,19 @@ def unit(field: dataclasses.Field) -> str:
             return name
     if field.type in (int, "int"):
         return "count"
+    if field.name == "disabled_rules":
+        return "rule names"
     return "ratio 0-1"
 
 
-def _number(value: float | int) -> str:
-    return f"{value:g}"
+def _number(value: object) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else "none"
+
+
+def _default(field: dataclasses.Field) -> object:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
 
 
 def render() -> str:
@@ -78,7 +86,7 @@ def render() -> str:
     ]
     for f in dataclasses.fields(EngineConfig):
         text = comments.get(f.name, "").replace("|", "\\|")
-        rows.append(f"| `{f.name}` | {_number(f.default)} | {unit(f)} | {text} |")
+        rows.append(f"| `{f.name}` | {_number(_default(f))} | {unit(f)} | {text} |")
     return "\n".join(rows)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 
@@ -120,6 +120,10 @@ class EngineConfig:
     # An ecc alert clears after this long without new uncorrected errors and with no remap pending/failed.
     ecc_clear_seconds: float = 600.0
 
+    # Rules (gpufleet.server.engine.rules) switched off by name: never hold. For ablation and for a fleet
+    # where one rule misfires; the engine refuses a name no detector declares.
+    disabled_rules: frozenset[str] = field(default_factory=frozenset)
+
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> "EngineConfig":
         """Build from a mapping (YAML/JSON config); ValueError names an unknown key or a bad value."""
@@ -133,7 +137,10 @@ class EngineConfig:
             name = str(key).replace("-", "_").replace(".", "_")
             if name not in fields:
                 raise ValueError(f"unknown engine config key {key!r}")
-            values[name] = _coerce(key, raw, fields[name].type)
+            if name == "disabled_rules":
+                values[name] = _rule_names(key, raw)
+            else:
+                values[name] = _coerce(key, raw, fields[name].type)
         config = cls(**values)
         config.validate()
         return config
@@ -156,12 +163,21 @@ class EngineConfig:
         if not 0 < self.baseline_percentile <= 100:
             raise ValueError("baseline_percentile must be in (0, 100]")
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 0:
+            if f.name != "disabled_rules" and getattr(self, f.name) < 0:
                 raise ValueError(f"{f.name} must be >= 0")
 
     def bins(self, seconds: float) -> int:
         """Whole ticks covering a duration (at least one)."""
         return max(1, int(round(seconds / self.tick_seconds)))
+
+
+def _rule_names(key: Any, raw: Any) -> frozenset[str]:
+    """A list of rule names (or one comma-separated string)."""
+    if isinstance(raw, str):
+        raw = [part.strip() for part in raw.split(",") if part.strip()]
+    if not isinstance(raw, (list, tuple, set, frozenset)) or not all(isinstance(x, str) for x in raw):
+        raise ValueError(f"engine config {key!r} must be a list of rule names, got {raw!r}")
+    return frozenset(raw)
 
 
 def _coerce(key: Any, raw: Any, type_name: Any) -> Any:

@@ -1,0 +1,91 @@
+"""Rules as data: a detector's policy is a declared tuple of Rule, evaluated by `evaluate` over the arrays
+its machinery computed (windows, peer groups, baselines, learned offsets).
+
+A rule holds when its signal reaches its margin and all its gates hold (and none of its `unless` gates):
+
+    signal >= max(scale x config[margin], config[sigmas] x spread)
+
+The margin is a named EngineConfig setting, the floor; where the rule names a spread (the subject's own
+robust noise, e.g. 1.4826 x the MAD of its group's readings) the margin widens with it, so a noisy job
+needs a larger difference than a quiet one under the same defaults. Signals are oriented so that larger
+means "fires" (a clock deficit is the negated clock offset). A NaN signal or spread never fires and never
+widens: an unsupported reading is absent, not 0.
+
+Everything numeric lives in EngineConfig; the machinery supplies arrays by name. A rule named in
+EngineConfig.disabled_rules never holds: that is how the evaluation's ablation table switches each one off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rule:
+    """One named condition of a detector."""
+
+    name: str  # stable identifier: EngineConfig.disabled_rules, the ablation table, the docs
+    doc: str  # one line for the reference: what holding it means
+    signal: str  # key of a per-subject array, oriented so that larger fires
+    margin: str  # EngineConfig setting: the margin's floor (scaled by `evaluate`'s scales)
+    spread: str | None = None  # key of a per-subject robust spread; None: the floor alone
+    sigmas: str | None = None  # EngineConfig setting: how many spreads the margin widens to
+    gates: tuple[str, ...] = ()  # keys of boolean arrays that must all hold
+    unless: tuple[str, ...] = ()  # keys of boolean arrays none of which may hold
+
+    def __post_init__(self) -> None:
+        if (self.spread is None) != (self.sigmas is None):
+            raise ValueError(f"rule {self.name}: spread and sigmas go together")
+
+
+def evaluate(
+    rules: Iterable[Rule],
+    arrays: Mapping[str, np.ndarray],
+    config: object,
+    scales: np.ndarray | float = 1.0,
+) -> dict[str, np.ndarray]:
+    """Each rule's truth per subject. With `scales` of shape (k, 1) every result has shape (k, n): the
+    same rules at k multiples of their floors in one pass (the weaker multiples keep an open alert from
+    clearing and hold job-level alerts back). A disabled rule is all False."""
+    disabled: frozenset[str] = getattr(config, "disabled_rules", frozenset())
+    scale = np.asarray(scales, dtype=float)
+    out: dict[str, np.ndarray] = {}
+    for rule in rules:
+        signal = np.asarray(arrays[rule.signal], dtype=float)
+        shape = np.broadcast_shapes(scale.shape, signal.shape)
+        if rule.name in disabled:
+            out[rule.name] = np.zeros(shape, dtype=bool)
+            continue
+        threshold = scale * float(getattr(config, rule.margin))
+        if rule.spread is not None:
+            assert rule.sigmas is not None  # __post_init__
+            widened = float(getattr(config, rule.sigmas)) * np.asarray(arrays[rule.spread], dtype=float)
+            threshold = np.fmax(threshold, widened)  # fmax: a NaN spread leaves the floor
+        holds = signal >= threshold
+        for gate in rule.gates:
+            holds = holds & arrays[gate]
+        for gate in rule.unless:
+            holds = holds & ~arrays[gate]
+        out[rule.name] = np.broadcast_to(holds, shape)
+    return out
+
+
+def any_of(results: Mapping[str, np.ndarray], names: Sequence[str]) -> np.ndarray:
+    """Whether any of the named rules holds (they share one shape)."""
+    it = iter(names)
+    acc = np.array(results[next(it)], dtype=bool)
+    for name in it:
+        acc = acc | results[name]
+    return acc
+
+
+def names(*rule_sets: Iterable[Rule]) -> frozenset[str]:
+    """Every rule name in the given declarations; a name used twice is a mistake."""
+    seen: list[str] = [r.name for rules in rule_sets for r in rules]
+    dupes = {n for n in seen if seen.count(n) > 1}
+    if dupes:
+        raise ValueError(f"rule names declared twice: {sorted(dupes)}")
+    return frozenset(seen)

@@ -1,0 +1,65 @@
+"""The rule interpreter: margins as floors widened by a spread, gates, scales, NaN and switching off."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from gpufleet.server.engine import EngineConfig
+from gpufleet.server.engine.rules import Rule, any_of, evaluate, names
+
+
+@dataclass(frozen=True)
+class _Cfg:
+    margin: float = 0.1
+    sigmas: float = 3.0
+    disabled_rules: frozenset[str] = field(default_factory=frozenset)
+
+
+EXCESS = Rule(name="excess", doc="stands out", signal="x", margin="margin")
+NOISY = Rule(name="noisy", doc="stands out beyond noise", signal="x", margin="margin", spread="s", sigmas="sigmas")
+GATED = Rule(name="gated", doc="gated", signal="x", margin="margin", gates=("g",), unless=("u",))
+
+
+def test_floor_spread_and_nan() -> None:
+    arrays = {"x": np.array([0.05, 0.1, 0.2, np.nan, 0.2]), "s": np.array([0.0, 0.0, 0.1, 0.0, np.nan])}
+    out = evaluate((EXCESS, NOISY), arrays, _Cfg())
+    assert out["excess"].tolist() == [False, True, True, False, True]
+    # A spread of 0.1 at 3 sigmas widens the margin to 0.3: 0.2 no longer fires; a NaN spread keeps the floor.
+    assert out["noisy"].tolist() == [False, True, False, False, True]
+
+
+def test_gates_and_scales() -> None:
+    arrays = {"x": np.array([0.07, 0.07, 0.2]), "g": np.array([True, True, False]), "u": np.array([False, True, False])}
+    out = evaluate((GATED,), arrays, _Cfg(), scales=np.array([[1.0], [0.6]]))
+    assert out["gated"].shape == (2, 3)
+    assert out["gated"][0].tolist() == [False, False, False]
+    assert out["gated"][1].tolist() == [True, False, False]
+
+
+def test_disabled_rule_never_holds() -> None:
+    arrays = {"x": np.array([1.0, 2.0])}
+    out = evaluate(
+        (EXCESS, GATED),
+        {**arrays, "g": np.ones(2, bool), "u": np.zeros(2, bool)},
+        _Cfg(disabled_rules=frozenset({"excess"})),
+    )
+    assert not out["excess"].any()
+    assert out["gated"].all()
+    assert any_of(out, ["excess", "gated"]).all()
+
+
+def test_declarations_are_checked() -> None:
+    with pytest.raises(ValueError, match="spread and sigmas"):
+        Rule(name="bad", doc="", signal="x", margin="margin", spread="s")
+    with pytest.raises(ValueError, match="declared twice"):
+        names((EXCESS,), (EXCESS,))
+
+
+def test_config_reads_disabled_rules() -> None:
+    assert EngineConfig.from_mapping({"disabled_rules": ["a", "b"]}).disabled_rules == {"a", "b"}
+    assert EngineConfig.from_mapping({"disabled-rules": "a, b"}).disabled_rules == {"a", "b"}
+    with pytest.raises(ValueError, match="list of rule names"):
+        EngineConfig.from_mapping({"disabled_rules": 3})
