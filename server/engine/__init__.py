@@ -21,6 +21,7 @@ from gpufleet.server.engine.detectors import Context, FingerprintIndex, Outcome
 from gpufleet.server.engine.detectors import health, straggler, thermal, workload
 from gpufleet.server.engine.groups import JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
 from gpufleet.server.engine.lifecycle import Lifecycle
+from gpufleet.server.engine.policy import rule_names
 from gpufleet.server.engine.prepared import prepare_windows
 from gpufleet.server.engine.tick import SlowdownSource, Tick, read_windows, smoothed
 from gpufleet.server.engine.views import EngineStats, JobHealth, NodeHealth
@@ -42,6 +43,9 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         cfg = self.config = config or EngineConfig()
         cfg.validate()
+        unknown = cfg.disabled_rules - rule_names()
+        if unknown:
+            raise ValueError(f"disabled_rules names no declared rule: {', '.join(sorted(unknown))}")
         self.windows = Windows(cfg.tick_seconds, cfg.bins(cfg.window_seconds))
         self.registry = GroupRegistry(cfg.group_retention_seconds)
         # Noise is read from changes over twice the smoothing: readings that far apart share no sample.

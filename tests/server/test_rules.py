@@ -63,3 +63,10 @@ def test_config_reads_disabled_rules() -> None:
     assert EngineConfig.from_mapping({"disabled-rules": "a, b"}).disabled_rules == {"a", "b"}
     with pytest.raises(ValueError, match="list of rule names"):
         EngineConfig.from_mapping({"disabled_rules": 3})
+
+
+def test_engine_refuses_an_unknown_rule_name() -> None:
+    from gpufleet.server.engine import Engine
+
+    with pytest.raises(ValueError, match="no declared rule: nonsense"):
+        Engine(EngineConfig(disabled_rules=frozenset({"nonsense"})))

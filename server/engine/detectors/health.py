@@ -16,6 +16,10 @@ from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.detectors import Context, FingerprintIndex, Finding, Outcome, subject_fingerprint
 from gpufleet.server.engine.tick import Tick
 from gpufleet.server.engine.windows import B_REMAP_FAILURE, B_REMAP_PENDING, B_UP, CounterEvent
+from gpufleet.server.engine.rules import Rule
+
+# The rules of this detector, as data (see gpufleet.server.engine.rules).
+RULES: tuple[Rule, ...] = ()
 
 XID_MEANINGS = {
     8: "GPU stopped processing (timeout)",

@@ -27,6 +27,10 @@ from gpufleet.server.engine.windows import (
     L_MEM_MAX,
     L_SLOWDOWN,
 )
+from gpufleet.server.engine.rules import Rule
+
+# The rules of this detector, as data (see gpufleet.server.engine.rules).
+RULES: tuple[Rule, ...] = ()
 
 
 def detect(tick: Tick, state: FingerprintIndex, context: Context) -> Outcome:

@@ -21,6 +21,10 @@ from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.detectors import Context, Finding, Outcome, r3, subject_fingerprint
 from gpufleet.server.engine.groups import JOB, GroupHistory, Groups
 from gpufleet.server.engine.tick import SlowdownSource, Tick
+from gpufleet.server.engine.rules import Rule
+
+# The rules of this detector, as data (see gpufleet.server.engine.rules).
+RULES: tuple[Rule, ...] = ()
 
 
 def job_drop(

@@ -36,6 +36,10 @@ from gpufleet.server.engine.detectors.straggler.nodes import node_level, whole_n
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 from gpufleet.server.engine.reduce import nan_to_zero
 from gpufleet.server.engine.tick import Tick
+from gpufleet.server.engine.rules import Rule
+
+# The rules of this detector, as data (see gpufleet.server.engine.rules).
+RULES: tuple[Rule, ...] = ()
 
 __all__ = ["Result", "StragglerState", "detect"]
 
