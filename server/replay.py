@@ -21,16 +21,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-import numpy as np
 import orjson
 
-from gpufleet.server import contract
+from gpufleet.server import clocks, contract
 from gpufleet.server.alerts import Alert, AlertState
 from gpufleet.server.contract import ContractError, NodeSample, parse_lines
 from gpufleet.server.engine import Engine, EngineConfig, EngineStats
-from gpufleet.server.engine.reduce import median
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +71,8 @@ def replay_trace(
     # never sees it.
     started = time.perf_counter()
     with _gc_paused():
-        samples, skipped = _load(sources)
-        alerts, stats = _run(samples, cfg)
+        samples, skipped, starts = _read(sources)
+        alerts, stats = _run(samples, cfg, starts)
     elapsed = time.perf_counter() - started
     log.info(
         "replay done",
@@ -92,9 +90,19 @@ def replay_trace(
 def _load(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> tuple[list[NodeSample], int]:
     """Parse every line, logging and skipping the bad ones; returns samples sorted by time, and how many
     lines were skipped."""
+    samples, bad, _ = _read(sources)
+    samples.sort(key=_TIME_NODE)
+    return samples, bad
+
+
+def _read(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> tuple[list[NodeSample], int, list[int]]:
+    """Parse every line, logging and skipping the bad ones; returns samples in the order read, how many
+    lines were skipped, and the index where each source's samples begin."""
     samples: list[NodeSample] = []
+    starts: list[int] = []
     bad = 0
     for name, lines in sources:
+        starts.append(len(samples))
         for lineno, item in parse_lines(lines):
             if isinstance(item, ContractError):
                 bad += 1
@@ -104,21 +112,23 @@ def _load(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> tuple[list[No
                 samples.append(item)
     if bad > MALFORMED_LOGGED:
         log.warning("more malformed lines skipped", extra={"malformed": bad, "not_logged": bad - MALFORMED_LOGGED})
-    samples.sort(key=_TIME_NODE)
     log.info("trace loaded", extra={"snapshots": len(samples), "malformed": bad})
-    return samples, bad
+    return samples, bad, starts or [0]
 
 
-def _run(samples: list[NodeSample], cfg: EngineConfig) -> tuple[list[Alert], EngineStats]:
-    """Feed samples in time order, advancing at each tick boundary they cross; the fired alerts and the
-    engine's counters at the end."""
+def _run(samples: list[NodeSample], cfg: EngineConfig, starts: Sequence[int] = (0,)) -> tuple[list[Alert], EngineStats]:
+    """Feed samples (in the order read; starts: where each source begins) in time order, advancing at each
+    tick boundary they cross; the fired alerts and the engine's counters at the end."""
     engine = Engine(cfg)
     fired: dict[str, Alert] = {}
     if not samples:
         return [], engine.stats()
-    spans, samples = _node_spans(samples)
+    order = samples
+    spans, samples, repeats = _node_spans(sorted(order, key=_TIME_NODE))
+    if repeats:
+        order = [s for s in order if id(s) not in repeats]
     engine.reserve(sum(len(span.indices) for span in spans.values()))
-    samples = _align_clocks(samples, spans)
+    samples = _align_clocks(samples, order, starts)
     engine.prepare(samples)
     step = cfg.tick_seconds
     boundary = (math.floor(samples[0].time / step) + 1) * step
@@ -162,8 +172,8 @@ class _Span:
         return True
 
 
-def _node_spans(samples: list[NodeSample]) -> tuple[dict[str, _Span], list[NodeSample]]:
-    """Per node, from samples in time order; and the samples without repeats.
+def _node_spans(samples: list[NodeSample]) -> tuple[dict[str, _Span], list[NodeSample], set[int]]:
+    """Per node, from samples in time order; the samples without repeats; and the id() of each repeat.
 
     A node's snapshot at the same time as its previous one is the same snapshot twice (a record file
     passed twice, or cat of overlapping ones). Kept, the repeat's zero-second energy difference has no
@@ -178,72 +188,91 @@ def _node_spans(samples: list[NodeSample]) -> tuple[dict[str, _Span], list[NodeS
             repeats.add(i)
     if repeats:
         log.warning("repeated snapshots dropped", extra={"snapshots": len(repeats)})
-        samples = [s for i, s in enumerate(samples) if i not in repeats]
-    return spans, samples
+        dropped = {id(samples[i]) for i in repeats}
+        return spans, [s for i, s in enumerate(samples) if i not in repeats], dropped
+    return spans, samples, set()
 
 
-# A clock at least this far off (and more than a sampling interval, a node's phase) is taken out. The
-# engine itself is indifferent to 20 s; it is the ends of the trace and a job's transitions that are not.
-_MIN_CLOCK_OFFSET_SECONDS = 10.0
+def _align_clocks(samples: list[NodeSample], order: list[NodeSample], starts: Sequence[int] = (0,)) -> list[NodeSample]:
+    """The samples (in time order), with each node's clock offset from the other nodes' taken out where
+    the trace shows one (gpufleet.server.clocks.trace_offsets: the rule the live server follows too).
 
-
-def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[NodeSample]:
-    """The samples, with a node's clock offset from the other nodes' taken out where the trace shows one.
-
-    Every agent of a trace records over the same stretch of real time, so where most nodes' first and
-    last samples agree, a node whose first and last samples both sit the same offset from theirs has a
-    clock off by that much. Left in, its bins are compared with other instants of its peers' (at every
-    start, end and incident of a job it stands out, early or late), and at the trace's end the nodes
-    whose clocks run behind stop sooner in sample time than the others and read as unreachable. A node
-    that starts late or stops early (down, crashed, added) moves one end only and is left alone; so is
-    every node where the others do not agree among themselves (agents started and stopped one after
-    another, or two nodes: nothing says which clock is right).
+    order is the same samples as read (repeats left out), starts the index in it where each source
+    begins: within one source a node's lines are in the order its agent took them, and a clock step
+    shows there as its time jumping. Left in, a node's offset has its bins compared with other instants
+    of its peers' (at every start, end and incident of a job it stands out, early or late), and at the
+    trace's end the nodes whose clocks run behind stop sooner in sample time than the others and read
+    as unreachable.
     """
-    if len(spans) < 3:
+    runs = _runs_by_node(order, starts)
+    if len(runs) < 3:
         return samples
-    # The reference ends are one node's own (the lower middle one), not the mean of the two middle ones,
-    # which can sit far from every node: among four, with one node 60 s ahead and one whose first line
-    # was lost 19 s in, that mean put the offset taken out at 53 s.
-    ref_first = _lower_median([span.first for span in spans.values()])
-    ref_last = _lower_median([span.last for span in spans.values()])
-    ends = {
-        node: (span.first - ref_first, span.last - ref_last, (span.last - span.first) / max(span.count - 1, 1))
-        for node, span in spans.items()
-    }
-    # A node's sampling phase moves both of its ends alike, by less than an interval; a clock offset moves
-    # both by the offset. One end agreeing is enough to count a node in step: a lost first line moves its
-    # first end by another interval (at 10 s sampling, 13.6 s: counted out, only two of four nodes agreed
-    # and a node 62 s ahead was left as it was).
-    in_step = sum(min(abs(early), abs(late)) <= interval + 2.0 for early, late, interval in ends.values())
-    if 2 * in_step <= len(ends):
-        return samples
-    # The median node's ends are known to within its own interval: agents sampling every 5 s beside one
-    # sampling every second put that one's two ends up to 5 s apart against theirs.
-    ref_interval = median(np.array([interval for _, _, interval in ends.values()]))
-    offsets: dict[str, float] = {}
-    for node, (early, late, interval) in ends.items():
-        offset = (early + late) / 2.0
-        slack = max(interval, ref_interval)
-        # Beyond the phase, and with both ends agreeing more closely than a lost first or last line
-        # (which moves one end by a whole interval) would let them.
-        if abs(offset) >= max(_MIN_CLOCK_OFFSET_SECONDS, slack + 2.0) and abs(early - late) <= 0.5 * slack + 2.0:
-            offsets[node] = offset
-            log.warning("node clock offset taken out", extra={"node": node, "offset_seconds": round(offset, 1)})
+    traces, cuts = {}, {}
+    for node, taken in runs.items():
+        times = [s.time for s in taken]
+        at, by = clocks.jumps(times)
+        bounds = (0, *at, len(times))
+        traces[node] = clocks.NodeTrace(min(times[: bounds[1]]), max(times[bounds[-2] :]), len(times), by)
+        cuts[node] = (taken, bounds)
+    offsets = clocks.trace_offsets(traces)
     if not offsets:
         return samples
-    out = [
-        s
-        if s.node not in offsets
-        else NodeSample(s.node, s.time - offsets[s.node], s.indices, s.uuids, s.models, s.jobs, s.values, s.xid_by_code)
-        for s in samples
-    ]
+    shift: dict[int, float] = {}
+    for node, stretches in offsets.items():
+        taken, bounds = cuts[node]
+        if len(stretches) > 1:
+            log.warning(
+                "node clock stepped",
+                extra={"node": node, "steps_seconds": [round(b - a, 1) for a, b in zip(stretches, stretches[1:])]},
+            )
+        for k, offset in enumerate(stretches):
+            if not offset:
+                continue
+            start = taken[bounds[k]].time
+            log.warning(
+                "node clock offset taken out",
+                extra={"node": node, "offset_seconds": round(offset, 1), "from_sample_time": start},
+            )
+            for s in taken[bounds[k] : bounds[k + 1]]:
+                shift[id(s)] = offset
+    out = [s if id(s) not in shift else _shifted(s, shift[id(s)]) for s in samples]
     out.sort(key=_TIME_NODE)
     return out
 
 
-def _lower_median(values: list[float]) -> float:
-    """The lower of the middle values (the middle one where there is one)."""
-    return sorted(values)[(len(values) - 1) // 2]
+def _runs_by_node(order: list[NodeSample], starts: Sequence[int]) -> dict[str, list[NodeSample]]:
+    """Each node's samples in the order its agent took them, as far as the trace tells: as read within
+    each source, the sources' runs one after another by their first time. A node whose lines go back in
+    time more often than clock steps would (shuffled, merged) is taken in time order."""
+    runs: dict[str, list[list[NodeSample]]] = {}
+    source_of: dict[str, int] = {}
+    bounds = [*starts[1:], len(order)]
+    source, next_start = 0, bounds[0]
+    for i, s in enumerate(order):
+        while i >= next_start:
+            source += 1
+            next_start = bounds[source]
+        node_runs = runs.get(s.node)
+        if node_runs is None:
+            node_runs = runs[s.node] = []
+        if source_of.get(s.node) != source:
+            source_of[s.node] = source
+            node_runs.append([])
+        node_runs[-1].append(s)
+    out = {}
+    for node, node_runs in runs.items():
+        node_runs.sort(key=lambda run: run[0].time)
+        taken = [s for run in node_runs for s in run]
+        back = sum(1 for a, b in zip(taken, taken[1:]) if b.time < a.time)
+        out[node] = taken if back <= clocks.MAX_BACK_STEPS else sorted(taken, key=_TIME_NODE)
+    return out
+
+
+def _shifted(s: NodeSample, offset_seconds: float) -> NodeSample:
+    """The sample with offset_seconds taken out of its time."""
+    return NodeSample(
+        s.node, s.time - offset_seconds, s.indices, s.uuids, s.models, s.jobs, s.values, s.xid_by_code, s.pods
+    )
 
 
 def _open_trace(path: str, handles: list) -> Iterable[bytes]:

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 import httpx
 import orjson
 
-from gpufleet.server.ingest.clocks import DEFAULT_MIN_OFFSET_SECONDS, ClockOffsets
+from gpufleet.server.clocks import MIN_OFFSET_SECONDS, ClockOffsets
 from gpufleet.server.ingest.targets import TargetSource
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ class Puller(IngestAccounting):
         clock: Callable[[], float] = time.time,
         parse: Callable[[Mapping[str, Any]], Any] | None = None,
         scheme: str = "http",
-        clock_offset_min_seconds: float = DEFAULT_MIN_OFFSET_SECONDS,
+        clock_offset_min_seconds: float = MIN_OFFSET_SECONDS,
         verify: ssl.SSLContext | None = None,
         auth: httpx.Auth | None = None,
         max_entries: int = DEFAULT_MAX_ENTRIES,
