@@ -369,6 +369,15 @@ def load_samples(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> list[N
         return _load(sources)[0]
 
 
+def aligned_samples(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> list[NodeSample]:
+    """Every valid snapshot of the named line sources as replay feeds the engine: in time order, repeats
+    dropped, each node's clock lined up with the others'."""
+    with _gc_paused():
+        order, _, starts = _read(sources)
+        samples, repeats = _node_spans(sorted(order, key=_TIME_NODE))[1:]
+        return _align_clocks(samples, [s for s in order if id(s) not in repeats], starts)
+
+
 def run_samples(samples: list[NodeSample], config: EngineConfig | None = None) -> list[Alert]:
     """The engine over already loaded samples, as replay feeds it: every alert that fired."""
     return _run(samples, config or EngineConfig())[0]
