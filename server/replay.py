@@ -3,7 +3,8 @@
 `gpufleet-server replay TRACE... [--config FILE]`. Lines may come from many agents' --record files in
 any order, gzip-compressed or not, or from standard input (`-`): every line of every file is parsed,
 sorted by sample time, a node's repeated snapshots are dropped, a node whose clock is off the others'
-is lined up with them (_align_clocks), and all is fed to the same Engine the live server runs, advancing
+or steps is lined up with them (_align_clocks, by the rule the live server follows too: server/clocks.py),
+and all is fed to the same Engine the live server runs, advancing
 on a fixed cadence of sample time. Malformed lines are logged (file and line number) and
 skipped. Exit 0 on success, 1 when no line held a valid snapshot (one line on stderr says how many
 were skipped), 2 for a missing file or a bad config.
@@ -15,6 +16,7 @@ import argparse
 import gc
 import logging
 import math
+import operator
 import sys
 import time
 from contextlib import contextmanager
@@ -208,12 +210,11 @@ def _align_clocks(samples: list[NodeSample], order: list[NodeSample], starts: Se
     if len(runs) < 3:
         return samples
     traces, cuts = {}, {}
-    for node, taken in runs.items():
-        times = [s.time for s in taken]
+    for node, (taken, times) in runs.items():
         at, by = clocks.jumps(times)
-        bounds = (0, *at, len(times))
-        traces[node] = clocks.NodeTrace(min(times[: bounds[1]]), max(times[bounds[-2] :]), len(times), by)
-        cuts[node] = (taken, bounds)
+        first, last = (min(times), max(times)) if not at else (min(times[: at[0]]), max(times[at[-1] :]))
+        traces[node] = clocks.NodeTrace(first, last, len(times), by)
+        cuts[node] = (taken, (0, *at, len(times)))
     offsets = clocks.trace_offsets(traces)
     if not offsets:
         return samples
@@ -240,31 +241,30 @@ def _align_clocks(samples: list[NodeSample], order: list[NodeSample], starts: Se
     return out
 
 
-def _runs_by_node(order: list[NodeSample], starts: Sequence[int]) -> dict[str, list[NodeSample]]:
-    """Each node's samples in the order its agent took them, as far as the trace tells: as read within
-    each source, the sources' runs one after another by their first time. A node whose lines go back in
-    time more often than clock steps would (shuffled, merged) is taken in time order."""
+def _runs_by_node(order: list[NodeSample], starts: Sequence[int]) -> dict[str, tuple[list[NodeSample], list[float]]]:
+    """Each node's samples, and their times, in the order its agent took them as far as the trace tells:
+    as read within each source, the sources' runs one after another by their first time. A node whose
+    lines go back in time more often than clock steps would (shuffled, merged) is taken in time order."""
     runs: dict[str, list[list[NodeSample]]] = {}
-    source_of: dict[str, int] = {}
-    bounds = [*starts[1:], len(order)]
-    source, next_start = 0, bounds[0]
-    for i, s in enumerate(order):
-        while i >= next_start:
-            source += 1
-            next_start = bounds[source]
-        node_runs = runs.get(s.node)
-        if node_runs is None:
-            node_runs = runs[s.node] = []
-        if source_of.get(s.node) != source:
-            source_of[s.node] = source
-            node_runs.append([])
-        node_runs[-1].append(s)
+    for a, b in zip(starts, [*starts[1:], len(order)]):
+        here: dict[str, list[NodeSample]] = {}
+        for s in order[a:b]:
+            run = here.get(s.node)
+            if run is None:
+                run = here[s.node] = []
+            run.append(s)
+        for node, run in here.items():
+            runs.setdefault(node, []).append(run)
     out = {}
     for node, node_runs in runs.items():
-        node_runs.sort(key=lambda run: run[0].time)
-        taken = [s for run in node_runs for s in run]
-        back = sum(1 for a, b in zip(taken, taken[1:]) if b.time < a.time)
-        out[node] = taken if back <= clocks.MAX_BACK_STEPS else sorted(taken, key=_TIME_NODE)
+        if len(node_runs) > 1:
+            node_runs.sort(key=lambda run: run[0].time)
+        taken = node_runs[0] if len(node_runs) == 1 else [s for run in node_runs for s in run]
+        times = [s.time for s in taken]
+        if sum(map(operator.lt, times[1:], times)) > clocks.MAX_BACK_STEPS:
+            taken = sorted(taken, key=_TIME_NODE)
+            times = [s.time for s in taken]
+        out[node] = (taken, times)
     return out
 
 
