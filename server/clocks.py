@@ -37,26 +37,19 @@ from typing import Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
-# An offset below this is left in: the engine's 30 s medians absorb it; it is the ends of a trace, a job's
-# transitions and the live server's settle time (a pull interval and timeout) that a larger one upsets.
+# Less is left in: the engine's 30 s medians absorb it; a trace's ends, a job's transitions and settle do not.
 MIN_OFFSET_SECONDS = 10.0
-# An offset already taken out is kept while it stays above this share of the minimum, so a clock near the
-# minimum is not taken out and put back answer after answer.
+# An offset taken out stays out down to this share of the minimum, so a clock near it does not flap.
 KEEP_RATIO = 0.5
-# Sample timing jitter and NTP-level drift (a sample is taken up to ~1 s late, an NTP-kept clock is within
-# a second or two): offsets, disagreements and moves within this are the measurement's noise, not a clock.
+# Sample timing jitter plus NTP-level drift (about a second each): offsets and moves within it are noise.
 SLACK_SECONDS = 2.0
-# A change of a node's clock against the reference beyond this is a step (NTP correcting a large error, an
-# operator setting the date), not delay: an answer is late by a pull timeout and a sampling interval at
-# most, while a step left standing puts the node's samples past the engine's unreachable threshold (30 s).
+# Beyond any answer's delay (a pull timeout plus an interval, <10 s), short of the 30 s that reads unreachable.
 STEP_SECONDS = 20.0
-# Live answers the estimate is taken over: a minute of 5 s pulls, how soon a corrected clock is trusted.
+# Live answers the estimate is the best of: a minute of 5 s pulls, how soon a corrected clock is trusted.
 ANSWERS = 12
-# Gaps in one node's lines that replay weighs as "step or outage" each way: 2**8 readings at most per node;
-# past this the node's gaps are taken as outages (a node that flaps that often is no clock to line up).
+# Replay weighs each gap of a node as step or outage up to this many gaps (2**8 readings); past it, outages.
 MAX_WEIGHED_GAPS = 8
-# A node whose own lines go back in time more often than this is not in the order its agent wrote them
-# (shuffled, merged by hand): replay then reads its lines in time order, where only gaps show.
+# A node's lines going back in time more often than clocks step were put out of order (shuffled): time-sorted.
 MAX_BACK_STEPS = 3
 
 

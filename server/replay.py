@@ -261,11 +261,26 @@ def _runs_by_node(order: list[NodeSample], starts: Sequence[int]) -> dict[str, t
             node_runs.sort(key=lambda run: run[0].time)
         taken = node_runs[0] if len(node_runs) == 1 else [s for run in node_runs for s in run]
         times = [s.time for s in taken]
-        if sum(map(operator.lt, times[1:], times)) > clocks.MAX_BACK_STEPS:
-            taken = sorted(taken, key=_TIME_NODE)
-            times = [s.time for s in taken]
+        back = sum(map(operator.lt, times[1:], times))
+        if back:
+            ordered = sorted(taken, key=_TIME_NODE)
+            ordered_times = [s.time for s in ordered]
+            if back > clocks.MAX_BACK_STEPS or _regular(ordered_times, times):
+                taken, times = ordered, ordered_times
         out[node] = (taken, times)
     return out
+
+
+def _regular(ordered: list[float], taken: list[float]) -> bool:
+    """Whether a node's times, sorted, are one clock's run (no jump, no stretch stamped twice: no two
+    samples closer than half its interval in the order taken). A node whose lines go back in time but
+    are such a run once sorted had its lines put out of order (`cat` of its rotated record files, newest
+    first), not its clock stepped back: that would stamp a stretch of its clock twice, or leave a gap."""
+    if clocks.jumps(ordered)[0]:
+        return False
+    taken_moves = sorted(map(operator.sub, taken[1:], taken))
+    interval = taken_moves[(len(taken_moves) - 1) // 2] if taken_moves else 0.0
+    return min(map(operator.sub, ordered[1:], ordered), default=interval) >= interval / 2.0
 
 
 def _shifted(s: NodeSample, offset_seconds: float) -> NodeSample:

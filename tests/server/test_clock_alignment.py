@@ -266,16 +266,18 @@ def test_live_ingest_never_crashes_on_malformed_answer_or_sample_times():
     assert puller.health()[0].clock_offset_seconds == pytest.approx(60.0)
 
 
-def test_record_files_of_one_node_passed_in_any_order_are_not_read_as_a_clock_step(caplog):
-    # n1's record rotated at 450 s, its later file named first: its lines go back 450 s between the
-    # files, which is the order they were passed in, not its clock.
+@pytest.mark.parametrize("concatenated", [False, True])
+def test_record_files_of_one_node_passed_in_any_order_are_not_read_as_a_clock_step(caplog, concatenated):
+    # n1's record rotated at 450 s, its later file named first (or `cat` so into one stream): its lines
+    # go back 450 s between the files, which is the order they were passed in, not its clock.
     snaps = _recorded({"n1": _skewed(-60.0)}, 3)
     line = {id(s): orjson.dumps({k: v for k, v in s.items() if k != "_true"}) for s in snaps}
     early = [line[id(s)] for s in snaps if s["node"] == "n1" and s["_true"] < T0 + 450]
     late = [line[id(s)] for s in snaps if s["node"] == "n1" and s["_true"] >= T0 + 450]
     others = [line[id(s)] for s in snaps if s["node"] != "n1"]
     caplog.set_level(logging.WARNING, logger="gpufleet.server.replay")
-    samples = aligned_samples([("others", others), ("n1.1", late), ("n1.0", early)])
+    sources = [("others", others), ("n1.1", late), ("n1.0", early)]
+    samples = aligned_samples([("-", others + late + early)] if concatenated else sources)
     assert [s.time for s in samples if s.node == "n1"] == pytest.approx(
         [s["_true"] for s in snaps if s["node"] == "n1"], abs=1.0
     )
