@@ -221,19 +221,17 @@ def _align_clocks(samples: list[NodeSample], order: list[NodeSample], starts: Se
     shift: dict[int, float] = {}
     for node, stretches in offsets.items():
         taken, bounds = cuts[node]
-        if len(stretches) > 1:
-            log.warning(
-                "node clock stepped",
-                extra={"node": node, "steps_seconds": [round(b - a, 1) for a, b in zip(stretches, stretches[1:])]},
-            )
+        steps = [round(b - a, 1) for a, b in zip(stretches, stretches[1:]) if b != a]
+        if steps:
+            log.warning("node clock stepped", extra={"node": node, "steps_seconds": steps})
         for k, offset in enumerate(stretches):
             if not offset:
                 continue
-            start = taken[bounds[k]].time
-            log.warning(
-                "node clock offset taken out",
-                extra={"node": node, "offset_seconds": round(offset, 1), "from_sample_time": start},
-            )
+            if k == 0 or offset != stretches[k - 1]:
+                log.warning(
+                    "node clock offset taken out",
+                    extra={"node": node, "offset_seconds": round(offset, 1), "from_sample_time": taken[bounds[k]].time},
+                )
             for s in taken[bounds[k] : bounds[k + 1]]:
                 shift[id(s)] = offset
     out = [s if id(s) not in shift else _shifted(s, shift[id(s)]) for s in samples]

@@ -282,3 +282,20 @@ def test_record_files_of_one_node_passed_in_any_order_are_not_read_as_a_clock_st
         [s["_true"] for s in snaps if s["node"] == "n1"], abs=1.0
     )
     assert not [r for r in caplog.records if r.getMessage() == "node clock stepped"]
+
+
+def test_replay_tells_an_outage_of_a_node_whose_clock_is_off_from_a_clock_step(caplog):
+    # n1 runs 60 s behind and its agent is down for two minutes mid-run: a gap in its lines, with both
+    # of its ends 60 s off the others'. One offset for all of it; no step.
+    lines = [
+        orjson.dumps({k: v for k, v in s.items() if k != "_true"})
+        for s in _recorded({"n1": _skewed(-60.0)}, 3)
+        if not (s["node"] == "n1" and T0 + 300 <= s["_true"] < T0 + 420)
+    ]
+    caplog.set_level(logging.WARNING, logger="gpufleet.server.replay")
+    alerts = run_replay(lines)
+    assert [(a.kind.value, a.node) for a in alerts] == [("node_unreachable", "n1")]
+    assert T0 + 300 <= alerts[0].started <= T0 + 360
+    (note,) = [r for r in caplog.records if r.getMessage() == "node clock offset taken out"]
+    assert note.node == "n1" and note.offset_seconds == pytest.approx(-60.0, abs=1.0)
+    assert not [r for r in caplog.records if r.getMessage() == "node clock stepped"]
