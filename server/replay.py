@@ -3,7 +3,8 @@
 `gpufleet-server replay TRACE... [--config FILE]`. Lines may come from many agents' --record files in
 any order, gzip-compressed or not, or from standard input (`-`): every line of every file is parsed,
 sorted by sample time, a node's repeated snapshots are dropped, a node whose clock is off the others'
-is lined up with them (_align_clocks), and all is fed to the same Engine the live server runs, advancing
+or steps is lined up with them (_align_clocks, by the rule the live server follows too: server/clocks.py),
+and all is fed to the same Engine the live server runs, advancing
 on a fixed cadence of sample time. Malformed lines are logged (file and line number) and
 skipped. Exit 0 on success, 1 when no line held a valid snapshot (one line on stderr says how many
 were skipped), 2 for a missing file or a bad config.
@@ -15,22 +16,21 @@ import argparse
 import gc
 import logging
 import math
+import operator
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-import numpy as np
 import orjson
 
-from gpufleet.server import contract
+from gpufleet.server import clocks, contract
 from gpufleet.server.alerts import Alert, AlertState
 from gpufleet.server.contract import ContractError, NodeSample, parse_lines
 from gpufleet.server.engine import Engine, EngineConfig, EngineStats
-from gpufleet.server.engine.reduce import median
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ def replay_trace(
     # never sees it.
     started = time.perf_counter()
     with _gc_paused():
-        samples, skipped = _load(sources)
-        alerts, stats = _run(samples, cfg)
+        samples, skipped, starts = _read(sources)
+        alerts, stats = _run(samples, cfg, starts)
     elapsed = time.perf_counter() - started
     log.info(
         "replay done",
@@ -92,9 +92,19 @@ def replay_trace(
 def _load(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> tuple[list[NodeSample], int]:
     """Parse every line, logging and skipping the bad ones; returns samples sorted by time, and how many
     lines were skipped."""
+    samples, bad, _ = _read(sources)
+    samples.sort(key=_TIME_NODE)
+    return samples, bad
+
+
+def _read(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> tuple[list[NodeSample], int, list[int]]:
+    """Parse every line, logging and skipping the bad ones; returns samples in the order read, how many
+    lines were skipped, and the index where each source's samples begin."""
     samples: list[NodeSample] = []
+    starts: list[int] = []
     bad = 0
     for name, lines in sources:
+        starts.append(len(samples))
         for lineno, item in parse_lines(lines):
             if isinstance(item, ContractError):
                 bad += 1
@@ -104,21 +114,23 @@ def _load(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> tuple[list[No
                 samples.append(item)
     if bad > MALFORMED_LOGGED:
         log.warning("more malformed lines skipped", extra={"malformed": bad, "not_logged": bad - MALFORMED_LOGGED})
-    samples.sort(key=_TIME_NODE)
     log.info("trace loaded", extra={"snapshots": len(samples), "malformed": bad})
-    return samples, bad
+    return samples, bad, starts or [0]
 
 
-def _run(samples: list[NodeSample], cfg: EngineConfig) -> tuple[list[Alert], EngineStats]:
-    """Feed samples in time order, advancing at each tick boundary they cross; the fired alerts and the
-    engine's counters at the end."""
+def _run(samples: list[NodeSample], cfg: EngineConfig, starts: Sequence[int] = (0,)) -> tuple[list[Alert], EngineStats]:
+    """Feed samples (in the order read; starts: where each source begins) in time order, advancing at each
+    tick boundary they cross; the fired alerts and the engine's counters at the end."""
     engine = Engine(cfg)
     fired: dict[str, Alert] = {}
     if not samples:
         return [], engine.stats()
-    spans, samples = _node_spans(samples)
+    order = samples
+    spans, samples, repeats = _node_spans(sorted(order, key=_TIME_NODE))
+    if repeats:
+        order = [s for s in order if id(s) not in repeats]
     engine.reserve(sum(len(span.indices) for span in spans.values()))
-    samples = _align_clocks(samples, spans)
+    samples = _align_clocks(samples, order, starts)
     engine.prepare(samples)
     step = cfg.tick_seconds
     boundary = (math.floor(samples[0].time / step) + 1) * step
@@ -162,8 +174,8 @@ class _Span:
         return True
 
 
-def _node_spans(samples: list[NodeSample]) -> tuple[dict[str, _Span], list[NodeSample]]:
-    """Per node, from samples in time order; and the samples without repeats.
+def _node_spans(samples: list[NodeSample]) -> tuple[dict[str, _Span], list[NodeSample], set[int]]:
+    """Per node, from samples in time order; the samples without repeats; and the id() of each repeat.
 
     A node's snapshot at the same time as its previous one is the same snapshot twice (a record file
     passed twice, or cat of overlapping ones). Kept, the repeat's zero-second energy difference has no
@@ -178,72 +190,102 @@ def _node_spans(samples: list[NodeSample]) -> tuple[dict[str, _Span], list[NodeS
             repeats.add(i)
     if repeats:
         log.warning("repeated snapshots dropped", extra={"snapshots": len(repeats)})
-        samples = [s for i, s in enumerate(samples) if i not in repeats]
-    return spans, samples
+        dropped = {id(samples[i]) for i in repeats}
+        return spans, [s for i, s in enumerate(samples) if i not in repeats], dropped
+    return spans, samples, set()
 
 
-# A clock at least this far off (and more than a sampling interval, a node's phase) is taken out. The
-# engine itself is indifferent to 20 s; it is the ends of the trace and a job's transitions that are not.
-_MIN_CLOCK_OFFSET_SECONDS = 10.0
+def _align_clocks(samples: list[NodeSample], order: list[NodeSample], starts: Sequence[int] = (0,)) -> list[NodeSample]:
+    """The samples (in time order), with each node's clock offset from the other nodes' taken out where
+    the trace shows one (gpufleet.server.clocks.trace_offsets: the rule the live server follows too).
 
-
-def _align_clocks(samples: list[NodeSample], spans: dict[str, _Span]) -> list[NodeSample]:
-    """The samples, with a node's clock offset from the other nodes' taken out where the trace shows one.
-
-    Every agent of a trace records over the same stretch of real time, so where most nodes' first and
-    last samples agree, a node whose first and last samples both sit the same offset from theirs has a
-    clock off by that much. Left in, its bins are compared with other instants of its peers' (at every
-    start, end and incident of a job it stands out, early or late), and at the trace's end the nodes
-    whose clocks run behind stop sooner in sample time than the others and read as unreachable. A node
-    that starts late or stops early (down, crashed, added) moves one end only and is left alone; so is
-    every node where the others do not agree among themselves (agents started and stopped one after
-    another, or two nodes: nothing says which clock is right).
+    order is the same samples as read (repeats left out), starts the index in it where each source
+    begins: within one source a node's lines are in the order its agent took them, and a clock step
+    shows there as its time jumping. Left in, a node's offset has its bins compared with other instants
+    of its peers' (at every start, end and incident of a job it stands out, early or late), and at the
+    trace's end the nodes whose clocks run behind stop sooner in sample time than the others and read
+    as unreachable.
     """
-    if len(spans) < 3:
+    runs = _runs_by_node(order, starts)
+    if len(runs) < 3:
         return samples
-    # The reference ends are one node's own (the lower middle one), not the mean of the two middle ones,
-    # which can sit far from every node: among four, with one node 60 s ahead and one whose first line
-    # was lost 19 s in, that mean put the offset taken out at 53 s.
-    ref_first = _lower_median([span.first for span in spans.values()])
-    ref_last = _lower_median([span.last for span in spans.values()])
-    ends = {
-        node: (span.first - ref_first, span.last - ref_last, (span.last - span.first) / max(span.count - 1, 1))
-        for node, span in spans.items()
-    }
-    # A node's sampling phase moves both of its ends alike, by less than an interval; a clock offset moves
-    # both by the offset. One end agreeing is enough to count a node in step: a lost first line moves its
-    # first end by another interval (at 10 s sampling, 13.6 s: counted out, only two of four nodes agreed
-    # and a node 62 s ahead was left as it was).
-    in_step = sum(min(abs(early), abs(late)) <= interval + 2.0 for early, late, interval in ends.values())
-    if 2 * in_step <= len(ends):
-        return samples
-    # The median node's ends are known to within its own interval: agents sampling every 5 s beside one
-    # sampling every second put that one's two ends up to 5 s apart against theirs.
-    ref_interval = median(np.array([interval for _, _, interval in ends.values()]))
-    offsets: dict[str, float] = {}
-    for node, (early, late, interval) in ends.items():
-        offset = (early + late) / 2.0
-        slack = max(interval, ref_interval)
-        # Beyond the phase, and with both ends agreeing more closely than a lost first or last line
-        # (which moves one end by a whole interval) would let them.
-        if abs(offset) >= max(_MIN_CLOCK_OFFSET_SECONDS, slack + 2.0) and abs(early - late) <= 0.5 * slack + 2.0:
-            offsets[node] = offset
-            log.warning("node clock offset taken out", extra={"node": node, "offset_seconds": round(offset, 1)})
+    traces, cuts = {}, {}
+    for node, (taken, times) in runs.items():
+        at, by = clocks.jumps(times)
+        first, last = (min(times), max(times)) if not at else (min(times[: at[0]]), max(times[at[-1] :]))
+        traces[node] = clocks.NodeTrace(first, last, len(times), by)
+        cuts[node] = (taken, (0, *at, len(times)))
+    offsets = clocks.trace_offsets(traces)
     if not offsets:
         return samples
-    out = [
-        s
-        if s.node not in offsets
-        else NodeSample(s.node, s.time - offsets[s.node], s.indices, s.uuids, s.models, s.jobs, s.values, s.xid_by_code)
-        for s in samples
-    ]
+    shift: dict[int, float] = {}
+    for node, stretches in offsets.items():
+        taken, bounds = cuts[node]
+        steps = [round(b - a, 1) for a, b in zip(stretches, stretches[1:]) if b != a]
+        if steps:
+            log.warning("node clock stepped", extra={"node": node, "steps_seconds": steps})
+        for k, offset in enumerate(stretches):
+            if not offset:
+                continue
+            if k == 0 or offset != stretches[k - 1]:
+                log.warning(
+                    "node clock offset taken out",
+                    extra={"node": node, "offset_seconds": round(offset, 1), "from_sample_time": taken[bounds[k]].time},
+                )
+            for s in taken[bounds[k] : bounds[k + 1]]:
+                shift[id(s)] = offset
+    out = [s if id(s) not in shift else _shifted(s, shift[id(s)]) for s in samples]
     out.sort(key=_TIME_NODE)
     return out
 
 
-def _lower_median(values: list[float]) -> float:
-    """The lower of the middle values (the middle one where there is one)."""
-    return sorted(values)[(len(values) - 1) // 2]
+def _runs_by_node(order: list[NodeSample], starts: Sequence[int]) -> dict[str, tuple[list[NodeSample], list[float]]]:
+    """Each node's samples, and their times, in the order its agent took them as far as the trace tells:
+    as read within each source, the sources' runs one after another by their first time. A node whose
+    lines go back in time more often than clock steps would (shuffled, merged) is taken in time order."""
+    runs: dict[str, list[list[NodeSample]]] = {}
+    for a, b in zip(starts, [*starts[1:], len(order)]):
+        here: dict[str, list[NodeSample]] = {}
+        for s in order[a:b]:
+            run = here.get(s.node)
+            if run is None:
+                run = here[s.node] = []
+            run.append(s)
+        for node, run in here.items():
+            runs.setdefault(node, []).append(run)
+    out = {}
+    for node, node_runs in runs.items():
+        if len(node_runs) > 1:
+            node_runs.sort(key=lambda run: run[0].time)
+        taken = node_runs[0] if len(node_runs) == 1 else [s for run in node_runs for s in run]
+        times = [s.time for s in taken]
+        back = sum(map(operator.lt, times[1:], times))
+        if back:
+            ordered = sorted(taken, key=_TIME_NODE)
+            ordered_times = [s.time for s in ordered]
+            if back > clocks.MAX_BACK_STEPS or _regular(ordered_times, times):
+                taken, times = ordered, ordered_times
+        out[node] = (taken, times)
+    return out
+
+
+def _regular(ordered: list[float], taken: list[float]) -> bool:
+    """Whether a node's times, sorted, are one clock's run (no jump, no stretch stamped twice: no two
+    samples closer than half its interval in the order taken). A node whose lines go back in time but
+    are such a run once sorted had its lines put out of order (`cat` of its rotated record files, newest
+    first), not its clock stepped back: that would stamp a stretch of its clock twice, or leave a gap."""
+    if clocks.jumps(ordered)[0]:
+        return False
+    taken_moves = sorted(map(operator.sub, taken[1:], taken))
+    interval = taken_moves[(len(taken_moves) - 1) // 2] if taken_moves else 0.0
+    return min(map(operator.sub, ordered[1:], ordered), default=interval) >= interval / 2.0
+
+
+def _shifted(s: NodeSample, offset_seconds: float) -> NodeSample:
+    """The sample with offset_seconds taken out of its time."""
+    return NodeSample(
+        s.node, s.time - offset_seconds, s.indices, s.uuids, s.models, s.jobs, s.values, s.xid_by_code, s.pods
+    )
 
 
 def _open_trace(path: str, handles: list) -> Iterable[bytes]:
@@ -338,6 +380,15 @@ def load_samples(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> list[N
     """Every valid snapshot of the named line sources, parsed and sorted by time (malformed lines skipped)."""
     with _gc_paused():
         return _load(sources)[0]
+
+
+def aligned_samples(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> list[NodeSample]:
+    """Every valid snapshot of the named line sources as replay feeds the engine: in time order, repeats
+    dropped, each node's clock lined up with the others'."""
+    with _gc_paused():
+        order, _, starts = _read(sources)
+        samples, repeats = _node_spans(sorted(order, key=_TIME_NODE))[1:]
+        return _align_clocks(samples, [s for s in order if id(s) not in repeats], starts)
 
 
 def run_samples(samples: list[NodeSample], config: EngineConfig | None = None) -> list[Alert]:

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 import httpx
 import orjson
 
-from gpufleet.server.ingest.clocks import DEFAULT_MIN_OFFSET_SECONDS, ClockOffsets
+from gpufleet.server.clocks import MIN_OFFSET_SECONDS, ClockOffsets
 from gpufleet.server.ingest.targets import TargetSource
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ DEFAULT_MAX_PAST_SECONDS = 3600.0
 _AGENT_BUFFER_SECONDS = 3600.0
 _TOLERANCE_SECONDS = 1.0
 _PLAUSIBLE_CLOCK = 1e9
+# The contract's bound on a sample time (the year 5138): a stamp past it is no clock, however the answer's
+# samples agree with it (believed, it would carry them past the future check and the offset with them).
+_MAX_CLOCK = 1e11
 
 
 class PullError(Exception):
@@ -270,7 +273,7 @@ class Puller(IngestAccounting):
         clock: Callable[[], float] = time.time,
         parse: Callable[[Mapping[str, Any]], Any] | None = None,
         scheme: str = "http",
-        clock_offset_min_seconds: float = DEFAULT_MIN_OFFSET_SECONDS,
+        clock_offset_min_seconds: float = MIN_OFFSET_SECONDS,
         verify: ssl.SSLContext | None = None,
         auth: httpx.Auth | None = None,
         max_entries: int = DEFAULT_MAX_ENTRIES,
@@ -694,6 +697,8 @@ class Puller(IngestAccounting):
         """The answer's stamp (the agent's clock when it answered) where it can be believed: near ours, or
         else agreeing with the answer's own samples (none newer, the newest within the agent's buffer of
         it): a clock stepped far away. A zero, milliseconds or a typo agree with neither."""
+        if served is not None and not 0.0 <= served < _MAX_CLOCK:
+            return None
         if served is None or abs(served - now) <= self.max_future_seconds:
             return served
         times = [t for t in (_number(raw.get("time")) for raw in snapshots if isinstance(raw, dict)) if t is not None]

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from gpufleet.server.alerts import AlertKind
-from gpufleet.server.ingest.clocks import ClockOffsets
+from gpufleet.server.clocks import ClockOffsets
 from gpufleet.server.ingest.puller import Puller
 from gpufleet.server.ingest.targets import StaticTargets
 from gpufleet.server.serve import build_runtime
@@ -41,7 +41,7 @@ def test_an_offset_is_measured_from_the_least_delayed_answer(offset):
 
 
 def test_jitter_does_not_move_the_offset_and_a_corrected_clock_is_trusted_again(caplog):
-    caplog.set_level(logging.INFO, logger="gpufleet.server.ingest.clocks")
+    caplog.set_level(logging.INFO, logger="gpufleet.server.clocks")
     clocks = ClockOffsets()
     t = 1000.0
     for delay in (0.1, 1.5, 0.9, 1.9):
