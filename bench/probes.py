@@ -109,19 +109,50 @@ def a100_job_noise4(seed: int) -> ClusterSpec:
     return _straggler_job("probe_a100_job_noise4", seed, 2, A100, JOB_10PCT_SPEED_NOISE4, noise_scale=NOISE_SCALE)
 
 
-def two_jobs(seed: int, noise_scale: float = 1.0) -> ClusterSpec:
-    """Two jobs of different loads, each on its own two nodes, and a straggler in one: without attribution
-    the peer groups must be inferred without mixing the two."""
-    d = _Draw("probe_two_jobs", seed)
-    nodes = d.nodes(4, H100)
+def _two_jobs(name: str, seed: int, kind: str, model: GpuModel = H100, noise_scale: float = 1.0) -> ClusterSpec:
+    """Two jobs of different loads, each on its own two nodes, and one incident: `slow_gpu` (a straggler
+    slowing its job 10-20 %), `slow_node` (one node 18-25 % slow), `host_starved` (one node's host starving
+    its GPUs) or `comm_slowdown` (one job's collectives 2-4x longer). Without attribution the peer groups
+    must be inferred without mixing the two jobs."""
+    d = _Draw(name, seed)
+    nodes = d.nodes(4, model)
     a = d.job("a", d.hpc(), _whole(nodes[:2]))
     b = d.job("b", d.hpc(), _whole(nodes[2:]), intensity=d.u(0.5, 0.7), sm_coefficient=d.u(0.45, 0.6))
-    inc = Incident("slow_gpu", d.u(240, 360), d.u(660, 780), d.pick(nodes).name, d.i(0, 7), severity=d.u(0.75, 0.82))
+    start, end, k = d.u(240, 360), d.u(660, 780), d.i(0, 3)
+    node, job = nodes[k].name, "a" if k < 2 else "b"
+    if kind == "slow_gpu":
+        inc = Incident(kind, start, end, node, d.i(0, 7), severity=d.u(0.75, 0.82))
+    elif kind == "slow_node":
+        inc = Incident(kind, start, end, node, severity=d.u(0.75, 0.82))
+    elif kind == "host_starved":
+        inc = Incident(kind, start, end, node, job=job, severity=d.u(0.3, 0.7))
+    else:
+        inc = Incident(kind, start, end, job=job, severity=d.u(2.0, 4.0))
     return d.spec(nodes, [a, b], [inc], 900.0, interval_s=5.0, noise_scale=noise_scale)
 
 
+def two_jobs(seed: int) -> ClusterSpec:
+    return _two_jobs("probe_two_jobs", seed, "slow_gpu")
+
+
 def two_jobs_noise4(seed: int) -> ClusterSpec:
-    return two_jobs(seed, NOISE_SCALE)
+    return _two_jobs("probe_two_jobs_noise4", seed, "slow_gpu", noise_scale=NOISE_SCALE)
+
+
+def two_jobs_slow_node(seed: int) -> ClusterSpec:
+    return _two_jobs("probe_two_jobs_slow_node", seed, "slow_node")
+
+
+def two_jobs_comm(seed: int) -> ClusterSpec:
+    return _two_jobs("probe_two_jobs_comm", seed, "comm_slowdown")
+
+
+def a100_two_jobs_starved_noise4(seed: int) -> ClusterSpec:
+    return _two_jobs("probe_a100_two_jobs_starved_noise4", seed, "host_starved", A100, NOISE_SCALE)
+
+
+def a100_two_jobs_comm_noise4(seed: int) -> ClusterSpec:
+    return _two_jobs("probe_a100_two_jobs_comm_noise4", seed, "comm_slowdown", A100, NOISE_SCALE)
 
 
 def large_job_slow_node(seed: int) -> ClusterSpec:
@@ -150,18 +181,6 @@ def pcie_job_comm(seed: int) -> ClusterSpec:
     # Collectives already 40-80 % of compute: 1.6-2.5x longer still slows the job by a quarter or more.
     d = _Draw("probe_pcie_job_comm_ratio", seed)
     return _comm_job("probe_pcie_job_comm", seed, 4, H100_PCIE, (1.6, 2.5), gpus_per_node=4, comm_ratio=d.u(0.4, 0.8))
-
-
-def two_jobs_comm(seed: int) -> ClusterSpec:
-    """Two jobs of different loads on two nodes each; the collectives of one slow down 2-4x. Without
-    attribution the comm_bound alert has no job to name (not scored), and nothing else may fire: no node of
-    the slowed job is a straggler."""
-    d = _Draw("probe_two_jobs_comm", seed)
-    nodes = d.nodes(4, d.model())
-    a = d.job("a", d.hpc(), _whole(nodes[:2]))
-    b = d.job("b", d.hpc(), _whole(nodes[2:]), intensity=d.u(0.5, 0.7), sm_coefficient=d.u(0.45, 0.6))
-    inc = Incident("comm_slowdown", d.u(240, 360), d.u(660, 780), job=d.pick(("a", "b")), severity=d.u(2.0, 4.0))
-    return d.spec(nodes, [a, b], [inc], 900.0, interval_s=5.0)
 
 
 def _unattributed(build: Callable[[int], ClusterSpec]) -> Callable[[int], ClusterSpec]:
@@ -213,11 +232,6 @@ PROBES = (
     ),
     Scenario("probe_a100_job_unattributed", f"the A100 job without hpc_job {_STRAGGLER}", _unattributed(a100_job)),
     Scenario(
-        "probe_two_jobs_unattributed",
-        f"two jobs of different loads on two nodes each, no hpc_job {_STRAGGLER}",
-        _unattributed(two_jobs),
-    ),
-    Scenario(
         "probe_large_job_slow_node",
         "48 nodes x 8 H100, one node 16-22 % slow (straggler on that node, gpu null)",
         large_job_slow_node,
@@ -234,12 +248,41 @@ PROBES = (
         pcie_job_comm,
     ),
     Scenario(
+        "probe_two_jobs_unattributed",
+        f"two jobs of different loads on two nodes each, no hpc_job {_STRAGGLER}",
+        _unattributed(two_jobs),
+    ),
+    Scenario(
+        "probe_two_jobs_noise4",
+        f"the two jobs, attributed, every reading noise x{NOISE_SCALE:g} {_STRAGGLER}",
+        two_jobs_noise4,
+    ),
+    Scenario(
+        "probe_two_jobs_noise4_unattributed",
+        f"the two jobs, no hpc_job, every reading noise x{NOISE_SCALE:g} {_STRAGGLER}",
+        _unattributed(two_jobs_noise4),
+    ),
+    Scenario(
+        "probe_two_jobs_slow_node_unattributed",
+        "two jobs on two nodes each, no hpc_job, one node 18-25 % slow (straggler on that node, gpu null)",
+        _unattributed(two_jobs_slow_node),
+    ),
+    Scenario(
         "probe_two_jobs_comm_unattributed",
         "two jobs on two nodes each, no hpc_job, one job's collectives 2-4x longer (no straggler may fire)",
         _unattributed(two_jobs_comm),
     ),
     Scenario(
-        "probe_two_jobs_noise4", f"the two jobs, attributed, noise x{NOISE_SCALE:g} {_STRAGGLER}", two_jobs_noise4
+        "probe_a100_two_jobs_starved_noise4_unattributed",
+        f"two A100 jobs on two nodes each, no hpc_job, noise x{NOISE_SCALE:g}, one node's host starving its GPUs "
+        "(straggler on that node, gpu null; nothing else)",
+        _unattributed(a100_two_jobs_starved_noise4),
+    ),
+    Scenario(
+        "probe_a100_two_jobs_comm_noise4_unattributed",
+        f"two A100 jobs on two nodes each, no hpc_job, noise x{NOISE_SCALE:g}, one job's collectives 2-4x longer "
+        "(no straggler may fire)",
+        _unattributed(a100_two_jobs_comm_noise4),
     ),
 )
 BY_NAME = {p.name: p for p in PROBES}

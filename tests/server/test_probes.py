@@ -31,7 +31,7 @@ def test_each_probe_builds_the_fleet_it_describes():
         assert (spec.noise_scale == probes.NOISE_SCALE) == ("noise4" in name), name
         assert all(j.hpc_job is None for j in spec.jobs) == ("unattributed" in name), name
         # Only the one slowed GPU or node is the culprit: every probe is silent (no clocks, no bits).
-        assert all(i.kind in ("slow_gpu", "slow_node", "comm_slowdown") for i in spec.incidents), name
+        assert all(i.kind in ("slow_gpu", "slow_node", "host_starved", "comm_slowdown") for i in spec.incidents), name
     assert all(n.model is H100 for n in large.nodes)
 
 
