@@ -4,6 +4,7 @@ bench.detection_eval --probes (one small probe replayed for real; the large ones
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from bench import detection_eval, probes, scenarios
 from bench.tracegen import A100, H100, H100_PCIE, generate
@@ -74,12 +75,9 @@ def test_probes_cli_refuses_catalog_names_and_other_conditions(capsys):
         ["--probes", "--unattributed"],
         ["--probes", "--report"],
     ):
-        try:
+        with pytest.raises(SystemExit) as exc:
             detection_eval.main(argv)
-        except SystemExit as exc:
-            assert exc.code == 2
-        else:
-            raise AssertionError(f"{argv} was accepted")
+        assert exc.value.code == 2, argv
     assert "unknown scenario(s) ['slow_node']" in capsys.readouterr().err
 
 
