@@ -2,14 +2,15 @@
 
 The catalog (bench/scenarios.py) is what the suite's figures are comparable over; these probes ask how the
 same engine, with the same defaults, does on traces of other shapes: a job of several hundred GPUs with
-one GPU about 10 % slow, the same sampled every second, a quiet 16-GPU job, PCIe-only boards (no NVLink),
-noisier sensors, GPUs without SM activity (A100-like: power and clocks only) and fleets without job
-attribution. `python -m bench.detection_eval --probes` scores them.
+one GPU about 10 % slow (also sampled every second, noisier, unattributed), one slow node among 48, a quiet
+16-GPU job, PCIe-only boards (no NVLink), GPUs without SM activity (A100-like: power and clocks only),
+noisier sensors, and two jobs side by side on a fleet without job attribution, where peer groups must be
+inferred. `python -m bench.detection_eval --probes` scores them.
 
-Sizes: a "10 % slow" GPU here is one whose silent slowdown makes the whole job about 10-14 % slower, so
-the generator's truth requires an alert (STRAGGLER_REQUIRED_SLOWDOWN); the `*_gpu10` probes slow the GPU
+Sizes: a "10 % slow" GPU here is one whose silent slowdown makes the whole job about 10-15 % slower, so
+the generator's truth requires an alert (STRAGGLER_REQUIRED_SLOWDOWN); the `*_gpu10` probe slows the GPU
 itself by exactly 10 %, which in a job of hundreds of ranks slows the job by less (the slowest rank's noise
-already sets its pace), so their truth is only allowed: they count false alerts, and whether the engine
+already sets its pace), so its truth is only allowed: it counts false alerts, and whether the engine
 notices at all shows as an allowed match.
 """
 
