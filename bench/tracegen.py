@@ -126,7 +126,27 @@ A100 = GpuModel(
     20e9,
     "92.00.45.00.06",
 )
-MODELS = {"h100": H100, "a100": A100}
+# A PCIe board: no NVLink bridge, so NVML reports no NVLink counters and every collective, inside the node
+# too, crosses PCIe; half the H100 SXM's power in the same silicon.
+H100_PCIE = GpuModel(
+    "NVIDIA H100 PCIe",
+    True,
+    350.0,
+    48.0,
+    1755e6,
+    345e6,
+    1593e6,
+    85520809984,
+    87.0,
+    92.0,
+    85.0,
+    95.0,
+    0.13,
+    0.0,
+    50e9,
+    "96.00.5E.00.01",
+)
+MODELS = {"h100": H100, "a100": A100, "h100-pcie": H100_PCIE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -665,6 +685,8 @@ class _Physics:
         comm_share = np.where(train, np.append(self.comm[:J], 0.0)[jx] / step_g, 0.0)
         nvl = np.where(self.multi_gpu[jx], self.nvlink_bw * 0.6 * comm_share, 0.0)
         inter = np.where(self.multi_node[jx], self.pcie_bw * 0.5 * comm_share, 0.0)
+        # Without NVLink the collective inside the node crosses PCIe as well.
+        inter += np.where(self.multi_gpu[jx] & (self.nvlink_bw == 0), self.pcie_bw * 0.5 * comm_share, 0.0)
         acc["energy"] += power
         acc["nvl"] += nvl
         acc["pcie_tx"] += inter + np.where(train, 2e7, 1e4)
@@ -956,8 +978,10 @@ class _Emitter:
         d["sm_clock_hertz"] = rows["clock"][g]
         d["throttle_reasons"] = int(rows["bits"][g])
         d["throttle_seconds_total"] = dict(zip(THROTTLE_LABELS, throttle[g]))
-        d["nvlink_tx_bytes_total"] = int(rows["nvl"][g])
-        d["nvlink_rx_bytes_total"] = int(rows["nvl"][g])
+        # A board without NVLink has no NVLink counters: NVML answers NOT_SUPPORTED, the reading is absent.
+        nvl = int(rows["nvl"][g]) if lay.model_of[g].nvlink_bytes_per_second else None
+        d["nvlink_tx_bytes_total"] = nvl
+        d["nvlink_rx_bytes_total"] = nvl
         d["pcie_tx_bytes_total"] = int(rows["pcie_tx"][g])
         d["pcie_rx_bytes_total"] = int(rows["pcie_rx"][g])
         d["ecc_uncorrected_errors_total"] = int(ecc)

@@ -445,3 +445,35 @@ def test_noise_scale_also_scales_the_temperature_and_clock_sensors():
     for key in ("temperature_celsius", "memory_temperature_celsius", "sm_clock_hertz"):
         assert jumps(4.0, key) > 3 * jumps(1.0, key) > 0, key
     assert jumps(0.0, "sm_clock_hertz") == 0
+
+
+# Per GENERATOR_VERSION, digests of hold-out traces it draws (lines, then truths). A version bump records
+# its own: the hold-out is re-frozen with it.
+_FROZEN_DIGESTS = {
+    1: {
+        "silent_slow_gpu": "ba526a33e93924f515ff0d955e71f99b2690f87dd340bdaa71b3955d5a9c801a",
+        "decoy_counter_reset": "4f76b9f1a54715435d8a32684cc3d4ffb7ff6e1dbf8cc5b3e1e97de9b56e4566",
+    }
+}
+
+
+@pytest.mark.parametrize("name", ["silent_slow_gpu", "decoy_counter_reset"])
+def test_the_frozen_generator_version_still_draws_the_same_hold_out_traces(name):
+    """The hold-out's figures compare only within one GENERATOR_VERSION: a change to the generator that
+    alters any existing trace must bump it (and re-freeze the hold-out), never pass silently."""
+    import hashlib
+
+    from bench import detection_eval
+    from bench.tracegen import GENERATOR_VERSION
+
+    trace = generate(scenarios.BY_NAME[name].build(detection_eval.HOLDOUT_FIRST_SEED))
+    digest = hashlib.sha256()
+    for line in trace.lines:
+        digest.update(line + b"\n")
+    digest.update(
+        repr([(t.kind, t.node, t.gpu, t.hpc_job, t.start, t.end, t.required, t.lead_s) for t in trace.truths]).encode()
+    )
+    assert GENERATOR_VERSION in _FROZEN_DIGESTS, "record this generator version's hold-out digests"
+    assert digest.hexdigest() == _FROZEN_DIGESTS[GENERATOR_VERSION][name], (
+        "the generator changed: bump GENERATOR_VERSION"
+    )
