@@ -10,8 +10,8 @@ between the `<!-- suite:begin -->` and `<!-- suite:end -->` markers (nothing els
 
 Probes (each prints, none writes docs/detection.md): `--noise-scale X` scales every reading noise of the
 generator; `--unattributed` removes `hpc_job` from every GPU (job-level kinds are then not scored);
-`--holdout` scores the frozen hold-out seeds instead of the tuning ones; `--ablate` switches each rule of
-ABLATIONS off in turn and prints what precision and recall each costs. `--report` runs the defaults, noise
+`--holdout` scores the frozen hold-out seeds instead of the tuning ones; `--ablate` switches each rule the
+detectors declare (policy.declared_rules) off in turn and prints what precision and recall each costs. `--report` runs the defaults, noise
 x4, unattributed and hold-out conditions and the ablation table and writes them into docs/evaluation.md
 between `<!-- evaluation:begin -->` and `<!-- evaluation:end -->`, and the probes below it. `--probes` scores
 the probe scenarios of bench/probes.py (fleets shaped unlike the catalog's: hundreds of GPUs, 1 s sampling,
@@ -60,32 +60,25 @@ PROBES_HEADING = "## Probes"
 
 @dataclass(frozen=True)
 class Ablation:
-    """One rule switched off by EngineConfig overrides that it can never meet."""
+    """One declared rule switched off through EngineConfig.disabled_rules (or any overrides)."""
 
-    name: str
-    switches_off: str
-    overrides: Mapping[str, float]
+    name: str  # the rule's name
+    switches_off: str  # what the rule says (its doc line)
+    overrides: Mapping[str, Any]
+    detector: str = ""
 
 
-# Each override leaves the rest of the engine as it is and makes one rule unreachable: a margin above any
-# ratio the readings can reach (they are shares, at most 1), or a `for` duration longer than any trace.
-ABLATIONS = (
-    Ablation(
-        "thermal clock cut", "thermal alert from thermal bits with a cut SM clock", {"thermal_clock_cut_ratio": 0.0}
-    ),
-    Ablation("straggler by SM activity", "GPU or node standing out on SM activity", {"straggler_sm_excess": 10.0}),
-    Ablation("straggler by power", "culprit standing out on power (no SM activity)", {"straggler_power_excess": 10.0}),
-    Ablation("straggler by clock", "culprit with an SM clock deficit", {"straggler_clock_deficit": 10.0}),
-    Ablation("slow node by power", "node standing out on power", {"node_power_excess": 10.0}),
-    Ablation("host-bound node/rank", "node or rank idling below its peers", {"node_idle_gap": 10.0}),
-    Ablation(
-        "workload drop on power", "comm/input drop read from power (no SM activity)", {"workload_power_drop": 10.0}
-    ),
-    Ablation(
-        "workload noise gate (a gate)", "a drop must lie beyond the job's own noise", {"workload_noise_sigmas": 0.0}
-    ),
-    Ablation("input_bound", "the whole input_bound rule", {"input_for_seconds": 1e9}),
-)
+def declared_ablations() -> tuple[Ablation, ...]:
+    """One ablation per rule the detectors declare (policy.declared_rules), in declaration order: the
+    rule alone never holds, the rest of the engine is as configured. A gate rule switched off never
+    holds either: the rules it gates never fire, those it holds back are no longer held back."""
+    from gpufleet.server.engine import policy
+
+    return tuple(
+        Ablation(rule.name, rule.doc, {"disabled_rules": [rule.name]}, detector)
+        for detector, rules in policy.declared_rules().items()
+        for rule in rules
+    )
 
 
 @dataclass
@@ -194,11 +187,12 @@ def ablate(
     run_replay: Callable[..., Any],
     names: list[str],
     seeds: int,
-    ablations: tuple[Ablation, ...] = ABLATIONS,
+    ablations: tuple[Ablation, ...] | None = None,
 ) -> list[AblationResult]:
-    """Evaluate seeds 0 .. seeds - 1 once per ablation, with its overrides given to run_replay(lines, config)."""
+    """Evaluate seeds 0 .. seeds - 1 once per ablation (default: every declared rule), with its overrides
+    given to run_replay(lines, config)."""
     out = []
-    for ab in ablations:
+    for ab in declared_ablations() if ablations is None else ablations:
         try:
             ev = evaluate(lambda lines, o=dict(ab.overrides): run_replay(lines, o), names, seeds)
         except ValueError as exc:  # the engine no longer has (or accepts) a setting the table names
@@ -336,14 +330,12 @@ def _delta(after: float | None, before: float | None) -> str:
 def render_ablations(results: list[AblationResult], baseline: dict[str, scenarios.KindScore]) -> list[str]:
     """One row per ablation and kind whose precision or recall moved; one row per ablation that moved none."""
     out = [
-        "| ablation | override | switches off | kind | precision | Δ precision | recall | Δ recall |",
+        "| detector | rule switched off | what it says | kind | precision | Δ precision | recall | Δ recall |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ab = r.ablation
-        head = (
-            f"| {ab.name} | " + ", ".join(f"`{k}: {v:g}`" for k, v in ab.overrides.items()) + f" | {ab.switches_off} |"
-        )
+        head = f"| {ab.detector or '–'} | `{ab.name}` | {ab.switches_off} |"
         if r.error:
             out.append(f"{head} – | not run: {r.error} | | | |")
             continue
@@ -420,8 +412,9 @@ def render_report(rep: Report) -> str:
         "",
         "### Ablations",
         "",
-        f"Each rule switched off in turn by the override shown (a margin no reading can reach, or a `for` longer "
-        f"than any trace), on seeds 0 – {rep.ablation_seeds - 1}; Δ is against the defaults on the same seeds. "
+        f"Each rule the detectors declare switched off in turn (`disabled_rules`: it never holds; a gate rule "
+        f"switched off never lets what it gates fire), on seeds 0 – {rep.ablation_seeds - 1}; Δ is against the "
+        "defaults on the same seeds. "
         "A rule whose switching-off costs nothing on the catalog is either covered by another rule or not "
         "exercised by any scenario. Rows list only the kinds that moved.",
         "",
@@ -581,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ablate",
         action="store_true",
-        help="switch each rule of the ablation table off in turn and print what it costs (implies --no-write)",
+        help="switch each declared rule off in turn and print what it costs (implies --no-write)",
     )
     ap.add_argument(
         "--report",

@@ -1,9 +1,11 @@
-"""The engine settings table of docs/detection.md, generated from EngineConfig so it cannot drift.
+"""The engine settings table and the rules reference of docs/detection.md, generated so they cannot drift.
 
-Each row is one EngineConfig field: its key, default, unit (from the name's suffix and type) and what it
-is (the comment lines right above the field in server/engine/config.py). `python -m bench.engine_settings`
-rewrites the table between `<!-- settings:begin -->` and `<!-- settings:end -->`; `--check` only says
-whether it is current (exit 1 when not).
+Settings: each row is one EngineConfig field: its key, default, unit (from the name's suffix and type)
+and what it is (the comment lines right above the field in server/engine/config.py). Rules: per detector,
+each rule it declares (policy.declared_rules): name, what it says, when it holds (signal, margin setting
+and its default, spread and sigmas) and its gates. `python -m bench.engine_settings` rewrites both between
+their markers (`<!-- settings:begin -->` ... `<!-- settings:end -->`, `<!-- rules:begin -->` ...
+`<!-- rules:end -->`); `--check` only says whether they are current (exit 1 when not).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import inspect
 import sys
 from pathlib import Path
 
-from gpufleet.server.engine import EngineConfig
+from gpufleet.server.engine import EngineConfig, policy
 from gpufleet.server.engine import config as config_module
+from gpufleet.server.engine.rules import Rule
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "detection.md"
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
+RULES_BEGIN, RULES_END = "<!-- rules:begin -->", "<!-- rules:end -->"
 COMMAND = "python -m bench.engine_settings"
 
 # Unit by the field name's ending, first match wins; ratios and utilizations are shares from 0 to 1.
@@ -31,6 +35,8 @@ _UNITS = (
     ("_utilization", "ratio 0-1"),
     ("_ratio", "ratio 0-1"),
     ("_gap", "utilization 0-1"),
+    ("_factor", "multiple"),
+    ("_ticks", "ticks"),
 )
 
 
@@ -90,19 +96,75 @@ def render() -> str:
     return "\n".join(rows)
 
 
-def current_block(text: str) -> str | None:
+def _setting(name: str | None) -> str:
+    """A setting with its default, as the rules reference quotes it."""
+    if name is None:
+        return "0"
+    default = _default(next(f for f in dataclasses.fields(EngineConfig) if f.name == name))
+    return f"`{name}` ({_number(default)})"
+
+
+def holds_when(rule: Rule) -> str:
+    """The rule's condition in one line: signal, comparison, threshold, and its noise term."""
+    threshold = _setting(rule.margin)
+    if rule.factor is not None:
+        threshold = f"{_setting(rule.factor)} × {threshold}"
+    for less in rule.less:
+        threshold = f"{threshold} − {_setting(less)}"
+    if rule.reference is not None:
+        threshold = f"`{rule.reference}` + {threshold}" if rule.margin else f"`{rule.reference}`"
+        if rule.less and not rule.margin:
+            threshold += " − " + " − ".join(_setting(x) for x in rule.less)
+    op = {">=": "≥", ">": ">", "<": "<"}[rule.op]
+    text = f"`{rule.signal}` {op} {threshold}"
+    if rule.spread is not None:
+        noise = f"{_setting(rule.sigmas)} × `{rule.spread}`"
+        if rule.spread_signal is None:
+            text = f"`{rule.signal}` {op} max({threshold}, {noise})"
+        else:
+            text += f", and `{rule.spread_signal}` ≥ {noise}"
+    return text
+
+
+def render_rules() -> str:
+    """The rules reference: one table per detector, one row per declared rule in declaration order."""
+    rows = [
+        f"Generated from the detectors' `RULES` (server/engine/policy.py) by `{COMMAND}`. A rule holds when "
+        "its condition and all its gates hold and none of its `unless` gates; a gate named like a rule is "
+        "that rule's result. Settings are quoted with their defaults; a NaN signal never holds, a NaN "
+        "spread leaves the margin alone.",
+    ]
+    for detector, rules in policy.declared_rules().items():
+        rows += ["", f"**{detector}**", ""]
+        if not rules:
+            rows.append("No declared rules.")
+            continue
+        rows += ["| rule | what it says | holds when | gates |", "|---|---|---|---|"]
+        for rule in rules:
+            gates = [f"`{g}`" for g in rule.gates] + [f"not `{g}`" for g in rule.unless]
+            doc = rule.doc.replace("|", "\\|")
+            rows.append(f"| `{rule.name}` | {doc} | {holds_when(rule)} | {', '.join(gates) or '–'} |")
+    return "\n".join(rows)
+
+
+def current_block(text: str, begin: str = BEGIN, end: str = END) -> str | None:
     """What the doc holds between the markers, or None without both markers in order."""
-    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
+    if begin not in text or end not in text or text.index(begin) > text.index(end):
         return None
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
 
 
-def rewrite(text: str, body: str) -> str:
-    """The doc with the table between the markers replaced; ValueError if the markers are missing."""
-    if current_block(text) is None:
-        raise ValueError(f"{BEGIN} ... {END} not found")
-    head, rest = text.split(BEGIN, 1)
-    return f"{head}{BEGIN}\n{body}\n{END}{rest.split(END, 1)[1]}"
+def rewrite(text: str, body: str, begin: str = BEGIN, end: str = END) -> str:
+    """The doc with the block between the markers replaced; ValueError if the markers are missing."""
+    if current_block(text, begin, end) is None:
+        raise ValueError(f"{begin} ... {end} not found")
+    head, rest = text.split(begin, 1)
+    return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
+
+
+def blocks() -> tuple[tuple[str, str, str], ...]:
+    """(begin, end, body) of every generated block."""
+    return ((BEGIN, END, render()), (RULES_BEGIN, RULES_END, render_rules()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,16 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if the table is not current; write nothing")
     args = ap.parse_args(argv)
     text = args.doc.read_text()
-    body = render()
-    if current_block(text) is None:
-        print(f"{args.doc}: {BEGIN} ... {END} not found", file=sys.stderr)
-        return 2
-    if args.check:
-        if current_block(text) != body:
-            print(f"{args.doc}: engine settings table is stale; run `{COMMAND}`", file=sys.stderr)
+    for begin, end, body in blocks():
+        if current_block(text, begin, end) is None:
+            print(f"{args.doc}: {begin} ... {end} not found", file=sys.stderr)
+            return 2
+        if args.check and current_block(text, begin, end) != body:
+            print(f"{args.doc}: the block {begin} is stale; run `{COMMAND}`", file=sys.stderr)
             return 1
-        return 0
-    args.doc.write_text(rewrite(text, body))
+        text = rewrite(text, body, begin, end)
+    if not args.check:
+        args.doc.write_text(text)
     return 0
 
 

@@ -24,13 +24,12 @@ from gpufleet.server.engine.lifecycle import Lifecycle
 from gpufleet.server.engine.policy import rule_names
 from gpufleet.server.engine.prepared import prepare_windows
 from gpufleet.server.engine.tick import SlowdownSource, Tick, read_windows, smoothed
+from gpufleet.server.engine.units import VIEW_DIGITS
 from gpufleet.server.engine.views import EngineStats, JobHealth, NodeHealth
 from gpufleet.server.engine.windows import Windows
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "JobHealth", "NodeHealth"]
 
-_BASELINE_REFRESH_TICKS = 3
-_PRUNE_TICKS = 720
 _SUPPRESSING = (AlertKind.STRAGGLER, AlertKind.THERMAL_THROTTLE)
 # The kinds whose findings estimate what they cost their job, in the order a tick's loss is put down to
 # them when several fire for one job at once.
@@ -53,7 +52,7 @@ class Engine:
             cfg.bins(cfg.baseline_seconds),
             cfg.baseline_percentile,
             cfg.bins(cfg.min_history_seconds),
-            cfg.bins(2 * cfg.smooth_seconds),
+            cfg.bins(cfg.noise_lag_smooth_factor * cfg.smooth_seconds),
         )
         self.lifecycle = Lifecycle(
             {
@@ -204,12 +203,10 @@ class Engine:
         self._members = groups.members
         if n_groups > self._dated:
             self._date_running(t, groups)
-        if self._ticks % _BASELINE_REFRESH_TICKS == 0 or self.history.base.shape[1] < n_groups:
+        if self._ticks % cfg.baseline_refresh_ticks == 0 or self.history.base.shape[1] < n_groups:
             self.history.refresh(k, n_groups)
         self._regime(groups)
-        drop, source = workload.job_drop(
-            groups, self.history, cfg.workload_clock_ratio, cfg.workload_capped_clock_ratio
-        )
+        drop, source = workload.job_drop(groups, self.history, cfg)
         tick = Tick(
             k=k,
             t=t,
@@ -250,8 +247,8 @@ class Engine:
         outcomes.update(healths)
         transitions = self.lifecycle.step(t, outcomes)
         self._count_losses(outcomes)
-        if self._ticks % _PRUNE_TICKS == 0:
-            self._straggler.index.prune(set(self.lifecycle.records))
+        if self._ticks % cfg.index_prune_ticks == 0:
+            self._straggler.index.prune(set(self.lifecycle.records), cfg.index_prune_ratio)
         self._record_history(tick, explained, outcomes)
         self._ticks += 1
         self._last_t = t
@@ -293,7 +290,7 @@ class Engine:
         cfg = self.config
         new = np.arange(self._dated, groups.n_groups)
         self._dated = groups.n_groups
-        if self._first is None or t - self._first > cfg.startup_grace_seconds / 2:
+        if self._first is None or t - self._first > cfg.startup_grace_seconds * cfg.running_at_start_ratio:
             return
         running = new[groups.util[new] >= cfg.straggler_waiting_utilization]
         if len(running):
@@ -326,10 +323,7 @@ class Engine:
         comparison for their recent busy spell, dragged its node medians towards idle, and among three
         nodes the median was the host-starved node itself, which then never stood out."""
         n = len(busy)
-        if len(self._last_busy_t) < n:
-            grown = np.full(max(n, 2 * len(self._last_busy_t)), -np.inf)
-            grown[: len(self._last_busy_t)] = self._last_busy_t
-            self._last_busy_t = grown
+        self._last_busy_t = grown(self._last_busy_t, n, -np.inf)
         last = self._last_busy_t[:n]
         last[busy] = t
         cfg = self.config
@@ -344,7 +338,7 @@ class Engine:
         base_clk = self.history.baseline("clock")[:n]
         moved = np.abs(groups.clock / base_clk - 1.0) > 1.0 - cfg.workload_clock_ratio
         ticks = np.where(moved, self._regime_ticks[:n] + 1, 0)
-        changed = ticks >= cfg.bins(60.0)
+        changed = ticks >= cfg.bins(cfg.regime_change_seconds)
         if changed.any():
             self.history.reset(np.flatnonzero(changed))
             ticks[changed] = 0
@@ -429,8 +423,11 @@ class Engine:
         # its levels was kept, which raised the baseline further.
         healthy = (
             (grp.util >= cfg.job_active_utilization)
-            & ~(tick.sag >= threshold / 2)
-            & (tick.t - self.registry.first_seen[: grp.n_groups] >= cfg.startup_grace_seconds / 2)
+            & ~(tick.sag >= threshold * cfg.history_max_sag_ratio)
+            & (
+                tick.t - self.registry.first_seen[: grp.n_groups]
+                >= cfg.startup_grace_seconds * cfg.startup_history_ratio
+            )
         )
         for g in suppressed:
             healthy[g] = False
@@ -481,7 +478,7 @@ class Engine:
                     comm_bound_share=counts[1] / counts[0] if counts[0] else 0.0,
                     evaluated_ticks=counts[0],
                     gpu_hours_lost_by_kind=tuple(
-                        (kind.value, round(lost[kind], 4)) for kind in _COSTING if kind in lost
+                        (kind.value, round(lost[kind], VIEW_DIGITS)) for kind in _COSTING if kind in lost
                     ),
                 )
             )
@@ -538,4 +535,4 @@ def _only(outcome: Outcome, kind: AlertKind) -> Outcome:
 
 def _f(x: float) -> float | None:
     """Plain float or None for NaN."""
-    return None if x != x else round(float(x), 4)
+    return None if x != x else round(float(x), VIEW_DIGITS)

@@ -89,8 +89,9 @@ class EngineConfig:
     workload_noise_sigmas: float = 3.0
     # How long a comm_bound finding must hold before it fires.
     comm_for_seconds: float = 30.0
-    # How long an input_bound finding must hold: a checkpoint pause of 10-20 s is not starvation.
-    input_for_seconds: float = 45.0
+    # How long an input_bound finding must hold: a 10-20 s checkpoint pause shows in the 30 s medians for
+    # under 25 s and is not starvation; 35 s fires at a median 55 s at 5 s sampling (45 s: 65 s), no less precise.
+    input_for_seconds: float = 35.0
     # How long a job must be back near its usual level before comm_bound / input_bound resolves.
     workload_clear_seconds: float = 60.0
     # A drop while the job's median utilization stays at or above this is comm_bound (spinning in NCCL).
@@ -119,6 +120,55 @@ class EngineConfig:
     xid_clear_seconds: float = 600.0
     # An ecc alert clears after this long without new uncorrected errors and with no remap pending/failed.
     ecc_clear_seconds: float = 600.0
+
+    # The engine's own cadence and its start-up (rules-workload block).
+    # Baselines are recomputed every this many ticks: 900 s of history moves little in 15 s, and the
+    # percentile over it is the costliest step of a tick.
+    baseline_refresh_ticks: int = 3
+    # Fingerprint indexes are pruned every this many ticks (an hour at 5 s): rare enough to cost nothing.
+    index_prune_ticks: int = 720
+    # An index is pruned once it holds this many fingerprints per GPU: each GPU's current one, and as many
+    # again for jobs it left, before the sweep.
+    index_prune_ratio: float = 2.0
+    # Noise is read from changes this many smoothing windows apart: 30 s medians 60 s apart share no sample.
+    noise_lag_smooth_factor: float = 2.0
+    # A group's ticks feed its history once this share of the start-up grace has passed: the first half
+    # covers process start and warm-up, the second already reads the job's own level.
+    startup_history_ratio: float = 0.5
+    # Groups first seen within this share of the start-up grace of the engine's first sample, already
+    # spinning, ran before it started (a trace cut from a longer recording, a restarted server).
+    running_at_start_ratio: float = 0.5
+    # Clocks away from their baseline this long are a new regime (a power cap set or lifted, application
+    # clocks changed): the group's history restarts. Twice the smoothing: one 30 s median is not a regime.
+    regime_change_seconds: float = 60.0
+    # A tick whose level lies this share of the drop margin under the history's median stays out of the
+    # history: the job's ordinary range goes in, a half-formed drop does not.
+    history_max_sag_ratio: float = 0.5
+
+    # comm_bound / input_bound beyond the settings above (rules-workload block).
+    # A job on one GPU has no collective to spin in and no peers to wait for: its drops are not judged.
+    workload_min_gpus: int = 2
+    # A power drop's clocks are judged against the capped ratio when the power-cap bit is on in at least
+    # this share of the group's samples: most of its GPUs are at their cap.
+    workload_power_cap_share_ratio: float = 0.5
+    # Recovered once the job is back within this share of the drop margin of its usual level (hysteresis:
+    # half the margin keeps noise at the margin from closing and reopening the alert).
+    workload_recovered_ratio: float = 0.5
+    # comm_bound also clears once utilization fell this far under comm_min_utilization: the GPUs stopped
+    # spinning (a job ending, or now input-bound); 0.1 keeps a job at the margin from flapping.
+    comm_clear_utilization_gap: float = 0.1
+    # input_bound also clears once utilization is back within this share of input_utilization_drop of
+    # the baseline utilization (the same hysteresis as workload_recovered_ratio).
+    input_clear_utilization_ratio: float = 0.5
+    # A drop of this much or more is critical: the job runs at under 70 % of its usual speed.
+    workload_critical_drop_ratio: float = 0.3
+
+    # Health beyond the settings above (rules-workload block).
+    # A node's usual lag may grow by at most this share of the time passed: far above any clock's drift
+    # (parts per million), far below a silent node's lag, which grows by all of it.
+    unreachable_lag_drift_ratio: float = 0.02
+    # gpu_lost's evidence calls a GPU up when at least this share of the bin's samples said so (a majority).
+    gpu_up_share_ratio: float = 0.5
 
     # Rules (gpufleet.server.engine.rules) switched off by name: never hold. For ablation and for a fleet
     # where one rule misfires; the engine refuses a name no detector declares.

@@ -5,6 +5,10 @@ A rule holds when its signal reaches its margin and all its gates hold (and none
 
     signal >= max(scale x config[margin], config[sigmas] x spread)
 
+A rule may also measure its margin from a per-subject `reference` (a GPU's own temperature limit), take
+a `factor` share of it or settings `less` (a clear condition's hysteresis), pass it strictly (`op` ">")
+or lie under it (`op` "<": the condition of being back, or a reading under a limit).
+
 The margin is a named EngineConfig setting, the floor; where the rule names a spread (the subject's own
 robust noise, e.g. 1.4826 x the MAD of its group's readings) the margin widens with it, so a noisy job
 needs a larger difference than a quiet one under the same defaults. Signals are oriented so that larger
@@ -30,15 +34,39 @@ class Rule:
     name: str  # stable identifier: EngineConfig.disabled_rules, the ablation table, the docs
     doc: str  # one line for the reference: what holding it means
     signal: str  # key of a per-subject array, oriented so that larger fires
-    margin: str  # EngineConfig setting: the margin's floor (scaled by `evaluate`'s scales)
+    margin: str | None  # EngineConfig setting: the margin's floor (scaled by `evaluate`'s scales); None: zero
     spread: str | None = None  # key of a per-subject robust spread; None: the floor alone
     sigmas: str | None = None  # EngineConfig setting: how many spreads the margin widens to
     gates: tuple[str, ...] = ()  # keys of boolean arrays that must all hold
     unless: tuple[str, ...] = ()  # keys of boolean arrays none of which may hold
+    # How the signal meets its threshold: ">=" reaches it, ">" must pass it, "<" lies under it (a clear
+    # condition, or a reading below a limit). "<" takes no spread.
+    op: str = ">="
+    factor: str | None = None  # EngineConfig setting the margin is multiplied by (a share of another margin)
+    less: tuple[str, ...] = ()  # EngineConfig settings taken off the margin (hysteresis, a margin under a limit)
+    reference: str | None = None  # key of a per-subject level the margin is measured from (a GPU's own limit)
+    # Key of the series the spread is compared with where it is not the signal: a drop measured from a
+    # baseline whose noise is measured around the median. Then both must hold: the signal its floor, this
+    # series `sigmas` spreads (a NaN here, or in the spread, leaves the floor alone).
+    spread_signal: str | None = None
 
     def __post_init__(self) -> None:
         if (self.spread is None) != (self.sigmas is None):
             raise ValueError(f"rule {self.name}: spread and sigmas go together")
+        if self.op not in _OPS:
+            raise ValueError(f"rule {self.name}: op must be one of {', '.join(_OPS)}")
+        if self.op == "<" and self.spread is not None:
+            raise ValueError(f"rule {self.name}: a '<' rule takes no spread")
+        if self.spread_signal is not None and self.spread is None:
+            raise ValueError(f"rule {self.name}: spread_signal needs a spread")
+
+    def settings(self) -> tuple[str, ...]:
+        """The EngineConfig settings the rule reads."""
+        named = (self.margin, self.sigmas, self.factor, *self.less)
+        return tuple(s for s in named if s is not None)
+
+
+_OPS = (">=", ">", "<")
 
 
 def evaluate(
@@ -59,12 +87,29 @@ def evaluate(
         if rule.name in disabled:
             out[rule.name] = np.zeros(shape, dtype=bool)
             continue
-        threshold = scale * float(getattr(config, rule.margin))
+        threshold = scale * (float(getattr(config, rule.margin)) if rule.margin is not None else 0.0)
+        if rule.factor is not None:
+            threshold = threshold * float(getattr(config, rule.factor))
+        for setting in rule.less:
+            threshold = threshold - float(getattr(config, setting))
+        if rule.reference is not None:
+            threshold = np.asarray(arrays[rule.reference], dtype=float) + threshold
+        noisy = None
         if rule.spread is not None:
             assert rule.sigmas is not None  # __post_init__
             widened = float(getattr(config, rule.sigmas)) * np.asarray(arrays[rule.spread], dtype=float)
-            threshold = np.fmax(threshold, widened)  # fmax: a NaN spread leaves the floor
-        holds = signal >= threshold
+            if rule.spread_signal is None:
+                threshold = np.fmax(threshold, widened)  # fmax: a NaN spread leaves the floor
+            else:
+                noisy = np.asarray(arrays[rule.spread_signal], dtype=float) < widened
+        if rule.op == ">=":
+            holds = signal >= threshold
+        elif rule.op == ">":
+            holds = signal > threshold
+        else:
+            holds = signal < threshold
+        if noisy is not None:
+            holds = holds & ~noisy
         for gate in rule.gates:
             holds = holds & arrays[gate]
         for gate in rule.unless:

@@ -8,7 +8,7 @@ from dataclasses import replace
 import orjson
 import pytest
 
-from gpufleet.server.engine import EngineConfig
+from gpufleet.server.engine import Engine, EngineConfig, policy
 from bench import detection_eval, scenarios, tracegen
 from bench.tracegen import Truth
 
@@ -98,14 +98,14 @@ def test_holdout_scores_its_own_seed_range(monkeypatch):
     assert ev.first_seed == detection_eval.HOLDOUT_FIRST_SEED
 
 
-def test_every_ablation_is_a_valid_engine_override_and_named_once():
-    names = [ab.name for ab in detection_eval.ABLATIONS]
-    assert len(names) == len(set(names)) and names
-    defaults = EngineConfig()
-    for ab in detection_eval.ABLATIONS:
+def test_the_ablations_are_every_declared_rule_each_switched_off_alone():
+    ablations = detection_eval.declared_ablations()
+    declared = [(detector, rule.name) for detector, rules in policy.declared_rules().items() for rule in rules]
+    assert [(ab.detector, ab.name) for ab in ablations] == declared and declared
+    for ab in ablations:
         config = EngineConfig.from_mapping(dict(ab.overrides))
-        # Each override changes something: an ablation equal to the defaults would report a rule as free.
-        assert any(getattr(config, k) != getattr(defaults, k) for k in ab.overrides), ab.name
+        assert config.disabled_rules == {ab.name}
+        Engine(config)  # the engine knows the name
 
 
 def test_ablation_table_lists_the_kinds_each_rule_moves_and_an_override_the_engine_refuses():
@@ -120,14 +120,14 @@ def test_ablation_table_lists_the_kinds_each_rule_moves_and_an_override_the_engi
         seeds=1,
         ablations=(
             detection_eval.Ablation("gone", "a rule the engine no longer has", {"bogus_setting": 1.0}),
-            detection_eval.Ablation("silent", "every rule", {"straggler_for_seconds": 1e9}),
+            detection_eval.Ablation("silent", "every rule", {"straggler_for_seconds": 1e9}, "straggler"),
         ),
     )
     baseline = {"straggler": scenarios.KindScore(tp=1, required=1, detected=1)}
     rows = "\n".join(detection_eval.render_ablations(table, baseline))
     assert "not run: unknown engine config key 'bogus_setting'" in rows
     # Replaying nothing misses the slow node the baseline found: recall falls by one.
-    assert "| silent | `straggler_for_seconds: 1e+09` | every rule | `straggler` | – | – | 0.000 | -1.000 |" in rows
+    assert "| straggler | `silent` | every rule | `straggler` | – | – | 0.000 | -1.000 |" in rows
 
 
 def test_report_section_is_written_between_its_markers_only(tmp_path):

@@ -104,7 +104,7 @@ def test_the_straggler_index_forgets_jobs_its_gpus_left_but_not_an_open_alert():
         fps.append(subject_fingerprint(AlertKind.STRAGGLER, "n0", 1, f"{k}-1"))
         assert index.get(w, fps[-1]) == (1, 4 * k + 1)
     still_open = fps[3]  # an alert about GPU 1's fourth job, not yet resolved
-    index.prune({still_open})
+    index.prune({still_open}, EngineConfig().index_prune_ratio)
     assert index.get(w, still_open) == (1, 13)  # its clear test still finds the GPU (and the job moved on)
     assert index.get(w, fps[-1]) == (1, 197)  # the jobs the GPUs run now are kept
     assert index.get(w, fps[10]) is None

@@ -38,12 +38,17 @@ def test_a_row_carries_the_default_and_unit_of_its_field():
 
 def test_rewrite_replaces_only_the_table_and_check_notices_a_stale_one(tmp_path):
     doc = tmp_path / "detection.md"
-    doc.write_text(f"# Detection\n\nbefore\n\n{engine_settings.BEGIN}\nold table\n{engine_settings.END}\n\nafter\n")
+    doc.write_text(
+        f"# Detection\n\nbefore\n\n{engine_settings.BEGIN}\nold table\n{engine_settings.END}\n\n"
+        f"{engine_settings.RULES_BEGIN}\n{engine_settings.RULES_END}\n\nafter\n"
+    )
     assert engine_settings.main(["--doc", str(doc), "--check"]) == 1
     assert engine_settings.main(["--doc", str(doc)]) == 0
     text = doc.read_text()
     assert text.startswith("# Detection\n\nbefore\n\n") and text.endswith("\n\nafter\n")
     assert engine_settings.current_block(text) == engine_settings.render()
+    rules = engine_settings.current_block(text, engine_settings.RULES_BEGIN, engine_settings.RULES_END)
+    assert rules == engine_settings.render_rules()
     assert engine_settings.main(["--doc", str(doc), "--check"]) == 0
 
 
@@ -53,3 +58,29 @@ def test_a_doc_without_the_markers_is_refused(tmp_path):
     assert engine_settings.main(["--doc", str(doc)]) == 2
     with pytest.raises(ValueError):
         engine_settings.rewrite("# Detection\n", "table")
+
+
+def test_the_documented_rules_reference_is_generated_from_the_declarations():
+    block = engine_settings.current_block(
+        engine_settings.DOC.read_text(), engine_settings.RULES_BEGIN, engine_settings.RULES_END
+    )
+    assert block is not None, "the rules markers are missing from docs/detection.md"
+    assert block == engine_settings.render_rules(), (
+        f"docs/detection.md's rules reference is stale: run `{engine_settings.COMMAND}`"
+    )
+
+
+def test_a_rule_row_quotes_its_margin_default_noise_and_gates():
+    rows = {
+        line.split("|")[1].strip(" `"): line
+        for line in engine_settings.render_rules().splitlines()
+        if line.startswith("| `")
+    }
+    drop = rows["comm_bound_sm_drop"]
+    assert "`workload_drop` (0.15)" in drop and "`workload_noise_sigmas` (3) × `noise`" in drop
+    assert "not `standout`" in drop
+    assert "`comm_min_utilization` (0.8) − `comm_clear_utilization_gap` (0.1)" in rows["comm_bound_stopped_spinning"]
+
+
+def test_the_doc_stays_a_reference_of_a_few_hundred_lines():
+    assert len(engine_settings.DOC.read_text().splitlines()) < 600

@@ -70,3 +70,49 @@ def test_engine_refuses_an_unknown_rule_name() -> None:
 
     with pytest.raises(ValueError, match="no declared rule: nonsense"):
         Engine(EngineConfig(disabled_rules=frozenset({"nonsense"})))
+
+
+@dataclass(frozen=True)
+class _Limits:
+    margin: float = 0.1
+    share: float = 0.5
+    gap: float = 2.0
+    sigmas: float = 3.0
+    disabled_rules: frozenset[str] = field(default_factory=frozenset)
+
+
+def test_ops_factor_less_and_reference() -> None:
+    x = np.array([0.04, 0.05, 0.1, np.nan])
+    strict = Rule(name="strict", doc="", signal="x", margin="margin", op=">")
+    below = Rule(name="below", doc="back under half the margin", signal="x", op="<", margin="margin", factor="share")
+    out = evaluate((strict, below), {"x": x}, _Limits())
+    assert out["strict"].tolist() == [False, False, False, False]  # reaching 0.1 exactly does not pass it
+    assert out["below"].tolist() == [True, False, False, False]  # under 0.05; NaN is never below
+    # A reading within `gap` of each subject's own limit, NaN limit never.
+    near = Rule(name="near", doc="", signal="t", reference="limit", margin=None, less=("gap",))
+    arrays = {"t": np.array([85.0, 84.9, 90.0]), "limit": np.array([87.0, 87.0, np.nan])}
+    assert evaluate((near,), arrays, _Limits())["near"].tolist() == [True, False, False]
+
+
+def test_a_spread_signal_must_clear_the_noise_beside_the_floor() -> None:
+    rule = Rule(
+        name="drop", doc="", signal="drop", margin="margin", spread="noise", sigmas="sigmas", spread_signal="sag"
+    )
+    arrays = {
+        "drop": np.array([0.2, 0.2, 0.2, 0.05, 0.2]),
+        "sag": np.array([0.1, 0.05, np.nan, 0.2, 0.1]),
+        "noise": np.array([0.03, 0.03, 0.03, 0.0, np.nan]),
+    }
+    # Floor on the drop (0.1), 3 x noise on the sag; a NaN sag or noise leaves the floor alone.
+    assert evaluate((rule,), arrays, _Limits())["drop"].tolist() == [True, False, True, False, True]
+
+
+def test_new_fields_are_checked_and_list_their_settings() -> None:
+    with pytest.raises(ValueError, match="op must be"):
+        Rule(name="bad", doc="", signal="x", margin="margin", op="==")
+    with pytest.raises(ValueError, match="takes no spread"):
+        Rule(name="bad", doc="", signal="x", margin="margin", op="<", spread="s", sigmas="sigmas")
+    with pytest.raises(ValueError, match="needs a spread"):
+        Rule(name="bad", doc="", signal="x", margin="margin", spread_signal="y")
+    rule = Rule(name="r", doc="", signal="x", margin="margin", factor="share", less=("gap",))
+    assert rule.settings() == ("margin", "share", "gap")

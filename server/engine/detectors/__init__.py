@@ -11,6 +11,7 @@ import numpy as np
 from gpufleet.server.alerts import AlertKind, Severity, fingerprint
 from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.groups import GroupHistory
+from gpufleet.server.engine.units import EVIDENCE_DIGITS
 from gpufleet.server.engine.windows import CounterEvent
 
 
@@ -101,7 +102,11 @@ def plain(value: Any) -> Any:
 
 def r3(x: float) -> float | None:
     """Round for evidence; NaN becomes None (unsupported, not 0)."""
-    return None if x != x else round(float(x), 3)
+    return None if x != x else round(float(x), EVIDENCE_DIGITS)
+
+
+# A slot's entry before its first sync: no job code (-1 is "no job") is ever this.
+_UNSYNCED = np.iinfo(np.int64).min
 
 
 class FingerprintIndex:
@@ -111,23 +116,24 @@ class FingerprintIndex:
         self.kind = kind
         self._keyed = kind in _JOB_KEYED
         self._map: dict[str, tuple[int, int]] = {}
-        self._done = np.full(0, -2, dtype=np.int64)
+        self._done = np.full(0, _UNSYNCED, dtype=np.int64)
 
     def get(self, windows: Any, fp: str) -> tuple[int, int] | None:
         """(slot, job code at the time) an open alert refers to, or None."""
         self._sync(windows)
         return self._map.get(fp)
 
-    def prune(self, keep: set[str]) -> None:
-        """Forget the fingerprints of jobs a GPU no longer runs, except those in `keep` (open alerts): a
-        job-keyed index otherwise gains one entry each time any GPU starts another job, for good."""
-        if len(self._map) > 2 * len(self._done):
+    def prune(self, keep: set[str], max_per_slot: float) -> None:
+        """Forget the fingerprints of jobs a GPU no longer runs, except those in `keep` (open alerts), once
+        the index holds more than `max_per_slot` per GPU: a job-keyed index otherwise gains one entry each
+        time any GPU starts another job, for good."""
+        if len(self._map) > max_per_slot * len(self._done):
             self._map = {fp: (s, code) for fp, (s, code) in self._map.items() if fp in keep or self._done[s] == code}
 
     def _sync(self, w: Any) -> None:
         """Add fingerprints for new slots and slots that changed job."""
         n = w.n
-        self._done = grown(self._done, n, -2)
+        self._done = grown(self._done, n, _UNSYNCED)
         jobs = w.slot_job[:n] if self._keyed else np.full(n, -1, dtype=np.int64)
         for s in (self._done[:n] != jobs).nonzero()[0].tolist():
             code = int(jobs[s])

@@ -13,43 +13,40 @@ import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.arrays import grown
+from gpufleet.server.engine.config import EngineConfig
 from gpufleet.server.engine.detectors import Context, FingerprintIndex, Finding, Outcome, subject_fingerprint
 from gpufleet.server.engine.tick import Tick
+from gpufleet.server.engine.xids import XID_CRITICAL, XID_MEANINGS
 from gpufleet.server.engine.windows import B_REMAP_FAILURE, B_REMAP_PENDING, B_UP, CounterEvent
-from gpufleet.server.engine.rules import Rule
+from gpufleet.server.engine.rules import Rule, evaluate
 
-# The rules of this detector, as data (see gpufleet.server.engine.rules).
-RULES: tuple[Rule, ...] = ()
-
-XID_MEANINGS = {
-    8: "GPU stopped processing (timeout)",
-    13: "graphics engine exception (illegal address, out-of-range access: usually the application)",
-    31: "GPU memory page fault (usually an application bug)",
-    32: "invalid or corrupted push buffer stream",
-    38: "driver firmware error",
-    43: "GPU stopped processing (reset channel; user application fault)",
-    45: "preemptive cleanup after a fatal error (process killed)",
-    48: "double-bit ECC error (uncorrectable memory error)",
-    56: "display engine error",
-    57: "error programming video memory interface",
-    61: "internal micro-controller breakpoint/warning",
-    62: "internal micro-controller halt",
-    63: "ECC page retirement or row remapping recorded",
-    64: "ECC page retirement or row remapping failure",
-    68: "NVDEC0 exception",
-    69: "graphics engine class error",
-    74: "NVLink error",
-    79: "GPU has fallen off the bus",
-    92: "high single-bit ECC error rate",
-    94: "contained ECC error (application affected)",
-    95: "uncontained ECC error (GPU reset required)",
-    109: "context switch timeout",
-    119: "GSP RPC timeout",
-    120: "GSP error",
-    121: "C2C link error",
-    140: "unrecovered ECC error",
-}
-_XID_CRITICAL = frozenset((48, 62, 64, 74, 79, 92, 94, 95, 119, 120, 121, 140))
+UNREACHABLE = Rule(
+    name="node_unreachable_late",
+    doc="the node's newest sample lags the evaluation by more than the threshold beyond its usual lag",
+    signal="lag_excess_seconds",
+    op=">",
+    margin="unreachable_seconds",
+)
+GPU_DOWN = Rule(
+    name="gpu_lost_down",
+    doc="the GPU reported up=false in at least one sample of the bin",
+    signal="down_share",
+    op=">",
+    margin=None,
+)
+XID_QUIET = Rule(
+    name="xid_quiet",
+    doc="no new event of the alert's XID code on its GPU for the quiet period (clears)",
+    signal="quiet_seconds",
+    margin="xid_clear_seconds",
+)
+ECC_QUIET = Rule(
+    name="ecc_quiet",
+    doc="no new uncorrected ECC error on the GPU for the quiet period (clears, unless a remap is pending)",
+    signal="quiet_seconds",
+    margin="ecc_clear_seconds",
+)
+RULES: tuple[Rule, ...] = (UNREACHABLE, GPU_DOWN, XID_QUIET, ECC_QUIET)
 
 
 class HealthState:
@@ -102,10 +99,11 @@ def _unreachable(tick: Tick, state: HealthState) -> Outcome:
             state.node_fps[fp] = nid
     lag = np.maximum(tick.t - last, 0.0)
     base = np.where(np.isnan(state.lag_base), lag, state.lag_base)
-    late = lag - base > cfg.unreachable_seconds
+    late = evaluate((UNREACHABLE,), {"lag_excess_seconds": lag - base}, cfg)[UNREACHABLE.name]
     known = ~np.isnan(lag)
     update = known & ~late
-    state.lag_base[update] = np.minimum(lag[update], base[update] + 0.02 * cfg.tick_seconds)
+    drift = cfg.unreachable_lag_drift_ratio * cfg.tick_seconds
+    state.lag_base[update] = np.minimum(lag[update], base[update] + drift)
     out = Outcome()
     for nid in (late & known).nonzero()[0].tolist():
         node = w.node_names[nid]
@@ -154,7 +152,7 @@ def _gpu_lost(tick: Tick, state: HealthState) -> Outcome:
     # `up` is the bin's mean: one sample of up=false in it is enough. A GPU that falls off the bus can
     # take its node's agent down seconds later, and the next bin may never come (one such sample, then
     # 4.5 minutes of silence: judged on the mean, gpu_lost fired only when the node came back).
-    down = up < 1.0
+    down = evaluate((GPU_DOWN,), {"down_share": 1.0 - up}, cfg)[GPU_DOWN.name]
     back = up >= 1.0
     out = Outcome()
     for slot in (down | vanished).nonzero()[0].tolist():
@@ -172,7 +170,10 @@ def _gpu_lost(tick: Tick, state: HealthState) -> Outcome:
                 Severity.CRITICAL,
                 f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} lost: {why}"
                 + (f" (job {job} cannot go on without it)" if job else ""),
-                {"up": None if up[slot] != up[slot] else bool(up[slot] >= 0.5), "missing": bool(vanished[slot])},
+                {
+                    "up": None if up[slot] != up[slot] else bool(up[slot] >= cfg.gpu_up_share_ratio),
+                    "missing": bool(vanished[slot]),
+                },
             )
         )
 
@@ -217,7 +218,7 @@ def _xid(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
             w.slot_index[slot],
             w.slot_uuid[slot],
             _job_of(tick, slot),
-            Severity.CRITICAL if code in _XID_CRITICAL else Severity.WARNING,
+            Severity.CRITICAL if code in XID_CRITICAL else Severity.WARNING,
             f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} XID {code if code >= 0 else '?'}: {meaning}",
             {"code": code if code >= 0 else None, "meaning": meaning, "count": count, "last_event_time": when},
             extra=str(code),
@@ -230,7 +231,7 @@ def _xid(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
         if hit is None:
             return None
         when = state.xid_last.get(hit, (tick.t, 0))[0]
-        return tick.t - when >= cfg.xid_clear_seconds
+        return _quiet(XID_QUIET, tick.t - when, cfg)
 
     out.clear = test
     return out
@@ -287,7 +288,12 @@ def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
             # unknown, not cleared. Read as cleared, a pending remap resolved and refired every other tick.
             return None
         when = state.ecc_last.get(slot, (None, 0))[0]
-        return when is None or tick.t - when >= cfg.ecc_clear_seconds
+        return when is None or _quiet(ECC_QUIET, tick.t - when, cfg)
 
     out.clear = test
     return out
+
+
+def _quiet(rule: Rule, seconds: float, cfg: EngineConfig) -> bool:
+    """Whether a quiet rule holds for one alert quiet this many seconds."""
+    return bool(evaluate((rule,), {"quiet_seconds": np.array([seconds])}, cfg)[rule.name][0])

@@ -27,32 +27,106 @@ from gpufleet.server.engine.windows import (
     L_MEM_MAX,
     L_SLOWDOWN,
 )
-from gpufleet.server.engine.rules import Rule
+from gpufleet.server.engine.rules import Rule, any_of, evaluate
+from gpufleet.server.engine.units import PERCENT
 
-# The rules of this detector, as data (see gpufleet.server.engine.rules).
-RULES: tuple[Rule, ...] = ()
+# What makes a GPU hot. NaN on either side (no HBM sensor, no limit reported) compares false: never hot.
+HOT_RULES: tuple[Rule, ...] = (
+    Rule(
+        name="thermal_hot_die",
+        doc="the die temperature is at or above the threshold",
+        signal="temperature_celsius",
+        margin="thermal_temperature_celsius",
+    ),
+    Rule(
+        name="thermal_hot_hbm",
+        doc="HBM at its own max operating temperature (less a margin), whatever the die reads",
+        signal="memory_temperature_celsius",
+        reference="memory_max_celsius",
+        margin=None,
+        less=("thermal_memory_margin_celsius",),
+    ),
+    Rule(
+        name="thermal_bits",
+        doc="the driver reports a thermal throttle reason (SW or HW thermal slowdown) in the bin",
+        signal="thermal_bits_share",
+        op=">",
+        margin=None,
+    ),
+)
+# Still warm: an open alert resolves only once none of these holds (hysteresis under the hot rules).
+WARM_RULES: tuple[Rule, ...] = (
+    Rule(
+        name="thermal_warm_die",
+        doc="the die is within the clear margin under the threshold: the alert does not clear",
+        signal="temperature_celsius",
+        margin="thermal_temperature_celsius",
+        less=("thermal_clear_margin_celsius",),
+    ),
+    Rule(
+        name="thermal_warm_hbm",
+        doc="HBM is within the clear margin under its limit: the alert does not clear",
+        signal="memory_temperature_celsius",
+        reference="memory_max_celsius",
+        margin=None,
+        less=("thermal_memory_margin_celsius", "thermal_clear_margin_celsius"),
+    ),
+)
+# Critical: clocks cut by heat, or the GPU at its own limits.
+CRITICAL_RULES: tuple[Rule, ...] = (
+    Rule(
+        name="thermal_clock_cut",
+        doc="a busy, thermally throttled GPU's SM clock is cut well under its max (critical)",
+        signal="sm_clock_ratio",
+        op="<",
+        margin="thermal_clock_cut_ratio",
+        gates=("thermal_bits", "busy"),
+    ),
+    Rule(
+        name="thermal_near_slowdown",
+        doc="the die is within a margin of the GPU's own slowdown temperature (critical)",
+        signal="temperature_celsius",
+        reference="slowdown_celsius",
+        margin=None,
+        less=("thermal_slowdown_margin_celsius",),
+    ),
+)
+RULES: tuple[Rule, ...] = HOT_RULES + WARM_RULES + CRITICAL_RULES
+
+
+def _arrays(tick: Tick) -> dict[str, np.ndarray]:
+    """What the rules read, per GPU, from the newest bin (not smoothed: thermal_for_seconds holds it)."""
+    w = tick.windows
+    latest = tick.latest
+    arrays = {
+        "temperature_celsius": latest[B_TEMP],
+        "memory_temperature_celsius": latest[B_MEM_TEMP],
+        "memory_max_celsius": w.slot_limits[L_MEM_MAX, : w.n],
+        "slowdown_celsius": w.slot_limits[L_SLOWDOWN, : w.n],
+        "thermal_bits_share": latest[B_THERMAL],
+        "sm_clock_ratio": latest[B_CLOCK_RATIO],
+        "busy": latest[B_UTIL] >= tick.config.busy_utilization,
+    }
+    hot = evaluate(HOT_RULES, arrays, tick.config)
+    arrays.update(hot)
+    arrays["hot"] = any_of(hot, [r.name for r in HOT_RULES])
+    return arrays
 
 
 def detect(tick: Tick, state: FingerprintIndex, context: Context) -> Outcome:
     """Findings for every GPU whose newest bin is hot or thermally throttled (the state is the alerts'
     fingerprint index; nothing in the context matters to heat)."""
     cfg = tick.config
-    temp = tick.latest[B_TEMP]
-    bits = tick.latest[B_THERMAL]
-    # NaN on either side (no HBM sensor, no limit reported) compares false: never hot, never in the way.
-    hbm_limit = tick.windows.slot_limits[L_MEM_MAX, : tick.windows.n]
-    hbm_over = tick.latest[B_MEM_TEMP] - (hbm_limit - cfg.thermal_memory_margin_celsius)
-    on = (temp >= cfg.thermal_temperature_celsius) | (bits > 0) | (hbm_over >= 0)
-    clear = (
-        ~(temp >= cfg.thermal_temperature_celsius - cfg.thermal_clear_margin_celsius)
-        & ~(hbm_over >= -cfg.thermal_clear_margin_celsius)
-        & ~(bits > 0)
-        & ~(np.isnan(temp) & np.isnan(bits))
-    )
-    unknown = np.isnan(temp) & np.isnan(bits)
+    arrays = _arrays(tick)
+    warm = any_of(evaluate(WARM_RULES, arrays, cfg), [r.name for r in WARM_RULES])
+    unknown = np.isnan(arrays["temperature_celsius"]) & np.isnan(arrays["thermal_bits_share"])
+    on = arrays["hot"]
+    clear = ~warm & ~arrays["thermal_bits"] & ~unknown
+    arrays.update(evaluate(CRITICAL_RULES, arrays, cfg))
+    critical = any_of(arrays, [r.name for r in CRITICAL_RULES])
     out = Outcome()
     for slot in on.nonzero()[0].tolist():
-        out.add(_finding(tick, slot))
+        out.add(_finding(tick, slot, arrays, bool(critical[slot])))
 
     def clear_test(fp: str) -> bool | None:
         hit = state.get(tick.windows, fp)
@@ -64,7 +138,7 @@ def detect(tick: Tick, state: FingerprintIndex, context: Context) -> Outcome:
     return out
 
 
-def _finding(tick: Tick, slot: int) -> Finding:
+def _finding(tick: Tick, slot: int, arrays: dict[str, np.ndarray], critical: bool) -> Finding:
     """Evidence and severity for one hot GPU."""
     cfg = tick.config
     w = tick.windows
@@ -78,10 +152,10 @@ def _finding(tick: Tick, slot: int) -> Finding:
     hbm = float(latest[B_MEM_TEMP, slot])
     hbm_max = float(w.slot_limits[L_MEM_MAX, slot])
     cut_by_bits = hw > 0
-    cut_clock = thermal_bits > 0 and clock < cfg.thermal_clock_cut_ratio and util >= cfg.busy_utilization
-    near_limit = slowdown == slowdown and temp >= slowdown - cfg.thermal_slowdown_margin_celsius
-    hbm_hot = hbm >= hbm_max - cfg.thermal_memory_margin_celsius
-    critical = cut_by_bits or cut_clock or near_limit or hbm_hot
+    cut_clock = bool(arrays["thermal_clock_cut"][slot])
+    near_limit = bool(arrays["thermal_near_slowdown"][slot])
+    hbm_hot = bool(arrays["thermal_hot_hbm"][slot])
+    critical = critical or cut_by_bits or hbm_hot
     reasons = [
         r
         for r, hit in (("hw_thermal_slowdown", hw > 0), ("sw_thermal_slowdown", thermal_bits > 0 and not hw > 0))
@@ -102,7 +176,7 @@ def _finding(tick: Tick, slot: int) -> Finding:
     if reasons:
         why.append("throttle " + "+".join(reasons))
     if clock == clock and clock < 1.0:
-        why.append(f"SM clock at {clock * 100:.0f} % of max")
+        why.append(f"SM clock at {clock * PERCENT:.0f} % of max")
     evidence = {
         "temperature_celsius": r3(temp),
         "threshold_celsius": cfg.thermal_temperature_celsius,

@@ -15,21 +15,134 @@ another 4 % over its peers most ticks and held a 40 % input-bound drop back for 
 
 from __future__ import annotations
 
+from typing import AbstractSet
+
 import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.detectors import Context, Finding, Outcome, r3, subject_fingerprint
 from gpufleet.server.engine.groups import JOB, GroupHistory, Groups
+from gpufleet.server.engine.config import EngineConfig
+from gpufleet.server.engine.rules import Rule, any_of, evaluate
 from gpufleet.server.engine.tick import SlowdownSource, Tick
-from gpufleet.server.engine.rules import Rule
+from gpufleet.server.engine.units import PERCENT, SECONDS_PER_HOUR, VIEW_DIGITS
 
-# The rules of this detector, as data (see gpufleet.server.engine.rules).
-RULES: tuple[Rule, ...] = ()
+# Gates that compare a reading with a setting: evaluated first, their results are gates of the rules below.
+GATE_RULES: tuple[Rule, ...] = (
+    Rule(
+        name="workload_spinning",
+        doc="the job's median utilization is high: its GPUs spin in collectives (gate)",
+        signal="utilization",
+        margin="comm_min_utilization",
+    ),
+    Rule(
+        name="input_bound_utilization_fell",
+        doc="the job's median utilization fell under its baseline utilization (gate)",
+        signal="utilization_fall",
+        margin="input_utilization_drop",
+    ),
+    Rule(
+        name="workload_job_active",
+        doc="the job still runs: its median utilization is at least the active level (gate)",
+        signal="utilization",
+        margin="job_active_utilization",
+    ),
+)
+# The drop: the job's level under its baseline by the fixed margin (the floor), and under its history's
+# median by `workload_noise_sigmas` of its own noise. Power stands in where SM activity is unsupported.
+_COMM_GATES, _COMM_UNLESS = ("judged", "workload_spinning"), ("explained", "standout")
+_INPUT_GATES = ("judged", "input_bound_utilization_fell", "workload_job_active")
+_INPUT_UNLESS = ("workload_spinning", "explained", "idling")
 
 
-def job_drop(
-    groups: Groups, history: GroupHistory, clock_ratio: float, capped_clock_ratio: float
-) -> tuple[np.ndarray, np.ndarray]:
+def _drop(name: str, doc: str, by: str, margin: str, gates: tuple[str, ...], unless: tuple[str, ...]) -> Rule:
+    """A job-level drop on one reading (`by`: sm or power)."""
+    return Rule(
+        name=name,
+        doc=doc,
+        signal=f"drop_{by}",
+        margin=margin,
+        spread="noise",
+        sigmas="workload_noise_sigmas",
+        spread_signal=f"sag_{by}",
+        gates=gates,
+        unless=unless,
+    )
+
+
+FIRE_RULES: tuple[Rule, ...] = (
+    _drop(
+        "comm_bound_sm_drop",
+        "SM activity fell job-wide under its baseline, beyond the job's noise, while the GPUs spin",
+        "sm",
+        "workload_drop",
+        _COMM_GATES,
+        _COMM_UNLESS,
+    ),
+    _drop(
+        "comm_bound_power_drop",
+        "power fell job-wide under its baseline with clocks held, beyond the job's noise, while the GPUs spin",
+        "power",
+        "workload_power_drop",
+        _COMM_GATES,
+        _COMM_UNLESS,
+    ),
+    _drop(
+        "input_bound_sm_drop",
+        "SM activity fell job-wide under its baseline, beyond the job's noise, with utilization fallen",
+        "sm",
+        "workload_drop",
+        _INPUT_GATES,
+        _INPUT_UNLESS,
+    ),
+    _drop(
+        "input_bound_power_drop",
+        "power fell job-wide under its baseline with clocks held, beyond the job's noise, utilization fallen",
+        "power",
+        "workload_power_drop",
+        _INPUT_GATES,
+        _INPUT_UNLESS,
+    ),
+)
+# What closes an open alert (besides an explanation: a straggler, heat, a lost GPU).
+CLEAR_RULES: tuple[Rule, ...] = (
+    Rule(
+        name="workload_recovered_sm",
+        doc="SM activity is back within a share of the margin of the job's usual level (clears)",
+        signal="sag_sm",
+        op="<",
+        margin="workload_drop",
+        factor="workload_recovered_ratio",
+    ),
+    Rule(
+        name="workload_recovered_power",
+        doc="power is back within a share of the margin of the job's usual level (clears)",
+        signal="sag_power",
+        op="<",
+        margin="workload_power_drop",
+        factor="workload_recovered_ratio",
+    ),
+    Rule(
+        name="comm_bound_stopped_spinning",
+        doc="utilization fell clearly under the spinning level: not comm_bound any more (clears)",
+        signal="utilization",
+        op="<",
+        margin="comm_min_utilization",
+        less=("comm_clear_utilization_gap",),
+    ),
+    Rule(
+        name="input_bound_utilization_back",
+        doc="utilization is back near the job's baseline utilization (clears input_bound)",
+        signal="utilization_fall",
+        op="<",
+        margin="input_utilization_drop",
+        factor="input_clear_utilization_ratio",
+    ),
+)
+RULES: tuple[Rule, ...] = GATE_RULES + FIRE_RULES + CLEAR_RULES
+
+
+def job_drop(groups: Groups, history: GroupHistory, cfg: EngineConfig) -> tuple[np.ndarray, np.ndarray]:
     """Per group: relative activity drop vs baseline, and its source (SlowdownSource values)."""
     base_sm, base_pw, base_clk = history.baseline("sm"), history.baseline("power"), history.baseline("clock")
     drop_sm = 1.0 - groups.sm / base_sm
@@ -40,8 +153,8 @@ def job_drop(
     # job at 300 W capped to 280 W loses 6 % of its clock and 8 % of its power) is a cap, while GPUs
     # waiting in collectives fall below their cap and keep or regain their clocks. Where clocks are
     # not reported, the bit alone says it.
-    capped = groups.power_cap >= 0.5
-    cut = np.where(capped, capped_clock_ratio, clock_ratio) * base_clk
+    capped = groups.power_cap >= cfg.workload_power_cap_share_ratio
+    cut = np.where(capped, cfg.workload_capped_clock_ratio, cfg.workload_clock_ratio) * base_clk
     clocks_hold = np.where(np.isnan(groups.clock), ~capped, ~(groups.clock < cut))
     use_sm = ~np.isnan(drop_sm)
     use_pw = ~use_sm & ~np.isnan(drop_pw) & clocks_hold
@@ -61,12 +174,10 @@ def sag(groups: Groups, history: GroupHistory, drop: np.ndarray, source: np.ndar
     return np.where(np.isnan(below), drop, below)
 
 
-def beyond_noise(
-    sagged: np.ndarray, history: GroupHistory, source: np.ndarray, sigmas: float, threshold: np.ndarray
-) -> np.ndarray:
-    """Per group: does the level lie `sigmas` of the job's own noise below its history's median
-    (`sagged`, from sag)? The baseline is a high percentile, so in a noisy series it sits well
-    above the usual level: with the generator's noise tripled, a power-only job's half-minute median
+def noise(history: GroupHistory, source: np.ndarray, sigmas: float, threshold: np.ndarray) -> np.ndarray:
+    """Per group: the job's own noise, as a fraction of its history's median: the spread its level must
+    lie `sigmas` of below that median (`sag`) for a drop to count. The baseline is a high percentile,
+    so in a noisy series it sits well above the usual level: with the generator's noise tripled, a power-only job's half-minute median
     wandered 5-9 % under its baseline with nothing changed, past the 8 % threshold for half a minute
     at a time.
 
@@ -79,10 +190,9 @@ def beyond_noise(
     real 10 % drop below its median would have been taken for noise without that cap."""
     sm = source == SlowdownSource.SM_ACTIVITY
     middle = np.where(sm, history.median("sm"), history.median("power"))
-    noise = np.where(sm, history.spread("sm"), history.spread("power")) / middle
+    spread = np.where(sm, history.spread("sm"), history.spread("power")) / middle
     levels = np.where(sm, history.level_spread("sm"), history.level_spread("power")) / middle
-    noise = np.where(np.isnan(noise), np.minimum(levels, threshold / sigmas), noise)
-    return ~(sagged < sigmas * noise)
+    return np.where(np.isnan(spread), np.minimum(levels, threshold / sigmas), spread)
 
 
 class WorkloadState:
@@ -117,49 +227,44 @@ class WorkloadState:
 def detect(tick: Tick, state: WorkloadState, context: Context) -> Outcome:
     """Job-level comm_bound / input_bound findings; none in groups whose drop is explained (a straggler,
     thermal throttling, a lost GPU: the context's `explained`), nor where someone stands out (its
-    `standout`; for input_bound: by idling, its `idling`). Only an explanation clears an open alert: a GPU standing out at the weaker margins for
-    a tick or two while the whole job idles or spins is noise (at 10 s sampling it reset a pending
-    input_bound every minute, which then fired three minutes late); the lifecycle's pending grace
-    carries the alert over it."""
-    history, explained, standout, idling = context.history, context.explained, context.standout, context.idling
+    `standout`; for input_bound: by idling, its `idling`). The rules are RULES; the arrays they read are
+    built here."""
+    history = context.history
     cfg = tick.config
     grp = tick.groups
     reg = tick.registry
     G = grp.n_groups
     is_job = reg.is_job[:G]
     drop = tick.slowdown
+    source = tick.slowdown_source
     base_u = history.baseline("util")
-    why = np.zeros(G, dtype=bool)  # the drop has an explanation
-    if explained:
-        why[list(explained)] = True
-    held_comm, held_inp = why.copy(), why.copy()  # no finding now
-    if standout:
-        held_comm[list(standout)] = True
-    if idling:
-        held_inp[list(idling)] = True
     aged = tick.t - reg.first_seen[:G] >= cfg.startup_grace_seconds + cfg.min_history_seconds
-    ok = is_job & (grp.size >= 2) & aged
-    threshold = np.where(tick.slowdown_source == SlowdownSource.POWER, cfg.workload_power_drop, cfg.workload_drop)
-    dropped = (
-        ok
-        & (drop >= threshold)
-        & beyond_noise(tick.sag, history, tick.slowdown_source, cfg.workload_noise_sigmas, threshold)
-    )
-    spinning = grp.util >= cfg.comm_min_utilization
-    comm = dropped & spinning & ~held_comm
-    inp = (
-        dropped
-        & ~spinning
-        & ~held_inp
-        & (base_u - grp.util >= cfg.input_utilization_drop)
-        & (grp.util >= cfg.job_active_utilization)
-    )
-    # Recovered once back within half the threshold of the job's usual level, its history's median.
-    # Measured from the baseline, a noisy job rarely got there: at triple noise a comm_bound stayed
-    # open 470 s past the end of its slowdown while the job's level wandered 4-6 % under the baseline.
-    recovered = tick.sag < threshold / 2
-    comm_clear = recovered | (grp.util < cfg.comm_min_utilization - 0.1) | why
-    inp_clear = recovered | (base_u - grp.util < cfg.input_utilization_drop / 2) | why
+    threshold = np.where(source == SlowdownSource.POWER, cfg.workload_power_drop, cfg.workload_drop)
+    by_sm, by_power = source == SlowdownSource.SM_ACTIVITY, source == SlowdownSource.POWER
+    arrays: dict[str, np.ndarray] = {
+        "utilization": grp.util,
+        "utilization_fall": base_u - grp.util,
+        "drop_sm": np.where(by_sm, drop, np.nan),
+        "drop_power": np.where(by_power, drop, np.nan),
+        "sag_sm": np.where(by_sm, tick.sag, np.nan),
+        "sag_power": np.where(by_power, tick.sag, np.nan),
+        "noise": noise(history, source, cfg.workload_noise_sigmas, threshold),
+        "judged": is_job & (grp.size >= cfg.workload_min_gpus) & aged,
+        "explained": _groups(G, context.explained),
+        "standout": _groups(G, context.standout),
+        "idling": _groups(G, context.idling),
+    }
+    arrays.update(evaluate(GATE_RULES, arrays, cfg))
+    held = evaluate(FIRE_RULES, arrays, cfg)
+    comm = any_of(held, ("comm_bound_sm_drop", "comm_bound_power_drop"))
+    inp = any_of(held, ("input_bound_sm_drop", "input_bound_power_drop"))
+    # Only an explanation or the job's return closes an alert: a GPU standing out for a tick or two while
+    # the whole job idles or spins is noise (at 10 s sampling it reset a pending input_bound every
+    # minute, which then fired three minutes late); the lifecycle's pending grace carries the alert over it.
+    back = evaluate(CLEAR_RULES, arrays, cfg)
+    recovered = any_of(back, ("workload_recovered_sm", "workload_recovered_power"))
+    comm_clear = recovered | back["comm_bound_stopped_spinning"] | arrays["explained"]
+    inp_clear = recovered | back["input_bound_utilization_back"] | arrays["explained"]
     out = Outcome()
     by_fp = state.fingerprints(reg, is_job)
     for gid in (comm | inp).nonzero()[0].tolist():
@@ -182,6 +287,14 @@ def detect(tick: Tick, state: WorkloadState, context: Context) -> Outcome:
     return out
 
 
+def _groups(n: int, ids: AbstractSet[int]) -> np.ndarray:
+    """A per-group mask of the given group ids."""
+    mask = np.zeros(n, dtype=bool)
+    if ids:
+        mask[list(ids)] = True
+    return mask
+
+
 def _finding(
     tick: Tick, state: WorkloadState, gid: int, kind: AlertKind, base_util: float, history: GroupHistory
 ) -> Finding:
@@ -192,7 +305,7 @@ def _finding(
     drop = float(tick.slowdown[gid])
     by_sm = tick.slowdown_source[gid] == SlowdownSource.SM_ACTIVITY
     fp = subject_fingerprint(kind, None, None, job)
-    cost = drop * int(grp.size[gid]) * cfg.tick_seconds / 3600.0
+    cost = drop * int(grp.size[gid]) * cfg.tick_seconds / SECONDS_PER_HOUR
     lost = state.cost.get(fp, 0.0) + cost
     state.cost[fp] = lost
     signal = "sm_active_ratio" if by_sm else "power_watts"
@@ -208,17 +321,17 @@ def _finding(
         "sm_clock_ratio": r3(grp.clock[gid]),
         "gpus": int(grp.size[gid]),
         "estimated_job_slowdown_ratio": r3(drop),
-        "gpu_hours_lost": round(lost, 4),
+        "gpu_hours_lost": round(lost, VIEW_DIGITS),
     }
     if kind is AlertKind.COMM_BOUND:
         summary = (
             f"job {job} is communication-bound: {signal} {cur:.2f} vs baseline {base:.2f} "
-            f"(-{drop * 100:.0f} %) with utilization {grp.util[gid]:.2f} and no GPU standing out"
+            f"(-{drop * PERCENT:.0f} %) with utilization {grp.util[gid]:.2f} and no GPU standing out"
         )
     else:
         summary = (
-            f"job {job} is input-bound: {signal} -{drop * 100:.0f} % and utilization "
+            f"job {job} is input-bound: {signal} -{drop * PERCENT:.0f} % and utilization "
             f"{grp.util[gid]:.2f} vs {base_util:.2f} job-wide"
         )
-    sev = Severity.WARNING if drop < 0.3 else Severity.CRITICAL
+    sev = Severity.WARNING if drop < cfg.workload_critical_drop_ratio else Severity.CRITICAL
     return Finding(kind, None, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
