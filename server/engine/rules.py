@@ -3,7 +3,7 @@ its machinery computed (windows, peer groups, baselines, learned offsets).
 
 A rule holds when its signal reaches its margin and all its gates hold (and none of its `unless` gates):
 
-    signal >= max(scale x config[margin], config[sigmas] x spread)
+    signal >= max(scale x config[margin] [x config[margin_factor]], config[sigmas] x spread)
 
 The margin is a named EngineConfig setting, the floor; where the rule names a spread (the subject's own
 robust noise, e.g. 1.4826 x the MAD of its group's readings) the margin widens with it, so a noisy job
@@ -22,6 +22,13 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+# 1.4826 x the median absolute deviation estimates the standard deviation of normal noise (1 / the 75th
+# percentile of the standard normal distribution): a robust spread that one outlier does not widen.
+MAD_TO_SIGMA = 1.4826
+# The k-th of n sorted readings stands for the quantile (k + 0.5) / n (the midpoint plotting position), so
+# that two samples of different sizes are compared rank for rank without favouring either end.
+MIDPOINT_RANK = 0.5
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rule:
@@ -35,6 +42,8 @@ class Rule:
     sigmas: str | None = None  # EngineConfig setting: how many spreads the margin widens to
     gates: tuple[str, ...] = ()  # keys of boolean arrays that must all hold
     unless: tuple[str, ...] = ()  # keys of boolean arrays none of which may hold
+    margin_factor: str | None = None  # EngineConfig setting multiplying the margin (e.g. twice it, half it)
+    scaled: bool = True  # False: the floor is the same at every scale of `evaluate` (a plain cut-off)
 
     def __post_init__(self) -> None:
         if (self.spread is None) != (self.sigmas is None):
@@ -59,7 +68,9 @@ def evaluate(
         if rule.name in disabled:
             out[rule.name] = np.zeros(shape, dtype=bool)
             continue
-        threshold = scale * float(getattr(config, rule.margin))
+        threshold = (scale if rule.scaled else 1.0) * float(getattr(config, rule.margin))
+        if rule.margin_factor is not None:
+            threshold = threshold * float(getattr(config, rule.margin_factor))
         if rule.spread is not None:
             assert rule.sigmas is not None  # __post_init__
             widened = float(getattr(config, rule.sigmas)) * np.asarray(arrays[rule.spread], dtype=float)

@@ -8,9 +8,11 @@ from gpufleet.server.alerts import AlertKind
 from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.detectors import FingerprintIndex
 from gpufleet.server.engine.detectors.straggler.node_pairs import NodeOffsets
+from gpufleet.server.engine.groups import LEVELS
 from gpufleet.server.engine.tick import Tick
 
-_COST_KEEP_SECONDS = 600.0
+# The levels a GPU's own usual level is kept for: SM activity and power, LEVELS' first two rows.
+_OWN_LEVELS = LEVELS[: LEVELS.index("power") + 1]
 
 
 class StragglerState:
@@ -19,8 +21,8 @@ class StragglerState:
     so far; and the alerts' fingerprint index."""
 
     def __init__(self) -> None:
-        self.offset = np.full((4, 0), np.nan)
-        self.level = np.full((2, 0), np.nan)  # usual SM activity and power, rows as LEVELS' first two
+        self.offset = np.full((len(LEVELS), 0), np.nan)
+        self.level = np.full((len(_OWN_LEVELS), 0), np.nan)  # usual SM activity and power
         self.learned_gid = np.full(0, -1, dtype=np.int64)
         self.learned = np.zeros(0, dtype=np.int64)
         self.spread = np.full(0, np.nan)  # its group's recent spread of activity excesses
@@ -68,8 +70,8 @@ class StragglerState:
         self._steady[: grp.n_groups] = np.where(steady, np.fmin(self._steady[: grp.n_groups], tick.t), np.nan)
         return self._steady[: grp.n_groups]
 
-    def prune(self, t: float) -> None:
-        """Forget cost tallies of subjects quiet for a long time."""
-        stale = [fp for fp, (_, last) in self.cost.items() if t - last > _COST_KEEP_SECONDS]
+    def prune(self, t: float, keep_seconds: float) -> None:
+        """Forget cost tallies of subjects quiet for longer than keep_seconds."""
+        stale = [fp for fp, (_, last) in self.cost.items() if t - last > keep_seconds]
         for fp in stale:
             del self.cost[fp]
