@@ -140,6 +140,10 @@ class EngineConfig:
     straggler_cost_keep_seconds: float = 600.0
     # GPU-hours lost are reported to this many decimals: a 5 s tick of one GPU is 0.0014 GPU-hours.
     straggler_gpu_hours_digits: int = 4
+    # Peer-comparison margins widen to this many robust standard deviations of the group's usual spread
+    # of that excess (0.3 % of normal noise lies beyond 3): at the generator's noise (SM and power spread
+    # ~1.3 %) the fixed margins decide; with 4x the noise (4-5 %) they widen to 12-15 %.
+    straggler_noise_sigmas: float = 3.0
 
     # comm_bound / input_bound: the job's SM activity this far under its baseline is a drop.
     workload_drop: float = 0.15

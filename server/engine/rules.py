@@ -44,6 +44,7 @@ class Rule:
     unless: tuple[str, ...] = ()  # keys of boolean arrays none of which may hold
     margin_factor: str | None = None  # EngineConfig setting multiplying the margin (e.g. twice it, half it)
     scaled: bool = True  # False: the floor is the same at every scale of `evaluate` (a plain cut-off)
+    scale_spread: bool = False  # True: the widened margin scales too (weaker margins stay a share of it)
 
     def __post_init__(self) -> None:
         if (self.spread is None) != (self.sigmas is None):
@@ -74,6 +75,8 @@ def evaluate(
         if rule.spread is not None:
             assert rule.sigmas is not None  # __post_init__
             widened = float(getattr(config, rule.sigmas)) * np.asarray(arrays[rule.spread], dtype=float)
+            if rule.scale_spread and rule.scaled:
+                widened = scale * widened
             threshold = np.fmax(threshold, widened)  # fmax: a NaN spread leaves the floor
         holds = signal >= threshold
         for gate in rule.gates:

@@ -86,3 +86,47 @@ def test_switching_off_the_rules_that_name_a_gpu_leaves_it_unnamed() -> None:
 def test_newest_bins_must_be_at_least_one() -> None:
     with pytest.raises(ValueError, match="straggler_newest_bins"):
         EngineConfig.from_mapping({"straggler_newest_bins": 0})
+
+
+def test_scaled_spread_keeps_the_weaker_margin_a_share_of_the_widened_one() -> None:
+    cfg = EngineConfig()
+    rule = Rule(
+        name="noisy",
+        doc="",
+        signal="x",
+        margin="straggler_sm_excess",
+        spread="s",
+        sigmas="straggler_noise_sigmas",
+        scale_spread=True,
+    )
+    # 3 x a 0.05 spread widens the 0.10 floor to 0.15, and the weaker margin to 0.6 x 0.15 = 0.09.
+    out = evaluate((rule,), {"x": np.array([0.08, 0.12, 0.16]), "s": np.full(3, 0.05)}, cfg, np.array([[1.0], [0.6]]))
+    assert out["noisy"].tolist() == [[False, False, True], [False, True, True]]
+
+
+def _noisy_group(sd: float):
+    """16 GPUs whose SM activity reads with relative noise sd; from 400 s all wait, and GPU n1/3 runs 13 %
+    busier than the waiting peers (a culprit by the fixed 10 % margin)."""
+    rng = np.random.default_rng(7)
+
+    def override(t, node, gpu):
+        level = 0.62 if t < 400 else 0.54
+        if t >= 400 and (node, gpu) == ("n1", 3):
+            level *= 1.13
+        return {"sm_active_ratio": float(np.clip(level * (1 + sd * rng.standard_normal()), 0.0, 1.0))}
+
+    return cluster_lines(900, override=override)
+
+
+def _kinds(lines, config: dict | None) -> list[tuple[str, str | None, int | None]]:
+    return [(a.kind.value, a.node, a.gpu) for a in run_replay(lines, config)]
+
+
+def test_margins_widen_with_the_groups_own_noise() -> None:
+    # Quiet readings: the fixed margin decides, and the GPU 13 % busier is named.
+    assert _kinds(_noisy_group(0.05), None) == [("straggler", "n1", 3)]
+    # Readings so noisy that 13 % lies within 3 robust standard deviations of the group's excesses: no GPU
+    # is named. With the spread switched off (0 sigmas) the fixed margin alone names it.
+    noisy = _noisy_group(0.15)
+    assert [k for k in _kinds(noisy, None) if k[0] == "straggler"] == []
+    assert _kinds(noisy, {"straggler_noise_sigmas": 0}) == [("straggler", "n1", 3)]

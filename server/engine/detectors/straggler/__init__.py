@@ -24,6 +24,8 @@ from gpufleet.server.engine.detectors.straggler.gpus import (
     excess_in_noise,
     gpu_finding,
     group_conditions,
+    group_spread,
+    learned_noise,
     learn,
     mixed_fallback,
     reset_moved,
@@ -99,11 +101,15 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     # twice the margin as for activity, and only while it computes at all: a GPU of the allocation the
     # job never uses holds nobody back.
     starved = in_job & ~victim
+    noise = learned_noise(state, cfg, n)
     arrays = {
         "sm_excess": ex[SM],
         "power_excess": ex[PW],
         "idle_excess": -ex[UTIL],
         "idle_gap": -dev[UTIL],
+        "sm_spread": noise[SM],
+        "power_spread": noise[PW],
+        "idle_spread": noise[UTIL],
         "starved": starved,
         "computing": u >= cfg.job_active_utilization,
         "in_job": in_job,
@@ -142,6 +148,7 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
         busy & wait_util & ~cut & ~victim & ~idling,
         waiting | shared.waiting,
         in_job,
+        group_spread(grp, ex, gi)[1],
     )
     on &= ~mixed_fallback(tick, eligible & weak & in_group, gi)
     on |= shared.on[0]

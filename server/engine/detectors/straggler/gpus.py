@@ -247,13 +247,21 @@ def signals(
     in its collective (a node crashed) every GPU fell to idle power, a quarter of their usual, and one
     drawing 10 W more than the others stood out by 10 %. Power is the looser test because an operator's
     cap lowers it too: a culprit under a cap to 250 W drew 0.73 of what it had before.
+
+    The SM, power and clock margins widen to straggler_noise_sigmas x the group's usual spread of that
+    excess where that is larger (learned_noise): in a noisy group one GPU or another stands out by the
+    fixed margin at random, and with the generator's noise quadrupled three such were named.
     """
     level = state.level[:, : own.shape[1]]
+    noise = learned_noise(state, cfg, own.shape[1])
     peer_bits = gslow >= cfg.straggler_peer_slow_bits_share
     arrays = {
         "sm_excess": ex[SM],
         "power_excess": ex[PW],
         "clock_deficit": -ex[CLK],
+        "sm_spread": noise[SM],
+        "power_spread": noise[PW],
+        "clock_spread": noise[CLK],
         "slow_share": slow,
         "sm_kept": ~(own[SM] < cfg.straggler_sm_kept_ratio * level[SM]),
         "power_kept": ~(own[PW] < cfg.straggler_power_kept_ratio * level[PW]),
@@ -289,13 +297,30 @@ def excess_in_noise(
     each GPU's structural offset stays in its excess, and the spread with it; such culprits were named
     15-70 s later.
     """
-    layout = grp.members.layout
-    center = layout.medians(act[None, :])[0][gi]
-    sigma = MAD_TO_SIGMA * layout.medians(np.abs(act - center)[None, :])[0][gi]
+    center, sigma = group_spread(grp, act[None, :], gi)
     n = len(gi)
-    alpha = 1.0 - math.exp(-cfg.tick_seconds / cfg.straggler_spread_time_constant_seconds)
-    state.spread[:n] = follow(state.spread[:n], sigma, in_group, alpha)
-    return (act - center) / np.fmax(sigma, state.spread[:n])
+    state.spread[:n] = follow(state.spread[:n], sigma[0], in_group, spread_rate(cfg))
+    return (act - center[0]) / np.fmax(sigma[0], state.spread[:n])
+
+
+def group_spread(grp, x: np.ndarray, gi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot and row of x (rows, n): its group's median of that row, and the group's robust standard
+    deviation of it (MAD_TO_SIGMA x the median absolute deviation: one culprit does not widen it)."""
+    layout = grp.members.layout
+    center = layout.medians(x)[:, gi]
+    return center, MAD_TO_SIGMA * layout.medians(np.abs(x - center))[:, gi]
+
+
+def learned_noise(state: StragglerState, cfg, n: int) -> np.ndarray:
+    """Per row and slot: its group's usual spread of each excess (gpus.learn), NaN while the GPU is still
+    warming up (the spread of a ramp-up is no noise level: the margins' floors decide meanwhile)."""
+    warm = state.learned[:n] >= cfg.bins(cfg.startup_grace_seconds)
+    return np.where(warm, state.noise[:, :n], np.nan)
+
+
+def spread_rate(cfg) -> float:
+    """Per-tick rate of the spreads' moving averages (straggler_spread_time_constant_seconds)."""
+    return 1.0 - math.exp(-cfg.tick_seconds / cfg.straggler_spread_time_constant_seconds)
 
 
 def learn(
@@ -306,11 +331,15 @@ def learn(
     steady: np.ndarray,
     waiting: np.ndarray,
     in_job: np.ndarray,
+    spread: np.ndarray | None = None,
 ) -> None:
-    """Track each GPU's structural offset from its peers while its group runs steadily and unslowed.
+    """Track each GPU's structural offset from its peers while its group runs steadily and unslowed, and
+    (spread: per slot, its group's robust spread of each excess this tick) the group's usual noise.
 
     The first startup_grace_seconds of steady running learn fast (forgetting the ramp-up); after that
-    the offsets follow slowly, and freeze while the group is slowed so a culprit is never absorbed.
+    the offsets follow slowly, and freeze while the group is slowed so a culprit is never absorbed. The
+    noise follows over about a minute, and freezes likewise: a straggler's waiting peers, or one node of
+    two standing out, would otherwise widen the margins that name it.
     """
     n = len(steady)
     warm_ticks = cfg.bins(cfg.startup_grace_seconds)
@@ -332,6 +361,11 @@ def learn(
     # The culprit direction needs no cap: a GPU idling a whole margin below its peers learns nothing.
     state.offset[UTIL] = np.where(in_job, np.minimum(state.offset[UTIL], 0.0), state.offset[UTIL])
     state.level = follow(state.level, own, learn, alpha)
+    if spread is not None:
+        # Fast while warming up, as the offsets, so the ramp-up's wide spread is forgotten by the time it counts.
+        state.noise = follow(
+            state.noise, spread, learn, np.where(warming, cfg.straggler_fast_learning_ratio, spread_rate(cfg))
+        )
     state.learned[:n] += learn
 
 

@@ -14,6 +14,8 @@ from gpufleet.server.engine.rules import Rule
 
 _BITS = "straggler_bits_confirm_ratio"
 _CROSS = "straggler_cross_margin_ratio"
+# Peer-comparison margins widen with the group's own robust spread of that excess (gpus.learn).
+_NOISE = "straggler_noise_sigmas"
 
 # A culprit GPU against its own learned offset from its peers (arrays per GPU: sm_excess, power_excess,
 # clock_deficit are its excess over its peers' medians beyond its offset, oriented culprit-up).
@@ -24,6 +26,9 @@ ACTIVITY: tuple[Rule, ...] = (
         signal="sm_excess",
         margin="straggler_sm_excess",
         gates=("sm_kept",),
+        spread="sm_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
     Rule(
         name="straggler_power_excess",
@@ -31,6 +36,9 @@ ACTIVITY: tuple[Rule, ...] = (
         signal="power_excess",
         margin="straggler_power_excess",
         gates=("sm_unsupported", "power_kept"),
+        spread="power_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
 )
 # The culprit signals other than the activity excess alone: clocks and slowdown bits.
@@ -40,6 +48,9 @@ HARDWARE: tuple[Rule, ...] = (
         doc="SM clock below the peers' beyond its learned offset",
         signal="clock_deficit",
         margin="straggler_clock_deficit",
+        spread="clock_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
     Rule(
         name="straggler_bits_clock",
@@ -76,6 +87,8 @@ HARDWARE: tuple[Rule, ...] = (
     ),
 )
 # Without a baseline: the cross-section alone (peers spinning far below one GPU's activity wait for it).
+# Fixed margins only: without learned offsets each GPU's structural offset is in its excess, and so in
+# the group's spread, which would hold back a culprit present from the job's start.
 CROSS_SECTION: tuple[Rule, ...] = (
     Rule(
         name="straggler_cross_sm_excess",
@@ -101,6 +114,9 @@ RANK_IDLE: tuple[Rule, ...] = (
         signal="idle_excess",
         margin="node_idle_gap",
         gates=("starved",),
+        spread="idle_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
     Rule(
         name="straggler_rank_idle_cross",

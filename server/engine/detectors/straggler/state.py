@@ -26,6 +26,7 @@ class StragglerState:
         self.learned_gid = np.full(0, -1, dtype=np.int64)
         self.learned = np.zeros(0, dtype=np.int64)
         self.spread = np.full(0, np.nan)  # its group's recent spread of activity excesses
+        self.noise = np.full((len(LEVELS), 0), np.nan)  # its group's spread of each excess while unslowed
         self.cost: dict[str, tuple[float, float]] = {}
         self._steady = np.full(0, np.nan)
         self.nodes = NodeOffsets()
@@ -39,6 +40,7 @@ class StragglerState:
             self.level[:, slots] = np.nan
             self.learned[slots] = 0
             self.spread[slots] = np.nan
+            self.noise[:, slots] = np.nan
 
     def fit(self, n: int) -> None:
         """Grow per-slot arrays to n slots."""
@@ -47,6 +49,7 @@ class StragglerState:
         self.learned_gid = grown(self.learned_gid, n, -1)
         self.learned = grown(self.learned, n, 0)
         self.spread = grown(self.spread, n, np.nan)
+        self.noise = grown(self.noise, n, np.nan)
 
     def recycle(self, gid: int, job: str | None, node_names: list[str]) -> None:
         """The group id went to a new group: what was learned about the old one's nodes and its waiting
