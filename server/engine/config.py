@@ -6,6 +6,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+# A unit, not a setting: GPU-hours lost are counted from tick_seconds.
+SECONDS_PER_HOUR = 3600.0
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -79,6 +82,68 @@ class EngineConfig:
     straggler_waiting_utilization: float = 0.7
     # A node, or a rank of a job, idling this far below its peers' utilization while they wait is host-bound.
     node_idle_gap: float = 0.12
+
+    # Straggler rules (detectors/straggler RULES) at this share of their margins: weaker, they keep an open
+    # straggler from clearing and hold comm_bound back, so a culprit hovering at its margin is not named,
+    # cleared and named again; 0.6 sits above the generator's noise (3 robust sigmas of excess: ~4 %).
+    straggler_weak_margin_ratio: float = 0.6
+    # Without a learned offset only the cross-section says who holds the group back, and each GPU's
+    # structural offset stays in its excess: twice the SM-activity and idle margins.
+    straggler_cross_margin_ratio: float = 2.0
+    # Slowdown bits name a culprit when a reading confirms them by this share of its margin: bits that
+    # cost nothing measurable (a brief HW slowdown) hold nobody back.
+    straggler_bits_confirm_ratio: float = 0.5
+    # A culprit keeps working: its SM activity stays at this share of its usual level while its waiting
+    # peers' falls 12-30 %.
+    straggler_sm_kept_ratio: float = 0.85
+    # The same on power, looser because an operator's cap lowers a culprit's power too (0.73 of before
+    # under a 250 W cap); GPUs hung in a collective draw a quarter of theirs.
+    straggler_power_kept_ratio: float = 0.5
+    # A GPU shows slowdown bits when they are set in at least this share of its bins (most of them).
+    straggler_slow_bits_share: float = 0.5
+    # Bits on this share of a group's GPUs are the group's (a power brake on a quarter of a node): its
+    # median clock is no reference, and bits set nobody apart.
+    straggler_peer_slow_bits_share: float = 0.25
+    # An unattributed group with more than this share of its GPUs standing out at once runs two jobs: a
+    # straggler is one GPU, or a few, against many waiting peers.
+    straggler_mixed_standout_share: float = 0.25
+    # A shared-node culprit rises this share of the SM or power margin above its own usual level (SM
+    # activity +15 % on an H100 against a 10 % margin; power +4-7 % on L40S and A100 against 7 %).
+    straggler_shared_rise_ratio: float = 0.4
+    # A GPU standing out by its activity excess alone holds comm_bound back only beyond this many robust
+    # standard deviations of its group's excesses (0.3 % of normal noise lies beyond 3).
+    straggler_standout_sigmas: float = 3.0
+    # A group's robust spread is averaged over about this long: one tick's MAD among 16 GPUs ranged over
+    # 1.6-4.3 % of the level in one job.
+    straggler_spread_time_constant_seconds: float = 60.0
+    # Per-tick learning rate of offsets while warming up: nine 5 s ticks leave 0.7^9 = 4 % of the ramp-up.
+    straggler_fast_learning_ratio: float = 0.3
+    # A group already running when first seen (nothing to ramp up) is judged after this share of
+    # startup_grace_seconds: the fast learning has forgotten its first reading by then.
+    straggler_running_grace_ratio: float = 0.5
+    # The cross-section test waits until the peers have spun at waiting utilization this share of
+    # startup_grace_seconds: a collective's warm-up is not waiting.
+    straggler_cross_steady_ratio: float = 0.5
+    # A node stands out as a whole when this share of its GPUs do (most of them: a median between two
+    # jobs' GPUs moves with one slow GPU, a slow node with all).
+    straggler_node_share_ratio: float = 0.5
+    # "Busy while the other nodes wait" needs them idling no more than this share of node_idle_gap below
+    # the node: others idling more are starved themselves (the host-idle pattern, on them).
+    straggler_others_idle_ratio: float = 0.5
+    # A straggler is critical when it costs its job this share of each step or more.
+    straggler_critical_slowdown_ratio: float = 0.2
+    # A GPU's newest reading is its newest bin's, or the one before where that has no sample: at 10 s
+    # sampling every other 5 s bin is empty.
+    straggler_newest_bins: int = 2
+    # GPU-hours tallies of subjects quiet this long are forgotten (an alert reopened within its clear
+    # time continues its tally).
+    straggler_cost_keep_seconds: float = 600.0
+    # GPU-hours lost are reported to this many decimals: a 5 s tick of one GPU is 0.0014 GPU-hours.
+    straggler_gpu_hours_digits: int = 4
+    # Peer-comparison margins widen to this many robust standard deviations of the group's usual spread
+    # of that excess (0.3 % of normal noise lies beyond 3): at the generator's noise (SM and power spread
+    # ~1.3 %) the fixed margins decide; with 4x the noise (4-5 %) they widen to 12-15 %.
+    straggler_noise_sigmas: float = 3.0
 
     # comm_bound / input_bound: the job's SM activity this far under its baseline is a drop.
     workload_drop: float = 0.15
@@ -210,6 +275,8 @@ class EngineConfig:
             raise ValueError("group_retention_seconds must be >= baseline_seconds and window_seconds")
         if self.baseline_seconds < self.min_history_seconds:
             raise ValueError("baseline_seconds must be >= min_history_seconds")
+        if self.straggler_newest_bins < 1:
+            raise ValueError("straggler_newest_bins must be >= 1")
         if not 0 < self.baseline_percentile <= 100:
             raise ValueError("baseline_percentile must be in (0, 100]")
         for f in dataclasses.fields(self):

@@ -3,7 +3,7 @@ its machinery computed (windows, peer groups, baselines, learned offsets).
 
 A rule holds when its signal reaches its margin and all its gates hold (and none of its `unless` gates):
 
-    signal >= max(scale x config[margin], config[sigmas] x spread)
+    signal >= max(scale x config[margin] [x config[factor]], config[sigmas] x spread)
 
 A rule may also measure its margin from a per-subject `reference` (a GPU's own temperature limit), take
 a `factor` share of it or settings `less` (a clear condition's hysteresis), pass it strictly (`op` ">")
@@ -25,6 +25,13 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
+
+# 1.4826 x the median absolute deviation estimates the standard deviation of normal noise (1 / the 75th
+# percentile of the standard normal distribution): a robust spread that one outlier does not widen.
+MAD_TO_SIGMA = 1.4826
+# The k-th of n sorted readings stands for the quantile (k + 0.5) / n (the midpoint plotting position), so
+# that two samples of different sizes are compared rank for rank without favouring either end.
+MIDPOINT_RANK = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +56,8 @@ class Rule:
     # baseline whose noise is measured around the median. Then both must hold: the signal its floor, this
     # series `sigmas` spreads (a NaN here, or in the spread, leaves the floor alone).
     spread_signal: str | None = None
+    scaled: bool = True  # False: the floor is the same at every scale of `evaluate` (a plain cut-off)
+    scale_spread: bool = False  # True: the widened margin scales too (weaker margins stay a share of it)
 
     def __post_init__(self) -> None:
         if (self.spread is None) != (self.sigmas is None):
@@ -87,7 +96,8 @@ def evaluate(
         if rule.name in disabled:
             out[rule.name] = np.zeros(shape, dtype=bool)
             continue
-        threshold = scale * (float(getattr(config, rule.margin)) if rule.margin is not None else 0.0)
+        floor = float(getattr(config, rule.margin)) if rule.margin is not None else 0.0
+        threshold = (scale if rule.scaled else 1.0) * floor
         if rule.factor is not None:
             threshold = threshold * float(getattr(config, rule.factor))
         for setting in rule.less:
@@ -98,6 +108,8 @@ def evaluate(
         if rule.spread is not None:
             assert rule.sigmas is not None  # __post_init__
             widened = float(getattr(config, rule.sigmas)) * np.asarray(arrays[rule.spread], dtype=float)
+            if rule.scale_spread and rule.scaled:
+                widened = scale * widened
             if rule.spread_signal is None:
                 threshold = np.fmax(threshold, widened)  # fmax: a NaN spread leaves the floor
             else:

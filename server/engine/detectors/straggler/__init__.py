@@ -17,14 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from gpufleet.server.engine.detectors import Context, FingerprintIndex, Outcome
-from gpufleet.server.engine.detectors.straggler.common import PW, SCALES, SM, UTIL
+from gpufleet.server.engine.detectors.straggler.common import PW, SM, UTIL, scales
 from gpufleet.server.engine.detectors.straggler.gpus import (
-    SPREAD_K,
     cuts,
     deviation,
     excess_in_noise,
     gpu_finding,
     group_conditions,
+    group_spread,
+    learned_noise,
     learn,
     mixed_fallback,
     reset_moved,
@@ -33,15 +34,13 @@ from gpufleet.server.engine.detectors.straggler.gpus import (
     standing_now,
 )
 from gpufleet.server.engine.detectors.straggler.nodes import node_level, whole_node
+from gpufleet.server.engine.detectors.straggler.policy import BEYOND_NOISE, CROSS_SECTION, RANK_IDLE, RULES
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 from gpufleet.server.engine.reduce import nan_to_zero
+from gpufleet.server.engine.rules import any_of, evaluate
 from gpufleet.server.engine.tick import Tick
-from gpufleet.server.engine.rules import Rule
 
-# The rules of this detector, as data (see gpufleet.server.engine.rules).
-RULES: tuple[Rule, ...] = ()
-
-__all__ = ["Result", "StragglerState", "detect"]
+__all__ = ["RULES", "Result", "StragglerState", "detect"]
 
 
 class Result:
@@ -77,12 +76,14 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
         group_conditions(tick, state, cfg, halted)[:, gi] & in_group
     )
     # Judged once learned (before this tick's learning): its offsets and usual levels mean something. The
-    # 90 s of learning also forget a job's ramp-up. A group already running when first seen has none, so
-    # there the fast learning's first 45 s suffice (0.7^9: 4 % of the first reading left). A rank of a
+    # startup grace's learning also forgets a job's ramp-up. A group already running when first seen has
+    # none, so there a share of it suffices (straggler_running_grace_ratio). A rank of a
     # trace recorded mid-job that idled on its host from +60 s had learned 55 s, and it never learns
     # while it idles: it was never judged, and its job read as comm_bound.
     warm_ticks = np.where(
-        tick.registry.dated[gi] & in_group, cfg.bins(cfg.startup_grace_seconds / 2), cfg.bins(cfg.startup_grace_seconds)
+        tick.registry.dated[gi] & in_group,
+        cfg.bins(cfg.startup_grace_seconds * cfg.straggler_running_grace_ratio),
+        cfg.bins(cfg.startup_grace_seconds),
     )
     busy = (u >= cfg.busy_utilization) & in_group
     judged_ok = (state.learned[:n] >= warm_ticks) & group_ok
@@ -90,10 +91,8 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     gslow = grp.slow[gi]
     cut, victim = cuts(tick, cfg, dev, gslow, gi, in_group)
     ex = dev - nan_to_zero(state.offset)
-    # Peers at high utilization far below one GPU's activity are spinning, i.e. waiting for it,
-    # even when the job never had a healthy baseline (a straggler from the start).
+    both = scales(cfg)
     gsm_unknown = np.isnan(gsm)
-    plain = np.where(gsm_unknown, ex[PW] / cfg.straggler_power_excess, ex[SM] / (2 * cfg.straggler_sm_excess))
     # One rank waiting on its own host (a slow input pipeline, extra host-side work on rank 0, a checkpoint
     # written by rank 0 alone) idles while its peers spin in the collective at full utilization:
     # utilization below theirs, beyond its learned offset, is the culprit direction too. Only within a job:
@@ -102,13 +101,32 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     # twice the margin as for activity, and only while it computes at all: a GPU of the allocation the
     # job never uses holds nobody back.
     starved = in_job & ~victim
-    idle_cross = starved & (u >= cfg.job_active_utilization) & (-dev[UTIL] >= 2 * cfg.node_idle_gap)
-    idle = starved & (-ex[UTIL] >= SCALES * cfg.node_idle_gap) | idle_cross
+    noise = learned_noise(state, cfg, n)
+    arrays = {
+        "sm_excess": ex[SM],
+        "power_excess": ex[PW],
+        "idle_excess": -ex[UTIL],
+        "idle_gap": -dev[UTIL],
+        "sm_spread": noise[SM],
+        "power_spread": noise[PW],
+        "idle_spread": noise[UTIL],
+        "starved": starved,
+        "computing": u >= cfg.job_active_utilization,
+        "in_job": in_job,
+        "sm_supported": ~gsm_unknown,
+        "sm_unsupported": gsm_unknown,
+    }
+    held = evaluate(RANK_IDLE + CROSS_SECTION, arrays, cfg, both)
+    idle_cross = held["straggler_rank_idle_cross"][0]
+    idle = any_of(held, [r.name for r in RANK_IDLE])
     eligible |= idle[1] & judged_ok
+    # Peers at high utilization far below one GPU's activity are spinning, i.e. waiting for it,
+    # even when the job never had a healthy baseline (a straggler from the start).
+    plain = any_of(held, [r.name for r in CROSS_SECTION])
     # A clock cut is the GPU's own hardware slowing it, whatever runs beside it: it counts in a fallback
     # group too. Nothing is learned from a cut GPU, so one braked before its learning was done (a brake in
     # the first minutes of a trace that starts mid-job) was never judged at all without attribution.
-    cross = in_job & ((plain >= 1.0) | idle_cross) | cut & in_group
+    cross = (plain[0] | in_job & idle_cross) | cut & in_group
     eligible_cross = ((busy & cross) | idle_cross) & cross_ok
     waiting = (dropped | cross) & wait_util
     culprit, other = signals(cfg, ex, tick.levels[: PW + 1], state, gsm_unknown, m["slow"], gslow)
@@ -130,6 +148,7 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
         busy & wait_util & ~cut & ~victim & ~idling,
         waiting | shared.waiting,
         in_job,
+        group_spread(grp, ex, gi)[1],
     )
     on &= ~mixed_fallback(tick, eligible & weak & in_group, gi)
     on |= shared.on[0]
@@ -138,12 +157,13 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     # Once open, an alert that only the cross-section backs (no baseline to drop from) holds while the
     # peers still read as waiting at the weaker margin: hovering at the doubled one, a straggler present
     # from the job's start was named, cleared and named again.
-    cross_holding = in_job & (plain >= SCALES[1, 0])
+    cross_holding = plain[1]
     holding = waiting | cross_holding & wait_util
     out = Outcome()
     # Standing out by activity excess alone, within the noise of the group's excesses, holds nothing back.
-    noise = excess_in_noise(state, cfg, grp, np.where(gsm_unknown, ex[PW], ex[SM]), gi, in_group)
-    beyond = ((other[1] | cut) & ~victim) | idle[1] | shared.on[1] | (noise >= SPREAD_K)
+    arrays["excess_sigmas"] = excess_in_noise(state, cfg, grp, np.where(gsm_unknown, ex[PW], ex[SM]), gi, in_group)
+    noisy = any_of(evaluate(BEYOND_NOISE, arrays, cfg), [r.name for r in BEYOND_NOISE])
+    beyond = ((other[1] | cut) & ~victim) | idle[1] | shared.on[1] | noisy
     standout = set(g[eligible & weak & beyond].tolist())
     node_findings, node_standout, idle_groups, node_pairs = node_level(tick, state, halted)
     idle_groups |= set(g[(eligible | eligible_cross) & idle[1]].tolist())
@@ -179,7 +199,7 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     judged = (busy | starved) & active
     warm = (state.learned[:n] >= warm_ticks) & measured
     out.clear = _clear_test(tick, state.index, judged, warm, holding, weak, cross, node_pairs, node_standout)
-    state.prune(tick.t)
+    state.prune(tick.t, cfg.straggler_cost_keep_seconds)
     return Result(out, standout, idle_groups)
 
 

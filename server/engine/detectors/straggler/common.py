@@ -7,20 +7,32 @@ import math
 
 import numpy as np
 
+from gpufleet.server.engine.detectors.straggler.policy import GPU_CLOCK_CUT
+from gpufleet.server.engine.groups import LEVELS
+from gpufleet.server.engine.rules import Rule, any_of, evaluate
 from gpufleet.server.engine.tick import Tick
 from gpufleet.server.engine.windows import B_CLOCK_RATIO, B_POWER, B_SLOW, B_SM, B_UTIL
 
 # Rows of the levels, as groups.LEVELS.
-SM, PW, CLK, UTIL = range(4)
+SM, PW, CLK, UTIL = range(len(LEVELS))
 # Binned rows of the newest readings: the levels (as groups.LEVELS), then the slowdown-bit share.
 NOW_ROWS = np.array([B_SM, B_POWER, B_CLOCK_RATIO, B_UTIL, B_SLOW])
-_FAST_ALPHA = 0.3
-# detect() asks for every culprit signal at the configured margins and at 0.6 x them (weaker: enough
-# to suppress workload alerts and to keep an open alert from clearing) in one pass.
-SCALES = np.array([[1.0], [0.6]])
 
 
-def clock_cut(cfg, clk_dev: np.ndarray, slow: np.ndarray, peer_slow: np.ndarray) -> np.ndarray:
+def scales(cfg) -> np.ndarray:
+    """detect() asks for every culprit signal at the configured margins and at the weaker share of them
+    (enough to suppress workload alerts and to keep an open alert from clearing) in one pass: (2, 1)."""
+    return np.array([[1.0], [cfg.straggler_weak_margin_ratio]])
+
+
+def percent(ratio: float) -> str:
+    """A ratio as a whole percentage with a spaced sign, for summaries ('15 %')."""
+    return f"{ratio:.0%}"[:-1] + " %"
+
+
+def clock_cut(
+    cfg, clk_dev: np.ndarray, slow: np.ndarray, peer_slow: np.ndarray, rules: tuple[Rule, ...] = GPU_CLOCK_CUT
+) -> np.ndarray:
     """Clocks cut below the peers' by the clock margin (clk_dev: SM clock ratio against the peers', - 1),
     with slowdown bits (HW slowdown, power brake, thermal) that the peers do not have (either alone where
     the other is not reported). Per GPU against its group, or per node against the group's other nodes.
@@ -31,17 +43,26 @@ def clock_cut(cfg, clk_dev: np.ndarray, slow: np.ndarray, peer_slow: np.ndarray)
     than its spinning peers). Nothing is learned from such a GPU: an offset learned while braked (power far
     below the peers') made the recovered GPU stand out afterwards, an alert that never cleared.
     """
-    deficit = -clk_dev >= cfg.straggler_clock_deficit
-    # A driver without SM clocks leaves the bits alone (as in gpus.signals); one without throttle reasons,
-    # the clock deficit alone.
-    bits = (slow >= 0.5) & ~(peer_slow >= 0.25)
-    return (bits & (deficit | np.isnan(clk_dev))) | (np.isnan(slow) & deficit)
+    shared = peer_slow >= cfg.straggler_peer_slow_bits_share
+    arrays = {
+        "cut_deficit": -clk_dev,
+        "slow_share": slow,
+        # A driver without SM clocks leaves the bits alone (as in gpus.signals); one without throttle
+        # reasons, the clock deficit alone.
+        "own_bits": (slow >= cfg.straggler_slow_bits_share) & ~shared,
+        "peer_bits": shared,
+        "clock_unsupported": np.isnan(clk_dev),
+        "bits_unsupported": np.isnan(slow),
+    }
+    return any_of(evaluate(rules, arrays, cfg), [r.name for r in rules])
 
 
 def learning_rate(cfg, warming: np.ndarray) -> np.ndarray:
     """Offset learning rate per tick: fast while warming up (forgetting the ramp-up), then following
     slowly with the configured time constant."""
-    return np.where(warming, _FAST_ALPHA, 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds))
+    return np.where(
+        warming, cfg.straggler_fast_learning_ratio, 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
+    )
 
 
 def follow(cur: np.ndarray, x: np.ndarray, learn: np.ndarray, alpha: np.ndarray | float) -> np.ndarray:
@@ -52,9 +73,13 @@ def follow(cur: np.ndarray, x: np.ndarray, learn: np.ndarray, alpha: np.ndarray 
 
 def newest(tick: Tick, rows: np.ndarray) -> np.ndarray | None:
     """Each slot's newest reading of some binned rows, shape (len(rows), n): its newest bin's mean, or
-    the bin before's where the newest has no sample (every other bin at 10 s sampling); None before
-    the tick holds two bins."""
-    if len(tick.held) < 2:
+    the newest of the bins before (straggler_newest_bins in all) that has a sample (every other bin at
+    10 s sampling); None before the tick holds that many bins."""
+    k = tick.config.straggler_newest_bins
+    if len(tick.held) < k:
         return None
-    recent = tick.windows.recent(tick.k, 2, rows, tick.held[:2])  # (2, rows, n), newest first
-    return np.where(tick.held[0], recent[0], recent[1])
+    recent = tick.windows.recent(tick.k, k, rows, tick.held[:k])  # (k, rows, n), newest first
+    out = recent[-1]
+    for i in reversed(range(k - 1)):
+        out = np.where(tick.held[i], recent[i], out)
+    return out

@@ -11,35 +11,36 @@ import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.detectors import Finding, r3, subject_fingerprint
+from gpufleet.server.engine.config import SECONDS_PER_HOUR
 from gpufleet.server.engine.detectors.straggler.common import (
     CLK,
     NOW_ROWS,
     PW,
-    SCALES,
     SM,
     UTIL,
     clock_cut,
     follow,
     learning_rate,
     newest,
+    percent,
+    scales,
+)
+from gpufleet.server.engine.detectors.straggler.policy import (
+    ACTIVITY,
+    GPU_CLOCK_CUT_VS_FREE,
+    HARDWARE,
+    SHARED_RISE,
+    SHARED_SUNK,
+    STANDING_NOW,
 )
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 from gpufleet.server.engine.groups import JOB
 from gpufleet.server.engine.reduce import nan_to_zero
+from gpufleet.server.engine.rules import MAD_TO_SIGMA, any_of, evaluate
 from gpufleet.server.engine.tick import THROTTLE_CAUSES, SlowdownSource, Tick, throttle_causes
 
 # Sign of the culprit direction of the SM, power and clock offsets (a culprit's clock is lower).
 _CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
-# Share of its own usual SM activity and power that a culprit keeps (see signals).
-_STAYS = np.array([[0.85], [0.5]])
-# A GPU standing out by its activity excess alone holds comm_bound back only beyond this many robust
-# standard deviations of its group's excesses (see excess_in_noise); 1.4826 x MAD estimates one.
-SPREAD_K = 3.0
-_MAD_SIGMA = 1.4826
-_SPREAD_TIME_CONSTANT_S = 60.0
-# How far above its usual level a culprit in a shared unattributed node must rise, as a share of the
-# SM-activity or power excess margin (see shared_node).
-_RISE = 0.4
 
 
 def standing_now(
@@ -65,15 +66,20 @@ def standing_now(
     peers = members.layout.medians(now[: UTIL + 1])[:, gi]
     dev = deviation(now[: UTIL + 1], peers)
     ex = dev - nan_to_zero(state.offset[:, : len(on)])
-    weak = SCALES[1, 0]
-    standing = (
-        (ex[SM] >= weak * cfg.straggler_sm_excess)
-        | (gsm_unknown & (ex[PW] >= weak * cfg.straggler_power_excess))
-        | (-ex[CLK] >= weak * cfg.straggler_clock_deficit)
-        | (-np.fmin(ex[UTIL], dev[UTIL]) >= weak * cfg.node_idle_gap)
-        | (now[UTIL + 1] >= 0.5)
-    )
+    arrays = {
+        "sm_excess": ex[SM],
+        "power_excess": ex[PW],
+        "clock_deficit": -ex[CLK],
+        "idle_excess": -np.fmin(ex[UTIL], dev[UTIL]),
+        "slow_share": now[UTIL + 1],
+        "sm_unsupported": gsm_unknown,
+    }
+    standing = any_of(evaluate(STANDING_NOW, arrays, cfg, cfg.straggler_weak_margin_ratio), _names(STANDING_NOW))
     return standing | np.isnan(now[UTIL])
+
+
+def _names(rules) -> list[str]:
+    return [r.name for r in rules]
 
 
 def deviation(levels: np.ndarray, peers: np.ndarray) -> np.ndarray:
@@ -93,7 +99,7 @@ def group_conditions(tick: Tick, state: StragglerState, cfg, halted: AbstractSet
     big = grp.size >= cfg.straggler_min_group
     active = grp.util >= cfg.job_active_utilization
     aged = tick.t - tick.registry.first_seen[:G] >= cfg.startup_grace_seconds
-    steady = tick.t - state.steady_since(tick, cfg) >= cfg.startup_grace_seconds / 2
+    steady = tick.t - state.steady_since(tick, cfg) >= cfg.startup_grace_seconds * cfg.straggler_cross_steady_ratio
     min_drop = np.where(
         tick.slowdown_source == SlowdownSource.POWER, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown
     )
@@ -114,7 +120,7 @@ def group_conditions(tick: Tick, state: StragglerState, cfg, halted: AbstractSet
 
 def mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarray:
     """Per slot: its group is an unattributed one (busy GPUs of one model on a node) where more than a
-    quarter of the GPUs stand out at once.
+    share of the GPUs (straggler_mixed_standout_share) stand out at once.
 
     A straggler is one GPU, or a few, against many waiting peers. Without attribution a node's busy
     GPUs may be two jobs: when one of them slows, the other job's GPUs all "stand out" against the
@@ -126,7 +132,7 @@ def mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarr
     if not fallback.any() or not standing.any():
         return np.zeros(len(gi), dtype=bool)
     counts = np.bincount(gi[standing], minlength=grp.n_groups)
-    mixed = fallback & (counts > np.maximum(1, grp.size // 4))
+    mixed = fallback & (counts > np.maximum(1, np.floor(grp.size * tick.config.straggler_mixed_standout_share)))
     return mixed[gi] & (grp.gid >= 0)
 
 
@@ -134,7 +140,7 @@ def mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarr
 class SharedNode:
     """A straggler found inside an unattributed node group that holds two jobs (see shared_node)."""
 
-    on: np.ndarray  # (2, n) at SCALES: the one GPU busier than usual while others sank
+    on: np.ndarray  # (2, n) at scales(): the one GPU busier than usual while others sank
     waiting: np.ndarray  # per slot: its group shows the pattern
     drop: np.ndarray  # per slot: its group's sunk GPUs' mean share of activity lost
     rise: np.ndarray  # per slot: its reading against its own usual level, less 1
@@ -159,20 +165,22 @@ def shared_node(
     grp = tick.groups
     n = len(gi)
     fallback = judged & ~tick.registry.is_job[: grp.n_groups][gi]
+    both = scales(cfg)
     if not fallback.any():
         none = np.zeros(n, dtype=bool)
-        return SharedNode(np.zeros((2, n), dtype=bool), none, np.full(n, np.nan), np.full(n, np.nan), none)
+        return SharedNode(np.zeros((len(both), n), dtype=bool), none, np.full(n, np.nan), np.full(n, np.nan), none)
     with np.errstate(invalid="ignore", divide="ignore"):
         own = tick.levels[: PW + 1] / state.level[:, :n] - 1.0
         rel = np.where(gsm_unknown, own[PW], own[SM])
-        margin = np.where(gsm_unknown, cfg.straggler_power_excess, cfg.straggler_sm_excess)
-        sunk = fallback & (rel <= -margin)
-        rise = np.where(fallback & ~sunk, rel / (_RISE * margin), np.nan)
+    arrays = {"own_drop": -rel, "own_rise": rel, "fallback": fallback, "sm_supported": ~gsm_unknown}
+    arrays["sm_unsupported"] = gsm_unknown
+    sunk = arrays["sunk"] = any_of(evaluate(SHARED_SUNK, arrays, cfg), _names(SHARED_SUNK))
+    rise = any_of(evaluate(SHARED_RISE, arrays, cfg, both), _names(SHARED_RISE))
     G = grp.n_groups
     n_sunk = np.bincount(gi[sunk], minlength=G)
     drop = np.bincount(gi[sunk], weights=-rel[sunk], minlength=G) / np.maximum(n_sunk, 1)
-    pattern = ((n_sunk >= 2) & (np.bincount(gi[rise >= SCALES[1, 0]], minlength=G) == 1))[gi] & fallback
-    return SharedNode((rise >= SCALES) & pattern, pattern, np.where(pattern, drop[gi], np.nan), rel, sunk)
+    pattern = ((n_sunk > 1) & (np.bincount(gi[rise[-1]], minlength=G) == 1))[gi] & fallback
+    return SharedNode(rise & pattern, pattern, np.where(pattern, drop[gi], np.nan), rel, sunk)
 
 
 def reset_moved(state: StragglerState, g: np.ndarray) -> None:
@@ -195,15 +203,23 @@ def cuts(
     """
     slow = tick.med["slow"]
     cut = clock_cut(cfg, dev[CLK], slow, gslow)
-    bits = slow >= 0.5
+    bits = slow >= cfg.straggler_slow_bits_share
     grp = tick.groups
-    if (bits & (gslow >= 0.25)).any():
+    if (bits & (gslow >= cfg.straggler_peer_slow_bits_share)).any():
         assert grp.members is not None
         free_clock = grp.members.layout.medians(np.where(bits, np.nan, tick.levels[CLK])[None, :])[0]
         dev_free = tick.levels[CLK] / free_clock[gi] - 1.0
         # Where clocks are not reported, the bits alone, as long as the group has GPUs reporting none.
-        free = np.bincount(gi[in_group & (slow < 0.5)], minlength=grp.n_groups) > 0
-        more = bits & in_group & ((-dev_free >= cfg.straggler_clock_deficit) | (np.isnan(tick.levels[CLK]) & free[gi]))
+        free = np.bincount(gi[in_group & (slow < cfg.straggler_slow_bits_share)], minlength=grp.n_groups) > 0
+        arrays = {
+            "free_deficit": -dev_free,
+            "slow_share": slow,
+            "has_bits": bits,
+            "in_group": in_group,
+            "clock_unsupported": np.isnan(tick.levels[CLK]),
+            "free_peers": free[gi],
+        }
+        more = any_of(evaluate(GPU_CLOCK_CUT_VS_FREE, arrays, cfg), _names(GPU_CLOCK_CUT_VS_FREE))
         dev[CLK] = np.where(more, np.fmin(dev[CLK], dev_free), dev[CLK])
         cut |= more
     if not cut.any():
@@ -221,34 +237,44 @@ def signals(
     slow: np.ndarray,
     gslow: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Culprit signals at each of SCALES x the configured margins, shape (2, n) (NaN comparisons are False),
+    """Culprit signals at each of scales() x the configured margins, shape (2, n) (NaN comparisons are False),
     and those of them that are not the activity excess alone (clocks, bits); own: each GPU's smoothed SM
     activity and power, shape (2, n), set against their usual levels.
 
     A culprit keeps working: its SM activity stays within 15 % of its own usual level while its peers'
-    drops. Where activity is not reported, its power keeps at least half its usual level. In a job hung
+    drops (straggler_sm_kept_ratio). Where activity is not reported, its power keeps at least half its usual
+    level (straggler_power_kept_ratio). In a job hung
     in its collective (a node crashed) every GPU fell to idle power, a quarter of their usual, and one
     drawing 10 W more than the others stood out by 10 %. Power is the looser test because an operator's
     cap lowers it too: a culprit under a cap to 250 W drew 0.73 of what it had before.
+
+    The SM, power and clock margins widen to straggler_noise_sigmas x the group's usual spread of that
+    excess where that is larger (learned_noise): in a noisy group one GPU or another stands out by the
+    fixed margin at random, and with the generator's noise quadrupled three such were named.
     """
-    kept = ~(own < _STAYS * state.level[:, : own.shape[1]])
-    sm_excess = (ex[SM] >= SCALES * cfg.straggler_sm_excess) & kept[SM]
-    power_excess = gsm_unknown & (ex[PW] >= SCALES * cfg.straggler_power_excess) & kept[PW]
-    clock_deficit = -ex[CLK] >= SCALES * cfg.straggler_clock_deficit
-    # Slowdown bits on one GPU and not its peers, confirmed by half a margin of a reading; where the
-    # GPU reports no clocks (the reading that shows what the bits do), the bits stand alone.
-    bits = (
-        (slow >= 0.5)
-        & ~(gslow >= 0.25)
-        & (
-            np.isnan(ex[CLK])
-            | (-ex[CLK] >= SCALES * cfg.straggler_clock_deficit / 2)
-            | (ex[SM] >= SCALES * cfg.straggler_sm_excess / 2)
-            | (ex[PW] >= SCALES * cfg.straggler_power_excess / 2)
-        )
-    )
-    other = clock_deficit | bits
-    return sm_excess | power_excess | other, other
+    level = state.level[:, : own.shape[1]]
+    noise = learned_noise(state, cfg, own.shape[1])
+    peer_bits = gslow >= cfg.straggler_peer_slow_bits_share
+    arrays = {
+        "sm_excess": ex[SM],
+        "power_excess": ex[PW],
+        "clock_deficit": -ex[CLK],
+        "sm_spread": noise[SM],
+        "power_spread": noise[PW],
+        "clock_spread": noise[CLK],
+        "slow_share": slow,
+        "sm_kept": ~(own[SM] < cfg.straggler_sm_kept_ratio * level[SM]),
+        "power_kept": ~(own[PW] < cfg.straggler_power_kept_ratio * level[PW]),
+        "sm_unsupported": gsm_unknown,
+        # Slowdown bits on one GPU and not its peers, confirmed by part of a margin of a reading; where
+        # the GPU reports no clocks (the reading that shows what the bits do), the bits stand alone.
+        "own_bits": (slow >= cfg.straggler_slow_bits_share) & ~peer_bits,
+        "peer_bits": peer_bits,
+        "clock_unsupported": np.isnan(ex[CLK]),
+    }
+    held = evaluate(ACTIVITY + HARDWARE, arrays, cfg, scales(cfg))
+    other = any_of(held, _names(HARDWARE))
+    return any_of(held, _names(ACTIVITY)) | other, other
 
 
 def excess_in_noise(
@@ -271,13 +297,30 @@ def excess_in_noise(
     each GPU's structural offset stays in its excess, and the spread with it; such culprits were named
     15-70 s later.
     """
-    layout = grp.members.layout
-    center = layout.medians(act[None, :])[0][gi]
-    sigma = _MAD_SIGMA * layout.medians(np.abs(act - center)[None, :])[0][gi]
+    center, sigma = group_spread(grp, act[None, :], gi)
     n = len(gi)
-    alpha = 1.0 - math.exp(-cfg.tick_seconds / _SPREAD_TIME_CONSTANT_S)
-    state.spread[:n] = follow(state.spread[:n], sigma, in_group, alpha)
-    return (act - center) / np.fmax(sigma, state.spread[:n])
+    state.spread[:n] = follow(state.spread[:n], sigma[0], in_group, spread_rate(cfg))
+    return (act - center[0]) / np.fmax(sigma[0], state.spread[:n])
+
+
+def group_spread(grp, x: np.ndarray, gi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot and row of x (rows, n): its group's median of that row, and the group's robust standard
+    deviation of it (MAD_TO_SIGMA x the median absolute deviation: one culprit does not widen it)."""
+    layout = grp.members.layout
+    center = layout.medians(x)[:, gi]
+    return center, MAD_TO_SIGMA * layout.medians(np.abs(x - center))[:, gi]
+
+
+def learned_noise(state: StragglerState, cfg, n: int) -> np.ndarray:
+    """Per row and slot: its group's usual spread of each excess (gpus.learn), NaN while the GPU is still
+    warming up (the spread of a ramp-up is no noise level: the margins' floors decide meanwhile)."""
+    warm = state.learned[:n] >= cfg.bins(cfg.startup_grace_seconds)
+    return np.where(warm, state.noise[:, :n], np.nan)
+
+
+def spread_rate(cfg) -> float:
+    """Per-tick rate of the spreads' moving averages (straggler_spread_time_constant_seconds)."""
+    return 1.0 - math.exp(-cfg.tick_seconds / cfg.straggler_spread_time_constant_seconds)
 
 
 def learn(
@@ -288,11 +331,15 @@ def learn(
     steady: np.ndarray,
     waiting: np.ndarray,
     in_job: np.ndarray,
+    spread: np.ndarray | None = None,
 ) -> None:
-    """Track each GPU's structural offset from its peers while its group runs steadily and unslowed.
+    """Track each GPU's structural offset from its peers while its group runs steadily and unslowed, and
+    (spread: per slot, its group's robust spread of each excess this tick) the group's usual noise.
 
     The first startup_grace_seconds of steady running learn fast (forgetting the ramp-up); after that
-    the offsets follow slowly, and freeze while the group is slowed so a culprit is never absorbed.
+    the offsets follow slowly, and freeze while the group is slowed so a culprit is never absorbed. The
+    noise follows over about a minute, and freezes likewise: a straggler's waiting peers, or one node of
+    two standing out, would otherwise widen the margins that name it.
     """
     n = len(steady)
     warm_ticks = cfg.bins(cfg.startup_grace_seconds)
@@ -314,6 +361,11 @@ def learn(
     # The culprit direction needs no cap: a GPU idling a whole margin below its peers learns nothing.
     state.offset[UTIL] = np.where(in_job, np.minimum(state.offset[UTIL], 0.0), state.offset[UTIL])
     state.level = follow(state.level, own, learn, alpha)
+    if spread is not None:
+        # Fast while warming up, as the offsets, so the ramp-up's wide spread is forgotten by the time it counts.
+        state.noise = follow(
+            state.noise, spread, learn, np.where(warming, cfg.straggler_fast_learning_ratio, spread_rate(cfg))
+        )
     state.learned[:n] += learn
 
 
@@ -339,7 +391,7 @@ def gpu_finding(
         # Its waiting peers lost that share of their activity: the share of each step they spend waiting.
         slowdown = max(slowdown if slowdown == slowdown else 0.0, float(shared.drop[slot]))
         waiting_peers = [int(w.slot_index[s]) for s in np.flatnonzero(shared.sunk & (grp.gid == gid))]
-    cut = m["slow"][slot] >= 0.5 and -dev[CLK] > 0.0
+    cut = m["slow"][slot] >= cfg.straggler_slow_bits_share and -dev[CLK] > 0.0
     if cross:
         known = slowdown if slowdown == slowdown else 0.0
         if idle:
@@ -359,11 +411,11 @@ def gpu_finding(
     if ex[SM] >= cfg.straggler_sm_excess:
         reasons.append(f"SM activity {m['sm'][slot]:.2f} vs peers {grp.sm[gid]:.2f}")
     if -ex[CLK] >= cfg.straggler_clock_deficit:
-        reasons.append(f"SM clock {m['clock'][slot] * 100:.0f} % of max vs peers {grp.clock[gid] * 100:.0f} %")
+        reasons.append(f"SM clock {percent(m['clock'][slot])} of max vs peers {percent(grp.clock[gid])}")
     if math.isnan(grp.sm[gid]) and ex[PW] >= cfg.straggler_power_excess:
         reasons.append(f"power {m['power'][slot]:.0f} W vs peers {grp.power[gid]:.0f} W")
     causes = throttle_causes(tick, np.array([slot]))
-    if m["slow"][slot] >= 0.5:
+    if m["slow"][slot] >= cfg.straggler_slow_bits_share:
         # Heat and the rest can each hold under half the samples while slowing bits hold most of them.
         reasons.append(
             "throttled: " + "; ".join(THROTTLE_CAUSES[c] for c in causes) if causes else "throttle/slowdown bits set"
@@ -375,12 +427,12 @@ def gpu_finding(
     measured_by = "sm_active" if sm_known else "power"
     if waiting_peers and shared is not None:
         reasons.append(
-            f"{'SM activity' if sm_known else 'power'} {shared.rise[slot] * 100:.0f} % above its usual "
+            f"{'SM activity' if sm_known else 'power'} {percent(shared.rise[slot])} above its usual "
             f"level while GPUs {', '.join(map(str, waiting_peers))} of this node fell "
-            f"{shared.drop[slot] * 100:.0f} % below theirs"
+            f"{percent(shared.drop[slot])} below theirs"
         )
     fp = subject_fingerprint(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], job)
-    cost = max(slowdown, 0.0) * slowed_gpus * cfg.tick_seconds / 3600.0
+    cost = max(slowdown, 0.0) * slowed_gpus * cfg.tick_seconds / SECONDS_PER_HOUR
     lost = state.add_cost(fp, tick.t, cost)
     evidence = {
         "peer_group": tick.registry.kind(gid),
@@ -404,7 +456,7 @@ def gpu_finding(
         "pattern": "host_idle" if idle else "gpu_clocks_cut" if cut else "gpu_slow",
         "estimated_job_slowdown_ratio": r3(slowdown),
         "slowdown_measured_by": measured_by,
-        "gpu_hours_lost": round(lost, 4),
+        "gpu_hours_lost": round(lost, cfg.straggler_gpu_hours_digits),
     }
     if waiting_peers and shared is not None:
         evidence["waiting_peers"] = waiting_peers
@@ -412,12 +464,12 @@ def gpu_finding(
         evidence["own_rise_vs_own_baseline"] = r3(shared.rise[slot])
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
-    sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
+    sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
     # "By ~N % per step": the slowdown put down to this GPU, as it fires (the summary stays as it fired). Not
     # the job's figure in /jobs, which is the job now against its own baseline: the two may differ.
     # Unknown (no baseline yet, no waiting peers measured): the summary says who and why, without a figure.
     share = evidence["estimated_job_slowdown_ratio"]
-    by = f" by ~{share * 100:.0f} % per step (estimated as it fired)" if isinstance(share, float) else ""
+    by = f" by ~{percent(share)} per step (estimated as it fired)" if isinstance(share, float) else ""
     summary = (
         f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} holds back "
         f"{'job ' + job if job else 'its peers'}{by}: " + "; ".join(reasons)

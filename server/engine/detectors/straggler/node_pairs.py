@@ -13,7 +13,11 @@ from gpufleet.server.engine.groups import GroupLayout
 from gpufleet.server.engine.reduce import equal
 from gpufleet.server.engine.tick import Tick
 
-_PAIR_KEY = 1 << 24
+# A (group, node) pair's sort key is gid x this + nid: node ids stay below it, and the product of group
+# ids below it with it fits int64.
+_PAIR_KEY = np.iinfo(np.int32).max + 1
+# What is learned per pair: its idle gap and its activity, each against the group's other nodes.
+_PAIR_ROWS = ("idle_gap", "activity")
 
 
 class NodeOffsets:
@@ -23,7 +27,7 @@ class NodeOffsets:
     def __init__(self) -> None:
         self.pair_index: dict[tuple[int, int], int] = {}
         self.pair_fps: list[str] = []
-        self.pair_offset = np.full((2, 0), np.nan)
+        self.pair_offset = np.full((len(_PAIR_ROWS), 0), np.nan)
         self.pair_learned = np.zeros(0, dtype=np.int64)
         self._all_keys: list[int] = []
         self._pair_keys = np.zeros(0, dtype=np.int64)
@@ -118,7 +122,7 @@ class NodePairs:
         uniq, self.inv = np.unique(key, return_inverse=True)
         self.pair_group, pair_node = uniq // n_nodes, uniq % n_nodes
         self.per_group = np.bincount(self.pair_group, minlength=n_groups)
-        multi = self.per_group[self.pair_group] >= 2
+        multi = self.per_group[self.pair_group] > 1
         self.usable = self if multi.any() else None
         self.sel_pairs = np.flatnonzero(multi)
         self.gids, self.nids = self.pair_group[self.sel_pairs], pair_node[self.sel_pairs]
@@ -134,4 +138,4 @@ class NodePairs:
         # Grouped medians over the same membership every tick: GPUs into pairs, pairs into groups.
         self.members = GroupLayout(self.inv, len(uniq), np.flatnonzero(sel))
         self.nodes_of_group = GroupLayout(self.pair_group, n_groups)
-        self.three_or_more = bool((self.per_group >= 3).any())
+        self.three_or_more = bool((self.per_group - 1 > 1).any())  # more than one other node: a median

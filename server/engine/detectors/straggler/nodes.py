@@ -11,19 +11,23 @@ import numpy as np
 from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.detectors import Finding, r3, subject_fingerprint
 from gpufleet.server.engine.detectors.straggler.node_pairs import NodeOffsets, NodePairs
+from gpufleet.server.engine.config import SECONDS_PER_HOUR
 from gpufleet.server.engine.detectors.straggler.common import (
     NOW_ROWS,
     PW,
-    SCALES,
     SM,
     UTIL,
     clock_cut,
     follow,
     learning_rate,
     newest,
+    percent,
+    scales,
 )
+from gpufleet.server.engine.detectors.straggler.policy import NODE, NODE_CLOCK_CUT, NODE_CROSS
 from gpufleet.server.engine.groups import JOB
 from gpufleet.server.engine.reduce import nan_median_first_axis, nan_to_zero
+from gpufleet.server.engine.rules import MIDPOINT_RANK, any_of, evaluate
 from gpufleet.server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 
@@ -51,11 +55,16 @@ def node_level(
     # starvation as offset while it warms up, up to the 0.05 cap, and less that, a host idling half of
     # each step (gap 0.285, the job 39 % slower) fell short of 0.24.
     prev = nan_to_zero(state.nodes.pair_offset[:, idx])
-    r.cross = (
-        tick.registry.is_job[gids]
-        & r.steady
-        & ((r.gap >= 2 * cfg.node_idle_gap) | (r.node_busy & (r.act - prev[1] >= 2 * r.act_margin)))
-    )
+    cross_arrays = {
+        "node_gap": r.gap,
+        "node_act": r.act - prev[1],
+        "in_job": tick.registry.is_job[gids],
+        "steady": r.steady,
+        "node_busy": r.node_busy,
+        "by_sm": ~r.by_power,
+        "by_power": r.by_power,
+    }
+    r.cross = any_of(evaluate(NODE_CROSS, cross_arrays, cfg), _names(NODE_CROSS))
     aged = tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds
     r.cut &= tick.registry.is_job[gids] & r.steady & aged
     waiting = ((r.waiting_drop >= r.min_drop) & r.steady) | r.cross | r.cut
@@ -68,20 +77,20 @@ def node_level(
     # nodes of one job do; two jobs that happen to run alike cannot be told apart.
     alike = tick.registry.is_job[gids] | (np.abs(off[1]) <= cfg.structural_max_offset)
     r.busier = np.where(r.node_busy & alike, r.act - nan_to_zero(off[1]), np.nan)
-    score = np.fmax(r.idle / cfg.node_idle_gap, r.busier / r.act_margin)
-    stands = (ready & waiting & (score >= 0.6)) | r.cut
-    on = ready & waiting & (score >= 1.0)
+    results = _node_rules(cfg, r.idle, r.busier, r.by_power, scales(cfg))
+    held = any_of(results, _names(NODE))  # (2, pairs)
+    stands = (ready & waiting & held[1]) | r.cut
+    on = ready & waiting & held[0]
     if on.any():
         # As for a GPU (gpus.standing_now): named only while its newest reading still sets it apart.
-        now = _pair_score_now(tick, lay, off, r.node_busy & alike, r.act_margin)
-        on &= ~(now < 0.6)
+        on &= _pair_standing_now(tick, lay, off, r.node_busy & alike, r.by_power)
     on |= r.cut
     if halted:
         live = ~np.isin(gids, list(halted))
         stands &= live
         on &= live
     standout = {(int(gids[i]), int(nids[i])) for i in stands.nonzero()[0].tolist()}
-    idling = set(gids[stands & (r.idle >= SCALES[1, 0] * cfg.node_idle_gap)].tolist())
+    idling = set(gids[stands & results["straggler_node_idle"][1]].tolist())
     findings = [f for i in on.nonzero()[0].tolist() if (f := _pair_finding(tick, state, lay, r, i)) is not None]
     return findings, standout, idling, dict(lay.pairs)
 
@@ -97,6 +106,7 @@ class _PairReadings:
         "steady",
         "act",
         "act_margin",
+        "by_power",
         "clk_dev",
         "cut",
         "others_cut",
@@ -111,6 +121,7 @@ class _PairReadings:
     steady: np.ndarray
     act: np.ndarray
     act_margin: np.ndarray
+    by_power: np.ndarray
     clk_dev: np.ndarray
     cut: np.ndarray
     others_cut: np.ndarray
@@ -139,17 +150,18 @@ def _pair_readings(tick: Tick, lay: NodePairs) -> _PairReadings:
     r.min_drop = np.where(np.isnan(drop_sm), cfg.straggler_min_power_drop, cfg.straggler_min_slowdown)
     r.gap = o_u - node_u
     r.steady = o_u >= cfg.straggler_waiting_utilization
-    r.act, by_power = _node_activity(node_sm, node_pw, o_sm, o_pw)
-    r.act_margin = np.where(by_power, cfg.node_power_excess, cfg.straggler_sm_excess)
+    r.act, r.by_power = _node_activity(node_sm, node_pw, o_sm, o_pw)
+    r.act_margin = np.where(r.by_power, cfg.node_power_excess, cfg.straggler_sm_excess)
     # A node whose clocks are cut below the others', with slowdown bits they lack (a node-wide power brake,
     # HW slowdown), is slower whatever its activity says; as for a GPU (clock_cut), no baseline needed.
     # The others then draw more power spinning at full clocks: that is not "busy while the others wait".
     r.clk_dev = node_clk / o_clk - 1.0
-    r.cut = clock_cut(cfg, r.clk_dev, node_slow, o_slow)
-    r.others_cut = clock_cut(cfg, -r.clk_dev, o_slow, node_slow)  # -clk_dev: near enough for a margin
+    r.cut = clock_cut(cfg, r.clk_dev, node_slow, o_slow, NODE_CLOCK_CUT)
+    r.others_cut = clock_cut(cfg, -r.clk_dev, o_slow, node_slow, NODE_CLOCK_CUT)  # -clk_dev: near enough for a margin
     # "Busy while the others wait" needs the others spinning at least as much as this node; others
     # that idle more than it are starved themselves (that is the host-idle pattern, on them).
-    r.node_busy = (node_u >= cfg.busy_utilization) & ~(r.gap < -cfg.node_idle_gap / 2) & ~r.others_cut
+    others_idle = r.gap < -cfg.node_idle_gap * cfg.straggler_others_idle_ratio
+    r.node_busy = (node_u >= cfg.busy_utilization) & ~others_idle & ~r.others_cut
     return r
 
 
@@ -200,28 +212,42 @@ def _pair_finding(tick: Tick, state: StragglerState, lay: NodePairs, r: _PairRea
     return _slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern)
 
 
-def _pair_score_now(
-    tick: Tick, lay: NodePairs, off: np.ndarray, judged_busy: np.ndarray, act_margin: np.ndarray
+def _node_rules(cfg, idle: np.ndarray, busier: np.ndarray, by_power: np.ndarray, scale) -> dict[str, np.ndarray]:
+    """Per (group, node) pair at each scale: each node rule (idle gap, or activity excess where judged
+    busy, beyond the learned offsets)."""
+    arrays = {"node_idle": idle, "node_busier": busier, "by_sm": ~by_power, "by_power": by_power}
+    return evaluate(NODE, arrays, cfg, scale)
+
+
+def _names(rules) -> list[str]:
+    return [r.name for r in rules]
+
+
+def _pair_standing_now(
+    tick: Tick, lay: NodePairs, off: np.ndarray, judged_busy: np.ndarray, by_power: np.ndarray
 ) -> np.ndarray:
-    """Per (group, node) pair: node_level's score (idle gap or activity excess over the learned offsets,
-    in margins) on the newest readings (see gpus.standing_now); NaN where the node has none."""
+    """Per (group, node) pair: whether node_level's rules still hold at the weaker margins on the newest
+    readings (see gpus.standing_now); True where the node has none (no evidence against)."""
     cfg = tick.config
     now = newest(tick, NOW_ROWS[: UTIL + 1])
     if now is None:
-        return np.full(len(judged_busy), np.nan)
+        return np.ones(len(judged_busy), dtype=bool)
     nodes = lay.members.medians(now)
     node_sm, node_pw, _, node_u = nodes[:, lay.sel_pairs]
     o_sm, o_pw, _, o_u = _others(nodes, lay)[:, lay.sel_pairs]
     act, _ = _node_activity(node_sm, node_pw, o_sm, o_pw)
-    idle = (o_u - node_u - off[0]) / cfg.node_idle_gap
-    busier = np.where(judged_busy, act - nan_to_zero(off[1]), np.nan) / act_margin
-    return np.fmax(idle, busier)
+    idle = o_u - node_u - off[0]
+    busier = np.where(judged_busy, act - nan_to_zero(off[1]), np.nan)
+    unknown = np.isnan(idle) & np.isnan(busier)
+    held = _node_rules(cfg, idle, busier, by_power, cfg.straggler_weak_margin_ratio)
+    return any_of(held, _names(NODE)) | unknown
 
 
 def _node_wide_busy(tick: Tick, members: np.ndarray, rest: np.ndarray, act_margin: float) -> bool:
     """Whether at least half of an unattributed node's GPUs are busier than the other nodes' GPUs on their
     own, rank for rank (the node's k-th lowest activity against the others' matching quantile), each by
-    the whole node margin (half of it let GPU-to-GPU noise in power pass at random ranks).
+    the whole node margin (half of it let GPU-to-GPU noise in power pass at random ranks); "half of the
+    node's GPUs" is straggler_node_share_ratio.
 
     Unattributed nodes are compared over all their GPUs, which may run two jobs: then each node's
     readings are two clusters, its median falls between them, and one slow GPU moves it across the node
@@ -232,9 +258,9 @@ def _node_wide_busy(tick: Tick, members: np.ndarray, rest: np.ndarray, act_margi
     ok = ~np.isnan(mine)
     if not ok.any() or np.isnan(theirs).all():
         return False
-    q = (np.arange(len(mine)) + 0.5) / len(mine)
+    q = (np.arange(len(mine)) + MIDPOINT_RANK) / len(mine)
     busier = mine[ok] / np.nanquantile(theirs, q[ok]) - 1.0 >= act_margin
-    return 2 * int(np.count_nonzero(busier)) >= len(mine)
+    return int(np.count_nonzero(busier)) >= tick.config.straggler_node_share_ratio * len(mine)
 
 
 def _others(x: np.ndarray, lay: NodePairs) -> np.ndarray:
@@ -251,7 +277,7 @@ def _others(x: np.ndarray, lay: NodePairs) -> np.ndarray:
     other = np.where(count > known, total - filled, np.nan)
     if not lay.three_or_more:
         return other  # the only pairs that count are in groups of two nodes
-    two = lay.per_group[pair_group] == 2
+    two = lay.per_group[pair_group] - 1 == 1  # one other node: its value is exact
     return np.where(two, other, lay.nodes_of_group.medians(x)[:, pair_group])
 
 
@@ -281,9 +307,10 @@ def whole_node(tick: Tick, state: StragglerState, on: np.ndarray, weak: np.ndarr
     n_on = np.bincount(inv, weights=on[members], minlength=n_pairs)
     n_weak = np.bincount(inv, weights=weak[members], minlength=n_pairs)
     pair_group = uniq // n_nodes
-    spans = np.bincount(pair_group, minlength=grp.n_groups)[pair_group] >= 2
-    whole = spans & (n_on >= 2) & (n_weak >= 0.5 * size)
-    stands = spans & (n_weak >= 2) & (n_weak >= 0.5 * size)
+    share = tick.config.straggler_node_share_ratio * size
+    spans = np.bincount(pair_group, minlength=grp.n_groups)[pair_group] > 1
+    whole = spans & (n_on > 1) & (n_weak >= share)
+    stands = spans & (n_weak > 1) & (n_weak >= share)
     findings, standout, pairs = [], set(), {}
     on = on.copy()
     member_slots = np.flatnonzero(members)
@@ -296,7 +323,8 @@ def whole_node(tick: Tick, state: StragglerState, on: np.ndarray, weak: np.ndarr
         slots = member_slots[inv == p]
         others = member_slots[(pair_group[inv] == gid) & (inv != p)]
         named = slots[on[slots]]
-        pattern = "idle" if 2 * np.count_nonzero(idle[named]) > len(named) else "busy"
+        most = np.count_nonzero(idle[named]) > tick.config.straggler_node_share_ratio * len(named)
+        pattern = "idle" if most else "busy"
         on[slots] = False
         findings.append(_slow_node_finding(tick, state, gid, nid, slots, others, pattern=pattern))
     return findings, standout, pairs, on
@@ -320,7 +348,7 @@ def _slow_node_finding(
     known = slowdown == slowdown  # NaN: the job has no baseline yet (a node slow from its start)
     size = int(tick.groups.size[gid])
     fp = subject_fingerprint(AlertKind.STRAGGLER, node, None, job)
-    cost = (max(slowdown, 0.0) if known else 0.0) * size * cfg.tick_seconds / 3600.0
+    cost = (max(slowdown, 0.0) if known else 0.0) * size * cfg.tick_seconds / SECONDS_PER_HOUR
     lost = state.add_cost(fp, tick.t, cost)
 
     # Medians over the node's GPUs and over the other nodes' GPUs, rows as tick.levels (None: unknown).
@@ -340,7 +368,7 @@ def _slow_node_finding(
         "node_median_utilization_ratio": node_u,
         "other_nodes_utilization_ratio": rest_u,
         "estimated_job_slowdown_ratio": r3(slowdown),
-        "gpu_hours_lost": round(lost, 4),
+        "gpu_hours_lost": round(lost, cfg.straggler_gpu_hours_digits),
     }
     if pattern == "idle":
         what = (
@@ -360,13 +388,13 @@ def _slow_node_finding(
         evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
     # Worded as a GPU straggler's figure (see gpu_finding): the slowdown put down to this node, as it fires.
     share = evidence["estimated_job_slowdown_ratio"]
-    by = f" by ~{share * 100:.0f} % per step (estimated as it fired)" if known and isinstance(share, float) else ""
+    by = f" by ~{percent(share)} per step (estimated as it fired)" if known and isinstance(share, float) else ""
     subject = f"job {job}" if job else "its peer nodes"
     summary = f"node {node} holds back {subject}{by}: {what} while the other nodes wait"
-    sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
+    sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
     return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
 
 
 def _pct(ratio: float | None) -> str:
     """A ratio as a whole percentage for a summary ('?' when unknown)."""
-    return "?" if ratio is None else f"{ratio * 100:.0f} %"
+    return "?" if ratio is None else percent(ratio)

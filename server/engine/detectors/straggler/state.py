@@ -8,9 +8,11 @@ from gpufleet.server.alerts import AlertKind
 from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.detectors import FingerprintIndex
 from gpufleet.server.engine.detectors.straggler.node_pairs import NodeOffsets
+from gpufleet.server.engine.groups import LEVELS
 from gpufleet.server.engine.tick import Tick
 
-_COST_KEEP_SECONDS = 600.0
+# The levels a GPU's own usual level is kept for: SM activity and power, LEVELS' first two rows.
+_OWN_LEVELS = LEVELS[: LEVELS.index("power") + 1]
 
 
 class StragglerState:
@@ -19,11 +21,12 @@ class StragglerState:
     so far; and the alerts' fingerprint index."""
 
     def __init__(self) -> None:
-        self.offset = np.full((4, 0), np.nan)
-        self.level = np.full((2, 0), np.nan)  # usual SM activity and power, rows as LEVELS' first two
+        self.offset = np.full((len(LEVELS), 0), np.nan)
+        self.level = np.full((len(_OWN_LEVELS), 0), np.nan)  # usual SM activity and power
         self.learned_gid = np.full(0, -1, dtype=np.int64)
         self.learned = np.zeros(0, dtype=np.int64)
         self.spread = np.full(0, np.nan)  # its group's recent spread of activity excesses
+        self.noise = np.full((len(LEVELS), 0), np.nan)  # its group's spread of each excess while unslowed
         self.cost: dict[str, tuple[float, float]] = {}
         self._steady = np.full(0, np.nan)
         self.nodes = NodeOffsets()
@@ -37,6 +40,7 @@ class StragglerState:
             self.level[:, slots] = np.nan
             self.learned[slots] = 0
             self.spread[slots] = np.nan
+            self.noise[:, slots] = np.nan
 
     def fit(self, n: int) -> None:
         """Grow per-slot arrays to n slots."""
@@ -45,6 +49,7 @@ class StragglerState:
         self.learned_gid = grown(self.learned_gid, n, -1)
         self.learned = grown(self.learned, n, 0)
         self.spread = grown(self.spread, n, np.nan)
+        self.noise = grown(self.noise, n, np.nan)
 
     def recycle(self, gid: int, job: str | None, node_names: list[str]) -> None:
         """The group id went to a new group: what was learned about the old one's nodes and its waiting
@@ -68,8 +73,8 @@ class StragglerState:
         self._steady[: grp.n_groups] = np.where(steady, np.fmin(self._steady[: grp.n_groups], tick.t), np.nan)
         return self._steady[: grp.n_groups]
 
-    def prune(self, t: float) -> None:
-        """Forget cost tallies of subjects quiet for a long time."""
-        stale = [fp for fp, (_, last) in self.cost.items() if t - last > _COST_KEEP_SECONDS]
+    def prune(self, t: float, keep_seconds: float) -> None:
+        """Forget cost tallies of subjects quiet for longer than keep_seconds."""
+        stale = [fp for fp, (_, last) in self.cost.items() if t - last > keep_seconds]
         for fp in stale:
             del self.cost[fp]
