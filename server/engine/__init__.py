@@ -20,6 +20,7 @@ from gpufleet.server.engine.config import EngineConfig
 from gpufleet.server.engine.detectors import Context, FingerprintIndex, Outcome
 from gpufleet.server.engine.detectors import health, straggler, thermal, workload
 from gpufleet.server.engine.groups import JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
+from gpufleet.server.engine.inference import JobInference
 from gpufleet.server.engine.lifecycle import Lifecycle
 from gpufleet.server.engine.policy import rule_names
 from gpufleet.server.engine.prepared import prepare_windows
@@ -48,6 +49,7 @@ class Engine:
             raise ValueError(f"disabled_rules names no declared rule: {', '.join(sorted(unknown))}")
         self.windows = Windows(cfg.tick_seconds, cfg.bins(cfg.window_seconds))
         self.registry = GroupRegistry(cfg.group_retention_seconds)
+        self._inference = JobInference(cfg)
         # Noise is read from changes over twice the smoothing: readings that far apart share no sample.
         self.history = GroupHistory(
             cfg.bins(cfg.baseline_seconds),
@@ -185,6 +187,8 @@ class Engine:
         has_data = np.asarray(held[:smooth_bins].any(axis=0))
         busy = med["util"] >= cfg.busy_utilization
         n = w.n
+        engaged = self._engaged(t, busy, med["util"])
+        loose = (w.slot_job[:n] < 0) & has_data & engaged
         gid, ngid = self.registry.build(
             t,
             w.slot_job[:n],
@@ -193,7 +197,8 @@ class Engine:
             w.job_names,
             has_data,
             busy,
-            self._engaged(t, busy, med["util"]),
+            engaged,
+            self._inference.update(k, w, loose, w.slot_model_id[:n]) if loose.any() else None,
         )
         n_groups = len(self.registry.keys)
         if self.registry.recycled:

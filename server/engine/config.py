@@ -120,6 +120,15 @@ class EngineConfig:
     # An ecc alert clears after this long without new uncorrected errors and with no remap pending/failed.
     ecc_clear_seconds: float = 600.0
 
+    # Without attribution, GPUs join one inferred job while their readings' wobbles correlate this much on
+    # average: measured 0.45-0.75 within a job, about 0 between jobs (a single pair of them up to 0.4).
+    inferred_min_correlation: float = 0.3
+    # Common history two GPUs need before their co-movement counts: 24 bins at 5 s put one pair's
+    # correlation within ±0.2, and a job's average over many pairs far closer.
+    inferred_min_seconds: float = 120.0
+    # Inferred jobs are re-inferred this often: membership changes at the pace of jobs, not of ticks.
+    inferred_refresh_seconds: float = 60.0
+
     # Rules (gpufleet.server.engine.rules) switched off by name: never hold. For ablation and for a fleet
     # where one rule misfires; the engine refuses a name no detector declares.
     disabled_rules: frozenset[str] = field(default_factory=frozenset)

@@ -25,6 +25,7 @@ from gpufleet.server.engine.detectors.straggler.common import (
 )
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 from gpufleet.server.engine.groups import JOB
+from gpufleet.server.engine.inference import inferred_peers, inferred_suffix
 from gpufleet.server.engine.reduce import nan_to_zero
 from gpufleet.server.engine.tick import THROTTLE_CAUSES, SlowdownSource, Tick, throttle_causes
 
@@ -106,7 +107,7 @@ def group_conditions(tick: Tick, state: StragglerState, cfg, halted: AbstractSet
             tick.slowdown >= min_drop,
             grp.util >= cfg.straggler_waiting_utilization,
             active,
-            tick.registry.is_job[:G],
+            tick.registry.one_job[:G],
             ~np.isnan(tick.slowdown),
         ]
     )
@@ -122,7 +123,7 @@ def mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarr
     nobody in it is named. A job group is exempt: there a brake on half a node is a real finding.
     """
     grp = tick.groups
-    fallback = ~tick.registry.is_job[: grp.n_groups]
+    fallback = ~tick.registry.one_job[: grp.n_groups]
     if not fallback.any() or not standing.any():
         return np.zeros(len(gi), dtype=bool)
     counts = np.bincount(gi[standing], minlength=grp.n_groups)
@@ -158,7 +159,7 @@ def shared_node(
     """
     grp = tick.groups
     n = len(gi)
-    fallback = judged & ~tick.registry.is_job[: grp.n_groups][gi]
+    fallback = judged & ~tick.registry.one_job[: grp.n_groups][gi]
     if not fallback.any():
         none = np.zeros(n, dtype=bool)
         return SharedNode(np.zeros((2, n), dtype=bool), none, np.full(n, np.nan), np.full(n, np.nan), none)
@@ -412,6 +413,7 @@ def gpu_finding(
         evidence["own_rise_vs_own_baseline"] = r3(shared.rise[slot])
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
+    inferred_peers(tick.registry, gid, evidence)
     sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
     # "By ~N % per step": the slowdown put down to this GPU, as it fires (the summary stays as it fired). Not
     # the job's figure in /jobs, which is the job now against its own baseline: the two may differ.
@@ -421,7 +423,7 @@ def gpu_finding(
     summary = (
         f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} holds back "
         f"{'job ' + job if job else 'its peers'}{by}: " + "; ".join(reasons)
-    )
+    ) + inferred_suffix(evidence)
     return Finding(
         AlertKind.STRAGGLER,
         w.slot_node[slot],

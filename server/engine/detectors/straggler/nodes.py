@@ -23,6 +23,7 @@ from gpufleet.server.engine.detectors.straggler.common import (
     newest,
 )
 from gpufleet.server.engine.groups import JOB
+from gpufleet.server.engine.inference import inferred_peers, inferred_suffix
 from gpufleet.server.engine.reduce import nan_median_first_axis, nan_to_zero
 from gpufleet.server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
@@ -52,12 +53,12 @@ def node_level(
     # each step (gap 0.285, the job 39 % slower) fell short of 0.24.
     prev = nan_to_zero(state.nodes.pair_offset[:, idx])
     r.cross = (
-        tick.registry.is_job[gids]
+        tick.registry.one_job[gids]
         & r.steady
         & ((r.gap >= 2 * cfg.node_idle_gap) | (r.node_busy & (r.act - prev[1] >= 2 * r.act_margin)))
     )
     aged = tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds
-    r.cut &= tick.registry.is_job[gids] & r.steady & aged
+    r.cut &= tick.registry.one_job[gids] & r.steady & aged
     waiting = ((r.waiting_drop >= r.min_drop) & r.steady) | r.cross | r.cut
     off, warming = _learn_pairs(tick, state.nodes, lay, r, waiting)
     ready = ~warming & ~np.isnan(off[0]) & aged
@@ -66,7 +67,7 @@ def node_level(
     # another job than the nodes whose job slowed (comm- or input-bound). It is judged only where its
     # activity matched the others' while healthy (learned offset within structural_max_offset), as the
     # nodes of one job do; two jobs that happen to run alike cannot be told apart.
-    alike = tick.registry.is_job[gids] | (np.abs(off[1]) <= cfg.structural_max_offset)
+    alike = tick.registry.one_job[gids] | (np.abs(off[1]) <= cfg.structural_max_offset)
     r.busier = np.where(r.node_busy & alike, r.act - nan_to_zero(off[1]), np.nan)
     score = np.fmax(r.idle / cfg.node_idle_gap, r.busier / r.act_margin)
     stands = (ready & waiting & (score >= 0.6)) | r.cut
@@ -76,6 +77,7 @@ def node_level(
         now = _pair_score_now(tick, lay, off, r.node_busy & alike, r.act_margin)
         on &= ~(now < 0.6)
     on |= r.cut
+    on &= _one_job(tick, gids)
     if halted:
         live = ~np.isin(gids, list(halted))
         stands &= live
@@ -167,7 +169,7 @@ def _learn_pairs(
     # capped, and none is learned in the victim direction: a node learned while it idled (host-starved
     # from the start) read as "busier" than the others once it recovered.
     cap = cfg.structural_max_offset
-    off = nodes.pair_offset[:, idx] = np.where(tick.registry.is_job[lay.gids], np.clip(off, 0.0, cap), off)
+    off = nodes.pair_offset[:, idx] = np.where(tick.registry.one_job[lay.gids], np.clip(off, 0.0, cap), off)
     nodes.pair_learned[idx] = n_learned + learn
     return off, warming
 
@@ -185,7 +187,7 @@ def _pair_finding(tick: Tick, state: StragglerState, lay: NodePairs, r: _PairRea
     pattern = "cut" if r.cut[i] else "busy" if busy_score == busy_score and not idle_score >= busy_score else "idle"
     if (
         pattern == "busy"
-        and not tick.registry.is_job[gid]
+        and not tick.registry.one_job[gid]
         and not _node_wide_busy(tick, members, rest, float(r.act_margin[i]))
     ):
         return None
@@ -198,6 +200,13 @@ def _pair_finding(tick: Tick, state: StragglerState, lay: NodePairs, r: _PairRea
         # The others' share of each step spent waiting: the idle gap, or their activity against this node's.
         slowdown = max(slowdown, r.gap[i] if pattern == "idle" else 1.0 - 1.0 / (1.0 + max(float(r.act[i]), 0.0)))
     return _slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern)
+
+
+def _one_job(tick: Tick, gids: np.ndarray) -> np.ndarray:
+    """Per (group, node) pair: whether a node of this group may be named. A fallback group of all the
+    unattributed GPUs of one model may mix jobs: a node "holding back" the others there may just run
+    another job than theirs, so only a job, attributed or inferred from co-movement, names a node."""
+    return tick.registry.one_job[gids]
 
 
 def _pair_score_now(
@@ -358,11 +367,12 @@ def _slow_node_finding(
     evidence["throttle_causes"] = causes
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
+    inferred_peers(tick.registry, gid, evidence)
     # Worded as a GPU straggler's figure (see gpu_finding): the slowdown put down to this node, as it fires.
     share = evidence["estimated_job_slowdown_ratio"]
     by = f" by ~{share * 100:.0f} % per step (estimated as it fired)" if known and isinstance(share, float) else ""
     subject = f"job {job}" if job else "its peer nodes"
-    summary = f"node {node} holds back {subject}{by}: {what} while the other nodes wait"
+    summary = f"node {node} holds back {subject}{by}: {what} while the other nodes wait" + inferred_suffix(evidence)
     sev = Severity.CRITICAL if slowdown >= 0.2 else Severity.WARNING
     return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
 

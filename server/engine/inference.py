@@ -1,0 +1,205 @@
+"""Peer groups inferred without attribution: the GPUs of one synchronous job move together.
+
+The ranks of a synchronous training job are in the same phase of the same step at the same instant: what
+one sampling interval catches (a little more compute, a little more collective) raises or lowers the SM
+activity, and the power, of every GPU of the job at once. GPUs of different jobs step independently, so
+their readings' wobbles are uncorrelated. Over the engine's window the correlation of two GPUs'
+wobbles (each reading less its own moving average, clipped against spikes) is high within a job and near
+zero between jobs; a single pair's estimate is noisy, an average over a job's many pairs is not. GPUs of
+one model are clustered by average linkage: two clusters merge while the mean correlation between their
+members is at least `inferred_min_correlation`, so one lucky pair cannot join two jobs.
+
+A cluster of at least `straggler_min_group` GPUs is an inferred job. Its label is kept across
+re-inference as long as most of its members stay, so the group's history survives. The detectors treat
+an inferred job as one job (groups.GroupRegistry.one_job) but say in every alert that its peers were
+inferred; unattributed GPUs in no cluster keep the fallback groups, which may mix jobs and so never name
+a node.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from gpufleet.server.engine.config import EngineConfig
+from gpufleet.server.engine.groups import INFERRED_JOB, GroupRegistry
+from gpufleet.server.engine.windows import B_POWER, B_SM, Windows
+
+# How far a reading's wobble is clipped, in robust standard deviations: a job's start, end or incident
+# moves its GPUs together too, but one such jump must not decide a whole window's correlation.
+_CLIP_SIGMAS = 3.0
+# Moving average a reading's wobble is taken against (bins each side): slow trends cancel, the per-
+# interval co-movement stays.
+_TREND_BINS = 3
+NONE = -1
+
+
+def wobbles(series: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU (columns of a (bins, n) series, NaN: no sample): each reading less its moving average,
+    scaled to unit robust spread and clipped; zero where unknown. Also the mask of known values."""
+    known = ~np.isnan(series)
+    filled = np.where(known, series, 0.0)
+    sums, counts = _moving_sum(filled), _moving_sum(known.astype(float))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        resid = np.where(known & (counts >= 2), series - sums / counts, np.nan)
+        mad = np.nanmedian(np.abs(resid), axis=0) * 1.4826
+        z = np.clip(resid / mad, -_CLIP_SIGMAS, _CLIP_SIGMAS)
+    ok = ~np.isnan(z)
+    z = np.where(ok, z, 0.0)
+    n_ok = ok.sum(axis=0)
+    mean = z.sum(axis=0) / np.maximum(n_ok, 1)
+    z = np.where(ok, z - mean, 0.0)
+    norm = np.sqrt((z**2).sum(axis=0) / np.maximum(n_ok, 1))
+    z = np.where(norm > 0, z / np.where(norm > 0, norm, 1.0), 0.0)
+    return z, ok & (norm > 0)
+
+
+def _moving_sum(x: np.ndarray) -> np.ndarray:
+    """Sum over the _TREND_BINS bins either side of each bin (fewer at the ends), along axis 0."""
+    c = np.concatenate([np.zeros((1, x.shape[1])), np.cumsum(x, axis=0)])
+    i = np.arange(len(x))
+    return c[np.minimum(i + _TREND_BINS + 1, len(x))] - c[np.maximum(i - _TREND_BINS, 0)]
+
+
+def correlation(z: np.ndarray, ok: np.ndarray, min_common: int) -> np.ndarray:
+    """Pairwise correlation of standardised wobbles (n, n) over the bins both GPUs have; NaN where they
+    share fewer than min_common bins."""
+    common = ok.T.astype(float) @ ok.astype(float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        corr = (z.T @ z) / common
+    corr[common < min_common] = np.nan
+    np.fill_diagonal(corr, np.nan)
+    return corr
+
+
+def average_linkage(corr: np.ndarray, min_corr: float) -> np.ndarray:
+    """Cluster index per row of a correlation matrix: repeatedly merge the two clusters with the highest
+    mean correlation between their members (unknown pairs count as zero) while it is >= min_corr."""
+    n = len(corr)
+    label = np.arange(n)
+    if n < 2:
+        return label
+    total = np.nan_to_num(corr, nan=0.0)  # summed correlation between clusters
+    size = np.ones(n)
+    alive = np.ones(n, dtype=bool)
+    np.fill_diagonal(total, 0.0)
+    while True:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = total / np.outer(size, size)
+        mean[~alive, :] = -np.inf
+        mean[:, ~alive] = -np.inf
+        np.fill_diagonal(mean, -np.inf)
+        flat = int(np.argmax(mean))
+        a, b = divmod(flat, n)
+        if not mean[a, b] >= min_corr:
+            return label
+        # b joins a
+        total[a, :] += total[b, :]
+        total[:, a] += total[:, b]
+        total[a, a] = 0.0
+        size[a] += size[b]
+        alive[b] = False
+        total[b, :] = total[:, b] = 0.0
+        label[label == b] = a
+
+
+class JobInference:
+    """Inferred job label per slot (NONE: in no inferred job), re-inferred every inferred_refresh_seconds
+    from the window's SM activity (power where SM activity is unsupported), labels kept stable."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.labels = np.full(0, NONE, dtype=np.int64)
+        self._next_label = 0
+        self._last_k: int | None = None
+
+    def update(self, k: int, w: Windows, candidates: np.ndarray, model: np.ndarray) -> np.ndarray:
+        """Labels for this tick: candidates are the unattributed GPUs running work now."""
+        cfg = self.config
+        n = len(candidates)
+        if len(self.labels) < n:
+            self.labels = np.concatenate([self.labels, np.full(n - len(self.labels), NONE, dtype=np.int64)])
+        due = self._last_k is None or k - self._last_k >= cfg.bins(cfg.inferred_refresh_seconds)
+        if due and candidates.any():
+            self._last_k = k
+            self._infer(k, w, candidates, model)
+        out = np.where(candidates, self.labels[:n], NONE)
+        return out
+
+    def _infer(self, k: int, w: Windows, candidates: np.ndarray, model: np.ndarray) -> None:
+        cfg = self.config
+        bins = min(w.ring, k + 1)
+        slots = np.flatnonzero(candidates)
+        window = w.recent(k, bins, [B_SM, B_POWER])[:, :, slots]
+        # Sampled less often than once a bin (10 s agents, 5 s ticks), nodes fill different bins: readings
+        # are compared over blocks of as many bins as one sample spans.
+        fill = float(np.median((~np.isnan(window[:, 1])).mean(axis=0)))
+        block = max(1, int(round(1.0 / fill))) if fill > 0 else 1
+        if block > 1:
+            usable = (bins // block) * block
+            with np.errstate(invalid="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                window = np.nanmean(window[:usable].reshape(usable // block, block, 2, len(slots)), axis=1)
+        sm, power = window[:, 0], window[:, 1]
+        # SM activity where a GPU reports it over most of the window, else power.
+        by_sm = (~np.isnan(sm)).sum(axis=0) * 2 >= (~np.isnan(power)).sum(axis=0)
+        series = np.where(by_sm[None, :], sm, power)
+        min_common = max(3, cfg.bins(cfg.inferred_min_seconds) // block)
+        fresh = np.full(len(slots), NONE, dtype=np.int64)
+        n_found = 0
+        for m in np.unique(model[slots]).tolist():
+            for source in (True, False):
+                pick = np.flatnonzero((model[slots] == m) & (by_sm == source))
+                if len(pick) < cfg.straggler_min_group:
+                    continue
+                z, ok = wobbles(series[:, pick])
+                clusters = average_linkage(correlation(z, ok, min_common), cfg.inferred_min_correlation)
+                ids, counts = np.unique(clusters, return_counts=True)
+                for c in ids[counts >= cfg.straggler_min_group].tolist():
+                    fresh[pick[clusters == c]] = n_found
+                    n_found += 1
+        self._relabel(slots, fresh)
+
+    def _relabel(self, slots: np.ndarray, fresh: np.ndarray) -> None:
+        """Give each new cluster the label of the old inferred job holding most of its members (when
+        they are most of it), a new label otherwise; slots outside any cluster lose theirs."""
+        old = self.labels[slots]
+        new = np.full(len(slots), NONE, dtype=np.int64)
+        clusters = [c for c in np.unique(fresh).tolist() if c != NONE]
+        # Largest clusters first: they claim their old label before a fragment of the same job does.
+        clusters.sort(key=lambda c: -int(np.count_nonzero(fresh == c)))
+        taken: set[int] = set()
+        for c in clusters:
+            members = fresh == c
+            prev, counts = np.unique(old[members & (old != NONE)], return_counts=True)
+            label = NONE
+            if len(prev):
+                best = int(prev[np.argmax(counts)])
+                if 2 * int(counts.max()) > int(members.sum()) and best not in taken:
+                    label = best
+            if label == NONE:
+                label = self._next_label
+                self._next_label += 1
+            taken.add(label)
+            new[members] = label
+        self.labels[:] = NONE
+        self.labels[slots] = new
+
+
+def inferred_peers(registry: GroupRegistry, gid: int, evidence: dict[str, Any]) -> None:
+    """Mark a finding's evidence when its peer group was inferred (no hpc_job attribution)."""
+    if not registry.inferred(gid):
+        return
+    evidence["peer_group_inferred"] = True
+    if registry.kind(gid) == INFERRED_JOB:
+        evidence["note"] = (
+            "no hpc_job attribution: peers inferred as one job from GPUs of the same model whose activity "
+            "rises and falls with this one's"
+        )
+
+
+def inferred_suffix(evidence: dict[str, Any]) -> str:
+    """The words a summary ends with when its peers were inferred."""
+    return " (peers inferred: no hpc_job attribution)" if evidence.get("peer_group_inferred") else ""
