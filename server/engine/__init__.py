@@ -50,6 +50,7 @@ class Engine:
         self.windows = Windows(cfg.tick_seconds, cfg.bins(cfg.window_seconds))
         self.registry = GroupRegistry(cfg.group_retention_seconds)
         self._inference = JobInference(cfg)
+        self._troubled: np.ndarray | None = None  # per slot, see _inferred_in_trouble
         # Noise is read from changes over twice the smoothing: readings that far apart share no sample.
         self.history = GroupHistory(
             cfg.bins(cfg.baseline_seconds),
@@ -198,7 +199,7 @@ class Engine:
             has_data,
             busy,
             engaged,
-            self._inference.update(k, w, loose, w.slot_model_id[:n]) if loose.any() else None,
+            self._inference.update(k, w, loose, w.slot_model_id[:n], self._troubled) if loose.any() else None,
         )
         n_groups = len(self.registry.keys)
         if self.registry.recycled:
@@ -241,6 +242,7 @@ class Engine:
         context = replace(context, halted=halted)
         strag = straggler.detect(tick, self._straggler, context)
         outcomes[AlertKind.STRAGGLER] = strag.outcome
+        self._troubled = self._inferred_in_trouble(tick, strag.standout_groups)
         explained = self._explained(tick, outcomes, halted)
         silent = self._jobs_on_silent_nodes(t, healths[AlertKind.NODE_UNREACHABLE])
         context = replace(
@@ -262,6 +264,22 @@ class Engine:
         self._last_t = t
         self._last_tick = tick
         return transitions
+
+    def _inferred_in_trouble(self, tick: Tick, standout: set[int]) -> np.ndarray | None:
+        """Per slot: its group is an inferred job whose peers slowed or where someone stands out. Its GPUs
+        keep their inferred job at the next re-inference (see inference.JobInference)."""
+        grp, cfg = tick.groups, self.config
+        inferred = self.registry.one_job[: grp.n_groups] & ~self.registry.is_job[: grp.n_groups]
+        if not inferred.any():
+            return None
+        min_drop = np.where(
+            tick.slowdown_source == SlowdownSource.POWER, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown
+        )
+        trouble = inferred & (tick.slowdown >= min_drop)
+        if standout:
+            trouble[[g for g in standout if g < grp.n_groups and inferred[g]]] = True
+        gid = grp.gid
+        return (gid >= 0) & trouble[np.maximum(gid, 0)]
 
     def _count_losses(self, outcomes: dict[AlertKind, Outcome]) -> None:
         """Add this tick's GPU-hours lost to each job whose problem has a firing alert: the largest cost

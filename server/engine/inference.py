@@ -25,28 +25,31 @@ import numpy as np
 
 from gpufleet.server.engine.config import EngineConfig
 from gpufleet.server.engine.groups import INFERRED_JOB, GroupRegistry
-from gpufleet.server.engine.windows import B_POWER, B_SM, Windows
+from gpufleet.server.engine.windows import B_POWER, B_SM, B_UTIL, Windows
 
-# How far a reading's wobble is clipped, in robust standard deviations: a job's start, end or incident
-# moves its GPUs together too, but one such jump must not decide a whole window's correlation.
-_CLIP_SIGMAS = 3.0
-# Moving average a reading's wobble is taken against (bins each side): slow trends cancel, the per-
-# interval co-movement stays.
-_TREND_BINS = 3
+# Relative size of float rounding in a moving average (a few ulps of the readings).
+_ROUNDING = 64 * np.finfo(np.float64).eps
 NONE = -1
 
 
-def wobbles(series: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per GPU (columns of a (bins, n) series, NaN: no sample): each reading less its moving average,
-    scaled to unit robust spread and clipped; zero where unknown. Also the mask of known values."""
+def wobbles(series: np.ndarray, trend_bins: int, clip_sigmas: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU (columns of a (bins, n) series, NaN: no sample): each reading less its moving average over
+    trend_bins either side, in robust standard deviations clipped at clip_sigmas, then standardised;
+    zero where unknown. Also the mask of known values."""
     known = ~np.isnan(series)
     filled = np.where(known, series, 0.0)
-    sums, counts = _moving_sum(filled), _moving_sum(known.astype(float))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        resid = np.where(known & (counts >= 2), series - sums / counts, np.nan)
+    sums, counts = _moving_sum(filled, trend_bins), _moving_sum(known.astype(float), trend_bins)
+    resid = np.where(known & (counts >= 2), series - sums / np.maximum(counts, 1), np.nan)
+    # A constant reading's moving average differs from it by rounding alone, alike on every GPU that
+    # reads the same constant: that is no co-movement.
+    resid[np.abs(resid) <= _ROUNDING * np.abs(series)] = 0.0
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a GPU without readings: its median is NaN
         mad = np.nanmedian(np.abs(resid), axis=0) * 1.4826
-        z = np.clip(resid / mad, -_CLIP_SIGMAS, _CLIP_SIGMAS)
-    ok = ~np.isnan(z)
+    # A reading that never wobbles (a constant, a stuck sensor) says nothing about what it moves with.
+    wobbly = mad > 0
+    z = np.clip(resid / np.where(wobbly, mad, 1.0), -clip_sigmas, clip_sigmas)
+    ok = ~np.isnan(z) & wobbly[None, :]
     z = np.where(ok, z, 0.0)
     n_ok = ok.sum(axis=0)
     mean = z.sum(axis=0) / np.maximum(n_ok, 1)
@@ -56,22 +59,11 @@ def wobbles(series: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return z, ok & (norm > 0)
 
 
-def _moving_sum(x: np.ndarray) -> np.ndarray:
-    """Sum over the _TREND_BINS bins either side of each bin (fewer at the ends), along axis 0."""
+def _moving_sum(x: np.ndarray, half: int) -> np.ndarray:
+    """Sum over the `half` bins either side of each bin (fewer at the ends), along axis 0."""
     c = np.concatenate([np.zeros((1, x.shape[1])), np.cumsum(x, axis=0)])
     i = np.arange(len(x))
-    return c[np.minimum(i + _TREND_BINS + 1, len(x))] - c[np.maximum(i - _TREND_BINS, 0)]
-
-
-def correlation(z: np.ndarray, ok: np.ndarray, min_common: int) -> np.ndarray:
-    """Pairwise correlation of standardised wobbles (n, n) over the bins both GPUs have; NaN where they
-    share fewer than min_common bins."""
-    common = ok.T.astype(float) @ ok.astype(float)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        corr = (z.T @ z) / common
-    corr[common < min_common] = np.nan
-    np.fill_diagonal(corr, np.nan)
-    return corr
+    return c[np.minimum(i + half + 1, len(x))] - c[np.maximum(i - half, 0)]
 
 
 def average_linkage(corr: np.ndarray, min_corr: float) -> np.ndarray:
@@ -105,9 +97,37 @@ def average_linkage(corr: np.ndarray, min_corr: float) -> np.ndarray:
         label[label == b] = a
 
 
+def lagged_correlation(z: np.ndarray, ok: np.ndarray, min_common: int) -> np.ndarray:
+    """Pairwise correlation (n, n) of standardised wobbles (rows: bins, newest first) over the rows both
+    GPUs have, NaN where they share fewer than min_common. Nodes sample at their own phase: one node's
+    sample of an interval can land in the bin after another's, so a pair's correlation is the largest of
+    no shift and one row's shift either way."""
+    okf = ok.astype(float)
+    out = np.full((z.shape[1], z.shape[1]), -np.inf)
+    common = okf.T @ okf
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for lag in (0, 1):
+            n = len(z) - lag
+            if n <= 0:
+                continue
+            both = okf[:n].T @ okf[lag : lag + n]
+            corr = (z[:n].T @ z[lag : lag + n]) / both
+            corr[both < min_common] = -np.inf
+            out = np.fmax(out, np.fmax(corr, corr.T))
+    out[~np.isfinite(out) | (common < min_common)] = np.nan
+    np.fill_diagonal(out, np.nan)
+    return out
+
+
 class JobInference:
     """Inferred job label per slot (NONE: in no inferred job), re-inferred every inferred_refresh_seconds
-    from the window's SM activity (power where SM activity is unsupported), labels kept stable."""
+    from the window's SM activity (power where SM activity is unsupported), labels kept stable.
+
+    GPUs whose inferred job is in trouble (its peers slowed, or someone standing out) keep their label
+    meanwhile: an incident changes how a job's GPUs move for minutes (a slow node computes all the time and
+    no longer wobbles with the others), and re-inferred then, the job fell apart into its nodes just as one
+    of them became its straggler.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -115,8 +135,11 @@ class JobInference:
         self._next_label = 0
         self._last_k: int | None = None
 
-    def update(self, k: int, w: Windows, candidates: np.ndarray, model: np.ndarray) -> np.ndarray:
-        """Labels for this tick: candidates are the unattributed GPUs running work now."""
+    def update(
+        self, k: int, w: Windows, candidates: np.ndarray, model: np.ndarray, hold: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Labels for this tick: candidates are the unattributed GPUs running work now; `hold`: the slots
+        that keep their label at a re-inference (their inferred job is in trouble)."""
         cfg = self.config
         n = len(candidates)
         if len(self.labels) < n:
@@ -124,19 +147,26 @@ class JobInference:
         due = self._last_k is None or k - self._last_k >= cfg.bins(cfg.inferred_refresh_seconds)
         if due and candidates.any():
             self._last_k = k
-            self._infer(k, w, candidates, model)
-        out = np.where(candidates, self.labels[:n], NONE)
-        return out
+            held = np.zeros(n, dtype=bool) if hold is None else hold[:n] & candidates & (self.labels[:n] != NONE)
+            self.labels[:n][~candidates] = NONE
+            self._infer(k, w, candidates & ~held, model, set(self.labels[:n][held].tolist()))
+        return np.where(candidates, self.labels[:n], NONE)
 
-    def _infer(self, k: int, w: Windows, candidates: np.ndarray, model: np.ndarray) -> None:
+    def _infer(self, k: int, w: Windows, candidates: np.ndarray, model: np.ndarray, reserved: set[int]) -> None:
+        """Cluster the candidates afresh (`reserved`: the labels held meanwhile)."""
         cfg = self.config
         bins = min(w.ring, k + 1)
         slots = np.flatnonzero(candidates)
-        window = w.recent(k, bins, [B_SM, B_POWER])[:, :, slots]
+        if not len(slots):
+            return
+        window = w.recent(k, bins, [B_SM, B_POWER, B_UTIL])[:, :, slots]  # newest first
         # Sampled less often than once a bin (10 s agents, 5 s ticks), nodes fill different bins: readings
         # are compared over blocks of as many bins as one sample spans.
-        fill = float(np.median((~np.isnan(window[:, 1])).mean(axis=0)))
+        fill = float(np.median((~np.isnan(window[:, 2])).mean(axis=0)))
         block = max(1, int(round(1.0 / fill))) if fill > 0 else 1
+        # Only bins in which the GPU ran kernels count: jobs that start or end together ramp together.
+        running = window[:, 2] >= cfg.unattributed_running_utilization
+        window = np.where(running[:, None, :], window[:, :2], np.nan)
         if block > 1:
             usable = (bins // block) * block
             with np.errstate(invalid="ignore"), warnings.catch_warnings():
@@ -147,6 +177,9 @@ class JobInference:
         by_sm = (~np.isnan(sm)).sum(axis=0) * 2 >= (~np.isnan(power)).sum(axis=0)
         series = np.where(by_sm[None, :], sm, power)
         min_common = max(3, cfg.bins(cfg.inferred_min_seconds) // block)
+        trend = max(1, cfg.bins(cfg.inferred_trend_seconds) // block)
+        z, ok = wobbles(series, trend, cfg.inferred_clip_sigmas)
+        corr = lagged_correlation(z, ok, min_common)
         fresh = np.full(len(slots), NONE, dtype=np.int64)
         n_found = 0
         for m in np.unique(model[slots]).tolist():
@@ -154,15 +187,14 @@ class JobInference:
                 pick = np.flatnonzero((model[slots] == m) & (by_sm == source))
                 if len(pick) < cfg.straggler_min_group:
                     continue
-                z, ok = wobbles(series[:, pick])
-                clusters = average_linkage(correlation(z, ok, min_common), cfg.inferred_min_correlation)
+                clusters = average_linkage(corr[np.ix_(pick, pick)], cfg.inferred_min_correlation)
                 ids, counts = np.unique(clusters, return_counts=True)
                 for c in ids[counts >= cfg.straggler_min_group].tolist():
                     fresh[pick[clusters == c]] = n_found
                     n_found += 1
-        self._relabel(slots, fresh)
+        self._relabel(slots, fresh, reserved)
 
-    def _relabel(self, slots: np.ndarray, fresh: np.ndarray) -> None:
+    def _relabel(self, slots: np.ndarray, fresh: np.ndarray, reserved: set[int]) -> None:
         """Give each new cluster the label of the old inferred job holding most of its members (when
         they are most of it), a new label otherwise; slots outside any cluster lose theirs."""
         old = self.labels[slots]
@@ -170,7 +202,7 @@ class JobInference:
         clusters = [c for c in np.unique(fresh).tolist() if c != NONE]
         # Largest clusters first: they claim their old label before a fragment of the same job does.
         clusters.sort(key=lambda c: -int(np.count_nonzero(fresh == c)))
-        taken: set[int] = set()
+        taken = set(reserved)
         for c in clusters:
             members = fresh == c
             prev, counts = np.unique(old[members & (old != NONE)], return_counts=True)
@@ -184,7 +216,6 @@ class JobInference:
                 self._next_label += 1
             taken.add(label)
             new[members] = label
-        self.labels[:] = NONE
         self.labels[slots] = new
 
 

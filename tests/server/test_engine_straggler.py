@@ -15,6 +15,25 @@ def _by_kind(lines):
     return out
 
 
+def _in_step(override, nodes=None):
+    """The same trace with every running GPU's SM activity and power wobbling with the step phase of the
+    job, as synchronous ranks do (each sample catches a little more compute or collective, on all of
+    them at once): without attribution, that is what makes them one inferred job. `nodes`: the job's
+    nodes (default: all); the others keep their steady readings."""
+
+    def patched(t, node, gpu):
+        kw = dict(override(t, node, gpu))
+        if kw.get("utilization_ratio", 0.98) < 0.05 or (nodes is not None and node not in nodes):
+            return kw
+        wobble = 1.0 + ((int(t / 5.0) * 7919) % 13 - 6) / 200.0  # a fixed, irregular sequence of +-3 %
+        if kw.get("sm_active_ratio", 0.80) is not None:
+            kw["sm_active_ratio"] = kw.get("sm_active_ratio", 0.80) * wobble
+        kw["power_watts"] = kw.get("power_watts", 500.0) * wobble
+        return kw
+
+    return patched
+
+
 def _slow_gpu(t, node, gpu):
     """From 400 s GPU n1/3 runs 25 % slower clocks; everyone else waits for it."""
     if t < 400 or t >= 800:
@@ -509,9 +528,12 @@ def test_unattributed_host_bound_node_of_a_half_node_job_is_named():
             return {"utilization_ratio": 0.55, "sm_active_ratio": 0.45, "power_watts": 330.0}
         return {"sm_active_ratio": 0.5, "power_watts": 360.0}
 
-    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=starved, job=None))["straggler"]
+    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=_in_step(starved), job=None))["straggler"]
     assert (s.node, s.gpu) == ("n1", None)
-    assert s.evidence["pattern"] == "host_idle" and s.evidence["peer_group"] == "cluster_model"
+    assert s.evidence["pattern"] == "host_idle" and s.evidence["peer_group"] == "inferred_job"
+    assert s.evidence["peer_group_inferred"] is True and "peers inferred" in s.summary
+    # Without co-movement the GPUs of one model across nodes may be several jobs: no node is named.
+    assert "straggler" not in _by_kind(cluster_lines(1000, nodes=3, override=starved, job=None))
 
 
 def test_unattributed_slow_node_of_one_job_is_named():
@@ -522,9 +544,10 @@ def test_unattributed_slow_node_of_one_job_is_named():
             return {"sm_active_ratio": 0.6, "power_watts": 420.0}
         return {}
 
-    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=slow_node, job=None))["straggler"]
+    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=_in_step(slow_node), job=None))["straggler"]
     assert (s.node, s.gpu) == ("n1", None)
     assert s.evidence["pattern"] == "node_slow" and "attribution" in s.evidence["note"]
+    assert s.evidence["peer_group_inferred"] is True and "peers inferred" in s.summary
 
 
 def test_unattributed_host_starved_node_is_named_beside_a_node_whose_job_just_ended():
@@ -541,9 +564,10 @@ def test_unattributed_host_starved_node_is_named_beside_a_node_whose_job_just_en
             return {"utilization_ratio": 0.7, "sm_active_ratio": 0.35, "power_watts": 300.0}
         return {"sm_active_ratio": 0.35, "power_watts": 300.0}
 
-    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=starved, job=None))["straggler"]
+    lines = cluster_lines(1000, nodes=3, override=_in_step(starved, nodes=("n0", "n1")), job=None)
+    (s,) = _by_kind(lines)["straggler"]
     assert (s.node, s.gpu) == ("n1", None)
-    assert s.evidence["pattern"] == "host_idle" and s.evidence["peer_group"] == "cluster_model"
+    assert s.evidence["pattern"] == "host_idle" and s.evidence["peer_group"] == "inferred_job"
     assert T0 + 500 < s.started < T0 + 600 and s.resolved is not None
 
 
@@ -557,7 +581,7 @@ def test_unattributed_host_starved_for_25_minutes_stays_named_until_it_recovers(
             return {"utilization_ratio": 0.3, "sm_active_ratio": 0.25, "power_watts": 250.0}
         return {"sm_active_ratio": 0.5, "power_watts": 360.0}
 
-    (s,) = _by_kind(cluster_lines(2400, nodes=3, override=starved, job=None))["straggler"]
+    (s,) = _by_kind(cluster_lines(2400, nodes=3, override=_in_step(starved), job=None))["straggler"]
     assert (s.node, s.gpu) == ("n1", None)
     assert s.started < T0 + 600 and s.resolved is not None and s.resolved >= T0 + 2000
 
