@@ -147,7 +147,10 @@ class JobInference:
         due = self._last_k is None or k - self._last_k >= cfg.bins(cfg.inferred_refresh_seconds)
         if due and candidates.any():
             self._last_k = k
-            held = np.zeros(n, dtype=bool) if hold is None else hold[:n] & candidates & (self.labels[:n] != NONE)
+            held = np.zeros(n, dtype=bool)
+            if hold is not None:
+                m = min(n, len(hold))  # slots registered since hold was taken hold nothing
+                held[:m] = hold[:m] & candidates[:m] & (self.labels[:m] != NONE)
             self.labels[:n][~candidates] = NONE
             self._infer(k, w, candidates & ~held, model, set(self.labels[:n][held].tolist()))
         return np.where(candidates, self.labels[:n], NONE)

@@ -77,7 +77,7 @@ def node_level(
         now = _pair_score_now(tick, lay, off, r.node_busy & alike, r.act_margin)
         on &= ~(now < 0.6)
     on |= r.cut
-    on &= _one_job(tick, gids)
+    on &= _one_job(tick, gids, nids)
     if halted:
         live = ~np.isin(gids, list(halted))
         stands &= live
@@ -202,11 +202,20 @@ def _pair_finding(tick: Tick, state: StragglerState, lay: NodePairs, r: _PairRea
     return _slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern)
 
 
-def _one_job(tick: Tick, gids: np.ndarray) -> np.ndarray:
-    """Per (group, node) pair: whether a node of this group may be named. A fallback group of all the
-    unattributed GPUs of one model may mix jobs: a node "holding back" the others there may just run
-    another job than theirs, so only a job, attributed or inferred from co-movement, names a node."""
-    return tick.registry.one_job[gids]
+def _one_job(tick: Tick, gids: np.ndarray, nids: np.ndarray) -> np.ndarray:
+    """Per (group, node) pair: whether the node may be named. A fallback group of all the unattributed
+    GPUs of one model may mix jobs: a node "holding back" the others there may just run another job than
+    theirs, so only a job names a node. An inferred job names one only where it holds at least
+    straggler_min_group of the node's GPUs: one GPU that moved with a job for a while is not a node."""
+    reg, ng = tick.registry, tick.groups.ngid
+    ok = reg.one_job[gids]
+    inferred = ok & ~reg.is_job[gids]
+    if inferred.any():
+        node_of = tick.windows.slot_node_id[: len(ng)]
+        for i in np.flatnonzero(inferred).tolist():
+            held = np.count_nonzero((ng == gids[i]) & (node_of == nids[i]))
+            ok[i] = held >= tick.config.straggler_min_group
+    return ok
 
 
 def _pair_score_now(
