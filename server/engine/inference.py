@@ -123,8 +123,8 @@ class JobInference:
     """Inferred job label per slot (NONE: in no inferred job), re-inferred every inferred_refresh_seconds
     from the window's SM activity (power where SM activity is unsupported), labels kept stable.
 
-    GPUs whose inferred job is in trouble (its peers slowed, or someone standing out) keep their label
-    meanwhile: an incident changes how a job's GPUs move for minutes (a slow node computes all the time and
+    While an inferred job is in trouble (its peers slowed, or someone standing out), the GPUs of its model
+    keep their labels: an incident changes how a job's GPUs move for minutes (a slow node computes all the time and
     no longer wobbles with the others), and re-inferred then, the job fell apart into its nodes just as one
     of them became its straggler.
     """
@@ -152,7 +152,10 @@ class JobInference:
                 m = min(n, len(hold))  # slots registered since hold was taken hold nothing
                 held[:m] = hold[:m] & candidates[:m] & (self.labels[:m] != NONE)
             self.labels[:n][~candidates] = NONE
-            self._infer(k, w, candidates & ~held, model, set(self.labels[:n][held].tolist()))
+            # The whole model waits: its GPUs that are in no inferred job yet would form a fragment of
+            # the disturbed one (a host-starved node's last GPUs with a few of the nodes waiting for it).
+            frozen = candidates & np.isin(model, model[held])
+            self._infer(k, w, candidates & ~frozen, model, set(self.labels[:n][frozen].tolist()))
         return np.where(candidates, self.labels[:n], NONE)
 
     def _infer(self, k: int, w: Windows, candidates: np.ndarray, model: np.ndarray, reserved: set[int]) -> None:
