@@ -126,11 +126,8 @@ class EngineConfig:
     # Common history two GPUs need before their co-movement counts: 24 bins at 5 s put one pair's
     # correlation within ±0.2, and a job's average over many pairs far closer.
     inferred_min_seconds: float = 120.0
-    # A reading's wobble is its distance from its moving average over this long either side: slow trends
-    # cancel, while what one sampling interval catches of a job's step phase stays.
-    inferred_trend_seconds: float = 15.0
-    # Wobbles are clipped at this many robust standard deviations: a job's start or an incident moves its
-    # GPUs together too, but one jump must not decide a whole window's correlation.
+    # A reading's changes are clipped at this many robust standard deviations: a job's start or an incident
+    # moves its GPUs together too, but one step must not decide a whole window's correlation.
     inferred_clip_sigmas: float = 3.0
     # Inferred jobs are re-inferred this often: membership changes at the pace of jobs, not of ticks.
     inferred_refresh_seconds: float = 60.0

@@ -4,7 +4,7 @@ The ranks of a synchronous training job are in the same phase of the same step a
 one sampling interval catches (a little more compute, a little more collective) raises or lowers the SM
 activity, and the power, of every GPU of the job at once. GPUs of different jobs step independently, so
 their readings' wobbles are uncorrelated. Over the engine's window the correlation of two GPUs'
-wobbles (each reading less its own moving average, clipped against spikes) is high within a job and near
+wobbles (each reading's change from the one before, clipped against steps) is high within a job and near
 zero between jobs; a single pair's estimate is noisy, an average over a job's many pairs is not. GPUs of
 one model are clustered by average linkage: two clusters merge while the mean correlation between their
 members is at least `inferred_min_correlation`, so one lucky pair cannot join two jobs.
@@ -27,28 +27,29 @@ from gpufleet.server.engine.config import EngineConfig
 from gpufleet.server.engine.groups import INFERRED_JOB, GroupRegistry
 from gpufleet.server.engine.windows import B_POWER, B_SM, B_UTIL, Windows
 
-# Relative size of float rounding in a moving average (a few ulps of the readings).
+# Relative size of float rounding in a difference of readings (a few ulps of them).
 _ROUNDING = 64 * np.finfo(np.float64).eps
 NONE = -1
 
 
-def wobbles(series: np.ndarray, trend_bins: int, clip_sigmas: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per GPU (columns of a (bins, n) series, NaN: no sample): each reading less its moving average over
-    trend_bins either side, in robust standard deviations clipped at clip_sigmas, then standardised;
-    zero where unknown. Also the mask of known values."""
-    known = ~np.isnan(series)
-    filled = np.where(known, series, 0.0)
-    sums, counts = _moving_sum(filled, trend_bins), _moving_sum(known.astype(float), trend_bins)
-    resid = np.where(known & (counts >= 2), series - sums / np.maximum(counts, 1), np.nan)
-    # A constant reading's moving average differs from it by rounding alone, alike on every GPU that
-    # reads the same constant: that is no co-movement.
-    resid[np.abs(resid) <= _ROUNDING * np.abs(series)] = 0.0
+def wobbles(series: np.ndarray, clip_sigmas: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU (columns of a (bins, n) series, NaN: no sample): the change from each reading to the next,
+    in robust standard deviations clipped at clip_sigmas, then standardised; zero where unknown. Also
+    the mask of known values (a row per pair of consecutive bins).
+
+    Changes, not distances from a moving average: a step (a job's start-up ending, an incident) is one
+    large change, clipped to one bin's weight; as a distance from a moving average it spread over as many
+    bins as the average spans, and two jobs whose start-ups ended within a few bins of each other looked
+    like one job."""
+    change = series[:-1] - series[1:]
+    # Equal readings differ by rounding alone, alike on every GPU that reads the same constant: no change.
+    change[np.abs(change) <= _ROUNDING * np.abs(series[1:])] = 0.0
     with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a GPU without readings: its median is NaN
-        mad = np.nanmedian(np.abs(resid), axis=0) * 1.4826
+        mad = np.nanmedian(np.abs(change), axis=0) * 1.4826
     # A reading that never wobbles (a constant, a stuck sensor) says nothing about what it moves with.
     wobbly = mad > 0
-    z = np.clip(resid / np.where(wobbly, mad, 1.0), -clip_sigmas, clip_sigmas)
+    z = np.clip(change / np.where(wobbly, mad, 1.0), -clip_sigmas, clip_sigmas)
     ok = ~np.isnan(z) & wobbly[None, :]
     z = np.where(ok, z, 0.0)
     n_ok = ok.sum(axis=0)
@@ -57,13 +58,6 @@ def wobbles(series: np.ndarray, trend_bins: int, clip_sigmas: float) -> tuple[np
     norm = np.sqrt((z**2).sum(axis=0) / np.maximum(n_ok, 1))
     z = np.where(norm > 0, z / np.where(norm > 0, norm, 1.0), 0.0)
     return z, ok & (norm > 0)
-
-
-def _moving_sum(x: np.ndarray, half: int) -> np.ndarray:
-    """Sum over the `half` bins either side of each bin (fewer at the ends), along axis 0."""
-    c = np.concatenate([np.zeros((1, x.shape[1])), np.cumsum(x, axis=0)])
-    i = np.arange(len(x))
-    return c[np.minimum(i + half + 1, len(x))] - c[np.maximum(i - half, 0)]
 
 
 def average_linkage(corr: np.ndarray, min_corr: float) -> np.ndarray:
@@ -183,8 +177,7 @@ class JobInference:
         by_sm = (~np.isnan(sm)).sum(axis=0) * 2 >= (~np.isnan(power)).sum(axis=0)
         series = np.where(by_sm[None, :], sm, power)
         min_common = max(3, cfg.bins(cfg.inferred_min_seconds) // block)
-        trend = max(1, cfg.bins(cfg.inferred_trend_seconds) // block)
-        z, ok = wobbles(series, trend, cfg.inferred_clip_sigmas)
+        z, ok = wobbles(series, cfg.inferred_clip_sigmas)
         corr = lagged_correlation(z, ok, min_common)
         fresh = np.full(len(slots), NONE, dtype=np.int64)
         n_found = 0
