@@ -19,7 +19,7 @@ from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.config import EngineConfig
 from gpufleet.server.engine.detectors import Context, FingerprintIndex, Outcome
 from gpufleet.server.engine.detectors import health, straggler, thermal, workload
-from gpufleet.server.engine.groups import JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
+from gpufleet.server.engine.groups import INFERRED_JOB, JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
 from gpufleet.server.engine.inference import JobInference
 from gpufleet.server.engine.lifecycle import Lifecycle
 from gpufleet.server.engine.policy import rule_names
@@ -51,6 +51,7 @@ class Engine:
         self.registry = GroupRegistry(cfg.group_retention_seconds)
         self._inference = JobInference(cfg)
         self._troubled: np.ndarray | None = None  # per slot, see _inferred_in_trouble
+        self._last_group = np.full(0, -1, dtype=np.int64)  # per slot, the last group it was in (GPU-level)
         # Noise is read from changes over twice the smoothing: readings that far apart share no sample.
         self.history = GroupHistory(
             cfg.bins(cfg.baseline_seconds),
@@ -206,6 +207,7 @@ class Engine:
             self._recycle(self.registry.recycled)
         if self.registry.restarted or self.registry.recycled:
             self._restart(gid, self.registry.restarted + [g for g, _ in self.registry.recycled])
+        self._last_group = np.where(gid >= 0, gid, grown(self._last_group, n, -1)[:n])
         groups = group_stats(gid, ngid, n_groups, levels, fractions, self._members)
         self._members = groups.members
         if n_groups > self._dated:
@@ -398,8 +400,16 @@ class Engine:
         for (job, node, gpu), opened in subjects.items():
             slot = self.windows.slot_of.get((node, gpu)) if job is None else None
             if slot is not None and self._last_busy_t[slot] >= opened - cfg.unattributed_idle_seconds:
-                halted |= self.registry.fallback_groups(int(self.windows.slot_model_id[slot]))
+                halted |= self._unattributed_hung(slot)
         return halted
+
+    def _unattributed_hung(self, slot: int) -> set[int]:
+        """The groups taken as hung by an unattributed GPU lost while busy: the inferred job it was last
+        in, if any (its co-movement named its job), else every unattributed group of its model."""
+        last = self._last_group[slot] if slot < len(self._last_group) else -1
+        if last >= 0 and self.registry.kind(int(last)) == INFERRED_JOB:
+            return {int(last)}
+        return self.registry.fallback_groups(int(self.windows.slot_model_id[slot]))
 
     def _jobs_on_silent_nodes(self, t: float, unreachable: Outcome) -> set[int]:
         """Groups of the jobs last seen on a node that stopped answering.
