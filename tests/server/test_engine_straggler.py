@@ -346,6 +346,20 @@ def test_unattributed_gpus_fall_back_to_node_peers_and_say_so():
     (s,) = _by_kind(cluster_lines(1000, override=_slow_gpu, job=None))["straggler"]
     assert (s.node, s.gpu, s.hpc_job) == ("n1", 3, None)
     assert s.evidence["peer_group"] == "node_model" and "attribution" in s.evidence["note"]
+    assert s.evidence["peer_group_inferred"] is True and s.summary.endswith("(peers inferred: no hpc_job attribution)")
+
+
+def test_unattributed_gpus_moving_together_are_one_inferred_job_and_say_so():
+    (s,) = _by_kind(cluster_lines(1000, override=_in_step(_slow_gpu), job=None))["straggler"]
+    assert (s.node, s.gpu, s.hpc_job) == ("n1", 3, None)
+    # Both nodes' GPUs are its peers: the job, not the node.
+    assert s.evidence["peer_group"] == "inferred_job" and s.evidence["peer_group_size"] == 16
+    assert s.evidence["peer_group_inferred"] is True and "peers inferred" in s.summary
+
+
+def test_attributed_straggler_says_nothing_of_inferred_peers():
+    (s,) = _by_kind(cluster_lines(1000, override=_in_step(_slow_gpu)))["straggler"]
+    assert s.hpc_job == "j1" and "peer_group_inferred" not in s.evidence and "inferred" not in s.summary
 
 
 def test_unattributed_gpu_braked_in_the_first_minute_of_a_trace_is_named():
