@@ -120,8 +120,8 @@ class EngineConfig:
     # An ecc alert clears after this long without new uncorrected errors and with no remap pending/failed.
     ecc_clear_seconds: float = 600.0
 
-    # Without attribution, GPUs join one inferred job while their readings' wobbles correlate this much on
-    # average: measured 0.45-0.75 within a job, about 0 between jobs (a single pair of them up to 0.4).
+    # Without attribution, GPUs join one inferred job while their readings' changes correlate this much on
+    # average: measured 0.45-0.75 within a running job, about 0 between jobs, 0.2-0.26 for two on a node.
     inferred_min_correlation: float = 0.3
     # Common history two GPUs need before their co-movement counts: 24 bins at 5 s put one pair's
     # correlation within ±0.2, and a job's average over many pairs far closer.
