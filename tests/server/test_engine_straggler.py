@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from gpufleet.server.replay import run_replay
@@ -15,17 +16,19 @@ def _by_kind(lines):
     return out
 
 
-def _in_step(override, nodes=None):
+def _in_step(override, nodes=None, draw=1):
     """The same trace with every running GPU's SM activity and power wobbling with the step phase of the
     job, as synchronous ranks do (each sample catches a little more compute or collective, on all of
     them at once): without attribution, that is what makes them one inferred job. `nodes`: the job's
-    nodes (default: all); the others keep their steady readings."""
+    nodes (default: all); the others keep their steady readings. `draw`: the job's own random draw of
+    its wobbles (another draw, another job)."""
+    wobbles = (1.0 + np.random.default_rng(draw).uniform(-0.03, 0.03, 4096)).tolist()
 
     def patched(t, node, gpu):
         kw = dict(override(t, node, gpu))
         if kw.get("utilization_ratio", 0.98) < 0.05 or (nodes is not None and node not in nodes):
             return kw
-        wobble = 1.0 + ((int(t / 5.0) * 7919) % 13 - 6) / 200.0  # a fixed, irregular sequence of +-3 %
+        wobble = wobbles[int(t / 5.0) % len(wobbles)]
         if kw.get("sm_active_ratio", 0.80) is not None:
             kw["sm_active_ratio"] = kw.get("sm_active_ratio", 0.80) * wobble
         kw["power_watts"] = kw.get("power_watts", 500.0) * wobble
@@ -432,6 +435,25 @@ def test_an_unattributed_gpu_lost_while_busy_hangs_every_group_of_its_model_but_
     idle = _by_kind(cluster_lines(1000, override=_lost_at_380(False), job=None))
     assert [(a.node, a.gpu) for a in idle["gpu_lost"]] == [("n0", 7)]
     assert [(a.node, a.gpu) for a in idle["straggler"]] == [("n1", 3)]
+
+
+def test_an_unattributed_gpu_lost_while_busy_hangs_only_the_inferred_job_it_was_in():
+    # Two unattributed jobs, each moving in its own step phase: n0's and n1's. GPU n0/7 falls off the bus
+    # at 380 s while busy; its job hangs, but n1's job is another, and its straggler n1/3 is named.
+    def n1_slows(t, node, gpu):
+        if node == "n0":
+            return {"up": t < 380} if gpu == 7 else {}
+        if not 400 <= t < 800:
+            return {}
+        if gpu == 3:
+            return {"sm_clock_hertz": 1.48e9, "sm_active_ratio": 0.80, "power_watts": 430.0}
+        return {"sm_active_ratio": 0.62, "power_watts": 410.0}
+
+    two_jobs = _in_step(_in_step(n1_slows, nodes=("n0",)), nodes=("n1",), draw=2)
+    alerts = _by_kind(cluster_lines(1000, override=two_jobs, job=None))
+    assert [(a.node, a.gpu) for a in alerts["gpu_lost"]] == [("n0", 7)]
+    (s,) = alerts["straggler"]
+    assert (s.node, s.gpu) == ("n1", 3) and s.evidence["peer_group"] == "inferred_job"
 
 
 def _two_unattributed_jobs(t, node, gpu):
