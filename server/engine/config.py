@@ -123,6 +123,10 @@ class EngineConfig:
     # Without attribution, GPUs join one inferred job while their readings' changes correlate this much on
     # average: measured 0.45-0.75 within a running job, about 0 between jobs, 0.2-0.26 for two on a node.
     inferred_min_correlation: float = 0.3
+    # Two groups of GPUs are one job only if they move together at least this share as much as each does
+    # within itself: two jobs' step phases correlate by chance (±0.13 over a 5-minute window at 5 s), and
+    # among 16 jobs of 128 GPUs two reached 0.37 and were merged on the absolute figure alone.
+    inferred_min_relative_correlation: float = 0.5
     # Common history two GPUs need before their co-movement counts: 24 bins at 5 s put one pair's
     # correlation within ±0.2, and a job's average over many pairs far closer.
     inferred_min_seconds: float = 120.0

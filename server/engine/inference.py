@@ -60,35 +60,89 @@ def wobbles(series: np.ndarray, clip_sigmas: float) -> tuple[np.ndarray, np.ndar
     return z, ok & (norm > 0)
 
 
-def average_linkage(corr: np.ndarray, min_corr: float) -> np.ndarray:
+def average_linkage(corr: np.ndarray, min_corr: float, min_relative: float = 0.0) -> np.ndarray:
     """Cluster index per row of a correlation matrix: repeatedly merge the two clusters with the highest
-    mean correlation between their members (unknown pairs count as zero) while it is >= min_corr."""
+    mean correlation between their members (unknown pairs count as zero) while it is >= min_corr. Two
+    clusters of two or more also need that mean to be min_relative of the geometric mean of their own
+    internal means: a job's GPUs move with each other as much across a split as within it, while two
+    jobs' step phases correlate only by chance, which over one window and many jobs reached 0.37.
+
+    Two clusters can merge only if some pair across them reaches min_corr, so each connected set of such
+    pairs is clustered on its own: a fleet's jobs, not the whole fleet, set the cost (cubic in size)."""
+    label = np.arange(len(corr))
+    linked = np.nan_to_num(corr, nan=0.0) >= min_corr
+    part = _components(linked)
+    for p in np.unique(part).tolist():
+        rows = np.flatnonzero(part == p)
+        if len(rows) > 1:
+            label[rows] = rows[_linkage(corr[np.ix_(rows, rows)], min_corr, min_relative)]
+    return label
+
+
+def _components(linked: np.ndarray) -> np.ndarray:
+    """Connected components of a symmetric boolean adjacency matrix: the smallest row index reachable."""
+    comp = np.arange(len(linked))
+    while True:
+        reach = np.where(linked, comp[None, :], len(comp)).min(axis=1)
+        nxt = np.minimum(comp, reach)
+        nxt = nxt[nxt]  # jump along what is known already: rounds grow with log of the diameter
+        if (nxt == comp).all():
+            return comp
+        comp = nxt
+
+
+def _linkage(corr: np.ndarray, min_corr: float, min_relative: float) -> np.ndarray:
+    """average_linkage within one connected set. Each cluster's best partner is kept and only the rows a
+    merge touched are searched again, so a merge costs a row, not the whole matrix."""
     n = len(corr)
     label = np.arange(n)
-    if n < 2:
-        return label
     total = np.nan_to_num(corr, nan=0.0)  # summed correlation between clusters
+    np.fill_diagonal(total, 0.0)
     size = np.ones(n)
     alive = np.ones(n, dtype=bool)
-    np.fill_diagonal(total, 0.0)
+    mean = total.copy()
+    np.fill_diagonal(mean, -np.inf)
+    best = mean.argmax(axis=1)
+    best_val = mean[np.arange(n), best]
+    inside = np.zeros(n)  # per cluster: summed correlation of its own pairs
     while True:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mean = total / np.outer(size, size)
-        mean[~alive, :] = -np.inf
-        mean[:, ~alive] = -np.inf
-        np.fill_diagonal(mean, -np.inf)
-        flat = int(np.argmax(mean))
-        a, b = divmod(flat, n)
-        if not mean[a, b] >= min_corr:
+        a = int(np.argmax(best_val))
+        if not best_val[a] >= min_corr:
             return label
+        b = int(best[a])
+        if size[a] > 1 and size[b] > 1:
+            own = inside[[a, b]] / (size[[a, b]] * (size[[a, b]] - 1) / 2)
+            if not best_val[a] >= min_relative * np.sqrt(max(own[0], 0.0) * max(own[1], 0.0)):
+                # Not one job: this pair of clusters never merges; each looks for its next best.
+                mean[a, b] = mean[b, a] = -np.inf
+                for i in (a, b):
+                    best[i] = int(mean[i].argmax())
+                    best_val[i] = mean[i, best[i]]
+                continue
         # b joins a
+        inside[a] += inside[b] + total[a, b]
         total[a, :] += total[b, :]
-        total[:, a] += total[:, b]
+        total[:, a] = total[a, :]
         total[a, a] = 0.0
         size[a] += size[b]
         alive[b] = False
-        total[b, :] = total[:, b] = 0.0
         label[label == b] = a
+        row = total[a] / (size[a] * size)
+        row[~alive] = -np.inf
+        row[a] = -np.inf
+        mean[a, :] = row
+        mean[:, a] = row
+        mean[b, :] = -np.inf
+        mean[:, b] = -np.inf
+        best_val[b] = -np.inf
+        stale = alive & ((best == a) | (best == b))
+        stale[a] = True
+        rows = np.flatnonzero(stale)
+        best[rows] = mean[rows].argmax(axis=1)
+        best_val[rows] = mean[rows, best[rows]]
+        better = alive & ~stale & (row > best_val)
+        best[better] = a
+        best_val[better] = row[better]
 
 
 def lagged_correlation(z: np.ndarray, ok: np.ndarray, min_common: int) -> np.ndarray:
@@ -186,7 +240,9 @@ class JobInference:
                 pick = np.flatnonzero((model[slots] == m) & (by_sm == source))
                 if len(pick) < cfg.straggler_min_group:
                     continue
-                clusters = average_linkage(corr[np.ix_(pick, pick)], cfg.inferred_min_correlation)
+                clusters = average_linkage(
+                    corr[np.ix_(pick, pick)], cfg.inferred_min_correlation, cfg.inferred_min_relative_correlation
+                )
                 ids, counts = np.unique(clusters, return_counts=True)
                 for c in ids[counts >= cfg.straggler_min_group].tolist():
                     fresh[pick[clusters == c]] = n_found

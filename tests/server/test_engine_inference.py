@@ -104,3 +104,17 @@ def test_a_gpu_that_stops_running_leaves_its_inferred_job():
     assert (labels != NONE).all()
     running[5] = False
     assert inf.update(121, _Window(series), running, model)[5] == NONE
+
+
+def test_many_jobs_are_not_joined_by_chance_correlation_of_their_step_phases():
+    # Over one window two jobs' step phases correlate by chance; among 16 jobs of 128 GPUs this draw has
+    # a pair doing so strongly enough to pass the absolute threshold. Their GPUs move with each other far
+    # less than within each job, so they stay apart.
+    cfg = EngineConfig()
+    layout = np.repeat(np.arange(16), 128)
+    z, ok = wobbles(_jobs(60, layout.tolist(), np.random.default_rng(0)), cfg.inferred_clip_sigmas)
+    corr = lagged_correlation(z, ok, 20)
+    assert len(set(average_linkage(corr, cfg.inferred_min_correlation).tolist())) < 16  # what the draw does
+    labels = average_linkage(corr, cfg.inferred_min_correlation, cfg.inferred_min_relative_correlation)
+    assert all(len(set(labels[layout == j].tolist())) == 1 for j in range(16))
+    assert len(set(labels.tolist())) == 16
