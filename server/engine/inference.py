@@ -167,6 +167,18 @@ def lagged_correlation(z: np.ndarray, ok: np.ndarray, min_common: int) -> np.nda
     return out
 
 
+def _fill(held: np.ndarray) -> float:
+    """Median over GPUs (columns; rows newest first) of the share of bins holding a sample, from each
+    GPU's first sample on: bins before it (a trace or a node just begun) say nothing of its interval."""
+    rows = np.arange(len(held))[:, None]
+    first = np.where(held, rows, -1).max(axis=0)  # the oldest row with a sample
+    span = first + 1
+    ok = span > 0
+    if not ok.any():
+        return 0.0
+    return float(np.median(held.sum(axis=0)[ok] / span[ok]))
+
+
 class JobInference:
     """Inferred job label per slot (NONE: in no inferred job), re-inferred every inferred_refresh_seconds
     from the window's SM activity (power where SM activity is unsupported), labels kept stable.
@@ -216,7 +228,7 @@ class JobInference:
         window = w.recent(k, bins, [B_SM, B_POWER, B_UTIL])[:, :, slots]  # newest first
         # Sampled less often than once a bin (10 s agents, 5 s ticks), nodes fill different bins: readings
         # are compared over blocks of as many bins as one sample spans.
-        fill = float(np.median((~np.isnan(window[:, 2])).mean(axis=0)))
+        fill = _fill(~np.isnan(window[:, 2]))
         block = max(1, int(round(1.0 / fill))) if fill > 0 else 1
         # Only bins in which the GPU ran kernels count: jobs that start or end together ramp together.
         running = window[:, 2] >= cfg.unattributed_running_utilization
@@ -230,7 +242,7 @@ class JobInference:
         # SM activity where a GPU reports it over most of the window, else power.
         by_sm = (~np.isnan(sm)).sum(axis=0) * 2 >= (~np.isnan(power)).sum(axis=0)
         series = np.where(by_sm[None, :], sm, power)
-        min_common = max(3, cfg.bins(cfg.inferred_min_seconds) // block)
+        min_common = cfg.bins(cfg.inferred_min_seconds)
         z, ok = wobbles(series, cfg.inferred_clip_sigmas)
         corr = lagged_correlation(z, ok, min_common)
         fresh = np.full(len(slots), NONE, dtype=np.int64)

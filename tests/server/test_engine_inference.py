@@ -118,3 +118,12 @@ def test_many_jobs_are_not_joined_by_chance_correlation_of_their_step_phases():
     labels = average_linkage(corr, cfg.inferred_min_correlation, cfg.inferred_min_relative_correlation)
     assert all(len(set(labels[layout == j].tolist())) == 1 for j in range(16))
     assert len(set(labels.tolist())) == 16
+
+
+def test_sampling_interval_is_read_from_each_gpus_own_span():
+    from gpufleet.server.engine.inference import _fill
+
+    held = np.zeros((60, 4), dtype=bool)  # newest first: the trace began 20 bins ago
+    held[1:21:2] = True  # a sample every other bin (10 s agents, 5 s ticks)
+    assert _fill(held) == 0.5
+    assert _fill(np.zeros((60, 4), dtype=bool)) == 0.0
