@@ -127,8 +127,8 @@ class EngineConfig:
     # within itself: two jobs' step phases correlate by chance (±0.13 over a 5-minute window at 5 s), and
     # among 16 jobs of 128 GPUs two reached 0.37 and were merged on the absolute figure alone.
     inferred_min_relative_correlation: float = 0.5
-    # Common history two GPUs need before their co-movement counts: 24 bins at 5 s put one pair's
-    # correlation within ±0.2, and a job's average over many pairs far closer.
+    # Co-movement counts once two GPUs share as many samples as ticks in this (24: one pair's correlation
+    # then within ±0.2); at 10 s sampling that takes twice as long, and early merges there joined jobs.
     inferred_min_seconds: float = 120.0
     # A reading's changes are clipped at this many robust standard deviations: a job's start or an incident
     # moves its GPUs together too, but one step must not decide a whole window's correlation.
