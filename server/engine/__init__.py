@@ -268,10 +268,11 @@ class Engine:
         return transitions
 
     def _inferred_in_trouble(self, tick: Tick, standout: set[int]) -> np.ndarray | None:
-        """Per slot: its group is an inferred job whose peers slowed or where someone stands out. Its GPUs
-        keep their inferred job at the next re-inference (see inference.JobInference)."""
+        """Per slot: its group is unattributed (an inferred job or a fallback) and its peers slowed or
+        someone stands out. Its GPU model is not re-inferred meanwhile (see inference.JobInference): an
+        incident disturbs how a job's GPUs move, and clusters formed then are fragments of it."""
         grp, cfg = tick.groups, self.config
-        inferred = self.registry.one_job[: grp.n_groups] & ~self.registry.is_job[: grp.n_groups]
+        inferred = ~self.registry.is_job[: grp.n_groups]
         if not inferred.any():
             return None
         min_drop = np.where(

@@ -199,7 +199,7 @@ class JobInference:
         self, k: int, w: Windows, candidates: np.ndarray, model: np.ndarray, hold: np.ndarray | None = None
     ) -> np.ndarray:
         """Labels for this tick: candidates are the unattributed GPUs running work now; `hold`: the slots
-        that keep their label at a re-inference (their inferred job is in trouble)."""
+        whose group is in trouble (their GPU model keeps its labels at a re-inference)."""
         cfg = self.config
         n = len(candidates)
         if len(self.labels) < n:
@@ -210,10 +210,10 @@ class JobInference:
             held = np.zeros(n, dtype=bool)
             if hold is not None:
                 m = min(n, len(hold))  # slots registered since hold was taken hold nothing
-                held[:m] = hold[:m] & candidates[:m] & (self.labels[:m] != NONE)
+                held[:m] = hold[:m] & candidates[:m]
             self.labels[:n][~candidates] = NONE
-            # The whole model waits: its GPUs that are in no inferred job yet would form a fragment of
-            # the disturbed one (a host-starved node's last GPUs with a few of the nodes waiting for it).
+            # The whole model waits: its GPUs would form fragments of the disturbed job (a host-starved
+            # node's last GPUs with a few of the nodes waiting for it; a braked GPU's node apart).
             frozen = candidates & np.isin(model, model[held])
             self._infer(k, w, candidates & ~frozen, model, set(self.labels[:n][frozen].tolist()))
         return np.where(candidates, self.labels[:n], NONE)
