@@ -183,8 +183,8 @@ class JobInference:
     """Inferred job label per slot (NONE: in no inferred job), re-inferred every inferred_refresh_seconds
     from the window's SM activity (power where SM activity is unsupported), labels kept stable.
 
-    While an inferred job is in trouble (its peers slowed, or someone standing out), the GPUs of its model
-    keep their labels: an incident changes how a job's GPUs move for minutes (a slow node computes all the time and
+    While an unattributed group is in trouble (its peers slowed, or someone standing out), the GPUs of
+    its model keep their labels: an incident changes how a job's GPUs move for minutes (a slow node computes all the time and
     no longer wobbles with the others), and re-inferred then, the job fell apart into its nodes just as one
     of them became its straggler.
     """
