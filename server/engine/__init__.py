@@ -19,7 +19,8 @@ from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.config import EngineConfig
 from gpufleet.server.engine.detectors import Context, FingerprintIndex, Outcome
 from gpufleet.server.engine.detectors import health, straggler, thermal, workload
-from gpufleet.server.engine.groups import JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
+from gpufleet.server.engine.groups import INFERRED_JOB, JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
+from gpufleet.server.engine.inference import JobInference
 from gpufleet.server.engine.lifecycle import Lifecycle
 from gpufleet.server.engine.policy import rule_names
 from gpufleet.server.engine.prepared import prepare_windows
@@ -47,6 +48,9 @@ class Engine:
             raise ValueError(f"disabled_rules names no declared rule: {', '.join(sorted(unknown))}")
         self.windows = Windows(cfg.tick_seconds, cfg.bins(cfg.window_seconds))
         self.registry = GroupRegistry(cfg.group_retention_seconds)
+        self._inference = JobInference(cfg)
+        self._troubled: np.ndarray | None = None  # per slot, see _inferred_in_trouble
+        self._last_group = np.full(0, -1, dtype=np.int64)  # per slot, the last group it was in (GPU-level)
         # Noise is read from changes over twice the smoothing: readings that far apart share no sample.
         self.history = GroupHistory(
             cfg.bins(cfg.baseline_seconds),
@@ -184,6 +188,8 @@ class Engine:
         has_data = np.asarray(held[:smooth_bins].any(axis=0))
         busy = med["util"] >= cfg.busy_utilization
         n = w.n
+        engaged = self._engaged(t, busy, med["util"])
+        loose = (w.slot_job[:n] < 0) & has_data & engaged
         gid, ngid = self.registry.build(
             t,
             w.slot_job[:n],
@@ -192,13 +198,15 @@ class Engine:
             w.job_names,
             has_data,
             busy,
-            self._engaged(t, busy, med["util"]),
+            engaged,
+            self._inference.update(k, w, loose, w.slot_model_id[:n], self._troubled) if loose.any() else None,
         )
         n_groups = len(self.registry.keys)
         if self.registry.recycled:
             self._recycle(self.registry.recycled)
         if self.registry.restarted or self.registry.recycled:
             self._restart(gid, self.registry.restarted + [g for g, _ in self.registry.recycled])
+        self._last_group = np.where(gid >= 0, gid, grown(self._last_group, n, -1)[:n])
         groups = group_stats(gid, ngid, n_groups, levels, fractions, self._members)
         self._members = groups.members
         if n_groups > self._dated:
@@ -233,6 +241,7 @@ class Engine:
         context = replace(context, halted=halted)
         strag = straggler.detect(tick, self._straggler, context)
         outcomes[AlertKind.STRAGGLER] = strag.outcome
+        self._troubled = self._inferred_in_trouble(tick, strag.standout_groups)
         explained = self._explained(tick, outcomes, halted)
         silent = self._jobs_on_silent_nodes(t, healths[AlertKind.NODE_UNREACHABLE])
         context = replace(
@@ -254,6 +263,23 @@ class Engine:
         self._last_t = t
         self._last_tick = tick
         return transitions
+
+    def _inferred_in_trouble(self, tick: Tick, standout: set[int]) -> np.ndarray | None:
+        """Per slot: its group is unattributed (an inferred job or a fallback) and its peers slowed or
+        someone stands out. Its GPU model is not re-inferred meanwhile (see inference.JobInference): an
+        incident disturbs how a job's GPUs move, and clusters formed then are fragments of it."""
+        grp, cfg = tick.groups, self.config
+        inferred = ~self.registry.is_job[: grp.n_groups]
+        if not inferred.any():
+            return None
+        min_drop = np.where(
+            tick.slowdown_source == SlowdownSource.POWER, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown
+        )
+        trouble = inferred & (tick.slowdown >= min_drop)
+        if standout:
+            trouble[[g for g in standout if g < grp.n_groups and inferred[g]]] = True
+        gid = grp.gid
+        return (gid >= 0) & trouble[np.maximum(gid, 0)]
 
     def _count_losses(self, outcomes: dict[AlertKind, Outcome]) -> None:
         """Add this tick's GPU-hours lost to each job whose problem has a firing alert: the largest cost
@@ -369,8 +395,16 @@ class Engine:
         for (job, node, gpu), opened in subjects.items():
             slot = self.windows.slot_of.get((node, gpu)) if job is None else None
             if slot is not None and self._last_busy_t[slot] >= opened - cfg.unattributed_idle_seconds:
-                halted |= self.registry.fallback_groups(int(self.windows.slot_model_id[slot]))
+                halted |= self._unattributed_hung(slot)
         return halted
+
+    def _unattributed_hung(self, slot: int) -> set[int]:
+        """The groups taken as hung by an unattributed GPU lost while busy: the inferred job it was last
+        in, if any (its co-movement named its job), else every unattributed group of its model."""
+        last = self._last_group[slot] if slot < len(self._last_group) else -1
+        if last >= 0 and self.registry.kind(int(last)) == INFERRED_JOB:
+            return {int(last)}
+        return self.registry.fallback_groups(int(self.windows.slot_model_id[slot]))
 
     def _jobs_on_silent_nodes(self, t: float, unreachable: Outcome) -> set[int]:
         """Groups of the jobs last seen on a node that stopped answering.

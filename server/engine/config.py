@@ -186,7 +186,8 @@ class EngineConfig:
     # An ecc alert clears after this long without new uncorrected errors and with no remap pending/failed.
     ecc_clear_seconds: float = 600.0
 
-    # The engine's own cadence and its start-up (rules-workload block).
+    # The engine's own cadence and its start-up.
+
     # Baselines are recomputed every this many ticks: 900 s of history moves little in 15 s, and the
     # percentile over it is the costliest step of a tick.
     baseline_refresh_ticks: int = 3
@@ -210,7 +211,8 @@ class EngineConfig:
     # history: the job's ordinary range goes in, a half-formed drop does not.
     history_max_sag_ratio: float = 0.5
 
-    # comm_bound / input_bound beyond the settings above (rules-workload block).
+    # comm_bound / input_bound beyond the settings above.
+
     # A job on one GPU has no collective to spin in and no peers to wait for: its drops are not judged.
     workload_min_gpus: int = 2
     # A power drop's clocks are judged against the capped ratio when the power-cap bit is on in at least
@@ -228,12 +230,31 @@ class EngineConfig:
     # A drop of this much or more is critical: the job runs at under 70 % of its usual speed.
     workload_critical_drop_ratio: float = 0.3
 
-    # Health beyond the settings above (rules-workload block).
+    # Health beyond the settings above.
+
     # A node's usual lag may grow by at most this share of the time passed: far above any clock's drift
     # (parts per million), far below a silent node's lag, which grows by all of it.
     unreachable_lag_drift_ratio: float = 0.02
     # gpu_lost's evidence calls a GPU up when at least this share of the bin's samples said so (a majority).
     gpu_up_share_ratio: float = 0.5
+
+    # Peer groups inferred without attribution.
+
+    # Without attribution, GPUs join one inferred job while their readings' changes correlate this much on
+    # average: measured 0.45-0.75 within a running job, about 0 between jobs, 0.2-0.26 for two on a node.
+    inferred_min_correlation: float = 0.3
+    # Two groups of GPUs are one job only if they move together at least this share as much as each does
+    # within itself: two jobs' step phases correlate by chance (±0.13 over a 5-minute window at 5 s), and
+    # among 16 jobs of 128 GPUs two reached 0.37 and were merged on the absolute figure alone.
+    inferred_min_relative_correlation: float = 0.5
+    # Co-movement counts once two GPUs share as many samples as ticks in this (24: one pair's correlation
+    # then within ±0.2); at 10 s sampling that takes twice as long, and early merges there joined jobs.
+    inferred_min_seconds: float = 120.0
+    # A reading's changes are clipped at this many robust standard deviations: a job's start or an incident
+    # moves its GPUs together too, but one step must not decide a whole window's correlation.
+    inferred_clip_sigmas: float = 3.0
+    # Inferred jobs are re-inferred this often: membership changes at the pace of jobs, not of ticks.
+    inferred_refresh_seconds: float = 60.0
 
     # Rules (gpufleet.server.engine.rules) switched off by name: never hold. For ablation and for a fleet
     # where one rule misfires; the engine refuses a name no detector declares.

@@ -1,8 +1,10 @@
 """Peer groups and their history: which GPUs are compared with which, and each group's own baseline.
 
-A GPU's peers are the GPUs of its hpc_job. Without attribution the fallback is the busy GPUs of the
-same model on the same node (GPU-level comparisons) and, for whole-node comparisons, all unattributed
-GPUs of the same model across nodes. Group ids are interned so a group's history survives across ticks.
+A GPU's peers are the GPUs of its hpc_job. Without attribution, GPUs whose readings move together are
+one inferred job (see engine.inference): compared as a job, GPU by GPU and node by node. The rest fall
+back to the busy GPUs of the same model on the same node (GPU-level comparisons) and, for whole-node
+comparisons, all unattributed GPUs of the same model across nodes; those groups may mix jobs. Group ids
+are interned so a group's history survives across ticks.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ JOB = "hpc_job"
 LEVELS = ("sm", "power", "clock", "util")
 NODE_MODEL = "node_model"
 CLUSTER_MODEL = "cluster_model"
+INFERRED_JOB = "inferred_job"
+# Group kinds that hold one job: named by attribution, or inferred from co-movement.
+_ONE_JOB = (JOB, INFERRED_JOB)
 
 
 def group_median(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
@@ -177,12 +182,15 @@ class GroupRegistry:
         self.keys: list[tuple] = []
         self.first_seen = np.full(0, np.nan)
         self.is_job = np.zeros(0, dtype=bool)
+        # One job, attributed or inferred: compared as a job (is_job: attributed only, named by it).
+        self.one_job = np.zeros(0, dtype=bool)
         self.dated = np.zeros(0, dtype=bool)  # dated back: running before it was first seen
         # Unattributed node groups restarted by the last build() (see _build), and each one's members.
         self.restarted: list[int] = []
         # Ids given to new groups by the last build(), each with the key it had before.
         self.recycled: list[tuple[int, tuple]] = []
         self._busy_sets: dict[int, tuple[int, ...]] = {}
+        self._last_gid = np.full(0, -1, dtype=np.int64)  # per slot, the GPU-level group of the last _build
         self._last_build: tuple | None = None
         self._present: set[int] = set()
         self._vacated: dict[int, float] = {}  # group without members -> since when (insertion order)
@@ -197,6 +205,7 @@ class GroupRegistry:
                 self.keys.append(key)
                 self.first_seen = np.append(self.first_seen, t)
                 self.is_job = np.append(self.is_job, key[0] == JOB)
+                self.one_job = np.append(self.one_job, key[0] in _ONE_JOB)
                 self.dated = np.append(self.dated, False)
             else:
                 old = self.keys[gid]
@@ -205,6 +214,7 @@ class GroupRegistry:
                 self.keys[gid] = key
                 self.first_seen[gid] = t
                 self.is_job[gid] = key[0] == JOB
+                self.one_job[gid] = key[0] in _ONE_JOB
                 self.dated[gid] = False
                 self._busy_sets.pop(gid, None)
             self.ids[key] = gid
@@ -229,8 +239,12 @@ class GroupRegistry:
         return key[1] if key[0] == JOB else None
 
     def kind(self, gid: int) -> str:
-        """JOB, NODE_MODEL or CLUSTER_MODEL."""
+        """JOB, INFERRED_JOB, NODE_MODEL or CLUSTER_MODEL."""
         return self.keys[gid][0]
+
+    def inferred(self, gid: int) -> bool:
+        """Whether the group's peers were inferred (no hpc_job attribution)."""
+        return self.keys[gid][0] != JOB
 
     def fallback_groups(self, model_id: int) -> set[int]:
         """Every unattributed group of one GPU model: the per-node ones and the cluster-wide one."""
@@ -246,15 +260,27 @@ class GroupRegistry:
         has_data: np.ndarray,
         busy: np.ndarray,
         engaged: np.ndarray | None = None,
+        inferred: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Per-slot GPU-level and node-level group ids for this tick (read-only arrays). `engaged`: the
-        unattributed GPUs that count in node-level comparisons (default: all)."""
+        unattributed GPUs that count in node-level comparisons (default: all); `inferred`: per slot, the
+        label of its inferred job (engine.inference; < 0 or default: none)."""
         if engaged is None:
             engaged = np.ones(len(slot_job), dtype=bool)
+        if inferred is None:
+            inferred = np.full(len(slot_job), -1, dtype=np.int64)
         # Busy-ness matters only for unattributed GPUs (their fallback groups are the busy ones): an
         # attributed GPU crossing the busy threshold must not force a rebuild.
         loose = slot_job == NO_JOB
-        inputs = (slot_job, slot_node, slot_model, has_data, busy & loose, engaged & loose)
+        inputs = (
+            slot_job,
+            slot_node,
+            slot_model,
+            has_data,
+            busy & loose,
+            engaged & loose,
+            np.where(loose, inferred, -1),
+        )
         last = self._last_build
         # Membership rarely changes between ticks; the same inputs give the same (already interned) ids.
         if last is not None and all(equal(a, b) for a, b in zip(inputs, last[0])):
@@ -262,7 +288,7 @@ class GroupRegistry:
             self.recycled = []
             return last[1]
         self.recycled = []
-        gid, ngid = self._build(t, slot_job, slot_node, slot_model, job_names, has_data, busy, engaged)
+        gid, ngid = self._build(t, slot_job, slot_node, slot_model, job_names, has_data, busy, engaged, inferred)
         self._note_presence(t, gid, ngid)
         gid.flags.writeable = ngid.flags.writeable = False
         self._last_build = (tuple(a.copy() for a in inputs), (gid, ngid))
@@ -287,6 +313,7 @@ class GroupRegistry:
         has_data: np.ndarray,
         busy: np.ndarray,
         engaged: np.ndarray,
+        inferred: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """build() without the reuse."""
         n = len(slot_job)
@@ -304,6 +331,9 @@ class GroupRegistry:
         busy_sets: dict[int, tuple[int, ...]] = {}
         self.restarted = []
         if loose.any():
+            joined = loose & (inferred >= 0)
+            self._place_inferred(t, inferred, joined, slot_model, gid, ngid)
+            loose &= ~joined
             for node, model in set(zip(slot_node[loose & busy].tolist(), slot_model[loose & busy].tolist())):
                 sel = loose & busy & (slot_node == node) & (slot_model == model)
                 g = self.intern((NODE_MODEL, node, model), t)
@@ -325,7 +355,32 @@ class GroupRegistry:
                 sel = loose & engaged & (slot_model == model)
                 ngid[sel] = self.intern((CLUSTER_MODEL, model), t)
         self._busy_sets = busy_sets
+        self._last_gid = gid
         return gid, ngid
+
+    def _place_inferred(
+        self,
+        t: float,
+        inferred: np.ndarray,
+        joined: np.ndarray,
+        slot_model: np.ndarray,
+        gid: np.ndarray,
+        ngid: np.ndarray,
+    ) -> None:
+        """Give the GPUs of each inferred job its group, GPU- and node-level alike, as a job's. A new
+        inferred job was running already: its GPUs' previous groups saw it start, so it is taken as first
+        seen when the earliest of them was (and dated back if one was)."""
+        last = self._last_gid
+        for label, model in set(zip(inferred[joined].tolist(), slot_model[joined].tolist())):
+            sel = joined & (inferred == label) & (slot_model == model)
+            g = self.intern((INFERRED_JOB, label, model), t)
+            gid[sel] = ngid[sel] = g
+            if self.first_seen[g] == t and len(last) == len(sel):
+                before = last[sel]
+                before = before[(before >= 0) & (before != g)]
+                if len(before):
+                    self.first_seen[g] = min(t, float(self.first_seen[before].min()))
+                    self.dated[g] = bool(self.dated[before].any())
 
 
 class GroupMembers:

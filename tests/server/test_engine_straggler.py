@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from gpufleet.server.replay import run_replay
@@ -13,6 +14,27 @@ def _by_kind(lines):
     for a in run_replay(lines):
         out.setdefault(a.kind.value, []).append(a)
     return out
+
+
+def _in_step(override, nodes=None, draw=1):
+    """The same trace with every running GPU's SM activity and power wobbling with the step phase of the
+    job, as synchronous ranks do (each sample catches a little more compute or collective, on all of
+    them at once): without attribution, that is what makes them one inferred job. `nodes`: the job's
+    nodes (default: all); the others keep their steady readings. `draw`: the job's own random draw of
+    its wobbles (another draw, another job)."""
+    wobbles = (1.0 + np.random.default_rng(draw).uniform(-0.03, 0.03, 4096)).tolist()
+
+    def patched(t, node, gpu):
+        kw = dict(override(t, node, gpu))
+        if kw.get("utilization_ratio", 0.98) < 0.05 or (nodes is not None and node not in nodes):
+            return kw
+        wobble = wobbles[int(t / 5.0) % len(wobbles)]
+        if kw.get("sm_active_ratio", 0.80) is not None:
+            kw["sm_active_ratio"] = kw.get("sm_active_ratio", 0.80) * wobble
+        kw["power_watts"] = kw.get("power_watts", 500.0) * wobble
+        return kw
+
+    return patched
 
 
 def _slow_gpu(t, node, gpu):
@@ -327,6 +349,20 @@ def test_unattributed_gpus_fall_back_to_node_peers_and_say_so():
     (s,) = _by_kind(cluster_lines(1000, override=_slow_gpu, job=None))["straggler"]
     assert (s.node, s.gpu, s.hpc_job) == ("n1", 3, None)
     assert s.evidence["peer_group"] == "node_model" and "attribution" in s.evidence["note"]
+    assert s.evidence["peer_group_inferred"] is True and s.summary.endswith("(peers inferred: no hpc_job attribution)")
+
+
+def test_unattributed_gpus_moving_together_are_one_inferred_job_and_say_so():
+    (s,) = _by_kind(cluster_lines(1000, override=_in_step(_slow_gpu), job=None))["straggler"]
+    assert (s.node, s.gpu, s.hpc_job) == ("n1", 3, None)
+    # Both nodes' GPUs are its peers: the job, not the node.
+    assert s.evidence["peer_group"] == "inferred_job" and s.evidence["peer_group_size"] == 16
+    assert s.evidence["peer_group_inferred"] is True and "peers inferred" in s.summary
+
+
+def test_attributed_straggler_says_nothing_of_inferred_peers():
+    (s,) = _by_kind(cluster_lines(1000, override=_in_step(_slow_gpu)))["straggler"]
+    assert s.hpc_job == "j1" and "peer_group_inferred" not in s.evidence and "inferred" not in s.summary
 
 
 def test_unattributed_gpu_braked_in_the_first_minute_of_a_trace_is_named():
@@ -399,6 +435,25 @@ def test_an_unattributed_gpu_lost_while_busy_hangs_every_group_of_its_model_but_
     idle = _by_kind(cluster_lines(1000, override=_lost_at_380(False), job=None))
     assert [(a.node, a.gpu) for a in idle["gpu_lost"]] == [("n0", 7)]
     assert [(a.node, a.gpu) for a in idle["straggler"]] == [("n1", 3)]
+
+
+def test_an_unattributed_gpu_lost_while_busy_hangs_only_the_inferred_job_it_was_in():
+    # Two unattributed jobs, each moving in its own step phase: n0's and n1's. GPU n0/7 falls off the bus
+    # at 380 s while busy; its job hangs, but n1's job is another, and its straggler n1/3 is named.
+    def n1_slows(t, node, gpu):
+        if node == "n0":
+            return {"up": t < 380} if gpu == 7 else {}
+        if not 400 <= t < 800:
+            return {}
+        if gpu == 3:
+            return {"sm_clock_hertz": 1.48e9, "sm_active_ratio": 0.80, "power_watts": 430.0}
+        return {"sm_active_ratio": 0.62, "power_watts": 410.0}
+
+    two_jobs = _in_step(_in_step(n1_slows, nodes=("n0",)), nodes=("n1",), draw=2)
+    alerts = _by_kind(cluster_lines(1000, override=two_jobs, job=None))
+    assert [(a.node, a.gpu) for a in alerts["gpu_lost"]] == [("n0", 7)]
+    (s,) = alerts["straggler"]
+    assert (s.node, s.gpu) == ("n1", 3) and s.evidence["peer_group"] == "inferred_job"
 
 
 def _two_unattributed_jobs(t, node, gpu):
@@ -509,9 +564,12 @@ def test_unattributed_host_bound_node_of_a_half_node_job_is_named():
             return {"utilization_ratio": 0.55, "sm_active_ratio": 0.45, "power_watts": 330.0}
         return {"sm_active_ratio": 0.5, "power_watts": 360.0}
 
-    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=starved, job=None))["straggler"]
+    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=_in_step(starved), job=None))["straggler"]
     assert (s.node, s.gpu) == ("n1", None)
-    assert s.evidence["pattern"] == "host_idle" and s.evidence["peer_group"] == "cluster_model"
+    assert s.evidence["pattern"] == "host_idle" and s.evidence["peer_group"] == "inferred_job"
+    assert s.evidence["peer_group_inferred"] is True and "peers inferred" in s.summary
+    # Without co-movement the GPUs of one model across nodes may be several jobs: no node is named.
+    assert "straggler" not in _by_kind(cluster_lines(1000, nodes=3, override=starved, job=None))
 
 
 def test_unattributed_slow_node_of_one_job_is_named():
@@ -522,9 +580,10 @@ def test_unattributed_slow_node_of_one_job_is_named():
             return {"sm_active_ratio": 0.6, "power_watts": 420.0}
         return {}
 
-    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=slow_node, job=None))["straggler"]
+    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=_in_step(slow_node), job=None))["straggler"]
     assert (s.node, s.gpu) == ("n1", None)
     assert s.evidence["pattern"] == "node_slow" and "attribution" in s.evidence["note"]
+    assert s.evidence["peer_group_inferred"] is True and "peers inferred" in s.summary
 
 
 def test_unattributed_host_starved_node_is_named_beside_a_node_whose_job_just_ended():
@@ -541,9 +600,10 @@ def test_unattributed_host_starved_node_is_named_beside_a_node_whose_job_just_en
             return {"utilization_ratio": 0.7, "sm_active_ratio": 0.35, "power_watts": 300.0}
         return {"sm_active_ratio": 0.35, "power_watts": 300.0}
 
-    (s,) = _by_kind(cluster_lines(1000, nodes=3, override=starved, job=None))["straggler"]
+    lines = cluster_lines(1000, nodes=3, override=_in_step(starved, nodes=("n0", "n1")), job=None)
+    (s,) = _by_kind(lines)["straggler"]
     assert (s.node, s.gpu) == ("n1", None)
-    assert s.evidence["pattern"] == "host_idle" and s.evidence["peer_group"] == "cluster_model"
+    assert s.evidence["pattern"] == "host_idle" and s.evidence["peer_group"] == "inferred_job"
     assert T0 + 500 < s.started < T0 + 600 and s.resolved is not None
 
 
@@ -557,7 +617,7 @@ def test_unattributed_host_starved_for_25_minutes_stays_named_until_it_recovers(
             return {"utilization_ratio": 0.3, "sm_active_ratio": 0.25, "power_watts": 250.0}
         return {"sm_active_ratio": 0.5, "power_watts": 360.0}
 
-    (s,) = _by_kind(cluster_lines(2400, nodes=3, override=starved, job=None))["straggler"]
+    (s,) = _by_kind(cluster_lines(2400, nodes=3, override=_in_step(starved), job=None))["straggler"]
     assert (s.node, s.gpu) == ("n1", None)
     assert s.started < T0 + 600 and s.resolved is not None and s.resolved >= T0 + 2000
 

@@ -35,6 +35,7 @@ from gpufleet.server.engine.detectors.straggler.policy import (
 )
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 from gpufleet.server.engine.groups import JOB
+from gpufleet.server.engine.inference import inferred_peers, inferred_suffix
 from gpufleet.server.engine.reduce import nan_to_zero
 from gpufleet.server.engine.rules import MAD_TO_SIGMA, any_of, evaluate
 from gpufleet.server.engine.tick import THROTTLE_CAUSES, SlowdownSource, Tick, throttle_causes
@@ -112,7 +113,7 @@ def group_conditions(tick: Tick, state: StragglerState, cfg, halted: AbstractSet
             tick.slowdown >= min_drop,
             grp.util >= cfg.straggler_waiting_utilization,
             active,
-            tick.registry.is_job[:G],
+            tick.registry.one_job[:G],
             ~np.isnan(tick.slowdown),
         ]
     )
@@ -128,7 +129,7 @@ def mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarr
     nobody in it is named. A job group is exempt: there a brake on half a node is a real finding.
     """
     grp = tick.groups
-    fallback = ~tick.registry.is_job[: grp.n_groups]
+    fallback = ~tick.registry.one_job[: grp.n_groups]
     if not fallback.any() or not standing.any():
         return np.zeros(len(gi), dtype=bool)
     counts = np.bincount(gi[standing], minlength=grp.n_groups)
@@ -164,7 +165,7 @@ def shared_node(
     """
     grp = tick.groups
     n = len(gi)
-    fallback = judged & ~tick.registry.is_job[: grp.n_groups][gi]
+    fallback = judged & ~tick.registry.one_job[: grp.n_groups][gi]
     both = scales(cfg)
     if not fallback.any():
         none = np.zeros(n, dtype=bool)
@@ -464,6 +465,7 @@ def gpu_finding(
         evidence["own_rise_vs_own_baseline"] = r3(shared.rise[slot])
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
+    inferred_peers(tick.registry, gid, evidence)
     sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
     # "By ~N % per step": the slowdown put down to this GPU, as it fires (the summary stays as it fired). Not
     # the job's figure in /jobs, which is the job now against its own baseline: the two may differ.
@@ -473,7 +475,7 @@ def gpu_finding(
     summary = (
         f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} holds back "
         f"{'job ' + job if job else 'its peers'}{by}: " + "; ".join(reasons)
-    )
+    ) + inferred_suffix(evidence)
     return Finding(
         AlertKind.STRAGGLER,
         w.slot_node[slot],

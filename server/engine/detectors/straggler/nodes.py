@@ -26,6 +26,7 @@ from gpufleet.server.engine.detectors.straggler.common import (
 )
 from gpufleet.server.engine.detectors.straggler.policy import NODE, NODE_CLOCK_CUT, NODE_CROSS
 from gpufleet.server.engine.groups import JOB
+from gpufleet.server.engine.inference import inferred_peers, inferred_suffix
 from gpufleet.server.engine.reduce import nan_median_first_axis, nan_to_zero
 from gpufleet.server.engine.rules import MIDPOINT_RANK, any_of, evaluate
 from gpufleet.server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
@@ -58,7 +59,7 @@ def node_level(
     cross_arrays = {
         "node_gap": r.gap,
         "node_act": r.act - prev[1],
-        "in_job": tick.registry.is_job[gids],
+        "in_job": tick.registry.one_job[gids],
         "steady": r.steady,
         "node_busy": r.node_busy,
         "by_sm": ~r.by_power,
@@ -66,7 +67,7 @@ def node_level(
     }
     r.cross = any_of(evaluate(NODE_CROSS, cross_arrays, cfg), _names(NODE_CROSS))
     aged = tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds
-    r.cut &= tick.registry.is_job[gids] & r.steady & aged
+    r.cut &= tick.registry.one_job[gids] & r.steady & aged
     waiting = ((r.waiting_drop >= r.min_drop) & r.steady) | r.cross | r.cut
     off, warming = _learn_pairs(tick, state.nodes, lay, r, waiting)
     ready = ~warming & ~np.isnan(off[0]) & aged
@@ -75,7 +76,7 @@ def node_level(
     # another job than the nodes whose job slowed (comm- or input-bound). It is judged only where its
     # activity matched the others' while healthy (learned offset within structural_max_offset), as the
     # nodes of one job do; two jobs that happen to run alike cannot be told apart.
-    alike = tick.registry.is_job[gids] | (np.abs(off[1]) <= cfg.structural_max_offset)
+    alike = tick.registry.one_job[gids] | (np.abs(off[1]) <= cfg.structural_max_offset)
     r.busier = np.where(r.node_busy & alike, r.act - nan_to_zero(off[1]), np.nan)
     results = _node_rules(cfg, r.idle, r.busier, r.by_power, scales(cfg))
     held = any_of(results, _names(NODE))  # (2, pairs)
@@ -85,6 +86,7 @@ def node_level(
         # As for a GPU (gpus.standing_now): named only while its newest reading still sets it apart.
         on &= _pair_standing_now(tick, lay, off, r.node_busy & alike, r.by_power)
     on |= r.cut
+    on &= _one_job(tick, gids, nids)
     if halted:
         live = ~np.isin(gids, list(halted))
         stands &= live
@@ -179,7 +181,7 @@ def _learn_pairs(
     # capped, and none is learned in the victim direction: a node learned while it idled (host-starved
     # from the start) read as "busier" than the others once it recovered.
     cap = cfg.structural_max_offset
-    off = nodes.pair_offset[:, idx] = np.where(tick.registry.is_job[lay.gids], np.clip(off, 0.0, cap), off)
+    off = nodes.pair_offset[:, idx] = np.where(tick.registry.one_job[lay.gids], np.clip(off, 0.0, cap), off)
     nodes.pair_learned[idx] = n_learned + learn
     return off, warming
 
@@ -197,7 +199,7 @@ def _pair_finding(tick: Tick, state: StragglerState, lay: NodePairs, r: _PairRea
     pattern = "cut" if r.cut[i] else "busy" if busy_score == busy_score and not idle_score >= busy_score else "idle"
     if (
         pattern == "busy"
-        and not tick.registry.is_job[gid]
+        and not tick.registry.one_job[gid]
         and not _node_wide_busy(tick, members, rest, float(r.act_margin[i]))
     ):
         return None
@@ -210,6 +212,22 @@ def _pair_finding(tick: Tick, state: StragglerState, lay: NodePairs, r: _PairRea
         # The others' share of each step spent waiting: the idle gap, or their activity against this node's.
         slowdown = max(slowdown, r.gap[i] if pattern == "idle" else 1.0 - 1.0 / (1.0 + max(float(r.act[i]), 0.0)))
     return _slow_node_finding(tick, state, gid, nid, members, rest, slowdown, pattern)
+
+
+def _one_job(tick: Tick, gids: np.ndarray, nids: np.ndarray) -> np.ndarray:
+    """Per (group, node) pair: whether the node may be named. A fallback group of all the unattributed
+    GPUs of one model may mix jobs: a node "holding back" the others there may just run another job than
+    theirs, so only a job names a node. An inferred job names one only where it holds at least
+    straggler_min_group of the node's GPUs: one GPU that moved with a job for a while is not a node."""
+    reg, ng = tick.registry, tick.groups.ngid
+    ok = reg.one_job[gids]
+    inferred = ok & ~reg.is_job[gids]
+    if inferred.any():
+        node_of = tick.windows.slot_node_id[: len(ng)]
+        for i in np.flatnonzero(inferred).tolist():
+            held = np.count_nonzero((ng == gids[i]) & (node_of == nids[i]))
+            ok[i] = held >= tick.config.straggler_min_group
+    return ok
 
 
 def _node_rules(cfg, idle: np.ndarray, busier: np.ndarray, by_power: np.ndarray, scale) -> dict[str, np.ndarray]:
@@ -386,11 +404,12 @@ def _slow_node_finding(
     evidence["throttle_causes"] = causes
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
+    inferred_peers(tick.registry, gid, evidence)
     # Worded as a GPU straggler's figure (see gpu_finding): the slowdown put down to this node, as it fires.
     share = evidence["estimated_job_slowdown_ratio"]
     by = f" by ~{percent(share)} per step (estimated as it fired)" if known and isinstance(share, float) else ""
     subject = f"job {job}" if job else "its peer nodes"
-    summary = f"node {node} holds back {subject}{by}: {what} while the other nodes wait"
+    summary = f"node {node} holds back {subject}{by}: {what} while the other nodes wait" + inferred_suffix(evidence)
     sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
     return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
 
