@@ -45,7 +45,7 @@ bench-live: $(STAMP)
 bench-live-prometheus: $(STAMP)
 	$(BIN)/python -m bench.server_live_bench --ingest prometheus --agents 250 500 1000 --duration 60
 
-# Precision, recall and time to fire over the scenario suite; rewrites its section of docs/detection.md.
+# Precision, recall and time to fire over the scenario suite; rewrites its section of docs/evaluation.md.
 eval: $(STAMP)
 	$(BIN)/python -m bench.detection_eval --seeds 5
 
