@@ -206,6 +206,8 @@ class Engine:
             self._recycle(self.registry.recycled)
         if self.registry.restarted or self.registry.recycled:
             self._restart(gid, self.registry.restarted + [g for g, _ in self.registry.recycled])
+        for g, source in self.registry.absorbed:
+            self.history.inherit(g, source)
         self._last_group = np.where(gid >= 0, gid, grown(self._last_group, n, -1)[:n])
         groups = group_stats(gid, ngid, n_groups, levels, fractions, self._members)
         self._members = groups.members
@@ -326,7 +328,7 @@ class Engine:
         """Forget what was learned about groups whose work changed (see GroupRegistry._build)."""
         restarted = np.array(gids, dtype=np.int64)
         self.history.reset(restarted[restarted < self.history.base.shape[1]])
-        self._straggler.forget(np.flatnonzero(np.isin(gid, restarted)))
+        self._straggler.forget(np.flatnonzero(np.isin(gid, restarted) & ~self.registry.carried[: len(gid)]))
 
     def _recycle(self, recycled: list[tuple[int, tuple]]) -> None:
         """Drop what is keyed by the groups whose ids went to new groups (the rest is in _restart)."""

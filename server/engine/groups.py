@@ -189,6 +189,10 @@ class GroupRegistry:
         self.restarted: list[int] = []
         # Ids given to new groups by the last build(), each with the key it had before.
         self.recycled: list[tuple[int, tuple]] = []
+        # New inferred jobs of the last build() that absorbed whole groups: (new id, the absorbed group
+        # whose history it takes over), and per slot whether what its GPU learned carries over.
+        self.absorbed: list[tuple[int, int]] = []
+        self.carried = np.zeros(0, dtype=bool)
         self._busy_sets: dict[int, tuple[int, ...]] = {}
         self._last_gid = np.full(0, -1, dtype=np.int64)  # per slot, the GPU-level group of the last _build
         self._last_build: tuple | None = None
@@ -286,8 +290,12 @@ class GroupRegistry:
         if last is not None and all(equal(a, b) for a, b in zip(inputs, last[0])):
             self.restarted = []
             self.recycled = []
+            self.absorbed = []
+            self.carried = np.zeros(len(slot_job), dtype=bool)
             return last[1]
         self.recycled = []
+        self.absorbed = []
+        self.carried = np.zeros(len(slot_job), dtype=bool)
         gid, ngid = self._build(t, slot_job, slot_node, slot_model, job_names, has_data, busy, engaged, inferred)
         self._note_presence(t, gid, ngid)
         gid.flags.writeable = ngid.flags.writeable = False
@@ -369,18 +377,32 @@ class GroupRegistry:
     ) -> None:
         """Give the GPUs of each inferred job its group, GPU- and node-level alike, as a job's. A new
         inferred job was running already: its GPUs' previous groups saw it start, so it is taken as first
-        seen when the earliest of them was (and dated back if one was)."""
+        seen when the earliest of them was (and dated back if one was).
+
+        A previous group all of whose GPUs went into one inferred job was a part of that job (a node's
+        busy GPUs, a fragment inferred before the rest moved with it): what its GPUs learned there (their
+        offsets from peers of the same job) carries over, and a new inferred job takes over the history
+        of the largest such part. Inference needs minutes of co-movement; learning and the baseline
+        restarted from nothing then, an incident starting just after was learned as the job's usual."""
         last = self._last_gid
+        if len(last) < len(joined):
+            last = np.concatenate([last, np.full(len(joined) - len(last), -1, dtype=np.int64)])
+        sizes = np.bincount(last[last >= 0]) if (last >= 0).any() else np.zeros(0, dtype=np.int64)
         for label, model in set(zip(inferred[joined].tolist(), slot_model[joined].tolist())):
             sel = joined & (inferred == label) & (slot_model == model)
             g = self.intern((INFERRED_JOB, label, model), t)
+            new = self.first_seen[g] == t
             gid[sel] = ngid[sel] = g
-            if self.first_seen[g] == t and len(last) == len(sel):
-                before = last[sel]
-                before = before[(before >= 0) & (before != g)]
-                if len(before):
-                    self.first_seen[g] = min(t, float(self.first_seen[before].min()))
-                    self.dated[g] = bool(self.dated[before].any())
+            before = last[sel]
+            parts, moved = np.unique(before[(before >= 0) & (before != g)], return_counts=True)
+            whole = parts[moved == sizes[parts]] if len(parts) else parts
+            if len(whole):
+                self.carried[sel & np.isin(last, whole)] = True
+            if new and len(parts):
+                self.first_seen[g] = min(t, float(self.first_seen[parts].min()))
+                self.dated[g] = bool(self.dated[parts].any())
+                if len(whole):
+                    self.absorbed.append((g, int(whole[np.argmax(sizes[whole])])))
 
 
 class GroupMembers:
@@ -508,6 +530,15 @@ class GroupHistory:
         if len(self._starts) != rows:
             self._starts = np.arange(rows) * self.ring
         return self._starts
+
+    def inherit(self, gid: int, source: int) -> None:
+        """Group `gid` takes over the history of `source` (a part of it, absorbed whole)."""
+        self._fit(max(gid, source) + 1)
+        self.values[:, gid, :] = self.values[:, source, :]
+        self.base[:, gid] = self.base[:, source]
+        self.middle[:, gid] = self.middle[:, source]
+        self.noise[:, gid] = self.noise[:, source]
+        self.count[gid] = self.count[source]
 
     def reset(self, gids: np.ndarray) -> None:
         """Forget the history of groups whose operating regime changed (e.g. a new power cap)."""

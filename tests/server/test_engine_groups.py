@@ -203,3 +203,28 @@ def test_the_id_of_a_group_gone_for_the_retention_goes_to_the_next_new_group():
     assert build(1100.0, [-1, 1], ["a", "b", "c", "d"]) == [-1, b]
     assert build(1200.0, [2, 1], ["a", "b", "c", "d"])[0] == reg.ids[(JOB, "c")] and reg.recycled == []
     assert reg.first_seen[reg.ids[(JOB, "c")]] == 900.0
+
+
+def test_an_inferred_job_absorbing_whole_node_groups_carries_their_learning_and_takes_over_a_history():
+    # Two nodes of one unattributed job: first each node's busy GPUs are a node group; once inferred, both
+    # node groups went whole into the job, so what their GPUs learned carries over. A GPU whose node group
+    # was split (its other GPUs stayed out) carries nothing.
+    reg = GroupRegistry()
+    slot_job = np.full(6, -1)
+    node = np.array([0, 0, 1, 1, 2, 2])
+    model = np.zeros(6, dtype=np.int64)
+    seen = busy = np.ones(6, dtype=bool)
+    before, _ = reg.build(100.0, slot_job, node, model, [], seen, busy)
+    assert reg.absorbed == [] and not reg.carried.any()
+    labels = np.array([0, 0, 0, 0, 0, -1])
+    gid, _ = reg.build(340.0, slot_job, node, model, [], seen, busy, inferred=labels)
+    job = int(gid[0])
+    assert (gid[:5] == job).all() and reg.one_job[job] and not reg.is_job[job]
+    assert reg.carried.tolist() == [True, True, True, True, False, False]
+    assert len(reg.absorbed) == 1 and reg.absorbed[0][0] == job
+    assert reg.absorbed[0][1] in {int(before[0]), int(before[2])}
+    # It ran before it was inferred: first seen when its parts were.
+    assert reg.first_seen[job] == 100.0
+    # The same membership again changes nothing and carries nothing more.
+    reg.build(345.0, slot_job, node, model, [], seen, busy, inferred=labels)
+    assert reg.absorbed == [] and not reg.carried.any()

@@ -47,3 +47,15 @@ def test_noise_waits_for_three_lags_of_pairs_and_is_forgotten_with_the_history()
     assert hist.spread("power")[0] > 0
     hist.reset(np.array([0]))
     assert np.isnan(hist.spread("power")[0]) and np.isnan(hist.median("power")[0])
+
+
+def test_a_group_taking_over_a_history_has_its_baseline_noise_and_ring_at_once():
+    rng = np.random.default_rng(5)
+    hist = _history(300.0 + rng.normal(0.0, 3.0, RING))
+    hist.inherit(1, 0)
+    for name in ("power", "clock"):
+        assert hist.baseline(name)[1] == hist.baseline(name)[0]
+    assert hist.spread("power")[1] == hist.spread("power")[0]
+    # The ring came too: the next refresh reads the same history for both.
+    hist.refresh(RING - 1, 2)
+    assert hist.baseline("power")[1] == hist.baseline("power")[0]

@@ -33,9 +33,7 @@ def test_rules_are_exported_named_once_and_read_real_settings() -> None:
 
 def test_factor_multiplies_the_floor_and_unscaled_rules_ignore_scales() -> None:
     cfg = EngineConfig()
-    half = Rule(
-        name="half", doc="", signal="x", margin="straggler_sm_excess", factor="straggler_bits_confirm_ratio"
-    )
+    half = Rule(name="half", doc="", signal="x", margin="straggler_sm_excess", factor="straggler_bits_confirm_ratio")
     plain = Rule(name="plain", doc="", signal="x", margin="straggler_sm_excess", scaled=False)
     x = np.array([0.02, 0.04, 0.06, 0.12, np.nan])
     out = evaluate((half, plain), {"x": x}, cfg, scales=np.array([[1.0], [0.6]]))

@@ -64,7 +64,10 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
         return Result(Outcome(), set(), set())
     grp = tick.groups
     g = grp.gid
-    reset_moved(state, g)
+    carried = tick.registry.carried
+    if len(carried) < n:
+        carried = np.concatenate([carried, np.zeros(n - len(carried), dtype=bool)])
+    reset_moved(state, cfg, g, carried, (g >= 0) & tick.registry.one_job[np.maximum(g, 0)])
     m = tick.med
     u = m["util"]
     in_group = g >= 0
@@ -128,6 +131,12 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     # the first minutes of a trace that starts mid-job) was never judged at all without attribution.
     cross = (plain[0] | in_job & idle_cross) | cut & in_group
     eligible_cross = ((busy & cross) | idle_cross) & cross_ok
+    # An inferred job is held to a stricter standard: its membership is a reading of co-movement, and a GPU
+    # of another job that moved with it for a while (two jobs ramping up together) stands out at once by
+    # the other job's level. There the cross-section names only a GPU that has stayed in the group for its
+    # learning (a GPU's learning restarts when it joins another group).
+    inferred = (tick.registry.one_job & ~tick.registry.is_job)[: grp.n_groups][gi] & in_group
+    eligible_cross &= ~inferred | (state.learned[:n] >= warm_ticks)
     waiting = (dropped | cross) & wait_util
     culprit, other = signals(cfg, ex, tick.levels[: PW + 1], state, gsm_unknown, m["slow"], gslow)
     sig, weak = ((culprit | cut) & ~victim) | idle

@@ -184,11 +184,20 @@ def shared_node(
     return SharedNode(rise & pattern, pattern, np.where(pattern, drop[gi], np.nan), rel, sunk)
 
 
-def reset_moved(state: StragglerState, g: np.ndarray) -> None:
-    """A GPU that joined another group starts learning afresh."""
+def reset_moved(state: StragglerState, cfg, g: np.ndarray, carried: np.ndarray, in_job: np.ndarray) -> None:
+    """A GPU that joined another group starts learning afresh, unless what it learned carries over (its
+    previous group was a part of the inferred job it joined: GroupRegistry.carried). A carried offset is
+    held to a job's cap, as if learned there."""
     moved = (g >= 0) & (g != state.learned_gid[: len(g)])
     if moved.any():
-        state.forget(np.flatnonzero(moved))
+        keep = moved & carried[: len(g)]
+        state.forget(np.flatnonzero(moved & ~keep))
+        if keep.any():
+            cap = cfg.structural_max_offset
+            off = state.offset[:, : len(g)]
+            culprit = _CULPRIT_SIGN * np.clip(_CULPRIT_SIGN * off[:UTIL], 0.0, cap)
+            off[:UTIL] = np.where(keep & in_job, culprit, off[:UTIL])
+            off[UTIL] = np.where(keep & in_job, np.minimum(off[UTIL], 0.0), off[UTIL])
         state.learned_gid[moved] = g[moved]
 
 

@@ -1,0 +1,36 @@
+"""Inferred peer groups on whole traces of fleets without attribution: what an inferred job's GPUs learned
+before inference carries over, and a GPU of another job that moved with it for a while is not named.
+
+The traces are probes of bench/probes.py at the frozen generator version; each test fixes its draw."""
+
+from __future__ import annotations
+
+from bench import probes
+from bench.tracegen import generate
+from gpufleet.server.alerts import AlertKind
+
+
+def _replay(name: str, seed: int):
+    from gpufleet.server.replay import run_replay
+
+    trace = generate(probes.BY_NAME[name].build(seed))
+    return trace, [a for a in run_replay(trace.lines) if a.kind == AlertKind.STRAGGLER]
+
+
+def test_a_slow_gpu_starting_just_after_its_job_was_inferred_is_named():
+    # Power-only A100s: the job is inferred about 240 s in and a GPU slows about 40 s later. Learning and
+    # the job's baseline restarted at inference took the slowed job as its usual and the GPU was missed.
+    trace, alerts = _replay("probe_a100_job_unattributed", 3)
+    (truth,) = [t for t in trace.truths if t.required]
+    named = [a for a in alerts if (a.node, a.gpu) == (truth.node, truth.gpu)]
+    assert named and named[0].started - (truth.start - truth.lead_s) < 120.0
+    assert all(a.evidence.get("peer_group_inferred") for a in named)
+    assert len(alerts) == len(named)
+
+
+def test_a_gpu_of_another_job_briefly_inferred_into_a_job_is_not_named():
+    # Two jobs of different loads start together; for one re-inference a GPU of the busier job was
+    # clustered with the other job, where its activity stood far above its new peers'.
+    trace, alerts = _replay("probe_two_jobs_unattributed", 4)
+    (truth,) = [t for t in trace.truths if t.required]
+    assert {(a.node, a.gpu) for a in alerts} == {(truth.node, truth.gpu)}
