@@ -34,3 +34,17 @@ def test_a_gpu_of_another_job_briefly_inferred_into_a_job_is_not_named():
     trace, alerts = _replay("probe_two_jobs_unattributed", 4)
     (truth,) = [t for t in trace.truths if t.required]
     assert {(a.node, a.gpu) for a in alerts} == {(truth.node, truth.gpu)}
+
+
+def test_a_gpu_braked_just_after_its_inferred_job_split_is_named_by_its_cut_clocks():
+    # Without attribution a job under a power cap is re-inferred as one job per node; a GPU of a node
+    # whose group is that new, not yet learned, is braked: its cut clocks name it whoever its peers are.
+    from bench import scenarios
+    from bench.tracegen import without_fields
+    from gpufleet.server.replay import run_replay
+
+    trace = generate(scenarios.BY_NAME["straggler_under_power_cap"].build(4))
+    alerts = [a for a in run_replay(without_fields(list(trace.lines), ("hpc_job",))) if a.kind == AlertKind.STRAGGLER]
+    (truth,) = [t for t in trace.truths if t.required]
+    assert [(a.node, a.gpu) for a in alerts] == [(truth.node, truth.gpu)]
+    assert "SM clock" in alerts[0].summary

@@ -134,9 +134,10 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     # An inferred job is held to a stricter standard: its membership is a reading of co-movement, and a GPU
     # of another job that moved with it for a while (two jobs ramping up together) stands out at once by
     # the other job's level. There the cross-section names only a GPU that has stayed in the group for its
-    # learning (a GPU's learning restarts when it joins another group).
+    # learning (a GPU's learning restarts when it joins another group), or one whose clocks are cut: its
+    # own hardware slows it, whoever its peers are.
     inferred = (tick.registry.one_job & ~tick.registry.is_job)[: grp.n_groups][gi] & in_group
-    eligible_cross &= ~inferred | (state.learned[:n] >= warm_ticks)
+    eligible_cross &= ~inferred | (state.learned[:n] >= warm_ticks) | cut
     waiting = (dropped | cross) & wait_util
     culprit, other = signals(cfg, ex, tick.levels[: PW + 1], state, gsm_unknown, m["slow"], gslow)
     sig, weak = ((culprit | cut) & ~victim) | idle
