@@ -206,8 +206,8 @@ class Engine:
             self._recycle(self.registry.recycled)
         if self.registry.restarted or self.registry.recycled:
             self._restart(gid, self.registry.restarted + [g for g, _ in self.registry.recycled])
-        for g, source in self.registry.absorbed:
-            self.history.inherit(g, source)
+        for absorber, part in self.registry.absorbed:
+            self.history.inherit(absorber, part)
         self._last_group = np.where(gid >= 0, gid, grown(self._last_group, n, -1)[:n])
         groups = group_stats(gid, ngid, n_groups, levels, fractions, self._members)
         self._members = groups.members
