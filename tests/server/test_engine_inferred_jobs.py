@@ -48,3 +48,15 @@ def test_a_gpu_braked_just_after_its_inferred_job_split_is_named_by_its_cut_cloc
     (truth,) = [t for t in trace.truths if t.required]
     assert [(a.node, a.gpu) for a in alerts] == [(truth.node, truth.gpu)]
     assert "SM clock" in alerts[0].summary
+
+
+def test_an_inferred_job_with_one_gpu_on_another_node_names_no_node():
+    # Two unattributed jobs (a whole node, and half of another) were inferred as one for a while; when the
+    # whole-node job ended, its node idled against the single GPU of the other job left in the group.
+    from bench import scenarios
+    from bench.tracegen import without_fields
+    from gpufleet.server.replay import run_replay
+
+    trace = generate(scenarios.BY_NAME["decoy_idle_and_ending"].build(3))
+    alerts = run_replay(without_fields(list(trace.lines), ("hpc_job",)))
+    assert [a for a in alerts if a.kind == AlertKind.STRAGGLER] == []

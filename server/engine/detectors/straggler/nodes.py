@@ -218,15 +218,18 @@ def _one_job(tick: Tick, gids: np.ndarray, nids: np.ndarray) -> np.ndarray:
     """Per (group, node) pair: whether the node may be named. A fallback group of all the unattributed
     GPUs of one model may mix jobs: a node "holding back" the others there may just run another job than
     theirs, so only a job names a node. An inferred job names one only where it holds at least
-    straggler_min_group of the node's GPUs: one GPU that moved with a job for a while is not a node."""
+    straggler_min_group of the node's GPUs, and as many on the other nodes it is compared with: one GPU
+    that moved with a job for a while is neither a node nor the peers a node holds back."""
     reg, ng = tick.registry, tick.groups.ngid
     ok = reg.one_job[gids]
     inferred = ok & ~reg.is_job[gids]
     if inferred.any():
         node_of = tick.windows.slot_node_id[: len(ng)]
+        least = tick.config.straggler_min_group
         for i in np.flatnonzero(inferred).tolist():
-            held = np.count_nonzero((ng == gids[i]) & (node_of == nids[i]))
-            ok[i] = held >= tick.config.straggler_min_group
+            member = ng == gids[i]
+            held = np.count_nonzero(member & (node_of == nids[i]))
+            ok[i] = held >= least and np.count_nonzero(member) - held >= least
     return ok
 
 
