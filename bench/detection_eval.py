@@ -364,6 +364,10 @@ class Report:
     wall_s: float
 
 
+def _seed_range(seeds: int) -> str:
+    return "seed 0" if seeds == 1 else f"seeds 0 – {seeds - 1}"
+
+
 def render_report(rep: Report) -> str:
     """The evaluation.md section (without markers)."""
     n_all = len(scenarios.CATALOG)
@@ -414,7 +418,7 @@ def render_report(rep: Report) -> str:
         "### Ablations",
         "",
         f"Each rule the detectors declare switched off in turn (`disabled_rules`: it never holds; a gate rule "
-        f"switched off never lets what it gates fire), on seeds 0 – {rep.ablation_seeds - 1}; Δ is against the "
+        f"switched off never lets what it gates fire), on {_seed_range(rep.ablation_seeds)}; Δ is against the "
         "defaults on the same seeds. "
         "A rule whose switching-off costs nothing on the catalog is either covered by another rule or not "
         "exercised by any scenario. Rows list only the kinds that moved.",
