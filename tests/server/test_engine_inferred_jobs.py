@@ -1,9 +1,12 @@
-"""Inferred peer groups on whole traces of fleets without attribution: what an inferred job's GPUs learned
-before inference carries over, and a GPU of another job that moved with it for a while is not named.
+"""Peer groups on whole traces of fleets without attribution: what an inferred job's GPUs learned before
+inference carries over, a GPU of another job that moved with it for a while is not named, and neither is
+a node or GPU waiting for the culprit.
 
 The traces are probes of bench/probes.py at the frozen generator version; each test fixes its draw."""
 
 from __future__ import annotations
+
+import pytest
 
 from bench import probes
 from bench.tracegen import generate
@@ -60,3 +63,44 @@ def test_an_inferred_job_with_one_gpu_on_another_node_names_no_node():
     trace = generate(scenarios.BY_NAME["decoy_idle_and_ending"].build(3))
     alerts = run_replay(without_fields(list(trace.lines), ("hpc_job",)))
     assert [a for a in alerts if a.kind == AlertKind.STRAGGLER] == []
+
+
+def test_the_waiting_partner_of_a_host_starved_node_is_not_named():
+    # Two power-only jobs of two nodes each, sensor noise x4. One job was inferred with two GPUs of the
+    # other, on a node of their own: against the median over three nodes (its own among them), the
+    # starved node's partner read as "busy while the other nodes wait" beside it.
+    trace, alerts = _replay("probe_a100_two_jobs_starved_noise4_unattributed", 0)
+    (truth,) = [t for t in trace.truths if t.required]
+    assert {(a.node, a.gpu) for a in alerts} == {(truth.node, None)}
+    assert alerts[0].evidence["pattern"] == "host_idle"
+
+
+def test_a_waiting_gpu_whose_warm_up_ended_on_a_dip_is_not_named():
+    # Sensor noise x4: one GPU's warm-up ended on a few ticks under its peers. Kept as its offset, that
+    # dip made it read busier than it was once its node's job slowed for a straggler on the other node,
+    # and it was named beside the culprit.
+    trace, alerts = _replay("probe_two_jobs_noise4_unattributed", 0)
+    (truth,) = [t for t in trace.truths if t.required]
+    assert {(a.node, a.gpu) for a in alerts} == {(truth.node, truth.gpu)}
+
+
+def test_outside_a_job_an_offset_after_its_warm_up_is_the_running_mean_of_its_readings():
+    import numpy as np
+
+    from gpufleet.server.engine.config import EngineConfig
+    from gpufleet.server.engine.detectors.straggler.common import follow, learning_rate
+
+    cfg = EngineConfig()
+    warm = cfg.bins(cfg.startup_grace_seconds)
+    off, yes = np.array([np.nan]), np.array([True])
+    for k, x in enumerate([0.0] * (warm - 3) + [-0.11] * 3):  # a warm-up ending on a dip
+        off = follow(off, np.array([x]), yes, learning_rate(cfg, np.array([k]), True))
+    assert off[0] < -0.06
+    for k in range(warm, warm + 22):
+        off = follow(off, np.array([0.0]), yes, learning_rate(cfg, np.array([k]), True))
+    assert abs(off[0]) < 0.015
+    # Long after, it follows drift at the configured time constant; inside a job (an offset capped to the
+    # structural range) it does so from the end of the warm-up on.
+    slow = 1.0 - np.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
+    assert learning_rate(cfg, np.array([10**6]), True)[0] == pytest.approx(slow)
+    assert learning_rate(cfg, np.array([warm]), False)[0] == pytest.approx(slow)

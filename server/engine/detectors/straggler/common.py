@@ -57,12 +57,22 @@ def clock_cut(
     return any_of(evaluate(rules, arrays, cfg), [r.name for r in rules])
 
 
-def learning_rate(cfg, warming: np.ndarray) -> np.ndarray:
-    """Offset learning rate per tick: fast while warming up (forgetting the ramp-up), then following
-    slowly with the configured time constant."""
-    return np.where(
-        warming, cfg.straggler_fast_learning_ratio, 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
-    )
+def learning_rate(cfg, learned: np.ndarray, free: np.ndarray | bool = False) -> np.ndarray:
+    """Offset learning rate per tick, from how many ticks each offset has learned: fast while warming up
+    (forgetting the ramp-up), then following slowly with the configured time constant.
+
+    free: offsets not bounded to a job's structural range (outside jobs). Those take the running mean of
+    the readings after the warm-up (the warm-up's estimate counting as 1 / straggler_fast_learning_ratio
+    readings) until that is slower than the time constant: a fast moving average ends on its last few
+    readings, and with four times the usual sensor noise one GPU's warm-up ended on a 3-tick dip of 11 %
+    under its peers, kept as its offset, so it read 6 % busier than it was once its group slowed. Inside a
+    job the offset is capped to the structural range, and learning faster after the warm-up absorbed more
+    of a straggler's excess before its job's slowdown was clear (power only, at four times the noise)."""
+    warm_ticks = cfg.bins(cfg.startup_grace_seconds)
+    slow = 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
+    since_warm = np.maximum(learned - warm_ticks, 0) + 1.0 / cfg.straggler_fast_learning_ratio + 1.0
+    after = np.where(free, np.maximum(1.0 / since_warm, slow), slow)
+    return np.where(learned < warm_ticks, cfg.straggler_fast_learning_ratio, after)
 
 
 def follow(cur: np.ndarray, x: np.ndarray, learn: np.ndarray, alpha: np.ndarray | float) -> np.ndarray:

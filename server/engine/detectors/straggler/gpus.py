@@ -347,7 +347,8 @@ def learn(
     (spread: per slot, its group's robust spread of each excess this tick) the group's usual noise.
 
     The first startup_grace_seconds of steady running learn fast (forgetting the ramp-up); after that
-    the offsets follow slowly, and freeze while the group is slowed so a culprit is never absorbed. The
+    the offsets follow slowly (outside jobs, first as the running mean of what follows: see
+    common.learning_rate), and freeze while the group is slowed so a culprit is never absorbed. The
     noise follows over about a minute, and freezes likewise: a straggler's waiting peers, or one node of
     two standing out, would otherwise widen the margins that name it.
     """
@@ -355,7 +356,7 @@ def learn(
     warm_ticks = cfg.bins(cfg.startup_grace_seconds)
     warming = state.learned[:n] < warm_ticks
     learn = steady & (warming | ~waiting)
-    alpha = learning_rate(cfg, warming)
+    alpha = learning_rate(cfg, state.learned[:n], ~in_job)
     state.offset = follow(state.offset, dev, learn, alpha)
     # Peers in one job run the same steps: a GPU that looked like a culprit from the very start is not
     # "structural" (capped). An offset in the victim direction is not learned at all: it could only make

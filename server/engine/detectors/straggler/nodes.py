@@ -81,18 +81,25 @@ def node_level(
     results = _node_rules(cfg, r.idle, r.busier, r.by_power, scales(cfg))
     held = any_of(results, _names(NODE))  # (2, pairs)
     stands = (ready & waiting & held[1]) | r.cut
+    # A node idling on its host explains its group's waiting; the other nodes spin in collectives for
+    # it. Against a median over three or more nodes (the node's own among them, and a few GPUs of an
+    # inferred job on a node of their own counted as a node), a waiting node of a two-node job read as
+    # "busy while the others wait" beside its starved partner: it is a victim, never named.
+    idle_stands = stands & results["straggler_node_idle"][1]
+    victim = np.isin(gids, gids[idle_stands]) & ~idle_stands & ~r.cut
+    stands &= ~victim
     on = ready & waiting & held[0]
     if on.any():
         # As for a GPU (gpus.standing_now): named only while its newest reading still sets it apart.
         on &= _pair_standing_now(tick, lay, off, r.node_busy & alike, r.by_power)
     on |= r.cut
-    on &= _one_job(tick, gids, nids)
+    on &= ~victim & _one_job(tick, gids, nids)
     if halted:
         live = ~np.isin(gids, list(halted))
         stands &= live
         on &= live
     standout = {(int(gids[i]), int(nids[i])) for i in stands.nonzero()[0].tolist()}
-    idling = set(gids[stands & results["straggler_node_idle"][1]].tolist())
+    idling = set(gids[idle_stands].tolist())
     findings = [f for i in on.nonzero()[0].tolist() if (f := _pair_finding(tick, state, lay, r, i)) is not None]
     return findings, standout, idling, dict(lay.pairs)
 
@@ -176,7 +183,12 @@ def _learn_pairs(
     n_learned = nodes.pair_learned[idx]
     warming = n_learned < cfg.bins(cfg.startup_grace_seconds)
     learn = r.steady & (warming | ~waiting) & ~np.isnan(r.gap) & ~r.cut & ~r.others_cut
-    off = follow(nodes.pair_offset[:, idx], np.array([r.gap, r.act]), learn, learning_rate(cfg, warming))
+    off = follow(
+        nodes.pair_offset[:, idx],
+        np.array([r.gap, r.act]),
+        learn,
+        learning_rate(cfg, n_learned, ~tick.registry.one_job[lay.gids]),
+    )
     # Nodes of one job run the same steps: as for GPUs (see gpus.learn), an offset in the culprit direction is
     # capped, and none is learned in the victim direction: a node learned while it idled (host-starved
     # from the start) read as "busier" than the others once it recovered.
