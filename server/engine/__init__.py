@@ -243,7 +243,7 @@ class Engine:
         context = replace(context, halted=halted)
         strag = straggler.detect(tick, self._straggler, context)
         outcomes[AlertKind.STRAGGLER] = strag.outcome
-        self._troubled = self._inferred_in_trouble(tick, strag.standout_groups)
+        self._troubled = self._inferred_in_trouble(tick, strag.standout_groups | strag.named_groups)
         explained = self._explained(tick, outcomes, halted)
         silent = self._jobs_on_silent_nodes(t, healths[AlertKind.NODE_UNREACHABLE])
         context = replace(
@@ -268,7 +268,8 @@ class Engine:
 
     def _inferred_in_trouble(self, tick: Tick, standout: set[int]) -> np.ndarray | None:
         """Per slot: its group is unattributed (an inferred job or a fallback) and its peers slowed or
-        someone stands out. Its GPU model is not re-inferred meanwhile (see inference.JobInference): an
+        someone stands out or is named (a GPU named by its cut clocks before it learned stands out from
+        nothing yet; its braked GPU moves unlike the others, and an inference left it alone). Its GPU model is not re-inferred meanwhile (see inference.JobInference): an
         incident disturbs how a job's GPUs move, and clusters formed then are fragments of it."""
         grp, cfg = tick.groups, self.config
         inferred = ~self.registry.is_job[: grp.n_groups]

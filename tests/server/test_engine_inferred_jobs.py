@@ -104,3 +104,18 @@ def test_outside_a_job_an_offset_after_its_warm_up_is_the_running_mean_of_its_re
     slow = 1.0 - np.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
     assert learning_rate(cfg, np.array([10**6]), True)[0] == pytest.approx(slow)
     assert learning_rate(cfg, np.array([warm]), False)[0] == pytest.approx(slow)
+
+
+def test_a_named_gpu_is_not_left_alone_by_an_inference_while_it_is_named():
+    # A braked unattributed GPU, named by its cut clocks before it had learned, moved unlike its node's
+    # other GPUs: an inference then made them a job without it and left it alone in its node's group,
+    # with no peers, and its alert cleared for four minutes of the brake. A group with a GPU named is in
+    # trouble: its GPU model is not re-inferred meanwhile.
+    from bench import scenarios
+    from gpufleet.server.replay import run_replay
+
+    trace = generate(scenarios.BY_NAME["straggler_unattributed"].build(4))
+    (truth,) = [t for t in trace.truths if t.required]
+    alerts = [a for a in run_replay(trace.lines) if a.kind == AlertKind.STRAGGLER]
+    assert [(a.node, a.gpu) for a in alerts] == [(truth.node, truth.gpu)]
+    assert alerts[0].resolved >= truth.end

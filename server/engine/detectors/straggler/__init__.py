@@ -47,10 +47,17 @@ class Result:
     """Straggler outcome plus which groups have someone standing out (suppresses comm_bound), and which
     have someone standing out by idling below their peers (suppresses input_bound too)."""
 
-    def __init__(self, outcome: Outcome, standout_groups: set[int], idle_groups: set[int]) -> None:
+    def __init__(
+        self,
+        outcome: Outcome,
+        standout_groups: set[int],
+        idle_groups: set[int],
+        named_groups: frozenset[int] = frozenset(),
+    ) -> None:
         self.outcome = outcome
         self.standout_groups = standout_groups
         self.idle_groups = idle_groups
+        self.named_groups = named_groups  # groups with a GPU named this tick
 
 
 def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
@@ -188,6 +195,7 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     whole_findings, whole_standout, whole_pairs, on = whole_node(
         tick, state, on, (eligible | cross_weak) & holding & weak, idle[0]
     )
+    named = frozenset(g[on].tolist())
     for slot in on.nonzero()[0].tolist():
         out.add(
             gpu_finding(
@@ -210,7 +218,7 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     warm = (state.learned[:n] >= warm_ticks) & measured
     out.clear = _clear_test(tick, state.index, judged, warm, holding, weak, cross, node_pairs, node_standout)
     state.prune(tick.t, cfg.straggler_cost_keep_seconds)
-    return Result(out, standout, idle_groups)
+    return Result(out, standout, idle_groups, named)
 
 
 def _clear_test(
