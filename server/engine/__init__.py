@@ -268,9 +268,10 @@ class Engine:
 
     def _inferred_in_trouble(self, tick: Tick, standout: set[int]) -> np.ndarray | None:
         """Per slot: its group is unattributed (an inferred job or a fallback) and its peers slowed or
-        someone stands out or is named (a GPU named by its cut clocks before it learned stands out from
-        nothing yet; its braked GPU moves unlike the others, and an inference left it alone). Its GPU model is not re-inferred meanwhile (see inference.JobInference): an
-        incident disturbs how a job's GPUs move, and clusters formed then are fragments of it."""
+        someone stands out or is named. Its GPU model is not re-inferred meanwhile (see
+        inference.JobInference): an incident disturbs how a job's GPUs move, and clusters formed then are
+        fragments of it. Named counts apart from standing out: a GPU named by its cut clocks before it
+        has learned stands out from nothing yet, and an inference left that braked GPU alone."""
         grp, cfg = tick.groups, self.config
         inferred = ~self.registry.is_job[: grp.n_groups]
         if not inferred.any():
