@@ -57,7 +57,7 @@ def clock_cut(
     return any_of(evaluate(rules, arrays, cfg), [r.name for r in rules])
 
 
-def learning_rate(cfg, learned: np.ndarray, free: np.ndarray | bool = False) -> np.ndarray:
+def learning_rate(cfg, learned: np.ndarray, free: np.ndarray | bool) -> np.ndarray:
     """Offset learning rate per tick, from how many ticks each offset has learned: fast while warming up
     (forgetting the ramp-up), then following slowly with the configured time constant.
 
