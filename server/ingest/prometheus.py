@@ -23,8 +23,8 @@ code, not a count: each change to a new code counts one (ingest/dcgm.py). A GPU 
 is read from the agent alone. A cycle that finds no usable GPU series, or whose every snapshot is
 refused, is blind (IngestAccounting): said in the log, /healthz and /metrics, not left to look healthy.
 
-The same surface as the direct-mode Puller (pull_once, health, counters), so the runtime, /healthz,
-/nodes and /metrics work unchanged; health() reports each agent or exporter as Prometheus's `up` sees it.
+A SampleSource (ingest/base.py) as the Puller is, so the runtime, /healthz, /nodes and /metrics read it
+the same way; health() reports each agent or exporter as Prometheus's `up` sees it.
 """
 
 from __future__ import annotations
@@ -36,22 +36,28 @@ import ssl
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import httpx
 import msgspec
 import orjson
 
 from gpufleet.server.ingest import dcgm
-from gpufleet.server.ingest.puller import (
+from gpufleet.server.ingest.base import (
     Blindness,
     IngestAccounting,
     PullError,
     PullResult,
+    SourceKind,
     TargetHealth,
-    _default_parse,
+    Wiring,
     bounded,
+    default_parse,
 )
+from gpufleet.server.outbound import for_peer
+
+if TYPE_CHECKING:
+    from gpufleet.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +217,7 @@ class PrometheusSource(IngestAccounting):
         self.max_lookback_seconds = max_lookback_seconds
         self.stale_after_seconds = stale_after_seconds
         self._clock = clock
-        self._parse = parse or _default_parse()
+        self._parse = parse or default_parse()
         self._timeout_seconds = timeout_seconds
         self._client = httpx.AsyncClient(
             transport=transport,
@@ -235,7 +241,6 @@ class PrometheusSource(IngestAccounting):
         # dcgm uuid -> (last XID code seen, XIDs counted since): the gauge holds the last code, not a count
         self._dcgm_xids: dict[str, tuple[float, int]] = {}
         self._dcgm_fields: frozenset[str] | None = None  # contract fields some dcgm GPU had, once known
-        self.missing: tuple[tuple[str, str, str], ...] = ()  # (reading, detector, effect) the source lacks
         self._cycle_blind: Blindness | None = None
         self._last_usable: float | None = None  # when an answer last held usable GPU series
 
@@ -705,3 +710,30 @@ def _result(buf: bytes | bytearray, status: int) -> list[Any]:
     if not isinstance(result, list):
         raise PullError("schema", "answer without a result list")
     return result
+
+
+def from_settings(settings: ServerSettings, wiring: Wiring) -> PrometheusSource:
+    """The source --ingest.prometheus-url and the ingest.prometheus.* settings describe."""
+    url = settings.prometheus_url or ""
+    prom = for_peer(settings.prometheus_client, "ingest.prometheus", https=url.startswith("https://"))
+    log.info("reading GPU series through Prometheus", extra={"url": url, "schema": settings.prometheus_schema})
+    return PrometheusSource(
+        url,
+        interval_seconds=settings.pull_interval_seconds,
+        timeout_seconds=settings.pull_timeout_seconds,
+        stale_after_seconds=settings.pull_stale_after_seconds,
+        transport=wiring.transport,
+        clock=wiring.clock,
+        parse=wiring.parse,
+        verify=prom.ssl_context,
+        auth=prom.auth,
+        schema=settings.prometheus_schema,
+    )
+
+
+SOURCE = SourceKind(
+    name="prometheus",
+    selected=lambda settings: bool(settings.prometheus_url),
+    build=from_settings,
+    peer=lambda settings: (settings.prometheus_client, "ingest.prometheus"),
+)
