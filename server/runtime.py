@@ -207,8 +207,7 @@ class Runtime:
         address, or a target file edited back, comes back within it. After a restart with fewer targets,
         the alerts restored for the nodes no longer there resolve the same way, instead of firing forever."""
         claimed = {h.node or self.agent_alerts.nodes.get(h.target) for h in health}
-        nodes = {n.get("node"): n.get("last_sample_time") for n in view.nodes}
-        nodes.pop(None, None)
+        nodes: dict[str, float | None] = {n["node"]: n.get("last_sample_time") for n in view.nodes if n.get("node")}
         for a in view.alerts:
             if a.node is not None and not is_ours(a):
                 nodes.setdefault(a.node, None)

@@ -170,7 +170,9 @@ def uvicorn_server(settings: ServerSettings, app: Any, tls: ssl.SSLContext | Non
         config.load()
         config.ssl = tls
     server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    # Older uvicorn installs its own handlers through this; newer ones have no such method (they hold SIGINT
+    # and SIGTERM only during serve() and raise them again after it returns).
+    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined,method-assign,unused-ignore]
     return server
 
 

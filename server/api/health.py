@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
@@ -25,6 +27,7 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
     stats = runtime.stats
     last = stats.last_tick
     blind = runtime.source.blind
+    status: Literal["ok", "starting", "degraded"]
     reason = detail = None
     if last is None:
         status = "starting"

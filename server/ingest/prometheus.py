@@ -150,7 +150,7 @@ class _Gpu:
     model: str | None = None
     job: str | None = None
     readings: dict[str, Any] | None = None
-    xids: dict[str, int] | None = None
+    xids: dict[str, float] | None = None  # code -> count (a non-finite one is refused by the contract)
     # reading label -> [seconds active, seconds sampled] (NaN until that series is seen)
     activity: dict[str, list[float]] | None = None
     ranks: dict[str, int] | None = None  # field -> rank of the dcgm metric that set it
@@ -183,7 +183,6 @@ class _Gpu:
         elif code:
             if self.xids is None:
                 self.xids = {}
-            # A count that is no finite number is left for the contract check to refuse.
             self.xids[code] = int(value) if math.isfinite(value) else value
 
 
@@ -419,7 +418,7 @@ class PrometheusSource(IngestAccounting):
         """Snapshot-contract objects per (node, scrape) whose agent sample is newer than what was
         delivered, the newest delivered sample time per instance, and how many series were usable."""
         scrapes, ages, sources, usable = self._gather(series)
-        out = []
+        out: list[dict[str, Any]] = []
         arrived: dict[str, float] = {}
         for (node, at), gpus in sorted(scrapes.items(), key=lambda kv: kv[0][1]):
             # The sample's own time: the scrape's, less the sample's age the agent reported in it. The scrape
