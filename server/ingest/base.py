@@ -141,7 +141,8 @@ class IngestAccounting:
         """Count a blind cycle; log when blindness starts, changes reason, or ends (not every cycle)."""
         previous, self.blind = self.blind, blind
         if blind is not None:
-            self.blind_cycles[blind.reason] += 1
+            # Replaced whole, not changed in place: /metrics iterates it on another thread.
+            self.blind_cycles = self.blind_cycles + Counter({blind.reason: 1})
             if previous is None or previous.reason != blind.reason:
                 log.warning(
                     "ingest is blind: no usable GPU samples",
@@ -279,7 +280,7 @@ class SourceKind:
 
     Each source module holds its own (`SOURCE`); gpufleet.server.settings.sample_sources lists them."""
 
-    name: str  # in the log and check-config's summary
+    name: str  # what check-config says the server reads
     selected: Callable[[ServerSettings], bool]
     build: Callable[[ServerSettings, Wiring], SampleSource]
     # Its TLS and credential settings and their flags' prefix, checked by check-config (None: no peer).
