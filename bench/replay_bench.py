@@ -4,7 +4,7 @@
                                  [--big-minutes 20] [--small-nodes 8] [--small-minutes 30]
                                  [--small-slow-minutes 60] [--repeat 3] [--stages] [--no-write]
 
-Generates large traces with tests/server/tracegen.py (N nodes x 8 GPUs at 5 s sampling, a 1 s variant,
+Generates large traces with bench/evaluation/tracegen.py (N nodes x 8 GPUs at 5 s sampling, a 1 s variant,
 a bigger cluster at 5 s, since the per-tick cost is shared by more GPUs there, and a small cluster at
 1 s and at 5 s, where it is shared by fewest), each twice: as the agent records it (every field, ~1.5 KB per GPU)
 and cut down to the snapshot contract's example fields (~0.7 KB per GPU). Then times (a) the CLI as a
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSpec, Trace, write_trace
+from bench.evaluation.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSpec, Trace, write_trace
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADING = "## Server: replay"
@@ -317,7 +317,7 @@ def render(results: list[Timing], repeat: int, startup_s: float) -> str:
     out = [
         f"`python -m bench.replay_bench` on {cpu} ({os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f} when it finished: with other work running, wall time exceeds CPU time), "
-        f"Python {platform.python_version()}, each run pinned to one core; median of {repeat} runs. Traces from `tests/server/tracegen.py` (a time-sorted cat of "
+        f"Python {platform.python_version()}, each run pinned to one core; median of {repeat} runs. Traces from `bench/evaluation/tracegen.py` (a time-sorted cat of "
         "every node's snapshot lines, a few incidents, 0.5 % dropped lines). *CLI* is "
         "`gpufleet-server replay TRACE` as a subprocess, end to end: interpreter start-up, imports, "
         "parsing, engine, alert JSON on stdout. *In-process* is `run_replay(open(TRACE, 'rb', buffering=1 << 20))`.",

@@ -1,4 +1,4 @@
-"""bench.detection_eval's evaluation modes: the unattributed transformation and scoring, the frozen
+"""bench.evaluation.detection_eval's evaluation modes: the unattributed transformation and scoring, the frozen
 hold-out and the ablation table's overrides (no full evaluation here: that is the bench's job)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import orjson
 import pytest
 
 from gpufleet.server.engine import Engine, EngineConfig, policy
-from bench import detection_eval, scenarios, tracegen
-from bench.tracegen import Truth
+from bench.evaluation import detection_eval, scenarios, tracegen
+from bench.evaluation.tracegen import Truth
 
 T0 = 1_763_800_000.0
 

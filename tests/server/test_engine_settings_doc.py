@@ -1,4 +1,4 @@
-"""docs/detection.md's settings table is what bench.engine_settings generates from EngineConfig."""
+"""docs/detection.md's settings table is what bench.docgen.engine_settings generates from EngineConfig."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from bench import engine_settings
+from bench.docgen import engine_settings
 from gpufleet.server.engine import EngineConfig
 
 

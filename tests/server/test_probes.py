@@ -1,13 +1,13 @@
-"""bench.probes: probe scenarios stay out of the catalog, build the fleets they describe, and are scored by
-bench.detection_eval --probes (one small probe replayed for real; the large ones are the bench's job)."""
+"""bench.evaluation.probes: probe scenarios stay out of the catalog, build the fleets they describe, and are scored by
+bench.evaluation.detection_eval --probes (one small probe replayed for real; the large ones are the bench's job)."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from bench import detection_eval, probes, scenarios
-from bench.tracegen import A100, H100, H100_PCIE, generate
+from bench.evaluation import detection_eval, probes, scenarios
+from bench.evaluation.tracegen import A100, H100, H100_PCIE, generate
 
 
 def test_probes_are_named_once_and_never_part_of_the_catalog():
@@ -62,7 +62,7 @@ def test_a_probe_generates_and_is_scored_by_the_probe_evaluation():
     # A straggler slowing a quiet job by 10-14 %: the margin floors, not the job's tiny spread, decide.
     assert ev.kinds["straggler"].required == 1 and ev.kinds["straggler"].detected == 1 and row.fp == 0
     body = detection_eval.render_probes(ev)
-    assert "| probe_quiet_job |" in body and "`bench/probes.py`" in body
+    assert "| probe_quiet_job |" in body and "`bench/evaluation/probes.py`" in body
     # Replaying nothing misses the straggler, and the section says so.
     silent = detection_eval.evaluate_probes(lambda lines: [], ["probe_quiet_job"], seeds=1)
     assert silent.kinds["straggler"].recall == 0.0

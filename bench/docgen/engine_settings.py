@@ -3,7 +3,7 @@
 Settings: each row is one EngineConfig field: its key, default, unit (from the name's suffix and type)
 and what it is (the comment lines right above the field in server/engine/config.py). Rules: per detector,
 each rule it declares (policy.declared_rules): name, what it says, when it holds (signal, margin setting
-and its default, spread and sigmas) and its gates. `python -m bench.engine_settings` rewrites both between
+and its default, spread and sigmas) and its gates. `python -m bench.docgen.engine_settings` rewrites both between
 their markers (`<!-- settings:begin -->` ... `<!-- settings:end -->`, `<!-- rules:begin -->` ...
 `<!-- rules:end -->`); `--check` only says whether they are current (exit 1 when not).
 """
@@ -21,10 +21,10 @@ from gpufleet.server.engine import EngineConfig, policy
 from gpufleet.server.engine import config as config_module
 from gpufleet.server.engine.rules import Rule
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "detection.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "detection.md"
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
 RULES_BEGIN, RULES_END = "<!-- rules:begin -->", "<!-- rules:end -->"
-COMMAND = "python -m bench.engine_settings"
+COMMAND = "python -m bench.docgen.engine_settings"
 
 # Unit by the field name's ending, first match wins; ratios and utilizations are shares from 0 to 1.
 _UNITS = (

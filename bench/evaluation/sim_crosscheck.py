@@ -1,16 +1,16 @@
 """Detection on traces from the agent's own NVML simulator: a second physics model, written apart from
 the engine's scenario generator.
 
-    python -m bench.sim_crosscheck [--seeds N] [--first-seed N] [--hard] [--unattributed] [--every 1,5,10]
+    python -m bench.evaluation.sim_crosscheck [--seeds N] [--first-seed N] [--hard] [--unattributed] [--every 1,5,10]
                                    [--workers N] [--kinds a,b] [--no-write]
 
-The scenario suite (bench/detection_eval.py) replays tests/server/tracegen.py, which was written with
+The scenario suite (bench/evaluation/detection_eval.py) replays bench/evaluation/tracegen.py, which was written with
 the engine and may share its blind spots. This bench draws random agent/sim scenarios instead: 1-4
 nodes of H100, A100 or L40S, one job on every GPU or on half of each node (then often beside a second
 job), random step time and compute share, and one incident of each kind, or a decoy (a power cap on
 the whole job, nothing at all, a counter reset, an application XID, the job ending, one node's agent
 silent for minutes while its job runs on). Every node is recorded through
-the production agent pipeline in simulated time (bench/sim_record.py), the node files are concatenated
+the production agent pipeline in simulated time (bench/evaluation/sim_record.py), the node files are concatenated
 as `cat` would, cut to 1, 5 or 10 s sampling, and replayed. `--hard` draws marginal severities (a GPU
 5-20 % slow, a communication slowdown of 1.3-2x, a host idling 8-30 % of each step, a mild cooling
 failure) and puts 30 % of the incidents other than comm_slowdown in the job's first minute.
@@ -45,10 +45,10 @@ import orjson
 
 from gpufleet.agent.sim import parse_scenario
 from gpufleet.server.replay import run_replay
-from bench.tracegen import COMM_REQUIRED_GROWTH, STRAGGLER_REQUIRED_SLOWDOWN
-from bench.sim_record import T0, record_node
+from bench.evaluation.tracegen import COMM_REQUIRED_GROWTH, STRAGGLER_REQUIRED_SLOWDOWN
+from bench.evaluation.sim_record import T0, record_node
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "crosscheck.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "crosscheck.md"
 BEGIN, END = "<!-- crosscheck:begin -->", "<!-- crosscheck:end -->"
 KINDS = (
     "cooling",
@@ -340,7 +340,7 @@ def evaluate(
 
 def render(table: dict[tuple[str, int], Tally], args: argparse.Namespace, max_misses: int = 12) -> str:
     cmd = (
-        f"python -m bench.sim_crosscheck --seeds {args.seeds} --first-seed {args.first_seed}"
+        f"python -m bench.evaluation.sim_crosscheck --seeds {args.seeds} --first-seed {args.first_seed}"
         + (" --hard" if args.hard else "")
         + (" --unattributed" if args.unattributed else "")
         + f" --every {args.every}"
@@ -381,7 +381,7 @@ def write_section(doc: Path, body: str, mode: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.sim_crosscheck", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.evaluation.sim_crosscheck", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=12)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--hard", action="store_true", help="marginal severities, 30 %% of incidents at job start")
