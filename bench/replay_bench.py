@@ -32,12 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.docgen.splice import Section
 from bench.evaluation.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSpec, Trace, write_trace
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-HEADING = "## Server: replay"
-# The figures this script writes lie between these; the notes after them in the section are kept.
-BEGIN, END = "<!-- replay_bench:begin -->", "<!-- replay_bench:end -->"
+# The figures this script writes; the notes after them in the section are kept.
+SECTION = Section("replay_bench", "## Server: replay")
 GOAL, FLOOR = 500_000, 200_000
 # The GPU fields of the snapshot contract's example in the agent issue: what a minimal producer writes.
 CONTRACT_GPU_FIELDS = frozenset(
@@ -392,28 +392,6 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def write_section(doc: Path, body: str) -> None:
-    """Replace the figures between the markers, keeping the rest of the `## Server: replay` section; a
-    section without markers is replaced up to the next `## ` heading, and a missing one appended."""
-    block = "\n".join((BEGIN, body.strip("\n"), END))
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
-        head, rest = text.split(BEGIN, 1)
-        new = head + block + rest.split(END, 1)[1]
-    else:
-        lines = text.splitlines()
-        section = [HEADING, "", *block.splitlines(), ""]
-        try:
-            start = lines.index(HEADING)
-        except ValueError:
-            new = text.rstrip("\n") + "\n\n" + "\n".join(section).rstrip("\n") + "\n"
-        else:
-            end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-            new = "\n".join(lines[:start] + section + lines[end:]).rstrip("\n") + "\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.replay_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=64)
@@ -487,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(results, args.repeat, startup_s)
     print(section)
     if not args.no_write:
-        write_section(args.doc, section)
+        SECTION.write(args.doc, section, "Benchmarks")
         print(f"wrote {args.doc}", file=sys.stderr)
     return 0
 

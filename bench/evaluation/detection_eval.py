@@ -32,18 +32,17 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from bench.docgen.splice import Section
 from bench.evaluation import probes, scenarios
 from bench.evaluation.tracegen import GENERATOR_VERSION, generate, without_fields
 
 log = logging.getLogger(__name__)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "evaluation.md"
-BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
-HEADING = "## Scenario suite"
+SUITE = Section("suite", "## Scenario suite")
 HEADLINE_KINDS = ("thermal_throttle", "straggler", "comm_bound")
 EVAL_DOC = DOC
-EVAL_BEGIN, EVAL_END = "<!-- evaluation:begin -->", "<!-- evaluation:end -->"
-EVAL_HEADING = "## Results"
+REPORT = Section("evaluation", "## Results")
 
 # The frozen hold-out. No threshold of the engine is tuned on these seeds: tuning runs start at
 # --first-seed, which refuses to reach HOLDOUT_FIRST_SEED; only --holdout (and --report) score them, and
@@ -55,8 +54,7 @@ HOLDOUT_FIRST_SEED = 1_000_000
 HOLDOUT_SEEDS = 1_000
 # The noise multiplier of the noisy condition in the report: the issue's robustness bar.
 REPORT_NOISE_SCALE = 4.0
-PROBES_BEGIN, PROBES_END = "<!-- probes:begin -->", "<!-- probes:end -->"
-PROBES_HEADING = "## Probes"
+PROBES = Section("probes", "## Probes")
 
 
 @dataclass(frozen=True)
@@ -292,20 +290,6 @@ def render(ev: Evaluation, max_failures: int = 40) -> str:
     return "\n".join(lines)
 
 
-def write_section(doc: Path, body: str) -> None:
-    """Replace only what lies between the suite markers; add heading and markers if absent."""
-    block = f"{BEGIN}\n{body}\n{END}"
-    text = doc.read_text() if doc.exists() else "# Evaluation\n"
-    if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
-
-
 def _condition_table(ev: Evaluation) -> list[str]:
     out = [
         "| kind | precision | recall | TP | FP | required | detected | median TTF (s) | median TTF at 5 s (s) |",
@@ -428,19 +412,6 @@ def render_report(rep: Report) -> str:
     return "\n".join(lines)
 
 
-def write_report(doc: Path, body: str) -> None:
-    """Replace only what lies between the evaluation markers; create the document if absent."""
-    block = f"{EVAL_BEGIN}\n{body}\n{EVAL_END}"
-    text = doc.read_text() if doc.exists() else "# Evaluation\n"
-    if EVAL_BEGIN in text and EVAL_END in text and text.index(EVAL_BEGIN) < text.index(EVAL_END):
-        head, rest = text.split(EVAL_BEGIN, 1)
-        text = head + block + rest.split(EVAL_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n{EVAL_HEADING}\n\n{block}\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
-
-
 def evaluate_probes(
     run_replay: Callable[..., Any], names: list[str], seeds: int, first_seed: int = 0, noise_scale: float = 1.0
 ) -> Evaluation:
@@ -471,19 +442,6 @@ def render_probes(ev: Evaluation) -> str:
     failures = [f"- {r.name}, {f}" for r in ev.per_scenario for f in r.failures]
     lines += ["", f"Misses, late, false and stuck alerts ({len(failures)}):", "", *(failures or ["None."])]
     return "\n".join(lines)
-
-
-def write_probes(doc: Path, body: str) -> None:
-    """Replace only what lies between the probes markers; add heading and markers at the end if absent."""
-    block = f"{PROBES_BEGIN}\n{body}\n{PROBES_END}"
-    text = doc.read_text() if doc.exists() else "# Evaluation\n"
-    if PROBES_BEGIN in text and PROBES_END in text and text.index(PROBES_BEGIN) < text.index(PROBES_END):
-        head, rest = text.split(PROBES_BEGIN, 1)
-        text = head + block + rest.split(PROBES_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n{PROBES_HEADING}\n\n{block}\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
 
 
 def run_report(run_replay: Callable[..., Any], names: list[str], seeds: int, ablation_seeds: int) -> Report:
@@ -630,11 +588,11 @@ def main(argv: list[str] | None = None) -> int:
         body = render_report(rep)
         print(body)
         probe_body = render_probes(evaluate_probes(replay, list(probes.BY_NAME), args.seeds))
-        print(f"\n{PROBES_HEADING}\n\n{probe_body}")
+        print(f"\n{PROBES.heading}\n\n{probe_body}")
         if not args.no_write:
-            write_report(args.eval_doc, body)
-            write_section(args.eval_doc, render(rep.conditions[0][2]))
-            write_probes(args.eval_doc, probe_body)
+            REPORT.write(args.eval_doc, body, "Evaluation")
+            SUITE.write(args.eval_doc, render(rep.conditions[0][2]), "Evaluation")
+            PROBES.write(args.eval_doc, probe_body, "Evaluation")
             print(f"\nwrote {args.eval_doc}", file=sys.stderr)
         return 0
     if args.probes:
@@ -643,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         print(probe_body + "\n\n" + _summary(probe_ev))
         probe_run = fields or args.noise_scale != 1.0 or args.first_seed or len(names) < len(probes.BY_NAME)
         if not args.no_write and not probe_run:
-            write_probes(args.eval_doc, probe_body)
+            PROBES.write(args.eval_doc, probe_body, "Evaluation")
             print(f"\nwrote {args.eval_doc}", file=sys.stderr)
         return 0
     if args.ablate:
@@ -666,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + _summary(ev))
     probe = fields or args.first_seed or args.noise_scale != 1.0 or args.mid_job is not None
     if not args.no_write and not probe and not args.unattributed and not args.holdout:
-        write_section(args.doc, body)
+        SUITE.write(args.doc, body, "Evaluation")
         print(f"\nwrote {args.doc}", file=sys.stderr)
     return 0
 

@@ -45,11 +45,18 @@ import orjson
 
 from gpufleet.agent.sim import parse_scenario
 from gpufleet.server.replay import run_replay
+from bench.docgen.splice import Section
 from bench.evaluation.tracegen import COMM_REQUIRED_GROWTH, STRAGGLER_REQUIRED_SLOWDOWN
 from bench.evaluation.sim_record import T0, record_node
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "crosscheck.md"
-BEGIN, END = "<!-- crosscheck:begin -->", "<!-- crosscheck:end -->"
+
+
+def section(mode: str = "") -> Section:
+    """The block of one mode ("", "hard", "unattributed") in docs/crosscheck.md, appended where absent."""
+    return Section(f"crosscheck:{mode}" if mode else "crosscheck")
+
+
 KINDS = (
     "cooling",
     "slow_silent",
@@ -364,22 +371,6 @@ def render(table: dict[tuple[str, int], Tally], args: argparse.Namespace, max_mi
     return "\n".join(lines)
 
 
-def write_section(doc: Path, body: str, mode: str = "") -> None:
-    """Replace the block for this mode ("", "hard" or "unattributed") between its markers; append it if
-    absent."""
-    begin, end = (
-        (BEGIN, END) if not mode else (BEGIN.replace("begin", f"{mode}:begin"), END.replace("end", f"{mode}:end"))
-    )
-    text = doc.read_text()
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n{block}\n"
-    doc.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.evaluation.sim_crosscheck", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=12)
@@ -403,9 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     body = render(table, args)
     print(body)
     if not args.no_write:
-        write_section(
-            args.doc, body, "-".join(m for m, on in (("hard", args.hard), ("unattributed", args.unattributed)) if on)
-        )
+        mode = "-".join(m for m, on in (("hard", args.hard), ("unattributed", args.unattributed)) if on)
+        section(mode).write(args.doc, body)
     return 0
 
 

@@ -84,11 +84,11 @@ def test_probes_cli_refuses_catalog_names_and_other_conditions(capsys):
 def test_probes_section_is_written_between_its_own_markers_after_the_report(tmp_path):
     doc = tmp_path / "evaluation.md"
     doc.write_text("# Evaluation\n\nintro\n")
-    detection_eval.write_report(doc, "report v1")
-    detection_eval.write_probes(doc, "probes v1")
-    detection_eval.write_probes(doc, "probes v2")
-    detection_eval.write_report(doc, "report v2")
+    detection_eval.REPORT.write(doc, "report v1")
+    detection_eval.PROBES.write(doc, "probes v1")
+    detection_eval.PROBES.write(doc, "probes v2")
+    detection_eval.REPORT.write(doc, "report v2")
     text = doc.read_text()
-    assert text.count(detection_eval.PROBES_BEGIN) == 1 and text.count(detection_eval.PROBES_HEADING) == 1
+    assert text.count(detection_eval.PROBES.begin) == 1 and text.count(detection_eval.PROBES.heading) == 1
     assert "probes v2" in text and "probes v1" not in text and "report v2" in text
-    assert text.index(detection_eval.EVAL_END) < text.index(detection_eval.PROBES_BEGIN)
+    assert text.index(detection_eval.REPORT.end) < text.index(detection_eval.PROBES.begin)

@@ -303,14 +303,15 @@ def test_score_accepts_alert_objects():
 
 
 def test_detection_doc_section_replaces_only_between_markers(tmp_path):
-    from bench.evaluation.detection_eval import BEGIN, END, HEADING, write_section
+    from bench.evaluation.detection_eval import SUITE
 
     doc = tmp_path / "detection.md"
-    write_section(doc, "first")
-    assert HEADING in doc.read_text() and "first" in doc.read_text()
-    doc.write_text(f"# Detection\n\nengine text\n\n{HEADING}\n\n{BEGIN}\nold\n{END}\n\nmore engine text\n")
-    write_section(doc, "new body")
-    expected = f"# Detection\n\nengine text\n\n{HEADING}\n\n{BEGIN}\nnew body\n{END}\n\nmore engine text\n"
+    SUITE.write(doc, "first", "Evaluation")
+    assert SUITE.heading in doc.read_text() and "first" in doc.read_text()
+    head, begin, end = SUITE.heading, SUITE.begin, SUITE.end
+    doc.write_text(f"# Detection\n\nengine text\n\n{head}\n\n{begin}\nold\n{end}\n\nmore engine text\n")
+    SUITE.write(doc, "new body")
+    expected = f"# Detection\n\nengine text\n\n{head}\n\n{begin}\nnew body\n{end}\n\nmore engine text\n"
     assert doc.read_text() == expected
 
 
@@ -379,21 +380,23 @@ def test_detection_eval_probes_score_and_never_write_into_the_document(tmp_path,
 
 
 def test_benchmarks_doc_section_replaces_only_its_own_figures(tmp_path):
-    from bench.replay_bench import BEGIN, END, HEADING, write_section
+    from bench.replay_bench import SECTION
+
+    BEGIN, END, HEADING = SECTION.begin, SECTION.end, SECTION.heading
 
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n## Agent\n\nagent figures\n")
-    write_section(doc, "v1\n")
-    write_section(doc, "v2\n")
+    SECTION.write(doc, "v1\n")
+    SECTION.write(doc, "v2\n")
     text = doc.read_text()
     assert "agent figures" in text and "v2" in text and "v1" not in text and text.count(HEADING) == 1
     # A section from before the markers is replaced whole, up to the next heading.
     doc.write_text(f"# Benchmarks\n\n{HEADING}\n\nold\n\n## Agent\n\nagent figures\n")
-    write_section(doc, "v3")
+    SECTION.write(doc, "v3")
     assert doc.read_text() == f"# Benchmarks\n\n{HEADING}\n\n{BEGIN}\nv3\n{END}\n\n## Agent\n\nagent figures\n"
     # Notes written after the figures, in the same section, survive a new run.
     doc.write_text(f"# Benchmarks\n\n{HEADING}\n\n{BEGIN}\nv3\n{END}\n\nnotes\n\n## Agent\n\nagent figures\n")
-    write_section(doc, "v4")
+    SECTION.write(doc, "v4")
     assert doc.read_text() == f"# Benchmarks\n\n{HEADING}\n\n{BEGIN}\nv4\n{END}\n\nnotes\n\n## Agent\n\nagent figures\n"
 
 
