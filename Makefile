@@ -48,14 +48,14 @@ bench-live-prometheus: $(STAMP)
 
 # Precision, recall and time to fire over the scenario suite; rewrites its section of docs/evaluation.md.
 eval: $(STAMP)
-	$(BIN)/python -m bench.detection_eval --seeds 5
+	$(BIN)/python -m bench.evaluation.detection_eval --seeds 5
 
 # Detection on the agent's own simulator: normal and marginal incidents, and without job attribution
 # (each about 50 minutes on 2 cores at 12 seeds).
 crosscheck: $(STAMP)
-	$(BIN)/python -m bench.sim_crosscheck --seeds 12
-	$(BIN)/python -m bench.sim_crosscheck --seeds 12 --hard
-	$(BIN)/python -m bench.sim_crosscheck --seeds 8 --unattributed
+	$(BIN)/python -m bench.evaluation.sim_crosscheck --seeds 12
+	$(BIN)/python -m bench.evaluation.sim_crosscheck --seeds 12 --hard
+	$(BIN)/python -m bench.evaluation.sim_crosscheck --seeds 8 --unattributed
 
 # Wheels for bench/hardware_check.sh on a lent GPU machine (CPython 3.12 there, nothing to download from):
 # the agent's and replay's packages its image lacks, and nvitop-exporter with what it needs (nvitop, psutil)
@@ -70,7 +70,7 @@ hardware-wheels: $(STAMP)
 
 # The settings table of docs/detection.md, from EngineConfig's defaults and the comments above its fields.
 engine-settings-doc: $(STAMP)
-	$(BIN)/python -m bench.engine_settings
+	$(BIN)/python -m bench.docgen.engine_settings
 
 # The PrometheusRule and the Grafana dashboard ConfigMap for the Prometheus Operator, from their sources.
 operator-manifests: $(STAMP)
