@@ -24,7 +24,8 @@ test: lint
 
 # mypy checks modules under their installed names (gpufleet, gpufleet.server.engine): .mypy-src lays the
 # folders out so, with links, since the editable install maps them by an import hook mypy does not run.
-MYPY_TARGETS := -p gpufleet.server.engine -m gpufleet.server.contract $(foreach f,$(basename $(notdir $(wildcard core/*.py))),-m gpufleet$(if $(filter __init__,$(f)),,.$(f)))
+MYPY_TARGETS := -p gpufleet.server.engine -m gpufleet.server.contract -p gpufleet.server.ingest \
+	-m gpufleet.server.runtime -m gpufleet.server.metrics -m gpufleet.server.serve $(foreach f,$(basename $(notdir $(wildcard core/*.py))),-m gpufleet$(if $(filter __init__,$(f)),,.$(f)))
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -11,7 +11,7 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import orjson
 
@@ -238,10 +238,10 @@ def _where(q: AlertQuery) -> tuple[str, list[object]]:
         if value is not None:
             clauses.append(f"{column} = ?")
             args.append(value.value)
-    for column, value in (("node", q.node), ("gpu", q.gpu), ("hpc_job", q.hpc_job)):
-        if value is not None:
+    for column, plain in (("node", q.node), ("gpu", q.gpu), ("hpc_job", q.hpc_job)):
+        if plain is not None:
             clauses.append(f"{column} = ?")
-            args.append(value)
+            args.append(plain)
     if q.since is not None:
         clauses.append("(resolved IS NULL OR resolved >= ?)")
         args.append(q.since)
@@ -270,7 +270,7 @@ def _to_row(a: Alert) -> Sequence[object]:
     )
 
 
-def _from_row(r: Sequence[object]) -> Alert:
+def _from_row(r: Sequence[Any]) -> Alert:
     """A table row as an alert."""
     return Alert(
         id=r[0],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
@@ -21,10 +23,11 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
     """200 while cycles complete; 503 before the first cycle or when cycles stopped completing. "degraded"
     with a reason also while alert changes wait for the store (a failed write, retried every cycle) or when
     the last cycle had no usable GPU sample (still 200)."""
-    health = runtime.puller.health()
+    health = runtime.source.health()
     stats = runtime.stats
     last = stats.last_tick
-    blind = getattr(runtime.puller, "blind", None)
+    blind = runtime.source.blind
+    status: Literal["ok", "starting", "degraded"]
     reason = detail = None
     if last is None:
         status = "starting"

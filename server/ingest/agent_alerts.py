@@ -1,4 +1,4 @@
-"""`node_unreachable` for agents the engine cannot speak for, raised from the puller's target health.
+"""`node_unreachable` for agents the engine cannot speak for, raised from the sample source's target health.
 
 The engine raises `node_unreachable` when a node it knows stops sending samples. It cannot for an
 agent that has not delivered a single sample since the server started: one that was already down
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Collection, Iterable, Mapping, Sequence
 
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Transition, fingerprint
-from gpufleet.server.ingest.puller import TargetHealth
+from gpufleet.server.ingest.base import TargetHealth
 
 SOURCE = "ingest"
 
@@ -78,7 +78,7 @@ class AgentAlerts:
     def _bad(self, h: TargetHealth, node: str | None, now: float, out: list[Transition]) -> None:
         """A target down or stale that the engine cannot see: fire once it has lasted this long."""
         state = self._open.setdefault(h.target, _Open(now))
-        # A stale target has already been silent for the puller's stale-after; a down one is timed from here.
+        # A stale target has already been silent for the source's stale-after; a down one is timed from here.
         if state.alert is None and (h.stale or now - state.since >= self.after_seconds):
             state.alert = _alert(h, node, state.since, now, self.after_seconds)
             out.append(Transition(state.alert, None))

@@ -23,8 +23,8 @@ code, not a count: each change to a new code counts one (ingest/dcgm.py). A GPU 
 is read from the agent alone. A cycle that finds no usable GPU series, or whose every snapshot is
 refused, is blind (IngestAccounting): said in the log, /healthz and /metrics, not left to look healthy.
 
-The same surface as the direct-mode Puller (pull_once, health, counters), so the runtime, /healthz,
-/nodes and /metrics work unchanged; health() reports each agent or exporter as Prometheus's `up` sees it.
+A SampleSource (ingest/base.py) as the Puller is, so the runtime, /healthz, /nodes and /metrics read it
+the same way; health() reports each agent or exporter as Prometheus's `up` sees it.
 """
 
 from __future__ import annotations
@@ -36,22 +36,28 @@ import ssl
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import httpx
 import msgspec
 import orjson
 
 from gpufleet.server.ingest import dcgm
-from gpufleet.server.ingest.puller import (
+from gpufleet.server.ingest.base import (
     Blindness,
     IngestAccounting,
     PullError,
     PullResult,
+    SourceKind,
     TargetHealth,
-    _default_parse,
+    Wiring,
     bounded,
+    default_parse,
 )
+from gpufleet.server.outbound import for_peer
+
+if TYPE_CHECKING:
+    from gpufleet.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +150,7 @@ class _Gpu:
     model: str | None = None
     job: str | None = None
     readings: dict[str, Any] | None = None
-    xids: dict[str, int] | None = None
+    xids: dict[str, float] | None = None  # code -> count (a non-finite one is refused by the contract)
     # reading label -> [seconds active, seconds sampled] (NaN until that series is seen)
     activity: dict[str, list[float]] | None = None
     ranks: dict[str, int] | None = None  # field -> rank of the dcgm metric that set it
@@ -177,7 +183,6 @@ class _Gpu:
         elif code:
             if self.xids is None:
                 self.xids = {}
-            # A count that is no finite number is left for the contract check to refuse.
             self.xids[code] = int(value) if math.isfinite(value) else value
 
 
@@ -211,7 +216,7 @@ class PrometheusSource(IngestAccounting):
         self.max_lookback_seconds = max_lookback_seconds
         self.stale_after_seconds = stale_after_seconds
         self._clock = clock
-        self._parse = parse or _default_parse()
+        self._parse = parse or default_parse()
         self._timeout_seconds = timeout_seconds
         self._client = httpx.AsyncClient(
             transport=transport,
@@ -235,7 +240,6 @@ class PrometheusSource(IngestAccounting):
         # dcgm uuid -> (last XID code seen, XIDs counted since): the gauge holds the last code, not a count
         self._dcgm_xids: dict[str, tuple[float, int]] = {}
         self._dcgm_fields: frozenset[str] | None = None  # contract fields some dcgm GPU had, once known
-        self.missing: tuple[tuple[str, str, str], ...] = ()  # (reading, detector, effect) the source lacks
         self._cycle_blind: Blindness | None = None
         self._last_usable: float | None = None  # when an answer last held usable GPU series
 
@@ -414,7 +418,7 @@ class PrometheusSource(IngestAccounting):
         """Snapshot-contract objects per (node, scrape) whose agent sample is newer than what was
         delivered, the newest delivered sample time per instance, and how many series were usable."""
         scrapes, ages, sources, usable = self._gather(series)
-        out = []
+        out: list[dict[str, Any]] = []
         arrived: dict[str, float] = {}
         for (node, at), gpus in sorted(scrapes.items(), key=lambda kv: kv[0][1]):
             # The sample's own time: the scrape's, less the sample's age the agent reported in it. The scrape
@@ -705,3 +709,30 @@ def _result(buf: bytes | bytearray, status: int) -> list[Any]:
     if not isinstance(result, list):
         raise PullError("schema", "answer without a result list")
     return result
+
+
+def from_settings(settings: ServerSettings, wiring: Wiring) -> PrometheusSource:
+    """The source --ingest.prometheus-url and the ingest.prometheus.* settings describe."""
+    url = settings.prometheus_url or ""
+    prom = for_peer(settings.prometheus_client, "ingest.prometheus", https=url.startswith("https://"))
+    log.info("reading GPU series through Prometheus", extra={"url": url, "schema": settings.prometheus_schema})
+    return PrometheusSource(
+        url,
+        interval_seconds=settings.pull_interval_seconds,
+        timeout_seconds=settings.pull_timeout_seconds,
+        stale_after_seconds=settings.pull_stale_after_seconds,
+        transport=wiring.transport,
+        clock=wiring.clock,
+        parse=wiring.parse,
+        verify=prom.ssl_context,
+        auth=prom.auth,
+        schema=settings.prometheus_schema,
+    )
+
+
+SOURCE = SourceKind(
+    name="prometheus",
+    selected=lambda settings: bool(settings.prometheus_url),
+    build=from_settings,
+    peer=lambda settings: (settings.prometheus_client, "ingest.prometheus"),
+)
