@@ -116,7 +116,11 @@ class Runtime:
     def restore(self) -> int:
         """Hand the store's open alerts back to the engine after a restart; returns how many."""
         alerts = [self.routing.label(a) for a in self.store.open_alerts()]
-        self.agent_alerts.restore(alerts, self.store.target_nodes())
+        nodes = self.store.target_nodes()
+        self.agent_alerts.restore(alerts, nodes)
+        remember = getattr(self.puller, "remember_identities", None)  # the agents' puller; Prometheus has none
+        if remember is not None:
+            remember(nodes)
         if alerts:
             self.engine.restore([a for a in alerts if not is_ours(a)])
             log.info("open alerts restored", extra={"alerts": len(alerts)})

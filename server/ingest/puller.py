@@ -313,6 +313,13 @@ class Puller(IngestAccounting):
         self._node_of: dict[str, str] = {}
         self._target_of: dict[str, str] = {}
         self._gpus_of: dict[str, set[int]] = {}
+        self._uuids_of: dict[str, set[str]] = {}  # node -> the GPU uuids pinned to it
+        self._uuid_node: dict[str, str] = {}  # GPU uuid -> its node
+        # The target each node answered from before a restart (the store's), kept while that target is listed:
+        # a target merely down at the restart keeps its node's name from another that claims it meanwhile.
+        self._remembered: dict[str, str] = {}  # target -> node
+        self._remembered_at: dict[str, set[str]] = {}  # node -> those targets
+        self._listed: frozenset[str] = frozenset()
         self._transport = transport
         self._timeout_seconds = timeout_seconds
         self._timeout = httpx.Timeout(timeout_seconds)
@@ -359,6 +366,7 @@ class Puller(IngestAccounting):
         started = self._clock()
         t0 = time.perf_counter()
         targets = await asyncio.to_thread(self._list_targets)
+        self._listed = frozenset(targets)
         for gone in set(self._health) - set(targets):
             del self._health[gone]
             self.clocks.forget(gone)
@@ -645,14 +653,34 @@ class Puller(IngestAccounting):
             return pinned if node is None else node
         if pinned is not None:
             raise PullError("node_changed", f"answers as {node[:100]!r}, first seen as {pinned[:100]!r}")
-        owner = self._target_of.get(node)
+        owner = self._target_of.get(node) or self._remembered_owner(target, node)
         if owner is not None:
             raise PullError("node_claimed", f"{node[:100]!r} is pulled from {owner}")
         if len(self._target_of) >= self.max_nodes:
             raise PullError("too_many_nodes", f"{len(self._target_of)} nodes already, the most accepted")
         self._node_of[target] = node
         self._target_of[node] = target
+        self._forget_remembered(target)
         return node
+
+    def remember_identities(self, nodes: Mapping[str, str]) -> None:
+        """The node each target answered as before a restart (target -> node, from the store)."""
+        for target, node in nodes.items():
+            self._forget_remembered(target)
+            self._remembered[target] = node
+            self._remembered_at.setdefault(node, set()).add(target)
+
+    def _forget_remembered(self, target: str) -> None:
+        """The target answered for itself: what it was before the restart no longer speaks for it."""
+        node = self._remembered.pop(target, None)
+        if node is not None:
+            self._remembered_at[node].discard(target)
+            if not self._remembered_at[node]:
+                del self._remembered_at[node]
+
+    def _remembered_owner(self, target: str, node: str) -> str | None:
+        """Another listed target that answered as `node` before the restart and has not answered since."""
+        return min((t for t in self._remembered_at.get(node, ()) if t != target and t in self._listed), default=None)
 
     def _identity_error(self, node: str | None, raw: Any) -> tuple[str, str] | None:
         """(reason, detail) when a snapshot names another node than its target's, or brings its node's GPUs
@@ -666,14 +694,31 @@ class Puller(IngestAccounting):
             return None
         if len(gpus) > self.max_gpus:
             return "too_many_gpus", f"{len(gpus)} GPUs in one snapshot, over {self.max_gpus}"
+        uuids = [u for g in gpus if isinstance(g, dict) and isinstance(u := g.get("uuid"), str)]
+        if len(set(uuids)) < len(uuids):
+            twice = next(u for u, n in Counter(uuids).items() if n > 1)
+            return "duplicate_gpu_uuid", f"GPU {twice[:100]!r} twice in one snapshot"
         if node is None:
             return None
+        owner = next((o for u in uuids if (o := self._uuid_node.get(u, node)) != node), None)
+        if owner is not None:
+            return "gpu_claimed", f"a GPU of {owner[:100]!r} reported as {node[:100]!r}'s"
         known = self._gpus_of.setdefault(node, set())
         new = {i for g in gpus if isinstance(g, dict) and type(i := g.get("index")) is int} - known
         if len(known) + len(new) > self.max_gpus:
             return "too_many_gpus", f"node would have {len(known) + len(new)} GPU indices, over {self.max_gpus}"
         known |= new
+        self._pin_uuids(node, uuids)
         return None
+
+    def _pin_uuids(self, node: str, uuids: list[str]) -> None:
+        """Pin the GPUs a node reports to it (no other node may report them), up to max_gpus per node: a GPU
+        swapped for another adds one, an agent making up new ones each time cannot grow this."""
+        pinned = self._uuids_of.setdefault(node, set())
+        for u in uuids:
+            if u not in pinned and len(pinned) < self.max_gpus:
+                pinned.add(u)
+                self._uuid_node[u] = node
 
     def _forget_identity(self, target: str) -> None:
         """A target that left discovery frees its node's name (another target may now answer for it)."""
@@ -682,6 +727,8 @@ class Puller(IngestAccounting):
         if node is not None and self._target_of.get(node) == target:
             del self._target_of[node]
             self._gpus_of.pop(node, None)
+            for u in self._uuids_of.pop(node, ()):
+                self._uuid_node.pop(u, None)
 
     def _clock_offset(
         self, target: str, node: str | None, served: float | None, newest: float | None, now: float
