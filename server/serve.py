@@ -39,7 +39,8 @@ from gpufleet.server.outbound import Outbound
 from gpufleet.server.routing import AlertRouting
 from gpufleet.server.runtime import Runtime
 from gpufleet.server.settings import ClientAuth, ConfigError, ServerSettings, load_settings
-from gpufleet.server.store import AlertStore, StoreError
+from gpufleet.server.store import StoreError
+from gpufleet.server.store_check import open_checked
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,11 @@ def build_runtime(
     puller = build_source(settings, clock=clock, transport=transport, parse=parse)
     notifiers = build_notifiers(settings, transport=transport) + list(extra_notifiers)
     # Last: the store creates its file, which a start refused for any other reason must not leave behind.
-    store = AlertStore(settings.storage_path, retention_seconds=settings.storage_retention_seconds)
+    store = open_checked(
+        settings.storage_path,
+        on_corruption=settings.storage_on_corruption,
+        retention_seconds=settings.storage_retention_seconds,
+    )
     return Runtime(
         engine=engine,
         puller=puller,
