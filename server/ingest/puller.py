@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import email.utils
 import logging
 import ssl
 import time
@@ -313,11 +314,10 @@ class Puller(IngestAccounting):
         self._node_of: dict[str, str] = {}
         self._target_of: dict[str, str] = {}
         self._gpus_of: dict[str, set[int]] = {}
-        self._uuids_of: dict[str, set[str]] = {}  # node -> the GPU uuids pinned to it
-        self._uuid_node: dict[str, str] = {}  # GPU uuid -> its node
         # The target each node answered from before a restart (the store's), kept while that target is listed:
         # a target merely down at the restart keeps its node's name from another that claims it meanwhile.
         self._remembered: dict[str, str] = {}  # target -> node
+        self._dated: dict[str, float] = {}  # target -> its clock offset from its Date header, until better known
         self._remembered_at: dict[str, set[str]] = {}  # node -> those targets
         self._listed: frozenset[str] = frozenset()
         self._transport = transport
@@ -450,6 +450,10 @@ class Puller(IngestAccounting):
         """The `since` to send. With a span to keep to, and the agent's clock known, also no earlier than its
         newest sample less the span: agents that do not know the `span` parameter keep to it that way."""
         offset = self.clocks.estimate(target)
+        if offset is None:
+            # No answer decoded yet (every one too big): its HTTP Date header, to the second, is what we know of
+            # its clock, and enough to keep an agent that ignores `span` to one.
+            offset = self._dated.get(target)
         if span is None or offset is None:
             return since
         floor = now + offset - span
@@ -527,6 +531,7 @@ class Puller(IngestAccounting):
                 )
                 if response.status_code != 200:
                     raise PullError("http_status", str(response.status_code))
+                self._note_date(target, response.headers.get("date"))
                 declared = response.headers.get("content-length")
                 if declared and declared.isdigit() and int(declared) > self.max_payload_bytes:
                     raise PullError("oversized", f"content-length {declared}")
@@ -540,6 +545,15 @@ class Puller(IngestAccounting):
                     if len(buf) > self.max_payload_bytes:
                         raise PullError("oversized", f"over {self.max_payload_bytes} bytes")
                 return buf  # orjson reads a bytearray as is: no second copy of a large body
+
+    def _note_date(self, target: str, date: str | None) -> None:
+        """Keep the agent's clock as its Date header shows it (agent minus ours, rounded down to the second, so
+        a `since` set from it reaches back a little further, never less), while no answer has shown better."""
+        if date is None or self.clocks.estimate(target) is not None:
+            self._dated.pop(target, None)
+            return
+        with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
+            self._dated[target] = email.utils.parsedate_to_datetime(date).timestamp() - self._clock()
 
     def _load(self, body: bytes | bytearray) -> dict[str, Any]:
         """The answer's envelope, decoded and checked (on the decoder thread); its size is bounded first.
@@ -700,35 +714,21 @@ class Puller(IngestAccounting):
             return "duplicate_gpu_uuid", f"GPU {twice[:100]!r} twice in one snapshot"
         if node is None:
             return None
-        owner = next((o for u in uuids if (o := self._uuid_node.get(u, node)) != node), None)
-        if owner is not None:
-            return "gpu_claimed", f"a GPU of {owner[:100]!r} reported as {node[:100]!r}'s"
         known = self._gpus_of.setdefault(node, set())
         new = {i for g in gpus if isinstance(g, dict) and type(i := g.get("index")) is int} - known
         if len(known) + len(new) > self.max_gpus:
             return "too_many_gpus", f"node would have {len(known) + len(new)} GPU indices, over {self.max_gpus}"
         known |= new
-        self._pin_uuids(node, uuids)
         return None
-
-    def _pin_uuids(self, node: str, uuids: list[str]) -> None:
-        """Pin the GPUs a node reports to it (no other node may report them), up to max_gpus per node: a GPU
-        swapped for another adds one, an agent making up new ones each time cannot grow this."""
-        pinned = self._uuids_of.setdefault(node, set())
-        for u in uuids:
-            if u not in pinned and len(pinned) < self.max_gpus:
-                pinned.add(u)
-                self._uuid_node[u] = node
 
     def _forget_identity(self, target: str) -> None:
         """A target that left discovery frees its node's name (another target may now answer for it)."""
         self._span.pop(target, None)
+        self._dated.pop(target, None)
         node = self._node_of.pop(target, None)
         if node is not None and self._target_of.get(node) == target:
             del self._target_of[node]
             self._gpus_of.pop(node, None)
-            for u in self._uuids_of.pop(node, ()):
-                self._uuid_node.pop(u, None)
 
     def _clock_offset(
         self, target: str, node: str | None, served: float | None, newest: float | None, now: float
