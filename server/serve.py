@@ -40,7 +40,7 @@ from gpufleet.server.routing import AlertRouting
 from gpufleet.server.runtime import Runtime
 from gpufleet.server.settings import ClientAuth, ConfigError, ServerSettings, load_settings
 from gpufleet.server.store import StoreError
-from gpufleet.server.store_check import open_checked
+from gpufleet.server.store_check import REFUSE, damage, open_checked
 
 log = logging.getLogger(__name__)
 
@@ -263,8 +263,9 @@ async def serve_until_signalled(server: uvicorn.Server, sockets: list[socket.soc
 
 def check_config(argv: Sequence[str] | None = None) -> int:
     """`gpufleet-server check-config [serve's flags]`: everything serve would refuse at start, without starting:
-    settings, the web config, the engine's settings, the file_sd file, every TLS and credential file, and the
-    storage folder. Exit 0 with one summary line, or 2 with the first problem, as `promtool check config`."""
+    settings, the web config, the engine's settings, the file_sd file, every TLS and credential file, the
+    storage folder, and the store file's integrity where a damaged one would be refused. Exit 0 with one
+    summary line, or 2 with the first problem, as `promtool check config`."""
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv, prog="gpufleet-server check-config")
         if settings.web_config_file:
@@ -283,7 +284,9 @@ def check_config(argv: Sequence[str] | None = None) -> int:
         for auth, prefix in _peers(settings):
             Outbound(auth, prefix)
         check_storage_folder(settings)
-    except (ConfigError, TargetError, ValueError) as exc:
+        if settings.storage_on_corruption == REFUSE and (problem := damage(settings.storage_path)):
+            raise ConfigError(f"alert store {settings.storage_path} is damaged ({problem}): serve would refuse it")
+    except (ConfigError, TargetError, StoreError, ValueError) as exc:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
     source = "prometheus" if settings.prometheus_url else "agents"

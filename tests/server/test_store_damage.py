@@ -190,3 +190,18 @@ def test_damage_the_start_check_missed_degrades_healthz_and_alerts_come_from_mem
     assert (health["status"], health["degraded_reason"]) == ("degraded", "store_error")
     assert "alert store read failed: database disk image is malformed" in health["degraded_detail"]
     store.close()
+
+
+def test_check_config_names_a_damaged_store_where_serve_would_refuse_it(tmp_path, capsys) -> None:
+    from gpufleet.server.cli import main as cli
+
+    path = tmp_path / "alerts.db"
+    _store(path)
+    assert cli(["check-config", "--storage.path", str(path), "--storage.on-corruption", REFUSE]) == 0
+    capsys.readouterr()
+    _damage(path, "index")
+    assert cli(["check-config", "--storage.path", str(path)]) == 0  # moved aside at start: not a problem
+    capsys.readouterr()
+    assert cli(["check-config", "--storage.path", str(path), "--storage.on-corruption", REFUSE]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is damaged" in err and "serve would refuse it" in err
