@@ -38,13 +38,16 @@ def _store(path: Path) -> None:
 
 
 def _page_of(path: Path, place: str) -> tuple[int, int]:
-    """(page number, offset in it) of a b-tree page header: the schema's (page 1, after the file header), the
-    alerts table's root, one of its leaves (the root's right-most child), or an index's root."""
+    """(page number, offset in it) of the damage: the file header's fields, or a b-tree page header: the
+    schema's (page 1, after the file header), the alerts table's root, one of its leaves (the root's
+    right-most child), or an index's root."""
     import sqlite3
 
     db = sqlite3.connect(path)
     roots = dict(db.execute("SELECT name, rootpage FROM sqlite_master").fetchall())
     db.close()
+    if place == "header":
+        return 1, 24  # past the 16-byte magic string: page size, counters, schema cookie...
     if place == "schema":
         return 1, 100
     if place == "table":
@@ -66,7 +69,7 @@ def _damage(path: Path, place: str) -> bytes:
     return bytes(data)
 
 
-PLACES = ["schema", "table", "leaf", "index"]
+PLACES = ["header", "schema", "table", "leaf", "index"]
 
 
 @pytest.mark.parametrize("place", PLACES)
