@@ -25,6 +25,7 @@ import httpx
 import orjson
 
 from gpufleet.server.clocks import MIN_OFFSET_SECONDS, ClockOffsets
+from gpufleet.server.ingest.identity import RememberedNodes
 from gpufleet.server.ingest.targets import TargetSource
 
 log = logging.getLogger(__name__)
@@ -314,12 +315,10 @@ class Puller(IngestAccounting):
         self._node_of: dict[str, str] = {}
         self._target_of: dict[str, str] = {}
         self._gpus_of: dict[str, set[int]] = {}
-        # The target each node answered from before a restart (the store's), kept while that target is listed:
-        # a target merely down at the restart keeps its node's name from another that claims it meanwhile.
-        self._remembered: dict[str, str] = {}  # target -> node
-        self._dated: dict[str, float] = {}  # target -> its clock offset from its Date header, until better known
-        self._remembered_at: dict[str, set[str]] = {}  # node -> those targets
+        # The target each node answered from before a restart, and the targets listed now (see identity.py).
+        self._remembered = RememberedNodes()
         self._listed: frozenset[str] = frozenset()
+        self._dated: dict[str, float] = {}  # target -> its clock offset from its Date header, until better known
         self._transport = transport
         self._timeout_seconds = timeout_seconds
         self._timeout = httpx.Timeout(timeout_seconds)
@@ -667,34 +666,19 @@ class Puller(IngestAccounting):
             return pinned if node is None else node
         if pinned is not None:
             raise PullError("node_changed", f"answers as {node[:100]!r}, first seen as {pinned[:100]!r}")
-        owner = self._target_of.get(node) or self._remembered_owner(target, node)
+        owner = self._target_of.get(node) or self._remembered.owner(node, target, self._listed)
         if owner is not None:
             raise PullError("node_claimed", f"{node[:100]!r} is pulled from {owner}")
         if len(self._target_of) >= self.max_nodes:
             raise PullError("too_many_nodes", f"{len(self._target_of)} nodes already, the most accepted")
         self._node_of[target] = node
         self._target_of[node] = target
-        self._forget_remembered(target)
+        self._remembered.forget(target)
         return node
 
     def remember_identities(self, nodes: Mapping[str, str]) -> None:
         """The node each target answered as before a restart (target -> node, from the store)."""
-        for target, node in nodes.items():
-            self._forget_remembered(target)
-            self._remembered[target] = node
-            self._remembered_at.setdefault(node, set()).add(target)
-
-    def _forget_remembered(self, target: str) -> None:
-        """The target answered for itself: what it was before the restart no longer speaks for it."""
-        node = self._remembered.pop(target, None)
-        if node is not None:
-            self._remembered_at[node].discard(target)
-            if not self._remembered_at[node]:
-                del self._remembered_at[node]
-
-    def _remembered_owner(self, target: str, node: str) -> str | None:
-        """Another listed target that answered as `node` before the restart and has not answered since."""
-        return min((t for t in self._remembered_at.get(node, ()) if t != target and t in self._listed), default=None)
+        self._remembered.remember(nodes)
 
     def _identity_error(self, node: str | None, raw: Any) -> tuple[str, str] | None:
         """(reason, detail) when a snapshot names another node than its target's, or brings its node's GPUs
