@@ -72,8 +72,8 @@ def test_every_open_alert_keeps_its_id_and_start_across_a_restart_and_nothing_re
     now[0] += 10
     second = _runtime(settings, now, StubEngine())
     assert second.restore() == 3
-    # Past the stale-after (30 s) and the down threshold: the window where a restored alert used to resolve
-    # (the first answer after a restart reads as new data) and fire again under a new id.
+    # Past the stale-after (30 s) and the down threshold: the first answer after a restart reads as new data,
+    # and a restored alert resolved on it would fire again under a new id once the target read stale.
     transitions = asyncio.run(_cycles(second, now, 12))
     assert [(t.alert.kind.value, t.alert.node, t.alert.state.value) for t in transitions] == []
     after = {(a.kind.value, a.node, a.evidence.get("reason")): (a.id, a.started) for a in second.store.open_alerts()}

@@ -127,7 +127,7 @@ def test_the_default_is_move_aside_and_the_flag_takes_only_the_two_answers() -> 
 
 def test_a_real_server_on_a_damaged_store_moves_it_aside_and_serves(tmp_path) -> None:
     """The whole start path: the damaged file is moved aside, the server comes up on a fresh store, and its
-    API answers (where the damage reached the restore, it used to die with a traceback and exit 3)."""
+    API answers (damage the restore reads would otherwise end it with a traceback and exit 3)."""
     path = tmp_path / "server.db"
     _store(path)
     damaged = _damage(path, "leaf")
