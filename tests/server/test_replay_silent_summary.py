@@ -1,5 +1,5 @@
 """A firing node_unreachable's summary says how long the node has been silent as its evidence does, however
-long that grows: a replayed node 1.7e9 s behind the other was summarised at its first 40 s for good."""
+long that grows: a summary kept from when it fired would say 40 s beside evidence of 1.7e9 s."""
 
 from __future__ import annotations
 
