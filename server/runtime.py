@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -103,8 +104,16 @@ class Runtime:
 
     def restore(self) -> int:
         """Hand the store's open alerts back to the engine after a restart; returns how many."""
-        alerts = [self.routing.label(a) for a in self.store.open_alerts()]
-        self.agent_alerts.restore(alerts, self.store.target_nodes())
+        try:
+            alerts = [self.routing.label(a) for a in self.store.open_alerts()]
+            nodes = self.store.target_nodes()
+        except sqlite3.Error as exc:
+            # Damage the start check did not see: the engine re-raises from the agents what is still wrong, and
+            # /healthz says the store fails; dying here would leave the fleet unwatched.
+            log.error("alert store unreadable: starting without its open alerts", extra={"error": str(exc)})
+            alerts, nodes = [], {}
+        self.agent_alerts.restore(alerts, nodes)
+        self.source.remember_identities(nodes)
         if alerts:
             self.engine.restore([a for a in alerts if not is_ours(a)])
             log.info("open alerts restored", extra={"alerts": len(alerts)})

@@ -30,7 +30,8 @@ from gpufleet.server.outbound import Outbound, for_peer
 from gpufleet.server.routing import AlertRouting
 from gpufleet.server.runtime import Runtime
 from gpufleet.server.settings import ClientAuth, ConfigError, ServerSettings, load_settings, sample_sources
-from gpufleet.server.store import AlertStore, StoreError
+from gpufleet.server.store import StoreError
+from gpufleet.server.store_check import REFUSE, damage, open_checked
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,11 @@ def build_runtime(
     source = build_source(settings, clock=clock, transport=transport, parse=parse, kinds=source_kinds)
     notifiers = build_notifiers(settings, transport=transport) + list(extra_notifiers)
     # Last: the store creates its file, which a start refused for any other reason must not leave behind.
-    store = AlertStore(settings.storage_path, retention_seconds=settings.storage_retention_seconds)
+    store = open_checked(
+        settings.storage_path,
+        on_corruption=settings.storage_on_corruption,
+        retention_seconds=settings.storage_retention_seconds,
+    )
     return Runtime(
         engine=engine,
         source=source,
@@ -200,8 +205,9 @@ async def serve_until_signalled(server: uvicorn.Server, sockets: list[socket.soc
 
 def check_config(argv: Sequence[str] | None = None) -> int:
     """`gpufleet-server check-config [serve's flags]`: everything serve would refuse at start, without starting:
-    settings, the web config, the engine's settings, the file_sd file, every TLS and credential file, and the
-    storage folder. Exit 0 with one summary line, or 2 with the first problem, as `promtool check config`."""
+    settings, the web config, the engine's settings, the file_sd file, every TLS and credential file, the
+    storage folder, and the store file's integrity where a damaged one would be refused. Exit 0 with one
+    summary line, or 2 with the first problem, as `promtool check config`."""
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv, prog="gpufleet-server check-config")
         if settings.web_config_file:
@@ -220,7 +226,9 @@ def check_config(argv: Sequence[str] | None = None) -> int:
         for auth, prefix in _peers(settings):
             Outbound(auth, prefix)
         check_storage_folder(settings)
-    except (ConfigError, TargetError, ValueError) as exc:
+        if settings.storage_on_corruption == REFUSE and (problem := damage(settings.storage_path)):
+            raise ConfigError(f"alert store {settings.storage_path} is damaged ({problem}): serve would refuse it")
+    except (ConfigError, TargetError, StoreError, ValueError) as exc:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
     print(

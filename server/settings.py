@@ -236,6 +236,7 @@ class ServerSettings:
     prometheus_client: ClientAuth = ClientAuth()
     storage_path: str = "gpufleet.db"
     storage_retention_seconds: float = 7 * 86400.0
+    storage_on_corruption: str = "move-aside"
     alertmanager_urls: tuple[str, ...] = ()
     alertmanager_resend_interval_seconds: float = 60.0
     alertmanager_client: ClientAuth = ClientAuth()
@@ -378,6 +379,12 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     **client_flags("pull", "pull_client", "the agents", bearer=False),
     "storage.path": ("storage_path", str, "SQLite file for alerts (default gpufleet.db)"),
     "storage.retention": ("storage_retention_seconds", parse_duration, "keep resolved alerts this long (default 7d)"),
+    "storage.on-corruption": (
+        "storage_on_corruption",
+        _choice("move-aside", "refuse"),
+        "a store file SQLite finds damaged at start: move-aside (renamed to <file>.damaged-<time>, named in "
+        "the log, and a fresh store started) or refuse (exit 2) (default move-aside)",
+    ),
     "alertmanager.url": (
         "alertmanager_urls",
         parse_urls,

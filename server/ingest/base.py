@@ -169,6 +169,9 @@ class IngestAccounting:
             total[reason] += n
         return total
 
+    def remember_identities(self, nodes: Mapping[str, str]) -> None:
+        """A source whose targets are not the agents themselves has no names to pin: nothing to remember."""
+
     def _forget_target(self, target: str) -> None:
         """A target left discovery: its per-target series go (on Kubernetes every agent restart is a new
         address, and they would pile up), its counts stay in the per-reason totals."""
@@ -263,6 +266,10 @@ class SampleSource(Protocol):
     def errors(self) -> Mapping[tuple[str, str], int]: ...
 
     def errors_by_reason(self) -> Mapping[str, int]: ...
+
+    def remember_identities(self, nodes: Mapping[str, str]) -> None:
+        """The node each target answered as before a restart (target -> node, from the store)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import email.utils
 import logging
 import ssl
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -32,6 +34,7 @@ from gpufleet.server.ingest.base import (
     bounded,
     default_parse,
 )
+from gpufleet.server.ingest.identity import RememberedNodes
 from gpufleet.server.ingest.targets import (
     CombinedTargets,
     DnsTargets,
@@ -151,6 +154,10 @@ class Puller(IngestAccounting):
         self._node_of: dict[str, str] = {}
         self._target_of: dict[str, str] = {}
         self._gpus_of: dict[str, set[int]] = {}
+        # The target each node answered from before a restart, and the targets listed now (see identity.py).
+        self._remembered = RememberedNodes()
+        self._listed: frozenset[str] = frozenset()
+        self._dated: dict[str, float] = {}  # target -> its clock offset from its Date header, until better known
         self._transport = transport
         self._timeout_seconds = timeout_seconds
         self._timeout = httpx.Timeout(timeout_seconds)
@@ -197,6 +204,7 @@ class Puller(IngestAccounting):
         started = self._clock()
         t0 = time.perf_counter()
         targets = await asyncio.to_thread(self._list_targets)
+        self._listed = frozenset(targets)
         for gone in set(self._health) - set(targets):
             del self._health[gone]
             self.clocks.forget(gone)
@@ -280,6 +288,10 @@ class Puller(IngestAccounting):
         """The `since` to send. With a span to keep to, and the agent's clock known, also no earlier than its
         newest sample less the span: agents that do not know the `span` parameter keep to it that way."""
         offset = self.clocks.estimate(target)
+        if offset is None:
+            # No answer decoded yet (every one too big): its HTTP Date header, to the second, is what we know of
+            # its clock, and enough to keep an agent that ignores `span` to one.
+            offset = self._dated.get(target)
         if span is None or offset is None:
             return since
         floor = now + offset - span
@@ -357,6 +369,7 @@ class Puller(IngestAccounting):
                 )
                 if response.status_code != 200:
                     raise PullError("http_status", str(response.status_code))
+                self._note_date(target, response.headers.get("date"))
                 declared = response.headers.get("content-length")
                 if declared and declared.isdigit() and int(declared) > self.max_payload_bytes:
                     raise PullError("oversized", f"content-length {declared}")
@@ -370,6 +383,15 @@ class Puller(IngestAccounting):
                     if len(buf) > self.max_payload_bytes:
                         raise PullError("oversized", f"over {self.max_payload_bytes} bytes")
                 return buf  # orjson reads a bytearray as is: no second copy of a large body
+
+    def _note_date(self, target: str, date: str | None) -> None:
+        """Keep the agent's clock as its Date header shows it (agent minus ours, rounded down to the second, so
+        a `since` set from it reaches back a little further, never less), while no answer has shown better."""
+        if date is None or self.clocks.estimate(target) is not None:
+            self._dated.pop(target, None)
+            return
+        with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
+            self._dated[target] = email.utils.parsedate_to_datetime(date).timestamp() - self._clock()
 
     def _load(self, body: bytes | bytearray) -> dict[str, Any]:
         """The answer's envelope, decoded and checked (on the decoder thread); its size is bounded first.
@@ -483,14 +505,19 @@ class Puller(IngestAccounting):
             return pinned if node is None else node
         if pinned is not None:
             raise PullError("node_changed", f"answers as {node[:100]!r}, first seen as {pinned[:100]!r}")
-        owner = self._target_of.get(node)
+        owner = self._target_of.get(node) or self._remembered.owner(node, target, self._listed)
         if owner is not None:
             raise PullError("node_claimed", f"{node[:100]!r} is pulled from {owner}")
         if len(self._target_of) >= self.max_nodes:
             raise PullError("too_many_nodes", f"{len(self._target_of)} nodes already, the most accepted")
         self._node_of[target] = node
         self._target_of[node] = target
+        self._remembered.forget(target)
         return node
+
+    def remember_identities(self, nodes: Mapping[str, str]) -> None:
+        """The node each target answered as before a restart (target -> node, from the store)."""
+        self._remembered.remember(nodes)
 
     def _identity_error(self, node: str | None, raw: Any) -> tuple[str, str] | None:
         """(reason, detail) when a snapshot names another node than its target's, or brings its node's GPUs
@@ -504,6 +531,10 @@ class Puller(IngestAccounting):
             return None
         if len(gpus) > self.max_gpus:
             return "too_many_gpus", f"{len(gpus)} GPUs in one snapshot, over {self.max_gpus}"
+        uuids = [u for g in gpus if isinstance(g, dict) and isinstance(u := g.get("uuid"), str)]
+        if len(set(uuids)) < len(uuids):
+            twice = next(u for u, n in Counter(uuids).items() if n > 1)
+            return "duplicate_gpu_uuid", f"GPU {twice[:100]!r} twice in one snapshot"
         if node is None:
             return None
         known = self._gpus_of.setdefault(node, set())
@@ -516,6 +547,7 @@ class Puller(IngestAccounting):
     def _forget_identity(self, target: str) -> None:
         """A target that left discovery frees its node's name (another target may now answer for it)."""
         self._span.pop(target, None)
+        self._dated.pop(target, None)
         node = self._node_of.pop(target, None)
         if node is not None and self._target_of.get(node) == target:
             del self._target_of[node]
