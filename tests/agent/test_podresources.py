@@ -16,11 +16,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
+import orjson
 import pytest
 
 from gpufleet.agent import kubelet_podresources_v1_pb2 as api
 from gpufleet.agent import kubelet_podresources_v1_pb2_grpc as api_grpc
 from gpufleet.agent.attribution import BackgroundAttributor, JobAttributor
+from gpufleet.agent.cli import main
 from gpufleet.agent.podresources import (
     JOB_LABELS,
     ApiServerPodLabels,
@@ -415,3 +417,32 @@ def test_the_agents_builder_reads_labels_from_pod_names_when_told(kubelet, tmp_p
         assert answers(attr)[0] == ("research/llama", "research", "llama-worker-1")
     finally:
         attr.close()
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_the_agent_names_the_pod_the_kubelet_says_holds_a_simulated_gpu(kubelet, capsys):
+    """gpufleet-agent --once on the simulator, told the socket: the held GPU is the pod's, the others are
+    left to /proc (the simulator's Slurm job), and each GPU keeps the job its processes name."""
+    servicer, socket = kubelet
+    assert main(["--once", "--log.level", "error", "--simulate", "hgx-h100"]) == 0
+    plain = orjson.loads(capsys.readouterr().out)
+    uuid = plain["gpus"][0]["uuid"]
+    servicer.pods = [
+        api.PodResources(
+            name="llama-worker-0", namespace="research", containers=[container("c", ("nvidia.com/gpu", [uuid]))]
+        )
+    ]
+    args = [
+        "--simulate",
+        "hgx-h100",
+        "--kubernetes.pod-resources-socket",
+        socket,
+        "--kubernetes.pod-labels",
+        "pod-name",
+    ]
+    assert main(["--once", "--log.level", "error", *args]) == 0
+    doc = orjson.loads(capsys.readouterr().out)
+    placed = [(g["hpc_job"], g["kubernetes_namespace"], g["kubernetes_pod"]) for g in doc["gpus"]]
+    assert placed[0] == (plain["gpus"][0]["hpc_job"], "research", "llama-worker-0")
+    assert placed[1:] == [(g["hpc_job"], None, None) for g in plain["gpus"][1:]]
+    assert servicer.calls == 1  # --once samples twice, within one refresh interval
