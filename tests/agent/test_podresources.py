@@ -6,6 +6,7 @@ counted and survived; the kubelet asked on the sampler's schedule, cached betwee
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import ssl
 import tempfile
@@ -446,3 +447,23 @@ def test_the_agent_names_the_pod_the_kubelet_says_holds_a_simulated_gpu(kubelet,
     assert placed[0] == (plain["gpus"][0]["hpc_job"], "research", "llama-worker-0")
     assert placed[1:] == [(g["hpc_job"], None, None) for g in plain["gpus"][1:]]
     assert servicer.calls == 1  # --once samples twice, within one refresh interval
+
+
+def test_the_committed_modules_are_generated_from_the_committed_protocol_definition():
+    """`make podresources-stubs` was run after the last change to the .proto: every message's fields and
+    the service's methods, with their names and numbers, are the same in both."""
+    text = (Path(api.__file__).parent / "kubelet_podresources_v1.proto").read_text()
+    text = re.sub(r"//[^\n]*", "", text)
+    messages = {
+        name: {(field, int(number)) for field, number in re.findall(r"(\w+)\s*=\s*(\d+)\s*;", body)}
+        for name, body in re.findall(r"message\s+(\w+)\s*\{([^}]*)\}", text)
+    }
+    generated = {
+        name: {(f.name, f.number) for f in message.fields}
+        for name, message in api.DESCRIPTOR.message_types_by_name.items()
+    }
+    assert generated == messages and api.DESCRIPTOR.package == "v1"
+    (service,) = api.DESCRIPTOR.services_by_name.values()
+    methods = re.findall(r"rpc\s+(\w+)\((\w+)\)\s+returns\s+\((\w+)\)", text)
+    assert service.full_name == "v1.PodResourcesLister"
+    assert [(m.name, m.input_type.name, m.output_type.name) for m in service.methods] == methods
