@@ -84,18 +84,23 @@ class Pod:
 
 
 class Attributor(Protocol):
-    """What the sampler and BackgroundAttributor ask: JobAttributor (/proc, a mapping directory), or
-    agent.podresources.KubeletAttributor (the kubelet first)."""
+    """What the sampler asks: JobAttributor, agent.podresources.KubeletAttributor or BackgroundAttributor."""
 
     @property
     def uses_mapping_dir(self) -> bool: ...
     @property
     def errors(self) -> Mapping[str, int]: ...
-    @property
-    def by_allocation(self) -> bool: ...
     def job_for(self, index: int, uuid: str, pids: Iterable[int]) -> str | None: ...
     def pod_for(self, pids: Iterable[int]) -> Pod | None: ...
     def end_cycle(self) -> None: ...
+
+
+class InnerAttributor(Attributor, Protocol):
+    """What BackgroundAttributor runs on its thread: JobAttributor (/proc, a mapping directory), or
+    agent.podresources.KubeletAttributor (the kubelet first)."""
+
+    @property
+    def by_allocation(self) -> bool: ...
     def note(self, what: str, code: str, message: str, **context: object) -> None: ...
 
 
@@ -333,7 +338,7 @@ class BackgroundAttributor:
     otherwise stop sampling. While the thread is stuck only the newest cycle's questions wait, and a GPU
     keeps its last answer; a GPU whose processes have all gone has no job at once."""
 
-    def __init__(self, inner: Attributor, *, start: bool = True) -> None:
+    def __init__(self, inner: InnerAttributor, *, start: bool = True) -> None:
         self._inner = inner
         self.uses_mapping_dir = inner.uses_mapping_dir
         self._asked: dict[int, tuple[str, tuple[int, ...]]] = {}

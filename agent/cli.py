@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import orjson
 
 from gpufleet.agent import __version__
-from gpufleet.agent.attribution import Attributor, BackgroundAttributor, JobAttributor
+from gpufleet.agent.attribution import BackgroundAttributor, InnerAttributor, JobAttributor
 from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET
 from gpufleet.agent.config import PROG, AgentConfig, ConfigError, default_node, load_config
 from gpufleet.extras import AGENT_MODULES, missing_extra
@@ -60,7 +60,7 @@ class Runtime:
 
     node: str
     reader: NvmlReader
-    attributor: Attributor
+    attributor: InnerAttributor
     clock: Callable[[], float]
     wait: Callable[[float], None]
     cleanup: list[Callable[[], None]] = field(default_factory=list)
@@ -154,7 +154,7 @@ def build_runtime(config: AgentConfig) -> Runtime:
         rendezvous=config.hpc_job_rendezvous,
         node=node,
     )
-    attributor: Attributor = procfs_attributor
+    attributor: InnerAttributor = procfs_attributor
     socket = config.pod_resources_socket or (None if config.simulate else DEFAULT_SOCKET)
     if socket and not config.hpc_job_mapping_dir:
         kubelet = kubelet_attributor(
