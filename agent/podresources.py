@@ -141,7 +141,8 @@ class PodResourcesClient:
         from gpufleet.agent import kubelet_podresources_v1_pb2_grpc as api_grpc
 
         if self._stub is None:
-            # The kubelet recreates its socket on restart: a channel to the old one would never recover.
+            # Rebuilt after a failure rather than left to gRPC's reconnect backoff, which grows past the
+            # refresh interval while a kubelet restarts.
             self._channel = grpc.insecure_channel(f"unix://{os.path.abspath(self.socket_path)}")
             self._stub = api_grpc.PodResourcesListerStub(self._channel)
         try:
@@ -293,19 +294,22 @@ class PodResourcesAttribution:
             return
         self._next = now + self._refresh_s
         self.refreshes += 1
-        self.serving = False
-        self._holders = {}
-        if not self._client.available():
-            return
-        try:
-            self._holders = self._client.list_holders()
-        except Exception as exc:  # grpc.RpcError, or anything a broken answer raises
-            code = getattr(exc, "code", None)
-            cause = code().name.lower() if callable(code) else type(exc).__name__
-            self._note("podresources", cause, "the kubelet's PodResources API failed; using /proc", repr(exc))
-            return
-        self.serving = True
-        self._refresh_labels(now, {(h.namespace, h.pod) for h in self._holders.values()})
+        was_serving, self.serving, self._holders = self.serving, False, {}
+        if self._client.available():
+            try:
+                self._holders = self._client.list_holders()
+                self.serving = True
+            except Exception as exc:  # grpc.RpcError, or anything a broken answer raises
+                code = getattr(exc, "code", None)
+                cause = code().name.lower() if callable(code) else type(exc).__name__
+                self._note("podresources", cause, "the kubelet's PodResources API failed; using /proc", repr(exc))
+        if self.serving != was_serving:
+            log.info(
+                "GPUs attributed to pods by the kubelet" if self.serving else "GPUs attributed through /proc",
+                extra={"socket": self._client.socket_path},
+            )
+        if self.serving:
+            self._refresh_labels(now, {(h.namespace, h.pod) for h in self._holders.values()})
 
     def placement(self, index: int, uuid: str) -> Placement | None:
         """The pod holding GPU `index`, as of the last refresh; None when none does or the kubelet is not asked."""
