@@ -24,14 +24,11 @@ from gpufleet.agent import kubelet_podresources_v1_pb2 as api
 from gpufleet.agent import kubelet_podresources_v1_pb2_grpc as api_grpc
 from gpufleet.agent.attribution import BackgroundAttributor, JobAttributor
 from gpufleet.agent.cli import main
+from gpufleet.agent.pod_jobs import JOB_LABELS, ApiServerPodLabels
 from gpufleet.agent.podresources import (
-    JOB_LABELS,
-    ApiServerPodLabels,
     KubeletAttributor,
     PodResourcesAttribution,
     PodResourcesClient,
-    job_from_labels,
-    job_from_pod_name,
     kubelet_attributor,
 )
 from gpufleet.agent.sampler import Sampler
@@ -206,25 +203,6 @@ def test_each_gpu_is_named_by_the_pod_holding_it_and_its_job_by_the_pods_labels(
     assert accept.startswith("application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1")
 
 
-@pytest.mark.parametrize(
-    ("labels", "job"),
-    [
-        ({"training.kubeflow.org/job-name": "llama", "training.kubeflow.org/replica-type": "worker"}, "ns/llama"),
-        ({"jobset.sigs.k8s.io/jobset-name": "sweep", "batch.kubernetes.io/job-name": "sweep-w-0"}, "ns/sweep"),
-        ({"mpi-job-name": "allreduce", "mpi-job-role": "worker"}, "ns/allreduce"),
-        ({"leaderworkerset.sigs.k8s.io/name": "vllm", "leaderworkerset.sigs.k8s.io/group-index": "2"}, "ns/vllm-2"),
-        ({"volcano.sh/job-name": "bert"}, "ns/bert"),
-        ({"batch.kubernetes.io/job-name": "train", "job-name": "train"}, "ns/train"),
-        ({"job-name": "old-train"}, "ns/old-train"),
-        ({"app": "coredns"}, None),
-        ({"training.kubeflow.org/job-name": "bad name!"}, None),
-        ({"leaderworkerset.sigs.k8s.io/name": "vllm"}, None),  # a group without its index is no job
-    ],
-)
-def test_the_job_from_each_owners_label(labels, job):
-    assert job_from_labels("ns", labels) == job
-
-
 def test_every_owner_label_is_read_through_the_kubelet_and_the_api_server(kubelet, api_server, tmp_path):
     (servicer, socket), (handler, labels) = kubelet, api_server
     servicer.pods = [
@@ -235,23 +213,6 @@ def test_every_owner_label_is_read_through_the_kubelet_and_the_api_server(kubele
     handler.labels = {("ns", f"p{i}"): {label: f"job{i}"} for i, label in enumerate(owners)}
     attr = attributor(socket, tmp_path, FakeClock(), labels=labels)
     assert [job for job, _, _ in answers(attr)] == [f"ns/job{i}" for i in range(4)]
-
-
-@pytest.mark.parametrize(
-    ("pod", "job"),
-    [
-        ("llama-worker-3", "ns/llama"),  # PyTorchJob
-        ("llama-master-0", "ns/llama"),
-        ("allreduce-launcher-x7k2p", "ns/allreduce"),  # MPIJob v2's launcher Job
-        ("train-2-x7k2p", "ns/train"),  # Indexed Job
-        ("train-x7k2p", "ns/train"),  # Job
-        ("ckpt-0", "ns/ckpt"),  # StatefulSet
-        ("vllm-1-3", "ns/vllm"),  # LeaderWorkerSet worker
-        ("bare", "ns/bare"),
-    ],
-)
-def test_without_labels_the_job_is_the_pods_name_less_its_controllers_suffixes(pod, job):
-    assert job_from_pod_name("ns", pod) == job
 
 
 def test_without_a_labels_source_the_processes_job_wins_over_the_pods_name(kubelet, tmp_path):
