@@ -31,6 +31,7 @@ from gpufleet.agent.pod_jobs import (
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+LABELS_RETRY_MAX_SECONDS = 600.0
 # The device plugin's resources: whole GPUs (also shared by time-slicing, .shared), MIG devices by profile.
 _GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu(\.shared)?|mig-[0-9a-z.+-]+)$")
 
@@ -124,8 +125,11 @@ class Placement:
 
 class PodResourcesAttribution:
     """GPU -> pod and job, refreshed at most every `refresh_s` from the kubelet (and, for pods not seen
-    before, the labels source) when asked; between refreshes, from the cache. Failures are counted in
-    `errors` and warned about through `note`; while the kubelet cannot be asked, nothing is placed."""
+    before, the labels source) when asked; between refreshes, from the cache. Failures go to `note`
+    (counted, warned about); while the kubelet cannot be asked, nothing is placed. The labels source is
+    asked again at most every `refresh_s`, and after a failure, or a list that lacks a held pod, at twice
+    the last wait, up to LABELS_RETRY_MAX_SECONDS: a fleet's agents refused by the API server must not
+    hammer it."""
 
     def __init__(
         self,
@@ -145,8 +149,8 @@ class PodResourcesAttribution:
         self._holders: dict[str, Holder] = {}
         self._known_labels: dict[tuple[str, str], Mapping[str, str]] = {}
         self._labels_tried_at = float("-inf")
+        self._labels_wait_s = refresh_s
         self.serving = False
-        self.refreshes = 0
 
     def refresh_if_due(self) -> None:
         """Ask the kubelet again when `refresh_s` has passed since the last time."""
@@ -154,7 +158,6 @@ class PodResourcesAttribution:
         if now < self._next:
             return
         self._next = now + self._refresh_s
-        self.refreshes += 1
         was_serving, self.serving, self._holders = self.serving, False, {}
         if self._client.available():
             try:
@@ -186,14 +189,29 @@ class PodResourcesAttribution:
 
     def _refresh_labels(self, now: float, pods: Iterable[tuple[str, str]]) -> None:
         """List the node's pods' labels when a pod without them appears, at most once a refresh interval."""
-        missing = [p for p in pods if p not in self._known_labels]
-        if self._labels is None or not missing or now - self._labels_tried_at < self._refresh_s:
+        held = set(pods)
+        if self._labels is None or held <= self._known_labels.keys():
+            return
+        if now - self._labels_tried_at < self._labels_wait_s:
             return
         self._labels_tried_at = now
         try:
             self._known_labels = self._labels.list_labels()
         except LabelsUnavailable as exc:
+            self._labels_wait_s = min(LABELS_RETRY_MAX_SECONDS, 2 * self._labels_wait_s)
             self._note("pod_labels", exc.cause, "cannot list the node's pods' labels; jobs from pod names", str(exc))
+            return
+        listed = held & self._known_labels.keys()
+        self._labels_wait_s = (
+            self._refresh_s if listed == held else min(LABELS_RETRY_MAX_SECONDS, 2 * self._labels_wait_s)
+        )
+        if not listed:
+            self._note(
+                "pod_labels",
+                "pods_missing",
+                "the API server lists none of the pods the kubelet names; is --node the Kubernetes node name?",
+                f"{len(held)} pods held, {len(self._known_labels)} listed",
+            )
 
 
 class KubeletAttributor:

@@ -235,9 +235,31 @@ def test_a_pod_whose_labels_name_no_job_is_not_given_one_by_its_name(kubelet, ap
 def test_an_api_server_refusing_is_counted_and_jobs_come_from_pod_names(kubelet, api_server, tmp_path):
     (_, socket), (handler, labels) = kubelet, api_server
     handler.status = 403
-    attr = attributor(socket, tmp_path, FakeClock(), labels=labels)
+    clock = FakeClock()
+    attr = attributor(socket, tmp_path, clock, labels=labels)
     assert answers(attr)[0] == ("research/llama", "research", "llama-worker-1")
     assert attr.errors == {"pod_labels:http_403": 1}
+    # Asked again after twice the refresh interval, then four times (at 10 s and 30 s), ...: not every refresh.
+    for _ in range(6):
+        clock.advance(5.0)
+        answers(attr)
+    assert len(handler.seen) == 3 and attr.errors == {"pod_labels:http_403": 3}
+    handler.status = 200
+    clock.advance(40.0)
+    assert answers(attr)[0] == ("research/llama", "research", "llama-worker-1") and len(handler.seen) == 4
+
+
+def test_an_api_server_that_lists_none_of_the_held_pods_is_reported_and_asked_less_often(kubelet, api_server, tmp_path):
+    """As when --node is not the Kubernetes node name: the field selector matches no pod."""
+    (_, socket), (handler, labels) = kubelet, api_server
+    handler.labels = {}
+    clock = FakeClock()
+    attr = attributor(socket, tmp_path, clock, labels=labels)
+    assert answers(attr)[0] == ("research/llama", "research", "llama-worker-1")
+    assert attr.errors == {"pod_labels:pods_missing": 1}
+    clock.advance(5.0)
+    answers(attr)
+    assert len(handler.seen) == 1
 
 
 def test_a_missing_socket_leaves_attribution_to_proc_uncounted(socket_dir, tmp_path):
