@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lint engine-settings-doc operator-manifests demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
+.PHONY: lint engine-settings-doc operator-manifests podresources-stubs demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,20 @@ engine-settings-doc: $(STAMP)
 # The PrometheusRule and the Grafana dashboard ConfigMap for the Prometheus Operator, from their sources.
 operator-manifests: $(STAMP)
 	$(BIN)/python deploy/kubernetes/operator/render.py
+
+# The kubelet PodResources API's Python modules, from agent/kubelet_podresources_v1.proto. Committed, so that
+# installing the agent needs no code generator; the generator's version sets the grpcio and protobuf floors
+# of the agent extra (pyproject.toml). Laid out as gpufleet/agent/ so the modules import each other by
+# their installed names.
+GRPC_TOOLS_VERSION := 1.85.1
+podresources-stubs: $(STAMP)
+	$(BIN)/python -m pip install --quiet 'grpcio-tools==$(GRPC_TOOLS_VERSION)'
+	rm -rf .protogen && mkdir -p .protogen/gpufleet/agent
+	cp agent/kubelet_podresources_v1.proto .protogen/gpufleet/agent/
+	cd .protogen && ../$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
+		gpufleet/agent/kubelet_podresources_v1.proto
+	cp .protogen/gpufleet/agent/kubelet_podresources_v1_pb2*.py* agent/
+	rm -rf .protogen
 
 clean:
 	rm -rf $(VENV) build *.egg-info
