@@ -62,7 +62,7 @@ class Reading:
     """One reading of one GPU as the server uses it."""
 
     name: str  # the contract's field name, its unit in it
-    unit: str
+    unit: str  # empty for a flag, a bitmask or a code
     kind: Kind
     # Plausible range: a value outside it is a broken agent, refused with the snapshot. Flags have none.
     limits: tuple[float, float] | None = None
@@ -191,7 +191,7 @@ READINGS: tuple[Reading, ...] = (
     # NVML's clocks-event (throttle) reasons, under DCGM's name before and after 3.3.
     Reading(
         "throttle_reasons",
-        "bitmask",
+        "",
         Kind.BITMASK,
         (0.0, 2.0**64),
         agent=AgentSeries(_GPU + "throttle_reasons"),
@@ -230,7 +230,7 @@ READINGS: tuple[Reading, ...] = (
     # by `xid`); from dcgm-exporter's, one per change of the last code.
     Reading("xid_errors_total", "errors", Kind.COUNTER, (0.0, 1e15), Window.EVENTS, event="xid"),
     # The code of the last XID (0: none yet): a new code is seen, the same code again is not.
-    Reading("last_xid", "code", Kind.LEVEL, (0.0, 1e9), dcgm=(DcgmField("DCGM_FI_DEV_XID_ERRORS"),)),
+    Reading("last_xid", "", Kind.LEVEL, (0.0, 1e9), dcgm=(DcgmField("DCGM_FI_DEV_XID_ERRORS"),)),
 )
 
 
