@@ -55,6 +55,7 @@ from gpufleet.server.ingest.base import (
     default_parse,
 )
 from gpufleet.server.outbound import for_peer
+from gpufleet.server.readings import READINGS, Kind, Reading
 
 if TYPE_CHECKING:
     from gpufleet.server.settings import ServerSettings
@@ -64,32 +65,22 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_LOOKBACK_SECONDS = 300.0
 DEFAULT_MAX_ANSWER_BYTES = 512 * 1024 * 1024
 
-# exposition metric -> (label that tells its series apart or None, {that label's value: contract field});
-# without a label, the one field sits under None.
-_FIELDS: dict[str, tuple[str | None, dict[str | None, str]]] = {
-    "gpufleet_gpu_up": (None, {None: "up"}),
-    "gpufleet_gpu_utilization_ratio": (None, {None: "utilization_ratio"}),
-    "gpufleet_gpu_sm_active_ratio": (None, {None: "sm_active_ratio"}),
-    "gpufleet_gpu_temperature_celsius": (None, {None: "temperature_celsius"}),
-    "gpufleet_gpu_memory_temperature_celsius": (None, {None: "memory_temperature_celsius"}),
-    "gpufleet_gpu_temperature_limit_celsius": (
-        "limit",
-        {
-            "slowdown": "slowdown_temperature_celsius",
-            "memory_max_operating": "memory_max_operating_temperature_celsius",
-        },
-    ),
-    "gpufleet_gpu_power_watts": (None, {None: "power_watts"}),
-    "gpufleet_gpu_power_limit_watts": (None, {None: "power_limit_watts"}),
-    "gpufleet_gpu_energy_joules_total": (None, {None: "energy_joules_total"}),
-    "gpufleet_gpu_clock_hertz": ("clock", {"sm": "sm_clock_hertz"}),
-    "gpufleet_gpu_clock_max_hertz": ("clock", {"sm": "sm_clock_max_hertz"}),
-    "gpufleet_gpu_throttle_reasons": (None, {None: "throttle_reasons"}),
-    "gpufleet_gpu_ecc_errors_total": ("type", {"uncorrected": "ecc_uncorrected_errors_total"}),
-    "gpufleet_gpu_remapped_rows_pending": (None, {None: "remapped_rows_pending"}),
-    "gpufleet_gpu_remapped_rows_failure": (None, {None: "remapped_rows_failure"}),
-}
-_BOOLS = frozenset({"up", "remapped_rows_pending", "remapped_rows_failure"})
+
+def agent_fields(table: tuple[Reading, ...]) -> dict[str, tuple[str | None, dict[str | None, str]]]:
+    """exposition metric -> (label that tells its series apart or None, {that label's value: reading}),
+    from the reading table's agent series; without a label, the one reading sits under None."""
+    out: dict[str, tuple[str | None, dict[str | None, str]]] = {}
+    for r in table:
+        if r.agent is not None:
+            label, fields = out.setdefault(r.agent.metric, (r.agent.label, {}))
+            if label != r.agent.label:
+                raise ValueError(f"{r.agent.metric}: told apart by {label!r} and by {r.agent.label!r}")
+            fields[r.agent.value] = r.name
+    return out
+
+
+_FIELDS = agent_fields(READINGS)
+_BOOLS = frozenset(r.name for r in READINGS if r.kind is Kind.FLAG)
 _JOB_INFO = "gpufleet_gpu_job_info"
 _XID = "gpufleet_gpu_xid_errors_total"
 _AGE = "gpufleet_agent_sample_age_seconds"
@@ -102,7 +93,7 @@ _SAME_SAMPLE_SECONDS = 0.5
 _FORGET_INSTANCE_SECONDS = 600.0
 # activity counter -> which of the pair; the `reading` label -> the contract field its mean replaces
 _ACTIVITY = {"gpufleet_gpu_active_seconds_total": 0, "gpufleet_gpu_active_sampled_seconds_total": 1}
-_ACTIVITY_FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio"}
+_ACTIVITY_FIELDS = {r.activity: r.name for r in READINGS if r.activity is not None}
 _GPUFLEET_NAMES = sorted([*_FIELDS, *_ACTIVITY, _JOB_INFO, _XID, _AGE])
 # Series the dcgm recording rules (deploy/prometheus/dcgm-recording-rules.yaml) make under gpufleet's names
 # carry this label: the source reads the dcgm-exporter originals instead, once.
