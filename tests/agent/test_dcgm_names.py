@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -271,3 +272,16 @@ def test_promtool_finds_nothing_but_what_dcgm_exporters_own_names_carry():
     dcgm_exporter = promtool_findings(Fleet({"node-a": "1"}, 2, lambda *_: Gpu()).scrape(0.0, 1.0, "node-a").encode())
     assert agent == inherent
     assert inherent < dcgm_exporter
+
+
+def test_the_docs_tables_say_what_the_field_table_serves():
+    """docs/agent.md lists every field of FIELDS once, served or "not yet" as FIELDS says, and the default
+    set's table in the shipped file's order."""
+    doc = (Path(__file__).parents[2] / "docs" / "agent.md").read_text()
+    rows = [line.split("|")[1:-1] for line in doc.splitlines() if line.startswith("| `DCGM_FI_")]
+    said = [(cells[0].strip().strip("`"), [c.strip() for c in cells]) for cells in rows]
+    assert sorted(name for name, _ in said) == sorted(FIELDS)
+    for name, cells in said:
+        assert ("not yet" in cells) == (FIELDS[name].reading is None), name
+    default = [(name, cells[1]) for name, cells in said if len(cells) == 4]
+    assert tuple(default) == DCGM_EXPORTER_DEFAULT
