@@ -138,11 +138,6 @@ LABEL_FIELDS: Mapping[str, tuple[str, str] | None] = {
     "DCGM_FI_DEV_INFOROM_IMAGE_VER": None,
 }
 
-# dcgm-exporter's labels, in its order; the job and pod labels follow where the GPU has them.
-GPU_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname")
-JOB_LABEL = "hpc_job"
-POD_LABELS = ("namespace", "pod")
-
 
 class CountersError(ValueError):
     """A counters file that cannot be used; the message is one line naming the file and the line."""
@@ -242,7 +237,8 @@ class DcgmFamilies:
         return out
 
     def _ids(self, snap: NodeSnapshot, g: GpuSample) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """One GPU's label names and values, as dcgm-exporter writes them; an absent one is left out."""
+        """One GPU's label names and values, in dcgm-exporter's order (the counters file's `label` fields, then
+        the job and the pod, follow where the GPU has them); an absent one is left out."""
         pairs = [
             ("gpu", str(g.index)),
             ("UUID", g.uuid),
@@ -253,7 +249,7 @@ class DcgmFamilies:
         ]
         for name, (scope, attr) in self._labels:  # type: ignore[misc]
             pairs.append((name, getattr(snap if scope == "node" else g, attr)))
-        pairs.append((JOB_LABEL, g.hpc_job))
+        pairs.append(("hpc_job", g.hpc_job))
         if g.kubernetes_namespace and g.kubernetes_pod:
             pairs += [("namespace", g.kubernetes_namespace), ("pod", g.kubernetes_pod)]
         present = [(k, str(v)) for k, v in pairs if v]

@@ -181,6 +181,7 @@ def families(snapshot: NodeSnapshot | None, health: AgentHealth, activity: Activ
 
 
 FamiliesFn = Callable[[NodeSnapshot | None, AgentHealth, ActivityTotals], list[Family]]
+_GPUFLEET_FAMILIES: FamiliesFn = families  # Renderer's `families` argument hides the function's name
 
 
 def agent_families(snapshot: NodeSnapshot | None, health: AgentHealth) -> list[Family]:
@@ -197,7 +198,7 @@ class Renderer:
     MAX_CACHED = 50_000  # a few thousand series per node; the bound only guards against label churn
 
     def __init__(self, process_metrics: bool = False, families: FamiliesFn | None = None) -> None:
-        self._families_of: FamiliesFn = families or _gpufleet_families
+        self._families_of: FamiliesFn = families or _GPUFLEET_FAMILIES
         self._series: dict[tuple[str, tuple[str, ...], tuple[str, ...]], str] = {}
         self._headers: dict[tuple[str, str], str] = {}
         # The agent's own process_* families (CPU seconds, RSS, start time, fds), as every exporter has,
@@ -243,10 +244,6 @@ class Renderer:
                 prefix = series[key] = _series_text(fam, names, values)
             out.append(f"{prefix}{fmt(value)}\n")
         return "".join(out)
-
-
-def _gpufleet_families(snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals) -> list[Family]:
-    return families(snapshot, health, activity)
 
 
 def render(snapshot: NodeSnapshot | None, health: AgentHealth, activity: ActivityTotals = NO_TOTALS) -> bytes:
