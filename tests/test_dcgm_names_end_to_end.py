@@ -3,8 +3,9 @@
 A real Prometheus scrapes the agent on a simulated 8-GPU H100 node; the PromQL of Grafana dashboard 12239
 (its variables and panels) and typical dcgm-exporter alert rules (tests/fixtures/dcgm-exporter) are
 evaluated there. Each gives one series per GPU with dcgm-exporter's labels, or none where the agent does
-not serve a field the query reads (agent.dcgm_names.FIELDS says which). Then the server's Prometheus source
-reads the same Prometheus and rebuilds the node's snapshots from these series, as it reads dcgm-exporter's.
+not serve a field the query reads (agent.dcgm_names.FIELDS says which); a GPU's XID fires the XID rule
+for that GPU alone. The server's Prometheus source reads the same Prometheus and rebuilds the node's
+snapshots from these series, as it reads dcgm-exporter's.
 """
 
 from __future__ import annotations
@@ -154,8 +155,8 @@ def test_alert_rules_load_and_evaluate(scraped) -> None:
     loaded = [rule for group in _get(api, "/rules")["groups"] for rule in group["rules"]]
     assert sorted(r["name"] for r in loaded) == sorted(r["alert"] for r in _rules())
     assert all(r["health"] == "ok" for r in loaded), [r for r in loaded if r["health"] != "ok"]
-    # A healthy simulated node: nothing to page about.
-    assert [a["labels"]["alertname"] for a in _get(api, "/alerts")["alerts"]] == []
+    # A healthy simulated node: nothing to page about (rules with a `for` cannot fire within a test).
+    assert [a["labels"]["alertname"] for a in _get(api, "/alerts")["alerts"] if a["state"] == "firing"] == []
 
 
 @requires_prometheus
@@ -215,3 +216,38 @@ def test_the_server_reads_the_dcgm_form_through_prometheus(scraped) -> None:
         assert 0.0 <= row["utilization_ratio"] <= 1.0
         assert row["temperature_celsius"] == pytest.approx(g["temperature_celsius"], abs=15)
         assert row["energy_joules_total"] > 0
+
+
+XID_SCENARIO = """
+name: hgx-h100-xid
+description: One 8x H100 node whose GPU 3 reports XID 79 five seconds in (after the agent listens for XIDs).
+duration_s: 600
+nodes:
+  - {name: hgx-h100-01, model: h100-sxm, gpus: 8}
+jobs:
+  - {id: "70001", nodes: [hgx-h100-01], start_s: 0, step_time_s: 0.8, compute_fraction: 0.8}
+incidents:
+  - {kind: xid, node: hgx-h100-01, gpu: 3, start_s: 5, code: 79, count: 1}
+"""
+
+
+@requires_prometheus
+def test_an_xid_fires_the_sites_alert_for_that_gpu_alone(tmp_path) -> None:
+    scenario = tmp_path / "xid.yaml"
+    scenario.write_text(XID_SCENARIO)
+    with (
+        agent_process("--simulate", str(scenario), "--metrics.names", "dcgm") as (_, agent_port),
+        prometheus_process(tmp_path, [agent_port], rule_files=[RULES]) as (prom, port, log_path),
+    ):
+        api = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=10)
+        until(
+            "GpuXidError firing",
+            lambda: bool(_query(api, 'ALERTS{alertname="GpuXidError", alertstate="firing"}')),
+            lambda: prom.poll() is None or pytest.fail(log_path.read_text(errors="replace")[-2000:]),
+        )
+        (alert,) = _query(api, 'ALERTS{alertname="GpuXidError", alertstate="firing"}')
+        snapshot = httpx.get(f"http://127.0.0.1:{agent_port}/snapshot", timeout=10).json()
+        xids = {r["metric"]["gpu"]: float(r["value"][1]) for r in _query(api, "DCGM_FI_DEV_XID_ERRORS")}
+    assert (alert["metric"]["gpu"], alert["metric"]["Hostname"]) == ("3", NODE)
+    assert alert["metric"]["UUID"] == snapshot["gpus"][3]["uuid"]
+    assert xids == {str(i): (79.0 if i == 3 else 0.0) for i in range(GPUS)}
