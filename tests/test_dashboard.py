@@ -301,8 +301,8 @@ def test_gpu_hours_lost_counts_each_job_and_cause_once_over_an_ha_pair(dashboard
     series = {}
     for replica in ("srv-0:9472", "srv-1:9472"):
         server = f'job="gpufleet-server", instance="{replica}"'
-        series[f'gpufleet_job_gpu_hours_lost_total{{{server}, hpc_job="71001", kind="straggler"}}'] = "0+1x120"
-        series[f'gpufleet_job_gpu_hours_lost_total{{{server}, hpc_job="71001", kind="comm_bound"}}'] = "0+2x120"
+        series[f'gpufleet_job_gpu_seconds_lost_total{{{server}, hpc_job="71001", kind="straggler"}}'] = "0+3600x120"
+        series[f'gpufleet_job_gpu_seconds_lost_total{{{server}, hpc_job="71001", kind="comm_bound"}}'] = "0+7200x120"
     (lost,) = panel_exprs(dashboard, "GPU-hours lost in the time range, by job and cause")
     expected = [
         {
