@@ -30,12 +30,13 @@ import httpx
 import orjson
 
 from gpufleet.logs import configure_logging
-from gpufleet.server.alerts import Alert, AlertState, Transition
+from gpufleet.server.alerts import Alert, AlertState, Severity, Transition
 from gpufleet.server.settings import ServerSettings, parse_duration, parse_listen
 
 log = logging.getLogger(__name__)
 
 SCENARIO = "demo"
+_RANK = {severity: rank for rank, severity in enumerate(Severity)}
 
 
 class DemoError(RuntimeError):
@@ -302,7 +303,8 @@ def subject(alert: Alert) -> str:
 
 
 class TerminalPrinter:
-    """A notifier that prints a line when an alert starts firing and when it resolves."""
+    """A notifier that prints a line when an alert starts firing, when its severity changes while it fires
+    (warning to critical and back), and when it resolves."""
 
     name = "terminal"
     url = "stdout"  # where it delivers, as every notifier says: /metrics labels the counters by it
@@ -312,30 +314,38 @@ class TerminalPrinter:
         self.out = out
         self.sent_total = self.failed_total = self.dropped_total = 0
         self.fired_total = self.resolved_total = 0
+        self._shown: dict[str, Severity] = {}  # the severity last printed for each firing alert
 
-    def line(self, alert: Alert) -> str:
-        """One readable line for an alert's current state."""
-        at = alert.resolved if alert.state is AlertState.RESOLVED else alert.started
+    def line(self, alert: Alert, verb: str | None = None) -> str:
+        """One readable line: FIRING, RESOLVED (by default, the alert's state) or RAISED/LOWERED, and when."""
+        verb = verb or ("RESOLVED" if alert.state is AlertState.RESOLVED else "FIRING")
+        at = {"FIRING": alert.started, "RESOLVED": alert.resolved}.get(verb, alert.updated)
         at = at if at is not None else alert.updated
         clock = time.strftime("%H:%M:%S", time.localtime(at))
-        verb = "FIRING  " if alert.state is AlertState.FIRING else "RESOLVED"
         return (
-            f"{clock} (+{at - self.epoch:5.0f}s) {verb} {alert.kind.value:16s} {alert.severity.value:8s} "
+            f"{clock} (+{at - self.epoch:5.0f}s) {verb:8s} {alert.kind.value:16s} {alert.severity.value:8s} "
             f"{subject(alert)}: {alert.summary}"
         )
 
     def submit(self, transitions: Sequence[Transition]) -> None:
-        """Print state changes into firing or resolved."""
+        """Print each change into firing, of severity while firing, and into resolved."""
         for t in transitions:
-            if t.previous is not t.alert.state and t.alert.state is not AlertState.PENDING:
-                if t.alert.state is AlertState.RESOLVED and t.previous is AlertState.PENDING:
-                    continue  # never fired: not news
-                print(self.line(t.alert), file=self.out, flush=True)
-                self.sent_total += 1
-                if t.alert.state is AlertState.RESOLVED:
-                    self.resolved_total += 1
-                else:
+            alert, verb = t.alert, None
+            if alert.state is AlertState.FIRING:
+                shown = self._shown.get(alert.id)
+                if t.previous is not AlertState.FIRING:
+                    verb = "FIRING"
                     self.fired_total += 1
+                elif shown is not None and shown is not alert.severity:
+                    verb = "RAISED" if _RANK[alert.severity] > _RANK[shown] else "LOWERED"
+                self._shown[alert.id] = alert.severity
+            elif alert.state is AlertState.RESOLVED and t.previous in (AlertState.FIRING, None):
+                verb = "RESOLVED"  # one that was only pending never fired: not news
+                self.resolved_total += 1
+                self._shown.pop(alert.id, None)
+            if verb is not None:
+                print(self.line(alert, verb), file=self.out, flush=True)
+                self.sent_total += 1
 
     async def run(self, stop: asyncio.Event) -> None:
         """Nothing to deliver in the background."""

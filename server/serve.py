@@ -268,16 +268,10 @@ def check_config(argv: Sequence[str] | None = None) -> int:
             except WebConfigError as exc:
                 raise ConfigError(f"--web.config.file: {exc}") from None
         build_engine(settings)
-        targets = len(settings.targets)
-        if settings.targets_file_sd:
-            try:
-                with open(settings.targets_file_sd, "rb") as fh:
-                    targets += len(parse_file_sd(fh.read(), name=settings.targets_file_sd))
-            except OSError as exc:
-                raise ConfigError(f"--targets.file-sd {settings.targets_file_sd}: {exc.strerror or exc}") from None
         for auth, prefix in _peers(settings):
             Outbound(auth, prefix)
         check_storage_folder(settings)
+        targets = len(check_targets(settings, lenient_file=False))
     except (ConfigError, TargetError, ValueError) as exc:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
@@ -289,6 +283,30 @@ def check_config(argv: Sequence[str] | None = None) -> int:
         f"TLS {'on' if settings.web_config_file else 'off'} for the API"
     )
     return 0
+
+
+def check_targets(settings: ServerSettings, *, lenient_file: bool) -> list[str]:
+    """The agents --targets and the file_sd file list; ConfigError when nothing says where the GPUs are, or
+    when both list the same agent. With lenient_file (serve) a file_sd file that cannot be read yet is
+    left to the runtime, which re-reads it when it changes; check-config names the problem."""
+    if not (settings.targets or settings.targets_file_sd or settings.targets_dns or settings.prometheus_url):
+        raise ConfigError("no targets: set --targets, --targets.file-sd, --targets.dns or --ingest.prometheus-url")
+    listed = list(settings.targets)
+    if settings.targets_file_sd:
+        try:
+            with open(settings.targets_file_sd, "rb") as fh:
+                in_file = parse_file_sd(fh.read(), name=settings.targets_file_sd)
+        except (OSError, TargetError) as exc:
+            if lenient_file:
+                return listed
+            if isinstance(exc, TargetError):
+                raise
+            raise ConfigError(f"--targets.file-sd {settings.targets_file_sd}: {exc.strerror or exc}") from None
+        both = sorted(set(listed) & set(in_file))
+        if both:
+            raise ConfigError(f"{', '.join(both)} in both --targets and --targets.file-sd {settings.targets_file_sd}")
+        listed += in_file
+    return listed
 
 
 def check_storage_folder(settings: ServerSettings) -> None:
@@ -334,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise_descriptor_limit()
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pull would drown the log
         check_storage_folder(settings)
+        check_targets(settings, lenient_file=True)
     except (ConfigError, TargetError, StoreError, ValueError) as exc:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
@@ -363,8 +382,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reading GPU series through Prometheus",
             extra={"url": settings.prometheus_url, "schema": settings.prometheus_schema},
         )
-    elif not runtime.puller.source.sources:  # type: ignore[union-attr]
-        log.warning("no targets configured: use --targets, --targets.file-sd, --targets.dns or --ingest.prometheus-url")
     app = create_app(settings, runtime=runtime, web=web)
     log.info(
         "gpufleet-server listening",

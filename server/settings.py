@@ -64,6 +64,24 @@ def parse_urls(text: Any) -> tuple[str, ...]:
     return urls
 
 
+# What a URL copied from Alertmanager's API documentation ends in; the notifier adds /api/v2/alerts itself.
+_ALERTMANAGER_API_PATH = re.compile(r"/api/v[12](?:/alerts)?$")
+
+
+def parse_alertmanager_urls(text: Any) -> tuple[str, ...]:
+    """Alertmanager base URLs, refusing one that names the API path (it would be posted to twice over,
+    as /api/v2/alerts/api/v2/alerts, and every notification refused with a 404)."""
+    urls = parse_urls(text)
+    for url in urls:
+        found = _ALERTMANAGER_API_PATH.search(url)
+        if found:
+            raise ValueError(
+                f"{url} ends in the API path {found.group(0)}: give the base URL {url[: found.start()]} "
+                "(the server adds /api/v2/alerts)"
+            )
+    return urls
+
+
 def parse_external_labels(text: Any) -> dict[str, str]:
     """NAME=value pairs (comma-separated, or a mapping in the file) with Prometheus label names."""
     from gpufleet.server.routing import RESERVED_LABELS
@@ -101,9 +119,14 @@ def parse_targets(text: Any) -> tuple[str, ...]:
     from gpufleet.server.ingest.targets import StaticTargets, TargetError
 
     try:
-        return StaticTargets.parse(text if isinstance(text, str) else [str(t) for t in text]).addresses
+        addresses = StaticTargets.parse(text if isinstance(text, str) else [str(t) for t in text]).addresses
     except TargetError as exc:
         raise ValueError(str(exc)) from None
+    # The same agent twice is pulled once: the second is most likely a typo for another node.
+    twice = sorted({a for a in addresses if addresses.count(a) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} listed twice")
+    return addresses
 
 
 # RFC 9110 token characters: what a header name may hold.
@@ -377,7 +400,7 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "storage.retention": ("storage_retention_seconds", parse_duration, "keep resolved alerts this long (default 7d)"),
     "alertmanager.url": (
         "alertmanager_urls",
-        parse_urls,
+        parse_alertmanager_urls,
         "Alertmanager base URL, e.g. http://alertmanager:9093; comma-separated for every replica "
         "of an HA cluster (each gets every alert, as from Prometheus)",
     ),

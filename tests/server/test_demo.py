@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import httpx
 
-from gpufleet.server.alerts import AlertKind, AlertState, Transition
+from gpufleet.server.alerts import AlertKind, AlertState, Severity, Transition
 from gpufleet.server.demo import (
     Scenario,
     TerminalPrinter,
@@ -53,6 +53,26 @@ def test_printer_shows_firing_and_resolved_only() -> None:
     assert "(+   11s) FIRING   thermal_throttle" in lines[0] and "dgx-03 GPU 5 (job 71001): alert 1" in lines[0]
     assert "(+  100s) RESOLVED thermal_throttle" in lines[1]
     assert (printer.fired_total, printer.resolved_total) == (1, 1)
+
+
+def test_printer_shows_a_severity_change_while_firing() -> None:
+    out = io.StringIO()
+    printer = TerminalPrinter(epoch=1000.0, out=out)
+    warning = make_alert(1, kind=AlertKind.STRAGGLER, node="dgx-03", gpu=2, hpc_job="71002")
+    critical = replace(warning, severity=Severity.CRITICAL, updated=1040.0)
+    printer.submit([Transition(warning, AlertState.PENDING)])
+    printer.submit([Transition(warning, AlertState.FIRING)])  # a refresh: no line
+    printer.submit([Transition(critical, AlertState.FIRING)])
+    printer.submit([Transition(replace(critical, updated=1045.0), AlertState.FIRING)])  # a refresh: no line
+    printer.submit([Transition(replace(warning, updated=1090.0), AlertState.FIRING)])
+    lines = out.getvalue().splitlines()
+    assert [line.split(") ", 1)[1].split()[:3] for line in lines] == [
+        ["FIRING", "straggler", "warning"],
+        ["RAISED", "straggler", "critical"],
+        ["LOWERED", "straggler", "warning"],
+    ]
+    assert "(+   40s) RAISED   straggler        critical dgx-03 GPU 2 (job 71002)" in lines[1]
+    assert (printer.fired_total, printer.sent_total) == (1, 3)
 
 
 def _through_the_agent_command(scenario) -> Scenario:
