@@ -6,12 +6,14 @@ import io
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 from dataclasses import replace
 
 import httpx
+import pytest
 
 from gpufleet.server.alerts import AlertKind, AlertState, Severity, Transition
 from gpufleet.server.demo import (
@@ -218,3 +220,67 @@ def test_default_address_falls_back_to_a_free_port_when_9472_is_taken() -> None:
         assert host == "127.0.0.1" and port != 9472
     finally:
         holder.close()
+
+
+# Runs `gpufleet-server demo` through its console entry point with one step wrapped so that the process
+# sends itself a real SIGINT there (as a terminal's Ctrl-C would), and writes the pids of the agents it
+# started to a file, so the test can see that none outlives the demo.
+_CTRL_C_AT = r"""
+import os, signal, subprocess, sys
+from gpufleet.server import cli, demo, serve
+
+step, pids = sys.argv[1], open(sys.argv[2], "w")
+popen = demo.subprocess.Popen
+
+class Popen(popen):
+    def __init__(self, cmd, *args, **kwargs):
+        super().__init__(cmd, *args, **kwargs)
+        if "--node" in cmd:
+            pids.write(f"{self.pid}\n"); pids.flush()
+            if step == "second_agent" and cmd[cmd.index("--node") + 1] == "dgx-02":
+                os.kill(os.getpid(), signal.SIGINT)
+
+def at(name, real):
+    def wrapped(*args, **kwargs):
+        if step == name:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+    return wrapped
+
+demo.subprocess.Popen = Popen
+demo.load_demo_scenario = at("scenario", demo.load_demo_scenario)
+demo.wait_for_agents = at("wait_for_agents", demo.wait_for_agents)
+serve.build_runtime = at("server_start", serve.build_runtime)
+sys.exit(cli.main(["demo", "--web.listen-address", "127.0.0.1:0", "--duration", "60"]))
+"""
+
+
+@pytest.mark.parametrize("step", ["scenario", "second_agent", "wait_for_agents", "server_start"])
+def test_ctrl_c_in_the_first_seconds_stops_cleanly(tmp_path, step) -> None:
+    pids, out, err = tmp_path / "agents", tmp_path / "out", tmp_path / "err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        # Files, not pipes: an agent left behind would hold a pipe open, and the test would hang on it.
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CTRL_C_AT, step, str(pids)],
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's `cmd &` would ignore it
+        )
+        code = proc.wait(timeout=120)
+    started = [int(pid) for pid in pids.read_text().split()]
+    left = [pid for pid in started if _running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert (code, err.read_text()) == (0, "")
+    assert out.read_text().splitlines()[-1] == "gpufleet demo: stopped"
+    assert started if step != "scenario" else not started
+    assert left == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
