@@ -295,13 +295,17 @@ def check_targets(settings: ServerSettings, *, lenient_file: bool) -> list[str]:
     if settings.targets_file_sd:
         try:
             with open(settings.targets_file_sd, "rb") as fh:
-                in_file = parse_file_sd(fh.read(), name=settings.targets_file_sd)
-        except (OSError, TargetError) as exc:
+                content = fh.read()
+        except OSError as exc:
             if lenient_file:
                 return listed
-            if isinstance(exc, TargetError):
-                raise
             raise ConfigError(f"--targets.file-sd {settings.targets_file_sd}: {exc.strerror or exc}") from None
+        try:
+            in_file = parse_file_sd(content, name=settings.targets_file_sd)
+        except TargetError:
+            if lenient_file:
+                return listed
+            raise
         both = sorted(set(listed) & set(in_file))
         if both:
             raise ConfigError(f"{', '.join(both)} in both --targets and --targets.file-sd {settings.targets_file_sd}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -123,7 +124,7 @@ def parse_targets(text: Any) -> tuple[str, ...]:
     except TargetError as exc:
         raise ValueError(str(exc)) from None
     # The same agent twice is pulled once: the second is most likely a typo for another node.
-    twice = sorted({a for a in addresses if addresses.count(a) > 1})
+    twice = sorted(address for address, n in Counter(addresses).items() if n > 1)
     if twice:
         raise ValueError(f"{', '.join(twice)} listed twice")
     return addresses
