@@ -216,16 +216,10 @@ def check_config(argv: Sequence[str] | None = None) -> int:
             except WebConfigError as exc:
                 raise ConfigError(f"--web.config.file: {exc}") from None
         build_engine(settings)
-        targets = len(settings.targets)
-        if settings.targets_file_sd:
-            try:
-                with open(settings.targets_file_sd, "rb") as fh:
-                    targets += len(parse_file_sd(fh.read(), name=settings.targets_file_sd))
-            except OSError as exc:
-                raise ConfigError(f"--targets.file-sd {settings.targets_file_sd}: {exc.strerror or exc}") from None
         for auth, prefix in _peers(settings):
             Outbound(auth, prefix)
         check_storage_folder(settings)
+        targets = len(check_targets(settings, lenient_file=False))
         if settings.storage_on_corruption == REFUSE and (problem := damage(settings.storage_path)):
             raise ConfigError(f"alert store {settings.storage_path} is damaged ({problem}): serve would refuse it")
     except (ConfigError, TargetError, StoreError, ValueError) as exc:
@@ -238,6 +232,34 @@ def check_config(argv: Sequence[str] | None = None) -> int:
         f"TLS {'on' if settings.web_config_file else 'off'} for the API"
     )
     return 0
+
+
+def check_targets(settings: ServerSettings, *, lenient_file: bool) -> list[str]:
+    """The agents --targets and the file_sd file list; ConfigError when nothing says where the GPUs are, or
+    when both list the same agent. With lenient_file (serve) a file_sd file that cannot be read yet is
+    left to the runtime, which re-reads it when it changes; check-config names the problem."""
+    if not (settings.targets or settings.targets_file_sd or settings.targets_dns or settings.prometheus_url):
+        raise ConfigError("no targets: set --targets, --targets.file-sd, --targets.dns or --ingest.prometheus-url")
+    listed = list(settings.targets)
+    if settings.targets_file_sd:
+        try:
+            with open(settings.targets_file_sd, "rb") as fh:
+                content = fh.read()
+        except OSError as exc:
+            if lenient_file:
+                return listed
+            raise ConfigError(f"--targets.file-sd {settings.targets_file_sd}: {exc.strerror or exc}") from None
+        try:
+            in_file = parse_file_sd(content, name=settings.targets_file_sd)
+        except TargetError:
+            if lenient_file:
+                return listed
+            raise
+        both = sorted(set(listed) & set(in_file))
+        if both:
+            raise ConfigError(f"{', '.join(both)} in both --targets and --targets.file-sd {settings.targets_file_sd}")
+        listed += in_file
+    return listed
 
 
 def check_storage_folder(settings: ServerSettings) -> None:
@@ -282,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise_descriptor_limit()
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pull would drown the log
         check_storage_folder(settings)
+        check_targets(settings, lenient_file=True)
     except (ConfigError, TargetError, StoreError, ValueError) as exc:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -67,6 +68,24 @@ def parse_urls(text: Any) -> tuple[str, ...]:
     return urls
 
 
+# What a URL copied from Alertmanager's API documentation ends in; the notifier adds /api/v2/alerts itself.
+_ALERTMANAGER_API_PATH = re.compile(r"/api/v[12](?:/alerts)?$")
+
+
+def parse_alertmanager_urls(text: Any) -> tuple[str, ...]:
+    """Alertmanager base URLs, refusing one that names the API path (it would be posted to twice over,
+    as /api/v2/alerts/api/v2/alerts, and every notification refused with a 404)."""
+    urls = parse_urls(text)
+    for url in urls:
+        found = _ALERTMANAGER_API_PATH.search(url)
+        if found:
+            raise ValueError(
+                f"{url} ends in the API path {found.group(0)}: give the base URL {url[: found.start()]} "
+                "(the server adds /api/v2/alerts)"
+            )
+    return urls
+
+
 def parse_external_labels(text: Any) -> dict[str, str]:
     """NAME=value pairs (comma-separated, or a mapping in the file) with Prometheus label names."""
     from gpufleet.server.routing import RESERVED_LABELS
@@ -104,9 +123,14 @@ def parse_targets(text: Any) -> tuple[str, ...]:
     from gpufleet.server.ingest.targets import StaticTargets, TargetError
 
     try:
-        return StaticTargets.parse(text if isinstance(text, str) else [str(t) for t in text]).addresses
+        addresses = StaticTargets.parse(text if isinstance(text, str) else [str(t) for t in text]).addresses
     except TargetError as exc:
         raise ValueError(str(exc)) from None
+    # The same agent twice is pulled once: the second is most likely a typo for another node.
+    twice = sorted(address for address, n in Counter(addresses).items() if n > 1)
+    if twice:
+        raise ValueError(f"{', '.join(twice)} listed twice")
+    return addresses
 
 
 # RFC 9110 token characters: what a header name may hold.
@@ -387,7 +411,7 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     ),
     "alertmanager.url": (
         "alertmanager_urls",
-        parse_urls,
+        parse_alertmanager_urls,
         "Alertmanager base URL, e.g. http://alertmanager:9093; comma-separated for every replica "
         "of an HA cluster (each gets every alert, as from Prometheus)",
     ),
