@@ -253,6 +253,7 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
             interval=config.sample_interval,
             clock=runtime.clock,
             web=runtime.web,
+            limits=config.connection_limits(),
         )
     except OSError as exc:
         sys.stderr.write(
