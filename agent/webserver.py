@@ -83,10 +83,11 @@ class AgentHttpServer:
         self.gate.start()
         self._started = True
 
-    def close(self) -> None:
-        """Stop serving and release the socket (idempotent)."""
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop serving and release the socket (idempotent); a worker still mid-answer after `timeout` is
+        left behind (it is a daemon thread)."""
         if self._started:
-            self.gate.close()
+            self.gate.close(timeout)
             self._started = False
         self._listener.close()
 
