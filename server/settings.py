@@ -333,7 +333,7 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "web.max-header-bytes": (
         "web_max_header_bytes",
         parse_size,
-        "largest request head; a larger one is answered 400 and closed (default 16KiB)",
+        "most bytes of an unfinished request head held per connection; beyond, 400 and closed (default 16KiB)",
     ),
     "web.max-large-answers": (
         "web_max_large_answers",

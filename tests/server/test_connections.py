@@ -132,3 +132,11 @@ def test_the_docs_are_served_through_the_limit(tmp_path) -> None:
 def test_max_requests_must_leave_room_above_the_connections() -> None:
     with pytest.raises(ConfigError, match=r"web.max-requests \(100\) must exceed web.max-connections \(1024\)"):
         load_settings(["--web.max-requests", "100"], env={})
+
+
+def test_an_unfinished_head_over_max_header_bytes_is_400_and_the_next_client_is_served(tmp_path) -> None:
+    with server_process(tmp_path, "--web.max-header-bytes", "4KiB") as (_, port):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\nX-Padding: " + b"a" * 8192)  # and more to come
+            assert sock.recv(100).startswith(b"HTTP/1.1 400 ")
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code in (200, 503)
