@@ -433,7 +433,9 @@ class ConnectionGate:
                 self._busy.add(sock)
             rest: bytes | None = None
             try:
-                sock.setblocking(True)
+                # Blocking, but never for longer than an answer may take: an error answered before the request's
+                # own timeouts are set goes out under this one too.
+                sock.settimeout(self.limits.write_timeout_seconds)
                 rest = self._serve(sock, waiting.address, bytes(waiting.data), waiting.deadline)
             except Exception:  # a bug must cost one connection, not a worker
                 log.exception("http connection failed", extra={"client": waiting.address[0]})
