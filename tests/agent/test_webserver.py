@@ -463,6 +463,26 @@ def test_one_address_gives_way_to_itself_not_to_others():
         server.close()
 
 
+def test_large_answers_beyond_the_cap_are_503_busy_with_retry_after(agent):
+    server, sampler, *_ = agent
+    sampler.run_once()
+    for _ in range(server.limits.max_large_answers):  # answers in flight to clients that read slowly
+        server.large_answers.acquire()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/snapshots")
+        resp = conn.getresponse()
+        assert resp.status == 503 and resp.getheader("Retry-After") == "1"
+        assert orjson.loads(resp.read())["error"] == "busy"
+        conn.close()
+        assert get(server, "/metrics")[0] == 503
+        assert get(server, "/healthz")[0] == 200  # small answers are not held up
+    finally:
+        for _ in range(server.limits.max_large_answers):
+            server.large_answers.release()
+    assert get(server, "/snapshots")[0] == 200 and server.busy_answers == 2
+
+
 def test_a_connection_that_sends_nothing_is_closed_at_the_head_deadline():
     server = AgentHttpServer(
         SnapshotStore(), host="127.0.0.1", port=0, limits=ConnectionLimits(read_header_timeout_seconds=0.2)
