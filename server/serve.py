@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ import uvicorn
 from gpufleet.logs import configure_logging
 from gpufleet.webconfig import WebConfigError, load_web_config
 from gpufleet.server.connections import (
-    KEEP_ALIVE_SECONDS,
+    AnswerLimit,
     bounded_protocol,
     limit_accept_error_logs,
     raise_descriptor_limit,
@@ -158,7 +159,7 @@ def uvicorn_server(settings: ServerSettings, app: Any, tls: ssl.SSLContext | Non
     # The protocol bounds connections; uvicorn's limit_concurrency (answering 503 beyond it) bounds the
     # requests in progress, with room for connections that are being closed to make way for new ones.
     config = uvicorn.Config(
-        app,
+        AnswerLimit(app, "/docs", settings.web_max_large_answers, settings.web_read_header_timeout_seconds),
         host=host or "0.0.0.0",
         port=int(port),
         log_config=None,
@@ -166,8 +167,10 @@ def uvicorn_server(settings: ServerSettings, app: Any, tls: ssl.SSLContext | Non
         lifespan="on",
         timeout_graceful_shutdown=5,
         http=protocol,
-        limit_concurrency=2 * settings.web_max_connections,
-        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        limit_concurrency=settings.web_max_requests,
+        # uvicorn takes whole seconds; a shorter timeout rounds up to one.
+        timeout_keep_alive=max(1, math.ceil(settings.web_keep_alive_timeout_seconds)),
+        h11_max_incomplete_event_size=settings.web_max_header_bytes,
     )
     if tls is not None:
         # The context from --web.config.file as it is (minimum version, client CA): uvicorn's own options

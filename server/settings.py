@@ -271,7 +271,11 @@ class ServerSettings:
     alert_runbook_url: str | None = None
     web_config_file: str | None = None
     web_max_connections: int = 1024
-    web_read_header_timeout_seconds: float = 10.0
+    web_read_header_timeout_seconds: float = 5.0
+    web_keep_alive_timeout_seconds: float = 5.0
+    web_max_requests: int = 2048
+    web_max_header_bytes: int = 16384
+    web_max_large_answers: int = 32
     log_level: str = "info"
     log_format: str = "json"
     engine: Mapping[str, Any] = field(default_factory=dict)
@@ -341,7 +345,29 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "web.read-header-timeout": (
         "web_read_header_timeout_seconds",
         parse_duration,
-        "close an API connection that has not sent its request head within this (default 10s)",
+        "close an API connection that has not sent its request head within this (default 5s)",
+    ),
+    "web.keep-alive-timeout": (
+        "web_keep_alive_timeout_seconds",
+        parse_duration,
+        "close an idle keep-alive API connection after this (uvicorn's --timeout-keep-alive; default 5s)",
+    ),
+    "web.max-requests": (
+        "web_max_requests",
+        parse_positive_int,
+        "open connections or requests in progress at which a new request is answered 503 (uvicorn's "
+        "--limit-concurrency); more than web.max-connections (default 2048)",
+    ),
+    "web.max-header-bytes": (
+        "web_max_header_bytes",
+        parse_size,
+        "most bytes of an unfinished request head held per connection; beyond, 400 and closed (default 16KiB)",
+    ),
+    "web.max-large-answers": (
+        "web_max_large_answers",
+        parse_positive_int,
+        "/docs files sent at once, bounding the memory slow readers hold; more wait for one to finish, "
+        "then are answered 503 after web.read-header-timeout (default 32)",
     ),
     "targets": ("targets", parse_targets, "comma-separated agent addresses HOST:PORT"),
     "targets.file-sd": ("targets_file_sd", str, "Prometheus file_sd JSON/YAML file of agents, reloaded on change"),
@@ -495,6 +521,12 @@ def load_settings(
         )
     if settings.pull_max_gpus > 256:
         raise ConfigError(f"pull.max-gpus ({settings.pull_max_gpus}) must not exceed 256, the snapshot contract's most")
+    if settings.web_max_requests <= settings.web_max_connections:
+        # uvicorn counts open connections against it too: at or below, a connection flood answers every request 503.
+        raise ConfigError(
+            f"web.max-requests ({settings.web_max_requests}) must exceed web.max-connections "
+            f"({settings.web_max_connections})"
+        )
     _check_clients(settings)
     if settings.prometheus_url and (settings.targets or settings.targets_file_sd or settings.targets_dns):
         # Two sources for the same agents would feed the engine every sample twice, under two timestamps.
