@@ -163,11 +163,11 @@ def test_an_unattributed_node_whose_busy_set_changes_forgets_its_baseline_and_of
     eng, _ = _drive([s for s in samples if s.time < T0 + 400])
     n0 = eng.registry.ids[("node_model", eng.windows.node_ids["n0"], 0)]
     slots = [eng.windows.slot_of[("n0", g)] for g in range(4)]
-    assert eng.history.baseline("sm")[n0] > 0 and (eng._straggler.learned[slots] > 20).all()
+    assert eng.history.baseline("sm")[n0] > 0 and (eng.state("straggler").learned[slots] > 20).all()
     for s in samples:
         if T0 + 400 <= s.time < T0 + 440:
             eng.ingest(s)
     eng.advance(T0 + 445)
     assert eng.registry.first_seen[n0] > T0 + 400
     assert eng.history.baseline("sm")[n0] != eng.history.baseline("sm")[n0]  # NaN: no baseline yet
-    assert (eng._straggler.learned[slots] <= 9).all()  # at most the ticks since 400 s
+    assert (eng.state("straggler").learned[slots] <= 9).all()  # at most the ticks since 400 s
