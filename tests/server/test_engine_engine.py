@@ -99,7 +99,7 @@ def _losses(override):
             eng.ingest(samples[i])
             i += 1
         for tr in eng.advance(t):
-            if tr.alert.kind is AlertKind.STRAGGLER and tr.alert.state is AlertState.FIRING and fired is None:
+            if tr.alert.kind == AlertKind.STRAGGLER and tr.alert.state is AlertState.FIRING and fired is None:
                 fired = tr.alert.started
         jobs = eng.jobs()
         lost.append((t, jobs[0].gpu_hours_lost if jobs else 0.0))
