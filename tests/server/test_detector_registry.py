@@ -217,3 +217,14 @@ def test_the_standard_registry_declares_every_kind_once_with_advice_and_existing
     assert all(s.advice.endswith(".") for s in specs)
     assert {s.kind for s in specs if s.kind.job_keyed} == {"straggler", "comm_bound", "input_bound"}
     registry.check(registry.STANDARD, EngineConfig())
+
+
+def test_an_alert_restored_from_a_store_without_advice_takes_its_kinds(tmp_path):
+    engine = _engine()
+    _run(engine, cluster_lines(500, override=_leaking(200.0, 10_000.0)))
+    (leak,) = [a for a in engine.alerts() if a.kind == MEMORY_LEAK]
+    store = AlertStore(tmp_path / "alerts.db")
+    store.upsert([dataclasses.replace(leak, advice="")])  # as a store written before alerts kept advice
+    restarted = _engine()
+    assert restarted.restore(store.open_alerts()) == 1
+    assert restarted.alerts()[0].advice == LEAK_ADVICE
