@@ -9,6 +9,7 @@ workload's). An Engine takes any such tuple (Engine(config, detectors=...)); thi
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
 from gpufleet.server.alerts import AlertKind
@@ -75,4 +76,4 @@ def missing_effects(detectors: Iterable[Detector[Any]] = STANDARD) -> Mapping[st
     for spec in kind_specs(tuple(detectors)):
         for reading, effect in spec.without:
             out[reading] = out.get(reading, ()) + ((spec.kind.value, effect),)
-    return out
+    return MappingProxyType(out)
