@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lint engine-settings-doc operator-manifests demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
+.PHONY: lint engine-settings-doc operator-manifests podresources-stubs demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,8 @@ test: lint
 
 # mypy checks modules under their installed names (gpufleet, gpufleet.server.engine): .mypy-src lays the
 # folders out so, with links, since the editable install maps them by an import hook mypy does not run.
-MYPY_TARGETS := -p gpufleet.server.engine -m gpufleet.server.contract $(foreach f,$(basename $(notdir $(wildcard core/*.py))),-m gpufleet$(if $(filter __init__,$(f)),,.$(f)))
+MYPY_TARGETS := -p gpufleet.server.engine -m gpufleet.server.contract -p gpufleet.server.ingest \
+	-m gpufleet.server.runtime -m gpufleet.server.metrics -m gpufleet.server.serve $(foreach f,$(basename $(notdir $(wildcard core/*.py))),-m gpufleet$(if $(filter __init__,$(f)),,.$(f)))
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -47,14 +48,14 @@ bench-live-prometheus: $(STAMP)
 
 # Precision, recall and time to fire over the scenario suite; rewrites its section of docs/evaluation.md.
 eval: $(STAMP)
-	$(BIN)/python -m bench.detection_eval --seeds 5
+	$(BIN)/python -m bench.evaluation.detection_eval --seeds 5
 
 # Detection on the agent's own simulator: normal and marginal incidents, and without job attribution
 # (each about 50 minutes on 2 cores at 12 seeds).
 crosscheck: $(STAMP)
-	$(BIN)/python -m bench.sim_crosscheck --seeds 12
-	$(BIN)/python -m bench.sim_crosscheck --seeds 12 --hard
-	$(BIN)/python -m bench.sim_crosscheck --seeds 8 --unattributed
+	$(BIN)/python -m bench.evaluation.sim_crosscheck --seeds 12
+	$(BIN)/python -m bench.evaluation.sim_crosscheck --seeds 12 --hard
+	$(BIN)/python -m bench.evaluation.sim_crosscheck --seeds 8 --unattributed
 
 # Wheels for bench/hardware_check.sh on a lent GPU machine (CPython 3.12 there, nothing to download from):
 # the agent's and replay's packages its image lacks, and nvitop-exporter with what it needs (nvitop, psutil)
@@ -69,11 +70,25 @@ hardware-wheels: $(STAMP)
 
 # The settings table of docs/detection.md, from EngineConfig's defaults and the comments above its fields.
 engine-settings-doc: $(STAMP)
-	$(BIN)/python -m bench.engine_settings
+	$(BIN)/python -m bench.docgen.engine_settings
 
 # The PrometheusRule and the Grafana dashboard ConfigMap for the Prometheus Operator, from their sources.
 operator-manifests: $(STAMP)
 	$(BIN)/python deploy/kubernetes/operator/render.py
+
+# The kubelet PodResources API's Python modules, from agent/kubelet_podresources_v1.proto. Committed, so that
+# installing the agent needs no code generator; the generator's version sets the grpcio and protobuf floors
+# of the agent extra (pyproject.toml). Laid out as gpufleet/agent/ so the modules import each other by
+# their installed names.
+GRPC_TOOLS_VERSION := 1.85.1
+podresources-stubs: $(STAMP)
+	$(BIN)/python -m pip install --quiet 'grpcio-tools==$(GRPC_TOOLS_VERSION)'
+	rm -rf .protogen && mkdir -p .protogen/gpufleet/agent
+	cp agent/kubelet_podresources_v1.proto .protogen/gpufleet/agent/
+	cd .protogen && ../$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
+		gpufleet/agent/kubelet_podresources_v1.proto
+	cp .protogen/gpufleet/agent/kubelet_podresources_v1_pb2*.py* agent/
+	rm -rf .protogen
 
 clean:
 	rm -rf $(VENV) build *.egg-info

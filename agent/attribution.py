@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,27 @@ class Pod:
     name: str
 
 
+class Attributor(Protocol):
+    """What the sampler asks: JobAttributor, agent.podresources.KubeletAttributor or BackgroundAttributor."""
+
+    @property
+    def uses_mapping_dir(self) -> bool: ...
+    @property
+    def errors(self) -> Mapping[str, int]: ...
+    def job_for(self, index: int, uuid: str, pids: Iterable[int]) -> str | None: ...
+    def pod_for(self, pids: Iterable[int]) -> Pod | None: ...
+    def end_cycle(self) -> None: ...
+
+
+class InnerAttributor(Attributor, Protocol):
+    """What BackgroundAttributor runs on its thread: JobAttributor (/proc, a mapping directory), or
+    agent.podresources.KubeletAttributor (the kubelet first)."""
+
+    @property
+    def by_allocation(self) -> bool: ...
+    def note(self, what: str, code: str, message: str, **context: object) -> None: ...
+
+
 class JobAttributor:
     """Maps a GPU to the job of its compute processes; the mapping directory, when set, wins.
 
@@ -116,6 +137,12 @@ class JobAttributor:
     @property
     def uses_mapping_dir(self) -> bool:
         """True when jobs come from the mapping directory rather than procfs."""
+        return self._mapping_dir is not None
+
+    @property
+    def by_allocation(self) -> bool:
+        """True when the last answer came from what the GPU is allocated to, not from its processes: it
+        stands while the GPU runs none."""
         return self._mapping_dir is not None
 
     def job_for(self, index: int, uuid: str, pids: Iterable[int]) -> str | None:
@@ -283,6 +310,10 @@ class JobAttributor:
             self._note(what, code, "cannot read for job attribution", path=str(path), error=exc.strerror)
             return None
 
+    def note(self, what: str, code: str, message: str, **context: object) -> None:
+        """Count a failure by `what:code` and warn about it (once per cause, then every ten minutes)."""
+        self._note(what, code, message, **context)
+
     def _note(self, what: str, code: str, message: str, **context: object) -> None:
         self.errors[f"{what}:{code}"] += 1
         self.warn(f"{what}:{code}", message, **context)
@@ -296,6 +327,7 @@ class _Answer:
     pids: tuple[int, ...]
     job: str | None
     pod: Pod | None
+    by_allocation: bool
 
 
 class BackgroundAttributor:
@@ -306,7 +338,7 @@ class BackgroundAttributor:
     otherwise stop sampling. While the thread is stuck only the newest cycle's questions wait, and a GPU
     keeps its last answer; a GPU whose processes have all gone has no job at once."""
 
-    def __init__(self, inner: JobAttributor, *, start: bool = True) -> None:
+    def __init__(self, inner: InnerAttributor, *, start: bool = True) -> None:
         self._inner = inner
         self.uses_mapping_dir = inner.uses_mapping_dir
         self._asked: dict[int, tuple[str, tuple[int, ...]]] = {}
@@ -359,10 +391,11 @@ class BackgroundAttributor:
                 try:
                     job = self._inner.job_for(index, uuid, pids)
                     pod = self._inner.pod_for(pids)
+                    allocated = self._inner.by_allocation
                 except Exception as exc:  # a bug in one answer must not end attribution
-                    self._inner._note("attribution", type(exc).__name__, "job attribution failed", error=repr(exc))
-                    job, pod = None, None
-                answers[index] = _Answer(uuid, pids, job, pod)
+                    self._inner.note("attribution", type(exc).__name__, "job attribution failed", error=repr(exc))
+                    job, pod, allocated = None, None, False
+                answers[index] = _Answer(uuid, pids, job, pod, allocated)
             self._inner.end_cycle()
             # Swapped whole: the sampler reads them without a lock, never half-updated.
             self._answers, self._errors = answers, dict(self._inner.errors)
@@ -391,9 +424,9 @@ class BackgroundAttributor:
         return self._known(index, uuid, pids)
 
     def _known(self, index: int, uuid: str, pids: tuple[int, ...]) -> _Answer | None:
-        if not pids and not self.uses_mapping_dir:
-            return None  # no process on the GPU: no job, whatever was there before
         answer = self._answers.get(index)
+        if not pids and not self.uses_mapping_dir and (answer is None or not answer.by_allocation):
+            return None  # no process on the GPU: no job, whatever was there before
         # Processes that changed since are still taken as the last job's until the thread has looked:
         # a job label that blinked away for a cycle would split every series it is on.
         return answer if answer is not None and answer.uuid == uuid else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -16,11 +17,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import orjson
 
 from gpufleet.agent import __version__
-from gpufleet.agent.attribution import BackgroundAttributor, JobAttributor
+from gpufleet.agent.attribution import BackgroundAttributor, InnerAttributor, JobAttributor
 from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET
 from gpufleet.agent.config import PROG, AgentConfig, ConfigError, default_node, load_config
 from gpufleet.extras import AGENT_MODULES, missing_extra
 from gpufleet.logs import configure_logging
+from gpufleet.agent.podresources import DEFAULT_SOCKET, kubelet_attributor
 from gpufleet.agent.record import Recorder
 from gpufleet.agent.store import SnapshotStore
 from gpufleet.webconfig import WebConfig, WebConfigError, load_web_config
@@ -58,7 +60,7 @@ class Runtime:
 
     node: str
     reader: NvmlReader
-    attributor: JobAttributor
+    attributor: InnerAttributor
     clock: Callable[[], float]
     wait: Callable[[float], None]
     cleanup: list[Callable[[], None]] = field(default_factory=list)
@@ -145,13 +147,26 @@ def build_runtime(config: AgentConfig) -> Runtime:
         interval_s=config.sample_interval,
         clock=clock,
     )
-    attributor = JobAttributor(
+    procfs_attributor = JobAttributor(
         procfs,
         config.hpc_job_mapping_dir,
         env_vars=config.hpc_job_env_vars,
         rendezvous=config.hpc_job_rendezvous,
         node=node,
     )
+    attributor: InnerAttributor = procfs_attributor
+    socket = config.pod_resources_socket or (None if config.simulate else DEFAULT_SOCKET)
+    if socket and not config.hpc_job_mapping_dir:
+        kubelet = kubelet_attributor(
+            socket,
+            procfs_attributor,
+            node=node,
+            pod_labels=config.pod_labels,
+            refresh_s=config.pod_resources_refresh,
+            environ=os.environ,
+        )
+        cleanup.append(kubelet.close)
+        attributor = kubelet
     return Runtime(node=node, reader=reader, attributor=attributor, clock=clock, wait=wait, cleanup=cleanup, web=web)
 
 

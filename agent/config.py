@@ -30,6 +30,7 @@ DEFAULT_PORT = 9471  # 9400 is dcgm-exporter, 9835 nvidia_gpu_exporter
 MIN_RETENTION_SECONDS = 120.0
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "text")
+POD_LABEL_SOURCES = ("api-server", "pod-name")
 _ENV_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -56,6 +57,10 @@ class AgentConfig:
     hpc_job_env_vars: tuple[str, ...] = DEFAULT_ENV_VARS
     hpc_job_rendezvous: bool = True
     procfs: str = "/proc"
+    # None: the kubelet's own socket on real NVML, none with --simulate (see build_runtime).
+    pod_resources_socket: str | None = None
+    pod_labels: str = "api-server"
+    pod_resources_refresh: float = 5.0
     nvlink_per_link: bool = False
     log_level: str = "info"
     log_format: str = "json"
@@ -87,6 +92,13 @@ def _cpu_budget(value: Any) -> float:
     if not 0.0001 <= fraction <= 1.0:
         raise ValueError(f"must be between 0.0001 and 1 of a core (0.01% to 100%), got {value!r}")
     return fraction
+
+
+def _refresh(value: Any) -> float:
+    seconds = parse_duration(value)
+    if not 1 <= seconds <= 3600:
+        raise ValueError(f"must be between 1 and 3600 seconds, got {value!r}")
+    return seconds
 
 
 def _retention(value: Any) -> float:
@@ -269,6 +281,29 @@ OPTIONS: tuple[_Option, ...] = (
         "BOOL",
     ),
     _Option("path.procfs", "procfs", _path, "procfs mount point for job attribution (default /proc)", "DIR"),
+    _Option(
+        "kubernetes.pod-resources-socket",
+        "pod_resources_socket",
+        _path,
+        "the kubelet's PodResources socket: where it exists, each GPU's pod (and job) comes from it, else from "
+        "/proc (default /var/lib/kubelet/pod-resources/kubelet.sock; none with --simulate)",
+        "PATH",
+    ),
+    _Option(
+        "kubernetes.pod-labels",
+        "pod_labels",
+        _choice(POD_LABEL_SOURCES),
+        "where a pod's job label is read: api-server (lists the node's pods; RBAC list pods), falling back to "
+        "pod-name, or pod-name only (the pod's name less its controllers' suffixes) (default api-server)",
+        "SOURCE",
+    ),
+    _Option(
+        "kubernetes.refresh-interval",
+        "pod_resources_refresh",
+        _refresh,
+        "seconds between the kubelet's answers taken, on the sampler's schedule (default 5)",
+        "SECONDS",
+    ),
     _Option("nvlink.per-link", "nvlink_per_link", parse_bool, "also export NVLink byte counters per link"),
     _Option("log.level", "log_level", _choice(LOG_LEVELS), "debug, info, warning or error (default info)", "LEVEL"),
     _Option("log.format", "log_format", _choice(LOG_FORMATS), "json or text (default json)", "FORMAT"),

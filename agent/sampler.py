@@ -15,7 +15,7 @@ import orjson
 
 from gpufleet.agent import __version__
 from gpufleet.agent.activity import NO_TOTALS, ActivityIntegrator, ActivityTotals
-from gpufleet.agent.attribution import JobAttributor
+from gpufleet.agent.attribution import Attributor
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot
 from gpufleet.agent.nvml_reader import NvmlUnavailable
@@ -60,7 +60,7 @@ class Sampler:
         *,
         node: str,
         interval: float = 1.0,
-        attributor: JobAttributor | None = None,
+        attributor: Attributor | None = None,
         recorder: Recorder | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,

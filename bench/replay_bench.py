@@ -4,7 +4,7 @@
                                  [--big-minutes 20] [--small-nodes 8] [--small-minutes 30]
                                  [--small-slow-minutes 60] [--repeat 3] [--stages] [--no-write]
 
-Generates large traces with tests/server/tracegen.py (N nodes x 8 GPUs at 5 s sampling, a 1 s variant,
+Generates large traces with bench/evaluation/tracegen.py (N nodes x 8 GPUs at 5 s sampling, a 1 s variant,
 a bigger cluster at 5 s, since the per-tick cost is shared by more GPUs there, and a small cluster at
 1 s and at 5 s, where it is shared by fewest), each twice: as the agent records it (every field, ~1.5 KB per GPU)
 and cut down to the snapshot contract's example fields (~0.7 KB per GPU). Then times (a) the CLI as a
@@ -32,12 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSpec, Trace, write_trace
+from bench.docgen.splice import Section
+from bench.evaluation.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSpec, Trace, write_trace
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-HEADING = "## Server: replay"
-# The figures this script writes lie between these; the notes after them in the section are kept.
-BEGIN, END = "<!-- replay_bench:begin -->", "<!-- replay_bench:end -->"
+# The figures this script writes; the notes after them in the section are kept.
+SECTION = Section("replay_bench", "## Server: replay")
 GOAL, FLOOR = 500_000, 200_000
 # The GPU fields of the snapshot contract's example in the agent issue: what a minimal producer writes.
 CONTRACT_GPU_FIELDS = frozenset(
@@ -317,7 +317,7 @@ def render(results: list[Timing], repeat: int, startup_s: float) -> str:
     out = [
         f"`python -m bench.replay_bench` on {cpu} ({os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f} when it finished: with other work running, wall time exceeds CPU time), "
-        f"Python {platform.python_version()}, each run pinned to one core; median of {repeat} runs. Traces from `tests/server/tracegen.py` (a time-sorted cat of "
+        f"Python {platform.python_version()}, each run pinned to one core; median of {repeat} runs. Traces from `bench/evaluation/tracegen.py` (a time-sorted cat of "
         "every node's snapshot lines, a few incidents, 0.5 % dropped lines). *CLI* is "
         "`gpufleet-server replay TRACE` as a subprocess, end to end: interpreter start-up, imports, "
         "parsing, engine, alert JSON on stdout. *In-process* is `run_replay(open(TRACE, 'rb', buffering=1 << 20))`.",
@@ -390,28 +390,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
-
-
-def write_section(doc: Path, body: str) -> None:
-    """Replace the figures between the markers, keeping the rest of the `## Server: replay` section; a
-    section without markers is replaced up to the next `## ` heading, and a missing one appended."""
-    block = "\n".join((BEGIN, body.strip("\n"), END))
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
-        head, rest = text.split(BEGIN, 1)
-        new = head + block + rest.split(END, 1)[1]
-    else:
-        lines = text.splitlines()
-        section = [HEADING, "", *block.splitlines(), ""]
-        try:
-            start = lines.index(HEADING)
-        except ValueError:
-            new = text.rstrip("\n") + "\n\n" + "\n".join(section).rstrip("\n") + "\n"
-        else:
-            end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-            new = "\n".join(lines[:start] + section + lines[end:]).rstrip("\n") + "\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(new)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -487,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(results, args.repeat, startup_s)
     print(section)
     if not args.no_write:
-        write_section(args.doc, section)
+        SECTION.write(args.doc, section, "Benchmarks")
         print(f"wrote {args.doc}", file=sys.stderr)
     return 0
 

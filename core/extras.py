@@ -13,7 +13,7 @@ from typing import Sequence
 from gpufleet import __version__
 
 # The import name each extra's distributions provide, and the distribution to name in the message.
-AGENT_MODULES = (("pynvml", "nvidia-ml-py"),)
+AGENT_MODULES = (("pynvml", "nvidia-ml-py"), ("grpc", "grpcio"), ("google.protobuf", "protobuf"))
 SERVER_MODULES = (
     ("fastapi", "fastapi"),
     ("uvicorn", "uvicorn"),

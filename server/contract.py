@@ -10,11 +10,14 @@ readings (null or absent) become NaN in that matrix and never 0. Anything that v
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Annotated, Any, Iterable, Iterator, Literal, Mapping, Optional, Union
 
 import msgspec
 import numpy as np
 from msgspec import Meta
+
+from gpufleet.server.readings import READINGS, Reading
 
 SCHEMA_VERSION: Literal[1] = 1
 MAX_LINE_BYTES = 4 * 1024 * 1024
@@ -22,76 +25,21 @@ MAX_GPUS_PER_NODE = 256
 MAX_NODE_NAME = 256
 MAX_K8S_NAME = 253  # a Kubernetes object name (DNS subdomain) is at most 253 characters
 
-# Column order of NodeSample.values; the engine indexes by these constants.
-NUMERIC_FIELDS = (
-    "utilization_ratio",
-    "sm_active_ratio",
-    "temperature_celsius",
-    "slowdown_temperature_celsius",
-    "power_watts",
-    "power_limit_watts",
-    "energy_joules_total",
-    "sm_clock_hertz",
-    "sm_clock_max_hertz",
-    "throttle_reasons",
-    "xid_errors_total",
-    "last_xid",
-    "ecc_uncorrected_errors_total",
-    "memory_temperature_celsius",
-    "memory_max_operating_temperature_celsius",
-)
-BOOL_FIELDS = ("up", "remapped_rows_pending", "remapped_rows_failure")
-FIELDS = NUMERIC_FIELDS + BOOL_FIELDS
-(
-    UTIL,
-    SM,
-    TEMP,
-    SLOWDOWN_TEMP,
-    POWER,
-    POWER_LIMIT,
-    ENERGY,
-    CLOCK,
-    CLOCK_MAX,
-    THROTTLE,
-    XID_TOTAL,
-    LAST_XID,
-    ECC_UNCORRECTED,
-    MEM_TEMP,
-    MEM_MAX_TEMP,
-    UP,
-    REMAP_PENDING,
-    REMAP_FAILURE,
-) = range(len(FIELDS))
+# Column order of NodeSample.values: the reading table's (server/readings.py); the engine indexes the
+# columns by name through COLUMN, once, at import.
+FIELDS = tuple(r.name for r in READINGS)
 N_FIELDS = len(FIELDS)
-
-# Plausible physical ranges; a value outside is a broken agent, not a reading to act on. NaN fails
-# every range, so a NaN smuggled into a decoded payload is rejected too (JSON itself cannot carry one).
-_LIMITS = {
-    "utilization_ratio": (0.0, 1.5),
-    "sm_active_ratio": (0.0, 1.5),
-    "temperature_celsius": (-60.0, 250.0),
-    "slowdown_temperature_celsius": (-60.0, 250.0),
-    "power_watts": (0.0, 10_000.0),
-    "power_limit_watts": (0.0, 10_000.0),
-    "energy_joules_total": (0.0, 1e18),
-    "sm_clock_hertz": (0.0, 1e11),
-    "sm_clock_max_hertz": (0.0, 1e11),
-    "throttle_reasons": (0.0, 2.0**64),
-    "xid_errors_total": (0.0, 1e15),
-    "last_xid": (0.0, 1e9),
-    "ecc_uncorrected_errors_total": (0.0, 1e18),
-    "memory_temperature_celsius": (-60.0, 250.0),
-    "memory_max_operating_temperature_celsius": (-60.0, 250.0),
-}
+COLUMN: Mapping[str, int] = MappingProxyType({name: i for i, name in enumerate(FIELDS)})
 _NAN = float("nan")
 MAX_GPU_INDEX = 4096
 
-# The wire schema, compiled once: msgspec validates types and ranges in C while decoding and skips
-# every field the engine does not read without building Python objects for it. An absent reading
-# defaults to NaN (unsupported); an explicit null decodes to None, which numpy also turns into NaN.
-_GPU_TYPES: dict[str, Any] = {
-    **{f: (Optional[Annotated[float, Meta(ge=_LIMITS[f][0], le=_LIMITS[f][1])]], _NAN) for f in NUMERIC_FIELDS},
-    **{f: (Optional[bool], _NAN) for f in BOOL_FIELDS},
+# Keys of a GPU's object that are not readings, after the reading each follows on the wire (None: first).
+_OTHER_KEYS: dict[str | None, tuple[str, ...]] = {
+    None: ("index", "uuid", "model"),
+    "up": ("hpc_job", "kubernetes_namespace", "kubernetes_pod"),
+    "xid_errors_total": ("xid_errors_by_code",),
+}
+_OTHER_TYPES: dict[str, tuple[Any, ...]] = {
     "index": (Annotated[int, Meta(ge=0, lt=MAX_GPU_INDEX)],),
     "uuid": (str,),
     "model": (str,),
@@ -102,37 +50,52 @@ _GPU_TYPES: dict[str, Any] = {
     # Keys are strings in JSON and ints in the agent's own model: checked in _xid_map.
     "xid_errors_by_code": (Optional[dict[Any, Any]], None),
 }
-# Declared in the order the agent writes them (agent/model.py, GpuSample): msgspec looks for each key at
-# the position after the previous one first (4 % fewer instructions parsing; docs/benchmarks.md, "The
-# decoder's field order").
-GPU_FIELD_ORDER = (
-    "index",
-    "uuid",
-    "model",
-    "up",
-    "hpc_job",
-    "kubernetes_namespace",
-    "kubernetes_pod",
-    "utilization_ratio",
-    "sm_active_ratio",
-    "temperature_celsius",
-    "memory_temperature_celsius",
-    "slowdown_temperature_celsius",
-    "memory_max_operating_temperature_celsius",
-    "power_watts",
-    "power_limit_watts",
-    "energy_joules_total",
-    "sm_clock_hertz",
-    "sm_clock_max_hertz",
-    "throttle_reasons",
-    "ecc_uncorrected_errors_total",
-    "remapped_rows_pending",
-    "remapped_rows_failure",
-    "xid_errors_total",
-    "xid_errors_by_code",
-    "last_xid",
-)
-_GpuRow = msgspec.defstruct("GpuRow", [(f, *_GPU_TYPES[f]) for f in GPU_FIELD_ORDER], kw_only=True, gc=False)
+
+
+def field_order(table: tuple[Reading, ...]) -> tuple[str, ...]:
+    """Every key of a GPU's object the server reads, in the order the agent writes them: msgspec looks for
+    each key at the position after the previous one first (4 % fewer instructions parsing;
+    docs/benchmarks.md, "The decoder's field order")."""
+    out = list(_OTHER_KEYS[None])
+    for r in table:
+        out += (r.name, *_OTHER_KEYS.get(r.name, ()))
+    return tuple(out)
+
+
+def wire_type(r: Reading) -> tuple[Any, ...]:
+    """(type, default) a reading decodes as: a flag a bool, anything else a float within the reading's
+    limits, which NaN fails, so a NaN smuggled into a decoded payload is refused too (JSON itself cannot
+    carry one). Absent defaults to NaN (unsupported); an explicit null decodes to None, which numpy also
+    turns into NaN."""
+    if r.limits is None:
+        return (Optional[bool], _NAN)
+    return (Optional[Annotated[float, Meta(ge=r.limits[0], le=r.limits[1])]], _NAN)
+
+
+def gpu_struct(table: tuple[Reading, ...]) -> type[msgspec.Struct]:
+    """The wire schema of one GPU, compiled once: msgspec validates types and ranges in C while decoding and
+    skips every field the engine does not read without building Python objects for it."""
+    types = {**_OTHER_TYPES, **{r.name: wire_type(r) for r in table}}
+    return msgspec.defstruct("GpuRow", [(f, *types[f]) for f in field_order(table)], kw_only=True, gc=False)
+
+
+def clamps(table: tuple[Reading, ...]) -> tuple[tuple[slice, float], ...]:
+    """(columns, ceiling) for the readings read no higher than their clamp: runs of adjacent columns with
+    one ceiling as one slice each, so that a batch costs one numpy call per run."""
+    runs: list[list[Any]] = []
+    for i, r in enumerate(table):
+        if r.clamp is None:
+            continue
+        if runs and runs[-1][1] == i and runs[-1][2] == r.clamp:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1, r.clamp])
+    return tuple((slice(start, stop), high) for start, stop, high in runs)
+
+
+GPU_FIELD_ORDER = field_order(READINGS)
+_CLAMPS = clamps(READINGS)
+_GpuRow = gpu_struct(READINGS)
 
 
 class _Snapshot(msgspec.Struct, gc=False):
@@ -283,7 +246,8 @@ def _build(snapshots: list[_Snapshot], identities: dict | None = None) -> list[N
         cols = list(zip(*rows))
         # None (an explicit null) becomes NaN here, like the absent readings' NaN default.
         matrix = np.array([cols[i] for i in _COLUMNS], dtype=np.float64).T
-        np.minimum(matrix[:, UTIL : SM + 1], 1.0, out=matrix[:, UTIL : SM + 1])
+        for cols_clamped, high in _CLAMPS:
+            np.minimum(matrix[:, cols_clamped], high, out=matrix[:, cols_clamped])
         odd_jobs = _needs_job_normalising(cols[_I_JOB])
     else:
         cols, matrix, odd_jobs = [()] * len(GPU_FIELD_ORDER), np.empty((0, N_FIELDS)), False

@@ -144,7 +144,7 @@ class ServerCollector(Collector):
 
     def _ingest(self) -> Iterator[Metric]:
         """Per-target reachability and pull error counters."""
-        puller = self.runtime.puller
+        source = self.runtime.source
         up = GaugeMetricFamily(
             "gpufleet_server_target_up", "1 if the last pull of the agent succeeded.", labels=["target"]
         )
@@ -169,7 +169,7 @@ class ServerCollector(Collector):
             "The agent's clock minus the server's, as measured from its answers.",
             labels=["target"],
         )
-        for h in puller.health():
+        for h in source.health():
             up.add_metric([h.target], 1 if h.up else 0)
             if h.clock_offset_seconds is not None:
                 offset.add_metric([h.target], h.clock_offset_seconds)
@@ -185,13 +185,13 @@ class ServerCollector(Collector):
             "Rejected pulls and snapshots by target and reason.",
             labels=["target", "reason"],
         )
-        for (target, reason), n in sorted(puller.errors.items()):
+        for (target, reason), n in sorted(source.errors.items()):
             errors.add_metric([target, reason], n)
         yield errors
         rejected = CounterMetricFamily(
             "gpufleet_server_rejected", "Rejected pulls and snapshots by reason.", labels=["reason"]
         )
-        for reason, n in sorted(puller.errors_by_reason().items()):
+        for reason, n in sorted(source.errors_by_reason().items()):
             rejected.add_metric([reason], n)
         yield rejected
         blind = CounterMetricFamily(
@@ -200,13 +200,13 @@ class ServerCollector(Collector):
             "all_rejected, all_targets_down, no_targets, source_down).",
             labels=["reason"],
         )
-        for reason, n in sorted(getattr(puller, "blind_cycles", {}).items()):
+        for reason, n in sorted(source.blind_cycles.items()):
             blind.add_metric([reason], n)
         yield blind
         yield GaugeMetricFamily(
             "gpufleet_server_blind",
             "1 while the last cycle had no usable GPU sample, else 0.",
-            value=1 if getattr(puller, "blind", None) is not None else 0,
+            value=1 if source.blind is not None else 0,
         )
         missing = GaugeMetricFamily(
             "gpufleet_server_source_reading_missing",
@@ -214,23 +214,24 @@ class ServerCollector(Collector):
             "detector that works without it as the effect label says.",
             labels=["reading", "detector", "effect"],
         )
-        for reading, detector, effect in getattr(puller, "missing", ()):
+        for reading, detector, effect in source.missing:
             missing.add_metric([reading, detector, effect], 1)
         yield missing
-        yield CounterMetricFamily("gpufleet_server_pulls", "Pull attempts over all targets.", value=puller.pulls_total)
+        yield CounterMetricFamily("gpufleet_server_pulls", "Pull attempts over all targets.", value=source.pulls_total)
         yield CounterMetricFamily(
             "gpufleet_server_samples_ingested",
             "Node snapshots accepted and fed to the engine.",
-            value=puller.samples_total,
+            value=source.samples_total,
         )
-        if puller.last_cycle is not None:
+        last_cycle = source.last_cycle
+        if last_cycle is not None:
             yield GaugeMetricFamily(
                 "gpufleet_server_pull_cycle_duration_seconds",
                 "Wall time of the last pull cycle over every target.",
-                value=puller.last_cycle.duration_seconds,
+                value=last_cycle.duration_seconds,
             )
             yield GaugeMetricFamily(
-                "gpufleet_server_targets", "Targets in the last pull cycle.", value=puller.last_cycle.targets
+                "gpufleet_server_targets", "Targets in the last pull cycle.", value=last_cycle.targets
             )
 
     def _pipeline(self) -> Iterator[Metric]:

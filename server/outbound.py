@@ -176,3 +176,10 @@ class _Authorization(httpx.Auth):
         if self._outbound.header is not None:
             request.headers["Authorization"] = self._outbound.header
         yield request
+
+
+def for_peer(auth: ClientAuth, prefix: str, *, https: bool) -> Outbound:
+    """One peer's TLS context and credentials; ValueError names a file that cannot be used."""
+    if auth.sends_credentials() and not https:
+        log.warning("credentials over plain http: they cross the network readable; use https", extra={"peer": prefix})
+    return Outbound(auth, prefix)

@@ -1,4 +1,4 @@
-"""The live pipeline, one cycle per pull interval: puller -> engine -> store -> notifiers, and a view.
+"""The live pipeline, one cycle per pull interval: source -> engine -> store -> notifiers, and a view.
 
 The engine runs in a worker thread, one cycle at a time, and only this module touches it; request
 handlers read the immutable FleetView published after each cycle and the store, never the engine.
@@ -9,14 +9,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Transition
 from gpufleet.server.ingest.agent_alerts import AgentAlerts, is_ours
-from gpufleet.server.ingest.puller import PullResult, TargetHealth
+from gpufleet.server.ingest.base import SampleSource, TargetHealth
 from gpufleet.server.notify import Notifier
 from gpufleet.server.routing import AlertRouting
 from gpufleet.server.store import AlertStore
@@ -53,26 +54,14 @@ class CycleStats:
     store_unsaved_since: float | None = None  # when the oldest of them first failed to be written
 
 
-class SampleSource(Protocol):
-    """What the runtime reads samples from: the agents themselves (Puller) or Prometheus (PrometheusSource)."""
-
-    stale_after_seconds: float
-
-    async def pull_once(self) -> PullResult: ...
-
-    def health(self) -> list[TargetHealth]: ...
-
-    async def aclose(self) -> None: ...
-
-
 class Runtime:
-    """Owns the engine and drives it from the puller on a fixed interval."""
+    """Owns the engine and drives it from the sample source on a fixed interval."""
 
     def __init__(
         self,
         *,
         engine: Any,
-        puller: SampleSource,
+        source: SampleSource,
         store: AlertStore,
         notifiers: Sequence[Notifier] = (),
         pull_interval_seconds: float = 5.0,
@@ -84,9 +73,9 @@ class Runtime:
     ) -> None:
         self.engine = engine
         self.routing = routing or AlertRouting()
-        self.puller = puller
+        self.source = source
         # Agents the engine has no samples from (down or silent since we started) alert from here.
-        self.agent_alerts = agent_alerts or AgentAlerts(after_seconds=puller.stale_after_seconds)
+        self.agent_alerts = agent_alerts or AgentAlerts(after_seconds=source.stale_after_seconds)
         self.store = store
         self.notifiers = tuple(notifiers)
         self.pull_interval_seconds = pull_interval_seconds
@@ -115,8 +104,16 @@ class Runtime:
 
     def restore(self) -> int:
         """Hand the store's open alerts back to the engine after a restart; returns how many."""
-        alerts = [self.routing.label(a) for a in self.store.open_alerts()]
-        self.agent_alerts.restore(alerts, self.store.target_nodes())
+        try:
+            alerts = [self.routing.label(a) for a in self.store.open_alerts()]
+            nodes = self.store.target_nodes()
+        except sqlite3.Error as exc:
+            # Damage the start check did not see: the engine re-raises from the agents what is still wrong, and
+            # /healthz says the store fails; dying here would leave the fleet unwatched.
+            log.error("alert store unreadable: starting without its open alerts", extra={"error": str(exc)})
+            alerts, nodes = [], {}
+        self.agent_alerts.restore(alerts, nodes)
+        self.source.remember_identities(nodes)
         if alerts:
             self.engine.restore([a for a in alerts if not is_ours(a)])
             log.info("open alerts restored", extra={"alerts": len(alerts)})
@@ -149,14 +146,14 @@ class Runtime:
         self._executor.shutdown(wait=True)
         if self._unsaved or self._unsaved_nodes:
             self._persist([], self.clock(), {})  # one last try before the database closes
-        await self.puller.aclose()
+        await self.source.aclose()
         for notifier in self.notifiers:
             await notifier.aclose()
         self.store.close()
 
     async def cycle(self) -> list[Transition]:
         """One pull, engine step, store write and notification; returns the engine's transitions."""
-        result = await self.puller.pull_once()
+        result = await self.source.pull_once()
         now = self.clock()
         loop = asyncio.get_running_loop()
         transitions = await loop.run_in_executor(self._executor, self._step, result.samples, now)
@@ -172,7 +169,7 @@ class Runtime:
             self.engine.ingest(sample)
         transitions = list(self.engine.advance(now))
         view = self._snapshot_view(now)
-        health = self.puller.health()
+        health = self.source.health()
         named = self.agent_alerts.learn(health)
         departed = self._forget_departed(health, view, now)
         if departed:
@@ -219,8 +216,7 @@ class Runtime:
         address, or a target file edited back, comes back within it. After a restart with fewer targets,
         the alerts restored for the nodes no longer there resolve the same way, instead of firing forever."""
         claimed = {h.node or self.agent_alerts.nodes.get(h.target) for h in health}
-        nodes = {n.get("node"): n.get("last_sample_time") for n in view.nodes}
-        nodes.pop(None, None)
+        nodes: dict[str, float | None] = {n["node"]: n.get("last_sample_time") for n in view.nodes if n.get("node")}
         for a in view.alerts:
             if a.node is not None and not is_ours(a):
                 nodes.setdefault(a.node, None)

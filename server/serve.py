@@ -1,4 +1,4 @@
-"""`gpufleet-server serve`: wire settings into puller -> engine -> store -> notifiers, and serve the API."""
+"""`gpufleet-server serve`: wire settings into source -> engine -> store -> notifiers, and serve the API."""
 
 from __future__ import annotations
 
@@ -23,37 +23,17 @@ from gpufleet.server.connections import (
     limit_accept_error_logs,
     raise_descriptor_limit,
 )
-from gpufleet.server.ingest.prometheus import PrometheusSource
-from gpufleet.server.ingest.puller import Puller
-from gpufleet.server.ingest.targets import (
-    CombinedTargets,
-    DnsTargets,
-    FileSdTargets,
-    StaticTargets,
-    TargetError,
-    TargetSource,
-    parse_file_sd,
-)
+from gpufleet.server.ingest.base import SampleSource, SourceKind, Wiring
+from gpufleet.server.ingest.targets import TargetError, parse_file_sd
 from gpufleet.server.notify import Notifier
-from gpufleet.server.outbound import Outbound
+from gpufleet.server.outbound import Outbound, for_peer
 from gpufleet.server.routing import AlertRouting
 from gpufleet.server.runtime import Runtime
-from gpufleet.server.settings import ClientAuth, ConfigError, ServerSettings, load_settings
-from gpufleet.server.store import AlertStore, StoreError
+from gpufleet.server.settings import ClientAuth, ConfigError, ServerSettings, load_settings, sample_sources
+from gpufleet.server.store import StoreError
+from gpufleet.server.store_check import REFUSE, damage, open_checked
 
 log = logging.getLogger(__name__)
-
-
-def build_targets(settings: ServerSettings) -> TargetSource:
-    """Every target source the settings name."""
-    sources: list[TargetSource] = []
-    if settings.targets:
-        sources.append(StaticTargets(settings.targets))
-    if settings.targets_file_sd:
-        sources.append(FileSdTargets(settings.targets_file_sd))
-    if settings.targets_dns:
-        sources.append(DnsTargets(settings.targets_dns))
-    return CombinedTargets(sources)
 
 
 def build_engine(settings: ServerSettings) -> Any:
@@ -75,7 +55,7 @@ def build_notifiers(settings: ServerSettings, *, transport: Any = None) -> list[
     out: list[Notifier] = []
     if settings.alertmanager_urls:
         # The replicas of one HA cluster share their web config, so one context and one credential serve them all.
-        am = outbound(settings.alertmanager_client, "alertmanager", _https(*settings.alertmanager_urls))
+        am = for_peer(settings.alertmanager_client, "alertmanager", https=_https(*settings.alertmanager_urls))
         out.extend(
             AlertmanagerNotifier(
                 url,
@@ -88,16 +68,17 @@ def build_notifiers(settings: ServerSettings, *, transport: Any = None) -> list[
             for url in settings.alertmanager_urls
         )
     if settings.webhook_url:
-        hook = outbound(settings.webhook_client, "webhook", _https(settings.webhook_url))
+        hook = for_peer(settings.webhook_client, "webhook", https=_https(settings.webhook_url))
         out.append(WebhookNotifier(settings.webhook_url, transport=transport, verify=hook.ssl_context, auth=hook.auth))
     return out
 
 
-def outbound(auth: ClientAuth, prefix: str, https: bool) -> Outbound:
-    """One peer's TLS context and credentials; ValueError names a file that cannot be used."""
-    if auth.sends_credentials() and not https:
-        log.warning("credentials over plain http: they cross the network readable; use https", extra={"peer": prefix})
-    return Outbound(auth, prefix)
+def source_kind(settings: ServerSettings, kinds: Sequence[SourceKind] | None = None) -> SourceKind:
+    """The first kind of sample source the settings select (of `kinds`, settings.sample_sources() by default)."""
+    for kind in sample_sources() if kinds is None else kinds:
+        if kind.selected(settings):
+            return kind
+    raise ConfigError("no sample source: the settings select none")
 
 
 def build_source(
@@ -106,52 +87,10 @@ def build_source(
     clock: Callable[[], float] = time.time,
     transport: Any = None,
     parse: Callable[[Any], Any] | None = None,
-) -> Puller | PrometheusSource:
-    """Where samples come from: the agents themselves, or Prometheus's scrapes of them."""
-    if settings.prometheus_url:
-        prom = outbound(settings.prometheus_client, "ingest.prometheus", _https(settings.prometheus_url))
-        return PrometheusSource(
-            settings.prometheus_url,
-            interval_seconds=settings.pull_interval_seconds,
-            timeout_seconds=settings.pull_timeout_seconds,
-            stale_after_seconds=settings.pull_stale_after_seconds,
-            transport=transport,
-            clock=clock,
-            parse=parse,
-            verify=prom.ssl_context,
-            auth=prom.auth,
-            schema=settings.prometheus_schema,
-        )
-    agents = outbound(settings.pull_client, "pull", settings.pull_scheme == "https")
-    return Puller(
-        build_targets(settings),
-        timeout_seconds=settings.pull_timeout_seconds,
-        max_payload_bytes=settings.pull_max_bytes,
-        concurrency=settings.pull_concurrency,
-        stale_after_seconds=settings.pull_stale_after_seconds,
-        transport=transport,
-        clock=clock,
-        parse=parse,
-        clock_offset_min_seconds=settings.pull_clock_offset_min_seconds,
-        scheme=settings.pull_scheme,
-        verify=agents.ssl_context,
-        auth=agents.auth,
-        max_entries=settings.pull_max_entries,
-        max_snapshots=settings.pull_max_snapshots,
-        max_gpus=settings.pull_max_gpus,
-        max_nodes=settings.pull_max_nodes,
-        first_span_seconds=first_span(settings),
-        first_concurrency=settings.pull_first_concurrency,
-    )
-
-
-def first_span(settings: ServerSettings) -> float:
-    """How far back a target's first pull reaches: the history the engine needs before it judges a job
-    (its minimum history, or its smoothing window if longer), not the agent's whole ring."""
-    from gpufleet.server.engine.config import EngineConfig
-
-    config = EngineConfig.from_mapping(dict(settings.engine))
-    return max(config.min_history_seconds, config.smooth_seconds)
+    kinds: Sequence[SourceKind] | None = None,
+) -> SampleSource:
+    """Where samples come from: the agents themselves, Prometheus's scrapes of them, or another kind."""
+    return source_kind(settings, kinds).build(settings, Wiring(clock=clock, transport=transport, parse=parse))
 
 
 def build_runtime(
@@ -162,16 +101,22 @@ def build_runtime(
     transport: Any = None,
     parse: Callable[[Any], Any] | None = None,
     extra_notifiers: Sequence[Notifier] = (),
+    source_kinds: Sequence[SourceKind] | None = None,
 ) -> Runtime:
-    """The whole pipeline; engine, clock, HTTP transport and snapshot parser are injectable for tests."""
+    """The whole pipeline; engine, clock, HTTP transport, snapshot parser and the kinds of sample source
+    to choose from are injectable for tests."""
     engine = engine if engine is not None else build_engine(settings)
-    puller = build_source(settings, clock=clock, transport=transport, parse=parse)
+    source = build_source(settings, clock=clock, transport=transport, parse=parse, kinds=source_kinds)
     notifiers = build_notifiers(settings, transport=transport) + list(extra_notifiers)
     # Last: the store creates its file, which a start refused for any other reason must not leave behind.
-    store = AlertStore(settings.storage_path, retention_seconds=settings.storage_retention_seconds)
+    store = open_checked(
+        settings.storage_path,
+        on_corruption=settings.storage_on_corruption,
+        retention_seconds=settings.storage_retention_seconds,
+    )
     return Runtime(
         engine=engine,
-        puller=puller,
+        source=source,
         store=store,
         notifiers=notifiers,
         pull_interval_seconds=settings.pull_interval_seconds,
@@ -230,7 +175,9 @@ def uvicorn_server(settings: ServerSettings, app: Any, tls: ssl.SSLContext | Non
         config.load()
         config.ssl = tls
     server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    # Older uvicorn installs its own handlers through this; newer ones have no such method (they hold SIGINT
+    # and SIGTERM only during serve() and raise them again after it returns).
+    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined,method-assign,unused-ignore]
     return server
 
 
@@ -258,8 +205,9 @@ async def serve_until_signalled(server: uvicorn.Server, sockets: list[socket.soc
 
 def check_config(argv: Sequence[str] | None = None) -> int:
     """`gpufleet-server check-config [serve's flags]`: everything serve would refuse at start, without starting:
-    settings, the web config, the engine's settings, the file_sd file, every TLS and credential file, and the
-    storage folder. Exit 0 with one summary line, or 2 with the first problem, as `promtool check config`."""
+    settings, the web config, the engine's settings, the file_sd file, every TLS and credential file, the
+    storage folder, and the store file's integrity where a damaged one would be refused. Exit 0 with one
+    summary line, or 2 with the first problem, as `promtool check config`."""
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv, prog="gpufleet-server check-config")
         if settings.web_config_file:
@@ -278,12 +226,13 @@ def check_config(argv: Sequence[str] | None = None) -> int:
         for auth, prefix in _peers(settings):
             Outbound(auth, prefix)
         check_storage_folder(settings)
-    except (ConfigError, TargetError, ValueError) as exc:
+        if settings.storage_on_corruption == REFUSE and (problem := damage(settings.storage_path)):
+            raise ConfigError(f"alert store {settings.storage_path} is damaged ({problem}): serve would refuse it")
+    except (ConfigError, TargetError, StoreError, ValueError) as exc:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
-    source = "prometheus" if settings.prometheus_url else "agents"
     print(
-        f"config OK: reading {source}, {targets} listed target(s)"
+        f"config OK: reading {source_kind(settings).name}, {targets} listed target(s)"
         f"{' and ' + settings.targets_dns if settings.targets_dns else ''}, "
         f"{len(settings.alertmanager_urls)} Alertmanager(s), webhook {'on' if settings.webhook_url else 'off'}, "
         f"TLS {'on' if settings.web_config_file else 'off'} for the API"
@@ -305,9 +254,8 @@ def check_storage_folder(settings: ServerSettings) -> None:
 
 def _peers(settings: ServerSettings) -> list[tuple[ClientAuth, str]]:
     """The settings and prefix of every peer the server will call."""
-    out = [
-        (settings.prometheus_client, "ingest.prometheus") if settings.prometheus_url else (settings.pull_client, "pull")
-    ]
+    peer = source_kind(settings).peer
+    out = [] if peer is None else [peer(settings)]
     if settings.alertmanager_urls:
         out.append((settings.alertmanager_client, "alertmanager"))
     if settings.webhook_url:
@@ -358,13 +306,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock.close()
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2
-    if settings.prometheus_url:
-        log.info(
-            "reading GPU series through Prometheus",
-            extra={"url": settings.prometheus_url, "schema": settings.prometheus_schema},
-        )
-    elif not runtime.puller.source.sources:  # type: ignore[union-attr]
-        log.warning("no targets configured: use --targets, --targets.file-sd, --targets.dns or --ingest.prometheus-url")
     app = create_app(settings, runtime=runtime, web=web)
     log.info(
         "gpufleet-server listening",

@@ -13,7 +13,7 @@ import argparse
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from gpufleet.config import (
     ConfigError,
@@ -26,6 +26,9 @@ from gpufleet.config import (
     parse_size,
     read_config_file,
 )
+
+if TYPE_CHECKING:
+    from gpufleet.server.ingest.base import SourceKind
 
 ENV_PREFIX = "GPUFLEET_SERVER_"
 
@@ -233,6 +236,7 @@ class ServerSettings:
     prometheus_client: ClientAuth = ClientAuth()
     storage_path: str = "gpufleet.db"
     storage_retention_seconds: float = 7 * 86400.0
+    storage_on_corruption: str = "move-aside"
     alertmanager_urls: tuple[str, ...] = ()
     alertmanager_resend_interval_seconds: float = 60.0
     alertmanager_client: ClientAuth = ClientAuth()
@@ -260,7 +264,7 @@ def client_flags(
     prefix: str, dest: str, peer: str, *, bearer: bool = True
 ) -> dict[str, tuple[str, Callable[[Any], Any], str]]:
     """The TLS and credential flags of one peer the server connects to; their dests are `dest.FIELD`."""
-    flags = {
+    flags: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         "tls.ca-file": (
             "ca_file",
             parse_file,
@@ -375,6 +379,12 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     **client_flags("pull", "pull_client", "the agents", bearer=False),
     "storage.path": ("storage_path", str, "SQLite file for alerts (default gpufleet.db)"),
     "storage.retention": ("storage_retention_seconds", parse_duration, "keep resolved alerts this long (default 7d)"),
+    "storage.on-corruption": (
+        "storage_on_corruption",
+        _choice("move-aside", "refuse"),
+        "a store file SQLite finds damaged at start: move-aside (renamed to <file>.damaged-<time>, named in "
+        "the log, and a fresh store started) or refuse (exit 2) (default move-aside)",
+    ),
     "alertmanager.url": (
         "alertmanager_urls",
         parse_urls,
@@ -404,6 +414,15 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "log.level": ("log_level", _choice("debug", "info", "warning", "error"), "debug|info|warning|error"),
     "log.format": ("log_format", _choice("json", "text"), "json|text"),
 }
+
+
+def sample_sources() -> tuple[SourceKind, ...]:
+    """Where samples can come from, in the order they are tried: the first kind the settings select reads
+    them, and the agents, pulled, need no setting and come last. A source's module holds its kind and its
+    flags are above; the modules load here, when a server is built, not when settings are read."""
+    from gpufleet.server.ingest import prometheus, puller
+
+    return (prometheus.SOURCE, puller.SOURCE)
 
 
 def build_parser(prog: str = "gpufleet-server serve") -> argparse.ArgumentParser:

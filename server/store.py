@@ -6,12 +6,13 @@ alert id, upserted on each transition) and answers filtered, paginated queries f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import orjson
 
@@ -99,6 +100,8 @@ class AlertStore:
         self.max_resolved = max_resolved
         self._lock = threading.Lock()
         self._unsaved = 0  # rows in unsaved.alerts
+        # What failed last, by "read" and "write", until an operation of that kind succeeds: /healthz says it.
+        self.failing: dict[str, str] = {}
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -125,7 +128,7 @@ class AlertStore:
         placeholders = ", ".join("?" * len(rows[0]))
         with self._lock:
             try:
-                with self._transaction():
+                with self._watch("write"), self._transaction():
                     self._db.executemany(
                         f"INSERT OR REPLACE INTO main.alerts ({_COLUMNS}) VALUES ({placeholders})", rows
                     )
@@ -142,7 +145,7 @@ class AlertStore:
 
     def open_alerts(self) -> list[Alert]:
         """Pending and firing alerts, oldest first: what the engine restores after a restart."""
-        with self._lock:
+        with self._lock, self._watch("read"):
             sql = (
                 f"SELECT {_COLUMNS} FROM {self._alerts()} WHERE state IN ('pending', 'firing') "
                 "ORDER BY pending_since, id"
@@ -151,7 +154,7 @@ class AlertStore:
 
     def get(self, alert_id: str) -> Alert | None:
         """One alert occurrence by id."""
-        with self._lock:
+        with self._lock, self._watch("read"):
             row = self._db.execute(f"SELECT {_COLUMNS} FROM {self._alerts()} WHERE id = ?", (alert_id,)).fetchone()
         return _from_row(row) if row else None
 
@@ -159,7 +162,7 @@ class AlertStore:
         """Filtered alerts, newest first, with the total count for pagination."""
         where, args = _where(q)
         limit = max(0, min(q.limit, MAX_PAGE))
-        with self._lock:
+        with self._lock, self._watch("read"):
             table = self._alerts()
             total = self._db.execute(f"SELECT COUNT(*) FROM {table} {where}", args).fetchone()[0]
             rows = self._db.execute(
@@ -170,13 +173,13 @@ class AlertStore:
 
     def target_nodes(self) -> dict[str, str]:
         """The node name each agent target last reported, so a restart can name an agent that is down."""
-        with self._lock:
+        with self._lock, self._watch("read"):
             return dict(self._db.execute("SELECT target, node FROM target_nodes").fetchall())
 
     def remember_target_nodes(self, nodes: dict[str, str]) -> None:
         """Record (or update) the node names of some targets."""
         if nodes:
-            with self._lock:
+            with self._lock, self._watch("write"):
                 with self._transaction():
                     self._db.executemany(
                         "INSERT OR REPLACE INTO target_nodes (target, node) VALUES (?, ?)", list(nodes.items())
@@ -184,7 +187,7 @@ class AlertStore:
 
     def prune(self, now: float) -> int:
         """Drop resolved alerts past the retention age or beyond the row cap; returns rows deleted."""
-        with self._lock:
+        with self._lock, self._watch("write"):
             with self._transaction():
                 old = self._db.execute(
                     "DELETE FROM main.alerts WHERE state = 'resolved' AND resolved < ?", (now - self.retention_seconds,)
@@ -197,6 +200,16 @@ class AlertStore:
         if old or extra:
             log.info("alert history pruned", extra={"deleted": old + extra})
         return old + extra
+
+    @contextlib.contextmanager
+    def _watch(self, operation: str) -> Iterator[None]:
+        """Note a failing read or write (and clear it once one succeeds), for /healthz. Called under the lock."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            self.failing[operation] = str(exc) or exc.__class__.__name__
+            raise
+        self.failing.pop(operation, None)
 
     def _alerts(self) -> str:
         """The table reads use: the file's rows, overlaid with the unsaved ones while there are any (only
@@ -231,6 +244,30 @@ class _Tx:
             self._db.execute("ROLLBACK")
 
 
+def query_open(alerts: Iterable[Alert], q: AlertQuery) -> AlertPage:
+    """The query answered from the open alerts alone (the engine's, in memory), newest first: what /alerts
+    serves while the store cannot be read."""
+    matching = [
+        a
+        for a in alerts
+        if all(
+            want is None or have == want
+            for have, want in (
+                (a.state, q.state),
+                (a.kind, q.kind),
+                (a.severity, q.severity),
+                (a.node, q.node),
+                (a.gpu, q.gpu),
+                (a.hpc_job, q.hpc_job),
+            )
+        )
+        and (q.since is None or a.resolved is None or a.resolved >= q.since)
+    ]
+    matching.sort(key=lambda a: (-a.pending_since, a.id))
+    offset = max(0, q.offset)
+    return AlertPage(matching[offset : offset + max(0, min(q.limit, MAX_PAGE))], len(matching))
+
+
 def _where(q: AlertQuery) -> tuple[str, list[object]]:
     """SQL WHERE clause and arguments for a query's filters."""
     clauses: list[str] = []
@@ -239,10 +276,10 @@ def _where(q: AlertQuery) -> tuple[str, list[object]]:
         if value is not None:
             clauses.append(f"{column} = ?")
             args.append(value.value)
-    for column, value in (("node", q.node), ("gpu", q.gpu), ("hpc_job", q.hpc_job)):
-        if value is not None:
+    for column, plain in (("node", q.node), ("gpu", q.gpu), ("hpc_job", q.hpc_job)):
+        if plain is not None:
             clauses.append(f"{column} = ?")
-            args.append(value)
+            args.append(plain)
     if q.since is not None:
         clauses.append("(resolved IS NULL OR resolved >= ?)")
         args.append(q.since)
@@ -272,7 +309,7 @@ def _to_row(a: Alert) -> Sequence[object]:
     )
 
 
-def _from_row(r: Sequence[object]) -> Alert:
+def _from_row(r: Sequence[Any]) -> Alert:
     """A table row as an alert."""
     return Alert(
         id=r[0],

@@ -86,16 +86,16 @@ def test_the_server_finds_the_hot_and_the_slow_gpu_in_dcgm_exporter_data(dcgm_pr
                 now[0] = start + k * CYCLE_SECONDS + 1.0
                 for t in await runtime.cycle():
                     fired.setdefault(t.alert.kind.value, []).append(t.alert)
-                assert runtime.puller.blind is None, runtime.puller.blind
+                assert runtime.source.blind is None, runtime.source.blind
         finally:
             await runtime.stop()
         return fired
 
     fired = asyncio.run(cycles())
 
-    assert runtime.puller.samples_total >= len(HOSTS) * HISTORY_SECONDS / SCRAPE_SECONDS
+    assert runtime.source.samples_total >= len(HOSTS) * HISTORY_SECONDS / SCRAPE_SECONDS
     assert {n["node"]: n["gpus"] for n in runtime.view.nodes} == {h: GPUS for h in HOSTS}
-    assert runtime.puller.errors_by_reason() == {}  # the blank refused no snapshot
+    assert runtime.source.errors_by_reason() == {}  # the blank refused no snapshot
     subjects = {kind: {(a.node, a.gpu, a.hpc_job) for a in alerts} for kind, alerts in fired.items()}
     assert set(subjects) == {"thermal_throttle", "straggler"}, subjects
     assert subjects.get("thermal_throttle") == {(*HOT, "71002")}, subjects

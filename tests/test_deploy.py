@@ -12,6 +12,7 @@ import yaml
 
 from gpufleet.agent import config as agent_config
 from gpufleet.agent.attribution import JobAttributor
+from gpufleet.agent.podresources import DEFAULT_SOCKET
 from gpufleet.server import settings as server_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,3 +125,31 @@ def test_the_kubernetes_config_maps_hold_settings_the_daemons_accept_commented_e
     commented = re.findall(r"^\s*# ([a-z][a-z0-9.-]*): \S", server_file, flags=re.MULTILINE)
     assert "alertmanager.basic-auth.password-file" in commented
     assert [key for key in commented if key not in server_settings.FLAGS] == []
+
+
+def test_the_agents_daemonset_reaches_the_kubelets_socket_and_lists_its_nodes_pods_without_host_pids():
+    """The route that serves on Kubernetes needs the socket's folder and a role to list pods; none of what
+    the /proc route needed (the host's PIDs, the right to trace other users' processes)."""
+    docs = _manifests()
+    (agent,) = [d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "gpufleet-agent"]
+    spec = agent["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert not spec.get("hostPID") and container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    socket_dir = str(Path(DEFAULT_SOCKET).parent)
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    (volume,) = [v for v in spec["volumes"] if v.get("hostPath", {}).get("path") == socket_dir]
+    assert mounts[volume["name"]]["mountPath"] == socket_dir and mounts[volume["name"]]["readOnly"] is True
+    config = agent_config.load_config(container["args"], environ={})
+    assert config.pod_resources_socket is None and config.pod_labels == "api-server"  # the kubelet's own socket
+    assert any(a.startswith("--node=$(NODE_NAME)") for a in container["args"])  # the API server's field selector
+    # The service account may list pods, and nothing else.
+    account = spec["serviceAccountName"]
+    (binding,) = [
+        d
+        for d in docs
+        if d["kind"] == "ClusterRoleBinding"
+        and {"kind": "ServiceAccount", "name": account, "namespace": agent["metadata"]["namespace"]} in d["subjects"]
+    ]
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == binding["roleRef"]["name"]]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    assert any(d["kind"] == "ServiceAccount" and d["metadata"]["name"] == account for d in docs)

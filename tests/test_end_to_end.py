@@ -19,7 +19,7 @@ from gpufleet.server.alerts import Alert, AlertKind
 from gpufleet.server.contract import parse_line
 from gpufleet.server.replay import run_replay
 from tests.agent.running import agent_process
-from bench.sim_record import T0, record_cluster
+from bench.evaluation.sim_record import T0, record_cluster
 
 SAMPLE_INTERVAL_SECONDS = 1.0
 

@@ -109,6 +109,9 @@ def test_the_wheel_holds_the_namespaced_packages_and_their_data(wheel):
         "gpufleet/agent/cli.py",
         "gpufleet/server/cli.py",
         "gpufleet/agent/sim/scenarios/demo.yaml",
+        "gpufleet/agent/kubelet_podresources_v1_pb2.py",
+        "gpufleet/agent/kubelet_podresources_v1_pb2_grpc.py",
+        "gpufleet/agent/kubelet_podresources_v1.proto",
     ):
         assert module in names
 

@@ -20,7 +20,7 @@ from gpufleet.agent.sim import Scenario, parse_scenario
 from gpufleet.server.alerts import Alert
 from gpufleet.server.contract import parse_line
 from gpufleet.server.replay import run_replay
-from bench.sim_record import T0, record_cluster
+from bench.evaluation.sim_record import T0, record_cluster
 
 K8S_JOB = "research/llama-70b"
 # The same job without GPUFLEET_JOB: the operator's MASTER_ADDR, completed with the pods' namespace.

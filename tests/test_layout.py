@@ -1,5 +1,6 @@
 """The layout the imports must keep: core at the bottom, agent and server beside each other on it, bench and
-tests above; and the package list pyproject.toml installs matches the folders."""
+tests above, and within bench the doc generators under the evaluation harness under the benchmarks; and the
+package list pyproject.toml installs matches the folders."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ FORBIDDEN = {
     "agent": ("gpufleet.server", "server", "agent", "bench", "tests"),
     "server": ("gpufleet.agent", "agent", "server", "bench", "tests"),
     "bench": ("tests", "agent", "server"),
+}
+# Within bench/, by purpose: the doc generators stand alone, the evaluation harness builds on them, and the
+# benchmarks (bench/*.py) on both; a folder imports from bench only what this lists for it.
+BENCH_MAY_IMPORT = {
+    "bench/docgen": ("bench.docgen",),
+    "bench/evaluation": ("bench.docgen", "bench.evaluation"),
+    "bench": ("bench",),
 }
 
 
@@ -71,6 +79,41 @@ def test_bench_uses_only_public_functions_of_gpufleet():
         if name.startswith("_")
     ]
     assert not private, "\n".join(private)
+
+
+def bench_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every bench module a file imports; `from bench.x import y` may name a module y."""
+    out = []
+    for line, module, names in imports(path):
+        if within(module, "bench"):
+            out.extend((line, f"{module}.{name}") for name in names or ("",))
+    return [(line, module.rstrip(".")) for line, module in out]
+
+
+@pytest.mark.parametrize("folder", sorted(BENCH_MAY_IMPORT))
+def test_bench_folders_import_only_what_lies_below_them(folder):
+    allowed = BENCH_MAY_IMPORT[folder]
+    paths = modules(folder) if folder != "bench" else sorted((ROOT / "bench").glob("*.py"))
+    assert paths, folder
+    crossings = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in paths
+        for line, module in bench_imports(path)
+        if not any(within(module, ok) for ok in allowed)
+    ]
+    assert not crossings, "\n".join(crossings)
+
+
+def test_the_trace_generator_is_imported_from_its_home_only():
+    old_homes = ("bench.tracegen", "bench.scenarios", "tests.server.tracegen")
+    stale = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for folder in ("bench", "tests")
+        for path in modules(folder)
+        for line, module in bench_imports(path) + [(n, m) for n, m, _ in imports(path)]
+        if any(within(module, old) for old in old_homes)
+    ]
+    assert not stale, "\n".join(stale)
 
 
 def test_pyproject_lists_every_package_folder_and_nothing_else():

@@ -97,3 +97,11 @@ def test_table_names_are_read_from_table_rows_only(tmp_path: Path) -> None:
     assert documented(doc) == {"gpufleet_a_total", "gpufleet_b"}
     exposition = "# HELP gpufleet_a_total x\n# TYPE gpufleet_a_total counter\ngpufleet_a_total 1\n"
     assert served(exposition) == {"gpufleet_a_total"}
+
+
+def test_the_flag_and_metric_tables_live_in_the_docs_only() -> None:
+    # One table per program, in docs/agent.md and docs/server.md: a second copy in the README drifts.
+    readme = ROOT / "README.md"
+    flag_rows = [line for line in readme.read_text().splitlines() if line.startswith("| `--")]
+    assert documented(readme) == set() and flag_rows == []
+    assert "docs/agent.md#metrics" in readme.read_text() and "docs/server.md#metrics" in readme.read_text()

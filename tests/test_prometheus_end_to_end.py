@@ -1,7 +1,7 @@
 """The demo scenario read through Prometheus: agent exposition -> scrapes -> PrometheusSource -> engine.
 
 Every node of the `demo` scenario is sampled once per simulated second by the production agent
-pipeline (bench/sim_record.py); a scrape every 5 s, at a different offset per node as Prometheus spreads
+pipeline (bench/evaluation/sim_record.py); a scrape every 5 s, at a different offset per node as Prometheus spreads
 its targets, keeps that moment's exposition body. A stand-in for Prometheus's query API answers the
 source's range queries from those scrapes, and the source's rebuilt snapshots are replayed.
 
@@ -28,7 +28,7 @@ from gpufleet.agent.sim import Scenario, load_scenario
 from gpufleet.server.alerts import Alert, AlertKind
 from gpufleet.server.ingest.prometheus import SELECTOR, PrometheusSource
 from gpufleet.server.replay import run_replay
-from bench.sim_record import T0, sample_node
+from bench.evaluation.sim_record import T0, sample_node
 from tests.test_end_to_end import assert_fired_during_and_resolved_after, describe, incident, only
 
 SCRAPE_EVERY_SECONDS = 5

@@ -2,7 +2,7 @@
 
 The server is the real app (uvicorn on 127.0.0.1, port 0) around the real pipeline (puller, engine,
 store). Its agents serve the demo cluster as the agent pipeline recorded it on the simulator
-(bench/sim_record.py), on a clock the test moves five seconds per pull: the demo's incidents start
+(bench/evaluation/sim_record.py), on a clock the test moves five seconds per pull: the demo's incidents start
 from +200 s, and live agents would take minutes to get there. At +320 s the cooling failure on
 dgx-02 GPU 5 and the slow dgx-03 GPU 2 are both still on, their alerts firing.
 
@@ -25,7 +25,7 @@ import orjson
 import pytest
 import uvicorn
 
-from bench.sim_record import T0, record_cluster
+from bench.evaluation.sim_record import T0, record_cluster
 from gpufleet.agent.sim import load_scenario
 from gpufleet.server.api import create_app
 from gpufleet.server.runtime import Runtime

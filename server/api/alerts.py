@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query
@@ -10,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from gpufleet.server.alerts import KIND_NAME, AlertKind, AlertState, Severity
 from gpufleet.server.api.deps import RuntimeDep
 from gpufleet.server.api.models import AlertModel, AlertPageModel, ErrorModel
-from gpufleet.server.store import MAX_PAGE, AlertQuery
+from gpufleet.server.store import MAX_PAGE, AlertQuery, query_open
 
 router = APIRouter(tags=["alerts"])
 
@@ -51,7 +52,11 @@ async def list_alerts(
         limit=limit,
         offset=offset,
     )
-    page = await run_in_threadpool(runtime.store.query, query)
+    try:
+        page = await run_in_threadpool(runtime.store.query, query)
+    except sqlite3.Error:
+        # The store fails (a damaged page; /healthz says so): the open alerts are in memory, and are what matters.
+        page = query_open(runtime.view.alerts, query)
     end = offset + len(page.alerts)
     return AlertPageModel(
         alerts=[AlertModel.of(a) for a in page.alerts],
@@ -66,11 +71,16 @@ async def list_alerts(
     "/alerts/{alert_id}",
     response_model=AlertModel,
     summary="One alert occurrence",
-    responses={404: {"model": ErrorModel}},
+    responses={404: {"model": ErrorModel}, 503: {"model": ErrorModel}},
 )
 async def get_alert(runtime: RuntimeDep, alert_id: str) -> AlertModel:
-    """An alert by id; 404 when unknown (or pruned from history)."""
-    alert = await run_in_threadpool(runtime.store.get, alert_id)
+    """An alert by id; 404 when unknown (or pruned from history); 503 when only the store could say."""
+    try:
+        alert = await run_in_threadpool(runtime.store.get, alert_id)
+    except sqlite3.Error as exc:
+        alert = next((a for a in runtime.view.alerts if a.id == alert_id), None)
+        if alert is None:
+            raise HTTPException(status_code=503, detail=f"alert store unavailable: {exc}") from None
     if alert is None:
         raise HTTPException(status_code=404, detail=f"no alert with id {alert_id!r}")
     return AlertModel.of(alert)

@@ -18,7 +18,7 @@ async def list_nodes(runtime: RuntimeDep) -> NodesModel:
     view = runtime.view
     targets = [
         TargetModel.model_validate({k: v for k, v in asdict(h).items() if k in TargetModel.model_fields})
-        for h in runtime.puller.health()
+        for h in runtime.source.health()
     ]
     return NodesModel(
         nodes=[NodeModel.model_validate(n) for n in view.nodes], targets=targets, evaluated_at=view.evaluated_at

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
@@ -19,20 +21,30 @@ router = APIRouter(tags=["health"])
 )
 async def healthz(runtime: RuntimeDep) -> JSONResponse:
     """200 while cycles complete; 503 before the first cycle or when cycles stopped completing. "degraded"
-    with a reason also while alert changes wait for the store (a failed write, retried every cycle) or when
-    the last cycle had no usable GPU sample (still 200)."""
-    health = runtime.puller.health()
+    with a reason also while alert changes wait for the store (a failed write, retried every cycle), while
+    the store fails to read or write (a damaged file), or when the last cycle had no usable GPU sample
+    (still 200)."""
+    health = runtime.source.health()
     stats = runtime.stats
     last = stats.last_tick
-    blind = getattr(runtime.puller, "blind", None)
+    blind = runtime.source.blind
+    status: Literal["ok", "starting", "degraded"]
     reason = detail = None
     if last is None:
         status = "starting"
     elif runtime.clock() - last > max(3 * runtime.pull_interval_seconds, 30.0):
         status, reason = "degraded", "stalled"
-    elif stats.store_unsaved_changes:
-        status, reason = "degraded", "store_unsaved"
-        detail = f"{stats.store_unsaved_changes} alert changes wait for the store (retried every cycle)"
+    elif stats.store_unsaved_changes or runtime.store.failing:
+        # A read or write of the store failed and none of its kind has succeeded since (a full disk, a damaged
+        # page): /alerts answers from the open alerts in memory meanwhile.
+        status = "degraded"
+        failing = [f"alert store {op} failed: {error}" for op, error in sorted(runtime.store.failing.items())]
+        if stats.store_unsaved_changes:
+            reason = "store_unsaved"
+            failing.insert(0, f"{stats.store_unsaved_changes} alert changes wait for the store (retried every cycle)")
+        else:
+            reason = "store_error"
+        detail = "; ".join(failing)
     elif blind is not None:
         # Cycles complete but see no GPU: "ok" here would hide a fleet nobody watches.
         status, reason = "degraded", blind.reason

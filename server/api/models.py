@@ -171,8 +171,9 @@ class HealthModel(BaseModel):
     cycles: int
     last_tick: float | None
     open_alerts: int
-    # Why the status is degraded: "stalled" (cycles stopped completing), "store_unsaved" or the ingest's blindness reason
-    # (no_series, all_rejected, all_targets_down, no_targets, source_down), with what it looked for and found.
+    # Why the status is degraded: "stalled" (cycles stopped completing), "store_unsaved", "store_error" (a store
+    # read or write fails) or the ingest's blindness reason (no_series, all_rejected, all_targets_down,
+    # no_targets, source_down), with what it looked for and found.
     degraded_reason: str | None = None
     degraded_detail: str | None = None
     store_unsaved_changes: int = Field(

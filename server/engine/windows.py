@@ -14,74 +14,79 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Protocol
+from types import MappingProxyType
+from typing import Mapping, Protocol
 
 import numpy as np
 
 from gpufleet.reasons import CLOCK_CUT_REASONS, THERMAL_REASONS, ThrottleReason
-from gpufleet.server.contract import (
-    CLOCK,
-    CLOCK_MAX,
-    ECC_UNCORRECTED,
-    ENERGY,
-    LAST_XID,
-    MEM_MAX_TEMP,
-    MEM_TEMP,
-    POWER,
-    POWER_LIMIT,
-    REMAP_FAILURE,
-    REMAP_PENDING,
-    SLOWDOWN_TEMP,
-    SM,
-    TEMP,
-    THROTTLE,
-    UP,
-    UTIL,
-    XID_TOTAL,
-    NodeSample,
-)
+from gpufleet.server.contract import COLUMN, NodeSample
+from gpufleet.server.readings import READINGS, Reading, Window
 
-# Binned quantities (rows of the rings).
-(
-    B_UTIL,
-    B_SM,
-    B_TEMP,
-    B_MEM_TEMP,
-    B_POWER,
-    B_POWER_LIMIT,
-    B_CLOCK_RATIO,
-    B_UP,
-    B_THERMAL,
-    B_HW_THERMAL,
-    B_SLOW,
-    B_POWER_CAP,
-    B_REMAP_PENDING,
-    B_REMAP_FAILURE,
-) = range(14)
-N_BINNED = 14
-_DIRECT = (
-    (B_UTIL, UTIL),
-    (B_SM, SM),
-    (B_TEMP, TEMP),
-    (B_MEM_TEMP, MEM_TEMP),
-    (B_POWER, POWER),
-    (B_POWER_LIMIT, POWER_LIMIT),
-    (B_UP, UP),
-    (B_REMAP_PENDING, REMAP_PENDING),
-    (B_REMAP_FAILURE, REMAP_FAILURE),
-)
+# Rows the windows compute from several readings, after the readings binned as they are.
+DERIVED_ROWS = ("clock_ratio", "thermal", "hw_thermal", "slow", "power_cap")
+
+
+def binned_rows(table: tuple[Reading, ...]) -> tuple[str, ...]:
+    """Names of the rings' rows: every Window.ROW reading of the table, then the derived rows."""
+    return tuple(r.name for r in table if r.window is Window.ROW) + DERIVED_ROWS
+
+
+def held_rows(table: tuple[Reading, ...]) -> tuple[str, ...]:
+    """Names of Windows.slot_limits' rows: the device constants, kept newest per GPU."""
+    return tuple(r.name for r in table if r.window is Window.HELD)
+
+
+def event_counters(table: tuple[Reading, ...]) -> tuple[Reading, ...]:
+    """The health counters whose increases become CounterEvents."""
+    return tuple(r for r in table if r.window is Window.EVENTS)
+
+
+# Binned quantities (rows of the rings), by name; a detector takes its rows from here once, at import.
+ROWS = binned_rows(READINGS)
+ROW: Mapping[str, int] = MappingProxyType({name: i for i, name in enumerate(ROWS)})
+N_BINNED = len(ROWS)
+B_UP = ROW["up"]
+B_UTIL = ROW["utilization_ratio"]
+B_SM = ROW["sm_active_ratio"]
+B_TEMP = ROW["temperature_celsius"]
+B_MEM_TEMP = ROW["memory_temperature_celsius"]
+B_POWER = ROW["power_watts"]
+B_POWER_LIMIT = ROW["power_limit_watts"]
+B_REMAP_PENDING = ROW["remapped_rows_pending"]
+B_REMAP_FAILURE = ROW["remapped_rows_failure"]
+B_CLOCK_RATIO = ROW["clock_ratio"]
+B_THERMAL = ROW["thermal"]
+B_HW_THERMAL = ROW["hw_thermal"]
+B_SLOW = ROW["slow"]
+B_POWER_CAP = ROW["power_cap"]
+# The readings binned as they are fill the rings' first rows, in table order: one slice of the output.
+_N_DIRECT = N_BINNED - len(DERIVED_ROWS)
+_DIRECT_COLS = np.array([COLUMN[name] for name in ROWS[:_N_DIRECT]])
+# Readings the derived rows and the counters are computed from.
+CLOCK = COLUMN["sm_clock_hertz"]
+CLOCK_MAX = COLUMN["sm_clock_max_hertz"]
+THROTTLE = COLUMN["throttle_reasons"]
+ENERGY = COLUMN["energy_joules_total"]
+LAST_XID = COLUMN["last_xid"]
 # A device's temperature limits do not change while it runs: the newest one reported is kept per GPU
 # (Windows.slot_limits) instead of a ring of bins, which at 8,000 GPUs and 10-minute windows would
 # hold 16 MB per limit. Rows of slot_limits:
-L_SLOWDOWN, L_MEM_MAX = range(2)
-LIMIT_COLS = np.array([SLOWDOWN_TEMP, MEM_MAX_TEMP])
+HELD = held_rows(READINGS)
+L_SLOWDOWN = HELD.index("slowdown_temperature_celsius")
+L_MEM_MAX = HELD.index("memory_max_operating_temperature_celsius")
+LIMIT_COLS = np.array([COLUMN[name] for name in HELD])
 THERMAL_BITS = int(THERMAL_REASONS)
 HW_THERMAL_BIT = int(ThrottleReason.HW_THERMAL_SLOWDOWN)
 SLOW_BITS = int(CLOCK_CUT_REASONS | ThrottleReason.SW_THERMAL_SLOWDOWN)
 POWER_CAP_BIT = int(ThrottleReason.SW_POWER_CAP)
-_COUNTER_COLS = np.array([ENERGY, XID_TOTAL, ECC_UNCORRECTED])  # _counters' column i is counter i
-_DIRECT_ROWS = np.array([b for b, _ in _DIRECT])
-_DIRECT_COLS = np.array([c for _, c in _DIRECT])
+# _counters' column i is counter i: energy (differenced into power), then the health counters, whose
+# increases are events of _EVENT_KINDS[i].
+_EVENTS = event_counters(READINGS)
+_COUNTER_COLS = np.array([ENERGY] + [COLUMN[r.name] for r in _EVENTS])
+_EVENT_KINDS = ("",) + tuple(str(r.event) for r in _EVENTS)
+_HEALTH_COUNTERS = tuple(range(1, len(_COUNTER_COLS)))
+_XID_COUNTER = _EVENT_KINDS.index("xid")
 _BIT_ROWS = np.array([B_THERMAL, B_HW_THERMAL, B_SLOW, B_POWER_CAP])
 _BIT_MASKS = np.array([THERMAL_BITS, HW_THERMAL_BIT, SLOW_BITS, POWER_CAP_BIT])[:, None]
 NO_JOB = -1
@@ -94,7 +99,7 @@ class CounterEvent:
 
     slot: int
     time: float
-    kind: str  # "xid" or "ecc"
+    kind: str  # its counter's event kind (server/readings.py): "xid" or "ecc"
     delta: int
     codes: tuple[int, ...]
 
@@ -197,8 +202,8 @@ class Windows:
         self.slot_last_time = grow(None if first else self.slot_last_time, -np.inf)
         self.slot_node_id = grow(None if first else self.slot_node_id, -1, (), np.int64)
         self.slot_model_id = grow(None if first else self.slot_model_id, -1, (), np.int64)
-        self._counter_val = grow(None if first else self._counter_val, np.nan, (3,))
-        self._counter_time = grow(None if first else self._counter_time, -np.inf, (3,))
+        self._counter_val = grow(None if first else self._counter_val, np.nan, (len(_COUNTER_COLS),))
+        self._counter_time = grow(None if first else self._counter_time, -np.inf, (len(_COUNTER_COLS),))
         self.slot_limits = grow(None if first else self.slot_limits, np.nan, (len(LIMIT_COLS),))
         self._cap = cap
 
@@ -408,7 +413,7 @@ class Windows:
         order: np.ndarray,
         one_per_slot: bool = False,
     ) -> np.ndarray:
-        """Difference energy/XID/ECC counters per GPU (rows taken in `order`: by slot, then time); returns
+        """Difference the energy and health counters per GPU (rows taken in `order`: by slot, then time); returns
         average power from energy per row (NaN where there is no previous reading, time did not advance,
         or the counter was reset)."""
         s, t = slots[order], times[order]
@@ -435,12 +440,12 @@ class Windows:
     def _health_counters_moved(
         self, counters: np.ndarray, known: np.ndarray, s: np.ndarray, t: np.ndarray
     ) -> tuple[int, ...]:
-        """Columns of the XID/ECC counters to difference: none when no reading differs from its GPU's
-        last one (the usual case; then only their reading times advance), else both."""
+        """Columns of the health counters to difference: none when no reading differs from its GPU's
+        last one (the usual case; then only their reading times advance), else all."""
         r, c = np.nonzero(known[:, 1:])
         c += 1
         if len(r) and not (counters[r, c] == self._counter_val[c, s[r]]).all():
-            return 1, 2
+            return _HEALTH_COUNTERS
         # Row-major order: per GPU and counter the newest reading is written last.
         self._counter_time[c, s[r]] = t[r]
         return ()
@@ -480,17 +485,18 @@ class Windows:
     def _record_events(
         self, i: int, rows: np.ndarray, s: np.ndarray, t: np.ndarray, delta: np.ndarray, values: np.ndarray, inbox: list
     ) -> None:
-        """Turn XID/ECC counter increases into events (rare; plain Python is fine)."""
+        """Turn a health counter's increases into events (rare; plain Python is fine)."""
         hit = np.flatnonzero(delta > 0)
         if not len(hit):
             return
-        row_xids = _row_xid_maps(inbox) if i == 1 else None
+        xid = i == _XID_COUNTER
+        row_xids = _row_xid_maps(inbox) if xid else None
         for h in hit:
             slot, row = int(s[h]), int(rows[h])
             codes: tuple[int, ...] = ()
-            if i == 1:
+            if xid:
                 codes = self._xid_codes(slot, row_xids[row] if row_xids else None, values[row, LAST_XID])
-            self.events.append(CounterEvent(slot, float(t[h]), "xid" if i == 1 else "ecc", int(delta[h]), codes))
+            self.events.append(CounterEvent(slot, float(t[h]), _EVENT_KINDS[i], int(delta[h]), codes))
 
     def _xid_codes(self, slot: int, by_code: dict[int, int] | None, last_xid: float) -> tuple[int, ...]:
         """Which XID codes increased: from the per-code map when present, else the last XID."""
@@ -505,7 +511,7 @@ class Windows:
     def _derive(self, values: np.ndarray, power_from_energy: np.ndarray) -> np.ndarray:
         """Rows of binned quantities: direct readings, clock ratio and throttle-bit indicators."""
         out = np.empty((N_BINNED, len(values)))
-        out[_DIRECT_ROWS] = values[:, _DIRECT_COLS].T
+        out[:_N_DIRECT] = values[:, _DIRECT_COLS].T
         # Average power over the sampling interval (from the energy counter) beats the instantaneous
         # reading: a synchronous job's GPUs all sit in the same step phase at a sample instant, so
         # instantaneous power aliases with the step cycle at 5-10 s sampling.

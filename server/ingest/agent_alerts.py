@@ -1,4 +1,4 @@
-"""`node_unreachable` for agents the engine cannot speak for, raised from the puller's target health.
+"""`node_unreachable` for agents the engine cannot speak for, raised from the sample source's target health.
 
 The engine raises `node_unreachable` when a node it knows stops sending samples. It cannot for an
 agent that has not delivered a single sample since the server started: one that was already down
@@ -15,7 +15,7 @@ from typing import Collection, Iterable, Mapping, Sequence
 
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Transition, fingerprint
 from gpufleet.server.engine import registry
-from gpufleet.server.ingest.puller import TargetHealth
+from gpufleet.server.ingest.base import TargetHealth
 
 SOURCE = "ingest"
 # The engine's node_unreachable says what to look at; these alerts are the same problem.
@@ -33,6 +33,8 @@ class _Open:
 
     since: float
     alert: Alert | None = None
+    restored: bool = False  # taken back from the store at start, and nothing new heard from the target since
+    quiet_since: float | None = None  # the target's last_new_data when first seen answering after the restart
 
 
 class AgentAlerts:
@@ -50,7 +52,7 @@ class AgentAlerts:
         for a in alerts:
             target = a.evidence.get("target")
             if is_ours(a) and isinstance(target, str) and a.state is not AlertState.RESOLVED:
-                self._open[target] = _Open(a.pending_since, a)
+                self._open[target] = _Open(a.pending_since, a, restored=True)
                 taken += 1
         return taken
 
@@ -68,7 +70,9 @@ class AgentAlerts:
             self._close(target, now, out)
         for h in health:
             node = h.node or self.nodes.get(h.target)
-            if (h.up and not h.stale) or (node is not None and node in covered):
+            if node is not None and node in covered:
+                self._close(h.target, now, out)
+            elif h.up and not h.stale and not self._held(h):
                 self._close(h.target, now, out)
             else:
                 self._bad(h, node, now, out)
@@ -78,10 +82,26 @@ class AgentAlerts:
         """Firing alerts, oldest first."""
         return sorted((o.alert for o in self._open.values() if o.alert is not None), key=lambda a: a.pending_since)
 
+    def _held(self, h: TargetHealth) -> bool:
+        """Whether a restored alert stays open although its target reads up and fresh: a source counts its
+        first answer after a restart as new data, so a target whose snapshots are all rejected reads fresh
+        for one stale-after. Resolved then, its alert would come back under a new id and start (Alertmanager
+        would see a resolve and a new alert on every restart). Held until the target delivers something
+        new (its last_new_data moves) or the engine takes its node."""
+        state = self._open.get(h.target)
+        if state is None or not state.restored:
+            return False
+        if state.quiet_since is None:
+            state.quiet_since = h.last_new_data
+        if h.last_new_data is None or h.last_new_data == state.quiet_since:
+            return True
+        state.restored = False
+        return False
+
     def _bad(self, h: TargetHealth, node: str | None, now: float, out: list[Transition]) -> None:
         """A target down or stale that the engine cannot see: fire once it has lasted this long."""
         state = self._open.setdefault(h.target, _Open(now))
-        # A stale target has already been silent for the puller's stale-after; a down one is timed from here.
+        # A stale target has already been silent for the source's stale-after; a down one is timed from here.
         if state.alert is None and (h.stale or now - state.since >= self.after_seconds):
             state.alert = _alert(h, node, state.since, now, self.after_seconds)
             out.append(Transition(state.alert, None))

@@ -6,15 +6,18 @@ mapping is on and `namespace`/`pod`/`container` where Kubernetes pod mapping is.
 fields' own: %, MHz, MiB, mJ; the contract's are ratios, Hz, bytes, J.
 
 What the shipped counter files (etc/default-counters.csv, etc/dcp-metrics-included.csv) leave out, a site
-can add to its own file: the fields read here beyond them are marked so below, and a detector that needs
-a reading no GPU has says what it cannot do (MISSING_EFFECTS), once, where the source reports it.
+can add to its own file: the fields read beyond them are marked so in the reading table (server/readings.py,
+DcgmField.shipped), and a detector that needs a reading no GPU has says what it cannot do
+(MISSING_EFFECTS), once, where the source reports it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Mapping
 
+from gpufleet.server import readings
 from gpufleet.server.engine import registry
 
 
@@ -44,33 +47,17 @@ _BLANK_32 = float(0x7FFFFFF0)
 _BLANK_64 = float(2**47)
 
 
-READINGS: Mapping[str, Reading] = {
-    "DCGM_FI_DEV_GPU_TEMP": Reading("temperature_celsius"),
-    "DCGM_FI_DEV_MEMORY_TEMP": Reading("memory_temperature_celsius"),
-    "DCGM_FI_DEV_POWER_USAGE": Reading("power_watts"),
-    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": Reading("energy_joules_total", 1e-3, counter=True),  # mJ
-    "DCGM_FI_DEV_SM_CLOCK": Reading("sm_clock_hertz", 1e6),  # MHz
-    "DCGM_FI_DEV_GPU_UTIL": Reading("utilization_ratio", 1e-2),  # %
-    # The share of time any kernel ran, from the profiling counters: NVML's utilization at a finer grain.
-    # Not SM activity: a GPU waiting in a collective runs NCCL's kernel and reads busy, so taken as SM
-    # activity it would hide every straggler's waiting peers.
-    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": Reading("utilization_ratio", rank=1),
-    "DCGM_FI_DEV_ROW_REMAP_FAILURE": Reading("remapped_rows_failure"),
-    # The code of the last XID (0: none yet), a gauge: a new code is seen, the same code again is not.
-    "DCGM_FI_DEV_XID_ERRORS": Reading("last_xid"),
-    # Not in the shipped counter files from here on.
-    "DCGM_FI_PROF_SM_ACTIVE": Reading("sm_active_ratio"),
-    "DCGM_FI_DEV_ROW_REMAP_PENDING": Reading("remapped_rows_pending"),
-    "DCGM_FI_DEV_SLOWDOWN_TEMP": Reading("slowdown_temperature_celsius"),
-    "DCGM_FI_DEV_MEM_MAX_OP_TEMP": Reading("memory_max_operating_temperature_celsius"),
-    "DCGM_FI_DEV_MAX_SM_CLOCK": Reading("sm_clock_max_hertz", 1e6),  # MHz
-    "DCGM_FI_DEV_POWER_MGMT_LIMIT": Reading("power_limit_watts"),
-    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": Reading("ecc_uncorrected_errors_total", counter=True),
-    # NVML's clocks-event (throttle) reasons bitmask, under DCGM's name before and after 3.3.
-    "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": Reading("throttle_reasons"),
-    "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": Reading("throttle_reasons", rank=1),
-}
-BOOLS = frozenset({"remapped_rows_failure", "remapped_rows_pending"})
+def dcgm_readings(table: tuple[readings.Reading, ...]) -> dict[str, Reading]:
+    """dcgm-exporter metric -> how it is read, from the reading table's dcgm-exporter fields."""
+    return {
+        f.metric: Reading(r.name, f.scale, f.rank, counter=r.kind is readings.Kind.COUNTER)
+        for r in table
+        for f in r.dcgm
+    }
+
+
+READINGS: Mapping[str, Reading] = MappingProxyType(dcgm_readings(readings.READINGS))
+BOOLS = frozenset(r.name for r in readings.READINGS if r.kind is readings.Kind.FLAG)
 
 # contract label -> dcgm-exporter's label
 NODE_LABEL = "Hostname"

@@ -23,8 +23,8 @@ code, not a count: each change to a new code counts one (ingest/dcgm.py). A GPU 
 is read from the agent alone. A cycle that finds no usable GPU series, or whose every snapshot is
 refused, is blind (IngestAccounting): said in the log, /healthz and /metrics, not left to look healthy.
 
-The same surface as the direct-mode Puller (pull_once, health, counters), so the runtime, /healthz,
-/nodes and /metrics work unchanged; health() reports each agent or exporter as Prometheus's `up` sees it.
+A SampleSource (ingest/base.py) as the Puller is, so the runtime, /healthz, /nodes and /metrics read it
+the same way; health() reports each agent or exporter as Prometheus's `up` sees it.
 """
 
 from __future__ import annotations
@@ -36,54 +36,51 @@ import ssl
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import httpx
 import msgspec
 import orjson
 
 from gpufleet.server.ingest import dcgm
-from gpufleet.server.ingest.puller import (
+from gpufleet.server.ingest.base import (
     Blindness,
     IngestAccounting,
     PullError,
     PullResult,
+    SourceKind,
     TargetHealth,
-    _default_parse,
+    Wiring,
     bounded,
+    default_parse,
 )
+from gpufleet.server.outbound import for_peer
+from gpufleet.server.readings import READINGS, Kind, Reading
+
+if TYPE_CHECKING:
+    from gpufleet.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LOOKBACK_SECONDS = 300.0
 DEFAULT_MAX_ANSWER_BYTES = 512 * 1024 * 1024
 
-# exposition metric -> (label that tells its series apart or None, {that label's value: contract field});
-# without a label, the one field sits under None.
-_FIELDS: dict[str, tuple[str | None, dict[str | None, str]]] = {
-    "gpufleet_gpu_up": (None, {None: "up"}),
-    "gpufleet_gpu_utilization_ratio": (None, {None: "utilization_ratio"}),
-    "gpufleet_gpu_sm_active_ratio": (None, {None: "sm_active_ratio"}),
-    "gpufleet_gpu_temperature_celsius": (None, {None: "temperature_celsius"}),
-    "gpufleet_gpu_memory_temperature_celsius": (None, {None: "memory_temperature_celsius"}),
-    "gpufleet_gpu_temperature_limit_celsius": (
-        "limit",
-        {
-            "slowdown": "slowdown_temperature_celsius",
-            "memory_max_operating": "memory_max_operating_temperature_celsius",
-        },
-    ),
-    "gpufleet_gpu_power_watts": (None, {None: "power_watts"}),
-    "gpufleet_gpu_power_limit_watts": (None, {None: "power_limit_watts"}),
-    "gpufleet_gpu_energy_joules_total": (None, {None: "energy_joules_total"}),
-    "gpufleet_gpu_clock_hertz": ("clock", {"sm": "sm_clock_hertz"}),
-    "gpufleet_gpu_clock_max_hertz": ("clock", {"sm": "sm_clock_max_hertz"}),
-    "gpufleet_gpu_throttle_reasons": (None, {None: "throttle_reasons"}),
-    "gpufleet_gpu_ecc_errors_total": ("type", {"uncorrected": "ecc_uncorrected_errors_total"}),
-    "gpufleet_gpu_remapped_rows_pending": (None, {None: "remapped_rows_pending"}),
-    "gpufleet_gpu_remapped_rows_failure": (None, {None: "remapped_rows_failure"}),
-}
-_BOOLS = frozenset({"up", "remapped_rows_pending", "remapped_rows_failure"})
+
+def agent_fields(table: tuple[Reading, ...]) -> dict[str, tuple[str | None, dict[str | None, str]]]:
+    """exposition metric -> (label that tells its series apart or None, {that label's value: reading}),
+    from the reading table's agent series; without a label, the one reading sits under None."""
+    out: dict[str, tuple[str | None, dict[str | None, str]]] = {}
+    for r in table:
+        if r.agent is not None:
+            label, fields = out.setdefault(r.agent.metric, (r.agent.label, {}))
+            if label != r.agent.label:
+                raise ValueError(f"{r.agent.metric}: told apart by {label!r} and by {r.agent.label!r}")
+            fields[r.agent.value] = r.name
+    return out
+
+
+_FIELDS = agent_fields(READINGS)
+_BOOLS = frozenset(r.name for r in READINGS if r.kind is Kind.FLAG)
 _JOB_INFO = "gpufleet_gpu_job_info"
 _XID = "gpufleet_gpu_xid_errors_total"
 _AGE = "gpufleet_agent_sample_age_seconds"
@@ -96,7 +93,7 @@ _SAME_SAMPLE_SECONDS = 0.5
 _FORGET_INSTANCE_SECONDS = 600.0
 # activity counter -> which of the pair; the `reading` label -> the contract field its mean replaces
 _ACTIVITY = {"gpufleet_gpu_active_seconds_total": 0, "gpufleet_gpu_active_sampled_seconds_total": 1}
-_ACTIVITY_FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio"}
+_ACTIVITY_FIELDS = {r.activity: r.name for r in READINGS if r.activity is not None}
 _GPUFLEET_NAMES = sorted([*_FIELDS, *_ACTIVITY, _JOB_INFO, _XID, _AGE])
 # Series the dcgm recording rules (deploy/prometheus/dcgm-recording-rules.yaml) make under gpufleet's names
 # carry this label: the source reads the dcgm-exporter originals instead, once.
@@ -144,7 +141,7 @@ class _Gpu:
     model: str | None = None
     job: str | None = None
     readings: dict[str, Any] | None = None
-    xids: dict[str, int] | None = None
+    xids: dict[str, float] | None = None  # code -> count (a non-finite one is refused by the contract)
     # reading label -> [seconds active, seconds sampled] (NaN until that series is seen)
     activity: dict[str, list[float]] | None = None
     ranks: dict[str, int] | None = None  # field -> rank of the dcgm metric that set it
@@ -177,7 +174,6 @@ class _Gpu:
         elif code:
             if self.xids is None:
                 self.xids = {}
-            # A count that is no finite number is left for the contract check to refuse.
             self.xids[code] = int(value) if math.isfinite(value) else value
 
 
@@ -211,7 +207,7 @@ class PrometheusSource(IngestAccounting):
         self.max_lookback_seconds = max_lookback_seconds
         self.stale_after_seconds = stale_after_seconds
         self._clock = clock
-        self._parse = parse or _default_parse()
+        self._parse = parse or default_parse()
         self._timeout_seconds = timeout_seconds
         self._client = httpx.AsyncClient(
             transport=transport,
@@ -235,7 +231,6 @@ class PrometheusSource(IngestAccounting):
         # dcgm uuid -> (last XID code seen, XIDs counted since): the gauge holds the last code, not a count
         self._dcgm_xids: dict[str, tuple[float, int]] = {}
         self._dcgm_fields: frozenset[str] | None = None  # contract fields some dcgm GPU had, once known
-        self.missing: tuple[tuple[str, str, str], ...] = ()  # (reading, detector, effect) the source lacks
         self._cycle_blind: Blindness | None = None
         self._last_usable: float | None = None  # when an answer last held usable GPU series
 
@@ -414,7 +409,7 @@ class PrometheusSource(IngestAccounting):
         """Snapshot-contract objects per (node, scrape) whose agent sample is newer than what was
         delivered, the newest delivered sample time per instance, and how many series were usable."""
         scrapes, ages, sources, usable = self._gather(series)
-        out = []
+        out: list[dict[str, Any]] = []
         arrived: dict[str, float] = {}
         for (node, at), gpus in sorted(scrapes.items(), key=lambda kv: kv[0][1]):
             # The sample's own time: the scrape's, less the sample's age the agent reported in it. The scrape
@@ -705,3 +700,30 @@ def _result(buf: bytes | bytearray, status: int) -> list[Any]:
     if not isinstance(result, list):
         raise PullError("schema", "answer without a result list")
     return result
+
+
+def from_settings(settings: ServerSettings, wiring: Wiring) -> PrometheusSource:
+    """The source --ingest.prometheus-url and the ingest.prometheus.* settings describe."""
+    url = settings.prometheus_url or ""
+    prom = for_peer(settings.prometheus_client, "ingest.prometheus", https=url.startswith("https://"))
+    log.info("reading GPU series through Prometheus", extra={"url": url, "schema": settings.prometheus_schema})
+    return PrometheusSource(
+        url,
+        interval_seconds=settings.pull_interval_seconds,
+        timeout_seconds=settings.pull_timeout_seconds,
+        stale_after_seconds=settings.pull_stale_after_seconds,
+        transport=wiring.transport,
+        clock=wiring.clock,
+        parse=wiring.parse,
+        verify=prom.ssl_context,
+        auth=prom.auth,
+        schema=settings.prometheus_schema,
+    )
+
+
+SOURCE = SourceKind(
+    name="prometheus",
+    selected=lambda settings: bool(settings.prometheus_url),
+    build=from_settings,
+    peer=lambda settings: (settings.prometheus_client, "ingest.prometheus"),
+)

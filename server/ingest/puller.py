@@ -12,19 +12,40 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import email.utils
 import logging
 import ssl
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
-from types import MappingProxyType
-from typing import Any, AsyncIterator, Callable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import httpx
 import orjson
 
 from gpufleet.server.clocks import MIN_OFFSET_SECONDS, ClockOffsets
-from gpufleet.server.ingest.targets import TargetSource
+from gpufleet.server.ingest.base import (
+    IngestAccounting,
+    PullError,
+    PullResult,
+    SourceKind,
+    TargetHealth,
+    Wiring,
+    bounded,
+    default_parse,
+)
+from gpufleet.server.ingest.identity import RememberedNodes
+from gpufleet.server.ingest.targets import (
+    CombinedTargets,
+    DnsTargets,
+    FileSdTargets,
+    StaticTargets,
+    TargetSource,
+)
+from gpufleet.server.outbound import for_peer
+
+if TYPE_CHECKING:
+    from gpufleet.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -69,191 +90,11 @@ _PLAUSIBLE_CLOCK = 1e9
 _MAX_CLOCK = 1e11
 
 
-class PullError(Exception):
-    """A pull that produced nothing usable; `reason` is a short label for metrics."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
-
-
-@dataclass(frozen=True, slots=True)
-class TargetHealth:
-    """What the server knows about one agent's reachability and freshness."""
-
-    target: str
-    node: str | None = None
-    up: bool = False
-    stale: bool = False
-    last_attempt: float | None = None
-    last_success: float | None = None
-    last_new_data: float | None = None
-    last_sample_time: float | None = None
-    consecutive_failures: int = 0
-    last_error: str | None = None
-    clock_offset_seconds: float | None = None  # agent clock minus ours, as measured (None: not yet)
-
-
-@dataclass(frozen=True, slots=True)
-class PullResult:
-    """One cycle over every target: the accepted samples, in no particular order."""
-
-    samples: list[Any]
-    started: float
-    duration_seconds: float
-    targets: int
-    failed_targets: int
-    rejected_snapshots: int
-
-
-@contextlib.asynccontextmanager
-async def bounded(timeout_seconds: float | None) -> AsyncIterator[None]:
-    """One fetch from an agent or Prometheus: the whole answer within timeout_seconds (None: no limit),
-    and every transport failure as a PullError with its reason.
-
-    httpx's timeout bounds each connect or read, not the whole answer: a peer trickling a byte at a time
-    would hold the cycle (and every other target's samples) for minutes.
-    """
-    try:
-        async with asyncio.timeout(timeout_seconds):
-            yield
-    except (httpx.TimeoutException, TimeoutError):
-        raise PullError("timeout") from None
-    except httpx.ConnectError as exc:
-        raise PullError("connect", str(exc)) from None
-    except httpx.HTTPError as exc:
-        raise PullError("http_error", exc.__class__.__name__) from None
-    except ssl.SSLError as exc:
-        # Under TLS 1.3 a peer refusing our client certificate says so after the handshake, on the first
-        # read, which httpx passes on as it is.
-        raise PullError("tls", str(exc)) from None
-    except OSError as exc:
-        raise PullError("connect", str(exc)) from None
-
-
-@dataclass(frozen=True, slots=True)
-class Blindness:
-    """Why the last cycle gave the engine nothing to see: a short reason for metrics and /healthz, and what
-    the source looked for and found, for people."""
-
-    reason: str
-    looked_for: str
-    found: str
-
-
-class IngestAccounting:
-    """What every sample source counts for /metrics, and its error log that cannot flood."""
-
-    def __init__(self) -> None:
-        # (target, reason) -> count for current targets, and reason -> count for targets since removed: both
-        # changed on the event loop only. /metrics reads them from a worker thread, so it gets the immutable
-        # copies published at the end of each cycle (iterating a dict the loop changes raises).
-        self._errors: Counter[tuple[str, str]] = Counter()
-        self._gone_errors: Counter[str] = Counter()
-        self._published: tuple[Mapping[tuple[str, str], int], Mapping[str, int]] = (
-            MappingProxyType({}),
-            MappingProxyType({}),
-        )
-        self.pulls_total = 0
-        self.samples_total = 0
-        self.cycles_total = 0
-        self.last_cycle: PullResult | None = None
-        self.blind: Blindness | None = None  # set while the last cycle was blind
-        self.blind_cycles: Counter[str] = Counter()  # reason -> blind cycles
-
-    def _finish_cycle(self, result: PullResult) -> PullResult:
-        """Account one whole cycle."""
-        self.cycles_total += 1
-        self.samples_total += len(result.samples)
-        self.last_cycle = result
-        self._publish_errors()
-        self._note_blind(self._blindness(result))
-        return result
-
-    def _blindness(self, result: PullResult) -> Blindness | None:
-        """Whether the cycle saw nothing usable, by its counts (a source that knows more overrides this)."""
-        return _blind_from_counts(result)
-
-    def _note_blind(self, blind: Blindness | None) -> None:
-        """Count a blind cycle; log when blindness starts, changes reason, or ends (not every cycle)."""
-        previous, self.blind = self.blind, blind
-        if blind is not None:
-            self.blind_cycles[blind.reason] += 1
-            if previous is None or previous.reason != blind.reason:
-                log.warning(
-                    "ingest is blind: no usable GPU samples",
-                    extra={"reason": blind.reason, "looked_for": blind.looked_for, "found": blind.found},
-                )
-        elif previous is not None:
-            log.info("ingest sees GPU samples again", extra={"after": previous.reason})
-
-    def _publish_errors(self) -> None:
-        """Swap in fresh read-only copies of the error counts, as one tuple: a reader gets both or neither."""
-        self._published = (MappingProxyType(dict(self._errors)), MappingProxyType(dict(self._gone_errors)))
-
-    @property
-    def errors(self) -> Mapping[tuple[str, str], int]:
-        """Rejections by (target, reason) for current targets, as of the end of the last cycle (read-only)."""
-        return self._published[0]
-
-    def errors_by_reason(self) -> Counter[str]:
-        """Every rejection counted up to the last cycle, by reason (never decreasing: gone targets' counts
-        included); safe from any thread."""
-        current, gone = self._published
-        total = Counter(gone)
-        for (_, reason), n in current.items():
-            total[reason] += n
-        return total
-
-    def _forget_target(self, target: str) -> None:
-        """A target left discovery: its per-target series go (on Kubernetes every agent restart is a new
-        address, and they would pile up), its counts stay in the per-reason totals."""
-        for key in [k for k in self._errors if k[0] == target]:
-            self._gone_errors[key[1]] += self._errors.pop(key)
-
-    def _count_error(self, key: tuple[str, str], detail: str, message: str, extra: Mapping[str, Any]) -> None:
-        """Count one rejection under (target, reason); log the 1st, 2nd, 4th, 8th... of each to bound noise."""
-        self._errors[key] += 1
-        count = self._errors[key]
-        if count & (count - 1):
-            return
-        log.warning(message, extra={**extra, "reason": key[1], "detail": detail[:300], "count": count})
-
-
-def _blind_from_counts(result: PullResult) -> Blindness | None:
-    """Blind by the cycle's counts alone: no target listed, every target failing, or every snapshot refused."""
-    if result.samples:
-        return None
-    if result.targets == 0:
-        return Blindness("no_targets", "agent targets from the configured discovery", "no target listed")
-    if result.failed_targets >= result.targets:
-        return Blindness(
-            "all_targets_down",
-            f"snapshots from {result.targets} target(s)",
-            "every pull failed (see gpufleet_server_pull_errors_total)",
-        )
-    if result.rejected_snapshots:
-        return Blindness(
-            "all_rejected",
-            f"snapshots from {result.targets} target(s)",
-            f"{result.rejected_snapshots} snapshot(s), every one rejected",
-        )
-    return None
-
-
 def _number(value: Any) -> float | None:
     """A JSON number as float; None for anything else (bool included)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
         return float(value)
     return None
-
-
-def _default_parse() -> Callable[[Mapping[str, Any]], Any]:
-    """The engine's contract parser, imported late so the puller does not pull numpy in at import."""
-    from gpufleet.server.contract import parse_snapshot
-
-    return parse_snapshot
 
 
 class Puller(IngestAccounting):
@@ -298,7 +139,7 @@ class Puller(IngestAccounting):
         self.max_future_seconds = max_future_seconds
         self.max_past_seconds = max_past_seconds
         self._clock = clock
-        self._parse = parse or _default_parse()
+        self._parse = parse or default_parse()
         self._scheme = scheme
         self._semaphore = asyncio.Semaphore(concurrency)
         self._first_semaphore = asyncio.Semaphore(min(first_concurrency, concurrency))
@@ -313,6 +154,10 @@ class Puller(IngestAccounting):
         self._node_of: dict[str, str] = {}
         self._target_of: dict[str, str] = {}
         self._gpus_of: dict[str, set[int]] = {}
+        # The target each node answered from before a restart, and the targets listed now (see identity.py).
+        self._remembered = RememberedNodes()
+        self._listed: frozenset[str] = frozenset()
+        self._dated: dict[str, float] = {}  # target -> its clock offset from its Date header, until better known
         self._transport = transport
         self._timeout_seconds = timeout_seconds
         self._timeout = httpx.Timeout(timeout_seconds)
@@ -359,6 +204,7 @@ class Puller(IngestAccounting):
         started = self._clock()
         t0 = time.perf_counter()
         targets = await asyncio.to_thread(self._list_targets)
+        self._listed = frozenset(targets)
         for gone in set(self._health) - set(targets):
             del self._health[gone]
             self.clocks.forget(gone)
@@ -442,6 +288,10 @@ class Puller(IngestAccounting):
         """The `since` to send. With a span to keep to, and the agent's clock known, also no earlier than its
         newest sample less the span: agents that do not know the `span` parameter keep to it that way."""
         offset = self.clocks.estimate(target)
+        if offset is None:
+            # No answer decoded yet (every one too big): its HTTP Date header, to the second, is what we know of
+            # its clock, and enough to keep an agent that ignores `span` to one.
+            offset = self._dated.get(target)
         if span is None or offset is None:
             return since
         floor = now + offset - span
@@ -519,6 +369,7 @@ class Puller(IngestAccounting):
                 )
                 if response.status_code != 200:
                     raise PullError("http_status", str(response.status_code))
+                self._note_date(target, response.headers.get("date"))
                 declared = response.headers.get("content-length")
                 if declared and declared.isdigit() and int(declared) > self.max_payload_bytes:
                     raise PullError("oversized", f"content-length {declared}")
@@ -532,6 +383,15 @@ class Puller(IngestAccounting):
                     if len(buf) > self.max_payload_bytes:
                         raise PullError("oversized", f"over {self.max_payload_bytes} bytes")
                 return buf  # orjson reads a bytearray as is: no second copy of a large body
+
+    def _note_date(self, target: str, date: str | None) -> None:
+        """Keep the agent's clock as its Date header shows it (agent minus ours, rounded down to the second, so
+        a `since` set from it reaches back a little further, never less), while no answer has shown better."""
+        if date is None or self.clocks.estimate(target) is not None:
+            self._dated.pop(target, None)
+            return
+        with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
+            self._dated[target] = email.utils.parsedate_to_datetime(date).timestamp() - self._clock()
 
     def _load(self, body: bytes | bytearray) -> dict[str, Any]:
         """The answer's envelope, decoded and checked (on the decoder thread); its size is bounded first.
@@ -645,14 +505,19 @@ class Puller(IngestAccounting):
             return pinned if node is None else node
         if pinned is not None:
             raise PullError("node_changed", f"answers as {node[:100]!r}, first seen as {pinned[:100]!r}")
-        owner = self._target_of.get(node)
+        owner = self._target_of.get(node) or self._remembered.owner(node, target, self._listed)
         if owner is not None:
             raise PullError("node_claimed", f"{node[:100]!r} is pulled from {owner}")
         if len(self._target_of) >= self.max_nodes:
             raise PullError("too_many_nodes", f"{len(self._target_of)} nodes already, the most accepted")
         self._node_of[target] = node
         self._target_of[node] = target
+        self._remembered.forget(target)
         return node
+
+    def remember_identities(self, nodes: Mapping[str, str]) -> None:
+        """The node each target answered as before a restart (target -> node, from the store)."""
+        self._remembered.remember(nodes)
 
     def _identity_error(self, node: str | None, raw: Any) -> tuple[str, str] | None:
         """(reason, detail) when a snapshot names another node than its target's, or brings its node's GPUs
@@ -666,6 +531,10 @@ class Puller(IngestAccounting):
             return None
         if len(gpus) > self.max_gpus:
             return "too_many_gpus", f"{len(gpus)} GPUs in one snapshot, over {self.max_gpus}"
+        uuids = [u for g in gpus if isinstance(g, dict) and isinstance(u := g.get("uuid"), str)]
+        if len(set(uuids)) < len(uuids):
+            twice = next(u for u, n in Counter(uuids).items() if n > 1)
+            return "duplicate_gpu_uuid", f"GPU {twice[:100]!r} twice in one snapshot"
         if node is None:
             return None
         known = self._gpus_of.setdefault(node, set())
@@ -678,6 +547,7 @@ class Puller(IngestAccounting):
     def _forget_identity(self, target: str) -> None:
         """A target that left discovery frees its node's name (another target may now answer for it)."""
         self._span.pop(target, None)
+        self._dated.pop(target, None)
         node = self._node_of.pop(target, None)
         if node is not None and self._target_of.get(node) == target:
             del self._target_of[node]
@@ -712,3 +582,61 @@ class Puller(IngestAccounting):
     def _record_error(self, target: str, reason: str, detail: str) -> None:
         """Count one rejected pull or snapshot."""
         self._count_error((target, reason), detail, "pull rejected", {"target": target})
+
+
+def build_targets(settings: ServerSettings) -> CombinedTargets:
+    """Every target source the settings name."""
+    sources: list[TargetSource] = []
+    if settings.targets:
+        sources.append(StaticTargets(settings.targets))
+    if settings.targets_file_sd:
+        sources.append(FileSdTargets(settings.targets_file_sd))
+    if settings.targets_dns:
+        sources.append(DnsTargets(settings.targets_dns))
+    return CombinedTargets(sources)
+
+
+def first_span(settings: ServerSettings) -> float:
+    """How far back a target's first pull reaches: the history the engine needs before it judges a job
+    (its minimum history, or its smoothing window if longer), not the agent's whole ring."""
+    from gpufleet.server.engine.config import EngineConfig
+
+    config = EngineConfig.from_mapping(dict(settings.engine))
+    return max(config.min_history_seconds, config.smooth_seconds)
+
+
+def from_settings(settings: ServerSettings, wiring: Wiring) -> Puller:
+    """The agents named by --targets, --targets.file-sd and --targets.dns, pulled with the pull.* settings."""
+    agents = for_peer(settings.pull_client, "pull", https=settings.pull_scheme == "https")
+    targets = build_targets(settings)
+    if not targets.sources:
+        log.warning("no targets configured: use --targets, --targets.file-sd, --targets.dns or --ingest.prometheus-url")
+    return Puller(
+        targets,
+        timeout_seconds=settings.pull_timeout_seconds,
+        max_payload_bytes=settings.pull_max_bytes,
+        concurrency=settings.pull_concurrency,
+        stale_after_seconds=settings.pull_stale_after_seconds,
+        transport=wiring.transport,
+        clock=wiring.clock,
+        parse=wiring.parse,
+        clock_offset_min_seconds=settings.pull_clock_offset_min_seconds,
+        scheme=settings.pull_scheme,
+        verify=agents.ssl_context,
+        auth=agents.auth,
+        max_entries=settings.pull_max_entries,
+        max_snapshots=settings.pull_max_snapshots,
+        max_gpus=settings.pull_max_gpus,
+        max_nodes=settings.pull_max_nodes,
+        first_span_seconds=first_span(settings),
+        first_concurrency=settings.pull_first_concurrency,
+    )
+
+
+# Chosen when no other source is: the server's own way of reading the agents.
+SOURCE = SourceKind(
+    name="agents",
+    selected=lambda settings: True,
+    build=from_settings,
+    peer=lambda settings: (settings.pull_client, "pull"),
+)

@@ -129,7 +129,7 @@ class FileSdTargets:
 def system_resolver(host: str) -> list[str]:
     """Every IPv4/IPv6 address the system resolver returns for a name."""
     infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})
 
 
 class DnsTargets:

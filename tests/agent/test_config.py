@@ -187,3 +187,21 @@ def test_cpu_budget_from_the_config_file_and_nvml_costs_switch(tmp_path):
     config = load_config(["--config.file", str(path)], environ={})
     assert config.sampling_cpu_budget == 0.005 and config.simulate_nvml_costs is True
     assert load_config([], environ={}).simulate_nvml_costs is False
+
+
+def test_kubernetes_attribution_from_flag_environment_and_file(tmp_path):
+    cfg = load_config([], environ={})
+    assert (cfg.pod_resources_socket, cfg.pod_labels, cfg.pod_resources_refresh) == (None, "api-server", 5.0)
+    f = tmp_path / "agent.yaml"
+    f.write_text("kubernetes.pod-resources-socket: /run/k/kubelet.sock\nkubernetes.refresh-interval: 30s\n")
+    env = {"GPUFLEET_AGENT_KUBERNETES_POD_LABELS": "pod-name", "GPUFLEET_AGENT_KUBERNETES_REFRESH_INTERVAL": "10"}
+    cfg = load_config(["--config.file", str(f), "--kubernetes.refresh-interval", "1m"], environ=env)
+    assert (cfg.pod_resources_socket, cfg.pod_labels, cfg.pod_resources_refresh) == (
+        "/run/k/kubelet.sock",
+        "pod-name",
+        60.0,
+    )
+    with pytest.raises(ConfigError, match="kubernetes.pod-labels"):
+        load_config(["--kubernetes.pod-labels", "kubelet"], environ={})
+    with pytest.raises(ConfigError, match="kubernetes.refresh-interval"):
+        load_config(["--kubernetes.refresh-interval", "0.1"], environ={})

@@ -26,7 +26,7 @@ def build(tmp_path, handler=None, engine=None) -> tuple[Runtime, TestClient]:
     transport = httpx.MockTransport(handler or (lambda r: httpx.Response(200, content=b'{"schema":1,"snapshots":[]}')))
     puller = Puller(StaticTargets(("a:1",)), transport=transport, parse=parse_dict, clock=lambda: 5000.0)
     runtime = Runtime(
-        engine=engine or StubEngine(), puller=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0
+        engine=engine or StubEngine(), source=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0
     )
     return runtime, TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
 
@@ -230,7 +230,7 @@ def test_lifespan_runs_the_pipeline_and_stops_cleanly(tmp_path) -> None:
         parse=parse_dict,
     )
     engine = StubEngine()
-    runtime = Runtime(engine=engine, puller=puller, store=AlertStore(settings.storage_path), pull_interval_seconds=3600)
+    runtime = Runtime(engine=engine, source=puller, store=AlertStore(settings.storage_path), pull_interval_seconds=3600)
     with TestClient(create_app(settings, runtime=runtime)) as client:
         assert runtime.wait_for_cycles(1, timeout=10)  # the first cycle runs as soon as the lifespan starts
         assert client.get("/healthz").json()["cycles"] == 1

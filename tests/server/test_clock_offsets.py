@@ -215,7 +215,7 @@ def test_a_node_with_its_clock_off_stays_in_the_comparisons_of_the_live_server(t
         while now[0] < T0 + seconds - 5:
             now[0] += 5
             await runtime.cycle()
-        await runtime.puller.aclose()
+        await runtime.source.aclose()
 
     asyncio.run(cycles())
     alerts = [(a.kind.value, a.node) for a in runtime.store.open_alerts()]
@@ -289,12 +289,12 @@ def test_an_agent_whose_clock_steps_is_never_dark_and_its_samples_stay_in_step(t
             nodes = {n["node"]: n for n in runtime.view.nodes}
             if "n1" in nodes and nodes["n1"]["last_sample_time"] is not None:
                 gaps.append(nodes["n0"]["last_sample_time"] - nodes["n1"]["last_sample_time"])
-        await runtime.puller.aclose()
+        await runtime.source.aclose()
 
     asyncio.run(cycles())
     alerts = [(a.kind.value, a.node) for a in runtime.store.open_alerts()]
     history = runtime.store.query(AlertQuery(kind=AlertKind.NODE_UNREACHABLE))
-    health = {h.node: h for h in runtime.puller.health()}
+    health = {h.node: h for h in runtime.source.health()}
     stats = runtime.view.stats
     runtime.store.close()
     assert alerts == [] and history.total == 0
@@ -304,4 +304,4 @@ def test_an_agent_whose_clock_steps_is_never_dark_and_its_samples_stay_in_step(t
     assert health["n1"].up and not health["n1"].stale
     assert health["n1"].clock_offset_seconds == pytest.approx(step, abs=5.0)
     assert stats["too_old_snapshots_dropped"] == 0 or step > 0
-    assert runtime.puller.errors_by_reason().get("future_time", 0) == 0
+    assert runtime.source.errors_by_reason().get("future_time", 0) == 0

@@ -1,4 +1,4 @@
-"""bench.detection_eval's evaluation modes: the unattributed transformation and scoring, the frozen
+"""bench.evaluation.detection_eval's evaluation modes: the unattributed transformation and scoring, the frozen
 hold-out and the ablation table's overrides (no full evaluation here: that is the bench's job)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import orjson
 import pytest
 
 from gpufleet.server.engine import Engine, EngineConfig, policy
-from bench import detection_eval, scenarios, tracegen
-from bench.tracegen import Truth
+from bench.evaluation import detection_eval, scenarios, tracegen
+from bench.evaluation.tracegen import Truth
 
 T0 = 1_763_800_000.0
 
@@ -133,11 +133,11 @@ def test_ablation_table_lists_the_kinds_each_rule_moves_and_an_override_the_engi
 def test_report_section_is_written_between_its_markers_only(tmp_path):
     doc = tmp_path / "evaluation.md"
     doc.write_text("# Evaluation\n\nintro\n")
-    detection_eval.write_report(doc, "v1")
-    detection_eval.write_report(doc, "v2")
+    detection_eval.REPORT.write(doc, "v1")
+    detection_eval.REPORT.write(doc, "v2")
     text = doc.read_text()
     assert text.startswith("# Evaluation\n\nintro\n") and "v2" in text and "v1" not in text
-    assert text.count(detection_eval.EVAL_BEGIN) == 1
+    assert text.count(detection_eval.REPORT.begin) == 1
 
 
 def test_report_says_which_kinds_were_not_scored_which_seeds_ran_and_where_it_failed():

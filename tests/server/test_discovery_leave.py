@@ -62,7 +62,7 @@ def _runtime(tmp_path, now, agents, targets) -> Runtime:
     puller = Puller(targets, transport=httpx.MockTransport(agents), clock=lambda: now[0])
     return Runtime(
         engine=build_engine(settings),
-        puller=puller,
+        source=puller,
         store=AlertStore(settings.storage_path),
         clock=lambda: now[0],
         removed_grace_seconds=GRACE,
@@ -76,7 +76,7 @@ def _run(runtime: Runtime, now: list[float], until: float, each=None) -> None:
             await runtime.cycle()
             if each:
                 each()
-        await runtime.puller.aclose()
+        await runtime.source.aclose()
 
     asyncio.run(cycles())
 

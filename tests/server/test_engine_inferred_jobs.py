@@ -2,14 +2,14 @@
 inference carries over, a GPU of another job that moved with it for a while is not named, and neither is
 a node or GPU waiting for the culprit.
 
-The traces are probes of bench/probes.py at the frozen generator version; each test fixes its draw."""
+The traces are probes of bench/evaluation/probes.py at the frozen generator version; each test fixes its draw."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import probes
-from bench.tracegen import generate
+from bench.evaluation import probes
+from bench.evaluation.tracegen import generate
 from gpufleet.server.alerts import AlertKind
 
 
@@ -42,8 +42,8 @@ def test_a_gpu_of_another_job_briefly_inferred_into_a_job_is_not_named():
 def test_a_gpu_braked_just_after_its_inferred_job_split_is_named_by_its_cut_clocks():
     # Without attribution a job under a power cap is re-inferred as one job per node; a GPU of a node
     # whose group is that new, not yet learned, is braked: its cut clocks name it whoever its peers are.
-    from bench import scenarios
-    from bench.tracegen import without_fields
+    from bench.evaluation import scenarios
+    from bench.evaluation.tracegen import without_fields
     from gpufleet.server.replay import run_replay
 
     trace = generate(scenarios.BY_NAME["straggler_under_power_cap"].build(4))
@@ -56,8 +56,8 @@ def test_a_gpu_braked_just_after_its_inferred_job_split_is_named_by_its_cut_cloc
 def test_an_inferred_job_with_one_gpu_on_another_node_names_no_node():
     # Two unattributed jobs (a whole node, and half of another) were inferred as one for a while; when the
     # whole-node job ended, its node idled against the single GPU of the other job left in the group.
-    from bench import scenarios
-    from bench.tracegen import without_fields
+    from bench.evaluation import scenarios
+    from bench.evaluation.tracegen import without_fields
     from gpufleet.server.replay import run_replay
 
     trace = generate(scenarios.BY_NAME["decoy_idle_and_ending"].build(3))
@@ -111,7 +111,7 @@ def test_a_named_gpu_is_not_left_alone_by_an_inference_while_it_is_named():
     # other GPUs: an inference then made them a job without it and left it alone in its node's group,
     # with no peers, and its alert cleared for four minutes of the brake. A group with a GPU named is in
     # trouble: its GPU model is not re-inferred meanwhile.
-    from bench import scenarios
+    from bench.evaluation import scenarios
     from gpufleet.server.replay import run_replay
 
     trace = generate(scenarios.BY_NAME["straggler_unattributed"].build(4))

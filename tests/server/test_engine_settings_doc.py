@@ -1,18 +1,19 @@
-"""docs/detection.md's settings table is what bench.engine_settings generates from EngineConfig."""
+"""docs/detection.md's settings table is what bench.docgen.engine_settings generates from EngineConfig."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import pytest
 
-from bench import engine_settings
+from bench.docgen import engine_settings
 from gpufleet.server.engine import EngineConfig
 
 
 def test_the_documented_settings_table_is_generated_from_engine_config():
-    block = engine_settings.current_block(engine_settings.DOC.read_text())
-    assert block is not None, f"{engine_settings.BEGIN} ... {engine_settings.END} missing from docs/detection.md"
+    block = engine_settings.SETTINGS.current(engine_settings.DOC.read_text())
+    assert block is not None, (
+        f"{engine_settings.SETTINGS.begin} ... {engine_settings.SETTINGS.end} missing from docs/detection.md"
+    )
     assert block == engine_settings.render(), (
         f"docs/detection.md's settings table is stale: run `make engine-settings-doc` ({engine_settings.COMMAND})"
     )
@@ -39,15 +40,15 @@ def test_a_row_carries_the_default_and_unit_of_its_field():
 def test_rewrite_replaces_only_the_table_and_check_notices_a_stale_one(tmp_path):
     doc = tmp_path / "detection.md"
     doc.write_text(
-        f"# Detection\n\nbefore\n\n{engine_settings.BEGIN}\nold table\n{engine_settings.END}\n\n"
-        f"{engine_settings.RULES_BEGIN}\n{engine_settings.RULES_END}\n\nafter\n"
+        f"# Detection\n\nbefore\n\n{engine_settings.SETTINGS.begin}\nold table\n{engine_settings.SETTINGS.end}\n\n"
+        f"{engine_settings.RULES.begin}\n{engine_settings.RULES.end}\n\nafter\n"
     )
     assert engine_settings.main(["--doc", str(doc), "--check"]) == 1
     assert engine_settings.main(["--doc", str(doc)]) == 0
     text = doc.read_text()
     assert text.startswith("# Detection\n\nbefore\n\n") and text.endswith("\n\nafter\n")
-    assert engine_settings.current_block(text) == engine_settings.render()
-    rules = engine_settings.current_block(text, engine_settings.RULES_BEGIN, engine_settings.RULES_END)
+    assert engine_settings.SETTINGS.current(text) == engine_settings.render()
+    rules = engine_settings.RULES.current(text)
     assert rules == engine_settings.render_rules()
     assert engine_settings.main(["--doc", str(doc), "--check"]) == 0
 
@@ -56,14 +57,11 @@ def test_a_doc_without_the_markers_is_refused(tmp_path):
     doc = tmp_path / "detection.md"
     doc.write_text("# Detection\n")
     assert engine_settings.main(["--doc", str(doc)]) == 2
-    with pytest.raises(ValueError):
-        engine_settings.rewrite("# Detection\n", "table")
+    assert doc.read_text() == "# Detection\n"
 
 
 def test_the_documented_rules_reference_is_generated_from_the_declarations():
-    block = engine_settings.current_block(
-        engine_settings.DOC.read_text(), engine_settings.RULES_BEGIN, engine_settings.RULES_END
-    )
+    block = engine_settings.RULES.current(engine_settings.DOC.read_text())
     assert block is not None, "the rules markers are missing from docs/detection.md"
     assert block == engine_settings.render_rules(), (
         f"docs/detection.md's rules reference is stale: run `{engine_settings.COMMAND}`"

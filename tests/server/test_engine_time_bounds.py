@@ -126,7 +126,7 @@ def test_a_fresh_servers_first_cycle_with_an_agent_serving_an_ancient_snapshot_s
 
     async def cycle():
         await runtime.cycle()
-        await runtime.puller.aclose()
+        await runtime.source.aclose()
 
     asyncio.run(cycle())
     assert 0 < len(counted) <= _RING + 1

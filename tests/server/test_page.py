@@ -59,7 +59,7 @@ def build(tmp_path, web: WebConfig | None = None) -> tuple[Runtime, TestClient]:
     puller = Puller(
         StaticTargets(("10.0.0.3:9471", "10.0.0.9:9471")), transport=transport, parse=parse_dict, clock=lambda: 5000.0
     )
-    runtime = Runtime(engine=StubEngine(), puller=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0)
+    runtime = Runtime(engine=StubEngine(), source=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0)
     return runtime, TestClient(create_app(settings, runtime=runtime, run_pipeline=False, web=web))
 
 
@@ -94,7 +94,7 @@ CALM_JOB = {
 @pytest.fixture
 def seeded(tmp_path):
     runtime, client = build(tmp_path)
-    asyncio.run(runtime.puller.pull_once())  # both agents answer
+    asyncio.run(runtime.source.pull_once())  # both agents answer
     straggler = make_alert(
         1, kind=AlertKind.STRAGGLER, severity=Severity.CRITICAL, node="dgx-03", gpu=2, hpc_job="71002"
     )
@@ -212,7 +212,7 @@ def test_agents_not_answering_are_listed_with_their_error(tmp_path) -> None:
         parse=parse_dict,
         clock=lambda: 5000.0,
     )
-    runtime = Runtime(engine=StubEngine(), puller=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0)
+    runtime = Runtime(engine=StubEngine(), source=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0)
     asyncio.run(puller.pull_once())
     html = TestClient(create_app(settings, runtime=runtime, run_pipeline=False)).get("/").text
     assert "1 of 2</b><span class=muted>agents up" in html

@@ -1,13 +1,13 @@
-"""bench.probes: probe scenarios stay out of the catalog, build the fleets they describe, and are scored by
-bench.detection_eval --probes (one small probe replayed for real; the large ones are the bench's job)."""
+"""bench.evaluation.probes: probe scenarios stay out of the catalog, build the fleets they describe, and are scored by
+bench.evaluation.detection_eval --probes (one small probe replayed for real; the large ones are the bench's job)."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from bench import detection_eval, probes, scenarios
-from bench.tracegen import A100, H100, H100_PCIE, generate
+from bench.evaluation import detection_eval, probes, scenarios
+from bench.evaluation.tracegen import A100, H100, H100_PCIE, generate
 
 
 def test_probes_are_named_once_and_never_part_of_the_catalog():
@@ -62,7 +62,7 @@ def test_a_probe_generates_and_is_scored_by_the_probe_evaluation():
     # A straggler slowing a quiet job by 10-14 %: the margin floors, not the job's tiny spread, decide.
     assert ev.kinds["straggler"].required == 1 and ev.kinds["straggler"].detected == 1 and row.fp == 0
     body = detection_eval.render_probes(ev)
-    assert "| probe_quiet_job |" in body and "`bench/probes.py`" in body
+    assert "| probe_quiet_job |" in body and "`bench/evaluation/probes.py`" in body
     # Replaying nothing misses the straggler, and the section says so.
     silent = detection_eval.evaluate_probes(lambda lines: [], ["probe_quiet_job"], seeds=1)
     assert silent.kinds["straggler"].recall == 0.0
@@ -84,11 +84,11 @@ def test_probes_cli_refuses_catalog_names_and_other_conditions(capsys):
 def test_probes_section_is_written_between_its_own_markers_after_the_report(tmp_path):
     doc = tmp_path / "evaluation.md"
     doc.write_text("# Evaluation\n\nintro\n")
-    detection_eval.write_report(doc, "report v1")
-    detection_eval.write_probes(doc, "probes v1")
-    detection_eval.write_probes(doc, "probes v2")
-    detection_eval.write_report(doc, "report v2")
+    detection_eval.REPORT.write(doc, "report v1")
+    detection_eval.PROBES.write(doc, "probes v1")
+    detection_eval.PROBES.write(doc, "probes v2")
+    detection_eval.REPORT.write(doc, "report v2")
     text = doc.read_text()
-    assert text.count(detection_eval.PROBES_BEGIN) == 1 and text.count(detection_eval.PROBES_HEADING) == 1
+    assert text.count(detection_eval.PROBES.begin) == 1 and text.count(detection_eval.PROBES.heading) == 1
     assert "probes v2" in text and "probes v1" not in text and "report v2" in text
-    assert text.index(detection_eval.EVAL_END) < text.index(detection_eval.PROBES_BEGIN)
+    assert text.index(detection_eval.REPORT.end) < text.index(detection_eval.PROBES.begin)

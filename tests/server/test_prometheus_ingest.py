@@ -39,19 +39,19 @@ def test_the_pipeline_reads_real_agents_through_a_real_prometheus(tmp_path) -> N
             env={},
         )
         runtime = build_runtime(settings)
-        assert isinstance(runtime.puller, PrometheusSource)
+        assert isinstance(runtime.source, PrometheusSource)
         waiter = threading.Event()
 
         async def cycles() -> tuple[list, list]:
             delivered: list = []
-            original = runtime.puller.pull_once
+            original = runtime.source.pull_once
 
             async def recording():
                 result = await original()
                 delivered.extend(result.samples)
                 return result
 
-            runtime.puller.pull_once = recording  # type: ignore[method-assign]
+            runtime.source.pull_once = recording  # type: ignore[method-assign]
             try:
                 for _ in range(int(DEADLINE_SECONDS / POLL_SECONDS)):
                     assert prom.poll() is None, log_path.read_text(errors="replace")[-2000:]
@@ -117,6 +117,6 @@ def test_the_pipeline_reads_real_agents_through_a_real_prometheus(tmp_path) -> N
     # The engine took them: both nodes with their 8 GPUs, both jobs, and both agents up by Prometheus's `up`.
     assert {n["node"]: n["gpus"] for n in runtime.view.nodes} == {"dgx-01": 8, "dgx-03": 8}
     assert {j["hpc_job"] for j in runtime.view.jobs} == {"71001", "71002"}
-    assert sorted((h.target, h.node, h.up) for h in runtime.puller.health()) == sorted(
+    assert sorted((h.target, h.node, h.up) for h in runtime.source.health()) == sorted(
         [(f"127.0.0.1:{port_a}", "dgx-01", True), (f"127.0.0.1:{port_b}", "dgx-03", True)]
     )

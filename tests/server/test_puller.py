@@ -10,7 +10,8 @@ import orjson
 
 from gpufleet.server.alerts import AlertKind, AlertState, Severity, description
 from gpufleet.server.ingest.agent_alerts import AgentAlerts, is_ours
-from gpufleet.server.ingest.puller import Puller, TargetHealth
+from gpufleet.server.ingest.base import TargetHealth
+from gpufleet.server.ingest.puller import Puller
 from gpufleet.server.ingest.targets import StaticTargets
 from tests.server.live_fakes import envelope, make_alert, parse_dict, snapshot
 

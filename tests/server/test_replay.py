@@ -15,9 +15,9 @@ import pytest
 from gpufleet.server.engine import Engine
 from gpufleet.server import contract
 from gpufleet.server.replay import MALFORMED_LOGGED, _load, _node_spans, alert_json, bounded_lines, main, run_replay
-from bench import scenarios
+from bench.evaluation import scenarios
 from tests.server.engine_samples import T0, cluster_lines
-from bench.tracegen import generate
+from bench.evaluation.tracegen import generate
 
 
 def _hot(t, node, gpu):

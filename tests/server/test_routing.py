@@ -14,7 +14,7 @@ import pytest
 from gpufleet.server.alerts import AlertKind, AlertState, description
 from gpufleet.server.contract import parse_line
 from gpufleet.server.engine import Engine, EngineConfig
-from gpufleet.server.ingest.puller import PullResult
+from gpufleet.server.ingest.base import PullResult
 from gpufleet.server.notify.alertmanager import AlertmanagerNotifier, to_alertmanager
 from gpufleet.server.routing import AlertRouting
 from gpufleet.server.runtime import Runtime
@@ -189,7 +189,7 @@ def test_external_labels_namespace_and_pod_reach_a_real_alertmanager(tmp_path):
             notifier = AlertmanagerNotifier(url, external_url="http://gpufleet.example:9472")
             runtime = Runtime(
                 engine=Engine(EngineConfig(settle_seconds=4.0)),
-                puller=_Feed(batches),
+                source=_Feed(batches),
                 store=AlertStore(tmp_path / "a.db"),
                 notifiers=[notifier],
                 clock=lambda: next(clock),

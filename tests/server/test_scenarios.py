@@ -1,7 +1,8 @@
 """Every catalog scenario through replay: required alerts fire on the right subject in time, nothing else.
 
-The traces come from bench/tracegen.py (physics, not the engine's rules); the ground truth and
-the matching rules are in tests/server/scenarios.py. Bigger, busier scenarios run in bench/detection_eval.
+The traces come from bench/evaluation/tracegen.py (physics, not the engine's rules); the ground truth and
+the matching rules are in bench/evaluation/scenarios.py. Bigger, busier scenarios run in
+bench/evaluation/detection_eval.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import sys
 import orjson
 import pytest
 
-from bench import scenarios
-from bench.tracegen import generate, without_fields
+from bench.evaluation import scenarios
+from bench.evaluation.tracegen import generate, without_fields
 
 SEEDS = (0, 1)
 SMALL = [s.name for s in scenarios.CATALOG if s.small]
@@ -198,7 +199,7 @@ def test_replay_cli_prints_one_json_alert_per_line(run_replay, tmp_path):
 
 
 def _truth(kind="straggler", node="n0", gpu=3, job="7", start=1000.0, end=1400.0, required=True, lead=0.0):
-    from bench.tracegen import Truth
+    from bench.evaluation.tracegen import Truth
 
     return Truth(kind, node, gpu, job, start, end, required, "", lead)
 
@@ -302,19 +303,20 @@ def test_score_accepts_alert_objects():
 
 
 def test_detection_doc_section_replaces_only_between_markers(tmp_path):
-    from bench.detection_eval import BEGIN, END, HEADING, write_section
+    from bench.evaluation.detection_eval import SUITE
 
     doc = tmp_path / "detection.md"
-    write_section(doc, "first")
-    assert HEADING in doc.read_text() and "first" in doc.read_text()
-    doc.write_text(f"# Detection\n\nengine text\n\n{HEADING}\n\n{BEGIN}\nold\n{END}\n\nmore engine text\n")
-    write_section(doc, "new body")
-    expected = f"# Detection\n\nengine text\n\n{HEADING}\n\n{BEGIN}\nnew body\n{END}\n\nmore engine text\n"
+    SUITE.write(doc, "first", "Evaluation")
+    assert SUITE.heading in doc.read_text() and "first" in doc.read_text()
+    head, begin, end = SUITE.heading, SUITE.begin, SUITE.end
+    doc.write_text(f"# Detection\n\nengine text\n\n{head}\n\n{begin}\nold\n{end}\n\nmore engine text\n")
+    SUITE.write(doc, "new body")
+    expected = f"# Detection\n\nengine text\n\n{head}\n\n{begin}\nnew body\n{end}\n\nmore engine text\n"
     assert doc.read_text() == expected
 
 
 def test_mid_job_skips_the_start_up_of_jobs_starting_with_the_trace_and_moves_incidents_earlier_together():
-    from bench.tracegen import ClusterSpec, Incident, Job, NodeSpec
+    from bench.evaluation.tracegen import ClusterSpec, Incident, Job, NodeSpec
 
     spec = ClusterSpec(
         (NodeSpec("n0"),),
@@ -334,7 +336,7 @@ def test_mid_job_skips_the_start_up_of_jobs_starting_with_the_trace_and_moves_in
 
 
 def test_mid_job_leaves_the_incidents_of_a_job_starting_later_where_they_were():
-    from bench.tracegen import ClusterSpec, Incident, Job, NodeSpec
+    from bench.evaluation.tracegen import ClusterSpec, Incident, Job, NodeSpec
 
     spec = ClusterSpec(
         (NodeSpec("n0"), NodeSpec("n1")),
@@ -367,7 +369,7 @@ def test_mid_job_leaves_the_incidents_of_a_job_starting_later_where_they_were():
     ],
 )
 def test_detection_eval_probes_score_and_never_write_into_the_document(tmp_path, capsys, scenario, probe, bad):
-    from bench.detection_eval import main
+    from bench.evaluation.detection_eval import main
 
     doc = tmp_path / "detection.md"
     doc.write_text("untouched\n")
@@ -378,21 +380,23 @@ def test_detection_eval_probes_score_and_never_write_into_the_document(tmp_path,
 
 
 def test_benchmarks_doc_section_replaces_only_its_own_figures(tmp_path):
-    from bench.replay_bench import BEGIN, END, HEADING, write_section
+    from bench.replay_bench import SECTION
+
+    BEGIN, END, HEADING = SECTION.begin, SECTION.end, SECTION.heading
 
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n## Agent\n\nagent figures\n")
-    write_section(doc, "v1\n")
-    write_section(doc, "v2\n")
+    SECTION.write(doc, "v1\n")
+    SECTION.write(doc, "v2\n")
     text = doc.read_text()
     assert "agent figures" in text and "v2" in text and "v1" not in text and text.count(HEADING) == 1
     # A section from before the markers is replaced whole, up to the next heading.
     doc.write_text(f"# Benchmarks\n\n{HEADING}\n\nold\n\n## Agent\n\nagent figures\n")
-    write_section(doc, "v3")
+    SECTION.write(doc, "v3")
     assert doc.read_text() == f"# Benchmarks\n\n{HEADING}\n\n{BEGIN}\nv3\n{END}\n\n## Agent\n\nagent figures\n"
     # Notes written after the figures, in the same section, survive a new run.
     doc.write_text(f"# Benchmarks\n\n{HEADING}\n\n{BEGIN}\nv3\n{END}\n\nnotes\n\n## Agent\n\nagent figures\n")
-    write_section(doc, "v4")
+    SECTION.write(doc, "v4")
     assert doc.read_text() == f"# Benchmarks\n\n{HEADING}\n\n{BEGIN}\nv4\n{END}\n\nnotes\n\n## Agent\n\nagent figures\n"
 
 

@@ -31,7 +31,7 @@ def client(tmp_path):
     settings = ServerSettings(storage_path=str(tmp_path / "api.db"))
     transport = httpx.MockTransport(lambda r: httpx.Response(200, content=b'{"schema":1,"snapshots":[]}'))
     puller = Puller(StaticTargets(("a:1",)), transport=transport, parse=parse_dict, clock=lambda: 5000.0)
-    runtime = Runtime(engine=StubEngine(), puller=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0)
+    runtime = Runtime(engine=StubEngine(), source=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0)
     web = WebConfig(users={"grafana": HASH}, headers={"X-Content-Type-Options": "nosniff"})
     return TestClient(create_app(settings, runtime=runtime, run_pipeline=False, web=web))
 

@@ -33,7 +33,7 @@ def make_runtime(tmp_path, handler) -> Runtime:
     puller = Puller(
         StaticTargets(("a:1", "b:1")), transport=httpx.MockTransport(handler), parse=parse_dict, clock=lambda: 100.0
     )
-    return Runtime(engine=StubEngine(), puller=puller, store=AlertStore(tmp_path / "m.db"), clock=lambda: 100.0)
+    return Runtime(engine=StubEngine(), source=puller, store=AlertStore(tmp_path / "m.db"), clock=lambda: 100.0)
 
 
 def test_alerts_jobs_and_ingest_series(tmp_path) -> None:
@@ -148,7 +148,7 @@ def test_every_alertmanager_replica_gets_every_alert_and_its_own_counters(tmp_pa
     assert received == ["GpufleetStraggler"]
     runtime = Runtime(
         engine=StubEngine(),
-        puller=Puller(StaticTargets(()), transport=httpx.MockTransport(handler)),
+        source=Puller(StaticTargets(()), transport=httpx.MockTransport(handler)),
         store=AlertStore(tmp_path / "n.db"),
         notifiers=notifiers,
         clock=lambda: 100.0,

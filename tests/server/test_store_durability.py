@@ -54,7 +54,7 @@ def _build(tmp_path, clock, engine=None):
         clock=clock,
     )
     store = FullDiskStore(settings.storage_path)
-    runtime = Runtime(engine=engine or StubEngine(), puller=puller, store=store, clock=clock)
+    runtime = Runtime(engine=engine or StubEngine(), source=puller, store=store, clock=clock)
     return runtime, store, TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
 
 
@@ -144,7 +144,7 @@ def test_alerts_a_full_disk_kept_out_of_the_file_are_listed_by_alerts_meanwhile(
     )
     store = AlertStore(settings.storage_path)
     _fill(store)
-    runtime = Runtime(engine=StubEngine(), puller=puller, store=store, clock=clock)
+    runtime = Runtime(engine=StubEngine(), source=puller, store=store, clock=clock)
     client = TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
 
     asyncio.run(runtime.cycle())

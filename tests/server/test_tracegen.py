@@ -11,8 +11,19 @@ import orjson
 import pytest
 
 from gpufleet.agent.model import GpuSample, NodeSnapshot
-from bench import scenarios
-from bench.tracegen import A100, H100, ClusterSpec, Incident, Job, NodeSpec, SpecError, Trace, generate, write_trace
+from bench.evaluation import scenarios
+from bench.evaluation.tracegen import (
+    A100,
+    H100,
+    ClusterSpec,
+    Incident,
+    Job,
+    NodeSpec,
+    SpecError,
+    Trace,
+    generate,
+    write_trace,
+)
 
 T0 = 1_763_800_000.0
 
@@ -463,8 +474,8 @@ def test_the_frozen_generator_version_still_draws_the_same_hold_out_traces(name)
     alters any existing trace must bump it (and re-freeze the hold-out), never pass silently."""
     import hashlib
 
-    from bench import detection_eval
-    from bench.tracegen import GENERATOR_VERSION
+    from bench.evaluation import detection_eval
+    from bench.evaluation.tracegen import GENERATOR_VERSION
 
     trace = generate(scenarios.BY_NAME[name].build(detection_eval.HOLDOUT_FIRST_SEED))
     digest = hashlib.sha256()

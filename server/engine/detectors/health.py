@@ -124,6 +124,7 @@ def _unreachable(tick: Tick, state: HealthState) -> Outcome:
                     "threshold_seconds": cfg.unreachable_seconds,
                     "gpus": _gpus_on(w, nid),
                 },
+                live_summary=True,  # it quotes silent_seconds, which keeps counting while it fires
             )
         )
 

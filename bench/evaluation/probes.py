@@ -1,11 +1,11 @@
 """Probe scenarios: fleets shaped unlike the catalog's, scored like it but kept out of it.
 
-The catalog (bench/scenarios.py) is what the suite's figures are comparable over; these probes ask how the
+The catalog (bench/evaluation/scenarios.py) is what the suite's figures are comparable over; these probes ask how the
 same engine, with the same defaults, does on traces of other shapes: a job of several hundred GPUs with
 one GPU about 10 % slow (also sampled every second, noisier, unattributed), one slow node among 48, a quiet
 16-GPU job, PCIe-only boards (no NVLink), GPUs without SM activity (A100-like: power and clocks only),
 noisier sensors, and two jobs side by side on a fleet without job attribution, where peer groups must be
-inferred. `python -m bench.detection_eval --probes` scores them.
+inferred. `python -m bench.evaluation.detection_eval --probes` scores them.
 
 Sizes: a "10 % slow" GPU here is one whose silent slowdown makes the whole job about 10-15 % slower, so
 the generator's truth requires an alert (STRAGGLER_REQUIRED_SLOWDOWN); the `*_gpu10` probe slows the GPU
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from bench.scenarios import Scenario, _Draw, _whole
-from bench.tracegen import A100, H100, H100_PCIE, ClusterSpec, GpuModel, Incident
+from bench.evaluation.scenarios import Scenario, _Draw, _whole
+from bench.evaluation.tracegen import A100, H100, H100_PCIE, ClusterSpec, GpuModel, Incident
 
 # The noise multiplier of the noisy probes: the issue's robustness bar.
 NOISE_SCALE = 4.0

@@ -1,16 +1,16 @@
 """Detection on traces from the agent's own NVML simulator: a second physics model, written apart from
 the engine's scenario generator.
 
-    python -m bench.sim_crosscheck [--seeds N] [--first-seed N] [--hard] [--unattributed] [--every 1,5,10]
+    python -m bench.evaluation.sim_crosscheck [--seeds N] [--first-seed N] [--hard] [--unattributed] [--every 1,5,10]
                                    [--workers N] [--kinds a,b] [--no-write]
 
-The scenario suite (bench/detection_eval.py) replays tests/server/tracegen.py, which was written with
+The scenario suite (bench/evaluation/detection_eval.py) replays bench/evaluation/tracegen.py, which was written with
 the engine and may share its blind spots. This bench draws random agent/sim scenarios instead: 1-4
 nodes of H100, A100 or L40S, one job on every GPU or on half of each node (then often beside a second
 job), random step time and compute share, and one incident of each kind, or a decoy (a power cap on
 the whole job, nothing at all, a counter reset, an application XID, the job ending, one node's agent
 silent for minutes while its job runs on). Every node is recorded through
-the production agent pipeline in simulated time (bench/sim_record.py), the node files are concatenated
+the production agent pipeline in simulated time (bench/evaluation/sim_record.py), the node files are concatenated
 as `cat` would, cut to 1, 5 or 10 s sampling, and replayed. `--hard` draws marginal severities (a GPU
 5-20 % slow, a communication slowdown of 1.3-2x, a host idling 8-30 % of each step, a mild cooling
 failure) and puts 30 % of the incidents other than comm_slowdown in the job's first minute.
@@ -45,11 +45,18 @@ import orjson
 
 from gpufleet.agent.sim import parse_scenario
 from gpufleet.server.replay import run_replay
-from bench.tracegen import COMM_REQUIRED_GROWTH, STRAGGLER_REQUIRED_SLOWDOWN
-from bench.sim_record import T0, record_node
+from bench.docgen.splice import Section
+from bench.evaluation.tracegen import COMM_REQUIRED_GROWTH, STRAGGLER_REQUIRED_SLOWDOWN
+from bench.evaluation.sim_record import T0, record_node
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "crosscheck.md"
-BEGIN, END = "<!-- crosscheck:begin -->", "<!-- crosscheck:end -->"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "crosscheck.md"
+
+
+def section(mode: str = "") -> Section:
+    """The block of one mode ("", "hard", "unattributed") in docs/crosscheck.md, appended where absent."""
+    return Section(f"crosscheck:{mode}" if mode else "crosscheck")
+
+
 KINDS = (
     "cooling",
     "slow_silent",
@@ -340,7 +347,7 @@ def evaluate(
 
 def render(table: dict[tuple[str, int], Tally], args: argparse.Namespace, max_misses: int = 12) -> str:
     cmd = (
-        f"python -m bench.sim_crosscheck --seeds {args.seeds} --first-seed {args.first_seed}"
+        f"python -m bench.evaluation.sim_crosscheck --seeds {args.seeds} --first-seed {args.first_seed}"
         + (" --hard" if args.hard else "")
         + (" --unattributed" if args.unattributed else "")
         + f" --every {args.every}"
@@ -364,24 +371,8 @@ def render(table: dict[tuple[str, int], Tally], args: argparse.Namespace, max_mi
     return "\n".join(lines)
 
 
-def write_section(doc: Path, body: str, mode: str = "") -> None:
-    """Replace the block for this mode ("", "hard" or "unattributed") between its markers; append it if
-    absent."""
-    begin, end = (
-        (BEGIN, END) if not mode else (BEGIN.replace("begin", f"{mode}:begin"), END.replace("end", f"{mode}:end"))
-    )
-    text = doc.read_text()
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n{block}\n"
-    doc.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.sim_crosscheck", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.evaluation.sim_crosscheck", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=12)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--hard", action="store_true", help="marginal severities, 30 %% of incidents at job start")
@@ -403,9 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     body = render(table, args)
     print(body)
     if not args.no_write:
-        write_section(
-            args.doc, body, "-".join(m for m, on in (("hard", args.hard), ("unattributed", args.unattributed)) if on)
-        )
+        mode = "-".join(m for m, on in (("hard", args.hard), ("unattributed", args.unattributed)) if on)
+        section(mode).write(args.doc, body)
     return 0
 
 

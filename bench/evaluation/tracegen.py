@@ -63,7 +63,7 @@ _RESET_FIELDS = (
 APPLICATION_XIDS = frozenset({13, 31, 43, 45})
 
 
-# Bumped whenever a change here alters the trace of any spec and seed: hold-out figures (bench.detection_eval)
+# Bumped whenever a change here alters the trace of any spec and seed: hold-out figures (bench.evaluation.detection_eval)
 # are only comparable between runs of one generator version.
 GENERATOR_VERSION = 1
 
@@ -1264,12 +1264,12 @@ def truths_to_json(trace: Trace) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.tracegen SCENARIO [--seed N] --out FILE`: write a catalog trace + truth."""
+    """`python -m bench.evaluation.tracegen SCENARIO [--seed N] --out FILE`: write a catalog trace + truth."""
     import argparse
 
-    from bench.scenarios import BY_NAME
+    from bench.evaluation.scenarios import BY_NAME
 
-    ap = argparse.ArgumentParser(prog="python -m bench.tracegen", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench.evaluation.tracegen", description=main.__doc__)
     ap.add_argument("scenario", choices=sorted(BY_NAME))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True, help="JSONL trace; truth goes to OUT.truth.json")

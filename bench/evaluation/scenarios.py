@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from bench.tracegen import A100, H100, ClusterSpec, GpuModel, Incident, Job, NodeSpec, Truth
+from bench.evaluation.tracegen import A100, H100, ClusterSpec, GpuModel, Incident, Job, NodeSpec, Truth
 
 GRACE_S = 120.0
 DEADLINE_S = 150.0

@@ -3,7 +3,7 @@
 SimNvml, NvmlReader, JobAttributor over the simulator's procfs, Sampler and Recorder run exactly as in
 `gpufleet-agent --simulate … --record`, but on a fake clock advanced one sampling interval per cycle,
 so a 15-minute scenario records in seconds. Used by the end-to-end tests and by
-bench/sim_crosscheck.py. XID events arrive on the reader's own thread in real time, so in simulated
+bench/evaluation/sim_crosscheck.py. XID events arrive on the reader's own thread in real time, so in simulated
 time they land a few to tens of seconds late: do not time XIDs on these traces.
 """
 

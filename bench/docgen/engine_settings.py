@@ -3,7 +3,7 @@
 Settings: each row is one EngineConfig field: its key, default, unit (from the name's suffix and type)
 and what it is (the comment lines right above the field in server/engine/config.py). Rules: per detector,
 each rule it declares (policy.declared_rules): name, what it says, when it holds (signal, margin setting
-and its default, spread and sigmas) and its gates. `python -m bench.engine_settings` rewrites both between
+and its default, spread and sigmas) and its gates. `python -m bench.docgen.engine_settings` rewrites both between
 their markers (`<!-- settings:begin -->` ... `<!-- settings:end -->`, `<!-- rules:begin -->` ...
 `<!-- rules:end -->`); `--check` only says whether they are current (exit 1 when not).
 """
@@ -21,10 +21,12 @@ from gpufleet.server.engine import EngineConfig, policy
 from gpufleet.server.engine import config as config_module
 from gpufleet.server.engine.rules import Rule
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "detection.md"
-BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
-RULES_BEGIN, RULES_END = "<!-- rules:begin -->", "<!-- rules:end -->"
-COMMAND = "python -m bench.engine_settings"
+from bench.docgen.splice import Section
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "detection.md"
+SETTINGS = Section("settings")
+RULES = Section("rules")
+COMMAND = "python -m bench.docgen.engine_settings"
 
 # Unit by the field name's ending, first match wins; ratios and utilizations are shares from 0 to 1.
 _UNITS = (
@@ -147,24 +149,9 @@ def render_rules() -> str:
     return "\n".join(rows)
 
 
-def current_block(text: str, begin: str = BEGIN, end: str = END) -> str | None:
-    """What the doc holds between the markers, or None without both markers in order."""
-    if begin not in text or end not in text or text.index(begin) > text.index(end):
-        return None
-    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
-
-
-def rewrite(text: str, body: str, begin: str = BEGIN, end: str = END) -> str:
-    """The doc with the block between the markers replaced; ValueError if the markers are missing."""
-    if current_block(text, begin, end) is None:
-        raise ValueError(f"{begin} ... {end} not found")
-    head, rest = text.split(begin, 1)
-    return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
-
-
-def blocks() -> tuple[tuple[str, str, str], ...]:
-    """(begin, end, body) of every generated block."""
-    return ((BEGIN, END, render()), (RULES_BEGIN, RULES_END, render_rules()))
+def blocks() -> tuple[tuple[Section, str], ...]:
+    """(section, body) of every generated block."""
+    return ((SETTINGS, render()), (RULES, render_rules()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,14 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if the table is not current; write nothing")
     args = ap.parse_args(argv)
     text = args.doc.read_text()
-    for begin, end, body in blocks():
-        if current_block(text, begin, end) is None:
-            print(f"{args.doc}: {begin} ... {end} not found", file=sys.stderr)
+    for section, body in blocks():
+        if section.current(text) is None:
+            print(f"{args.doc}: {section.begin} ... {section.end} not found", file=sys.stderr)
             return 2
-        if args.check and current_block(text, begin, end) != body:
-            print(f"{args.doc}: the block {begin} is stale; run `{COMMAND}`", file=sys.stderr)
+        if args.check and section.current(text) != body:
+            print(f"{args.doc}: the block {section.begin} is stale; run `{COMMAND}`", file=sys.stderr)
             return 1
-        text = rewrite(text, body, begin, end)
+        text = section.splice(text, body)
     if not args.check:
         args.doc.write_text(text)
     return 0

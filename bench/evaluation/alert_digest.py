@@ -1,8 +1,8 @@
 """Every alert the engine fires over a fixed set of traces, written down so that a change to the engine can
 be shown to leave them unchanged (or to say exactly which moved).
 
-The traces: each scenario of bench/scenarios.py on the tuning seeds (0 .. --seeds - 1), attributed and
-unattributed, and the real H100 trace of tests/fixtures/h100-driver-580. `python -m bench.alert_digest
+The traces: each scenario of bench/evaluation/scenarios.py on the tuning seeds (0 .. --seeds - 1), attributed and
+unattributed, and the real H100 trace of tests/fixtures/h100-driver-580. `python -m bench.evaluation.alert_digest
 --write FILE` records; `--compare FILE` replays the same traces and prints each alert that appeared,
 vanished or changed (exit 1 when any did).
 """
@@ -17,10 +17,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from bench import scenarios
-from bench.tracegen import generate, without_fields
+from bench.evaluation import scenarios
+from bench.evaluation.tracegen import generate, without_fields
 
-H100_TRACE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "h100-driver-580" / "trace.jsonl.gz"
+H100_TRACE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "h100-driver-580" / "trace.jsonl.gz"
 
 
 def _alerts(lines: Iterable[Any], config: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -1,0 +1,169 @@
+"""A node's name stays with the target it answered from across a restart: another target claiming it while
+the real one is merely down is refused, and the real one is taken back when it returns."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Iterator
+
+import httpx
+import orjson
+import pytest
+
+from gpufleet.server.serve import build_runtime
+from gpufleet.server.settings import ServerSettings
+from tests.agent.running import server_process
+from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
+
+REAL, IMPOSTOR = "10.0.0.1:9471", "10.0.0.9:9471"
+
+
+def _runtime(settings: ServerSettings, now: list[float], down: set[str]):
+    def handler(request: httpx.Request) -> httpx.Response:
+        target = f"{request.url.host}:{request.url.port}"
+        if target in down:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, content=orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", now[0])])))
+
+    return build_runtime(
+        settings, engine=StubEngine(), clock=lambda: now[0], transport=httpx.MockTransport(handler), parse=parse_dict
+    )
+
+
+async def _cycles(runtime, now: list[float], n: int) -> None:
+    for _ in range(n):
+        now[0] += 5
+        await runtime.cycle()
+
+
+def test_an_impostor_cannot_take_a_known_nodes_name_while_its_target_is_down_across_a_restart(tmp_path) -> None:
+    now = [1000.0]
+    down = {IMPOSTOR}
+    settings = ServerSettings(targets=(REAL, IMPOSTOR), storage_path=str(tmp_path / "i.db"))
+    first = _runtime(settings, now, down)
+    asyncio.run(_cycles(first, now, 2))
+    assert first.store.target_nodes() == {REAL: "dgx-01"}
+    first.store.close()
+
+    down.clear()
+    down.add(REAL)  # the real agent is briefly down when the server restarts; the impostor answers
+    second = _runtime(settings, now, down)
+    second.restore()
+    asyncio.run(_cycles(second, now, 3))
+    assert second.engine.samples == []
+    assert second.source.errors == {(IMPOSTOR, "node_claimed"): 3, (REAL, "connect"): 3}
+    assert second.store.target_nodes() == {REAL: "dgx-01"}
+
+    down.clear()  # the real agent returns: its name is its own
+    asyncio.run(_cycles(second, now, 1))
+    assert [s["time"] for s in second.engine.samples] == [now[0]]
+    assert {h.target: h.up for h in second.source.health()} == {REAL: True, IMPOSTOR: False}
+    assert second.source.errors[(IMPOSTOR, "node_claimed")] == 4
+
+
+def test_a_remembered_target_no_longer_listed_frees_its_nodes_name(tmp_path) -> None:
+    now = [1000.0]
+    first = _runtime(ServerSettings(targets=(REAL,), storage_path=str(tmp_path / "m.db")), now, set())
+    asyncio.run(_cycles(first, now, 1))
+    first.store.close()
+
+    # The node moved to a new address and the old one left discovery: the new target may answer for it.
+    second = _runtime(ServerSettings(targets=(IMPOSTOR,), storage_path=str(tmp_path / "m.db")), now, set())
+    second.restore()
+    asyncio.run(_cycles(second, now, 1))
+    assert [s["node"] for s in second.engine.samples] == ["dgx-01"] and second.source.errors == {}
+
+
+class _Agent(BaseHTTPRequestHandler):
+    """Answers /snapshots as dgx-01 with one fresh snapshot; `gpu_tag` tells the real agent's GPUs apart."""
+
+    gpu_tag = "real"
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server API
+        snap = snapshot("dgx-01", time.time())
+        for gpu in snap["gpus"]:
+            gpu["uuid"] = f"GPU-{self.gpu_tag}-{gpu['index']}"
+        body = orjson.dumps({**envelope("dgx-01", [snap]), "time": time.time()})
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+class _Impostor(_Agent):
+    gpu_tag = "impostor"
+
+
+@contextlib.contextmanager
+def _serving(handler: type, port: int = 0) -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _metric(api: httpx.Client, name: str, **labels: str) -> float | None:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in api.get("/metrics").text.splitlines():
+        if line.startswith(f"{name}{{") and line.split("}")[0].split("{")[1].split(",") == want.split(","):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _until(what: str, check: Callable[[], bool], proc) -> None:
+    waiter = threading.Event()
+    for _ in range(120):
+        assert proc.poll() is None, f"the server ended while waiting for: {what}"
+        if check():
+            return
+        waiter.wait(0.25)
+    pytest.fail(f"never within 30 s: {what}")
+
+
+def test_real_servers_keep_a_node_name_with_its_target_across_a_restart(tmp_path) -> None:
+    """Real `serve` processes on one store: the real agent is down when the server restarts and an impostor
+    claims its name; the impostor is refused, and the real agent, back on its address, is taken."""
+    with _serving(_Agent) as real_port:
+        with _serving(_Impostor) as impostor_port:
+            real, impostor = f"127.0.0.1:{real_port}", f"127.0.0.1:{impostor_port}"
+            timing = ("--pull.interval", "250ms", "--pull.timeout", "250ms")
+            with server_process(tmp_path, "--targets", real, *timing) as (proc, port):
+                api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+                _until(
+                    "the real agent pulled", lambda: _metric(api, "gpufleet_server_target_up", target=real) == 1.0, proc
+                )
+                _until("its node name stored", lambda: api.get("/healthz").json()["cycles"] >= 3, proc)
+            # The real agent goes down (its port closes) and the server restarts meanwhile.
+    with _serving(_Impostor, impostor_port):
+        with server_process(tmp_path, "--targets", f"{real},{impostor}", *timing) as (proc, port):
+            api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+            _until(
+                "the impostor refused three times",
+                lambda: (
+                    (_metric(api, "gpufleet_server_pull_errors_total", target=impostor, reason="node_claimed") or 0)
+                    >= 3
+                ),
+                proc,
+            )
+            assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
+            assert [n["node"] for n in api.get("/nodes").json()["nodes"]] == []
+            with _serving(_Agent, real_port):  # the real agent is back on its address
+                _until(
+                    "the real agent taken back",
+                    lambda: _metric(api, "gpufleet_server_target_up", target=real) == 1.0,
+                    proc,
+                )
+                assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
+                nodes = api.get("/nodes").json()["nodes"]
+                assert [n["node"] for n in nodes] == ["dgx-01"]
