@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gpufleet.server.alerts import AlertKind, AlertState, Severity, description, fingerprint
+from gpufleet.server import readings
 from gpufleet.server.contract import parse_line
 from gpufleet.server.engine import Engine, EngineConfig, registry
 from gpufleet.server.engine.detectors import Context, Finding, FingerprintIndex, Outcome, job_groups
@@ -228,3 +229,8 @@ def test_an_alert_restored_from_a_store_without_advice_takes_its_kinds(tmp_path)
     restarted = _engine()
     assert restarted.restore(store.open_alerts()) == 1
     assert restarted.alerts()[0].advice == LEAK_ADVICE
+
+
+def test_the_standard_detectors_name_only_readings_of_the_reading_table():
+    names = {r.name for r in readings.READINGS}
+    assert set(registry.missing_effects(registry.STANDARD)) <= names
