@@ -311,5 +311,5 @@ class Runtime:
 def _watched_nodes(view: FleetView) -> set[str]:
     """Nodes the engine speaks for: the ones it tracks, and any it holds a node_unreachable alert about."""
     nodes = {n["node"] for n in view.nodes if n.get("node")}
-    nodes.update(a.node for a in view.alerts if a.kind is AlertKind.NODE_UNREACHABLE and a.node and not is_ours(a))
+    nodes.update(a.node for a in view.alerts if a.kind == AlertKind.NODE_UNREACHABLE and a.node and not is_ours(a))
     return nodes

@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS {schema}alerts (
     updated REAL NOT NULL,
     summary TEXT NOT NULL,
     evidence BLOB NOT NULL,
-    labels BLOB NOT NULL DEFAULT '{{}}'
+    labels BLOB NOT NULL DEFAULT '{{}}',
+    advice TEXT NOT NULL DEFAULT ''
 );
 """
 _SCHEMA = (
@@ -57,7 +58,7 @@ CREATE TABLE IF NOT EXISTS target_nodes (
 
 _COLUMNS = (
     "id, fingerprint, kind, severity, state, node, gpu, uuid, hpc_job, pending_since, started, "
-    "resolved, updated, summary, evidence, labels"
+    "resolved, updated, summary, evidence, labels, advice"
 )
 
 
@@ -304,6 +305,7 @@ def _to_row(a: Alert) -> Sequence[object]:
         a.summary,
         orjson.dumps(dict(a.evidence), option=orjson.OPT_NON_STR_KEYS, default=str),
         orjson.dumps(dict(a.labels)),
+        a.advice,
     )
 
 
@@ -326,6 +328,7 @@ def _from_row(r: Sequence[Any]) -> Alert:
         summary=r[13],
         evidence=orjson.loads(r[14]),
         labels=orjson.loads(r[15]),
+        advice=r[16],
     )
 
 
@@ -334,3 +337,5 @@ def _add_missing_columns(db: sqlite3.Connection) -> None:
     have = {row[1] for row in db.execute("PRAGMA table_info(alerts)")}
     if "labels" not in have:
         db.execute("ALTER TABLE alerts ADD COLUMN labels BLOB NOT NULL DEFAULT '{}'")
+    if "advice" not in have:
+        db.execute("ALTER TABLE alerts ADD COLUMN advice TEXT NOT NULL DEFAULT ''")
