@@ -23,7 +23,7 @@ from prometheus_client.utils import floatToGoString
 from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot, ThrottleReason
-from gpufleet.agent.readings import FAMILIES, READINGS
+from gpufleet.agent.readings import READINGS, exported_families, family_name
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GPU_LABELS = ("node", "gpu", "uuid", "model")
@@ -34,11 +34,13 @@ _Fields = tuple[tuple[str, str], ...]
 
 def _table_families() -> tuple[tuple[str, str, str, str, _Fields], ...]:
     """(name, help, kind, label, ((label value, GpuSample field), ...)) of each family of the reading table."""
-    fields: dict[str, list[tuple[str, str]]] = {f.name: [] for f in FAMILIES}
+    families = exported_families()
+    fields: dict[str, list[tuple[str, str]]] = {f.name: [] for f in families}
     for reading in READINGS:
-        if reading.family is not None:
-            fields[reading.family].append((reading.label_value, reading.name))
-    return tuple((f.name, f.help, f.kind, f.label, tuple(fields[f.name])) for f in FAMILIES)
+        name = family_name(reading)
+        if name is not None:
+            fields[name].append((reading.label_value, reading.name))
+    return tuple((f.name, f.help, f.kind, f.label, tuple(fields[f.name])) for f in families)
 
 
 # The per-GPU families of agent.readings, each series one reading. Metrics are data, not code.

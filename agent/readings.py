@@ -124,8 +124,9 @@ class Family:
     label: str = ""
 
 
-# The per-GPU families the table exports, in their order on /metrics. Families of readings keyed by
-# reason, link or XID code are written by agent.exposition itself.
+# Per-GPU families several rows share, in their order on /metrics; a family a row declares itself
+# comes after them, in row order. Families of readings keyed by reason, link or XID code are written
+# by agent.exposition itself.
 FAMILIES: tuple[Family, ...] = (
     Family(
         "gpufleet_gpu_utilization_ratio", "gauge", "Share of time any kernel ran on the GPU (NVML utilization), 0-1."
@@ -180,8 +181,9 @@ class Reading:
     name: str
     source: Source
     rule: Rule
-    # The family (a FAMILIES name) and label value of its series; None: exported by a family of its own.
-    family: str | None = None
+    # The family of its series (a FAMILIES name, or a Family of its own declared here) and its label
+    # value; None: exported by a family agent.exposition writes itself.
+    family: str | Family | None = None
     label_value: str = ""
     # A detector acts on it: read at least every tiers.FAST_MAX_AGE_S, whatever the CPU budget.
     fast: bool = False
@@ -394,3 +396,15 @@ READINGS: tuple[Reading, ...] = (
 )
 
 BY_NAME: Mapping[str, Reading] = MappingProxyType({r.name: r for r in READINGS})
+
+
+def family_name(reading: Reading) -> str | None:
+    """The name of the family a reading's series is in, however the row gives it."""
+    family = reading.family
+    return family.name if isinstance(family, Family) else family
+
+
+def exported_families() -> tuple[Family, ...]:
+    """Every family of the table in its order on /metrics: FAMILIES, then those rows declare themselves."""
+    own = {r.family.name: r.family for r in READINGS if isinstance(r.family, Family)}
+    return FAMILIES + tuple(f for name, f in own.items() if name not in {g.name for g in FAMILIES})

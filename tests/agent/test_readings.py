@@ -25,8 +25,11 @@ from gpufleet.agent.readings import (
     FieldValue,
     GpmMetric,
     NvmlCall,
+    Family,
     Own,
     PerLinkField,
+    exported_families,
+    family_name,
 )
 from gpufleet.agent.sim import SimNvml, load_scenario
 from tests.agent.fake_nvml import FakeNvml
@@ -82,12 +85,14 @@ def test_every_source_names_what_the_installed_pynvml_defines():
 
 
 def test_every_family_carries_readings_and_every_series_has_a_family():
-    names = [f.name for f in FAMILIES]
-    assert len(set(names)) == len(names)
-    carried = {r.family for r in READINGS if r.family is not None}
+    families = exported_families()
+    names = [f.name for f in families]
+    assert len(set(names)) == len(names) and families[: len(FAMILIES)] == FAMILIES
+    carried = {family_name(r) for r in READINGS if r.family is not None}
     assert carried == set(names)
-    for family in FAMILIES:
-        values = [r.label_value for r in READINGS if r.family == family.name]
+    assert [name for name, *_ in TABLE_FAMILIES] == names
+    for family in families:
+        values = [r.label_value for r in READINGS if family_name(r) == family.name]
         assert len(set(values)) == len(values), family.name
         assert all(values) if family.label else values == [""], family.name
         assert family.kind == "counter" or not any(BY_NAME[r].rule.counter for _, r in _series(family.name))
@@ -100,7 +105,7 @@ def _series(family: str) -> tuple[tuple[str, str], ...]:
 def test_every_family_is_in_the_docs_metrics_table():
     doc = (ROOT / "docs" / "agent.md").read_text()
     rows = {m for line in doc.splitlines() if line.startswith("|") for m in re.findall(r"`(gpufleet_\w+)`", line)}
-    for family in FAMILIES:
+    for family in exported_families():
         assert family.name + ("_total" if family.kind == "counter" else "") in rows, family.name
 
 
@@ -135,6 +140,13 @@ def test_a_call_with_several_rows_is_made_once_and_split_by_part():
     assert by_first["remapped_rows_correctable"].fetch(fake, handle) == gpu.remapped_rows
     assert by_first["utilization_ratio"].fetch(fake, handle) == gpu.utilization
     assert by_first["temperature_celsius"].fetch(fake, handle) == (gpu.temperature,)
+
+
+def test_a_row_may_declare_a_family_of_its_own():
+    own = Family("gpufleet_gpu_x", "counter", "X.")
+    row = dataclasses.replace(BY_NAME["pcie_tx_bytes_total"], family=own)
+    assert family_name(row) == "gpufleet_gpu_x" and family_name(BY_NAME["power_watts"]) == "gpufleet_gpu_power_watts"
+    assert family_name(BY_NAME["xid_errors_total"]) is None
 
 
 def test_a_call_whose_rows_do_not_all_name_a_part_is_refused():
