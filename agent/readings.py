@@ -124,9 +124,9 @@ class Family:
     label: str = ""
 
 
-# Per-GPU families several rows share, in their order on /metrics; a family a row declares itself
-# comes after them, in row order. Families of readings keyed by reason, link or XID code are written
-# by agent.exposition itself.
+# The per-GPU families rows name, in their order on /metrics; a family a row declares itself comes
+# after them, in row order. Families of readings keyed by reason, link or XID code are written by
+# agent.exposition itself.
 FAMILIES: tuple[Family, ...] = (
     Family(
         "gpufleet_gpu_utilization_ratio", "gauge", "Share of time any kernel ran on the GPU (NVML utilization), 0-1."
