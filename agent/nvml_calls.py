@@ -63,9 +63,15 @@ def _fetch(spec: NvmlCall, parts: tuple[str | int | None, ...]) -> Callable[[Any
     invoke = _invoke(spec)
     if parts == (None,):
         return lambda n, h: (invoke(n, h),)
-    if None in parts or len({type(p) for p in parts}) != 1:
-        raise ValueError(f"{spec.function}: every row of a call with several names a part of one kind: {parts}")
-    pick = attrgetter(*parts) if isinstance(parts[0], str) else itemgetter(*parts)  # type: ignore[arg-type]
+    names = [p for p in parts if isinstance(p, str)]
+    indices = [p for p in parts if isinstance(p, int)]
+    pick: Callable[[Any], Any]
+    if len(names) == len(parts):
+        pick = attrgetter(*names)
+    elif len(indices) == len(parts):
+        pick = itemgetter(*indices)
+    else:
+        raise ValueError(f"{spec.function}: each row of a call several rows share names its part, of one kind: {parts}")
     if len(parts) == 1:
         return lambda n, h: (pick(invoke(n, h)),)
     return lambda n, h: pick(invoke(n, h))

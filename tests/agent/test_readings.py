@@ -115,9 +115,9 @@ def test_what_derives_from_the_table():
     assert [name for name, _ in GPM_METRICS] == [r.name for r in READINGS if isinstance(r.source, GpmMetric)]
     polled = [name for call in nvml_calls.POLLED for name in call.readings]
     static = [name for call in nvml_calls.STATIC for name in call.readings]
-    calls = [r for r in READINGS if isinstance(r.source, NvmlCall)]
-    assert polled == [r.name for r in calls if not r.source.at_open]  # type: ignore[union-attr]
-    assert static == [r.name for r in calls if r.source.at_open]  # type: ignore[union-attr]
+    at_open = {r.name: r.source.at_open for r in READINGS if isinstance(r.source, NvmlCall)}
+    assert polled == [name for name, once in at_open.items() if not once]
+    assert static == [name for name, once in at_open.items() if once]
     entries = nvml_fields.batch_entries(FakeNvml(), link_count=1, per_link=True)
     for r in READINGS:
         if isinstance(r.source, FieldValue):
