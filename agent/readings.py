@@ -8,7 +8,8 @@ detector needs it fresh (its sampling tier, agent.tiers), how the raw number bec
 export it. The field-value batch (agent.nvml_fields), the calls (agent.nvml_calls), GPM (agent.gpm),
 the tiers, the conversions and the exposition (agent.exposition) are built from it. The rows are in the
 order the agent reads them: the field-value batch, the polled calls, the limits read at open, GPM, then
-XID; a family's series are written in row order. FAMILIES is the order of the families on /metrics.
+XID; a family's series are written in row order. The families are written in FAMILIES' order, then
+those rows declare themselves.
 
 Imports nothing of the agent: it is data, upstream of everything that reads NVML or writes a metric.
 """
