@@ -20,6 +20,8 @@ from gpufleet.agent import __version__
 from gpufleet.agent.attribution import BackgroundAttributor, InnerAttributor, JobAttributor
 from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET
 from gpufleet.agent.config import PROG, AgentConfig, ConfigError, default_node, load_config
+from gpufleet.agent.dcgm_names import CountersError, DcgmFamilies, load_counters, unservable
+from gpufleet.agent.exposition import FamiliesFn
 from gpufleet.extras import AGENT_MODULES, missing_extra
 from gpufleet.logs import configure_logging
 from gpufleet.agent.podresources import DEFAULT_SOCKET, kubelet_attributor
@@ -65,6 +67,7 @@ class Runtime:
     wait: Callable[[float], None]
     cleanup: list[Callable[[], None]] = field(default_factory=list)
     web: WebConfig | None = None
+    families: FamiliesFn | None = None  # what /metrics names the readings; None: gpufleet's names
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,6 +130,7 @@ def build_runtime(config: AgentConfig) -> Runtime:
             web = load_web_config(config.web_config_file)
         except WebConfigError as exc:
             raise ConfigError(f"--web.config.file: {exc}") from None
+    families = _dcgm_families(config) if config.metrics_names == "dcgm" else None
     procfs = config.procfs
     cleanup: list[Callable[[], None]] = []
     if config.simulate:
@@ -167,7 +171,32 @@ def build_runtime(config: AgentConfig) -> Runtime:
         )
         cleanup.append(kubelet.close)
         attributor = kubelet
-    return Runtime(node=node, reader=reader, attributor=attributor, clock=clock, wait=wait, cleanup=cleanup, web=web)
+    return Runtime(
+        node=node,
+        reader=reader,
+        attributor=attributor,
+        clock=clock,
+        wait=wait,
+        cleanup=cleanup,
+        web=web,
+        families=families,
+    )
+
+
+def _dcgm_families(config: AgentConfig) -> FamiliesFn:
+    """--metrics.names dcgm: the counters file read at start (a bad one is a one-line error), and the fields
+    it lists that this agent serves no series for named once."""
+    try:
+        counters = load_counters(config.dcgm_counters)
+    except CountersError as exc:
+        raise ConfigError(f"--metrics.dcgm-counters: {exc}") from None
+    missing = unservable(counters)
+    if missing:
+        log.info(
+            "dcgm counters this agent does not serve: no series for them (docs/agent.md)",
+            extra={"counters": list(missing), "file": config.dcgm_counters or "default"},
+        )
+    return DcgmFamilies(counters)
 
 
 def _cpu_budget(config: AgentConfig) -> float:
@@ -229,6 +258,7 @@ def run_once(config: AgentConfig, runtime: Runtime) -> int:
         interval=config.sample_interval,
         attributor=runtime.attributor,
         clock=runtime.clock,
+        families=runtime.families,
     )
     try:
         if sampler.run_once() is None:
@@ -291,6 +321,7 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
         recorder=recorder,
         clock=runtime.clock,
         stop=stop,
+        families=runtime.families,
     )
     hangup = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -31,6 +31,7 @@ MIN_RETENTION_SECONDS = 120.0
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "text")
 POD_LABEL_SOURCES = ("api-server", "pod-name")
+METRICS_NAMES = ("gpufleet", "dcgm")
 _ENV_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -62,6 +63,9 @@ class AgentConfig:
     pod_labels: str = "api-server"
     pod_resources_refresh: float = 5.0
     nvlink_per_link: bool = False
+    # /metrics under gpufleet's names, or dcgm-exporter's (agent.dcgm_names) from a counters file.
+    metrics_names: str = "gpufleet"
+    dcgm_counters: str | None = None
     log_level: str = "info"
     log_format: str = "json"
     web_config_file: str | None = None
@@ -305,6 +309,22 @@ OPTIONS: tuple[_Option, ...] = (
         "SECONDS",
     ),
     _Option("nvlink.per-link", "nvlink_per_link", parse_bool, "also export NVLink byte counters per link"),
+    _Option(
+        "metrics.names",
+        "metrics_names",
+        _choice(METRICS_NAMES),
+        "what /metrics names the readings: gpufleet (gpufleet_gpu_*) or dcgm (dcgm-exporter's DCGM_FI_* names, "
+        "units and labels, for its dashboards and alerts) (default gpufleet)",
+        "NAMES",
+    ),
+    _Option(
+        "metrics.dcgm-counters",
+        "dcgm_counters",
+        _path,
+        "with --metrics.names dcgm: the DCGM fields to serve, a dcgm-exporter counters CSV "
+        "(default: dcgm-exporter's default set)",
+        "FILE",
+    ),
     _Option("log.level", "log_level", _choice(LOG_LEVELS), "debug, info, warning or error (default info)", "LEVEL"),
     _Option("log.format", "log_format", _choice(LOG_FORMATS), "json or text (default json)", "FORMAT"),
 )
@@ -374,6 +394,8 @@ def load_config(
             values["listen_host"], values["listen_port"] = value
         else:
             values[_BY_KEY[key].field] = value
+    if values.get("dcgm_counters") and values.get("metrics_names") != "dcgm":
+        raise ConfigError("--metrics.dcgm-counters needs --metrics.names dcgm")
     if print_scenario and "simulate" not in values:
         raise ConfigError("--print-scenario needs --simulate SCENARIO")
     return AgentConfig(config_file=config_file, print_scenario=print_scenario, **values)

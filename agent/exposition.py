@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from math import isfinite
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -46,7 +46,13 @@ def _table_families() -> tuple[tuple[str, str, str, str, _Fields], ...]:
 # The per-GPU families of agent.readings, each series one reading. Metrics are data, not code.
 TABLE_FAMILIES = _table_families()
 
-_SUFFIX = {"counter": ("_total", "counter"), "info": ("_info", "gauge"), "gauge": ("", "gauge")}
+# counter_as_named: a counter served under a name of someone else's that lacks _total (dcgm-exporter's).
+_SUFFIX = {
+    "counter": ("_total", "counter"),
+    "counter_as_named": ("", "counter"),
+    "info": ("_info", "gauge"),
+    "gauge": ("", "gauge"),
+}
 
 
 @dataclass(slots=True)
@@ -54,7 +60,7 @@ class Family:
     """One metric family: rows of (label names, label values, value); names are shared tuples."""
 
     name: str
-    kind: str  # gauge | counter | info
+    kind: str  # gauge | counter | counter_as_named | info
     help: str
     rows: list[tuple[tuple[str, ...], tuple[str, ...], float]] = field(default_factory=list)
 
@@ -72,12 +78,25 @@ def families(snapshot: NodeSnapshot | None, health: AgentHealth, activity: Activ
     return [f for f in out if f.rows]
 
 
+FamiliesFn = Callable[[NodeSnapshot | None, AgentHealth, ActivityTotals], list[Family]]
+_GPUFLEET_FAMILIES: FamiliesFn = families  # Renderer's `families` argument hides the function's name
+
+
+def agent_families(snapshot: NodeSnapshot | None, health: AgentHealth) -> list[Family]:
+    """The agent's own health families alone, for an exposition that names the GPUs' series otherwise."""
+    return [f for f in _agent_families(snapshot, health) if f.rows]
+
+
 class Renderer:
-    """Writes families as text format 0.0.4, caching each series' `name{labels}` across renders."""
+    """Writes families as text format 0.0.4, caching each series' `name{labels}` across renders.
+
+    `families` decides what is exported: gpufleet's names (`families`) or another's
+    (agent.dcgm_names.DcgmFamilies)."""
 
     MAX_CACHED = 50_000  # a few thousand series per node; the bound only guards against label churn
 
-    def __init__(self, process_metrics: bool = False) -> None:
+    def __init__(self, process_metrics: bool = False, families: FamiliesFn | None = None) -> None:
+        self._families_of: FamiliesFn = families or _GPUFLEET_FAMILIES
         self._series: dict[tuple[str, tuple[str, ...], tuple[str, ...]], str] = {}
         self._headers: dict[tuple[str, str], str] = {}
         # The agent's own process_* families (CPU seconds, RSS, start time, fds), as every exporter has,
@@ -96,7 +115,7 @@ class Renderer:
             self._series.clear()
         out: list[str] = []
         cached = self._families
-        for fam in families(snapshot, health, activity):
+        for fam in self._families_of(snapshot, health, activity):
             key = (fam.name, fam.kind)
             last = cached.get(key)
             if last is not None and last[0] == fam.rows:

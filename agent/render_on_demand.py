@@ -16,7 +16,7 @@ import time
 from typing import Callable
 
 from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
-from gpufleet.agent.exposition import Renderer
+from gpufleet.agent.exposition import FamiliesFn, Renderer
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import NodeSnapshot
 
@@ -33,8 +33,9 @@ class RenderOnDemand:
         on_error: Callable[[Exception], None] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         process_metrics: bool = False,
+        families: FamiliesFn | None = None,
     ) -> None:
-        self._renderer = Renderer(process_metrics=process_metrics)
+        self._renderer = Renderer(process_metrics=process_metrics, families=families)
         self._lock = threading.Lock()
         self._last_good = b""
         self._on_error = on_error

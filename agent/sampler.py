@@ -16,6 +16,7 @@ import orjson
 from gpufleet.agent import __version__
 from gpufleet.agent.activity import NO_TOTALS, ActivityIntegrator, ActivityTotals
 from gpufleet.agent.attribution import Attributor
+from gpufleet.agent.exposition import FamiliesFn
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot
 from gpufleet.agent.nvml_reader import NvmlUnavailable
@@ -69,6 +70,7 @@ class Sampler:
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
         version: str = __version__,
+        families: FamiliesFn | None = None,
     ) -> None:
         self._reader = reader
         self._store = store
@@ -95,7 +97,10 @@ class Sampler:
         self._last: NodeSnapshot | None = None
         self._last_json: bytes | None = None
         self._thread: threading.Thread | None = None
-        self._bodies = RenderOnDemand(on_error=self._render_failed, process_metrics=True, monotonic=monotonic)
+        # families: what /metrics names the readings (gpufleet's by default; agent.dcgm_names for --metrics.names).
+        self._bodies = RenderOnDemand(
+            on_error=self._render_failed, process_metrics=True, monotonic=monotonic, families=families
+        )
         # A sample stands for at most two intervals: one skipped tick is normal, a longer gap is unknown.
         self._activity = ActivityIntegrator(max_step_seconds=2 * interval)
         self._activity_totals: ActivityTotals = NO_TOTALS

@@ -112,6 +112,7 @@ def test_the_wheel_holds_the_namespaced_packages_and_their_data(wheel):
         "gpufleet/agent/kubelet_podresources_v1_pb2.py",
         "gpufleet/agent/kubelet_podresources_v1_pb2_grpc.py",
         "gpufleet/agent/kubelet_podresources_v1.proto",
+        "gpufleet/agent/dcgm-counters.csv",
     ):
         assert module in names
 
