@@ -1,6 +1,7 @@
 """Prometheus exposition of one snapshot: families built fresh from the snapshot on every render.
 
-`families()` is the single definition of what is exported. Two sinks consume it: `SnapshotCollector`
+`families()` is the single definition of what is exported; the families of the per-GPU readings are
+the reading table's (agent.readings), the rest are written here. Two sinks consume it: `SnapshotCollector`
 (a prometheus_client custom collector, for a fresh CollectorRegistry and generate_latest) and
 `Renderer`, which writes the same text format byte for byte, but remembers each series' rendered name
 and labels between snapshots, as node_exporter builds its descriptors once (agent.render_on_demand runs
