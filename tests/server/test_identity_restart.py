@@ -20,14 +20,27 @@ from tests.agent.running import server_process
 from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
 
 REAL, IMPOSTOR = "10.0.0.1:9471", "10.0.0.9:9471"
+MOVED = "10.0.0.5:9471"  # the real agent at a new address (a new pod IP)
 
 
-def _runtime(settings: ServerSettings, now: list[float], down: set[str]):
+def _answer(node: str, t: float, gpus: str) -> bytes:
+    """One snapshot of `node` whose GPU uuids are named after `gpus` (the hardware answering)."""
+    snap = snapshot(node, t)
+    for gpu in snap["gpus"]:
+        gpu["uuid"] = f"GPU-{gpus}-{gpu['index']}"
+    return orjson.dumps(envelope(node, [snap]))
+
+
+def _runtime(settings: ServerSettings, now: list[float], down: set[str], gpus: dict[str, str] | None = None):
+    """Every target answers as dgx-01: the impostor with its own GPUs, any other target with the real ones
+    unless `gpus` says which hardware answers there."""
+
     def handler(request: httpx.Request) -> httpx.Response:
         target = f"{request.url.host}:{request.url.port}"
         if target in down:
             raise httpx.ConnectError("refused")
-        return httpx.Response(200, content=orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", now[0])])))
+        hardware = (gpus or {}).get(target, "impostor" if target == IMPOSTOR else "real")
+        return httpx.Response(200, content=_answer("dgx-01", now[0], hardware))
 
     return build_runtime(
         settings, engine=StubEngine(), clock=lambda: now[0], transport=httpx.MockTransport(handler), parse=parse_dict
@@ -72,7 +85,7 @@ def test_a_remembered_target_no_longer_listed_frees_its_nodes_name(tmp_path) -> 
     first.store.close()
 
     # The node moved to a new address and the old one left discovery: the new target may answer for it.
-    second = _runtime(ServerSettings(targets=(IMPOSTOR,), storage_path=str(tmp_path / "m.db")), now, set())
+    second = _runtime(ServerSettings(targets=(MOVED,), storage_path=str(tmp_path / "m.db")), now, set())
     second.restore()
     asyncio.run(_cycles(second, now, 1))
     assert [s["node"] for s in second.engine.samples] == ["dgx-01"] and second.source.errors == {}
