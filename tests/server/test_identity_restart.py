@@ -1,12 +1,15 @@
-"""A node's name stays with the target it answered from across a restart: another target claiming it while
-the real one is merely down is refused, and the real one is taken back when it returns."""
+"""A node's name stays with the target it answered from and the GPUs it reported, across a restart: another
+target claiming it while the real one is merely down is refused unless it reports the node's GPUs (the same
+agent at a new address), and the real one is taken back when it returns. A pin lapses after its TTL."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterator
 
@@ -89,6 +92,68 @@ def test_a_remembered_target_no_longer_listed_frees_its_nodes_name(tmp_path) -> 
     second.restore()
     asyncio.run(_cycles(second, now, 1))
     assert [s["node"] for s in second.engine.samples] == ["dgx-01"] and second.source.errors == {}
+
+
+def test_the_real_agent_back_at_a_new_address_with_its_gpus_takes_its_name_across_a_restart(tmp_path) -> None:
+    now = [1000.0]
+    path = str(tmp_path / "n.db")
+    first = _runtime(ServerSettings(targets=(REAL,), storage_path=path), now, set())
+    asyncio.run(_cycles(first, now, 2))
+    first.store.close()
+
+    # The pod restarted under a new IP while the server restarted, and discovery still lists the old one.
+    down = {REAL}
+    second = _runtime(ServerSettings(targets=(REAL, MOVED), storage_path=path), now, down)
+    second.restore()
+    asyncio.run(_cycles(second, now, 1))
+    assert [s["time"] for s in second.engine.samples] == [now[0]]
+    assert {h.target: h.up for h in second.source.health()} == {REAL: False, MOVED: True}
+    assert second.store.node_pins()["dgx-01"].target == MOVED
+
+    down.clear()
+    down.add(MOVED)  # and back at its old address, with the same GPUs
+    asyncio.run(_cycles(second, now, 1))
+    assert second.engine.samples[-1]["time"] == now[0]
+    assert {h.target: h.up for h in second.source.health()} == {REAL: True, MOVED: False}
+    assert second.source.errors == {(REAL, "connect"): 1, (MOVED, "connect"): 1}
+
+
+def test_an_impostor_with_other_gpus_is_refused_across_restarts_after_the_nodes_address_left(tmp_path) -> None:
+    now = [1000.0]
+    path = str(tmp_path / "o.db")
+    first = _runtime(ServerSettings(targets=(REAL,), storage_path=path), now, set())
+    asyncio.run(_cycles(first, now, 1))
+    first.store.close()
+    for _ in range(2):  # each restart reads the pin back from the store
+        runtime = _runtime(ServerSettings(targets=(IMPOSTOR,), storage_path=path), now, set())
+        runtime.restore()
+        asyncio.run(_cycles(runtime, now, 2))
+        assert runtime.engine.samples == [] and runtime.source.errors == {(IMPOSTOR, "node_claimed"): 2}
+        assert "none of them" in (runtime.source.health()[0].last_error or "")
+        runtime.store.close()
+
+
+def test_after_the_identity_ttl_a_node_with_replaced_gpus_takes_its_name_across_a_restart(tmp_path, caplog) -> None:
+    now = [1000.0]
+    settings = ServerSettings(targets=(REAL,), storage_path=str(tmp_path / "t.db"), targets_identity_ttl_seconds=3600)
+    first = _runtime(settings, now, set())
+    asyncio.run(_cycles(first, now, 2))
+    last_served = now[0]
+    first.store.close()
+
+    # The node's GPUs were replaced, and its agent answers from a new address; the old one is still listed.
+    settings = replace(settings, targets=(REAL, MOVED))
+    second = _runtime(settings, now, {REAL}, gpus={MOVED: "replaced"})
+    second.restore()
+    asyncio.run(_cycles(second, now, 1))
+    assert second.engine.samples == [] and second.source.errors[(MOVED, "node_claimed")] == 1
+    now[0] = last_served + 3600  # the next cycle is 5 s past the TTL
+    with caplog.at_level(logging.INFO, logger="gpufleet.server.ingest.identity"):
+        asyncio.run(_cycles(second, now, 1))
+    assert "no longer pinned" in caplog.text
+    assert [s["time"] for s in second.engine.samples] == [now[0]]
+    pin = second.store.node_pins()["dgx-01"]
+    assert (pin.target, pin.gpu_uuids) == (MOVED, {"GPU-replaced-0", "GPU-replaced-1"})
 
 
 class _Agent(BaseHTTPRequestHandler):
