@@ -8,8 +8,11 @@ import logging
 
 import httpx
 import orjson
+import pytest
 
+from gpufleet.config import ConfigError
 from gpufleet.server.ingest.puller import Puller
+from gpufleet.server.settings import load_settings
 from tests.server.live_fakes import envelope, parse_dict, snapshot
 
 
@@ -139,3 +142,10 @@ def test_a_node_that_never_listed_gpus_keeps_its_name_with_its_target_while_list
     assert "is pulled from 10.0.0.1:9471" in ({h.target: h for h in puller.health()}[NEW].last_error or "")
     fleet.listed = [NEW]
     assert fleet.cycle(puller) == {NEW: True}
+
+
+def test_the_identity_ttl_flag_takes_a_duration_and_defaults_to_a_day() -> None:
+    assert load_settings([], env={}).targets_identity_ttl_seconds == 86400.0
+    assert load_settings(["--targets.identity-ttl", "90m"], env={}).targets_identity_ttl_seconds == 5400.0
+    with pytest.raises(ConfigError, match="identity-ttl"):
+        load_settings(["--targets.identity-ttl", "0s"], env={})
