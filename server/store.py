@@ -197,8 +197,11 @@ class AlertStore:
             rows = self._db.execute("SELECT node, target, gpu_uuids, served FROM node_pins").fetchall()
         pins = {}
         for node, target, uuids, served in rows:
-            with contextlib.suppress(orjson.JSONDecodeError, TypeError):
-                pins[node] = NodePin(target, frozenset(u for u in orjson.loads(uuids) if isinstance(u, str)), served)
+            with contextlib.suppress(orjson.JSONDecodeError, TypeError):  # a row edited by hand is no pin
+                if isinstance(served, (int, float)):
+                    pins[node] = NodePin(
+                        target, frozenset(u for u in orjson.loads(uuids) if isinstance(u, str)), served
+                    )
         return pins
 
     def remember_node_pins(self, pins: Mapping[str, NodePin | None]) -> None:

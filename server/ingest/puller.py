@@ -566,6 +566,8 @@ class Puller(IngestAccounting):
         previous = self._target_of.get(node)
         if previous is not None:
             del self._node_of[previous]
+            if previous in self._health:
+                self._health[previous] = replace(self._health[previous], node=None)
             log.warning(
                 "node name taken by another target reporting its GPUs",
                 extra={"node": node, "target": target, "previous_target": previous},
