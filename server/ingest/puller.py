@@ -16,7 +16,6 @@ import email.utils
 import logging
 import ssl
 import time
-from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -50,6 +49,7 @@ from gpufleet.server.ingest.targets import (
     TargetSource,
 )
 from gpufleet.server.outbound import for_peer
+from gpufleet.server.uuids import duplicate_gpu_uuid
 
 if TYPE_CHECKING:
     from gpufleet.server.settings import ServerSettings
@@ -603,10 +603,10 @@ class Puller(IngestAccounting):
             return None
         if len(gpus) > self.max_gpus:
             return "too_many_gpus", f"{len(gpus)} GPUs in one snapshot, over {self.max_gpus}"
-        uuids = [u for g in gpus if isinstance(g, dict) and isinstance(u := g.get("uuid"), str)]
-        if len(set(uuids)) < len(uuids):
-            twice = next(u for u, n in Counter(uuids).items() if n > 1)
-            return "duplicate_gpu_uuid", f"GPU {twice[:100]!r} twice in one snapshot"
+        # The contract refuses it too (as `schema`): checked here first for a reason of its own.
+        twice = duplicate_gpu_uuid(u for g in gpus if isinstance(g, dict) and isinstance(u := g.get("uuid"), str))
+        if twice is not None:
+            return "duplicate_gpu_uuid", twice
         if node is None:
             return None
         known = self._gpus_of.setdefault(node, set())
