@@ -533,8 +533,8 @@ class Puller(IngestAccounting):
 
     def _check_claim(self, target: str, node: str, snapshots: list[Any]) -> None:
         """PullError `node_claimed` unless the target may answer for the node: never while the node's own
-        target answers; otherwise with GPUs among those its name is pinned to, or, where it has none pinned,
-        while no other listed target holds the name (see identity.py)."""
+        target answers (or, listed, has not been asked yet); otherwise with GPUs among those its name is
+        pinned to, or, where it has none pinned, while no other listed target holds the name (identity.py)."""
         owner = self._target_of.get(node)
         if owner is not None and self._answering(owner):
             raise PullError("node_claimed", f"{node[:100]!r} is pulled from {owner}")
@@ -542,6 +542,11 @@ class Puller(IngestAccounting):
         evidence = self._pins.evidence(node, target, uuids)
         if evidence is Evidence.OTHER:
             raise PullError("node_claimed", self._other_gpus(node, uuids))
+        pin = self._pins.get(node)
+        if pin is not None and pin.target != target and pin.target in self._listed and pin.target not in self._health:
+            # Two targets with the node's GPUs (one agent listed under two addresses): the one the name is
+            # pinned to keeps it, whichever answers first after a restart.
+            raise PullError("node_claimed", f"{node[:100]!r} is pinned to {pin.target}, not asked yet")
         owner = owner or self._remembered.owner(node, target, self._listed)
         if evidence is Evidence.NONE and owner is not None:
             raise PullError("node_claimed", f"{node[:100]!r} is pulled from {owner}")

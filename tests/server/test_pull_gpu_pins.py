@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from gpufleet.config import ConfigError
+from gpufleet.server.ingest.identity import NodePin
 from gpufleet.server.ingest.puller import Puller
 from gpufleet.server.settings import load_settings
 from tests.server.live_fakes import envelope, parse_dict, snapshot
@@ -149,3 +150,12 @@ def test_the_identity_ttl_flag_takes_a_duration_and_defaults_to_a_day() -> None:
     assert load_settings(["--targets.identity-ttl", "90m"], env={}).targets_identity_ttl_seconds == 5400.0
     with pytest.raises(ConfigError, match="identity-ttl"):
         load_settings(["--targets.identity-ttl", "0s"], env={})
+
+
+def test_after_a_restart_the_pinned_target_keeps_the_name_from_another_reporting_the_same_gpus() -> None:
+    # One agent listed under two addresses: whichever answers first, the name stays where it was pinned.
+    fleet = Fleet({NEW: GPUS, OLD: GPUS})
+    puller = fleet.puller()
+    puller.remember_identities({OLD: "dgx-01"}, {"dgx-01": NodePin(OLD, frozenset(GPUS), 1000.0)})
+    assert fleet.cycle(puller) == {OLD: True, NEW: False}
+    assert "pinned to 10.0.0.1:9471" in ({h.target: h for h in puller.health()}[NEW].last_error or "")
