@@ -245,3 +245,38 @@ def test_real_servers_keep_a_node_name_with_its_target_across_a_restart(tmp_path
                 assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
                 nodes = api.get("/nodes").json()["nodes"]
                 assert [n["node"] for n in nodes] == ["dgx-01"]
+
+
+def test_real_servers_give_a_node_name_to_its_agent_at_a_new_address_and_not_to_other_gpus(tmp_path) -> None:
+    """Real `serve` processes on one store, agents found through a file_sd file: the agent comes back under a
+    new address (its old one still listed) while the server restarts, beside an impostor with other GPUs.
+    The agent at its new address takes its name; the impostor is refused."""
+    sd = tmp_path / "agents.json"
+    timing = ("--pull.interval", "250ms", "--pull.timeout", "250ms")
+    with _serving(_Agent) as old_port:
+        old = f"127.0.0.1:{old_port}"
+        sd.write_text(orjson.dumps([{"targets": [old]}]).decode())
+        with server_process(tmp_path, "--targets.file-sd", str(sd), *timing) as (proc, port):
+            api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+            _until("the agent pulled", lambda: _metric(api, "gpufleet_server_target_up", target=old) == 1.0, proc)
+            _until("its pin stored", lambda: api.get("/healthz").json()["cycles"] >= 3, proc)
+    with _serving(_Agent) as new_port, _serving(_Impostor) as impostor_port:
+        new, impostor = f"127.0.0.1:{new_port}", f"127.0.0.1:{impostor_port}"
+        sd.write_text(orjson.dumps([{"targets": [old, impostor, new]}]).decode())
+        with server_process(tmp_path, "--targets.file-sd", str(sd), *timing) as (proc, port):
+            api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+            _until(
+                "the agent taken at its new address",
+                lambda: _metric(api, "gpufleet_server_target_up", target=new) == 1.0,
+                proc,
+            )
+            _until(
+                "the impostor refused",
+                lambda: (
+                    (_metric(api, "gpufleet_server_pull_errors_total", target=impostor, reason="node_claimed") or 0)
+                    >= 3
+                ),
+                proc,
+            )
+            assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
+            assert [n["node"] for n in api.get("/nodes").json()["nodes"]] == ["dgx-01"]
