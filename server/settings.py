@@ -242,6 +242,7 @@ class ServerSettings:
     targets_file_sd: str | None = None
     targets_dns: str | None = None
     targets_removed_grace_seconds: float = 300.0
+    targets_identity_ttl_seconds: float = 86400.0
     prometheus_url: str | None = None
     prometheus_schema: str = "auto"
     pull_interval_seconds: float = 5.0
@@ -377,6 +378,12 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         parse_duration,
         "resolve the alerts of a node whose agent left discovery, and forget it, after "
         "this long without it (default 5m)",
+    ),
+    "targets.identity-ttl": (
+        "targets_identity_ttl_seconds",
+        parse_duration,
+        "a node name not answered for this long is no longer pinned to its GPUs, and any target may take it "
+        "(default 24h)",
     ),
     "ingest.prometheus-url": (
         "prometheus_url",

@@ -12,11 +12,12 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity
+from gpufleet.server.ingest.identity import NodePin
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,12 @@ CREATE INDEX IF NOT EXISTS alerts_resolved ON alerts(resolved);
 CREATE TABLE IF NOT EXISTS target_nodes (
     target TEXT PRIMARY KEY,
     node TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS node_pins (
+    node TEXT PRIMARY KEY,
+    target TEXT NOT NULL,
+    gpu_uuids BLOB NOT NULL,
+    served REAL NOT NULL
 );
 """
 )
@@ -184,6 +191,31 @@ class AlertStore:
                     self._db.executemany(
                         "INSERT OR REPLACE INTO target_nodes (target, node) VALUES (?, ?)", list(nodes.items())
                     )
+
+    def node_pins(self) -> dict[str, NodePin]:
+        """What each node's name was pinned to (its target, its GPU uuids, when it was last answered for)."""
+        with self._lock, self._watch("read"):
+            rows = self._db.execute("SELECT node, target, gpu_uuids, served FROM node_pins").fetchall()
+        pins = {}
+        for node, target, uuids, served in rows:
+            with contextlib.suppress(orjson.JSONDecodeError, TypeError):  # a row edited by hand is no pin
+                if isinstance(served, (int, float)):
+                    pins[node] = NodePin(
+                        target, frozenset(u for u in orjson.loads(uuids) if isinstance(u, str)), served
+                    )
+        return pins
+
+    def remember_node_pins(self, pins: Mapping[str, NodePin | None]) -> None:
+        """Record (or update, or with None delete) the pins of some nodes."""
+        kept = [(node, p.target, orjson.dumps(sorted(p.gpu_uuids)), p.served) for node, p in pins.items() if p]
+        dropped = [(node,) for node, p in pins.items() if p is None]
+        if kept or dropped:
+            with self._lock, self._watch("write"):
+                with self._transaction():
+                    self._db.executemany(
+                        "INSERT OR REPLACE INTO node_pins (node, target, gpu_uuids, served) VALUES (?, ?, ?, ?)", kept
+                    )
+                    self._db.executemany("DELETE FROM node_pins WHERE node = ?", dropped)
 
     def prune(self, now: float) -> int:
         """Drop resolved alerts past the retention age or beyond the row cap; returns rows deleted."""
