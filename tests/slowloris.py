@@ -106,12 +106,15 @@ def probe(port: int, path: str, timeout: float = 1.0) -> int | None:
         conn.close()
 
 
-def probe_during(attack: Slowloris, port: int, path: str, probes: int = 40, spacing_seconds: float = 0.05) -> list:
-    """Statuses of `probes` new clients spread over the attack once it is at full strength."""
+def probe_during(
+    attack: Slowloris, port: int, path: str, probes: int = 40, spacing_seconds: float = 0.05, timeout: float = 1.0
+) -> list:
+    """Statuses of `probes` new clients spread over the attack once it is at full strength, each given
+    `timeout` seconds to be answered."""
     assert attack.established.wait(30), f"the attack never reached full strength ({attack.reopened} reopened)"
     pacing = threading.Event()
     statuses = []
     for _ in range(probes):
-        statuses.append(probe(port, path))
+        statuses.append(probe(port, path, timeout))
         pacing.wait(spacing_seconds)
     return statuses
