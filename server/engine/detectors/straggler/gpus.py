@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import AbstractSet
 
 import numpy as np
 
-from gpufleet.server.alerts import AlertKind, Severity
-from gpufleet.server.engine.detectors import Finding, r3, subject_fingerprint
-from gpufleet.server.engine.config import SECONDS_PER_HOUR
 from gpufleet.server.engine.detectors.straggler.common import (
     CLK,
     NOW_ROWS,
@@ -22,7 +18,6 @@ from gpufleet.server.engine.detectors.straggler.common import (
     follow,
     learning_rate,
     newest,
-    percent,
     scales,
 )
 from gpufleet.server.engine.detectors.straggler.policy import (
@@ -34,11 +29,9 @@ from gpufleet.server.engine.detectors.straggler.policy import (
     STANDING_NOW,
 )
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
-from gpufleet.server.engine.groups import JOB
-from gpufleet.server.engine.inference import inferred_peers, inferred_suffix
 from gpufleet.server.engine.reduce import nan_to_zero
 from gpufleet.server.engine.rules import MAD_TO_SIGMA, any_of, evaluate
-from gpufleet.server.engine.tick import THROTTLE_CAUSES, SlowdownSource, Tick, throttle_causes
+from gpufleet.server.engine.tick import Tick
 
 # Sign of the culprit direction of the SM, power and clock offsets (a culprit's clock is lower).
 _CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
@@ -89,34 +82,6 @@ def deviation(levels: np.ndarray, peers: np.ndarray) -> np.ndarray:
     dev = levels / peers - 1.0
     dev[UTIL] = levels[UTIL] - peers[UTIL]
     return dev
-
-
-def group_conditions(tick: Tick, state: StragglerState, cfg, halted: AbstractSet[int]) -> np.ndarray:
-    """Per-group conditions of detect(), stacked (7, n_groups) so one gather maps them to slots: old
-    and big enough to judge; steady long enough for the cross-section test; peers slowed against the
-    baseline; peers spinning; group active; a job group; slowdown measured."""
-    grp = tick.groups
-    G = grp.n_groups
-    big = grp.size >= cfg.straggler_min_group
-    active = grp.util >= cfg.job_active_utilization
-    aged = tick.t - tick.registry.first_seen[:G] >= cfg.startup_grace_seconds
-    steady = tick.t - state.steady_since(tick, cfg) >= cfg.startup_grace_seconds * cfg.straggler_cross_steady_ratio
-    min_drop = np.where(
-        tick.slowdown_source == SlowdownSource.POWER, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown
-    )
-    if halted:
-        big[list(halted)] = False
-    return np.array(
-        [
-            aged & big & active,
-            steady & big,
-            tick.slowdown >= min_drop,
-            grp.util >= cfg.straggler_waiting_utilization,
-            active,
-            tick.registry.one_job[:G],
-            ~np.isnan(tick.slowdown),
-        ]
-    )
 
 
 def mixed_fallback(tick: Tick, standing: np.ndarray, gi: np.ndarray) -> np.ndarray:
@@ -378,122 +343,3 @@ def learn(
             state.noise, spread, learn, np.where(warming, cfg.straggler_fast_learning_ratio, spread_rate(cfg))
         )
     state.learned[:n] += learn
-
-
-def gpu_finding(
-    tick: Tick,
-    state: StragglerState,
-    slot: int,
-    ex: np.ndarray,
-    dev: np.ndarray,
-    cross: bool = False,
-    idle: bool = False,
-    shared: SharedNode | None = None,
-) -> Finding:
-    """Evidence, cost and wording for one culprit GPU (idle: it idles on its host while its peers wait;
-    shared: found by shared_node, against the GPUs of its node that sank)."""
-    cfg = tick.config
-    w, grp, m = tick.windows, tick.groups, tick.med
-    gid = int(grp.gid[slot])
-    job = tick.registry.job(gid)
-    slowdown = float(tick.slowdown[gid])
-    waiting_peers: list[int] = []
-    if shared is not None:
-        # Its waiting peers lost that share of their activity: the share of each step they spend waiting.
-        slowdown = max(slowdown if slowdown == slowdown else 0.0, float(shared.drop[slot]))
-        waiting_peers = [int(w.slot_index[s]) for s in np.flatnonzero(shared.sunk & (grp.gid == gid))]
-    cut = m["slow"][slot] >= cfg.straggler_slow_bits_share and -dev[CLK] > 0.0
-    if cross:
-        known = slowdown if slowdown == slowdown else 0.0
-        if idle:
-            # The peers spin for as long as it idles: its utilization gap is their share of each step.
-            slowdown = max(known, float(-dev[UTIL]))
-        else:
-            # Peers' activity relative to the culprit's: how much of each step they spend waiting.
-            rel = ex[SM] if not math.isnan(ex[SM]) else ex[PW]
-            slowdown = max(known, 1.0 - 1.0 / (1.0 + max(rel, 0.0)))
-        if cut:
-            # A GPU at a fraction of its peers' clocks takes that much longer per step (compute-bound).
-            slowdown = max(slowdown, float(-dev[CLK]))
-    size = int(grp.size[gid])
-    # Without attribution the job here is the culprit and the GPUs that sank, not the node's whole group.
-    slowed_gpus = len(waiting_peers) + 1 if waiting_peers else size
-    reasons = []
-    if ex[SM] >= cfg.straggler_sm_excess:
-        reasons.append(f"SM activity {m['sm'][slot]:.2f} vs peers {grp.sm[gid]:.2f}")
-    if -ex[CLK] >= cfg.straggler_clock_deficit:
-        reasons.append(f"SM clock {percent(m['clock'][slot])} of max vs peers {percent(grp.clock[gid])}")
-    if math.isnan(grp.sm[gid]) and ex[PW] >= cfg.straggler_power_excess:
-        reasons.append(f"power {m['power'][slot]:.0f} W vs peers {grp.power[gid]:.0f} W")
-    causes = throttle_causes(tick, np.array([slot]))
-    if m["slow"][slot] >= cfg.straggler_slow_bits_share:
-        # Heat and the rest can each hold under half the samples while slowing bits hold most of them.
-        reasons.append(
-            "throttled: " + "; ".join(THROTTLE_CAUSES[c] for c in causes) if causes else "throttle/slowdown bits set"
-        )
-    if idle:
-        reasons.append(f"utilization {m['util'][slot]:.2f} vs peers {grp.util[gid]:.2f}: idle, waiting on its host")
-    # A shared-node culprit's slowdown is read from its waiting peers' own levels, not the group's baseline.
-    sm_known = not math.isnan(grp.sm[gid]) if waiting_peers else tick.slowdown_source[gid] == SlowdownSource.SM_ACTIVITY
-    measured_by = "sm_active" if sm_known else "power"
-    if waiting_peers and shared is not None:
-        reasons.append(
-            f"{'SM activity' if sm_known else 'power'} {percent(shared.rise[slot])} above its usual "
-            f"level while GPUs {', '.join(map(str, waiting_peers))} of this node fell "
-            f"{percent(shared.drop[slot])} below theirs"
-        )
-    fp = subject_fingerprint(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], job)
-    cost = max(slowdown, 0.0) * slowed_gpus * cfg.tick_seconds / SECONDS_PER_HOUR
-    lost = state.add_cost(fp, tick.t, cost)
-    evidence = {
-        "peer_group": tick.registry.kind(gid),
-        "peer_group_size": size,
-        "sm_active_ratio": r3(m["sm"][slot]),
-        "peer_median_sm_active_ratio": r3(grp.sm[gid]),
-        "sm_clock_ratio": r3(m["clock"][slot]),
-        "peer_median_sm_clock_ratio": r3(grp.clock[gid]),
-        "power_watts": r3(m["power"][slot]),
-        "peer_median_power_watts": r3(grp.power[gid]),
-        "utilization_ratio": r3(m["util"][slot]),
-        "peer_median_utilization_ratio": r3(grp.util[gid]),
-        "slow_throttle_bits_share": r3(m["slow"][slot]),
-        "throttle_causes": causes,
-        "excess_vs_own_baseline": {
-            "sm_active": r3(ex[SM]),
-            "power": r3(ex[PW]),
-            "sm_clock": r3(ex[CLK]),
-            "utilization": r3(ex[UTIL]),
-        },
-        "pattern": "host_idle" if idle else "gpu_clocks_cut" if cut else "gpu_slow",
-        "estimated_job_slowdown_ratio": r3(slowdown),
-        "slowdown_measured_by": measured_by,
-        "gpu_hours_lost": round(lost, cfg.straggler_gpu_hours_digits),
-    }
-    if waiting_peers and shared is not None:
-        evidence["waiting_peers"] = waiting_peers
-        evidence["peer_drop_vs_own_baseline"] = r3(shared.drop[slot])
-        evidence["own_rise_vs_own_baseline"] = r3(shared.rise[slot])
-    if tick.registry.kind(gid) != JOB:
-        evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
-    inferred_peers(tick.registry, gid, evidence)
-    sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
-    # "By ~N % per step": the slowdown put down to this GPU, as it fires (the summary stays as it fired). Not
-    # the job's figure in /jobs, which is the job now against its own baseline: the two may differ.
-    # Unknown (no baseline yet, no waiting peers measured): the summary says who and why, without a figure.
-    share = evidence["estimated_job_slowdown_ratio"]
-    by = f" by ~{percent(share)} per step (estimated as it fired)" if isinstance(share, float) else ""
-    summary = (
-        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} holds back "
-        f"{'job ' + job if job else 'its peers'}{by}: " + "; ".join(reasons)
-    ) + inferred_suffix(evidence)
-    return Finding(
-        AlertKind.STRAGGLER,
-        w.slot_node[slot],
-        w.slot_index[slot],
-        w.slot_uuid[slot],
-        job,
-        sev,
-        summary,
-        evidence,
-        cost_gpu_hours=cost,
-    )
