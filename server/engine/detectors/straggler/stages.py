@@ -135,6 +135,7 @@ def judge(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> Ju
     held = evaluate(RANK_IDLE + CROSS_SECTION, rule_inputs, cfg, scales(cfg))
     idle_cross = held["straggler_rank_idle_cross"][0]
     idle = any_of(held, _names(RANK_IDLE))
+    # Peers spinning far below one GPU's activity wait for it, even where the job never had a baseline.
     cross_plain = any_of(held, _names(CROSS_SECTION))
     # A clock cut is the GPU's own hardware slowing it, whatever runs beside it: it counts without a job.
     cross = (cross_plain[0] | cond.one_job & idle_cross) | read.clocks_cut & slots.in_group
@@ -158,7 +159,12 @@ def judge(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> Ju
 def _rule_inputs(
     tick: Tick, state: StragglerState, slots: Slots, read: Readings, starved: np.ndarray
 ) -> dict[str, np.ndarray]:
-    """The arrays the rank-idle and cross-section rules read: excesses, gaps and the group's noise."""
+    """The arrays the rank-idle and cross-section rules read: excesses, gaps and the group's noise.
+
+    A rank idling on its host is judged only in a job (starved: an unattributed GPU idling more than its
+    node's others may just run other work), and only while it computes at all (computing: a GPU of the
+    allocation the job never uses holds nobody back).
+    """
     ex, noise = read.excess, learned_noise(state, tick.config, slots.n)
     return {
         "sm_excess": ex[SM],
