@@ -349,9 +349,8 @@ class Engine:
         now (utilization at least unattributed_running_utilization).
 
         A job's rank, however starved by its host, runs kernels in every step. A GPU running none has no
-        job, whatever it ran minutes ago: GPUs released by a job that died, kept in the cluster-wide
-        comparison for their recent busy spell, dragged its node medians towards idle, and among three
-        nodes the median was the host-starved node itself, which then never stood out."""
+        job, whatever it ran minutes ago: kept in the comparison, GPUs released by a job that ended would
+        drag their node's median towards idle, and a host-starved node beside them would not stand out."""
         n = len(busy)
         self._last_busy_t = grown(self._last_busy_t, n, -np.inf)
         last = self._last_busy_t[:n]
@@ -383,10 +382,9 @@ class Engine:
 
         Without attribution the job is unknown: it may span any unattributed node with GPUs of the lost
         one's model, so every fallback group of that model is taken as hung, if the lost GPU ran work
-        (was busy within unattributed_idle_seconds before it was lost). In a hang one GPU drawing a
-        little more power than the others while all spin was named a straggler, on the lost GPU's node
-        and on another. The price: another unattributed job's straggler of that model goes unnamed
-        for as long."""
+        (was busy within unattributed_idle_seconds before it was lost): in a hang every GPU spins, and
+        one drawing a little more power than the others is no straggler. The price: another unattributed
+        job's straggler of that model goes unnamed for as long."""
         cfg = self.config
         since = t - cfg.lost_gpu_hang_seconds
         subjects = self.lifecycle.open_subjects((AlertKind.GPU_LOST,), since=since)
@@ -416,10 +414,9 @@ class Engine:
         A job missing a node's ranks is not judged as a whole: if the node crashed, the job hangs in its
         collective until NCCL's timeout, utilization high and SM activity gone (a comm_bound's signature,
         but node_unreachable is the alert); if only its agent stopped, what the job's other GPUs read is
-        still not the whole job. New job-level findings wait, and one already open is not cleared. At
-        10 s sampling a crashed node's last samples had not opened the pending node straggler that
-        otherwise explains the hang, and a comm_bound fired for it. As for
-        a lost GPU, a job still running lost_gpu_hang_seconds after the node went silent has gone on
+        still not the whole job. New job-level findings wait, and one already open is not cleared: a
+        crashed node's last samples need not have opened the node straggler that explains the hang. As
+        for a lost GPU, a job still running lost_gpu_hang_seconds after the node went silent has gone on
         without it, and is judged again.
         """
         if not unreachable.findings:
@@ -456,9 +453,9 @@ class Engine:
         cfg = self.config
         grp = tick.groups
         threshold = np.where(tick.slowdown_source == SlowdownSource.POWER, cfg.workload_power_drop, cfg.workload_drop)
-        # Ticks well below the history's median stay out of it. Measured from the baseline (a high
-        # percentile) instead, the cut fell inside a noisy job's ordinary range: only the upper half of
-        # its levels was kept, which raised the baseline further.
+        # Ticks well below the history's median stay out of it: a cut measured from the baseline (a high
+        # percentile) would fall inside a noisy job's ordinary range, keep only its upper levels and so
+        # raise the baseline further.
         healthy = (
             (grp.util >= cfg.job_active_utilization)
             & ~(tick.sag >= threshold * cfg.history_max_sag_ratio)
