@@ -74,14 +74,15 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     learn_offsets(tick, state, slots, read, culprits.waiting | shared.waiting)
     culprits = add_shared_node(tick, slots, judged, culprits, shared)
     standout = standout_groups(tick, state, slots, read, judged, culprits, shared)
-    nodes = find_nodes(tick, state, slots, read, judged, culprits, context.halted)
+    still_waiting = holding(read, judged, culprits)
+    nodes = find_nodes(tick, state, slots, read, judged, culprits, still_waiting, context.halted)
     out = Outcome()
     for finding in _gpu_findings(tick, state, read, judged, nodes, shared):
         out.add(finding)
     for finding in nodes.findings:
         out.add(finding)
     standout |= {gid for gid, _ in nodes.standout}
-    out.clear = _clear_test(tick, state, slots, read, judged, culprits, nodes)
+    out.clear = _clear_test(tick, state, slots, read, judged, culprits, still_waiting, nodes)
     state.prune(tick.t, tick.config.straggler_cost_keep_seconds)
     return Result(out, standout, nodes.idle_groups, frozenset(slots.gid[nodes.gpus_named].tolist()))
 
@@ -112,6 +113,7 @@ def _clear_test(
     read: Readings,
     judged: Judged,
     culprits: Culprits,
+    still_waiting: np.ndarray,
     nodes: NodeCulprits,
 ):
     """Clear once the GPU no longer stands out even at reduced margins, its group stopped waiting (even
@@ -124,7 +126,7 @@ def _clear_test(
     node_pairs, node_standout = nodes.pairs, nodes.standout
     in_judged = (read.busy | judged.starved) & read.conditions.active
     warm = (state.learned[: slots.n] >= read.warm_ticks) & read.conditions.slowdown_measured
-    still_holding, weak, cross = holding(read, judged, culprits), culprits.weak, judged.cross
+    weak, cross = culprits.weak, judged.cross
 
     def test(fp: str) -> bool | None:
         pair = node_pairs.get(fp)
@@ -142,6 +144,6 @@ def _clear_test(
             return True
         if not warm[slot]:
             return not (weak[slot] or cross[slot])
-        return not (still_holding[slot] and weak[slot])
+        return not (still_waiting[slot] and weak[slot])
 
     return test

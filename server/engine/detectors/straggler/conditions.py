@@ -24,16 +24,19 @@ class GroupConditions:
     slowdown_measured: np.ndarray  # the group's slowdown is known
 
     def at(self, group_of_slot: np.ndarray, in_group: np.ndarray) -> GroupConditions:
-        """Per slot: its group's conditions (False outside groups)."""
-        return GroupConditions(
-            self.judgeable[group_of_slot] & in_group,
-            self.cross_steady[group_of_slot] & in_group,
-            self.slowed[group_of_slot] & in_group,
-            self.peers_spinning[group_of_slot] & in_group,
-            self.active[group_of_slot] & in_group,
-            self.one_job[group_of_slot] & in_group,
-            self.slowdown_measured[group_of_slot] & in_group,
+        """Per slot: its group's conditions (False outside groups), gathered in one go."""
+        stacked = np.array(
+            [
+                self.judgeable,
+                self.cross_steady,
+                self.slowed,
+                self.peers_spinning,
+                self.active,
+                self.one_job,
+                self.slowdown_measured,
+            ]
         )
+        return GroupConditions(*(stacked[:, group_of_slot] & in_group))
 
 
 def group_conditions(tick: Tick, state: StragglerState, cfg, halted: AbstractSet[int]) -> GroupConditions:

@@ -280,6 +280,7 @@ def find_nodes(
     read: Readings,
     judged: Judged,
     culprits: Culprits,
+    still_waiting: np.ndarray,
     halted: AbstractSet[int],
 ) -> NodeCulprits:
     """Nodes holding their group back (node_level), and nodes most of whose GPUs stand out (whole_node);
@@ -292,7 +293,7 @@ def find_nodes(
     # Most of a node's GPUs standing out together is judged at the holding margin, cross-section too.
     cross_weak = (read.busy & judged.cross_plain[1]) | judged.by_cross_section
     cross_weak &= read.conditions.cross_steady
-    weak = (judged.by_baseline | cross_weak) & holding(read, judged, culprits) & culprits.weak
+    weak = (judged.by_baseline | cross_weak) & still_waiting & culprits.weak
     whole_findings, whole_standout, whole_pairs, named = whole_node(tick, state, named, weak, judged.idle[0])
     standout |= whole_standout
     pairs.update(whole_pairs)
