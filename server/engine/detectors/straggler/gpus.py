@@ -166,9 +166,9 @@ def cuts(
     """Per slot: clocks cut (see clock_cut), and "victim": a GPU without slowdown bits in a group where
     some GPU's clocks are cut, whose activity excess is spinning at full clocks, not work.
 
-    Where a quarter or more of a group has slowdown bits, its median clock is no reference: a GPU with
-    bits whose clock is 8 % below the median of the GPUs *without* bits is cut too (a power brake on half
-    a node). dev[CLK] of such a GPU is set against those GPUs, for its signals and its evidence.
+    Where a share of a group (straggler_peer_slow_bits_share) has slowdown bits, its median clock is no
+    reference: a GPU with bits whose clock is cut against the median of the GPUs *without* bits is cut
+    too (GPU_CLOCK_CUT_VS_FREE: a power brake on half a node). dev[CLK] of such a GPU is set against those GPUs, for its signals and its evidence.
     """
     slow = tick.med["slow"]
     cut = clock_cut(cfg, dev[CLK], slow, peer_slow)

@@ -287,7 +287,7 @@ def _pair_standing_now(
 def _node_wide_busy(tick: Tick, members: np.ndarray, rest: np.ndarray, act_margin: float) -> bool:
     """Whether at least half of an unattributed node's GPUs are busier than the other nodes' GPUs on their
     own, rank for rank (the node's k-th lowest activity against the others' matching quantile), each by
-    the whole node margin (half of it let GPU-to-GPU noise in power pass at random ranks); "half of the
+    the whole node margin (a smaller one lets GPU-to-GPU noise in power pass at random ranks); "half of the
     node's GPUs" is straggler_node_share_ratio.
 
     Unattributed nodes are compared over all their GPUs, which may run two jobs: then each node's
