@@ -29,7 +29,7 @@ from gpufleet.server.engine.detectors.straggler.stages import (
     find_culprits,
     find_nodes,
     find_shared_node,
-    holding,
+    peers_still_waiting,
     judge,
     learn_offsets,
     place_gpus,
@@ -74,7 +74,7 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     learn_offsets(tick, state, slots, read, culprits.waiting | shared.waiting)
     culprits = add_shared_node(tick, slots, judged, culprits, shared)
     standout = standout_groups(tick, state, slots, read, judged, culprits, shared)
-    still_waiting = holding(read, judged, culprits)
+    still_waiting = peers_still_waiting(read, judged, culprits)
     nodes = find_nodes(tick, state, slots, read, judged, culprits, still_waiting, context.halted)
     out = Outcome()
     for finding in _gpu_findings(tick, state, read, judged, nodes, shared):
@@ -117,7 +117,7 @@ def _clear_test(
     nodes: NodeCulprits,
 ):
     """Clear once the GPU no longer stands out even at reduced margins, its group stopped waiting (even
-    at the reduced cross-sectional margin: holding) or went idle, or it left the job.
+    at the reduced cross-sectional margin: peers_still_waiting) or went idle, or it left the job.
 
     Before the GPU has learned or its group's slowdown is measured (a straggler from the job's start
     keeps both from forming), only the cross-section clears it: the GPU no longer stands out.

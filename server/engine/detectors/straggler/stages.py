@@ -256,7 +256,7 @@ def standout_groups(
     return set(slots.gid[judged.by_baseline & culprits.weak & beyond].tolist())
 
 
-def holding(read: Readings, judged: Judged, culprits: Culprits) -> np.ndarray:
+def peers_still_waiting(read: Readings, judged: Judged, culprits: Culprits) -> np.ndarray:
     """Per slot: its peers still wait, or it still stands out cross-section at the weaker margin while
     they spin (an alert without a baseline to drop from holds on that)."""
     return culprits.waiting | judged.cross_plain[1] & read.conditions.peers_spinning
@@ -290,7 +290,7 @@ def find_nodes(
     named = culprits.named
     for gid, _ in standout:
         named = named & (slots.gid != gid)
-    # Most of a node's GPUs standing out together is judged at the holding margin, cross-section too.
+    # Most of a node's GPUs standing out together is judged at the weaker margins, cross-section too.
     cross_weak = (read.busy & judged.cross_plain[1]) | judged.by_cross_section
     cross_weak &= read.conditions.cross_steady
     weak = (judged.by_baseline | cross_weak) & still_waiting & culprits.weak
