@@ -339,9 +339,8 @@ class Engine:
         now (utilization at least unattributed_running_utilization).
 
         A job's rank, however starved by its host, runs kernels in every step. A GPU running none has no
-        job, whatever it ran minutes ago: GPUs released by a job that died, kept in the cluster-wide
-        comparison for their recent busy spell, dragged its node medians towards idle, and among three
-        nodes the median was the host-starved node itself, which then never stood out."""
+        job, whatever it ran minutes ago: kept in the comparison, GPUs released by a job that ended would
+        drag their node's median towards idle, and a host-starved node beside them would not stand out."""
         n = len(busy)
         self._last_busy_t = grown(self._last_busy_t, n, -np.inf)
         last = self._last_busy_t[:n]
@@ -369,9 +368,9 @@ class Engine:
         cfg = self.config
         grp = tick.groups
         threshold = np.where(tick.slowdown_source == SlowdownSource.POWER, cfg.workload_power_drop, cfg.workload_drop)
-        # Ticks well below the history's median stay out of it. Measured from the baseline (a high
-        # percentile) instead, the cut fell inside a noisy job's ordinary range: only the upper half of
-        # its levels was kept, which raised the baseline further.
+        # Ticks well below the history's median stay out of it: a cut measured from the baseline (a high
+        # percentile) would fall inside a noisy job's ordinary range, keep only its upper levels and so
+        # raise the baseline further.
         healthy = (
             (grp.util >= cfg.job_active_utilization)
             & ~(tick.sag >= threshold * cfg.history_max_sag_ratio)

@@ -38,10 +38,9 @@ def clock_cut(
     the other is not reported). Per GPU against its group, or per node against the group's other nodes.
 
     In a synchronous job such a GPU is slower than its peers whatever else it reads, so this counts as
-    the cross-sectional "peers wait for it" evidence with no baseline needed; without it a brake present
-    from the job's start is never named where SM activity is unsupported (a braked GPU draws *less* power
-    than its spinning peers). Nothing is learned from such a GPU: an offset learned while braked (power far
-    below the peers') made the recovered GPU stand out afterwards, an alert that never cleared.
+    the cross-sectional "peers wait for it" evidence with no baseline needed (a braked GPU draws *less*
+    power than its spinning peers, so power alone would never name it). Nothing is learned from such a
+    GPU: an offset learned while braked would set the recovered GPU apart.
     """
     shared = peer_slow >= cfg.straggler_peer_slow_bits_share
     arrays = {
@@ -63,11 +62,9 @@ def learning_rate(cfg, learned: np.ndarray, free: np.ndarray | bool) -> np.ndarr
 
     free: offsets not bounded to a job's structural range (outside jobs). Those take the running mean of
     the readings after the warm-up (the warm-up's estimate counting as 1 / straggler_fast_learning_ratio
-    readings) until that is slower than the time constant: a fast moving average ends on its last few
-    readings, and with four times the usual sensor noise one GPU's warm-up ended on a 3-tick dip of 11 %
-    under its peers, kept as its offset, so it read 6 % busier than it was once its group slowed. Inside a
-    job the offset is capped to the structural range, and learning faster after the warm-up absorbed more
-    of a straggler's excess before its job's slowdown was clear (power only, at four times the noise)."""
+    readings) until that is slower than the time constant, since a fast moving average keeps only its
+    last few readings (a noisy warm-up's dip). Inside a job the offset is capped to the structural range
+    instead: learning faster there would absorb a straggler's excess before its job's slowdown is clear."""
     warm_ticks = cfg.bins(cfg.startup_grace_seconds)
     slow = 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
     since_warm = np.maximum(learned - warm_ticks, 0) + 1.0 / cfg.straggler_fast_learning_ratio + 1.0

@@ -4,7 +4,7 @@ node standing out together (the node is named, not each GPU)."""
 
 from __future__ import annotations
 
-from typing import AbstractSet
+from typing import AbstractSet, Any
 
 import numpy as np
 
@@ -47,25 +47,9 @@ def node_level(
     lay = state.nodes.node_pairs(tick, grp.ngid, sel, w.slot_node_id[: w.n])
     if lay is None:
         return [], set(), set(), {}
-    gids, nids, idx = lay.gids, lay.nids, lay.idx
+    gids, nids = lay.gids, lay.nids
     r = _pair_readings(tick, lay)
-    # Without a baseline (a node idle or slow from the job's start) nothing has dropped. In one job every
-    # node runs the same steps, so others spinning at high utilization while this node idles far more,
-    # or is far more active, are waiting for it: twice the margins, as for a GPU (see straggler.detect()).
-    # The idle gap is the raw one, as for a GPU's idle_cross: a node starved from the start learns its
-    # starvation as offset while it warms up, up to the 0.05 cap, and less that, a host idling half of
-    # each step (gap 0.285, the job 39 % slower) fell short of 0.24.
-    prev = nan_to_zero(state.nodes.pair_offset[:, idx])
-    cross_arrays = {
-        "node_gap": r.gap,
-        "node_act": r.act - prev[1],
-        "in_job": tick.registry.one_job[gids],
-        "steady": r.steady,
-        "node_busy": r.node_busy,
-        "by_sm": ~r.by_power,
-        "by_power": r.by_power,
-    }
-    r.cross = any_of(evaluate(NODE_CROSS, cross_arrays, cfg), _names(NODE_CROSS))
+    r.cross = _pair_cross_section(tick, state, lay, r)
     aged = tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds
     r.cut &= tick.registry.one_job[gids] & r.steady & aged
     waiting = ((r.waiting_drop >= r.min_drop) & r.steady) | r.cross | r.cut
@@ -81,19 +65,12 @@ def node_level(
     results = _node_rules(cfg, r.idle, r.busier, r.by_power, scales(cfg))
     held = any_of(results, _names(NODE))  # (2, pairs)
     stands = (ready & waiting & held[1]) | r.cut
-    # A node idling on its host explains its group's waiting; the other nodes spin in collectives for
-    # it. Against a median over three or more nodes (the node's own among them, and a few GPUs of an
-    # inferred job on a node of their own counted as a node), a waiting node of a two-node job read as
-    # "busy while the others wait" beside its starved partner: it is a victim, never named.
+    # A node idling on its host explains its group's waiting: the other nodes of its group spin in
+    # collectives for it, and one reading "busy while the others wait" beside it is a victim, never named.
     idle_stands = stands & results["straggler_node_idle"][1]
     victim = np.isin(gids, gids[idle_stands]) & ~idle_stands & ~r.cut
     stands &= ~victim
-    on = ready & waiting & held[0]
-    if on.any():
-        # As for a GPU (gpus.standing_now): named only while its newest reading still sets it apart.
-        on &= _pair_standing_now(tick, lay, off, r.node_busy & alike, r.by_power)
-    on |= r.cut
-    on &= ~victim & _one_job(tick, gids, nids)
+    on = _named_pairs(tick, lay, r, off, ready & waiting & held[0], alike) & ~victim
     if halted:
         live = ~np.isin(gids, list(halted))
         stands &= live
@@ -102,6 +79,38 @@ def node_level(
     idling = set(gids[idle_stands].tolist())
     findings = [f for i in on.nonzero()[0].tolist() if (f := _pair_finding(tick, state, lay, r, i)) is not None]
     return findings, standout, idling, dict(lay.pairs)
+
+
+def _pair_cross_section(tick: Tick, state: StragglerState, lay: NodePairs, r: _PairReadings) -> np.ndarray:
+    """Per pair: the node idles far more, or is far more active, than the other nodes spinning in its
+    job, at twice the margins (NODE_CROSS): a node idle or slow from the job's start has no baseline.
+
+    The idle gap is the raw one, as for a GPU's idle_cross: a node starved from the start learns part of
+    its starvation as offset while it warms up.
+    """
+    prev = nan_to_zero(state.nodes.pair_offset[:, lay.idx])
+    cross_arrays = {
+        "node_gap": r.gap,
+        "node_act": r.act - prev[1],
+        "in_job": tick.registry.one_job[lay.gids],
+        "steady": r.steady,
+        "node_busy": r.node_busy,
+        "by_sm": ~r.by_power,
+        "by_power": r.by_power,
+    }
+    return any_of(evaluate(NODE_CROSS, cross_arrays, tick.config), _names(NODE_CROSS))
+
+
+def _named_pairs(
+    tick: Tick, lay: NodePairs, r: _PairReadings, off: np.ndarray, standing: np.ndarray, alike: np.ndarray
+) -> np.ndarray:
+    """Per pair: the nodes to name: standing out at the full margins and still on their newest readings
+    (as for a GPU: gpus.standing_now), or with their clocks cut, where the group may name a node."""
+    on = standing
+    if on.any():
+        on &= _pair_standing_now(tick, lay, off, r.node_busy & alike, r.by_power)
+    on |= r.cut
+    return on & _one_job(tick, lay.gids, lay.nids)
 
 
 class _PairReadings:
@@ -189,9 +198,8 @@ def _learn_pairs(
         learn,
         learning_rate(cfg, n_learned, ~tick.registry.one_job[lay.gids]),
     )
-    # Nodes of one job run the same steps: as for GPUs (see gpus.learn), an offset in the culprit direction is
-    # capped, and none is learned in the victim direction: a node learned while it idled (host-starved
-    # from the start) read as "busier" than the others once it recovered.
+    # Nodes of one job run the same steps: as for GPUs (see gpus.learn), an offset in the culprit direction
+    # is capped, and none is learned in the victim direction (it would set a recovered node apart).
     cap = cfg.structural_max_offset
     off = nodes.pair_offset[:, idx] = np.where(tick.registry.one_job[lay.gids], np.clip(off, 0.0, cap), off)
     nodes.pair_learned[idx] = n_learned + learn
@@ -279,7 +287,7 @@ def _pair_standing_now(
 def _node_wide_busy(tick: Tick, members: np.ndarray, rest: np.ndarray, act_margin: float) -> bool:
     """Whether at least half of an unattributed node's GPUs are busier than the other nodes' GPUs on their
     own, rank for rank (the node's k-th lowest activity against the others' matching quantile), each by
-    the whole node margin (half of it let GPU-to-GPU noise in power pass at random ranks); "half of the
+    the whole node margin (a smaller one lets GPU-to-GPU noise in power pass at random ranks); "half of the
     node's GPUs" is straggler_node_share_ratio.
 
     Unattributed nodes are compared over all their GPUs, which may run two jobs: then each node's
@@ -373,24 +381,38 @@ def _slow_node_finding(
     slowdown: float | None = None,
     pattern: str = "busy",
 ) -> Finding:
-    """Evidence for a node holding its group back: its GPUs busy (or idle) while the other nodes wait."""
+    """The finding for a node holding its group back (slots: its GPUs; others: the other nodes' GPUs),
+    assembled from its cost, evidence and wording; pattern: busy, idle (host-bound) or cut (clocks)."""
     cfg = tick.config
     node = tick.windows.node_names[nid]
     job = tick.registry.job(gid)
     slowdown = float(tick.slowdown[gid]) if slowdown is None else float(slowdown)
     known = slowdown == slowdown  # NaN: the job has no baseline yet (a node slow from its start)
-    size = int(tick.groups.size[gid])
     fp = subject_fingerprint(AlertKind.STRAGGLER, node, None, job)
-    cost = (max(slowdown, 0.0) if known else 0.0) * size * cfg.tick_seconds / SECONDS_PER_HOUR
+    cost = (max(slowdown, 0.0) if known else 0.0) * int(tick.groups.size[gid]) * cfg.tick_seconds / SECONDS_PER_HOUR
     lost = state.add_cost(fp, tick.t, cost)
+    causes = throttle_causes(tick, slots)
+    evidence = _node_evidence(tick, gid, slots, others, slowdown, lost)
+    what = _node_what(evidence, pattern, causes)
+    evidence["pattern"] = {"idle": "host_idle", "cut": "node_clocks_cut"}.get(pattern, "node_slow")
+    evidence["throttle_causes"] = causes
+    if tick.registry.kind(gid) != JOB:
+        evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
+    inferred_peers(tick.registry, gid, evidence)
+    summary = _node_summary(node, job, evidence, what, known)
+    sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
+    return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
 
-    # Medians over the node's GPUs and over the other nodes' GPUs, rows as tick.levels (None: unknown).
+
+def _node_evidence(
+    tick: Tick, gid: int, slots: np.ndarray, others: np.ndarray, slowdown: float, lost: float
+) -> dict[str, Any]:
+    """The node's medians against the other nodes' (None: unknown), and the slowdown put down to it."""
     node_sm, node_pw, node_clk, node_u = map(r3, nan_median_first_axis(tick.levels[:, slots].T).tolist())
     rest_sm, rest_pw, rest_clk, rest_u = map(r3, nan_median_first_axis(tick.levels[:, others].T).tolist())
-    causes = throttle_causes(tick, slots)
-    evidence = {
+    return {
         "peer_group": tick.registry.kind(gid),
-        "peer_group_size": size,
+        "peer_group_size": int(tick.groups.size[gid]),
         "node_gpus": int(len(slots)),
         "node_median_sm_active_ratio": node_sm,
         "other_nodes_sm_active_ratio": rest_sm,
@@ -401,32 +423,33 @@ def _slow_node_finding(
         "node_median_utilization_ratio": node_u,
         "other_nodes_utilization_ratio": rest_u,
         "estimated_job_slowdown_ratio": r3(slowdown),
-        "gpu_hours_lost": round(lost, cfg.straggler_gpu_hours_digits),
+        "gpu_hours_lost": round(lost, tick.config.straggler_gpu_hours_digits),
     }
+
+
+def _node_what(evidence: dict[str, Any], pattern: str, causes: list[str]) -> str:
+    """What sets the node apart, in words."""
     if pattern == "idle":
-        what = (
+        return (
             f"its GPUs idle (utilization {evidence['node_median_utilization_ratio']} vs "
             f"{evidence['other_nodes_utilization_ratio']}), host-bound"
         )
-    elif pattern == "cut":
-        what = (
+    if pattern == "cut":
+        node_clk, rest_clk = evidence["node_median_sm_clock_ratio"], evidence["other_nodes_sm_clock_ratio"]
+        return (
             f"its GPUs' clocks are cut, with throttle bits the other nodes lack (SM clock {_pct(node_clk)} "
             f"of max vs {_pct(rest_clk)}" + "".join("; " + THROTTLE_CAUSES[c] for c in causes) + ")"
         )
-    else:
-        what = "its GPUs stay busy"
-    evidence["pattern"] = {"idle": "host_idle", "cut": "node_clocks_cut"}.get(pattern, "node_slow")
-    evidence["throttle_causes"] = causes
-    if tick.registry.kind(gid) != JOB:
-        evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
-    inferred_peers(tick.registry, gid, evidence)
+    return "its GPUs stay busy"
+
+
+def _node_summary(node: str, job: str | None, evidence: dict[str, Any], what: str, known: bool) -> str:
+    """One line: which node holds back whom, by how much as it fired, and why."""
     # Worded as a GPU straggler's figure (see gpu_finding): the slowdown put down to this node, as it fires.
     share = evidence["estimated_job_slowdown_ratio"]
     by = f" by ~{percent(share)} per step (estimated as it fired)" if known and isinstance(share, float) else ""
     subject = f"job {job}" if job else "its peer nodes"
-    summary = f"node {node} holds back {subject}{by}: {what} while the other nodes wait" + inferred_suffix(evidence)
-    sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
-    return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
+    return f"node {node} holds back {subject}{by}: {what} while the other nodes wait" + inferred_suffix(evidence)
 
 
 def _pct(ratio: float | None) -> str:

@@ -1,6 +1,6 @@
 """The straggler detector's policy, as declared rules (see gpufleet.server.engine.rules).
 
-The machinery (gpus.py, nodes.py) computes the named arrays: per GPU its deviations from its peer
+The machinery (stages.py, gpus.py, nodes.py) computes the named arrays: per GPU its deviations from its peer
 group's medians, its excesses beyond its learned offsets, its own usual levels, its group's spreads; per
 (group, node) pair the node's readings against the other nodes'. These rules say which of those make a
 culprit, at which margins. Every margin is an EngineConfig setting; rules evaluated at the two scales

@@ -1,0 +1,196 @@
+"""The finding that names one culprit GPU: its estimated slowdown, cost, evidence and wording, each built
+on its own and assembled by gpu_finding."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from gpufleet.server.alerts import AlertKind, Severity
+from gpufleet.server.engine.config import SECONDS_PER_HOUR
+from gpufleet.server.engine.detectors import Finding, r3, subject_fingerprint
+from gpufleet.server.engine.detectors.straggler.common import CLK, PW, SM, UTIL, percent
+from gpufleet.server.engine.detectors.straggler.gpus import SharedNode
+from gpufleet.server.engine.detectors.straggler.state import StragglerState
+from gpufleet.server.engine.groups import JOB
+from gpufleet.server.engine.inference import inferred_peers, inferred_suffix
+from gpufleet.server.engine.tick import THROTTLE_CAUSES, SlowdownSource, Tick, throttle_causes
+
+
+def gpu_finding(
+    tick: Tick,
+    state: StragglerState,
+    slot: int,
+    ex: np.ndarray,
+    dev: np.ndarray,
+    cross: bool = False,
+    idle: bool = False,
+    shared: SharedNode | None = None,
+) -> Finding:
+    """The finding for one culprit GPU (ex, dev: its excess and deviation per row; cross: it stands out
+    with no baseline needed; idle: it idles on its host while its peers wait; shared: found by
+    gpus.shared_node, against the GPUs of its node that sank)."""
+    cfg, w = tick.config, tick.windows
+    gid = int(tick.groups.gid[slot])
+    job = tick.registry.job(gid)
+    waiting_peers = _waiting_peers(tick, slot, gid, shared)
+    clocks_cut = tick.med["slow"][slot] >= cfg.straggler_slow_bits_share and -dev[CLK] > 0.0
+    slowdown = _slowdown(tick, slot, gid, ex, dev, cross, idle, clocks_cut, shared)
+    fp = subject_fingerprint(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], job)
+    cost = _cost_gpu_hours(tick, gid, slowdown, waiting_peers)
+    lost = state.add_cost(fp, tick.t, cost)
+    causes = throttle_causes(tick, np.array([slot]))
+    pattern = "host_idle" if idle else "gpu_clocks_cut" if clocks_cut else "gpu_slow"
+    sm_known = _measured_by_sm(tick, gid, waiting_peers)
+    evidence = _evidence(tick, slot, gid, ex, causes, pattern)
+    evidence["estimated_job_slowdown_ratio"] = r3(slowdown)
+    evidence["slowdown_measured_by"] = "sm_active" if sm_known else "power"
+    evidence["gpu_hours_lost"] = round(lost, cfg.straggler_gpu_hours_digits)
+    if waiting_peers and shared is not None:
+        evidence["waiting_peers"] = waiting_peers
+        evidence["peer_drop_vs_own_baseline"] = r3(shared.drop[slot])
+        evidence["own_rise_vs_own_baseline"] = r3(shared.rise[slot])
+    if tick.registry.kind(gid) != JOB:
+        evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
+    inferred_peers(tick.registry, gid, evidence)
+    reasons = _reasons(tick, slot, gid, ex, causes, idle) + _shared_reason(slot, shared, waiting_peers, sm_known)
+    summary = _summary(tick, slot, job, evidence, reasons)
+    sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
+    node, index, uuid = w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot]
+    return Finding(AlertKind.STRAGGLER, node, index, uuid, job, sev, summary, evidence, cost_gpu_hours=cost)
+
+
+def _waiting_peers(tick: Tick, slot: int, gid: int, shared: SharedNode | None) -> list[int]:
+    """The GPU indexes of a shared-node culprit's peers that sank waiting for it ([]: not found so)."""
+    if shared is None:
+        return []
+    sunk = np.flatnonzero(shared.sunk & (tick.groups.gid == gid))
+    return [int(tick.windows.slot_index[s]) for s in sunk]
+
+
+def _slowdown(
+    tick: Tick,
+    slot: int,
+    gid: int,
+    ex: np.ndarray,
+    dev: np.ndarray,
+    cross: bool,
+    idle: bool,
+    clocks_cut: bool,
+    shared: SharedNode | None,
+) -> float:
+    """The job's slowdown put down to this GPU: its group's against the baseline, or what its peers'
+    waiting, its idling or its cut clocks say where that is larger or unknown (NaN: unknown)."""
+    slowdown = float(tick.slowdown[gid])
+    if shared is not None:
+        # Its waiting peers lost that share of their activity: the share of each step they spend waiting.
+        slowdown = max(slowdown if slowdown == slowdown else 0.0, float(shared.drop[slot]))
+    if not cross:
+        return slowdown
+    known = slowdown if slowdown == slowdown else 0.0
+    if idle:
+        # The peers spin for as long as it idles: its utilization gap is their share of each step.
+        slowdown = max(known, float(-dev[UTIL]))
+    else:
+        # Peers' activity relative to the culprit's: how much of each step they spend waiting.
+        rel = ex[SM] if not math.isnan(ex[SM]) else ex[PW]
+        slowdown = max(known, 1.0 - 1.0 / (1.0 + max(rel, 0.0)))
+    if clocks_cut:
+        # A GPU at a fraction of its peers' clocks takes that much longer per step (compute-bound).
+        slowdown = max(slowdown, float(-dev[CLK]))
+    return slowdown
+
+
+def _cost_gpu_hours(tick: Tick, gid: int, slowdown: float, waiting_peers: list[int]) -> float:
+    """GPU-hours this tick lost to the culprit: its slowdown over the GPUs it slows (without attribution,
+    itself and the GPUs that sank, not the node's whole group)."""
+    slowed_gpus = len(waiting_peers) + 1 if waiting_peers else int(tick.groups.size[gid])
+    return max(slowdown, 0.0) * slowed_gpus * tick.config.tick_seconds / SECONDS_PER_HOUR
+
+
+def _measured_by_sm(tick: Tick, gid: int, waiting_peers: list[int]) -> bool:
+    """Whether the slowdown was read from SM activity (else power); a shared-node culprit's is read from
+    its waiting peers' own levels, not the group's baseline."""
+    if waiting_peers:
+        return not math.isnan(tick.groups.sm[gid])
+    return bool(tick.slowdown_source[gid] == SlowdownSource.SM_ACTIVITY)
+
+
+def _evidence(
+    tick: Tick,
+    slot: int,
+    gid: int,
+    ex: np.ndarray,
+    causes: list[str],
+    pattern: str,
+) -> dict[str, Any]:
+    """The GPU's readings against its peers' medians and its own baseline, and what set it apart."""
+    m, grp = tick.med, tick.groups
+    return {
+        "peer_group": tick.registry.kind(gid),
+        "peer_group_size": int(grp.size[gid]),
+        "sm_active_ratio": r3(m["sm"][slot]),
+        "peer_median_sm_active_ratio": r3(grp.sm[gid]),
+        "sm_clock_ratio": r3(m["clock"][slot]),
+        "peer_median_sm_clock_ratio": r3(grp.clock[gid]),
+        "power_watts": r3(m["power"][slot]),
+        "peer_median_power_watts": r3(grp.power[gid]),
+        "utilization_ratio": r3(m["util"][slot]),
+        "peer_median_utilization_ratio": r3(grp.util[gid]),
+        "slow_throttle_bits_share": r3(m["slow"][slot]),
+        "throttle_causes": causes,
+        "excess_vs_own_baseline": {
+            "sm_active": r3(ex[SM]),
+            "power": r3(ex[PW]),
+            "sm_clock": r3(ex[CLK]),
+            "utilization": r3(ex[UTIL]),
+        },
+        "pattern": pattern,
+    }
+
+
+def _reasons(tick: Tick, slot: int, gid: int, ex: np.ndarray, causes: list[str], idle: bool) -> list[str]:
+    """What sets the GPU apart from its peers, in words, one phrase per reading beyond its margin."""
+    cfg, m, grp = tick.config, tick.med, tick.groups
+    reasons = []
+    if ex[SM] >= cfg.straggler_sm_excess:
+        reasons.append(f"SM activity {m['sm'][slot]:.2f} vs peers {grp.sm[gid]:.2f}")
+    if -ex[CLK] >= cfg.straggler_clock_deficit:
+        reasons.append(f"SM clock {percent(m['clock'][slot])} of max vs peers {percent(grp.clock[gid])}")
+    if math.isnan(grp.sm[gid]) and ex[PW] >= cfg.straggler_power_excess:
+        reasons.append(f"power {m['power'][slot]:.0f} W vs peers {grp.power[gid]:.0f} W")
+    if m["slow"][slot] >= cfg.straggler_slow_bits_share:
+        # Heat and the rest can each hold under half the samples while slowing bits hold most of them.
+        reasons.append(
+            "throttled: " + "; ".join(THROTTLE_CAUSES[c] for c in causes) if causes else "throttle/slowdown bits set"
+        )
+    if idle:
+        reasons.append(f"utilization {m['util'][slot]:.2f} vs peers {grp.util[gid]:.2f}: idle, waiting on its host")
+    return reasons
+
+
+def _shared_reason(slot: int, shared: SharedNode | None, waiting_peers: list[int], sm_known: bool) -> list[str]:
+    """A shared-node culprit's rise above its usual level against its sunk peers' fall, in words."""
+    if not waiting_peers or shared is None:
+        return []
+    return [
+        f"{'SM activity' if sm_known else 'power'} {percent(shared.rise[slot])} above its usual "
+        f"level while GPUs {', '.join(map(str, waiting_peers))} of this node fell "
+        f"{percent(shared.drop[slot])} below theirs"
+    ]
+
+
+def _summary(tick: Tick, slot: int, job: str | None, evidence: dict[str, Any], reasons: list[str]) -> str:
+    """One line: which GPU holds back whom, by how much as it fired, and why."""
+    w = tick.windows
+    # The slowdown put down to this GPU as it fires, not the job's figure in /jobs (the job now against
+    # its own baseline): the two may differ. Unknown (no baseline, no waiting peers measured): no figure.
+    share = evidence["estimated_job_slowdown_ratio"]
+    by = f" by ~{percent(share)} per step (estimated as it fired)" if isinstance(share, float) else ""
+    summary = (
+        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} holds back "
+        f"{'job ' + job if job else 'its peers'}{by}: " + "; ".join(reasons)
+    )
+    return summary + inferred_suffix(evidence)

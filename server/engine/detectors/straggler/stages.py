@@ -1,0 +1,300 @@
+"""The stages of straggler.detect(), in the order it runs them; each returns what the next ones read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import AbstractSet
+
+import numpy as np
+
+from gpufleet.server.engine.detectors import Finding
+from gpufleet.server.engine.detectors.straggler.common import PW, SM, UTIL, scales
+from gpufleet.server.engine.detectors.straggler.conditions import GroupConditions, group_conditions
+from gpufleet.server.engine.detectors.straggler.gpus import (
+    SharedNode,
+    cuts,
+    deviation,
+    excess_in_noise,
+    group_spread,
+    learn,
+    learned_noise,
+    mixed_fallback,
+    reset_moved,
+    shared_node,
+    signals,
+    standing_now,
+)
+from gpufleet.server.engine.detectors.straggler.nodes import node_level, whole_node
+from gpufleet.server.engine.detectors.straggler.policy import BEYOND_NOISE, CROSS_SECTION, RANK_IDLE
+from gpufleet.server.engine.detectors.straggler.state import StragglerState
+from gpufleet.server.engine.reduce import nan_to_zero
+from gpufleet.server.engine.rules import any_of, evaluate
+from gpufleet.server.engine.tick import Tick
+
+
+def _names(rules) -> list[str]:
+    return [r.name for r in rules]
+
+
+@dataclass(frozen=True, slots=True)
+class Slots:
+    """Where each GPU sits this tick."""
+
+    n: int
+    gid: np.ndarray  # its group (-1: none)
+    in_group: np.ndarray
+    group_of: np.ndarray  # its group, 0 outside groups: an index to gather per-group arrays with
+
+
+def place_gpus(tick: Tick, state: StragglerState) -> Slots:
+    """Each slot's group this tick; a GPU that moved to another group starts learning afresh."""
+    n = tick.windows.n
+    gid = tick.groups.gid
+    in_group = gid >= 0
+    carried = tick.registry.carried
+    if len(carried) < n:
+        carried = np.concatenate([carried, np.zeros(n - len(carried), dtype=bool)])
+    reset_moved(state, tick.config, gid, carried, in_group & tick.registry.one_job[np.maximum(gid, 0)])
+    return Slots(n, gid, in_group, np.where(in_group, gid, 0))
+
+
+@dataclass(frozen=True, slots=True)
+class Readings:
+    """Per slot: each GPU against its group's medians and its own learned offsets."""
+
+    deviation: np.ndarray  # rows as groups.LEVELS, against the group's medians (gpus.deviation)
+    excess: np.ndarray  # the deviation less the GPU's learned offset
+    sm_unknown: np.ndarray  # its group reports no SM activity
+    utilization: np.ndarray
+    busy: np.ndarray
+    warm_ticks: np.ndarray  # ticks of learning before it is judged against its offsets
+    was_warm: np.ndarray  # it had learned that long before this tick's learning
+    peer_slow_share: np.ndarray  # its group's share of slowdown bits
+    clocks_cut: np.ndarray
+    victim: np.ndarray  # spinning at full clocks beside a GPU whose clocks are cut (gpus.cuts)
+    conditions: GroupConditions
+
+
+def read_gpus(tick: Tick, state: StragglerState, slots: Slots, halted: AbstractSet[int]) -> Readings:
+    """Each GPU's deviation and excess, clock cuts, warmth and its group's conditions."""
+    cfg = tick.config
+    group_of, in_group = slots.group_of, slots.in_group
+    peers = tick.groups.levels[:, group_of]  # each slot's group medians
+    dev = deviation(tick.levels, peers)
+    conditions = group_conditions(tick, state, cfg, halted).at(group_of, in_group)
+    warm_ticks = _warm_ticks(tick, slots)
+    utilization = tick.med["util"]
+    peer_slow_share = tick.groups.slow[group_of]
+    cut, victim = cuts(tick, cfg, dev, peer_slow_share, group_of, in_group)  # sets dev's clock row for a cut GPU
+    return Readings(
+        deviation=dev,
+        excess=dev - nan_to_zero(state.offset),
+        sm_unknown=np.isnan(peers[SM]),
+        utilization=utilization,
+        busy=(utilization >= cfg.busy_utilization) & in_group,
+        warm_ticks=warm_ticks,
+        was_warm=state.learned[: slots.n] >= warm_ticks,
+        peer_slow_share=peer_slow_share,
+        clocks_cut=cut,
+        victim=victim,
+        conditions=conditions,
+    )
+
+
+def _warm_ticks(tick: Tick, slots: Slots) -> np.ndarray:
+    """Per slot: the startup grace in ticks, or its running-grace share where the group was already
+    running when first seen (it has no start-up to forget)."""
+    cfg = tick.config
+    return np.where(
+        tick.registry.dated[slots.group_of] & slots.in_group,
+        cfg.bins(cfg.startup_grace_seconds * cfg.straggler_running_grace_ratio),
+        cfg.bins(cfg.startup_grace_seconds),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """Per slot: who may be judged, and who stands out from its peers with no baseline needed."""
+
+    rule_inputs: dict[str, np.ndarray]  # the arrays RANK_IDLE, CROSS_SECTION and BEYOND_NOISE read
+    by_baseline: np.ndarray  # judged against its learned offsets and its group's baseline
+    by_cross_section: np.ndarray  # judged against its peers alone
+    idle: np.ndarray  # (2, n) at scales(): idles on its host below its peers
+    idle_cross: np.ndarray  # idles far below its peers, judged without a baseline
+    cross_plain: np.ndarray  # (2, n) at scales(): CROSS_SECTION holds
+    cross: np.ndarray  # stands out from its peers with no baseline needed (cross-section or clocks cut)
+    starved: np.ndarray  # a job's GPU that may wait on its host
+
+
+def judge(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> Judged:
+    """Who may be judged, by its baseline or by the cross-section alone, and who stands out so."""
+    cfg, cond = tick.config, read.conditions
+    judgeable = read.was_warm & cond.judgeable
+    starved = cond.one_job & ~read.victim
+    rule_inputs = _rule_inputs(tick, state, slots, read, starved)
+    held = evaluate(RANK_IDLE + CROSS_SECTION, rule_inputs, cfg, scales(cfg))
+    idle_cross = held["straggler_rank_idle_cross"][0]
+    idle = any_of(held, _names(RANK_IDLE))
+    # Peers spinning far below one GPU's activity wait for it, even where the job never had a baseline.
+    cross_plain = any_of(held, _names(CROSS_SECTION))
+    # A clock cut is the GPU's own hardware slowing it, whatever runs beside it: it counts without a job.
+    cross = (cross_plain[0] | cond.one_job & idle_cross) | read.clocks_cut & slots.in_group
+    by_cross_section = ((read.busy & cross) | idle_cross) & cond.cross_steady
+    # An inferred job's membership is a reading of co-movement: only a GPU that learned in it, or whose
+    # clocks are cut, is judged by the cross-section there.
+    inferred = (tick.registry.one_job & ~tick.registry.is_job)[: tick.groups.n_groups][slots.group_of]
+    by_cross_section &= ~(inferred & slots.in_group) | read.was_warm | read.clocks_cut
+    return Judged(
+        rule_inputs=rule_inputs,
+        by_baseline=(read.busy & judgeable) | (idle[1] & judgeable),
+        by_cross_section=by_cross_section,
+        idle=idle,
+        idle_cross=idle_cross,
+        cross_plain=cross_plain,
+        cross=cross,
+        starved=starved,
+    )
+
+
+def _rule_inputs(
+    tick: Tick, state: StragglerState, slots: Slots, read: Readings, starved: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The arrays the rank-idle and cross-section rules read: excesses, gaps and the group's noise.
+
+    A rank idling on its host is judged only in a job (starved: an unattributed GPU idling more than its
+    node's others may just run other work), and only while it computes at all (computing: a GPU of the
+    allocation the job never uses holds nobody back).
+    """
+    ex, noise = read.excess, learned_noise(state, tick.config, slots.n)
+    return {
+        "sm_excess": ex[SM],
+        "power_excess": ex[PW],
+        "idle_excess": -ex[UTIL],
+        "idle_gap": -read.deviation[UTIL],
+        "sm_spread": noise[SM],
+        "power_spread": noise[PW],
+        "idle_spread": noise[UTIL],
+        "starved": starved,
+        "computing": read.utilization >= tick.config.job_active_utilization,
+        "in_job": read.conditions.one_job,
+        "sm_supported": ~read.sm_unknown,
+        "sm_unsupported": read.sm_unknown,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Culprits:
+    """Per slot: the GPUs to name, and what the alerts' hold and clear tests read."""
+
+    named: np.ndarray  # stands out in the culprit direction at the full margins while its peers wait
+    weak: np.ndarray  # stands out at the weaker margins
+    hardware: np.ndarray  # (2, n) at scales(): stands out by clocks or slowdown bits, not activity alone
+    waiting: np.ndarray  # its peers wait: slowed against their baseline, or it stands out cross-section
+
+
+def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Readings, judged: Judged) -> Culprits:
+    """GPUs standing out in the culprit direction while their peers wait, still so on their newest readings."""
+    cfg, cond = tick.config, read.conditions
+    waiting = (cond.slowed | judged.cross) & cond.peers_spinning
+    culprit, hardware = signals(
+        cfg, read.excess, tick.levels[: PW + 1], state, read.sm_unknown, tick.med["slow"], read.peer_slow_share
+    )
+    full, weak = ((culprit | read.clocks_cut) & ~read.victim) | judged.idle
+    named = (judged.by_baseline | judged.by_cross_section) & waiting & full
+    named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named)
+    return Culprits(named, weak, hardware, waiting)
+
+
+def find_shared_node(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> SharedNode:
+    """The one GPU busier than its usual level in an unattributed node group of two jobs (gpus.shared_node)."""
+    cfg = tick.config
+    judged = read.busy & (read.utilization >= cfg.straggler_waiting_utilization) & read.was_warm
+    return shared_node(tick, cfg, state, slots.group_of, judged & read.conditions.judgeable, read.sm_unknown)
+
+
+def learn_offsets(tick: Tick, state: StragglerState, slots: Slots, read: Readings, waiting: np.ndarray) -> None:
+    """Learn offsets, usual levels and noise from GPUs doing what their peers do (gpus.learn)."""
+    cfg = tick.config
+    # Not from a GPU with its clocks cut, its full-clock peers meanwhile, nor one idling well below its
+    # peers: what it reads then is no structural offset, and the recovered GPU would stand out.
+    idling = read.deviation[UTIL] <= -cfg.node_idle_gap
+    steady = read.busy & read.conditions.peers_spinning & ~read.clocks_cut & ~read.victim & ~idling
+    spread = group_spread(tick.groups, read.excess, slots.group_of)[1]
+    learn(state, cfg, read.deviation, tick.levels[: PW + 1], steady, waiting, read.conditions.one_job, spread)
+
+
+def add_shared_node(tick: Tick, slots: Slots, judged: Judged, culprits: Culprits, shared: SharedNode) -> Culprits:
+    """The culprits less those of groups that stand out all at once (two jobs mixed), plus shared_node's."""
+    standing = judged.by_baseline & culprits.weak & slots.in_group
+    named = culprits.named & ~mixed_fallback(tick, standing, slots.group_of)
+    return replace(
+        culprits,
+        named=named | shared.on[0],
+        weak=culprits.weak | shared.on[1],
+        waiting=culprits.waiting | shared.waiting,
+    )
+
+
+def standout_groups(
+    tick: Tick,
+    state: StragglerState,
+    slots: Slots,
+    read: Readings,
+    judged: Judged,
+    culprits: Culprits,
+    shared: SharedNode,
+) -> set[int]:
+    """Groups where a GPU stands out at the weaker margins beyond its group's noise (or by clocks, bits,
+    idling or on a shared node): they hold back the workload alerts."""
+    ex = read.excess
+    activity = np.where(read.sm_unknown, ex[PW], ex[SM])
+    sigmas = excess_in_noise(state, tick.config, tick.groups, activity, slots.group_of, slots.in_group)
+    noise_inputs = {**judged.rule_inputs, "excess_sigmas": sigmas}
+    beyond_noise = any_of(evaluate(BEYOND_NOISE, noise_inputs, tick.config), _names(BEYOND_NOISE))
+    by_hardware = (culprits.hardware[1] | read.clocks_cut) & ~read.victim
+    beyond = by_hardware | judged.idle[1] | shared.on[1] | beyond_noise
+    return set(slots.gid[judged.by_baseline & culprits.weak & beyond].tolist())
+
+
+def peers_still_waiting(read: Readings, judged: Judged, culprits: Culprits) -> np.ndarray:
+    """Per slot: its peers still wait, or it still stands out cross-section at the weaker margin while
+    they spin (an alert without a baseline to drop from holds on that)."""
+    return culprits.waiting | judged.cross_plain[1] & read.conditions.peers_spinning
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCulprits:
+    """Nodes holding their group back, and the GPUs still named on their own."""
+
+    findings: list[Finding]
+    standout: set[tuple[int, int]]  # (group, node) pairs standing out at the weaker margins
+    idle_groups: set[int]  # groups where someone stands out by idling on its host
+    pairs: dict[str, tuple[int, int]]  # a node alert's fingerprint -> its (group, node)
+    gpus_named: np.ndarray  # per slot: the GPUs named on their own
+
+
+def find_nodes(
+    tick: Tick,
+    state: StragglerState,
+    slots: Slots,
+    read: Readings,
+    judged: Judged,
+    culprits: Culprits,
+    still_waiting: np.ndarray,
+    halted: AbstractSet[int],
+) -> NodeCulprits:
+    """Nodes holding their group back (node_level), and nodes most of whose GPUs stand out (whole_node);
+    no GPU of a group with such a node is named on its own."""
+    findings, standout, idle_groups, pairs = node_level(tick, state, halted)
+    idle_groups |= set(slots.gid[(judged.by_baseline | judged.by_cross_section) & judged.idle[1]].tolist())
+    named = culprits.named
+    for gid, _ in standout:
+        named = named & (slots.gid != gid)
+    # Most of a node's GPUs standing out together is judged at the weaker margins, cross-section too.
+    cross_weak = (read.busy & judged.cross_plain[1]) | judged.by_cross_section
+    cross_weak &= read.conditions.cross_steady
+    weak = (judged.by_baseline | cross_weak) & still_waiting & culprits.weak
+    whole_findings, whole_standout, whole_pairs, named = whole_node(tick, state, named, weak, judged.idle[0])
+    standout |= whole_standout
+    pairs.update(whole_pairs)
+    return NodeCulprits(findings + whole_findings, standout, idle_groups, pairs, named)
