@@ -9,13 +9,13 @@ import random
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import orjson
 
 from gpufleet.agent import __version__
 from gpufleet.agent.activity import NO_TOTALS, ActivityIntegrator, ActivityTotals
-from gpufleet.agent.attribution import JobAttributor
+from gpufleet.agent.attribution import Pod
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot
 from gpufleet.agent.nvml_reader import NvmlUnavailable
@@ -31,16 +31,34 @@ FAILURE_LOG_EVERY_SECONDS = 60.0
 class Reader(Protocol):
     """What the sampler needs from agent.nvml_reader.NvmlReader (tests pass small fakes)."""
 
-    capabilities: Mapping[int, Mapping[str, bool]]
-    errors: Mapping[tuple[str, str], int]
-    driver_version: str | None
-    nvml_version: str | None
-    cuda_driver_version: str | None
+    @property
+    def capabilities(self) -> Mapping[int, Mapping[str, bool]]: ...
+    @property
+    def errors(self) -> Mapping[tuple[str, str], int]: ...
+    @property
+    def driver_version(self) -> str | None: ...
+    @property
+    def nvml_version(self) -> str | None: ...
+    @property
+    def cuda_driver_version(self) -> str | None: ...
 
     def open(self) -> None: ...
     def read(self) -> tuple[GpuSample, ...]: ...
     def compute_pids(self, index: int) -> tuple[int, ...]: ...
     def close(self) -> None: ...
+
+
+class Attributor(Protocol):
+    """What the sampler asks of agent.attribution's JobAttributor, or of the BackgroundAttributor around one."""
+
+    @property
+    def uses_mapping_dir(self) -> bool: ...
+    @property
+    def errors(self) -> Mapping[str, int]: ...
+
+    def job_for(self, index: int, uuid: str, pids: Iterable[int]) -> str | None: ...
+    def pod_for(self, pids: Iterable[int]) -> Pod | None: ...
+    def end_cycle(self) -> None: ...
 
 
 class Waiter(Protocol):
@@ -60,7 +78,7 @@ class Sampler:
         *,
         node: str,
         interval: float = 1.0,
-        attributor: JobAttributor | None = None,
+        attributor: Attributor | None = None,
         recorder: Recorder | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,

@@ -260,7 +260,7 @@ def client_flags(
     prefix: str, dest: str, peer: str, *, bearer: bool = True
 ) -> dict[str, tuple[str, Callable[[Any], Any], str]]:
     """The TLS and credential flags of one peer the server connects to; their dests are `dest.FIELD`."""
-    flags = {
+    flags: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         "tls.ca-file": (
             "ca_file",
             parse_file,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
@@ -26,6 +28,7 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
     last = stats.last_tick
     blind = getattr(runtime.puller, "blind", None)
     reason = detail = None
+    status: Literal["ok", "starting", "degraded"]
     if last is None:
         status = "starting"
     elif runtime.clock() - last > max(3 * runtime.pull_interval_seconds, 30.0):
