@@ -19,8 +19,12 @@ demo: $(STAMP)
 agent-demo: $(STAMP)
 	$(BIN)/gpufleet-agent --simulate hgx-h100 --once
 
+# One pytest-xdist worker per core, each handed whole test modules (loadfile): a module fixture that
+# builds something expensive (a recorded cluster, a wheel, a real Prometheus) is built once, on one worker.
+# loadgroup, which would balance finer, groups nothing under pytest 9.2 (pytest-xdist issue 1386).
+# pytest's exit status is make's.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 # mypy checks every package under its installed name (gpufleet, gpufleet.agent, gpufleet.server and all
 # below them): .mypy-src lays the folders out so, with links, since the editable install maps them by an
