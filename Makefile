@@ -22,7 +22,6 @@ agent-demo: $(STAMP)
 # One pytest-xdist worker per core, each handed whole test modules (loadfile): a module fixture that
 # builds something expensive (a recorded cluster, a wheel, a real Prometheus) is built once, on one worker.
 # loadgroup, which would balance finer, groups nothing under pytest 9.2 (pytest-xdist issue 1386).
-# pytest's exit status is make's.
 test: lint
 	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
