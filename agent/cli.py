@@ -113,6 +113,7 @@ def print_scenario(config: AgentConfig) -> int:
     from gpufleet.agent.sim import ScenarioError, load_scenario
     from gpufleet.agent.sim.scenario import timetable
 
+    assert config.simulate is not None, "load_config refuses --print-scenario without --simulate"
     try:
         scenario = load_scenario(config.simulate)
     except ScenarioError as exc:
@@ -137,7 +138,7 @@ def build_runtime(config: AgentConfig) -> Runtime:
     procfs = config.procfs
     cleanup: list[Callable[[], None]] = []
     if config.simulate:
-        nvml, node, clock = _simulator(config)
+        nvml, node, clock = _simulator(config, config.simulate)
         if not config.hpc_job_mapping_dir:
             # The simulator writes a fake procfs so attribution runs exactly the code it runs on a real node.
             root = Path(tempfile.mkdtemp(prefix="gpufleet-sim-proc-"))
@@ -211,11 +212,11 @@ def _cpu_budget(config: AgentConfig) -> float:
     return 1.0 if config.simulate and not config.simulate_nvml_costs else DEFAULT_CPU_BUDGET
 
 
-def _simulator(config: AgentConfig) -> tuple[Any, str, Callable[[], float]]:
+def _simulator(config: AgentConfig, scenario_name: str) -> tuple[Any, str, Callable[[], float]]:
     from gpufleet.agent.sim import ScenarioError, SimNvml, load_scenario
 
     try:
-        scenario = load_scenario(config.simulate)
+        scenario = load_scenario(scenario_name)
     except ScenarioError as exc:
         raise ConfigError(f"--simulate: {exc}") from None
     node = config.node or scenario.nodes[0]

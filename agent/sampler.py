@@ -9,7 +9,7 @@ import random
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import orjson
 
@@ -32,11 +32,16 @@ FAILURE_LOG_EVERY_SECONDS = 60.0
 class Reader(Protocol):
     """What the sampler needs from agent.nvml_reader.NvmlReader (tests pass small fakes)."""
 
-    capabilities: Mapping[int, Mapping[str, bool]]
-    errors: Mapping[tuple[str, str], int]
-    driver_version: str | None
-    nvml_version: str | None
-    cuda_driver_version: str | None
+    @property
+    def capabilities(self) -> Mapping[int, Mapping[str, bool]]: ...
+    @property
+    def errors(self) -> Mapping[tuple[str, str], int]: ...
+    @property
+    def driver_version(self) -> str | None: ...
+    @property
+    def nvml_version(self) -> str | None: ...
+    @property
+    def cuda_driver_version(self) -> str | None: ...
 
     def open(self) -> None: ...
     def read(self) -> tuple[GpuSample, ...]: ...

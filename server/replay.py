@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import io
 import logging
 import math
 import operator
@@ -23,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Any, Iterable, Iterator, Mapping, Sequence, cast
 
 import orjson
 
@@ -288,20 +289,21 @@ def _shifted(s: NodeSample, offset_seconds: float) -> NodeSample:
     )
 
 
-def _open_trace(path: str, handles: list) -> Iterable[bytes]:
+def _open_trace(path: str, handles: list[IO[bytes]]) -> Iterable[bytes]:
     """The lines of a trace file, or of standard input for "-", decompressed where they are gzip;
     what needs closing is appended to handles."""
+    fh: io.BufferedReader
     if path == "-":
-        fh = sys.stdin.buffer
+        # A BufferedReader at run time (typeshed says BinaryIO): peek below needs one.
+        fh = cast(io.BufferedReader, sys.stdin.buffer)
     else:
         # Snapshot lines run to tens of kB: with the default 8 kB buffer most lines take the
         # reader's slow path, which cost more than a microsecond per GPU-sample.
-        fh = open(path, "rb", buffering=_READ_BUFFER_BYTES)
+        fh = io.BufferedReader(io.FileIO(path, "rb"), buffer_size=_READ_BUFFER_BYTES)
         handles.append(fh)
     if fh.peek(2)[:2] != b"\x1f\x8b":
         return _past_bom(fh)
     import gzip
-    import io
 
     unpacked = io.BufferedReader(gzip.GzipFile(fileobj=fh, mode="rb"), buffer_size=_READ_BUFFER_BYTES)
     handles.append(unpacked)
@@ -453,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"gpufleet-server replay: {exc}", file=sys.stderr)
         return 2
-    handles = []
+    handles: list[IO[bytes]] = []
     try:
         sources = []
         for trace in args.traces:

@@ -102,7 +102,7 @@ def _clock(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     """Left-aligned columns, the last one as long as it is."""
     if not rows:
         return []
@@ -138,14 +138,14 @@ def main(argv: Sequence[str] | None = None, *, transport: httpx.BaseTransport | 
         with httpx.Client(
             base_url=url, timeout=timeout, verify=peer.ssl_context, auth=peer.auth, transport=transport
         ) as client:
-            docs = [
+            jobs, alerts, nodes = (
                 _get(client, path, params)
                 for path, params in (("/jobs", {}), ("/alerts", {"state": "firing", "limit": 1000}), ("/nodes", {}))
-            ]
+            )
     except (httpx.HTTPError, ValueError) as exc:
         print(f"gpufleet-server status: cannot read {url}: {exc}", file=sys.stderr)
         return 1
-    print(render(*docs, url=url))
+    print(render(jobs, alerts, nodes, url=url))
     return 0
 
 

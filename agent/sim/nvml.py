@@ -631,7 +631,7 @@ class SimNvml(ToolCalls):
             es = self._event_set(eventSet)
             es.freed = True
             es.wake.set()
-            del self._event_sets[_address(eventSet)]
+            del self._event_sets[_address(eventSet) or -1]
         return None
 
 

@@ -30,6 +30,7 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
     blind = runtime.source.blind
     status: Literal["ok", "starting", "degraded"]
     reason = detail = None
+    status: Literal["ok", "starting", "degraded"]
     if last is None:
         status = "starting"
     elif runtime.clock() - last > max(3 * runtime.pull_interval_seconds, 30.0):

@@ -39,6 +39,12 @@ def _trace(spec: ClusterSpec) -> Trace:
     return generate(spec)
 
 
+@lru_cache(maxsize=None)
+def _series_of(spec: ClusterSpec) -> dict[tuple[str, int], list[dict]]:
+    """_series of the spec's trace, generated and parsed once: the noise tests read one trace per scale."""
+    return _series(_trace(spec))
+
+
 def _series(trace: Trace) -> dict[tuple[str, int], list[dict]]:
     """(node, gpu) -> GPU dicts in time order, each with the line's time under '_t'."""
     out: dict[tuple[str, int], list[dict]] = defaultdict(list)
@@ -246,7 +252,7 @@ def test_noise_scale_scales_the_reading_noise_and_one_is_the_default():
     assert generate(replace(base, noise_scale=1.0)).lines == _trace(base).lines
 
     def spread(noise_scale):
-        series = _series(generate(replace(base, noise_scale=noise_scale)))
+        series = _series_of(replace(base, noise_scale=noise_scale))
         return np.array(
             [
                 [np.std([r[key] for r in rows if 150 <= r["_t"] < 400]) for rows in series.values()]
@@ -448,7 +454,7 @@ def test_noise_scale_also_scales_the_temperature_and_clock_sensors():
     def jumps(noise_scale, key):
         # Mean size of the step between consecutive readings: the die warms over tens of seconds, so at
         # 1 s sampling what moves a reading from one second to the next is the sensor's own noise.
-        series = _series(generate(replace(base, noise_scale=noise_scale)))
+        series = _series_of(replace(base, noise_scale=noise_scale))
         return np.mean(
             [np.mean(np.abs(np.diff([r[key] for r in rows if 150 <= r["_t"] < 400]))) for rows in series.values()]
         )
