@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Transition
+from gpufleet.server.history import ChartHistory, Charts
 from gpufleet.server.ingest.agent_alerts import AgentAlerts, is_ours
 from gpufleet.server.ingest.base import SampleSource, TargetHealth
 from gpufleet.server.notify import Notifier
@@ -37,6 +38,7 @@ class FleetView:
     nodes: tuple[dict[str, Any], ...] = ()
     stats: dict[str, Any] = field(default_factory=dict)
     evaluated_at: float | None = None
+    charts: Charts = field(default_factory=Charts)  # what the pages draw (server/history.py)
 
 
 @dataclass(slots=True)
@@ -84,6 +86,7 @@ class Runtime:
         self._unwatched: dict[str, float] = {}  # node -> since when no target is its and it sent nothing
         self.clock = clock
         self.view = FleetView()
+        self.charts = ChartHistory()
         self.stats = CycleStats()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -184,6 +187,7 @@ class Runtime:
         transitions = [Transition(self.routing.label(t.alert), t.previous) for t in transitions]
         view = replace(view, alerts=tuple(self.routing.label(a) for a in view.alerts))
         self.routing.retain(a.id for a in view.alerts)
+        view = replace(view, charts=self._charts(view))
         self.stats.tick_duration_seconds = time.perf_counter() - t0
         self.stats.last_tick = now
         self.stats.cycles_total += 1
@@ -207,6 +211,14 @@ class Runtime:
                     },
                 )
         return transitions
+
+    def _charts(self, view: FleetView) -> Charts:
+        """The pages' pictures for this cycle; a failure to draw them must not stop detection."""
+        try:
+            return self.charts.observe(self.engine, view.alerts)
+        except Exception:  # noqa: BLE001 - the pictures are an aid, the alerts are the product
+            log.exception("chart history not updated this cycle")
+            return self.view.charts
 
     def _forget_departed(self, health: Sequence[TargetHealth], view: FleetView, now: float) -> list[Transition]:
         """Resolve the alerts of nodes that left discovery and free the engine's state of them.
