@@ -44,6 +44,7 @@ RELATIVE_STEPS = (
     (1.20, "#f4a582", "1.05-1.20 ×"),
     (math.inf, "#b2182b", "1.20 × and above"),
 )
+GRID_STYLE = ".cell{stroke:#8a939c;stroke-width:.5}.out{stroke:#1d2329;stroke-width:2}"
 _ids = count()
 
 
@@ -127,7 +128,8 @@ def fleet_grid(cells: Sequence[FleetCell], *, colour_by: str, per_node: bool) ->
     unit = "hottest GPU of each node" if per_node else "one square per GPU"
     title = f"GPUs by {what} ({unit})"
     desc = _grid_desc(cells, colour_by, steps)
-    out = [_open(uid, width, height, title, desc)]
+    # The outline in a style of the picture's own, not on each of up to a few thousand squares.
+    out = [_open(uid, width, height, title, desc), f"<style>{GRID_STYLE}</style>"]
     for r, (node, row) in enumerate(rows):
         y = r * (size + gap)
         if not per_node:
@@ -137,10 +139,10 @@ def fleet_grid(cells: Sequence[FleetCell], *, colour_by: str, per_node: bool) ->
         for c, cell in enumerate(row):
             value = cell.temperature_celsius if colour_by == "temperature" else cell.sm_vs_job_ratio
             colour, extreme = _step(value, steps)
-            stroke = ' stroke="#1d2329" stroke-width="2"' if extreme else ' stroke="#8a939c" stroke-width="0.5"'
+            kind = "cell out" if extreme else "cell"
             out.append(
-                f'<rect x="{label_w + c * (size + gap)}" y="{y}" width="{size}" height="{size}" fill="{colour}"{stroke}'
-                f' class="cell"><title>{escape(_cell_words(cell))}</title></rect>'
+                f'<rect x="{label_w + c * (size + gap)}" y="{y}" width="{size}" height="{size}" fill="{colour}"'
+                f' class="{kind}"><title>{escape(_cell_words(cell))}</title></rect>'
             )
     absent = "no data" if colour_by == "temperature" else "no data, or no job"
     legend = [(colour, "box", text) for _, colour, text in steps] + [(NO_DATA_COLOUR, "box", absent)]

@@ -144,11 +144,11 @@ def test_the_fleet_grid_makes_the_hot_and_the_slow_gpu_stand_out():
     cells[10] = cell("dgx-02", 2, 91.0, 1.4)
     cells[3] = cell("dgx-01", 3, NAN, NAN)
     hot = svg(fleet_grid(cells, colour_by="temperature", per_node=False))
-    squares = hot.findall(f".//{SVG}rect[@class='cell']")
+    squares = [sq for sq in hot.iter(f"{SVG}rect") if "cell" in sq.get("class", "")]
     assert len(squares) == 16
     titled = {sq.find(f"{SVG}title").text: sq for sq in squares}  # type: ignore[union-attr]
     culprit = titled["dgx-02 GPU 2, job 71001: 91 °C, SM activity 1.40 × its job's median"]
-    assert culprit.get("fill") == TEMPERATURE_STEPS[-1][1] and culprit.get("stroke-width") == "2"
+    assert culprit.get("fill") == TEMPERATURE_STEPS[-1][1] and culprit.get("class") == "cell out"
     assert (
         titled["dgx-01 GPU 0, job 71001: 60 °C, SM activity 1.00 × its job's median"].get("fill")
         == TEMPERATURE_STEPS[1][1]
@@ -160,7 +160,7 @@ def test_the_fleet_grid_makes_the_hot_and_the_slow_gpu_stand_out():
     assert "dgx-01" in words and "dgx-02" in words and "85 °C and above" in words and "no data" in words
     assert "standing out: dgx-02 GPU 2" in hot.find(f"{SVG}desc").text  # type: ignore[operator, union-attr]
     slow = svg(fleet_grid(cells, colour_by="relative", per_node=False))
-    fills = [sq.get("fill") for sq in slow.findall(f".//{SVG}rect[@class='cell']")]
+    fills = [sq.get("fill") for sq in slow.iter(f"{SVG}rect") if "cell" in sq.get("class", "")]
     assert fills.count(RELATIVE_STEPS[-1][1]) == 1 and fills.count(RELATIVE_STEPS[2][1]) == 14
 
 

@@ -108,10 +108,10 @@ def test_the_status_page_draws_each_job_and_the_fleet(client):
     html = http.get("/").text
     assert "GPUs now" in html and "One square per GPU, a row per node." in html
     svgs = _svgs(html)
-    temperature, relative = (s for s in svgs if 'class="cell"' in s)
-    assert temperature.count('class="cell"') == 16 == relative.count('class="cell"')
+    temperature, relative = (s for s in svgs if 'class="cell' in s)
+    assert temperature.count('class="cell') == 16 == relative.count('class="cell')
     culprit = re.search(r'<rect [^>]*fill="([^"]+)"[^>]*><title>n1 GPU 3, job j1: 60 °C, SM activity 1\.29', relative)
-    assert culprit and culprit.group(1) == RELATIVE_STEPS[-1][1]
+    assert culprit and culprit.group(1) == RELATIVE_STEPS[-1][1] and 'class="cell out"' in culprit.group(0)
     (job,) = [s for s in svgs if "job j1: SM activity over the last hour" in s]
     assert 'class="median"' in job and 'class="band"' in job
 
@@ -145,7 +145,7 @@ def test_the_status_page_of_8000_gpus_stays_small():
         charts=charts,
         tz=timezone.utc,
     )
-    assert "One square per node (8000 GPUs" in html and html.count('class="cell"') == 2000
+    assert "One square per node (8000 GPUs" in html and html.count('class="cell') == 2000
     assert html.count("SM activity over the last hour") == 100
     assert len(html.encode()) < 1_500_000, len(html.encode())
 
