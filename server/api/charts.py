@@ -290,9 +290,10 @@ def _x_axis(box: _Box, tz: tzinfo | None, n: int = 5, caption: bool = True) -> s
     for i in range(n):
         t = box.x0 + span * i / (n - 1)
         anchor = "start" if i == 0 else "end" if i == n - 1 else "middle"
+        # Without the axis caption, the last label names the zone.
+        label = _local(t, tz).strftime(fmt if caption or i < n - 1 else fmt + " %Z").strip()
         out.append(
-            f'<text x="{box.x(t):.1f}" y="{box.bottom + 13}" text-anchor="{anchor}" class="lbl">'
-            f"{_local(t, tz).strftime(fmt)}</text>"
+            f'<text x="{box.x(t):.1f}" y="{box.bottom + 13}" text-anchor="{anchor}" class="lbl">{escape(label)}</text>'
         )
     if caption:
         zone = _local(box.x1, tz).strftime("%Z") or "local"

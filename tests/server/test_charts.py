@@ -131,7 +131,7 @@ def test_a_jobs_hour_spans_the_hour_on_a_fixed_ratio_scale():
     words = [t.text for t in root.iter(f"{SVG}text")]
     assert root.find(f"{SVG}title").text == "job 71002: SM activity over the last hour"  # type: ignore[union-attr]
     # The axis starts an hour before the newest point, though the job is younger.
-    assert "07:55" in words and "08:55" in words and "1.0" in words and "0.0" in words
+    assert "07:55" in words and "08:55 UTC" in words and "1.0" in words and "0.0" in words
     assert root.findall(f".//{SVG}polygon[@class='band']")
 
 
