@@ -12,8 +12,11 @@ samples) and returns an immutable Charts for the FleetView:
   hottest GPU, the one farthest from its job) once the fleet has more than FLEET_GPU_CELLS GPUs.
 
 Memory is bounded whatever the fleet: at most MAX_JOBS jobs x POINTS points x 4 floats (about 11 MB as
-Python tuples at 1,000 jobs) and MAX_SUBJECTS alerts x POINTS points x 9 floats; a series not fed for
-POINTS minutes is dropped, and beyond the caps the least recently fed goes first.
+Python tuples at 1,000 jobs, and the columns the pages read share those floats) and MAX_SUBJECTS alerts
+x POINTS points x 9 floats; a series not fed for POINTS minutes is dropped, and beyond the caps the least
+recently fed goes first. Per cycle the work is one pass over every GPU's newest bins (the job statistics
+and the fleet view, numpy-vectorised) and, for at most MAX_CHARTED_ALERTS open alerts, a window of the
+alert's GPU and its peers.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class Downsampled:
         self._sum = np.zeros(width + 1)  # the time first, then the values
         self._n = np.zeros(width + 1)
         self.last_time = -math.inf
+        self._columns: list[tuple[float, ...]] | None = None  # the closed points by column, built once each
 
     def add(self, t: float, values: Sequence[float]) -> None:
         bucket = math.floor(t / STEP_SECONDS)
@@ -117,6 +121,7 @@ class Downsampled:
     def _close(self) -> None:
         if self._n[0]:
             self.points.append(self._partial())
+            self._columns = None
         self._sum[:] = 0.0
         self._n[:] = 0.0
 
@@ -130,6 +135,14 @@ class Downsampled:
         if self._n[0]:
             out.append(self._partial())
         return [p for p in out if p[0] < before]
+
+    def columns(self) -> list[tuple[float, ...]]:
+        """The snapshot by column (times, then each value), the closed points' columns reused until one closes."""
+        if self._columns is None:
+            self._columns = [tuple(col) for col in zip(*self.points)] or [() for _ in self._sum]
+        if not self._n[0]:
+            return self._columns
+        return [col + (v,) for col, v in zip(self._columns, self._partial())]
 
 
 class ChartHistory:
@@ -225,7 +238,8 @@ def _recent_means(w: Windows, last: int) -> np.ndarray:
 
 
 def job_quantiles(codes: np.ndarray, values: np.ndarray) -> dict[int, tuple[float, float, float]]:
-    """Per job code: the (median, 25th, 75th percentile) of its GPUs' values, NaN and NO_JOB left out."""
+    """Per job code: the (median, 25th, 75th percentile) of its GPUs' values, NaN and NO_JOB left out;
+    numpy's linear interpolation, for every job in one pass."""
     keep = (codes >= 0) & ~np.isnan(values)
     c, v = codes[keep], values[keep]
     if not len(c):
@@ -233,12 +247,14 @@ def job_quantiles(codes: np.ndarray, values: np.ndarray) -> dict[int, tuple[floa
     order = np.lexsort((v, c))
     c, v = c[order], v[order]
     starts = np.flatnonzero(np.r_[True, c[1:] != c[:-1]])
-    counts = np.diff(np.r_[starts, len(c)])
-    out = {}
-    for code, start, n in zip(c[starts].tolist(), starts.tolist(), counts.tolist()):
-        group = v[start : start + n]
-        out[code] = tuple(float(np.quantile(group, q)) for q in (0.5, 0.25, 0.75))
-    return out  # type: ignore[return-value]
+    last = np.r_[starts[1:], len(c)] - 1
+    cols = []
+    for q in (0.5, 0.25, 0.75):
+        pos = starts + q * (last - starts)
+        below = np.floor(pos).astype(np.int64)
+        above = np.minimum(below + 1, last)
+        cols.append(v[below] + (pos - below) * (v[above] - v[below]))
+    return {code: (m, lo, hi) for code, m, lo, hi in zip(c[starts].tolist(), *(col.tolist() for col in cols))}
 
 
 def alert_window(w: Windows, last: int, tick: float, alert: Alert) -> tuple[Series, ...] | None:
@@ -307,15 +323,8 @@ def _empty(s: Series) -> Series:
 
 
 def _job_series(d: Downsampled) -> Series:
-    points = d.snapshot()
-    return Series(
-        reading=SM,
-        times=tuple(p[0] for p in points),
-        subject=(),
-        median=tuple(p[1] for p in points),
-        low=tuple(p[2] for p in points),
-        high=tuple(p[3] for p in points),
-    )
+    times, median, low, high = d.columns()
+    return Series(reading=SM, times=times, subject=(), median=median, low=low, high=high)
 
 
 def fleet_cells(w: Windows, sm: np.ndarray, temp: np.ndarray) -> tuple[tuple[FleetCell, ...], bool]:
@@ -347,25 +356,31 @@ def fleet_cells(w: Windows, sm: np.ndarray, temp: np.ndarray) -> tuple[tuple[Fle
 
 
 def _node_cells(w: Windows, slots: np.ndarray, temp: np.ndarray, relative: np.ndarray) -> tuple[FleetCell, ...]:
-    """One cell per node: its hottest GPU's temperature, and the SM ratio farthest from its job's median."""
+    """One cell per node: its hottest GPU's temperature, and the SM ratio farthest from its job's median;
+    every node in one pass over the GPUs."""
     nid = w.slot_node_id[slots]
-    order = np.argsort(nid, kind="stable")
-    slots, nid = slots[order], nid[order]
+    order = np.lexsort((np.nan_to_num(np.abs(relative[slots] - 1.0), nan=-1.0), nid))
+    slots, nid = slots[order], nid[order]  # by node, and within it the farthest from its job last
     starts = np.flatnonzero(np.r_[True, nid[1:] != nid[:-1]])
-    cells = []
-    for start, end in zip(starts.tolist(), np.r_[starts[1:], len(slots)].tolist()):
-        mine = slots[start:end]
-        t, r = temp[mine], relative[mine]
-        far = r[np.nanargmax(np.abs(r - 1.0))] if (~np.isnan(r)).any() else math.nan
-        jobs = {w.job_names[c] for c in w.slot_job[mine].tolist() if c >= 0}
-        cells.append(
-            FleetCell(
-                node=w.node_names[int(nid[start])],
-                gpu=None,
-                gpus=len(mine),
-                job=", ".join(sorted(jobs)) or None,
-                temperature_celsius=float(np.nanmax(t)) if (~np.isnan(t)).any() else math.nan,
-                sm_vs_job_ratio=float(far),
-            )
+    ends = np.r_[starts[1:], len(slots)]
+    hottest = np.fmax.reduceat(temp[slots], starts)
+    farthest = relative[slots[ends - 1]]
+    codes = w.slot_job[slots]
+    width = len(w.job_names) + 1
+    jobs: dict[int, list[str]] = {}
+    for key in np.unique(nid[codes >= 0] * width + codes[codes >= 0]).tolist():
+        jobs.setdefault(key // width, []).append(w.job_names[key % width])
+    cells = [
+        FleetCell(
+            node=w.node_names[node_id],
+            gpu=None,
+            gpus=int(end - start),
+            job=", ".join(sorted(jobs.get(node_id, ()))) or None,
+            temperature_celsius=float(hot),
+            sm_vs_job_ratio=float(far),
         )
+        for node_id, start, end, hot, far in zip(
+            nid[starts].tolist(), starts.tolist(), ends.tolist(), hottest.tolist(), farthest.tolist()
+        )
+    ]
     return tuple(sorted(cells, key=lambda c: c.node))
