@@ -155,3 +155,20 @@ def test_job_quantiles_match_numpys_and_skip_absent_readings():
         group = values[(codes == code) & ~np.isnan(values)]
         assert got[code] == pytest.approx(tuple(np.quantile(group, q) for q in (0.5, 0.25, 0.75)))
     assert -1 not in got and job_quantiles(np.array([0]), np.array([np.nan])) == {}
+
+
+def test_an_alert_open_longer_than_the_window_keeps_its_minutes_before_it():
+    _, _, charts = _drive(cluster_lines(1000, override=_slow_gpu), 1000, ChartHistory())
+    ((alert_id, chart),) = charts.alerts.items()
+    sm = chart.series[0]
+    t = np.array(sm.times)
+    older, window = t[t < chart.window_start], t[t >= chart.window_start]
+    # One-minute means from when the alert opened (about +415 s) to the window's start (+700 s), then the bins.
+    assert chart.window_start == pytest.approx(T0 + 705.0)
+    assert 4 <= len(older) <= 6 and older[0] > T0 + 400 and np.all(np.diff(older[1:]) == pytest.approx(60.0))
+    assert len(window) == 60 and np.all(np.diff(window) == pytest.approx(5.0))
+    subject = np.array(sm.subject)
+    assert np.all(subject[: len(older)] == pytest.approx(0.80)) and np.nanmedian(
+        subject[len(older) :]
+    ) == pytest.approx(0.80)
+    assert np.all(np.array(sm.median[: len(older)]) == pytest.approx(0.62))

@@ -168,3 +168,17 @@ def _job(job: str) -> dict:
         "gpu_hours_lost": 0.0,
         "gpu_hours_lost_by_kind": {},
     }
+
+
+def test_a_failing_picture_leaves_the_cycle_and_the_alerts_alone(tmp_path, monkeypatch):
+    runtime, _ = build(tmp_path)
+    calls = []
+
+    def broken(engine, alerts):
+        calls.append(engine)
+        raise ValueError("a picture went wrong")
+
+    monkeypatch.setattr(runtime.charts, "observe", broken)
+    asyncio.run(runtime.cycle())
+    assert calls and runtime.stats.cycles_total == 1 and runtime.stats.cycle_failures_total == 0
+    assert runtime.view.charts == Charts() and runtime.view.evaluated_at is not None
