@@ -44,6 +44,7 @@ RELATIVE_STEPS = (
     (1.20, "#f4a582", "1.05-1.20 ×"),
     (math.inf, "#b2182b", "1.20 × and above"),
 )
+TIME_STEPS_SECONDS = (5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
 GRID_STYLE = ".cell{stroke:#8a939c;stroke-width:.5}.out{stroke:#1d2329;stroke-width:2}"
 _ids = count()
 
@@ -284,16 +285,17 @@ def _y_axis(box: _Box, name: str, unit: str, digits: int, ticks: Sequence[float]
 
 
 def _x_axis(box: _Box, tz: tzinfo | None, n: int = 5, caption: bool = True) -> str:
+    """Ticks at round times (whole minutes, quarter hours...), at most about `n`, and the zone named."""
     out = [f'<line x1="{box.left}" x2="{box.right}" y1="{box.bottom}" y2="{box.bottom}" stroke="#8a939c"/>']
-    span = box.x1 - box.x0
-    fmt = "%H:%M:%S" if span < 600 else "%H:%M"
-    for i in range(n):
-        t = box.x0 + span * i / (n - 1)
-        anchor = "start" if i == 0 else "end" if i == n - 1 else "middle"
+    ticks = _time_ticks(box.x0, box.x1, box.x0 + _local(box.x0, tz).utcoffset().total_seconds(), n)  # type: ignore[union-attr]
+    fmt = "%H:%M:%S" if len(ticks) > 1 and ticks[1] - ticks[0] < 60 else "%H:%M"
+    for i, t in enumerate(ticks):
         # Without the axis caption, the last label names the zone.
-        label = _local(t, tz).strftime(fmt if caption or i < n - 1 else fmt + " %Z").strip()
+        label = _local(t, tz).strftime(fmt if caption or i < len(ticks) - 1 else fmt + " %Z").strip()
+        x = box.x(t)
         out.append(
-            f'<text x="{box.x(t):.1f}" y="{box.bottom + 13}" text-anchor="{anchor}" class="lbl">{escape(label)}</text>'
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{box.bottom}" y2="{box.bottom + 3}" stroke="#8a939c"/>'
+            f'<text x="{x:.1f}" y="{box.bottom + 13}" text-anchor="middle" class="lbl">{escape(label)}</text>'
         )
     if caption:
         zone = _local(box.x1, tz).strftime("%Z") or "local"
@@ -302,6 +304,16 @@ def _x_axis(box: _Box, tz: tzinfo | None, n: int = 5, caption: bool = True) -> s
             f'<text x="{mid:.0f}" y="{box.bottom + 27}" text-anchor="middle" class="lbl axis">time ({escape(zone)})</text>'
         )
     return "".join(out)
+
+
+def _time_ticks(x0: float, x1: float, local_x0: float, n: int) -> list[float]:
+    """Multiples of the smallest round step giving at most n ticks in [x0, x1], round in local time
+    (local_x0 is x0 plus the zone's offset: a half-hour zone's ticks fall on its own hours)."""
+    span = x1 - x0
+    step = next((s for s in TIME_STEPS_SECONDS if span / s <= n), TIME_STEPS_SECONDS[-1])
+    shift = x0 - local_x0
+    first = math.ceil(local_x0 / step) * step + shift
+    return [first + i * step for i in range(int((x1 - first) / step) + 1)]
 
 
 def _mark(box: _Box, t: float, label: str) -> str:
