@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_SECONDS = 0.0005
+# SIGTERM ends the agent within this however its threads are blocked (an NVML call hung in the driver, a
+# write to a hung file, a client that does not read): what has not stopped by then is left to exit with it.
+SHUTDOWN_SECONDS = 5.0
 
 
 class SettableClock:
@@ -298,6 +301,7 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
             interval=config.sample_interval,
             clock=runtime.clock,
             web=runtime.web,
+            limits=config.connection_limits(),
         )
     except OSError as exc:
         sys.stderr.write(
@@ -356,15 +360,32 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
                     extra={"record": config.record},
                 )
     finally:
-        sampler.stop()
-        attributor.close()
-        if recorder is not None:
-            recorder.close()
-        server.close()
+        _stop_within(SHUTDOWN_SECONDS, sampler, attributor, recorder, server)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         log.info("agent stopped", extra={"node": runtime.node})
     return 0
+
+
+def _stop_within(
+    seconds: float,
+    sampler: Sampler,
+    attributor: BackgroundAttributor,
+    recorder: Recorder | None,
+    server: AgentHttpServer,
+) -> None:
+    """Stop sampling, attribution, recording and serving, all within `seconds`: each step gets what is left.
+    Every thread the agent starts is a daemon, so one left blocked does not hold the exit up."""
+    end = time.monotonic() + seconds
+
+    def left() -> float:
+        return max(0.1, end - time.monotonic())
+
+    sampler.stop(timeout=left())
+    attributor.close(timeout=min(1.0, left()))
+    if recorder is not None:
+        recorder.close(timeout=left())
+    server.close(timeout=left())
 
 
 if __name__ == "__main__":

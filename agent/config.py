@@ -7,11 +7,13 @@ import math
 import os
 import re
 import socket
+import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from gpufleet.agent import __version__
 from gpufleet.agent.attribution import DEFAULT_ENV_VARS
+from gpufleet.agent.connections import ConnectionLimits
 from gpufleet.config import (
     ConfigError,
     OneLineParser,
@@ -32,6 +34,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "text")
 POD_LABEL_SOURCES = ("api-server", "pod-name")
 METRICS_NAMES = ("gpufleet", "dcgm")
+_LIMITS = ConnectionLimits()
 _ENV_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -69,8 +72,27 @@ class AgentConfig:
     log_level: str = "info"
     log_format: str = "json"
     web_config_file: str | None = None
+    web_read_header_timeout: float = _LIMITS.read_header_timeout_seconds
+    web_keep_alive_timeout: float = _LIMITS.keep_alive_timeout_seconds
+    web_write_timeout: float = _LIMITS.write_timeout_seconds
+    web_max_connections: int = _LIMITS.max_connections
+    web_max_connections_per_address: int = _LIMITS.max_connections_per_address
+    web_max_requests: int = _LIMITS.max_requests
+    web_max_large_answers: int = _LIMITS.max_large_answers
     config_file: str | None = None
     print_scenario: bool = False
+
+    def connection_limits(self) -> ConnectionLimits:
+        """The HTTP server's bounds."""
+        return ConnectionLimits(
+            read_header_timeout_seconds=self.web_read_header_timeout,
+            keep_alive_timeout_seconds=self.web_keep_alive_timeout,
+            write_timeout_seconds=self.web_write_timeout,
+            max_connections=self.web_max_connections,
+            max_connections_per_address=self.web_max_connections_per_address,
+            max_requests=self.web_max_requests,
+            max_large_answers=self.web_max_large_answers,
+        )
 
 
 # --- value parsers: each takes a flag string, env string or YAML value, returns the typed value ----------
@@ -110,6 +132,20 @@ def _retention(value: Any) -> float:
     if not MIN_RETENTION_SECONDS <= seconds <= 86400:
         raise ValueError(f"must be between {MIN_RETENTION_SECONDS:g} and 86400 seconds, got {value!r}")
     return seconds
+
+
+def _timeout(value: Any) -> float:
+    seconds = parse_duration(value)
+    if not 0.01 <= seconds <= 3600:
+        raise ValueError(f"must be between 0.01 and 3600 seconds, got {value!r}")
+    return seconds
+
+
+def _count(value: Any) -> int:
+    number = _seed(value)
+    if not 1 <= number <= 65536:
+        raise ValueError(f"must be an integer from 1 to 65536, got {value!r}")
+    return number
 
 
 def _epoch(value: Any) -> float:
@@ -153,6 +189,9 @@ def _record_file(value: Any) -> str:
         raise ValueError(f"folder {folder} does not exist")
     if os.path.isdir(path):
         raise ValueError(f"{path} is a folder")
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        # Opening a FIFO blocks until something reads it; a device or socket is no trace either.
+        raise ValueError(f"{path} is not a regular file")
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise ValueError(f"cannot write {path}")
     if not os.path.exists(path) and not os.access(folder, os.W_OK | os.X_OK):
@@ -226,6 +265,58 @@ OPTIONS: tuple[_Option, ...] = (
         _path,
         "TLS and basic auth for the endpoints: a Prometheus exporter-toolkit web config (docs/agent.md)",
         "FILE",
+    ),
+    _Option(
+        "web.read-header-timeout",
+        "web_read_header_timeout",
+        _timeout,
+        "close a connection whose whole request head (TLS handshake included) has not arrived within this "
+        f"(default {_LIMITS.read_header_timeout_seconds:g}s)",
+        "DURATION",
+    ),
+    _Option(
+        "web.keep-alive-timeout",
+        "web_keep_alive_timeout",
+        _timeout,
+        f"close a keep-alive connection idle this long (default {_LIMITS.keep_alive_timeout_seconds:g}s)",
+        "DURATION",
+    ),
+    _Option(
+        "web.write-timeout",
+        "web_write_timeout",
+        _timeout,
+        f"close a connection that has not taken its answer within this (default {_LIMITS.write_timeout_seconds:g}s)",
+        "DURATION",
+    ),
+    _Option(
+        "web.max-connections",
+        "web_max_connections",
+        _count,
+        "most open connections; a new one beyond takes the place of the oldest still waiting for its request "
+        f"(default {_LIMITS.max_connections})",
+        "N",
+    ),
+    _Option(
+        "web.max-connections-per-address",
+        "web_max_connections_per_address",
+        _count,
+        f"most open connections from one client address, the same way (default {_LIMITS.max_connections_per_address})",
+        "N",
+    ),
+    _Option(
+        "web.max-requests",
+        "web_max_requests",
+        _count,
+        f"requests answered at once; whole requests beyond wait their turn (default {_LIMITS.max_requests})",
+        "N",
+    ),
+    _Option(
+        "web.max-large-answers",
+        "web_max_large_answers",
+        _count,
+        "/metrics and /snapshots answers in flight at once, bounding their memory; more are answered 503 "
+        f"with Retry-After (default {_LIMITS.max_large_answers})",
+        "N",
     ),
     _Option("sample.interval", "sample_interval", _interval, "seconds between NVML samples (default 1)", "SECONDS"),
     _Option(

@@ -1,6 +1,7 @@
 """Prometheus exposition of one snapshot: families built fresh from the snapshot on every render.
 
-`families()` is the single definition of what is exported. Two sinks consume it: `SnapshotCollector`
+`families()` is the single definition of what is exported; the families of the per-GPU readings are
+the reading table's (agent.readings), the rest are written here. Two sinks consume it: `SnapshotCollector`
 (a prometheus_client custom collector, for a fresh CollectorRegistry and generate_latest) and
 `Renderer`, which writes the same text format byte for byte, but remembers each series' rendered name
 and labels between snapshots, as node_exporter builds its descriptors once (agent.render_on_demand runs
@@ -23,130 +24,28 @@ from prometheus_client.utils import floatToGoString
 from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot, ThrottleReason
+from gpufleet.agent.readings import READINGS, exported_families, family_name
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GPU_LABELS = ("node", "gpu", "uuid", "model")
 NODE_LABEL = ("node",)
 
-# Plain per-GPU gauges: (metric name, help, GpuSample field). Metrics are data, not code.
-GAUGES: tuple[tuple[str, str, str], ...] = (
-    (
-        "gpufleet_gpu_utilization_ratio",
-        "Share of time any kernel ran on the GPU (NVML utilization), 0-1.",
-        "utilization_ratio",
-    ),
-    (
-        "gpufleet_gpu_memory_utilization_ratio",
-        "Share of time device memory was read or written, 0-1.",
-        "memory_utilization_ratio",
-    ),
-    ("gpufleet_gpu_sm_active_ratio", "GPM SM activity: share of SM time with a warp resident, 0-1.", "sm_active_ratio"),
-    (
-        "gpufleet_gpu_sm_occupancy_ratio",
-        "GPM SM occupancy: resident warps over the maximum, 0-1.",
-        "sm_occupancy_ratio",
-    ),
-    (
-        "gpufleet_gpu_memory_used_bytes",
-        "Device memory allocated (NVML used). Leaves out the memory the driver "
-        "reserves, which memory_total_bytes includes: free memory is memory_free_bytes, not total - used.",
-        "memory_used_bytes",
-    ),
-    (
-        "gpufleet_gpu_memory_free_bytes",
-        "Device memory free for allocation (NVML free): total less used less the driver's reserved memory.",
-        "memory_free_bytes",
-    ),
-    (
-        "gpufleet_gpu_memory_total_bytes",
-        "Device memory in total, the driver's reserved memory included.",
-        "memory_total_bytes",
-    ),
-    ("gpufleet_gpu_temperature_celsius", "GPU die temperature.", "temperature_celsius"),
-    ("gpufleet_gpu_memory_temperature_celsius", "HBM temperature.", "memory_temperature_celsius"),
-    ("gpufleet_gpu_power_watts", "Instantaneous power draw.", "power_watts"),
-    ("gpufleet_gpu_power_limit_watts", "Enforced power limit.", "power_limit_watts"),
-    (
-        "gpufleet_gpu_throttle_reasons",
-        "NVML clocks-event (throttle) reasons bitmask, as reported; one series "
-        "per named reason is gpufleet_gpu_throttle_active.",
-        "throttle_reasons",
-    ),
-)
+_Fields = tuple[tuple[str, str], ...]
 
-# Per-GPU families with one extra label: (name, help, kind, label, ((label value, field), ...)).
-# Counter names leave out _total, as prometheus_client's families do; the writer appends it.
-LABELLED: tuple[tuple[str, str, str, str, tuple[tuple[str, str], ...]], ...] = (
-    (
-        "gpufleet_gpu_temperature_limit_celsius",
-        "Temperature thresholds the device reports.",
-        "gauge",
-        "limit",
-        (
-            ("slowdown", "slowdown_temperature_celsius"),
-            ("shutdown", "shutdown_temperature_celsius"),
-            ("max_operating", "max_operating_temperature_celsius"),
-            ("memory_max_operating", "memory_max_operating_temperature_celsius"),
-        ),
-    ),
-    (
-        "gpufleet_gpu_clock_hertz",
-        "Current clock frequency.",
-        "gauge",
-        "clock",
-        (("sm", "sm_clock_hertz"), ("memory", "memory_clock_hertz")),
-    ),
-    (
-        "gpufleet_gpu_clock_max_hertz",
-        "Maximum clock frequency.",
-        "gauge",
-        "clock",
-        (("sm", "sm_clock_max_hertz"), ("memory", "memory_clock_max_hertz")),
-    ),
-    (
-        "gpufleet_gpu_energy_joules",
-        "Energy consumed since the driver loaded.",
-        "counter",
-        "",
-        (("", "energy_joules_total"),),
-    ),
-    (
-        "gpufleet_gpu_nvlink_bytes",
-        "NVLink data bytes over all links.",
-        "counter",
-        "direction",
-        (("tx", "nvlink_tx_bytes_total"), ("rx", "nvlink_rx_bytes_total")),
-    ),
-    (
-        "gpufleet_gpu_pcie_bytes",
-        "PCIe bytes.",
-        "counter",
-        "direction",
-        (("tx", "pcie_tx_bytes_total"), ("rx", "pcie_rx_bytes_total")),
-    ),
-    (
-        "gpufleet_gpu_ecc_errors",
-        "Volatile ECC errors since the driver loaded.",
-        "counter",
-        "type",
-        (("corrected", "ecc_corrected_errors_total"), ("uncorrected", "ecc_uncorrected_errors_total")),
-    ),
-    (
-        "gpufleet_gpu_remapped_rows",
-        "Rows remapped for ECC errors.",
-        "gauge",
-        "type",
-        (("correctable", "remapped_rows_correctable"), ("uncorrectable", "remapped_rows_uncorrectable")),
-    ),
-    (
-        "gpufleet_gpu_remapped_rows_pending",
-        "1 when a row remap waits for a GPU reset.",
-        "gauge",
-        "",
-        (("", "remapped_rows_pending"),),
-    ),
-    ("gpufleet_gpu_remapped_rows_failure", "1 when a row remap failed.", "gauge", "", (("", "remapped_rows_failure"),)),
-)
+
+def _table_families() -> tuple[tuple[str, str, str, str, _Fields], ...]:
+    """(name, help, kind, label, ((label value, GpuSample field), ...)) of each family of the reading table."""
+    families = exported_families()
+    fields: dict[str, list[tuple[str, str]]] = {f.name: [] for f in families}
+    for reading in READINGS:
+        name = family_name(reading)
+        if name is not None:
+            fields[name].append((reading.label_value, reading.name))
+    return tuple((f.name, f.help, f.kind, f.label, tuple(fields[f.name])) for f in families)
+
+
+# The per-GPU families of agent.readings, each series one reading. Metrics are data, not code.
+TABLE_FAMILIES = _table_families()
 
 # counter_as_named: a counter served under a name of someone else's that lacks _total (dcgm-exporter's).
 _SUFFIX = {
@@ -353,15 +252,7 @@ def _gpu_families(snap: NodeSnapshot, health: AgentHealth, activity: ActivityTot
     yield _info_family(snap, ids)
     yield _job_family(snap)
     yield _pod_family(snap)
-    for name, help_text, attr in GAUGES:
-        fam = Family(name, "gauge", help_text)
-        rows = fam.rows
-        for g in snap.gpus:
-            value = getattr(g, attr)
-            if value is not None and isfinite(value):
-                rows.append((GPU_LABELS, ids[g.index], float(value)))
-        yield fam
-    for name, help_text, kind, label, fields in LABELLED:
+    for name, help_text, kind, label, fields in TABLE_FAMILIES:
         yield _labelled(name, help_text, kind, label, fields, snap.gpus, ids)
     yield from _activity_families(snap.gpus, ids, activity)
     yield _throttle_reason_family(snap.gpus, ids)

@@ -13,11 +13,10 @@ from typing import Any
 import pynvml
 
 from gpufleet.agent.nvml_errors import SUCCESS
+from gpufleet.agent.readings import READINGS, GpmMetric
 
-GPM_METRICS = (
-    ("sm_active_ratio", "NVML_GPM_METRIC_SM_UTIL"),
-    ("sm_occupancy_ratio", "NVML_GPM_METRIC_SM_OCCUPANCY"),
-)
+# (reading, pynvml metric id name) of the reading table's GPM rows.
+GPM_METRICS = tuple((r.name, r.source.metric_id) for r in READINGS if isinstance(r.source, GpmMetric))
 GPM_READINGS = tuple(reading for reading, _ in GPM_METRICS)
 
 

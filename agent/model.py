@@ -19,7 +19,11 @@ _EMPTY: Mapping[Any, Any] = MappingProxyType({})
 
 @dataclass(frozen=True, slots=True)
 class GpuSample:
-    """One GPU at one instant. None means the reading is unsupported (or failed) on this GPU."""
+    """One GPU at one instant. None means the reading is unsupported (or failed) on this GPU.
+
+    Each reading field is a row of agent.readings, which says how it is read and exported; the fields
+    stay written out here so their types are checked (tests/agent/test_readings.py keeps the two in step).
+    """
 
     index: int
     uuid: str

@@ -1,13 +1,18 @@
-"""Which NVML call feeds which reading, as data: the single list to check against docs/nvml-calls.md.
+"""Which NVML call feeds which reading: the identity strings here, the readings' calls from the reading table.
 
 Each Call names the GpuSample fields it fills and fetches their raw NVML values in one go (one call can
-feed several fields, e.g. utilization rates). Only current, non-deprecated functions appear here.
+feed several fields, e.g. utilization rates). The calls that give readings are the NvmlCall rows of
+agent.readings; with the identity calls here they are the list to check against docs/nvml-calls.md.
+Only current, non-deprecated functions appear.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 from typing import Any, Callable
+
+from gpufleet.agent.readings import READINGS, NvmlCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,37 +35,6 @@ def _one(fetch: Callable[[Any, Any], Any]) -> Callable[[Any, Any], tuple[Any, ..
     return lambda nvml, handle: (fetch(nvml, handle),)
 
 
-def _utilization(nvml: Any, handle: Any) -> tuple[Any, ...]:
-    rates = nvml.nvmlDeviceGetUtilizationRates(handle)
-    return rates.gpu, rates.memory
-
-
-def _memory(nvml: Any, handle: Any) -> tuple[Any, ...]:
-    info = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
-    return info.used, info.total, info.free
-
-
-def _remapped_rows(nvml: Any, handle: Any) -> tuple[Any, ...]:
-    correctable, uncorrectable, pending, failure = nvml.nvmlDeviceGetRemappedRows(handle)
-    return correctable, uncorrectable, pending, failure
-
-
-def _threshold(name: str) -> Callable[[Any, Any], Any]:
-    return lambda nvml, handle: nvml.nvmlDeviceGetTemperatureThreshold(handle, getattr(nvml, name))
-
-
-def _max_clock(name: str) -> Callable[[Any, Any], Any]:
-    return lambda nvml, handle: nvml.nvmlDeviceGetMaxClockInfo(handle, getattr(nvml, name))
-
-
-def _clock(name: str) -> Callable[[Any, Any], Any]:
-    return lambda nvml, handle: nvml.nvmlDeviceGetClockInfo(handle, getattr(nvml, name))
-
-
-def _ecc(name: str) -> Callable[[Any, Any], Any]:
-    return lambda nvml, handle: nvml.nvmlDeviceGetTotalEccErrors(handle, getattr(nvml, name), nvml.NVML_VOLATILE_ECC)
-
-
 # Strings that identify the GPU; read once at open.
 IDENTITY = (
     Call(("uuid",), _one(lambda n, h: text(n.nvmlDeviceGetUUID(h)))),
@@ -70,33 +44,57 @@ IDENTITY = (
     Call(("vbios_version",), _one(lambda n, h: text(n.nvmlDeviceGetVbiosVersion(h)))),
 )
 
+
+def _invoke(spec: NvmlCall) -> Callable[[Any, Any], Any]:
+    """The call a row describes, its constant arguments looked up on the nvml object at each call."""
+    fn, args, kwargs = spec.function, spec.args, spec.kwargs
+    if kwargs:
+        return lambda n, h: getattr(n, fn)(h, *[getattr(n, a) for a in args], **{k: getattr(n, v) for k, v in kwargs})
+    if not args:
+        return lambda n, h: getattr(n, fn)(h)
+    if len(args) == 1:
+        (arg,) = args
+        return lambda n, h: getattr(n, fn)(h, getattr(n, arg))
+    return lambda n, h: getattr(n, fn)(h, *[getattr(n, a) for a in args])
+
+
+def _fetch(spec: NvmlCall, parts: tuple[str | int | None, ...]) -> Callable[[Any, Any], tuple[Any, ...]]:
+    """One call's answer split into its rows' values, in row order."""
+    invoke = _invoke(spec)
+    if parts == (None,):
+        return lambda n, h: (invoke(n, h),)
+    names = [p for p in parts if isinstance(p, str)]
+    indices = [p for p in parts if isinstance(p, int)]
+    pick: Callable[[Any], Any]
+    if len(names) == len(parts):
+        pick = attrgetter(*names)
+    elif len(indices) == len(parts):
+        pick = itemgetter(*indices)
+    else:
+        raise ValueError(f"{spec.function}: each row of a call several rows share names its part, of one kind: {parts}")
+    if len(parts) == 1:
+        return lambda n, h: (pick(invoke(n, h)),)
+    return lambda n, h: pick(invoke(n, h))
+
+
+def _calls(at_open: bool) -> tuple[Call, ...]:
+    """The table's calls read at open (or on every poll), one per distinct call, in the order of its first row."""
+    rows: dict[tuple[Any, ...], list[tuple[str, NvmlCall]]] = {}
+    for reading in READINGS:
+        spec = reading.source
+        if isinstance(spec, NvmlCall) and spec.at_open == at_open:
+            rows.setdefault(spec.call, []).append((reading.name, spec))
+    return tuple(
+        Call(tuple(name for name, _ in group), _fetch(group[0][1], tuple(spec.part for _, spec in group)))
+        for group in rows.values()
+    )
+
+
 # Limits that do not change while the driver runs; read once at open.
-STATIC = (
-    Call(("slowdown_temperature_celsius",), _one(_threshold("NVML_TEMPERATURE_THRESHOLD_SLOWDOWN"))),
-    Call(("shutdown_temperature_celsius",), _one(_threshold("NVML_TEMPERATURE_THRESHOLD_SHUTDOWN"))),
-    Call(("max_operating_temperature_celsius",), _one(_threshold("NVML_TEMPERATURE_THRESHOLD_GPU_MAX"))),
-    Call(("memory_max_operating_temperature_celsius",), _one(_threshold("NVML_TEMPERATURE_THRESHOLD_MEM_MAX"))),
-    Call(("sm_clock_max_hertz",), _one(_max_clock("NVML_CLOCK_SM"))),
-    Call(("memory_clock_max_hertz",), _one(_max_clock("NVML_CLOCK_MEM"))),
-)
+STATIC = _calls(at_open=True)
 
 # Read on every poll (besides the field-value batch and GPM).
-POLLED = (
-    Call(("utilization_ratio", "memory_utilization_ratio"), _utilization),
-    Call(("temperature_celsius",), _one(lambda n, h: n.nvmlDeviceGetTemperatureV(h, n.NVML_TEMPERATURE_GPU))),
-    Call(("sm_clock_hertz",), _one(_clock("NVML_CLOCK_SM"))),
-    Call(("memory_clock_hertz",), _one(_clock("NVML_CLOCK_MEM"))),
-    Call(("throttle_reasons",), _one(lambda n, h: n.nvmlDeviceGetCurrentClocksEventReasons(h))),
-    Call(("memory_used_bytes", "memory_total_bytes", "memory_free_bytes"), _memory),
-    # Operators change power caps at run time, so the limit is polled too.
-    Call(("power_limit_watts",), _one(lambda n, h: n.nvmlDeviceGetEnforcedPowerLimit(h))),
-    Call(("ecc_corrected_errors_total",), _one(_ecc("NVML_MEMORY_ERROR_TYPE_CORRECTED"))),
-    Call(("ecc_uncorrected_errors_total",), _one(_ecc("NVML_MEMORY_ERROR_TYPE_UNCORRECTED"))),
-    Call(
-        ("remapped_rows_correctable", "remapped_rows_uncorrectable", "remapped_rows_pending", "remapped_rows_failure"),
-        _remapped_rows,
-    ),
-)
+POLLED = _calls(at_open=False)
 
 
 def cuda_version_text(version: Any) -> str | None:

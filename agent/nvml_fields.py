@@ -1,6 +1,7 @@
 """The per-poll nvmlDeviceGetFieldValues batch: which field ids, which scopes, and each entry's own result.
 
-One call per GPU fetches power, energy, HBM temperature, PCIe and NVLink counters and the cumulative
+The field ids and scopes are the reading table's (agent.readings), with one entry per clocks-event
+reason for the throttle durations. One call per GPU fetches power, energy, HBM temperature, PCIe and NVLink counters and the cumulative
 throttle durations. Every entry carries its own nvmlReturn, so one unsupported field never hides the
 others; entries found unsupported are dropped so later polls stop asking for them.
 """
@@ -15,18 +16,12 @@ import pynvml
 
 from gpufleet.agent.model import ThrottleReason
 from gpufleet.agent.nvml_errors import SUCCESS
+from gpufleet.agent.readings import ALL_LINKS, READINGS, FieldValue, PerLinkField
 
-ALL_LINKS = 0xFFFFFFFF  # scope id that asks NVLink fields for the sum over all links
+__all__ = ["ALL_LINKS", "FieldBatch", "FieldEntry", "FieldResult", "batch_entries", "fetch", "read_link_count"]
 
-_SCALARS = (
-    ("power_watts", "NVML_FI_DEV_POWER_INSTANT", 0),
-    ("energy_joules_total", "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 0),
-    ("memory_temperature_celsius", "NVML_FI_DEV_MEMORY_TEMP", 0),
-    ("pcie_tx_bytes_total", "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", 0),
-    ("pcie_rx_bytes_total", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", 0),
-    ("nvlink_tx_bytes_total", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", ALL_LINKS),
-    ("nvlink_rx_bytes_total", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", ALL_LINKS),
-)
+# (reading, pynvml field id name, scope) of each scalar entry, in the reading table's order.
+_SCALARS = tuple((r.name, r.source.field_id, r.source.scope) for r in READINGS if isinstance(r.source, FieldValue))
 
 _THROTTLE_FIELDS = (
     (ThrottleReason.SW_POWER_CAP, "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP"),
@@ -36,10 +31,7 @@ _THROTTLE_FIELDS = (
     (ThrottleReason.SYNC_BOOST, "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST"),
 )
 
-_PER_LINK = (
-    ("nvlink_link_tx_bytes_total", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"),
-    ("nvlink_link_rx_bytes_total", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"),
-)
+_PER_LINK = tuple((r.name, r.source.field_id) for r in READINGS if isinstance(r.source, PerLinkField))
 
 # nvmlValueType_t -> the c_nvmlValue_t union member holding the number.
 _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}

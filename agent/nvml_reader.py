@@ -33,14 +33,15 @@ from gpufleet.agent.nvml_errors import (
 from gpufleet.agent.nvml_fields import THROTTLE_READINGS, FieldBatch, FieldEntry, batch_entries, fetch, read_link_count
 from gpufleet.agent.nvml_meter import MeteredNvml
 from gpufleet.agent.nvml_values import INVALID, CounterTracker, base_name, convert
+from gpufleet.agent.readings import READINGS, PerLinkField
 from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET, EVERY_CYCLE, INTEGRATED, Plan, Unit, due, fit
 from gpufleet.agent.xid import XID_READING, XidStore, XidWatcher
 
 log = logging.getLogger(__name__)
 
 _MISSING: Any = object()  # a guarded call that failed
-_NVLINK_READINGS = ("nvlink_tx_bytes_total", "nvlink_rx_bytes_total")
-_LINK_FIELDS = ("nvlink_link_tx_bytes_total", "nvlink_link_rx_bytes_total")
+_NVLINK_READINGS = tuple(r.name for r in READINGS if r.nvlink)
+_LINK_FIELDS = tuple(r.name for r in READINGS if isinstance(r.source, PerLinkField))
 _THROTTLE_PREFIX = "throttle_seconds_total."
 # A read unit (one call, one field id, or GPM) is named after the first reading it fills.
 _GPM_UNIT = GPM_READINGS[0]

@@ -1,80 +1,26 @@
-"""Unit conversion, sanity limits and counter-reset detection for NVML readings, kept as data.
+"""Unit conversion, sanity limits and counter-reset detection for NVML readings, by each one's Rule.
 
 NVML speaks MHz, mW, mJ, percent, KiB and nanoseconds; the model speaks base units. Drivers also hand
 back garbage now and then (0xFFFFFFFF-style temperatures, NaN doubles, percentages above 100): a value
 outside physical limits is dropped and counted rather than exported, so one bad read never draws a spike.
 Cumulative counters may legitimately go backwards (driver reload, wrap); those are kept but flagged.
+Each reading's rule is its row's in the reading table (agent.readings).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
+from gpufleet.agent.readings import READINGS, Rule
 
-@dataclass(frozen=True, slots=True)
-class Rule:
-    """How to turn one raw NVML number into a model value: raw * mul / div, then bounds (integer: no div)."""
-
-    mul: int = 1
-    div: int = 1
-    low: float = 0.0
-    high: float = math.inf
-    integer: bool = False
-    counter: bool = False
-    flag: bool = False
+__all__ = ["INVALID", "RULES", "CounterTracker", "Rule", "base_name", "convert"]
 
 
 INVALID: Any = object()  # convert()'s answer for a value that must be dropped and counted
 
-_RATIO = Rule(div=100, high=1.0)  # percent 0-100 -> 0-1
-_TEMPERATURE = Rule(low=-40.0, high=150.0)
-_POWER = Rule(div=1000, high=5000.0)  # mW -> W, at most 5 kW
-_CLOCK = Rule(mul=1_000_000, high=5e9)  # MHz -> Hz, at most 5 GHz
-# GDDR cards report the memory data rate as their memory clock (an L40S says 9001 MHz, GDDR7 ~15 GHz).
-_MEMORY_CLOCK = Rule(mul=1_000_000, high=40e9)
-_COUNT = Rule(integer=True)
-_COUNTER = Rule(integer=True, counter=True)
-_FLAG = Rule(flag=True)
-
-RULES: Mapping[str, Rule] = {
-    "utilization_ratio": _RATIO,
-    "memory_utilization_ratio": _RATIO,
-    "sm_active_ratio": _RATIO,
-    "sm_occupancy_ratio": _RATIO,
-    "memory_used_bytes": _COUNT,
-    "memory_total_bytes": _COUNT,
-    "memory_free_bytes": _COUNT,
-    "temperature_celsius": _TEMPERATURE,
-    "memory_temperature_celsius": _TEMPERATURE,
-    "slowdown_temperature_celsius": _TEMPERATURE,
-    "shutdown_temperature_celsius": _TEMPERATURE,
-    "max_operating_temperature_celsius": _TEMPERATURE,
-    "memory_max_operating_temperature_celsius": _TEMPERATURE,
-    "power_watts": _POWER,
-    "power_limit_watts": _POWER,
-    "energy_joules_total": Rule(div=1000, counter=True),  # mJ -> J
-    "sm_clock_hertz": _CLOCK,
-    "sm_clock_max_hertz": _CLOCK,
-    "memory_clock_hertz": _MEMORY_CLOCK,
-    "memory_clock_max_hertz": _MEMORY_CLOCK,
-    "throttle_reasons": _COUNT,
-    "throttle_seconds_total": Rule(div=1_000_000_000, counter=True),  # ns -> s
-    "nvlink_tx_bytes_total": Rule(mul=1024, integer=True, counter=True),  # KiB -> bytes
-    "nvlink_rx_bytes_total": Rule(mul=1024, integer=True, counter=True),
-    "nvlink_link_tx_bytes_total": Rule(mul=1024, integer=True, counter=True),
-    "nvlink_link_rx_bytes_total": Rule(mul=1024, integer=True, counter=True),
-    "pcie_tx_bytes_total": _COUNTER,
-    "pcie_rx_bytes_total": _COUNTER,
-    "ecc_corrected_errors_total": _COUNTER,
-    "ecc_uncorrected_errors_total": _COUNTER,
-    "remapped_rows_correctable": _COUNT,
-    "remapped_rows_uncorrectable": _COUNT,
-    "remapped_rows_pending": _FLAG,
-    "remapped_rows_failure": _FLAG,
-    "xid_errors_total": _COUNTER,
-}
+# Reading -> its rule, from the reading table; a plain dict, looked up for every value read.
+RULES: Mapping[str, Rule] = {r.name: r.rule for r in READINGS}
 
 
 def base_name(reading: str) -> str:

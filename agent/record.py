@@ -91,8 +91,15 @@ class Recorder:
                 pass
             self._file = None
 
-    def close(self) -> None:
-        """Flush and close; later writes are ignored (idempotent)."""
-        with self._lock:
-            self._closed = True
+    def close(self, timeout: float = -1) -> bool:
+        """Flush and close; later writes are ignored (idempotent). False when a write still blocked after
+        `timeout` seconds (a file on a hung mount, a FIFO swapped in): the file is then left to that write."""
+        self._closed = True
+        if not self._lock.acquire(timeout=timeout):
+            log.warning("record file write blocked; left open", extra={"path": self._path})
+            return False
+        try:
             self._drop_file()
+        finally:
+            self._lock.release()
+        return True

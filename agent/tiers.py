@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
+from gpufleet.agent.readings import READINGS
+
 # A fraction of one core for the sampler's NVML reads. On top come the agent's own Python (about 0.16 % of a
 # core on 8 GPUs, scrapes included), the attribution's process query (0.03 %) and the process's background
 # (0.1 % on an H100: the XID thread's event waits, idle wakeups): all of it within half a percent of a
@@ -26,19 +28,8 @@ FAST_MAX_AGE_S = 2.0
 MAX_AGE_S = 60.0
 INTEGRATED = 0  # period of a throttle counter replaced by integrating its mask bit
 
-# Readings the detectors use: never older than FAST_MAX_AGE_S.
-FAST_READINGS = frozenset(
-    {
-        "utilization_ratio",
-        "sm_active_ratio",
-        "power_watts",
-        "sm_clock_hertz",
-        "memory_clock_hertz",
-        "temperature_celsius",
-        "memory_temperature_celsius",
-        "throttle_reasons",
-    }
-)
+# Readings the detectors use (the reading table's fast ones): never older than FAST_MAX_AGE_S.
+FAST_READINGS = frozenset(r.name for r in READINGS if r.fast)
 THROTTLE_PREFIX = "throttle_seconds_total."
 
 

@@ -1,48 +1,37 @@
-"""The agent's HTTP endpoints on the stdlib ThreadingHTTPServer; every answer comes from the store, never NVML."""
+"""The agent's HTTP endpoints: requests parsed by http.server's handler, connections held by a ConnectionGate
+(agent/connections.py); every answer comes from the store, never NVML."""
 
 from __future__ import annotations
 
-import errno
-import io
 import logging
 import math
 import socket
-import ssl
-import sys
+import socketserver
 import threading
 import time
 import zlib
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Callable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
 
 from gpufleet.agent import exposition
+from gpufleet.agent.connections import MAX_BODY_BYTES, ConnectionGate, ConnectionLimits
 from gpufleet.agent.store import Publication, SnapshotStore
 from gpufleet.webconfig import OPEN_PATHS, WebConfig
 
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
-# Each request must arrive whole (request line, headers, body) within this long of its connection going
-# idle, the first request of a connection included; an idle or trickling client is then disconnected.
-IDLE_TIMEOUT_SECONDS = 30.0
-# Connections served at once, one thread each; more wait in the listen backlog (costing the process no
-# descriptor) until one ends. A node is scraped by a handful of clients: this leaves room for a burst
-# while keeping threads and descriptors bounded (systemd's LimitNOFILE for the agent is set above it).
-MAX_CONNECTIONS = 64
 LISTEN_BACKLOG = max(128, socket.SOMAXCONN)
 MAX_REQUEST_LINE_BYTES = 8192
-# Requests carry no body; a small one is read and discarded so keep-alive stays in step, a larger one
-# (or a chunked one) is answered and its connection closed.
-MAX_BODY_BYTES = 65536
 GZIP_LEVEL = 1  # scrape text is repetitive: level 1 gets most of level 6's ratio for a fraction of the CPU
-LOG_EVERY_SECONDS = 60.0
-ACCEPT_RETRY_SECONDS = 0.1
-_MAX_SOCKET_TIMEOUT = 3600.0
 MIN_STALE_SECONDS = 10.0
+# Answers that hold a large body in memory until the client has taken it.
+LARGE_ANSWERS = frozenset(("/metrics", "/snapshots"))
+RETRY_AFTER_SECONDS = 1
 
 
 class AgentHttpServer:
@@ -56,10 +45,8 @@ class AgentHttpServer:
         port: int = 9471,
         interval: float = 1.0,
         clock: Callable[[], float] = time.time,
-        poll_interval: float = 0.5,
         web: WebConfig | None = None,
-        max_connections: int = MAX_CONNECTIONS,
-        idle_timeout_seconds: float = IDLE_TIMEOUT_SECONDS,
+        limits: ConnectionLimits | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         pause: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -68,43 +55,47 @@ class AgentHttpServer:
         self.tls = web.tls is not None
         self.auth = web.authenticator()
         self.headers: Mapping[str, str] = dict(web.headers)
-        # How often the serve loop checks for shutdown; a few wakeups a second cost nothing measurable.
-        self._poll_interval = poll_interval
         self.clock = clock
         # Stale after three missed samples, but never quicker than 10 s: a GC pause is not an outage.
         self.stale_after = max(3 * interval, MIN_STALE_SECONDS)
         self.gzip = GzipCache()
-        self.limits = _Limits(max_connections, idle_timeout_seconds, monotonic, pause, poll_interval)
-        self._httpd = _make_server((host, port), self, web.tls, self.limits)
-        self._thread: threading.Thread | None = None
+        self.limits = limits or ConnectionLimits()
+        self.large_answers = threading.BoundedSemaphore(self.limits.max_large_answers)
+        self.busy_answers = 0  # large answers refused for want of a slot
+        self._listener = _listen(host, port)
+        self.gate = ConnectionGate(
+            self._listener, self._serve_one, self.limits, tls=web.tls, monotonic=monotonic, pause=pause
+        )
+        self._started = False
 
     @property
     def port(self) -> int:
         """The bound port (useful with port 0)."""
-        return self._httpd.server_address[1]
+        return self._listener.getsockname()[1]
 
     @property
     def host(self) -> str:
         """The bound address."""
-        return self._httpd.server_address[0]
+        return self._listener.getsockname()[0]
 
     def start(self) -> None:
-        """Serve in a daemon thread."""
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever,
-            kwargs={"poll_interval": self._poll_interval},
-            name="gpufleet-http",
-            daemon=True,
-        )
-        self._thread.start()
+        """Serve on daemon threads."""
+        self.gate.start()
+        self._started = True
 
-    def close(self) -> None:
-        """Stop serving and release the socket (idempotent)."""
-        if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join()
-            self._thread = None
-        self._httpd.server_close()
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop serving and release the socket (idempotent); a worker still mid-answer after `timeout` is
+        left behind (it is a daemon thread)."""
+        if self._started:
+            self.gate.close(timeout)
+            self._started = False
+        self._listener.close()
+
+    def _serve_one(self, sock: socket.socket, address: tuple, data: bytes, deadline: float) -> bytes | None:
+        """Answer the one request in `data` (read further up to `deadline` if it is not all there); the bytes
+        after it when the connection stays open, None when it closes."""
+        handler = _Handler(sock, address, self, data, deadline)
+        return None if handler.close_connection else handler.reader.rest()
 
     # --- responses: (status, content type, body) --------------------------------------------------------
 
@@ -173,49 +164,86 @@ class AgentHttpServer:
         return "ok", detail
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A socket's read side under one deadline per request: a client that trickles its request a byte at a
-    time (slowloris) is cut off when the deadline passes, not kept alive by every byte it sends."""
+class _RequestReader:
+    """A request's bytes: those the gate read, then (rarely: a head that came whole without its body) the
+    socket's, under the request's deadline, so a trickling client is cut off when it passes. What is left
+    after the request is the start of the next one on the connection."""
 
-    def __init__(self, sock: socket.socket, monotonic: Callable[[], float]) -> None:
+    def __init__(self, sock: socket.socket, data: bytes, deadline: float, monotonic: Callable[[], float]) -> None:
         self._sock = sock
+        self._data = bytearray(data)
         self._monotonic = monotonic
-        self.deadline = float("inf")
+        self.deadline = deadline
+        self.closed = False
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def, override]
+    def _fill(self) -> bool:
         remaining = self.deadline - self._monotonic()
         if remaining <= 0:
             raise TimeoutError("request not received in time")
-        self._sock.settimeout(min(remaining, _MAX_SOCKET_TIMEOUT))
-        return self._sock.recv_into(buffer)
+        self._sock.settimeout(remaining)
+        chunk = self._sock.recv(65536)
+        self._data += chunk
+        return bool(chunk)
+
+    def readline(self, limit: int = -1) -> bytes:
+        """Up to and including the next newline, at most `limit` bytes."""
+        while True:
+            end = self._data.find(b"\n")
+            if end >= 0 and (limit < 0 or end < limit):
+                return self._take(end + 1)
+            if (limit >= 0 and len(self._data) >= limit) or not self._fill():
+                return self._take(len(self._data) if limit < 0 else min(limit, len(self._data)))
+
+    def read(self, size: int) -> bytes:
+        """`size` bytes, fewer when the client closes first."""
+        while len(self._data) < size and self._fill():
+            pass
+        return self._take(min(size, len(self._data)))
+
+    def _take(self, size: int) -> bytes:
+        taken = bytes(self._data[:size])
+        del self._data[:size]
+        return taken
+
+    def rest(self) -> bytes:
+        """What was read beyond the request so far."""
+        return bytes(self._data)
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class _Handler(BaseHTTPRequestHandler):
+    """Answers exactly one request; the gate holds the connection between requests."""
+
     protocol_version = "HTTP/1.1"
     # Answers to requests whose version is missing or unusable still carry headers (HTTP/0.9 has none).
     default_request_version = "HTTP/1.1"
     server_version = "gpufleet-agent"
-    # Headers and body go out as separate writes; with Nagle on, a keep-alive client's delayed ACK
-    # would hold the body back ~40 ms.
-    disable_nagle_algorithm = True
+
+    def __init__(self, sock: socket.socket, address: tuple, app: AgentHttpServer, data: bytes, deadline: float) -> None:
+        self.app = app
+        self._data = data
+        self._deadline = deadline
+        super().__init__(sock, address, app)  # type: ignore[arg-type]
 
     def setup(self) -> None:
-        self.timeout = self.server.idle_timeout  # type: ignore[attr-defined]
-        super().setup()
-        self.rfile.close()
-        self._reader = _DeadlineReader(self.connection, self.server.monotonic)  # type: ignore[attr-defined]
-        self.rfile = io.BufferedReader(self._reader)
+        self.connection = self.request
+        self.reader = _RequestReader(self.connection, self._data, self._deadline, self.app.gate.monotonic)
+        self.rfile = self.reader  # type: ignore[assignment]
+        self.wfile = socketserver._SocketWriter(self.connection)  # type: ignore[attr-defined]
+
+    def handle(self) -> None:
+        self.handle_one_request()
+
+    def finish(self) -> None:
+        """The gate closes the connection or keeps it for the next request."""
 
     def handle_one_request(self) -> None:
-        """Read one request within the idle timeout, drain its body, answer; any method but GET and HEAD
-        is 405 JSON. A request that breaks the limits is answered (where possible) and its connection closed."""
-        server = self.server
+        """Read one request, drain its body, answer; any method but GET and HEAD is 405 JSON. A request that
+        breaks the limits is answered (where possible) and its connection closed."""
         self.close_connection = True
         self.command, self.requestline, self.request_version = "", "", self.default_request_version
-        self._reader.deadline = server.monotonic() + server.idle_timeout  # type: ignore[attr-defined]
         try:
             self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE_BYTES + 1)
             if not self.raw_requestline:
@@ -228,7 +256,7 @@ class _Handler(BaseHTTPRequestHandler):
             drained = self._drain_body()
             if drained is None:
                 return
-            self.connection.settimeout(server.idle_timeout)  # type: ignore[attr-defined]
+            self.connection.settimeout(self.app.limits.write_timeout_seconds)
             if not drained:
                 self.close_connection = True  # the unread body would be taken for the next request
             if self.command not in ("GET", "HEAD"):
@@ -244,11 +272,17 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             else:
                 self._answer(send_body=self.command == "GET")
-            self.wfile.flush()
         except TimeoutError:
-            # An idle keep-alive connection, or a request that did not arrive in time: drop it quietly.
+            # A request that did not arrive in time, or an answer the client did not take: drop it quietly.
             self.close_connection = True
             log.debug("http connection timed out", extra={"client": self.client_address[0]})
+        except OSError as exc:
+            # A client that reset or dropped the connection, a TLS peer gone mid-record: normal on a network.
+            self.close_connection = True
+            log.debug(
+                "http client connection lost",
+                extra={"client": self.client_address[0], "error": type(exc).__name__, "detail": str(exc)[:200]},
+            )
 
     def _drain_body(self) -> bool | None:
         """Reads and discards a declared body, so the next request on the connection starts where it should:
@@ -286,13 +320,35 @@ class _Handler(BaseHTTPRequestHandler):
             )
 
     def _answer(self, send_body: bool) -> None:
-        app: AgentHttpServer = self.server.app  # type: ignore[attr-defined]
+        app = self.app
         url = urlsplit(self.path)
         if not self._authorized(url.path, send_body):
             return
+        if url.path not in LARGE_ANSWERS:
+            status, content_type, body, headers = self._respond(url.path, url.query)
+            self._send(status, content_type, body, send_body, headers)
+            return
+        # The body is held until the client has taken it: a bounded number at once bounds the memory.
+        if not app.large_answers.acquire(blocking=False):
+            app.busy_answers += 1
+            message = f"at most {app.limits.max_large_answers} /metrics and /snapshots answers at once; retry"
+            self._send(
+                *_error(HTTPStatus.SERVICE_UNAVAILABLE, "busy", message),
+                send_body,
+                {"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+            return
+        try:
+            status, content_type, body, headers = self._respond(url.path, url.query)
+            self._send(status, content_type, body, send_body, headers)
+        finally:
+            app.large_answers.release()
+
+    def _respond(self, path: str, query: str) -> tuple[int, str, bytes, dict[str, str]]:
+        app = self.app
         headers: dict[str, str] = {}
         try:
-            if url.path == "/metrics":
+            if path == "/metrics":
                 headers["Vary"] = "Accept-Encoding"
                 if _accepts_gzip(self.headers.get_all("Accept-Encoding") or []):
                     response = app.metrics(gzip=True)
@@ -300,24 +356,24 @@ class _Handler(BaseHTTPRequestHandler):
                         headers["Content-Encoding"] = "gzip"
                 else:
                     response = app.metrics()
-            elif url.path == "/snapshot":
+            elif path == "/snapshot":
                 response = app.snapshot()
-            elif url.path == "/snapshots":
-                response = app.snapshots(url.query)
-            elif url.path == "/healthz":
+            elif path == "/snapshots":
+                response = app.snapshots(query)
+            elif path == "/healthz":
                 response = app.healthz()
             else:
                 response = _error(
                     HTTPStatus.NOT_FOUND, "not_found", "endpoints: /metrics /snapshot /snapshots?since= /healthz"
                 )
         except Exception:  # a bug must cost one request, not the server thread
-            log.exception("request failed", extra={"path": url.path})
+            log.exception("request failed", extra={"path": path})
             response, headers = _error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal", "internal error"), {}
-        self._send(*response, send_body, headers)
+        return (*response, headers)
 
     def _authorized(self, path: str, send_body: bool) -> bool:
         """Basic auth where the web config asks for it; answers 401 itself when it fails."""
-        auth = self.server.app.auth  # type: ignore[attr-defined]
+        auth = self.app.auth
         if auth is None or path in OPEN_PATHS or auth.allows(self.headers.get("Authorization")):
             return True
         self._send(
@@ -336,7 +392,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         for key, value in (headers or {}).items():
             self.send_header(key, value)
-        for key, value in self.server.app.headers.items():  # type: ignore[attr-defined]
+        for key, value in self.app.headers.items():
             self.send_header(key, value)
         if self.close_connection:
             self.send_header("Connection", "close")
@@ -406,31 +462,6 @@ class GzipCache:
         return head + compressor.compress(tail) + compressor.flush()
 
 
-class RateLimitedLog:
-    """Logs the first of a kind of event at once, then at most once per interval with how many there were,
-    so a failure that repeats thousands of times a second (accept failing with EMFILE) costs a line a minute."""
-
-    def __init__(
-        self, logger: logging.Logger, interval_seconds: float, monotonic: Callable[[], float] = time.monotonic
-    ) -> None:
-        self._log = logger
-        self._interval = interval_seconds
-        self._monotonic = monotonic
-        self._last: dict[str, float] = {}
-        self._pending: dict[str, int] = {}
-        self.totals: dict[str, int] = {}
-
-    def __call__(self, kind: str, message: str, **context: object) -> None:
-        self.totals[kind] = self.totals.get(kind, 0) + 1
-        self._pending[kind] = self._pending.get(kind, 0) + 1
-        now = self._monotonic()
-        if now - self._last.get(kind, float("-inf")) < self._interval:
-            return
-        self._last[kind] = now
-        count = self._pending.pop(kind)
-        self._log.warning(message, extra={"kind": kind, "count": count, "interval_seconds": self._interval, **context})
-
-
 def _query_number(params: dict[str, list[str]], name: str) -> float | None:
     """The query's last value of `name` as a float (NaN when it is not a number); None when absent."""
     values = params.get(name)
@@ -446,151 +477,11 @@ def _error(status: HTTPStatus, code: str, message: str) -> tuple[int, str, bytes
     return status, JSON, orjson.dumps({"error": code, "message": message})
 
 
-def _make_server(
-    address: tuple[str, int], app: AgentHttpServer, tls: ssl.SSLContext | None, limits: _Limits
-) -> ThreadingHTTPServer:
-    """Bind; an empty host listens on every interface, IPv6 too where the kernel allows dual stack. Each
-    connection gets its own thread, at most `limits.max_connections` at once; with a TLS context the
-    handshake runs in that thread too, so a client stalling in it holds up only itself, never the accept loop."""
-    host, port = address
-    family = socket.AF_INET
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind; an empty host listens on every interface, IPv6 too where the kernel allows dual stack."""
     if host == "" and socket.has_dualstack_ipv6():
-        host, family = "::", socket.AF_INET6
-    elif ":" in host:
-        family = socket.AF_INET6
-
-    class Server(ThreadingHTTPServer):
-        address_family = family
-        daemon_threads = True
-        # A scrape fleet (several Prometheus replicas, the server, ad-hoc curls) may connect at once; the
-        # kernel caps this at net.core.somaxconn.
-        request_queue_size = LISTEN_BACKLOG
-        idle_timeout = limits.idle_timeout_seconds
-        monotonic = staticmethod(limits.monotonic)
-
-        # Dropping IPV6_V6ONLY makes "::" accept IPv4 too (as http.server's own CLI does).
-        def server_bind(self) -> None:
-            if self.address_family == socket.AF_INET6 and host == "::":
-                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            super().server_bind()
-
-        def get_request(self):  # type: ignore[no-untyped-def]
-            if not limits.acquire():
-                # Every worker is busy: the connection waits in the kernel's backlog, costing this process
-                # neither a thread nor a descriptor, until one is free (checked again on the next loop).
-                limits.warn(
-                    "connections:limit",
-                    "connection limit reached; new connections wait in the backlog",
-                    max_connections=limits.max_connections,
-                )
-                limits.saturated.set()
-                raise _AllBusy()
-            try:
-                return super().get_request()
-            except OSError as exc:
-                limits.release()
-                if exc.errno in _CLIENT_GONE:
-                    log.debug("http client left before accept", extra={"error": str(exc)})
-                    raise
-                code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
-                limits.warn(f"accept:{code}", "cannot accept connections", error=str(exc))
-                if exc.errno in _OUT_OF_RESOURCES:
-                    # The listening socket stays readable while the process is out of descriptors or
-                    # memory; without a pause the accept loop would spin a core.
-                    limits.pause(ACCEPT_RETRY_SECONDS)
-                raise
-
-        def process_request(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
-            try:
-                super().process_request(request, client_address)  # holds the slot get_request took
-            except BaseException:
-                limits.release()
-                raise
-
-        def process_request_thread(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
-            try:
-                super().process_request_thread(request, client_address)
-            finally:
-                limits.release()
-
-        def finish_request(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
-            if tls is None:
-                super().finish_request(request, client_address)
-                return
-            request.settimeout(limits.idle_timeout_seconds)
-            try:
-                conn = tls.wrap_socket(request, server_side=True)
-            except (ssl.SSLError, OSError) as exc:
-                # A plain-HTTP client, a bad or missing client certificate, a port scanner.
-                log.debug("tls handshake failed", extra={"client": client_address[0], "reason": str(exc)})
-                return
-            try:
-                super().finish_request(conn, client_address)
-            finally:
-                conn.close()
-
-        def handle_error(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
-            exc = sys.exc_info()[1]
-            if isinstance(exc, OSError):
-                # A client that reset or dropped the connection, a TLS peer gone mid-record: normal on a
-                # network, one structured line at debug level (http.server would print a traceback).
-                log.debug(
-                    "http client connection lost",
-                    extra={"client": client_address[0], "error": type(exc).__name__, "detail": str(exc)[:200]},
-                )
-                return
-            log.error("http connection failed", exc_info=exc, extra={"client": client_address[0]})
-
-    server = Server((host or "0.0.0.0", port), _Handler)
-    server.app = app  # type: ignore[attr-defined]
-    return server
-
-
-_OUT_OF_RESOURCES = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
-# A client that reset its connection while it waited in the backlog: its business, not the agent's.
-_CLIENT_GONE = frozenset((errno.ECONNABORTED, errno.EPROTO))
-
-
-class _AllBusy(OSError):
-    """Raised by get_request instead of accepting; socketserver's loop takes any OSError as "try again"."""
-
-
-class _Limits:
-    """The connection bound and what the accept loop needs besides: a counting slot per connection, a
-    rate-limited warning, and the pause after running out of descriptors."""
-
-    def __init__(
-        self,
-        max_connections: int,
-        idle_timeout_seconds: float,
-        monotonic: Callable[[], float],
-        pause: Callable[[float], None],
-        wait_seconds: float,
-    ) -> None:
-        self.max_connections = max_connections
-        self.idle_timeout_seconds = idle_timeout_seconds
-        self.monotonic = monotonic
-        self.pause = pause
-        self.warn = RateLimitedLog(log, LOG_EVERY_SECONDS, monotonic)
-        # Set the first time a connection had to wait for a worker (tests wait on it).
-        self.saturated = threading.Event()
-        # How long the accept loop waits for a free worker before it looks for shutdown again.
-        self._wait_seconds = wait_seconds
-        self._active = 0
-        self._changed = threading.Condition()
-
-    def acquire(self) -> bool:
-        with self._changed:
-            if not self._changed.wait_for(lambda: self._active < self.max_connections, self._wait_seconds):
-                return False
-            self._active += 1
-            return True
-
-    def release(self) -> None:
-        with self._changed:
-            self._active -= 1
-            self._changed.notify_all()
-
-    def wait_for(self, at_most: int, timeout: float) -> bool:
-        with self._changed:
-            return self._changed.wait_for(lambda: self._active <= at_most, timeout)
+        return socket.create_server(("::", port), family=socket.AF_INET6, backlog=LISTEN_BACKLOG, dualstack_ipv6=True)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # A scrape fleet (several Prometheus replicas, the server, ad-hoc curls) may connect at once; the kernel
+    # caps the backlog at net.core.somaxconn.
+    return socket.create_server((host or "0.0.0.0", port), family=family, backlog=LISTEN_BACKLOG)

@@ -7,21 +7,61 @@ replay produce identical alerts; everything downstream only records and forwards
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 
-class AlertKind(str, Enum):
-    THERMAL_THROTTLE = "thermal_throttle"
-    STRAGGLER = "straggler"
-    COMM_BOUND = "comm_bound"
-    INPUT_BOUND = "input_bound"
-    NODE_UNREACHABLE = "node_unreachable"
-    GPU_LOST = "gpu_lost"
-    XID = "xid"
-    ECC = "ecc"
+# What a kind's name looks like: it is a label value, a metric name part and a URL query value.
+KIND_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+class AlertKind(str):
+    """The kind of an alert: the name it is stored, served and exported under, and whether the job is part
+    of its subject (a straggler in a new job is a new problem; a hot GPU is the same problem whatever it
+    runs). Open: a detector declares its own kinds (engine/detectors), so a new one needs no edit here.
+    Equal to its name and to any kind of that name; the flag only matters where fingerprints are made."""
+
+    job_keyed: bool
+    # The built-in detectors' kinds, named here because the outputs refer to them (cause, views, tests).
+    THERMAL_THROTTLE: ClassVar[AlertKind]
+    STRAGGLER: ClassVar[AlertKind]
+    COMM_BOUND: ClassVar[AlertKind]
+    INPUT_BOUND: ClassVar[AlertKind]
+    NODE_UNREACHABLE: ClassVar[AlertKind]
+    GPU_LOST: ClassVar[AlertKind]
+    XID: ClassVar[AlertKind]
+    ECC: ClassVar[AlertKind]
+
+    def __new__(cls, value: str, *, job_keyed: bool = False) -> AlertKind:
+        if not isinstance(value, str) or not KIND_NAME.fullmatch(value):
+            raise ValueError(f"an alert kind is a lower-case snake_case name, not {value!r}")
+        self = super().__new__(cls, value)
+        object.__setattr__(self, "job_keyed", job_keyed)
+        return self
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("an AlertKind is immutable")
+
+    def __repr__(self) -> str:
+        return f"AlertKind({str(self)!r})"
+
+    @property
+    def value(self) -> str:
+        """The plain name."""
+        return str(self)
+
+
+AlertKind.THERMAL_THROTTLE = AlertKind("thermal_throttle")
+AlertKind.STRAGGLER = AlertKind("straggler", job_keyed=True)
+AlertKind.COMM_BOUND = AlertKind("comm_bound", job_keyed=True)
+AlertKind.INPUT_BOUND = AlertKind("input_bound", job_keyed=True)
+AlertKind.NODE_UNREACHABLE = AlertKind("node_unreachable")
+AlertKind.GPU_LOST = AlertKind("gpu_lost")
+AlertKind.XID = AlertKind("xid")
+AlertKind.ECC = AlertKind("ecc")
 
 
 class Severity(str, Enum):
@@ -68,6 +108,8 @@ class Alert:
     # the configured external labels and the Kubernetes namespace/pod of its subject.
     labels: Mapping[str, str] = field(default_factory=dict)
     runbook_url: str | None = None
+    # What to look at, as its kind's detector says: the second half of the description.
+    advice: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """The replay / REST shape of an alert."""
@@ -99,9 +141,9 @@ def cause(alert: Alert) -> str:
     alert must not carry free text): how a straggler holds its job back and what cut its clocks, what
     made a GPU thermal, an XID's code. Empty where the kind says it all."""
     ev = alert.evidence
-    if alert.kind is AlertKind.STRAGGLER:
+    if alert.kind == AlertKind.STRAGGLER:
         return "+".join([str(ev.get("pattern") or "")] + list(ev.get("throttle_causes") or ())).strip("+")
-    if alert.kind is AlertKind.THERMAL_THROTTLE:
+    if alert.kind == AlertKind.THERMAL_THROTTLE:
         hot = [
             part
             for part, hit in (
@@ -111,29 +153,14 @@ def cause(alert: Alert) -> str:
             if hit
         ]
         return "+".join(hot + list(ev.get("throttle_reasons") or ()))
-    if alert.kind is AlertKind.XID and ev.get("code") is not None:
+    if alert.kind == AlertKind.XID and ev.get("code") is not None:
         return f"xid_{ev['code']}"
     return ""
 
 
-# What to look at, by kind: the second half of an alert's description (its first half is the summary).
-_ADVICE = {
-    AlertKind.THERMAL_THROTTLE: "The GPU cuts its clocks while this hot: check the node's cooling (fans, airflow, "
-    "inlet temperature).",
-    AlertKind.STRAGGLER: "Its peers wait for it at every synchronisation, so the whole job runs at its pace: "
-    "drain it, or restart the job without it.",
-    AlertKind.COMM_BOUND: "Every GPU of the job waits in collectives: check the fabric (NVLink, InfiniBand or "
-    "RoCE errors, congestion, a changed topology).",
-    AlertKind.INPUT_BOUND: "The GPUs starve for input: check data loading, storage and the hosts' CPUs.",
-    AlertKind.NODE_UNREACHABLE: "Its GPUs are not monitored: check the node, its network and gpufleet-agent there.",
-    AlertKind.GPU_LOST: "The GPU stopped answering (fell off the bus, XID 79 in the kernel log): drain the node.",
-    AlertKind.XID: "The driver reported an XID error: NVIDIA's XID catalogue says what the code means.",
-    AlertKind.ECC: "Its memory has uncorrectable errors: drain the GPU and check its remapped rows.",
-}
-
-
 def description(alert: Alert) -> str:
-    """One line for a person reading a notification: the summary, where it is, and what to look at."""
+    """One line for a person reading a notification: the summary, where it is, and what to look at (the
+    advice its kind's detector declares)."""
     where = [
         f"node {alert.node}" if alert.node else "",
         f"GPU {alert.gpu}" + (f" ({alert.uuid})" if alert.uuid else "") if alert.gpu is not None else "",
@@ -144,9 +171,7 @@ def description(alert: Alert) -> str:
     ]
     subject = ", ".join(part for part in where if part)
     return " ".join(
-        part
-        for part in (alert.summary.rstrip(".") + ".", f"On {subject}." if subject else "", _ADVICE.get(alert.kind, ""))
-        if part
+        part for part in (alert.summary.rstrip(".") + ".", f"On {subject}." if subject else "", alert.advice) if part
     )
 
 

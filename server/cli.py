@@ -37,6 +37,14 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to the subcommand's own main; each parses its own flags."""
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a subcommand handles it itself (an import, say): no traceback
+        return 130
+
+
+def _dispatch(argv: list[str] | None) -> int:
+    """The subcommand named first (serve by default) on the rest of the arguments."""
     from gpufleet.extras import SERVER_MODULES, missing_extra
 
     missing = missing_extra("server", SERVER_MODULES)

@@ -18,13 +18,12 @@ import resource
 import time
 from typing import Any, Callable
 
+import orjson
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
-DEFAULT_READ_HEADER_TIMEOUT_SECONDS = 10.0
-# uvicorn's default: long enough for a client's next request, short enough that idle ones leave.
-KEEP_ALIVE_SECONDS = 5
+DEFAULT_READ_HEADER_TIMEOUT_SECONDS = 5.0
 
 
 def descriptor_budget() -> int:
@@ -105,6 +104,46 @@ def bounded_protocol(
                 self.transport.close()
 
     return BoundedH11Protocol
+
+
+class AnswerLimit:
+    """ASGI middleware: at most `limit` answers under `prefix` in progress at once. A file answer holds up to
+    uvicorn's write buffer until its client has read it, so a thousand slow readers of the /docs files would
+    hold a thousand of those; beyond the limit a request waits up to `wait_seconds` for a slot, then is
+    answered 503 with Retry-After."""
+
+    def __init__(self, app: Any, prefix: str, limit: int, wait_seconds: float) -> None:
+        self.app = app
+        self.prefix = prefix
+        self.limit = limit
+        self.wait_seconds = wait_seconds
+        self.refused = 0
+        self._slots: asyncio.Semaphore | None = None  # made on the server's loop, at the first request
+
+    async def __call__(self, scope: dict, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.limit)
+        try:
+            async with asyncio.timeout(self.wait_seconds):
+                await self._slots.acquire()
+        except TimeoutError:
+            self.refused += 1
+            await _busy(send, f"at most {self.limit} {self.prefix} answers at once; retry")
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._slots.release()
+
+
+async def _busy(send: Callable[..., Any], message: str) -> None:
+    body = orjson.dumps({"error": "busy", "message": message})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 503, "headers": [*headers, (b"retry-after", b"1")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class OncePerInterval(logging.Filter):

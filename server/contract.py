@@ -18,6 +18,7 @@ import numpy as np
 from msgspec import Meta
 
 from gpufleet.server.readings import READINGS, Reading
+from gpufleet.server.uuids import duplicate_gpu_uuid
 
 SCHEMA_VERSION: Literal[1] = 1
 MAX_LINE_BYTES = 4 * 1024 * 1024
@@ -294,6 +295,8 @@ def _sample(
         indices = key[1]
         if len(set(indices)) != len(indices):
             return ContractError(f"duplicate gpu index in {indices!r}")
+        if (twice := duplicate_gpu_uuid(key[2])) is not None:
+            return ContractError(twice)
         jobs = tuple(_job(j) for j in key[4]) if odd_jobs else key[4]
         ident = identities[key] = key[:4] + (jobs, _pods(key[5], key[6]))
     node, indices, uuids, models, jobs, pods = ident

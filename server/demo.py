@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,18 +24,19 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, TextIO
+from typing import Any, Iterator, Sequence, TextIO
 
 import httpx
 import orjson
 
 from gpufleet.logs import configure_logging
-from gpufleet.server.alerts import Alert, AlertState, Transition
+from gpufleet.server.alerts import Alert, AlertState, Severity, Transition
 from gpufleet.server.settings import ServerSettings, parse_duration, parse_listen
 
 log = logging.getLogger(__name__)
 
 SCENARIO = "demo"
+_RANK = {severity: rank for rank, severity in enumerate(Severity)}
 
 
 class DemoError(RuntimeError):
@@ -249,10 +250,39 @@ def start_agents(nodes: Sequence[str], epoch: float) -> list[Agent]:
             "--log.level",
             "warning",
         ]
-        # own session: a terminal Ctrl-C reaches the demo, which then stops the agents in order
-        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
-        agents.append(Agent(node, address, process))
+        try:
+            # Ctrl-C held back until the agent is on the list: arriving in between, it would leave an agent
+            # that nothing stops, in its own session (where a terminal's Ctrl-C does not reach it either; the
+            # demo stops the agents in order).
+            with ctrl_c_deferred():
+                process = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    start_new_session=True,
+                    preexec_fn=_accept_ctrl_c,
+                )
+                agents.append(Agent(node, address, process))
+        except BaseException:  # Ctrl-C, or no process to be had: nobody else knows of those started
+            with uninterrupted():
+                stop_agents(agents)
+            raise
     return agents
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """SIGINT blocked inside; one that came meanwhile is delivered (as KeyboardInterrupt) on the way out."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _accept_ctrl_c() -> None:
+    """In the agent's process before it runs: it inherits the signal mask, but the deferral is the demo's."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def wait_for_agents(agents: Sequence[Agent], timeout_seconds: float = 30.0) -> None:
@@ -302,7 +332,8 @@ def subject(alert: Alert) -> str:
 
 
 class TerminalPrinter:
-    """A notifier that prints a line when an alert starts firing and when it resolves."""
+    """A notifier that prints a line when an alert starts firing, when its severity changes while it fires
+    (warning to critical and back), and when it resolves."""
 
     name = "terminal"
     url = "stdout"  # where it delivers, as every notifier says: /metrics labels the counters by it
@@ -312,30 +343,38 @@ class TerminalPrinter:
         self.out = out
         self.sent_total = self.failed_total = self.dropped_total = 0
         self.fired_total = self.resolved_total = 0
+        self._shown: dict[str, Severity] = {}  # the severity last printed for each firing alert
 
-    def line(self, alert: Alert) -> str:
-        """One readable line for an alert's current state."""
-        at = alert.resolved if alert.state is AlertState.RESOLVED else alert.started
+    def line(self, alert: Alert, verb: str | None = None) -> str:
+        """One readable line: FIRING, RESOLVED (by default, the alert's state) or RAISED/LOWERED, and when."""
+        verb = verb or ("RESOLVED" if alert.state is AlertState.RESOLVED else "FIRING")
+        at = {"FIRING": alert.started, "RESOLVED": alert.resolved}.get(verb, alert.updated)
         at = at if at is not None else alert.updated
         clock = time.strftime("%H:%M:%S", time.localtime(at))
-        verb = "FIRING  " if alert.state is AlertState.FIRING else "RESOLVED"
         return (
-            f"{clock} (+{at - self.epoch:5.0f}s) {verb} {alert.kind.value:16s} {alert.severity.value:8s} "
+            f"{clock} (+{at - self.epoch:5.0f}s) {verb:8s} {alert.kind.value:16s} {alert.severity.value:8s} "
             f"{subject(alert)}: {alert.summary}"
         )
 
     def submit(self, transitions: Sequence[Transition]) -> None:
-        """Print state changes into firing or resolved."""
+        """Print each change into firing, of severity while firing, and into resolved."""
         for t in transitions:
-            if t.previous is not t.alert.state and t.alert.state is not AlertState.PENDING:
-                if t.alert.state is AlertState.RESOLVED and t.previous is AlertState.PENDING:
-                    continue  # never fired: not news
-                print(self.line(t.alert), file=self.out, flush=True)
-                self.sent_total += 1
-                if t.alert.state is AlertState.RESOLVED:
-                    self.resolved_total += 1
-                else:
+            alert, verb = t.alert, None
+            if alert.state is AlertState.FIRING:
+                shown = self._shown.get(alert.id)
+                if t.previous is not AlertState.FIRING:
+                    verb = "FIRING"
                     self.fired_total += 1
+                elif shown is not None and shown is not alert.severity:
+                    verb = "RAISED" if _RANK[alert.severity] > _RANK[shown] else "LOWERED"
+                self._shown[alert.id] = alert.severity
+            elif alert.state is AlertState.RESOLVED and t.previous in (AlertState.FIRING, None):
+                verb = "RESOLVED"  # one that was only pending never fired: not news
+                self.resolved_total += 1
+                self._shown.pop(alert.id, None)
+            if verb is not None:
+                print(self.line(alert, verb), file=self.out, flush=True)
+                self.sent_total += 1
 
     async def run(self, stop: asyncio.Event) -> None:
         """Nothing to deliver in the background."""
@@ -395,12 +434,18 @@ async def _serve(server: "object", duration: float | None, sock: socket.socket) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; 0 on a clean stop (Ctrl-C included), 1 if the agents fail to start, 2 if the address is taken."""
-    from gpufleet.server.api import create_app
-    from gpufleet.server.serve import build_runtime, uvicorn_server
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.log_level, "text")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C at any step before the server took the signal over
+        print("gpufleet demo: stopped", flush=True)
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Listen, ask for the scenario, start the agents and serve; the agents are stopped however it ends."""
     try:
         sock = server_socket(args.listen)
     except (OSError, ValueError) as exc:
@@ -410,53 +455,77 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    with sock, tempfile.TemporaryDirectory(prefix="gpufleet-demo-", ignore_cleanup_errors=True) as workdir:
+        try:
+            scenario = load_demo_scenario()
+        except DemoError as exc:
+            print(f"gpufleet-server demo: {exc}", file=sys.stderr)
+            return exc.code
+        epoch = time.time()
+        agents = start_agents(scenario.nodes, epoch)
+        try:
+            try:
+                wait_for_agents(agents)
+            except RuntimeError as exc:
+                print(f"gpufleet-server demo: {exc}", file=sys.stderr)
+                return 1
+            return _serve_demo(args, sock, scenario, agents, epoch, workdir)
+        finally:
+            with uninterrupted():
+                stop_agents(agents)
+
+
+def _serve_demo(
+    args: argparse.Namespace,
+    sock: socket.socket,
+    scenario: Scenario,
+    agents: Sequence[Agent],
+    epoch: float,
+    workdir: str,
+) -> int:
+    """The real server over the agents, printing alerts, until stopped; then what the jobs lost."""
+    from gpufleet.server.api import create_app
+    from gpufleet.server.serve import build_runtime, uvicorn_server
+
     host, port = sock.getsockname()[:2]
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    settings = ServerSettings(
+        listen_address=listen,
+        targets=tuple(a.address for a in agents),
+        storage_path=os.path.join(workdir, "alerts.db"),
+        pull_interval_seconds=args.pull_interval,
+        pull_timeout_seconds=min(4.0, args.pull_interval),
+        log_level=args.log_level,
+        log_format="text",
+    )
+    printer = TerminalPrinter(epoch)
+    runtime = build_runtime(settings, extra_notifiers=[printer])
+    print_banner(f"http://{listen}", scenario.nodes, scenario, epoch, args)
+    asyncio.run(_serve(uvicorn_server(settings, create_app(settings, runtime=runtime)), args.duration, sock))
+    print(
+        f"gpufleet demo: stopped after {time.time() - epoch:.0f}s; "
+        f"{printer.fired_total} alerts fired, {printer.resolved_total} resolved",
+        flush=True,
+    )
+    losses = loss_summary(runtime.view.jobs)
+    if losses:
+        print(losses, flush=True)
+    return 0
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Ctrl-C ignored inside: a second one must not cut the agents' shutdown short (they run in their own
+    sessions, so nothing else would stop them)."""
     try:
-        scenario = load_demo_scenario()
-    except DemoError as exc:
-        sock.close()
-        print(f"gpufleet-server demo: {exc}", file=sys.stderr)
-        return exc.code
-    nodes = scenario.nodes
-    epoch = time.time()
-    workdir = tempfile.mkdtemp(prefix="gpufleet-demo-")
-    agents = start_agents(nodes, epoch)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread, which alone receives Ctrl-C
+        previous = None
     try:
-        try:
-            wait_for_agents(agents)
-        except RuntimeError as exc:
-            print(f"gpufleet-server demo: {exc}", file=sys.stderr)
-            return 1
-        settings = ServerSettings(
-            listen_address=listen,
-            targets=tuple(a.address for a in agents),
-            storage_path=os.path.join(workdir, "alerts.db"),
-            pull_interval_seconds=args.pull_interval,
-            pull_timeout_seconds=min(4.0, args.pull_interval),
-            log_level=args.log_level,
-            log_format="text",
-        )
-        printer = TerminalPrinter(epoch)
-        runtime = build_runtime(settings, extra_notifiers=[printer])
-        print_banner(f"http://{listen}", nodes, scenario, epoch, args)
-        asyncio.run(_serve(uvicorn_server(settings, create_app(settings, runtime=runtime)), args.duration, sock))
-        print(
-            f"gpufleet demo: stopped after {time.time() - epoch:.0f}s; "
-            f"{printer.fired_total} alerts fired, {printer.resolved_total} resolved",
-            flush=True,
-        )
-        losses = loss_summary(runtime.view.jobs)
-        if losses:
-            print(losses, flush=True)
-        return 0
-    except KeyboardInterrupt:  # Ctrl-C before the server took over the signal
-        print("gpufleet demo: stopped", flush=True)
-        return 0
+        yield
     finally:
-        stop_agents(agents)
-        sock.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def loss_summary(jobs: Sequence[dict]) -> str:

@@ -116,8 +116,8 @@ class ServerCollector(Collector):
         # A counter: what a job lost since the server started watching it. It starts again from 0 after a
         # restart, which Prometheus's increase() and rate() read as a counter reset.
         lost = CounterMetricFamily(
-            "gpufleet_job_gpu_hours_lost",
-            "GPU-hours the job lost while a straggler, input_bound or comm_bound alert of it "
+            "gpufleet_job_gpu_seconds_lost",
+            "GPU-seconds the job lost while a straggler, input_bound or comm_bound alert of it "
             "fired, by that alert's kind.",
             labels=["hpc_job", "kind"],
         )
@@ -128,7 +128,7 @@ class ServerCollector(Collector):
             for kind, hours in sorted(by_kind.items()):
                 value = _number(hours)
                 if value is not None:
-                    lost.add_metric([str(job["hpc_job"]), str(kind)], value)
+                    lost.add_metric([str(job["hpc_job"]), str(kind)], value * 3600)
         yield lost
 
     def _nodes(self) -> Iterator[Metric]:

@@ -13,12 +13,13 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Transition
 from gpufleet.server.history import ChartHistory, Charts
 from gpufleet.server.ingest.agent_alerts import AgentAlerts, is_ours
 from gpufleet.server.ingest.base import SampleSource, TargetHealth
+from gpufleet.server.ingest.identity import NodePin
 from gpufleet.server.notify import Notifier
 from gpufleet.server.routing import AlertRouting
 from gpufleet.server.store import AlertStore
@@ -52,7 +53,7 @@ class CycleStats:
     transitions_total: int = 0
     store_errors_total: int = 0
     overruns_total: int = 0
-    store_unsaved_changes: int = 0  # alert states and node names waiting for a store write
+    store_unsaved_changes: int = 0  # alert states, node names and pins waiting for a store write
     store_unsaved_since: float | None = None  # when the oldest of them first failed to be written
 
 
@@ -92,10 +93,11 @@ class Runtime:
         self._tasks: list[asyncio.Task[None]] = []
         self._last_prune: float | None = None
         self._cycled = threading.Condition()
-        # What the store has not taken yet (a full disk): each alert's latest state by id, and node names.
+        # What the store has not taken yet (a full disk): each alert's latest state by id, node names and pins.
         # Written again every cycle until it is; the newest state of an alert replaces an older one.
         self._unsaved: dict[str, Alert] = {}
         self._unsaved_nodes: dict[str, str] = {}
+        self._unsaved_pins: dict[str, NodePin | None] = {}
         # One dedicated thread: the engine is not thread-safe, and a single thread keeps its large
         # allocations in one malloc arena instead of spreading them over the default pool's threads.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufleet-engine")
@@ -110,13 +112,14 @@ class Runtime:
         try:
             alerts = [self.routing.label(a) for a in self.store.open_alerts()]
             nodes = self.store.target_nodes()
+            pins = self.store.node_pins()
         except sqlite3.Error as exc:
             # Damage the start check did not see: the engine re-raises from the agents what is still wrong, and
             # /healthz says the store fails; dying here would leave the fleet unwatched.
             log.error("alert store unreadable: starting without its open alerts", extra={"error": str(exc)})
-            alerts, nodes = [], {}
+            alerts, nodes, pins = [], {}, {}
         self.agent_alerts.restore(alerts, nodes)
-        self.source.remember_identities(nodes)
+        self.source.remember_identities(nodes, pins)
         if alerts:
             self.engine.restore([a for a in alerts if not is_ours(a)])
             log.info("open alerts restored", extra={"alerts": len(alerts)})
@@ -147,8 +150,8 @@ class Runtime:
                 task.cancel()
         self._tasks = []
         self._executor.shutdown(wait=True)
-        if self._unsaved or self._unsaved_nodes:
-            self._persist([], self.clock(), {})  # one last try before the database closes
+        if self._unsaved_changes():
+            self._persist([], self.clock(), {}, {})  # one last try before the database closes
         await self.source.aclose()
         for notifier in self.notifiers:
             await notifier.aclose()
@@ -159,12 +162,12 @@ class Runtime:
         result = await self.source.pull_once()
         now = self.clock()
         loop = asyncio.get_running_loop()
-        transitions = await loop.run_in_executor(self._executor, self._step, result.samples, now)
+        transitions = await loop.run_in_executor(self._executor, self._step, result.samples, now, result.pins)
         for notifier in self.notifiers:
             notifier.submit(transitions)
         return transitions
 
-    def _step(self, samples: list[Any], now: float) -> list[Transition]:
+    def _step(self, samples: list[Any], now: float, pins: Mapping[str, NodePin | None]) -> list[Transition]:
         """Engine ingest + advance, then persistence; runs on the engine thread."""
         t0 = time.perf_counter()
         self.routing.observe(samples)
@@ -193,7 +196,7 @@ class Runtime:
         self.stats.cycles_total += 1
         self.stats.transitions_total += len(transitions)
         self.view = view
-        self._persist(transitions, now, named)
+        self._persist(transitions, now, named, pins)
         with self._cycled:
             self._cycled.notify_all()
         for t in transitions:
@@ -257,13 +260,16 @@ class Runtime:
             evaluated_at=now,
         )
 
-    def _persist(self, transitions: list[Transition], now: float, named: dict[str, str]) -> None:
-        """Upsert changed alerts and node names, prune history now and then. A failed write is kept and
+    def _persist(
+        self, transitions: list[Transition], now: float, named: dict[str, str], pins: Mapping[str, NodePin | None]
+    ) -> None:
+        """Upsert changed alerts, node names and pins, prune history now and then. A failed write is kept and
         retried every cycle until the store takes it (a full disk must neither stop detection nor lose an
         alert); meanwhile /metrics and /healthz show how much waits and since when."""
         for t in transitions:
             self._unsaved[t.alert.id] = t.alert
         self._unsaved_nodes.update(named)
+        self._unsaved_pins.update(pins)
         try:
             if self._unsaved:
                 self.store.upsert(self._unsaved.values())
@@ -271,6 +277,9 @@ class Runtime:
             if self._unsaved_nodes:
                 self.store.remember_target_nodes(self._unsaved_nodes)
                 self._unsaved_nodes = {}
+            if self._unsaved_pins:
+                self.store.remember_node_pins(self._unsaved_pins)
+                self._unsaved_pins = {}
             if self.stats.store_unsaved_since is not None:
                 log.info(
                     "alert store writable again; unsaved changes written",
@@ -282,7 +291,7 @@ class Runtime:
                 self.store.prune(now)
         except Exception as exc:  # noqa: BLE001 - a full disk must not stop detection
             self.stats.store_errors_total += 1
-            if self.stats.store_unsaved_since is None and (self._unsaved or self._unsaved_nodes):
+            if self.stats.store_unsaved_since is None and self._unsaved_changes():
                 self.stats.store_unsaved_since = now
             # The 1st, 2nd, 4th, 8th... failure is logged: a disk full for hours must not fill the log too.
             n = self.stats.store_errors_total
@@ -292,10 +301,14 @@ class Runtime:
                     extra={
                         "error": str(exc) or exc.__class__.__name__,
                         "failures": n,
-                        "unsaved_changes": len(self._unsaved) + len(self._unsaved_nodes),
+                        "unsaved_changes": self._unsaved_changes(),
                     },
                 )
-        self.stats.store_unsaved_changes = len(self._unsaved) + len(self._unsaved_nodes)
+        self.stats.store_unsaved_changes = self._unsaved_changes()
+
+    def _unsaved_changes(self) -> int:
+        """How many alert states, node names and pins wait for a store write."""
+        return len(self._unsaved) + len(self._unsaved_nodes) + len(self._unsaved_pins)
 
     async def _loop(self) -> None:
         """Run cycles every pull interval until stopped; a failing cycle is logged and retried next time."""
@@ -323,5 +336,5 @@ class Runtime:
 def _watched_nodes(view: FleetView) -> set[str]:
     """Nodes the engine speaks for: the ones it tracks, and any it holds a node_unreachable alert about."""
     nodes = {n["node"] for n in view.nodes if n.get("node")}
-    nodes.update(a.node for a in view.alerts if a.kind is AlertKind.NODE_UNREACHABLE and a.node and not is_ours(a))
+    nodes.update(a.node for a in view.alerts if a.kind == AlertKind.NODE_UNREACHABLE and a.node and not is_ours(a))
     return nodes

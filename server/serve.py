@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ import uvicorn
 from gpufleet.logs import configure_logging
 from gpufleet.webconfig import WebConfigError, load_web_config
 from gpufleet.server.connections import (
-    KEEP_ALIVE_SECONDS,
+    AnswerLimit,
     bounded_protocol,
     limit_accept_error_logs,
     raise_descriptor_limit,
@@ -158,7 +159,7 @@ def uvicorn_server(settings: ServerSettings, app: Any, tls: ssl.SSLContext | Non
     # The protocol bounds connections; uvicorn's limit_concurrency (answering 503 beyond it) bounds the
     # requests in progress, with room for connections that are being closed to make way for new ones.
     config = uvicorn.Config(
-        app,
+        AnswerLimit(app, "/docs", settings.web_max_large_answers, settings.web_read_header_timeout_seconds),
         host=host or "0.0.0.0",
         port=int(port),
         log_config=None,
@@ -166,8 +167,10 @@ def uvicorn_server(settings: ServerSettings, app: Any, tls: ssl.SSLContext | Non
         lifespan="on",
         timeout_graceful_shutdown=5,
         http=protocol,
-        limit_concurrency=2 * settings.web_max_connections,
-        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        limit_concurrency=settings.web_max_requests,
+        # uvicorn takes whole seconds; a shorter timeout rounds up to one.
+        timeout_keep_alive=max(1, math.ceil(settings.web_keep_alive_timeout_seconds)),
+        h11_max_incomplete_event_size=settings.web_max_header_bytes,
     )
     if tls is not None:
         # The context from --web.config.file as it is (minimum version, client CA): uvicorn's own options
@@ -216,16 +219,10 @@ def check_config(argv: Sequence[str] | None = None) -> int:
             except WebConfigError as exc:
                 raise ConfigError(f"--web.config.file: {exc}") from None
         build_engine(settings)
-        targets = len(settings.targets)
-        if settings.targets_file_sd:
-            try:
-                with open(settings.targets_file_sd, "rb") as fh:
-                    targets += len(parse_file_sd(fh.read(), name=settings.targets_file_sd))
-            except OSError as exc:
-                raise ConfigError(f"--targets.file-sd {settings.targets_file_sd}: {exc.strerror or exc}") from None
         for auth, prefix in _peers(settings):
             Outbound(auth, prefix)
         check_storage_folder(settings)
+        targets = len(check_targets(settings, lenient_file=False))
         if settings.storage_on_corruption == REFUSE and (problem := damage(settings.storage_path)):
             raise ConfigError(f"alert store {settings.storage_path} is damaged ({problem}): serve would refuse it")
     except (ConfigError, TargetError, StoreError, ValueError) as exc:
@@ -238,6 +235,34 @@ def check_config(argv: Sequence[str] | None = None) -> int:
         f"TLS {'on' if settings.web_config_file else 'off'} for the API"
     )
     return 0
+
+
+def check_targets(settings: ServerSettings, *, lenient_file: bool) -> list[str]:
+    """The agents --targets and the file_sd file list; ConfigError when nothing says where the GPUs are, or
+    when both list the same agent. With lenient_file (serve) a file_sd file that cannot be read yet is
+    left to the runtime, which re-reads it when it changes; check-config names the problem."""
+    if not (settings.targets or settings.targets_file_sd or settings.targets_dns or settings.prometheus_url):
+        raise ConfigError("no targets: set --targets, --targets.file-sd, --targets.dns or --ingest.prometheus-url")
+    listed = list(settings.targets)
+    if settings.targets_file_sd:
+        try:
+            with open(settings.targets_file_sd, "rb") as fh:
+                content = fh.read()
+        except OSError as exc:
+            if lenient_file:
+                return listed
+            raise ConfigError(f"--targets.file-sd {settings.targets_file_sd}: {exc.strerror or exc}") from None
+        try:
+            in_file = parse_file_sd(content, name=settings.targets_file_sd)
+        except TargetError:
+            if lenient_file:
+                return listed
+            raise
+        both = sorted(set(listed) & set(in_file))
+        if both:
+            raise ConfigError(f"{', '.join(both)} in both --targets and --targets.file-sd {settings.targets_file_sd}")
+        listed += in_file
+    return listed
 
 
 def check_storage_folder(settings: ServerSettings) -> None:
@@ -282,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise_descriptor_limit()
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per pull would drown the log
         check_storage_folder(settings)
+        check_targets(settings, lenient_file=True)
     except (ConfigError, TargetError, StoreError, ValueError) as exc:
         print(f"gpufleet-server: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -67,6 +68,24 @@ def parse_urls(text: Any) -> tuple[str, ...]:
     return urls
 
 
+# What a URL copied from Alertmanager's API documentation ends in; the notifier adds /api/v2/alerts itself.
+_ALERTMANAGER_API_PATH = re.compile(r"/api/v[12](?:/alerts)?$")
+
+
+def parse_alertmanager_urls(text: Any) -> tuple[str, ...]:
+    """Alertmanager base URLs, refusing one that names the API path (it would be posted to twice over,
+    as /api/v2/alerts/api/v2/alerts, and every notification refused with a 404)."""
+    urls = parse_urls(text)
+    for url in urls:
+        found = _ALERTMANAGER_API_PATH.search(url)
+        if found:
+            raise ValueError(
+                f"{url} ends in the API path {found.group(0)}: give the base URL {url[: found.start()]} "
+                "(the server adds /api/v2/alerts)"
+            )
+    return urls
+
+
 def parse_external_labels(text: Any) -> dict[str, str]:
     """NAME=value pairs (comma-separated, or a mapping in the file) with Prometheus label names."""
     from gpufleet.server.routing import RESERVED_LABELS
@@ -104,9 +123,14 @@ def parse_targets(text: Any) -> tuple[str, ...]:
     from gpufleet.server.ingest.targets import StaticTargets, TargetError
 
     try:
-        return StaticTargets.parse(text if isinstance(text, str) else [str(t) for t in text]).addresses
+        addresses = StaticTargets.parse(text if isinstance(text, str) else [str(t) for t in text]).addresses
     except TargetError as exc:
         raise ValueError(str(exc)) from None
+    # The same agent twice is pulled once: the second is most likely a typo for another node.
+    twice = sorted(address for address, n in Counter(addresses).items() if n > 1)
+    if twice:
+        raise ValueError(f"{', '.join(twice)} listed twice")
+    return addresses
 
 
 # RFC 9110 token characters: what a header name may hold.
@@ -218,6 +242,7 @@ class ServerSettings:
     targets_file_sd: str | None = None
     targets_dns: str | None = None
     targets_removed_grace_seconds: float = 300.0
+    targets_identity_ttl_seconds: float = 86400.0
     prometheus_url: str | None = None
     prometheus_schema: str = "auto"
     pull_interval_seconds: float = 5.0
@@ -247,7 +272,11 @@ class ServerSettings:
     alert_runbook_url: str | None = None
     web_config_file: str | None = None
     web_max_connections: int = 1024
-    web_read_header_timeout_seconds: float = 10.0
+    web_read_header_timeout_seconds: float = 5.0
+    web_keep_alive_timeout_seconds: float = 5.0
+    web_max_requests: int = 2048
+    web_max_header_bytes: int = 16384
+    web_max_large_answers: int = 32
     log_level: str = "info"
     log_format: str = "json"
     engine: Mapping[str, Any] = field(default_factory=dict)
@@ -317,7 +346,29 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "web.read-header-timeout": (
         "web_read_header_timeout_seconds",
         parse_duration,
-        "close an API connection that has not sent its request head within this (default 10s)",
+        "close an API connection that has not sent its request head within this (default 5s)",
+    ),
+    "web.keep-alive-timeout": (
+        "web_keep_alive_timeout_seconds",
+        parse_duration,
+        "close an idle keep-alive API connection after this (uvicorn's --timeout-keep-alive; default 5s)",
+    ),
+    "web.max-requests": (
+        "web_max_requests",
+        parse_positive_int,
+        "open connections or requests in progress at which a new request is answered 503 (uvicorn's "
+        "--limit-concurrency); more than web.max-connections (default 2048)",
+    ),
+    "web.max-header-bytes": (
+        "web_max_header_bytes",
+        parse_size,
+        "most bytes of an unfinished request head held per connection; beyond, 400 and closed (default 16KiB)",
+    ),
+    "web.max-large-answers": (
+        "web_max_large_answers",
+        parse_positive_int,
+        "/docs files sent at once, bounding the memory slow readers hold; more wait for one to finish, "
+        "then are answered 503 after web.read-header-timeout (default 32)",
     ),
     "targets": ("targets", parse_targets, "comma-separated agent addresses HOST:PORT"),
     "targets.file-sd": ("targets_file_sd", str, "Prometheus file_sd JSON/YAML file of agents, reloaded on change"),
@@ -327,6 +378,12 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         parse_duration,
         "resolve the alerts of a node whose agent left discovery, and forget it, after "
         "this long without it (default 5m)",
+    ),
+    "targets.identity-ttl": (
+        "targets_identity_ttl_seconds",
+        parse_duration,
+        "a node name not answered for this long is no longer pinned to its GPUs, and any target may take it "
+        "(default 24h)",
     ),
     "ingest.prometheus-url": (
         "prometheus_url",
@@ -387,7 +444,7 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     ),
     "alertmanager.url": (
         "alertmanager_urls",
-        parse_urls,
+        parse_alertmanager_urls,
         "Alertmanager base URL, e.g. http://alertmanager:9093; comma-separated for every replica "
         "of an HA cluster (each gets every alert, as from Prometheus)",
     ),
@@ -471,6 +528,12 @@ def load_settings(
         )
     if settings.pull_max_gpus > 256:
         raise ConfigError(f"pull.max-gpus ({settings.pull_max_gpus}) must not exceed 256, the snapshot contract's most")
+    if settings.web_max_requests <= settings.web_max_connections:
+        # uvicorn counts open connections against it too: at or below, a connection flood answers every request 503.
+        raise ConfigError(
+            f"web.max-requests ({settings.web_max_requests}) must exceed web.max-connections "
+            f"({settings.web_max_connections})"
+        )
     _check_clients(settings)
     if settings.prometheus_url and (settings.targets or settings.targets_file_sd or settings.targets_dns):
         # Two sources for the same agents would feed the engine every sample twice, under two timestamps.

@@ -12,11 +12,12 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity
+from gpufleet.server.ingest.identity import NodePin
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ CREATE TABLE IF NOT EXISTS {schema}alerts (
     updated REAL NOT NULL,
     summary TEXT NOT NULL,
     evidence BLOB NOT NULL,
-    labels BLOB NOT NULL DEFAULT '{{}}'
+    labels BLOB NOT NULL DEFAULT '{{}}',
+    advice TEXT NOT NULL DEFAULT ''
 );
 """
 _SCHEMA = (
@@ -52,12 +54,18 @@ CREATE TABLE IF NOT EXISTS target_nodes (
     target TEXT PRIMARY KEY,
     node TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS node_pins (
+    node TEXT PRIMARY KEY,
+    target TEXT NOT NULL,
+    gpu_uuids BLOB NOT NULL,
+    served REAL NOT NULL
+);
 """
 )
 
 _COLUMNS = (
     "id, fingerprint, kind, severity, state, node, gpu, uuid, hpc_job, pending_since, started, "
-    "resolved, updated, summary, evidence, labels"
+    "resolved, updated, summary, evidence, labels, advice"
 )
 
 
@@ -184,6 +192,31 @@ class AlertStore:
                         "INSERT OR REPLACE INTO target_nodes (target, node) VALUES (?, ?)", list(nodes.items())
                     )
 
+    def node_pins(self) -> dict[str, NodePin]:
+        """What each node's name was pinned to (its target, its GPU uuids, when it was last answered for)."""
+        with self._lock, self._watch("read"):
+            rows = self._db.execute("SELECT node, target, gpu_uuids, served FROM node_pins").fetchall()
+        pins = {}
+        for node, target, uuids, served in rows:
+            with contextlib.suppress(orjson.JSONDecodeError, TypeError):  # a row edited by hand is no pin
+                if isinstance(served, (int, float)):
+                    pins[node] = NodePin(
+                        target, frozenset(u for u in orjson.loads(uuids) if isinstance(u, str)), served
+                    )
+        return pins
+
+    def remember_node_pins(self, pins: Mapping[str, NodePin | None]) -> None:
+        """Record (or update, or with None delete) the pins of some nodes."""
+        kept = [(node, p.target, orjson.dumps(sorted(p.gpu_uuids)), p.served) for node, p in pins.items() if p]
+        dropped = [(node,) for node, p in pins.items() if p is None]
+        if kept or dropped:
+            with self._lock, self._watch("write"):
+                with self._transaction():
+                    self._db.executemany(
+                        "INSERT OR REPLACE INTO node_pins (node, target, gpu_uuids, served) VALUES (?, ?, ?, ?)", kept
+                    )
+                    self._db.executemany("DELETE FROM node_pins WHERE node = ?", dropped)
+
     def prune(self, now: float) -> int:
         """Drop resolved alerts past the retention age or beyond the row cap; returns rows deleted."""
         with self._lock, self._watch("write"):
@@ -304,6 +337,7 @@ def _to_row(a: Alert) -> Sequence[object]:
         a.summary,
         orjson.dumps(dict(a.evidence), option=orjson.OPT_NON_STR_KEYS, default=str),
         orjson.dumps(dict(a.labels)),
+        a.advice,
     )
 
 
@@ -326,6 +360,7 @@ def _from_row(r: Sequence[Any]) -> Alert:
         summary=r[13],
         evidence=orjson.loads(r[14]),
         labels=orjson.loads(r[15]),
+        advice=r[16],
     )
 
 
@@ -334,3 +369,5 @@ def _add_missing_columns(db: sqlite3.Connection) -> None:
     have = {row[1] for row in db.execute("PRAGMA table_info(alerts)")}
     if "labels" not in have:
         db.execute("ALTER TABLE alerts ADD COLUMN labels BLOB NOT NULL DEFAULT '{}'")
+    if "advice" not in have:
+        db.execute("ALTER TABLE alerts ADD COLUMN advice TEXT NOT NULL DEFAULT ''")

@@ -171,6 +171,74 @@ def test_url_shaped_targets_are_refused_alike_by_serve_and_check_config(tmp_path
     assert not (tmp_path / "gpufleet.db").exists()
 
 
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        ([], "no targets: set --targets, --targets.file-sd, --targets.dns or --ingest.prometheus-url"),
+        (["--targets", ""], "no targets"),
+        (["--targets", "dgx-01:9471,dgx-02:9471,dgx-01:9471"], "--targets: dgx-01:9471 listed twice"),
+        (["--targets", "dgx-01,dgx-01:9471"], "dgx-01:9471 listed twice"),  # the agent's default port
+        (["--targets", "dgx-01:9471", "--targets.file-sd", "agents.yml"], "dgx-01:9471 in both --targets and"),
+    ],
+)
+def test_no_targets_or_the_same_target_twice_are_refused_alike_by_serve_and_check_config(tmp_path, argv, fragment):
+    (tmp_path / "agents.yml").write_text("- targets: [dgx-01:9471, dgx-02:9471]\n")
+    lines = []
+    for sub in ("serve", "check-config"):
+        proc = run([*SERVER, sub, *argv, "--web.listen-address", "127.0.0.1:0"], cwd=tmp_path)
+        assert proc.returncode == 2
+        lines.append(one_line(proc.stderr))
+    assert lines[0] == lines[1] and fragment in lines[0]
+    assert not (tmp_path / "gpufleet.db").exists()
+
+
+# --- Alertmanager -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "api"),
+    [("http://am:9093/api/v2/alerts", "/api/v2/alerts"), ("https://am.example.com/am/api/v2", "/api/v2")],
+)
+def test_an_alertmanager_url_with_the_api_path_is_refused_alike_by_serve_and_check_config(tmp_path, url, api):
+    """The server adds /api/v2/alerts: posting to /api/v2/alerts/api/v2/alerts would fail every notification."""
+    lines = []
+    for sub in ("serve", "check-config"):
+        proc = run(
+            [
+                *SERVER,
+                sub,
+                "--targets",
+                "127.0.0.1:1",
+                "--alertmanager.url",
+                url,
+                "--web.listen-address",
+                "127.0.0.1:0",
+            ],
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 2
+        lines.append(one_line(proc.stderr))
+    base = url.removesuffix(api)
+    assert lines[0] == lines[1]
+    assert f"--alertmanager.url: {url} ends in the API path {api}: give the base URL {base}" in lines[0]
+    assert not (tmp_path / "gpufleet.db").exists()
+
+
+def test_an_alertmanager_base_url_behind_a_path_prefix_passes_check_config(tmp_path):
+    proc = run(
+        [
+            *SERVER,
+            "check-config",
+            "--targets",
+            "127.0.0.1:1",
+            "--alertmanager.url",
+            "https://ops.example.com/alertmanager/",
+        ],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0 and "1 Alertmanager(s)" in proc.stdout, proc.stderr
+
+
 # --- nothing created by a refused start ---------------------------------------------------------------
 
 

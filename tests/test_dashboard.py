@@ -49,8 +49,23 @@ ALWAYS = {
     "Communication- / input-bound": (0.0, 1.0),
     "Agents up": (2.0, 2.0),
     "Pull cycle and engine tick": (0.0, 5.0),
+    "Memory used per GPU": (1e9, 100e9),
+    "Power limit per GPU": (100.0, 1000.0),
+    "NVLink traffic per GPU": (0.0, 1e12),
+    "PCIe traffic per GPU": (0.0, 1e11),
 }
-PER_GPU = {"SM activity per GPU", "Utilization per GPU", "Power per GPU", "SM clock per GPU"}
+PER_GPU = {
+    "SM activity per GPU",
+    "Utilization per GPU",
+    "Power per GPU",
+    "SM clock per GPU",
+    "Memory used per GPU",
+    "Power limit per GPU",
+}
+# Families exported from their first event on (docs/agent.md): none on healthy demo agents.
+FIRST_EVENT = {"gpufleet_gpu_xid_errors_total"}
+# Per-GPU panels that name each GPU's job and follow the Job variable.
+JOINED = ("SM activity per GPU", "Utilization per GPU", "Power per GPU", "Memory used per GPU")
 # Panels of the servers' own job series: one series per job (and query), however many replicas report it.
 PER_JOB = {"Stragglers by job", "Communication- / input-bound"}
 
@@ -69,11 +84,12 @@ def panel_exprs(doc: dict, title: str) -> list[str]:
     return [grafana(target["expr"]) for target in panel["targets"]]
 
 
-def grafana(expr: str) -> str:
-    """The query Grafana sends with every variable at All (allValue `.*`), 1 s scrapes and the last hour shown."""
+def grafana(expr: str, hpc_job: str = ".*") -> str:
+    """The query Grafana sends with every variable at All (allValue `.*`), or the Job variable at `hpc_job`,
+    1 s scrapes and the last hour shown."""
     return (
         expr.replace("$node", ".*")
-        .replace("$hpc_job", ".*")
+        .replace("$hpc_job", hpc_job)
         .replace("$__rate_interval", "10s")
         .replace("$__range", "1h")
     )
@@ -194,7 +210,7 @@ def test_every_query_runs_on_real_prometheus_and_the_panels_have_data(dashboard:
         for panel in panels(dashboard):
             for target in panel.get("targets", []):
                 expr = grafana(target["expr"])
-                unknown = set(re.findall(r"gpufleet_\w+", expr)) - exported
+                unknown = set(re.findall(r"gpufleet_\w+", expr)) - exported - FIRST_EVENT
                 assert not unknown, f"{panel['title']}: no such metric {sorted(unknown)}"
                 result = query(expr)
                 if panel["title"] not in ALWAYS:
@@ -237,6 +253,42 @@ def promql_expr_tests(tmp_path: Path, series: dict[str, str], expected: list[dic
         [PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@requires_promtool
+def test_per_gpu_panels_keep_a_gpu_that_no_job_uses(dashboard: dict, tmp_path) -> None:
+    """GPU 0 runs job 71001, GPU 1 nothing (idle, or just freed): with Job at All both show, GPU 1 without a
+    job; with Job at 71001, GPU 0 alone. Gauges only, as from an agent's first scrapes: every fallback of
+    the panels' queries is taken."""
+    series = {}
+    for gpu in ("0", "1"):
+        ids = f'node="dgx-01", gpu="{gpu}", uuid="GPU-{gpu}"'
+        series[f"gpufleet_gpu_up{{{ids}}}"] = "1x5"
+        for name, value in [
+            ("gpufleet_gpu_sm_active_ratio", "0.5"),
+            ("gpufleet_gpu_utilization_ratio", "0.5"),
+            ("gpufleet_gpu_power_watts", "500"),
+            ("gpufleet_gpu_memory_used_bytes", "2e10"),
+        ]:
+            series[f"{name}{{{ids}}}"] = f"{value}x5"
+    series['gpufleet_gpu_job_info{node="dgx-01", gpu="0", uuid="GPU-0", hpc_job="71001"}'] = "1x5"
+    expected = []
+    for title in JOINED:
+        (panel,) = [p for p in panels(dashboard) if p.get("title") == title]
+        expr = panel["targets"][0]["expr"]
+        for job, gpus in ((".*", [("0", ', hpc_job="71001"'), ("1", "")]), ("71001", [("0", ', hpc_job="71001"')])):
+            expected.append(
+                {
+                    "expr": grafana(expr, hpc_job=job),
+                    "eval_time": "4m",
+                    "exp_samples": [
+                        {"labels": f'{{node="dgx-01", gpu="{gpu}", uuid="GPU-{gpu}"{job_label}}}', "value": value}
+                        for gpu, job_label in gpus
+                        for value in [{"Power per GPU": 500, "Memory used per GPU": 2e10}.get(title, 0.5)]
+                    ],
+                }
+            )
+    promql_expr_tests(tmp_path, series, expected)
 
 
 @requires_promtool
@@ -301,8 +353,8 @@ def test_gpu_hours_lost_counts_each_job_and_cause_once_over_an_ha_pair(dashboard
     series = {}
     for replica in ("srv-0:9472", "srv-1:9472"):
         server = f'job="gpufleet-server", instance="{replica}"'
-        series[f'gpufleet_job_gpu_hours_lost_total{{{server}, hpc_job="71001", kind="straggler"}}'] = "0+1x120"
-        series[f'gpufleet_job_gpu_hours_lost_total{{{server}, hpc_job="71001", kind="comm_bound"}}'] = "0+2x120"
+        series[f'gpufleet_job_gpu_seconds_lost_total{{{server}, hpc_job="71001", kind="straggler"}}'] = "0+3600x120"
+        series[f'gpufleet_job_gpu_seconds_lost_total{{{server}, hpc_job="71001", kind="comm_bound"}}'] = "0+7200x120"
     (lost,) = panel_exprs(dashboard, "GPU-hours lost in the time range, by job and cause")
     expected = [
         {

@@ -49,7 +49,7 @@ def incident(scenario: Scenario, kind: str) -> Incident:
 
 def only(alerts: list[Alert], kind: AlertKind, **subject: object) -> Alert:
     """The single alert of this kind and subject; fails listing what fired instead."""
-    found = [a for a in alerts if a.kind is kind and all(getattr(a, k) == v for k, v in subject.items())]
+    found = [a for a in alerts if a.kind == kind and all(getattr(a, k) == v for k, v in subject.items())]
     assert len(found) == 1, f"expected one {kind.value} {subject}, got: {describe(alerts)}"
     return found[0]
 
@@ -102,7 +102,7 @@ def test_slow_gpu_is_named_as_the_straggler_and_resolves(demo: Scenario, alerts:
 def test_no_waiting_peer_is_ever_called_a_straggler(demo: Scenario, alerts: list[Alert]) -> None:
     # The throttled GPU really does hold its job back, so naming it is right; anyone else is a victim.
     culprits = {ref for kind in ("slow_gpu", "cooling_failure") for ref in incident(demo, kind).gpus}
-    wrong = [a for a in alerts if a.kind is AlertKind.STRAGGLER and (a.node, a.gpu) not in culprits]
+    wrong = [a for a in alerts if a.kind == AlertKind.STRAGGLER and (a.node, a.gpu) not in culprits]
     assert not wrong, f"stragglers named outside the culprits {sorted(culprits)}: {describe(wrong)}"
 
 
@@ -124,7 +124,7 @@ def test_nothing_else_fires(demo: Scenario, alerts: list[Alert]) -> None:
     unexpected = [
         a
         for a in alerts
-        if (a.kind, a.node, a.gpu) not in expected or (a.kind is AlertKind.COMM_BOUND and a.hpc_job != comm.job)
+        if (a.kind, a.node, a.gpu) not in expected or (a.kind == AlertKind.COMM_BOUND and a.hpc_job != comm.job)
     ]
     assert not unexpected, f"unexpected alerts: {describe(unexpected)}"
     assert all(a.resolved is not None for a in alerts), f"still open at the end: {describe(alerts)}"

@@ -52,7 +52,14 @@ def wheel(tmp_path_factory) -> Path:
         pytest.skip(f"cannot build the wheel offline: {(proc.stdout + proc.stderr).strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (built,) = out.glob("*.whl")
+    (out / "build.log").write_text(proc.stdout + proc.stderr)
     return built
+
+
+def test_the_wheel_builds_without_a_packaging_warning(wheel):
+    log = (wheel.parent / "build.log").read_text()
+    assert "is absent from the `packages` configuration" not in log
+    assert not [line for line in log.splitlines() if line.startswith("WARNING")], log[-3000:]
 
 
 @pytest.fixture(scope="module")

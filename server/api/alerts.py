@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query
 from starlette.concurrency import run_in_threadpool
 
-from gpufleet.server.alerts import AlertKind, AlertState, Severity
+from gpufleet.server.alerts import KIND_NAME, AlertKind, AlertState, Severity
 from gpufleet.server.api.deps import RuntimeDep
 from gpufleet.server.api.models import AlertModel, AlertPageModel, ErrorModel
 from gpufleet.server.store import MAX_PAGE, AlertQuery, query_open
@@ -22,7 +22,9 @@ _Name = Annotated[str | None, Query(min_length=1, max_length=256)]
 async def list_alerts(
     runtime: RuntimeDep,
     state: AlertState | None = None,
-    kind: AlertKind | None = None,
+    kind: Annotated[
+        str | None, Query(pattern=KIND_NAME.pattern, max_length=256, description="An alert kind, e.g. straggler")
+    ] = None,
     severity: Severity | None = None,
     node: _Name = None,
     gpu: Annotated[int | None, Query(ge=0, le=1_000_000, description="GPU index on the node")] = None,
@@ -41,7 +43,7 @@ async def list_alerts(
     """Alerts from the store matching every given filter."""
     query = AlertQuery(
         state=state,
-        kind=kind,
+        kind=None if kind is None else AlertKind(kind),
         severity=severity,
         node=node,
         gpu=gpu,

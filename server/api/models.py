@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity
+from gpufleet.server.alerts import Alert, AlertState, Severity
 
 
 class AlertModel(BaseModel):
@@ -14,7 +14,11 @@ class AlertModel(BaseModel):
 
     id: str = Field(description="Unique per occurrence: fingerprint + when it went pending.")
     fingerprint: str = Field(description="Stable identity of the subject; repeats across occurrences.")
-    kind: AlertKind
+    kind: str = Field(
+        description="What the problem is, as its detector names it: thermal_throttle, straggler, comm_bound, "
+        "input_bound, node_unreachable, gpu_lost, xid, ecc (docs/detection.md), or a kind a detector added "
+        "declares."
+    )
     severity: Severity
     state: AlertState
     node: str | None = Field(

@@ -115,7 +115,7 @@ def render_alert(
     facts = [
         ("state", _state(alert)),
         ("severity", _severity(alert.severity.value)),
-        ("kind", escape(alert.kind.value)),
+        ("kind", escape(alert.kind)),
         ("subject", escape(subject(alert))),
         ("GPU UUID", escape(alert.uuid or "-")),
         ("job", escape(alert.hpc_job or "-")),
@@ -130,14 +130,14 @@ def render_alert(
         facts.insert(1, ("firing for", escape(_duration(now - alert.started))))
     rows = "".join(f"<tr><th>{escape(k)}</th><td>{_value(v)}</td></tr>" for k, v in alert.evidence.items())
     body = (
-        f"<h2>{escape(alert.kind.value)}: {escape(subject(alert))}</h2><p>{escape(alert.summary)}</p>"
+        f"<h2>{escape(alert.kind)}: {escape(subject(alert))}</h2><p>{escape(alert.summary)}</p>"
         f"<dl>{''.join(f'<dt>{k}</dt><dd>{v}</dd>' for k, v in facts)}</dl>"
         + _alert_charts(alert, chart, tz)
         + "<h2>Evidence</h2>"
         + (f"<table>{rows}</table>" if rows else "<p class=muted>none</p>")
         + '<p><a href="/">&larr; status page</a></p>'
     )
-    return _document(f"{alert.kind.value}: {subject(alert)}", refresh, body, now)
+    return _document(f"{alert.kind}: {subject(alert)}", refresh, body, now)
 
 
 def subject(alert: AlertModel) -> str:
@@ -269,7 +269,7 @@ def _health(job: JobModel, firing: list[AlertModel]) -> str:
             (
                 a
                 for a in firing
-                if a.kind.value == "straggler" and a.hpc_job == job.hpc_job and a.node == ref.node and a.gpu == ref.gpu
+                if a.kind == "straggler" and a.hpc_job == job.hpc_job and a.node == ref.node and a.gpu == ref.gpu
             ),
             None,
         )
@@ -287,7 +287,7 @@ def _firing(page: AlertPageModel, now: float | None) -> str:
     shown = len(page.alerts)
     more = f" <span class=muted>(newest {shown} of {page.total})</span>" if page.total > shown else ""
     rows = "".join(
-        f"<tr><td>{_severity(a.severity.value)}</td><td>{escape(a.kind.value)}</td>"
+        f"<tr><td>{_severity(a.severity.value)}</td><td>{escape(a.kind)}</td>"
         f'<td class=nw><a href="{_alert_href(a)}"><b>{escape(subject(a))}</b></a></td>'
         f"<td>{_ago(a.started, now, suffix='')}</td>"
         f"<td>{escape(a.summary)}<div class=ev>{_evidence_line(a.evidence)}</div></td></tr>"
@@ -301,7 +301,7 @@ def _firing(page: AlertPageModel, now: float | None) -> str:
 
 def _recent(recent: Iterable[AlertModel]) -> str:
     rows = "".join(
-        f"<tr><td>{_time(a.updated)}</td><td>{_state(a)}</td><td>{escape(a.kind.value)}</td>"
+        f"<tr><td>{_time(a.updated)}</td><td>{_state(a)}</td><td>{escape(a.kind)}</td>"
         f'<td><a href="{_alert_href(a)}">{escape(subject(a))}</a></td><td>{escape(a.summary)}</td></tr>'
         for a in recent
     )

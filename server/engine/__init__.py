@@ -1,15 +1,14 @@
 """The detection engine: a pure function of the samples fed to it and the `now` passed to advance().
 
 Flow per closed tick bin: windows -> smoothed per-GPU readings -> peer groups and their baselines ->
-detectors (thermal, straggler, workload, health) -> lifecycle -> transitions. No wall clock, no
+detectors (registry.STANDARD, or the tuple given, in order) -> lifecycle -> transitions. No wall clock, no
 randomness, no I/O: the live server and offline replay produce identical alerts from identical samples.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
-from typing import Iterable
+from typing import AbstractSet, Any, Iterable, Sequence
 
 import numpy as np
 
@@ -17,35 +16,36 @@ from gpufleet.server.alerts import Alert, AlertKind, AlertState, Transition
 from gpufleet.server.contract import NodeSample
 from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.config import EngineConfig
-from gpufleet.server.engine.detectors import Context, FingerprintIndex, Outcome
-from gpufleet.server.engine.detectors import health, straggler, thermal, workload
-from gpufleet.server.engine.groups import INFERRED_JOB, JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
+from gpufleet.server.engine import registry as detectors_registry
+from gpufleet.server.engine.detectors import Context, Outcome, workload
+from gpufleet.server.engine.detectors.spec import Detector, joined
+from gpufleet.server.engine.groups import JOB, GroupHistory, GroupMembers, GroupRegistry, group_stats
 from gpufleet.server.engine.inference import JobInference
 from gpufleet.server.engine.lifecycle import Lifecycle
-from gpufleet.server.engine.policy import rule_names
 from gpufleet.server.engine.prepared import prepare_windows
 from gpufleet.server.engine.tick import SlowdownSource, Tick, read_windows, smoothed
 from gpufleet.server.engine.units import VIEW_DIGITS
 from gpufleet.server.engine.views import EngineStats, JobHealth, NodeHealth
-from gpufleet.server.engine.windows import Windows
+from gpufleet.server.engine.windows import CounterEvent, Windows
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "JobHealth", "NodeHealth"]
 
-_SUPPRESSING = (AlertKind.STRAGGLER, AlertKind.THERMAL_THROTTLE)
-# The kinds whose findings estimate what they cost their job, in the order a tick's loss is put down to
-# them when several fire for one job at once.
-_COSTING = (AlertKind.STRAGGLER, AlertKind.INPUT_BOUND, AlertKind.COMM_BOUND)
-
 
 class Engine:
-    """Feed samples with ingest(), evaluate with advance(now), read alerts() / jobs() / nodes()."""
+    """Feed samples with ingest(), evaluate with advance(now), read alerts() / jobs() / nodes().
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    `detectors` are run in their order at every tick (registry.STANDARD unless given)."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        detectors: Iterable[Detector[Any]] = detectors_registry.STANDARD,
+    ) -> None:
         cfg = self.config = config or EngineConfig()
         cfg.validate()
-        unknown = cfg.disabled_rules - rule_names()
-        if unknown:
-            raise ValueError(f"disabled_rules names no declared rule: {', '.join(sorted(unknown))}")
+        self.detectors = tuple(detectors)
+        detectors_registry.check(self.detectors, cfg)
         self.windows = Windows(cfg.tick_seconds, cfg.bins(cfg.window_seconds))
         self.registry = GroupRegistry(cfg.group_retention_seconds)
         self._inference = JobInference(cfg)
@@ -59,22 +59,12 @@ class Engine:
             cfg.bins(cfg.noise_lag_smooth_factor * cfg.smooth_seconds),
         )
         self.lifecycle = Lifecycle(
-            {
-                AlertKind.THERMAL_THROTTLE: (cfg.thermal_for_seconds, cfg.thermal_clear_seconds),
-                AlertKind.STRAGGLER: (cfg.straggler_for_seconds, cfg.straggler_clear_seconds),
-                AlertKind.COMM_BOUND: (cfg.comm_for_seconds, cfg.workload_clear_seconds),
-                AlertKind.INPUT_BOUND: (cfg.input_for_seconds, cfg.workload_clear_seconds),
-                AlertKind.NODE_UNREACHABLE: (0.0, 0.0),
-                AlertKind.GPU_LOST: (0.0, 0.0),
-                AlertKind.XID: (0.0, 0.0),
-                AlertKind.ECC: (0.0, 0.0),
-            },
+            detectors_registry.durations(self.detectors, cfg),
             cfg.pending_grace_seconds,
+            detectors_registry.advice(self.detectors),
         )
-        self._straggler = straggler.StragglerState()
-        self._workload = workload.WorkloadState()
-        self._health = health.HealthState()
-        self._thermal_index = FingerprintIndex(AlertKind.THERMAL_THROTTLE)
+        self._costing = detectors_registry.costing(self.detectors)
+        self._states = tuple(detector.state() for detector in self.detectors)
         self._next_bin: int | None = None
         self._first: float | None = None  # time of the oldest sample of the first flush that binned any
         self._ticks = 0
@@ -162,9 +152,9 @@ class Engine:
         nid = w.node_ids.get(node)
         slots = w.forget_node(node)
         if len(slots):
-            self._straggler.forget(slots)
             self._last_busy_t[slots[slots < len(self._last_busy_t)]] = -np.inf
-            self._health.forget(set(slots.tolist()), nid)
+            for detector, state in zip(self.detectors, self._states):
+                detector.forget_node(state, slots, nid)
         return transitions
 
     # -- one tick -----------------------------------------------------------------------------
@@ -234,37 +224,35 @@ class Engine:
             held=held,
             sag=workload.sag(groups, self.history, drop, source),
         )
-        outcomes: dict[AlertKind, Outcome] = {}
-        # Each detector sees what the ones before it concluded, through the context.
-        context = Context(history=self.history, events=w.drain_events())
-        outcomes[AlertKind.THERMAL_THROTTLE] = thermal.detect(tick, self._thermal_index, context)
-        healths = health.detect(tick, self._health, context)
-        halted = self._halted(t, healths[AlertKind.GPU_LOST])
-        context = replace(context, halted=halted)
-        strag = straggler.detect(tick, self._straggler, context)
-        outcomes[AlertKind.STRAGGLER] = strag.outcome
-        self._troubled = self._inferred_in_trouble(tick, strag.standout_groups | strag.named_groups)
-        explained = self._explained(tick, outcomes, halted)
-        silent = self._jobs_on_silent_nodes(t, healths[AlertKind.NODE_UNREACHABLE])
-        context = replace(
-            context,
-            explained=explained,
-            standout=strag.standout_groups | silent,
-            idling=strag.idle_groups | silent,
-        )
-        work = workload.detect(tick, self._workload, context)
-        outcomes[AlertKind.COMM_BOUND] = _only(work, AlertKind.COMM_BOUND)
-        outcomes[AlertKind.INPUT_BOUND] = _only(work, AlertKind.INPUT_BOUND)
-        outcomes.update(healths)
+        outcomes, context = self._detect(tick, w.drain_events())
+        self._troubled = self._inferred_in_trouble(tick, set(context.singled_out))
         transitions = self.lifecycle.step(t, outcomes)
         self._count_losses(outcomes)
         if self._ticks % cfg.index_prune_ticks == 0:
-            self._straggler.index.prune(set(self.lifecycle.records), cfg.index_prune_ratio)
-        self._record_history(tick, explained, outcomes)
+            keep = set(self.lifecycle.records)
+            for detector, state in zip(self.detectors, self._states):
+                detector.prune(state, keep, cfg)
+        self._record_history(tick, context.explained, outcomes)
         self._ticks += 1
         self._last_t = t
         self._last_tick = tick
         return transitions
+
+    def _detect(self, tick: Tick, events: Sequence[CounterEvent]) -> tuple[dict[AlertKind, Outcome], Context]:
+        """Run the detectors in order, each reading what the ones before it concluded (the context)."""
+        outcomes: dict[AlertKind, Outcome] = {}
+        context = Context(
+            history=self.history,
+            alerts=self.lifecycle,
+            last_busy_time=self._last_busy_t,
+            last_group=self._last_group,
+            events=events,
+        )
+        for detector, state in zip(self.detectors, self._states):
+            found = detector.detect(tick, state, context)
+            outcomes.update(found.outcomes)
+            context = joined(context, found)
+        return outcomes, context
 
     def _inferred_in_trouble(self, tick: Tick, standout: set[int]) -> np.ndarray | None:
         """Per slot: its group is unattributed (an inferred job or a fallback) and its peers slowed or
@@ -292,7 +280,7 @@ class Engine:
         findings count nothing: a condition that never fires is not a problem the job had."""
         records = self.lifecycle.records
         worst: dict[str, tuple[float, AlertKind]] = {}
-        for kind in _COSTING:
+        for kind in self._costing:
             for fp, f in outcomes[kind].findings.items():
                 rec = records.get(fp)
                 cost = f.cost_gpu_hours
@@ -330,7 +318,9 @@ class Engine:
         """Forget what was learned about groups whose work changed (see GroupRegistry._build)."""
         restarted = np.array(gids, dtype=np.int64)
         self.history.reset(restarted[restarted < self.history.base.shape[1]])
-        self._straggler.forget(np.flatnonzero(np.isin(gid, restarted) & ~self.registry.carried[: len(gid)]))
+        slots = np.flatnonzero(np.isin(gid, restarted) & ~self.registry.carried[: len(gid)])
+        for detector, state in zip(self.detectors, self._states):
+            detector.restart(state, slots)
 
     def _recycle(self, recycled: list[tuple[int, tuple]]) -> None:
         """Drop what is keyed by the groups whose ids went to new groups (the rest is in _restart)."""
@@ -340,8 +330,8 @@ class Engine:
                 self._job_lost.pop(old[1], None)
             if gid < len(self._regime_ticks):
                 self._regime_ticks[gid] = 0
-            self._workload.recycle(gid, old)
-            self._straggler.recycle(gid, self.registry.job(gid), self.windows.node_names)
+            for detector, state in zip(self.detectors, self._states):
+                detector.recycle(state, gid, old, self.registry, self.windows)
         self._members = None
 
     def _engaged(self, t: float, busy: np.ndarray, util: np.ndarray) -> np.ndarray:
@@ -374,84 +364,7 @@ class Engine:
             ticks[changed] = 0
         self._regime_ticks[:n] = ticks
 
-    def _halted(self, t: float, lost: Outcome) -> set[int]:
-        """Groups of jobs with a lost GPU (found now, or a gpu_lost alert opened within the last
-        lost_gpu_hang_seconds). Such a job hangs in its collective until it dies or NCCL times out:
-        utilization high, activity gone job-wide. Nobody in it is a straggler and it is not comm- or
-        input-bound; the lost GPU is the alert. A job still running after that has gone on without the
-        GPU (an elastic restart under the same job id) and is judged again.
-
-        Without attribution the job is unknown: it may span any unattributed node with GPUs of the lost
-        one's model, so every fallback group of that model is taken as hung, if the lost GPU ran work
-        (was busy within unattributed_idle_seconds before it was lost). In a hang one GPU drawing a
-        little more power than the others while all spin was named a straggler, on the lost GPU's node
-        and on another. The price: another unattributed job's straggler of that model goes unnamed
-        for as long."""
-        cfg = self.config
-        since = t - cfg.lost_gpu_hang_seconds
-        subjects = self.lifecycle.open_subjects((AlertKind.GPU_LOST,), since=since)
-        for fp, f in lost.findings.items():
-            # An open alert speaks for its GPU: its job was known when it opened, while the GPU's later
-            # findings carry none (a dead GPU reports no job).
-            if self.lifecycle.opened(fp) is None:
-                subjects[(f.hpc_job, f.node, f.gpu)] = t
-        halted = self._job_groups(job for job, _, _ in subjects)
-        for (job, node, gpu), opened in subjects.items():
-            slot = self.windows.slot_of.get((node, gpu)) if job is None else None
-            if slot is not None and self._last_busy_t[slot] >= opened - cfg.unattributed_idle_seconds:
-                halted |= self._unattributed_hung(slot)
-        return halted
-
-    def _unattributed_hung(self, slot: int) -> set[int]:
-        """The groups taken as hung by an unattributed GPU lost while busy: the inferred job it was last
-        in, if any (its co-movement named its job), else every unattributed group of its model."""
-        last = self._last_group[slot] if slot < len(self._last_group) else -1
-        if last >= 0 and self.registry.kind(int(last)) == INFERRED_JOB:
-            return {int(last)}
-        return self.registry.fallback_groups(int(self.windows.slot_model_id[slot]))
-
-    def _jobs_on_silent_nodes(self, t: float, unreachable: Outcome) -> set[int]:
-        """Groups of the jobs last seen on a node that stopped answering.
-
-        A job missing a node's ranks is not judged as a whole: if the node crashed, the job hangs in its
-        collective until NCCL's timeout, utilization high and SM activity gone (a comm_bound's signature,
-        but node_unreachable is the alert); if only its agent stopped, what the job's other GPUs read is
-        still not the whole job. New job-level findings wait, and one already open is not cleared. At
-        10 s sampling a crashed node's last samples had not opened the pending node straggler that
-        otherwise explains the hang, and a comm_bound fired for it. As for
-        a lost GPU, a job still running lost_gpu_hang_seconds after the node went silent has gone on
-        without it, and is judged again.
-        """
-        if not unreachable.findings:
-            return set()
-        w = self.windows
-        since = t - self.config.lost_gpu_hang_seconds
-        nodes = []
-        for fp, f in unreachable.findings.items():
-            opened = self.lifecycle.opened(fp)
-            if f.node in w.node_ids and (opened is None or opened >= since):
-                nodes.append(w.node_ids[f.node])
-        on = np.isin(w.slot_node_id[: w.n], nodes)
-        return self._job_groups(w.job_names[c] for c in set(w.slot_job[: w.n][on].tolist()) if c >= 0)
-
-    def _job_groups(self, jobs) -> set[int]:
-        """Group ids of the named jobs that have a group now."""
-        ids = self.registry.ids
-        return {ids[(JOB, job)] for job in jobs if job is not None and (JOB, job) in ids}
-
-    def _explained(self, tick: Tick, outcomes: dict[AlertKind, Outcome], halted: set[int]) -> set[int]:
-        """Groups whose drop is explained by a straggler, thermal throttling or a lost GPU (halted)."""
-        sup = set(halted)
-        gid = tick.groups.gid
-        for f in outcomes[AlertKind.THERMAL_THROTTLE].findings.values():
-            slot = self.windows.slot_of.get((f.node, f.gpu))
-            if slot is not None and gid[slot] >= 0:
-                sup.add(int(gid[slot]))
-        sup |= self._job_groups(f.hpc_job for f in outcomes[AlertKind.STRAGGLER].findings.values())
-        sup |= self._job_groups(self.lifecycle.open_jobs(_SUPPRESSING))
-        return sup
-
-    def _record_history(self, tick: Tick, suppressed: set[int], outcomes: dict[AlertKind, Outcome]) -> None:
+    def _record_history(self, tick: Tick, suppressed: AbstractSet[int], outcomes: dict[AlertKind, Outcome]) -> None:
         """Store this tick in the group history; only healthy ticks feed baselines."""
         cfg = self.config
         grp = tick.groups
@@ -470,13 +383,24 @@ class Engine:
         for g in suppressed:
             healthy[g] = False
         self.history.record(tick.k, grp, healthy)
-        comm = {f.hpc_job for f in outcomes[AlertKind.COMM_BOUND].findings.values()}
+        comm = (
+            {f.hpc_job for f in outcomes[AlertKind.COMM_BOUND].findings.values()}
+            if AlertKind.COMM_BOUND in outcomes
+            else set()
+        )
         for gid in (grp.size > 0).nonzero()[0].tolist():
             job = self.registry.job(gid)
             if job is not None:
                 counts = self._job_ticks.setdefault(job, [0, 0])
                 counts[0] += 1
                 counts[1] += job in comm
+
+    def state(self, detector: str) -> Any:
+        """What a detector (by name) has learned so far: its state, for inspection (KeyError if not run)."""
+        for d, state in zip(self.detectors, self._states):
+            if d.name == detector:
+                return state
+        raise KeyError(detector)
 
     # -- views --------------------------------------------------------------------------------
     def alerts(self) -> list[Alert]:
@@ -510,13 +434,13 @@ class Engine:
                     baseline_sm_active_ratio=_f(base_sm[gid]) if gid < len(base_sm) else None,
                     power_watts=_f(grp.power[gid]),
                     estimated_slowdown_ratio=_f(tick.slowdown[gid]),
-                    stragglers=tuple({"node": a.node, "gpu": a.gpu} for a in mine if a.kind is AlertKind.STRAGGLER),
-                    comm_bound=any(a.kind is AlertKind.COMM_BOUND for a in mine),
-                    input_bound=any(a.kind is AlertKind.INPUT_BOUND for a in mine),
+                    stragglers=tuple({"node": a.node, "gpu": a.gpu} for a in mine if a.kind == AlertKind.STRAGGLER),
+                    comm_bound=any(a.kind == AlertKind.COMM_BOUND for a in mine),
+                    input_bound=any(a.kind == AlertKind.INPUT_BOUND for a in mine),
                     comm_bound_share=counts[1] / counts[0] if counts[0] else 0.0,
                     evaluated_ticks=counts[0],
                     gpu_hours_lost_by_kind=tuple(
-                        (kind.value, round(lost[kind], VIEW_DIGITS)) for kind in _COSTING if kind in lost
+                        (kind.value, round(lost[kind], VIEW_DIGITS)) for kind in self._costing if kind in lost
                     ),
                 )
             )
@@ -526,7 +450,7 @@ class Engine:
         """Per-node health at the latest evaluation."""
         w = self.windows
         open_alerts = self.lifecycle.alerts()
-        unreachable = {a.node for a in open_alerts if a.kind is AlertKind.NODE_UNREACHABLE}
+        unreachable = {a.node for a in open_alerts if a.kind == AlertKind.NODE_UNREACHABLE}
         out = []
         node_ids = w.slot_node_id[: w.n]
         for nid, node in enumerate(w.node_names):
@@ -564,11 +488,6 @@ class Engine:
             open_alerts=len(alerts),
             firing_alerts=sum(1 for a in alerts if a.state is AlertState.FIRING),
         )
-
-
-def _only(outcome: Outcome, kind: AlertKind) -> Outcome:
-    """The part of a shared outcome that belongs to one kind."""
-    return Outcome({fp: f for fp, f in outcome.findings.items() if f.kind is kind}, outcome.clear)
 
 
 def _f(x: float) -> float | None:

@@ -55,6 +55,7 @@ class _Record:
     # A restored alert already accounts for every tick up to its last update: agents re-send their
     # buffers after a server restart, and re-judging those old ticks would resolve and re-open it.
     settled_until: float = float("-inf")
+    advice: str = ""
 
     def alert(self, resolved: float | None = None, state: AlertState | None = None) -> Alert:
         """Immutable snapshot of this record."""
@@ -74,15 +75,22 @@ class _Record:
             self.updated,
             self.summary,
             dict(self.evidence),
+            advice=self.advice,
         )
 
 
 class Lifecycle:
     """Open alerts keyed by fingerprint, stepped once per tick."""
 
-    def __init__(self, durations: Mapping[AlertKind, tuple[float, float]], pending_grace: float = 0.0) -> None:
+    def __init__(
+        self,
+        durations: Mapping[AlertKind, tuple[float, float]],
+        pending_grace: float = 0.0,
+        advice: Mapping[AlertKind, str] | None = None,
+    ) -> None:
         self.durations = dict(durations)
         self.pending_grace = pending_grace
+        self.advice = dict(advice or {})  # kind -> what to look at, carried by its alerts
         self.records: dict[str, _Record] = {}
 
     def step(self, t: float, outcomes: Mapping[AlertKind, Outcome]) -> list[Transition]:
@@ -97,7 +105,7 @@ class Lifecycle:
             for fp in [
                 fp
                 for fp, r in self.records.items()
-                if r.kind is kind and fp not in outcome.findings and t > r.settled_until
+                if r.kind == kind and fp not in outcome.findings and t > r.settled_until
             ]:
                 self._off(t, self.records[fp], outcome.clear(fp), clear_s, out)
         return out
@@ -119,6 +127,7 @@ class Lifecycle:
                 f.summary,
                 f.evidence,
                 updated=t,
+                advice=self.advice.get(f.kind, ""),
             )
             if for_s > 0:
                 out.append(Transition(rec.alert(), None))
@@ -230,6 +239,8 @@ class Lifecycle:
                 a.started,
                 a.updated,
                 settled_until=a.updated,
+                # A store written before alerts kept their advice has none: the kind's own is the same.
+                advice=a.advice or self.advice.get(a.kind, ""),
             )
             taken += 1
         return taken

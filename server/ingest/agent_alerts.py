@@ -14,9 +14,12 @@ from dataclasses import dataclass, replace
 from typing import Collection, Iterable, Mapping, Sequence
 
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Transition, fingerprint
+from gpufleet.server.engine import registry
 from gpufleet.server.ingest.base import TargetHealth
 
 SOURCE = "ingest"
+# The engine's node_unreachable says what to look at; these alerts are the same problem.
+_ADVICE = registry.advice(registry.STANDARD)[AlertKind.NODE_UNREACHABLE]
 
 
 def is_ours(alert: Alert) -> bool:
@@ -149,4 +152,5 @@ def _alert(h: TargetHealth, node: str | None, since: float, now: float, after: f
         updated=now,
         summary=what if node is None else f"{what}; its node {node} is not being watched",
         evidence=evidence,
+        advice=_ADVICE,
     )

@@ -15,11 +15,13 @@ import logging
 import ssl
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Protocol
 
 import httpx
+
+from gpufleet.server.ingest.identity import NodePin
 
 if TYPE_CHECKING:
     from gpufleet.server.settings import ClientAuth, ServerSettings
@@ -66,6 +68,8 @@ class PullResult:
     targets: int
     failed_targets: int
     rejected_snapshots: int
+    # Node names pinned (or unpinned: None) in this cycle, for the store to keep across a restart.
+    pins: Mapping[str, NodePin | None] = field(default_factory=dict)
 
 
 @contextlib.asynccontextmanager
@@ -169,7 +173,7 @@ class IngestAccounting:
             total[reason] += n
         return total
 
-    def remember_identities(self, nodes: Mapping[str, str]) -> None:
+    def remember_identities(self, nodes: Mapping[str, str], pins: Mapping[str, NodePin] | None = None) -> None:
         """A source whose targets are not the agents themselves has no names to pin: nothing to remember."""
 
     def _forget_target(self, target: str) -> None:
@@ -267,8 +271,9 @@ class SampleSource(Protocol):
 
     def errors_by_reason(self) -> Mapping[str, int]: ...
 
-    def remember_identities(self, nodes: Mapping[str, str]) -> None:
-        """The node each target answered as before a restart (target -> node, from the store)."""
+    def remember_identities(self, nodes: Mapping[str, str], pins: Mapping[str, NodePin] | None = None) -> None:
+        """The node each target answered as before a restart (target -> node) and what each node's name was
+        pinned to (node -> pin), from the store."""
         ...
 
 

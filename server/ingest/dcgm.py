@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from gpufleet.server import readings
+from gpufleet.server.engine import registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,26 +66,9 @@ MODEL_LABEL = "modelName"
 INDEX_LABEL = "gpu"
 JOB_LABEL = "hpc_job"
 
-# reading -> ((detector, what it cannot do without the reading), ...), for a source where no GPU has it.
-MISSING_EFFECTS: Mapping[str, tuple[tuple[str, str], ...]] = {
-    "throttle_reasons": (
-        ("thermal_throttle", "fires on temperature alone; clocks cut by heat below the threshold go unseen"),
-        ("straggler", "cannot say what cut a GPU's clocks (heat, power brake, power cap)"),
-    ),
-    "slowdown_temperature_celsius": (
-        ("thermal_throttle", "cannot tell a GPU near its own slowdown temperature: warning, not critical"),
-    ),
-    "sm_clock_max_hertz": (
-        ("thermal_throttle", "cannot measure how far heat cut the SM clock"),
-        ("straggler", "cannot see a GPU's clocks cut below its peers'"),
-    ),
-    "sm_active_ratio": (
-        ("straggler", "measures slowdowns by power, which moves less than SM activity"),
-        ("comm_bound", "measures the job's drop by power, and only while clocks hold"),
-    ),
-    "memory_max_operating_temperature_celsius": (("thermal_throttle", "HBM at its own limit does not trigger"),),
-    "ecc_uncorrected_errors_total": (("ecc", "no uncorrected ECC errors counted: only row remapping failures alert"),),
-}
+# reading -> ((alert kind, what it cannot do without the reading), ...), for a source where no GPU has it:
+# each detector declares what its kinds need (KindSpec.without), so this follows the detectors the server runs.
+MISSING_EFFECTS: Mapping[str, tuple[tuple[str, str], ...]] = registry.missing_effects(registry.STANDARD)
 
 
 def metrics_for(field: str) -> tuple[str, ...]:

@@ -16,7 +16,6 @@ import email.utils
 import logging
 import ssl
 import time
-from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -34,7 +33,14 @@ from gpufleet.server.ingest.base import (
     bounded,
     default_parse,
 )
-from gpufleet.server.ingest.identity import RememberedNodes
+from gpufleet.server.ingest.identity import (
+    DEFAULT_IDENTITY_TTL_SECONDS,
+    Evidence,
+    NodePin,
+    NodePins,
+    RememberedNodes,
+    gpu_uuids,
+)
 from gpufleet.server.ingest.targets import (
     CombinedTargets,
     DnsTargets,
@@ -43,6 +49,7 @@ from gpufleet.server.ingest.targets import (
     TargetSource,
 )
 from gpufleet.server.outbound import for_peer
+from gpufleet.server.uuids import duplicate_gpu_uuid
 
 if TYPE_CHECKING:
     from gpufleet.server.settings import ServerSettings
@@ -124,6 +131,7 @@ class Puller(IngestAccounting):
         first_span_seconds: float = DEFAULT_FIRST_SPAN_SECONDS,
         first_concurrency: int = DEFAULT_FIRST_CONCURRENCY,
         first_budget_seconds: float = DEFAULT_FIRST_BUDGET_SECONDS,
+        identity_ttl_seconds: float = DEFAULT_IDENTITY_TTL_SECONDS,
     ) -> None:
         super().__init__()
         self.source = source
@@ -154,9 +162,12 @@ class Puller(IngestAccounting):
         self._node_of: dict[str, str] = {}
         self._target_of: dict[str, str] = {}
         self._gpus_of: dict[str, set[int]] = {}
-        # The target each node answered from before a restart, and the targets listed now (see identity.py).
+        # The target each node answered from before a restart, the GPUs and target each node's name is pinned
+        # to (both see identity.py), the targets listed now and those that answered in this cycle.
         self._remembered = RememberedNodes()
+        self._pins = NodePins(ttl_seconds=identity_ttl_seconds, max_pins=2 * max_nodes)
         self._listed: frozenset[str] = frozenset()
+        self._answered: set[str] = set()
         self._dated: dict[str, float] = {}  # target -> its clock offset from its Date header, until better known
         self._transport = transport
         self._timeout_seconds = timeout_seconds
@@ -205,6 +216,7 @@ class Puller(IngestAccounting):
         t0 = time.perf_counter()
         targets = await asyncio.to_thread(self._list_targets)
         self._listed = frozenset(targets)
+        self._answered = set()
         for gone in set(self._health) - set(targets):
             del self._health[gone]
             self.clocks.forget(gone)
@@ -214,6 +226,7 @@ class Puller(IngestAccounting):
             self._forget_target(gone)
         for gone in set(self._clients) - set(targets):
             await self._clients.pop(gone).aclose()
+        self._expire_pins(started)
         self._cycle_first_span = self._first_span_now(targets)
         outcomes = await asyncio.gather(*(self._pull_target(t) for t in targets))
         samples = [s for ok, batch, _ in outcomes for s in batch]
@@ -224,6 +237,7 @@ class Puller(IngestAccounting):
             targets=len(targets),
             failed_targets=sum(1 for ok, _, _ in outcomes if not ok),
             rejected_snapshots=sum(r for _, _, r in outcomes),
+            pins=self._pins.changes(),
         )
         return self._finish_cycle(result)
 
@@ -473,6 +487,10 @@ class Puller(IngestAccounting):
                 )
                 continue
             current.append((raw, raw_time))
+        if node is not None:
+            # The GPUs of its newest snapshot that lists any: the node's hardware as it is now.
+            uuids = next((u for raw, _ in reversed(current) if (u := gpu_uuids((raw,)))), frozenset())
+            self._pins.served(node, target, uuids, now)
         samples, problems = await self._off_loop(self._parse_all, current, offset)
         for problem in problems:
             rejected += 1
@@ -502,22 +520,81 @@ class Puller(IngestAccounting):
             node = first.get("node") if first is not None and isinstance(first.get("node"), str) else None
         pinned = self._node_of.get(target)
         if node is None or node == pinned:
+            if pinned is not None:
+                self._answered.add(target)
             return pinned if node is None else node
         if pinned is not None:
             raise PullError("node_changed", f"answers as {node[:100]!r}, first seen as {pinned[:100]!r}")
-        owner = self._target_of.get(node) or self._remembered.owner(node, target, self._listed)
-        if owner is not None:
-            raise PullError("node_claimed", f"{node[:100]!r} is pulled from {owner}")
-        if len(self._target_of) >= self.max_nodes:
+        self._check_claim(target, node, doc["snapshots"])
+        if node not in self._target_of and len(self._target_of) >= self.max_nodes:
             raise PullError("too_many_nodes", f"{len(self._target_of)} nodes already, the most accepted")
+        self._take(target, node)
+        return node
+
+    def _check_claim(self, target: str, node: str, snapshots: list[Any]) -> None:
+        """PullError `node_claimed` unless the target may answer for the node: never while the node's own
+        target answers (or, listed, has not been asked yet); otherwise with GPUs among those its name is
+        pinned to, or, where it has none pinned, while no other listed target holds the name (identity.py)."""
+        owner = self._target_of.get(node)
+        if owner is not None and self._answering(owner):
+            raise PullError("node_claimed", f"{node[:100]!r} is pulled from {owner}")
+        uuids = gpu_uuids(snapshots)
+        evidence = self._pins.evidence(node, target, uuids)
+        if evidence is Evidence.OTHER:
+            raise PullError("node_claimed", self._other_gpus(node, uuids))
+        pin = self._pins.get(node)
+        if pin is not None and pin.target != target and pin.target in self._listed and pin.target not in self._health:
+            # Two targets with the node's GPUs (one agent listed under two addresses): the one the name is
+            # pinned to keeps it, whichever answers first after a restart.
+            raise PullError("node_claimed", f"{node[:100]!r} is pinned to {pin.target}, not asked yet")
+        owner = owner or self._remembered.owner(node, target, self._listed)
+        if evidence is Evidence.NONE and owner is not None:
+            raise PullError("node_claimed", f"{node[:100]!r} is pulled from {owner}")
+
+    def _other_gpus(self, node: str, uuids: frozenset[str]) -> str:
+        """Why a claim with other GPUs than the pinned ones is refused, for the error's detail."""
+        pin = self._pins.get(node)
+        pinned = f"{len(pin.gpu_uuids)} GPUs last answered for from {pin.target}" if pin is not None else "its GPUs"
+        listed = f"{len(uuids)} GPU uuids, none of them" if uuids else "no GPU uuid"
+        return (
+            f"{node[:100]!r} is pinned to {pinned}; this answer lists {listed} "
+            f"(the pin lapses after {self._pins.ttl_seconds:.0f} s unanswered, --targets.identity-ttl)"
+        )
+
+    def _answering(self, target: str) -> bool:
+        """Whether a target answers: it did in this cycle, or its latest pull did not fail."""
+        health = self._health.get(target)
+        return target in self._answered or health is None or health.up
+
+    def _take(self, target: str, node: str) -> None:
+        """The target answers for the node from now on (taking it from a target that does not answer)."""
+        previous = self._target_of.get(node)
+        if previous is not None:
+            del self._node_of[previous]
+            if previous in self._health:
+                self._health[previous] = replace(self._health[previous], node=None)
+            log.warning(
+                "node name taken by another target reporting its GPUs",
+                extra={"node": node, "target": target, "previous_target": previous},
+            )
         self._node_of[target] = node
         self._target_of[node] = target
         self._remembered.forget(target)
-        return node
+        self._answered.add(target)
 
-    def remember_identities(self, nodes: Mapping[str, str]) -> None:
-        """The node each target answered as before a restart (target -> node, from the store)."""
+    def _expire_pins(self, now: float) -> None:
+        """Free the names whose pins lapsed: from the targets that held them, when those do not answer."""
+        for node in self._pins.expire(now):
+            self._remembered.forget_node(node)
+            owner = self._target_of.get(node)
+            if owner is not None and not self._answering(owner):
+                del self._node_of[owner], self._target_of[node]
+
+    def remember_identities(self, nodes: Mapping[str, str], pins: Mapping[str, NodePin] | None = None) -> None:
+        """The node each target answered as before a restart (target -> node) and what each node's name was
+        pinned to (node -> pin), from the store."""
         self._remembered.remember(nodes)
+        self._pins.restore(pins or {})
 
     def _identity_error(self, node: str | None, raw: Any) -> tuple[str, str] | None:
         """(reason, detail) when a snapshot names another node than its target's, or brings its node's GPUs
@@ -531,10 +608,10 @@ class Puller(IngestAccounting):
             return None
         if len(gpus) > self.max_gpus:
             return "too_many_gpus", f"{len(gpus)} GPUs in one snapshot, over {self.max_gpus}"
-        uuids = [u for g in gpus if isinstance(g, dict) and isinstance(u := g.get("uuid"), str)]
-        if len(set(uuids)) < len(uuids):
-            twice = next(u for u, n in Counter(uuids).items() if n > 1)
-            return "duplicate_gpu_uuid", f"GPU {twice[:100]!r} twice in one snapshot"
+        # The contract refuses it too (as `schema`): checked here first for a reason of its own.
+        twice = duplicate_gpu_uuid(u for g in gpus if isinstance(g, dict) and isinstance(u := g.get("uuid"), str))
+        if twice is not None:
+            return "duplicate_gpu_uuid", twice
         if node is None:
             return None
         known = self._gpus_of.setdefault(node, set())
@@ -630,6 +707,7 @@ def from_settings(settings: ServerSettings, wiring: Wiring) -> Puller:
         max_nodes=settings.pull_max_nodes,
         first_span_seconds=first_span(settings),
         first_concurrency=settings.pull_first_concurrency,
+        identity_ttl_seconds=settings.targets_identity_ttl_seconds,
     )
 
 

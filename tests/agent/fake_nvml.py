@@ -15,6 +15,8 @@ from typing import Any
 
 import pynvml
 
+from gpufleet.agent.readings import READINGS, FieldValue
+
 
 @dataclass
 class FakeGpu:
@@ -87,6 +89,11 @@ def h100_fields(links: int = 18) -> dict[tuple[int, int], int | float]:
     for link in range(links):
         out[(pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, link)] = 1000 + link
         out[(pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, link)] = 2000 + link
+    # Every other field of the reading table answers 1, so a reading added there is supported here too.
+    for reading in READINGS:
+        field_id = getattr(pynvml, getattr(reading.source, "field_id", ""), None)
+        if isinstance(reading.source, FieldValue) and isinstance(field_id, int):
+            out.setdefault((field_id, reading.source.scope), 1)
     return out
 
 

@@ -13,7 +13,10 @@ def test_entries_without_and_with_per_link():
     fake = FakeNvml()
     base = batch_entries(fake, link_count=18, per_link=False)
     assert {e.reading for e in base} >= {"power_watts", "nvlink_tx_bytes_total", "throttle_seconds_total.sync_boost"}
-    assert [e.scope for e in base if e.reading.startswith("nvlink")] == [ALL_LINKS, ALL_LINKS]
+    assert [e.scope for e in base if e.reading in ("nvlink_tx_bytes_total", "nvlink_rx_bytes_total")] == [
+        ALL_LINKS,
+        ALL_LINKS,
+    ]
     links = batch_entries(fake, link_count=2, per_link=True)
     extra = [(e.reading, e.scope) for e in links if e not in base]
     assert extra == [

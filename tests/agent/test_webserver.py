@@ -16,7 +16,8 @@ import pytest
 
 from gpufleet.agent.sampler import Sampler
 from gpufleet.agent.store import SnapshotStore
-from gpufleet.agent.webserver import AgentHttpServer, _DeadlineReader
+from gpufleet.agent.connections import ConnectionLimits, request_end
+from gpufleet.agent.webserver import AgentHttpServer, _RequestReader
 from tests.agent.fakes import FakeClock, StubReader
 
 
@@ -26,7 +27,7 @@ def agent():
     store = SnapshotStore()
     reader = StubReader()
     sampler = Sampler(reader, store, node="dgx-017", clock=clock.time, monotonic=clock.monotonic, jitter=lambda: 0.5)
-    server = AgentHttpServer(store, host="127.0.0.1", port=0, interval=1.0, clock=clock.time, poll_interval=0.01)
+    server = AgentHttpServer(store, host="127.0.0.1", port=0, interval=1.0, clock=clock.time)
     server.start()
     yield server, sampler, clock, reader, store
     server.close()
@@ -418,40 +419,96 @@ def test_a_body_is_compressed_once_however_often_it_is_scraped(agent):
 
 def test_the_listen_backlog_suits_a_scrape_fleet(agent):
     server, *_ = agent
-    assert server._httpd.request_queue_size >= 128
+    assert server._listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    assert server.limits.max_connections >= 128
 
 
-def test_connections_beyond_the_limit_wait_in_the_backlog_until_a_worker_is_free():
-    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, poll_interval=0.01, max_connections=2)
+def test_connections_that_send_nothing_cost_no_worker_and_give_way_to_new_ones():
+    limits = ConnectionLimits(max_connections=4, max_requests=1)
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, limits=limits)
     server.start()
-    held = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(2)]
-    waiting = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    held = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(4)]
     try:
-        waiting.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
-        assert server.limits.saturated.wait(10)  # both workers busy: not accepted
-        waiting.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            waiting.recv(100)
-        waiting.setblocking(True)
-        for sock in held:  # the held connections are still served
+        # The one worker is free for a fifth client: it takes the place of the oldest silent connection.
+        assert get(server, "/healthz")[0] == 503  # no sample yet: starting
+        assert held[0].recv(100) == b""
+        assert server.gate.evicted >= 1
+        for sock in held[1:]:  # the others are still served
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
-            assert sock.recv(100).startswith(b"HTTP/1.1 503 ")  # no sample yet: starting
-        held.pop().close()  # a worker is free: the waiting one is served
-        assert waiting.recv(100).startswith(b"HTTP/1.1 503 ")
-        assert server.limits.warn.totals["connections:limit"] >= 1
+            assert sock.recv(100).startswith(b"HTTP/1.1 503 ")
     finally:
-        for sock in (*held, waiting):
+        for sock in held:
             sock.close()
         server.close()
 
 
-def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout():
-    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, poll_interval=0.01, idle_timeout_seconds=0.2)
+def test_one_address_gives_way_to_itself_not_to_others():
+    limits = ConnectionLimits(max_connections_per_address=2)
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, limits=limits)
+    server.start()
+    other = socket.create_connection(("127.0.0.1", server.port), timeout=10, source_address=("127.0.0.2", 0))
+    held = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(2)]
+    try:
+        assert server.gate.wait_for_held(3, timeout=10)
+        newest = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        with newest:
+            assert held[0].recv(100) == b""  # 127.0.0.1's oldest made room
+            newest.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+            assert newest.recv(100).startswith(b"HTTP/1.1 503 ")
+        other.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")  # another address is untouched
+        assert other.recv(100).startswith(b"HTTP/1.1 503 ")
+    finally:
+        for sock in (*held, other):
+            sock.close()
+        server.close()
+
+
+def test_large_answers_beyond_the_cap_are_503_busy_with_retry_after(agent):
+    server, sampler, *_ = agent
+    sampler.run_once()
+    for _ in range(server.limits.max_large_answers):  # answers in flight to clients that read slowly
+        server.large_answers.acquire()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/snapshots")
+        resp = conn.getresponse()
+        assert resp.status == 503 and resp.getheader("Retry-After") == "1"
+        assert orjson.loads(resp.read())["error"] == "busy"
+        conn.close()
+        assert get(server, "/metrics")[0] == 503
+        assert get(server, "/healthz")[0] == 200  # small answers are not held up
+    finally:
+        for _ in range(server.limits.max_large_answers):
+            server.large_answers.release()
+    assert get(server, "/snapshots")[0] == 200 and server.busy_answers == 2
+
+
+def test_a_connection_that_sends_nothing_is_closed_at_the_head_deadline():
+    server = AgentHttpServer(
+        SnapshotStore(), host="127.0.0.1", port=0, limits=ConnectionLimits(read_header_timeout_seconds=0.2)
+    )
     server.start()
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             assert sock.recv(100) == b""
-        assert server.limits.wait_for(0, timeout=10)
+        assert server.gate.wait_for(0, timeout=10)
+        assert server.gate.expired == 1
+    finally:
+        server.close()
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout():
+    limits = ConnectionLimits(keep_alive_timeout_seconds=0.2)
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, limits=limits)
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b"}"):
+                answer += sock.recv(1000)
+            assert sock.recv(100) == b""
+        assert server.gate.expired == 1
     finally:
         server.close()
 
@@ -460,38 +517,52 @@ def test_a_request_must_arrive_whole_before_its_deadline_however_it_trickles():
     a, b = socket.socketpair()
     now = [0.0]
     with a, b:
-        reader = _DeadlineReader(a, lambda: now[0])
-        reader.deadline = 30.0
-        buffer = bytearray(100)
-        b.sendall(b"GET")
-        assert reader.readinto(buffer) == 3
+        reader = _RequestReader(a, b"GET", 30.0, lambda: now[0])
+        assert reader.read(3) == b"GET"
         now[0] = 29.0
         b.sendall(b" /")  # each byte in time for a per-read timeout...
-        assert reader.readinto(buffer) == 2
+        assert reader.read(2) == b" /"
         now[0] = 30.5
         b.sendall(b"metrics")
         with pytest.raises(TimeoutError):  # ...but not for the request's deadline
-            reader.readinto(buffer)
+            reader.read(7)
+
+
+@pytest.mark.parametrize(
+    ("data", "end"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: a\r\n", None),
+        (b"GET / HTTP/1.1\r\nHost: a\r\n\r\nGET", 27),
+        (b"GET / HTTP/1.1\nHost: a\n\n", 24),
+        (b"POST / HTTP/1.1\r\nContent-Length: 4\r\n\r\nab", None),
+        (b"POST / HTTP/1.1\r\nContent-Length: 4\r\n\r\nabcdGET", 42),
+        (b"POST / HTTP/1.1\r\nContent-Length: 999999\r\n\r\nab", 43),
+        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n4", 47),
+        (b"X" * 70000, 70000),
+    ],
+)
+def test_a_request_is_handed_to_a_worker_once_its_head_and_small_body_are_in(data, end):
+    assert request_end(data) == end
 
 
 def test_repeated_accept_errors_are_logged_once_per_interval_with_a_count(caplog):
     mono, pauses = [100.0], []
     server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, monotonic=lambda: mono[0], pause=pauses.append)
-    real = server._httpd.socket
+    real = server.gate.listener
 
     class OutOfDescriptors:
         def accept(self):
             raise OSError(errno.EMFILE, "Too many open files")
 
-    server._httpd.socket = OutOfDescriptors()
+    server.gate.listener = OutOfDescriptors()
     try:
-        with caplog.at_level(logging.WARNING, logger="gpufleet.agent.webserver"):
+        with caplog.at_level(logging.WARNING, logger="gpufleet.agent.connections"):
             for _ in range(1000):
-                server._httpd._handle_request_noblock()
+                server.gate.accept()
             mono[0] += 60.0
-            server._httpd._handle_request_noblock()
+            server.gate.accept()
     finally:
-        server._httpd.socket = real
+        server.gate.listener = real
         server.close()
     lines = [r for r in caplog.records if r.getMessage() == "cannot accept connections"]
     assert [(r.kind, r.count) for r in lines] == [("accept:EMFILE", 1), ("accept:EMFILE", 1000)]
@@ -501,36 +572,33 @@ def test_repeated_accept_errors_are_logged_once_per_interval_with_a_count(caplog
 def test_a_client_reset_is_one_structured_debug_line_not_a_traceback(agent, caplog, capfd):
     server, sampler, *_ = agent
     sampler.run_once()
-    with caplog.at_level(logging.DEBUG, logger="gpufleet.agent.webserver"):
+    with caplog.at_level(logging.DEBUG, logger="gpufleet.agent"):
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
         sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: a\r\n")  # headers not finished
+        assert server.gate.wait_for_held(1, timeout=10)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()  # RST
-        assert server.limits.wait_for(0, timeout=10)
-        try:
-            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
-        except BrokenPipeError:
-            server._httpd.handle_error(None, ("127.0.0.1", 40000))
+        assert server.gate.wait_for(0, timeout=10)
     lost = [r for r in caplog.records if r.getMessage() == "http client connection lost"]
     assert lost and all(r.levelno == logging.DEBUG and r.exc_info is None for r in lost)
-    assert lost[-1].error == "BrokenPipeError" and lost[-1].client == "127.0.0.1"
+    assert lost[-1].error == "ConnectionResetError" and lost[-1].client == "127.0.0.1"
     assert "Traceback" not in capfd.readouterr().err
     assert get(server, "/healthz")[0] == 200
 
 
 def test_a_client_gone_before_accept_is_not_an_accept_failure(caplog):
     server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, pause=lambda s: pytest.fail("paused"))
-    real = server._httpd.socket
+    real = server.gate.listener
 
     class Aborted:
         def accept(self):
             raise ConnectionAbortedError(errno.ECONNABORTED, "Software caused connection abort")
 
-    server._httpd.socket = Aborted()
+    server.gate.listener = Aborted()
     try:
-        with caplog.at_level(logging.WARNING, logger="gpufleet.agent.webserver"):
-            server._httpd._handle_request_noblock()
+        with caplog.at_level(logging.WARNING, logger="gpufleet.agent.connections"):
+            server.gate.accept()
     finally:
-        server._httpd.socket = real
+        server.gate.listener = real
         server.close()
-    assert not caplog.records and not server.limits.warn.totals
+    assert not caplog.records and not server.gate.warn.totals

@@ -190,9 +190,7 @@ def serve():
         Sampler(
             StubReader(), store, node="dgx-017", clock=clock.time, monotonic=clock.monotonic, jitter=lambda: 0.5
         ).run_once()
-        server = AgentHttpServer(
-            store, host="127.0.0.1", port=0, interval=1.0, clock=clock.time, poll_interval=0.01, web=web
-        )
+        server = AgentHttpServer(store, host="127.0.0.1", port=0, interval=1.0, clock=clock.time, web=web)
         server.start()
         servers.append(server)
         return server

@@ -6,14 +6,16 @@ import io
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 from dataclasses import replace
 
 import httpx
+import pytest
 
-from gpufleet.server.alerts import AlertKind, AlertState, Transition
+from gpufleet.server.alerts import AlertKind, AlertState, Severity, Transition
 from gpufleet.server.demo import (
     Scenario,
     TerminalPrinter,
@@ -53,6 +55,26 @@ def test_printer_shows_firing_and_resolved_only() -> None:
     assert "(+   11s) FIRING   thermal_throttle" in lines[0] and "dgx-03 GPU 5 (job 71001): alert 1" in lines[0]
     assert "(+  100s) RESOLVED thermal_throttle" in lines[1]
     assert (printer.fired_total, printer.resolved_total) == (1, 1)
+
+
+def test_printer_shows_a_severity_change_while_firing() -> None:
+    out = io.StringIO()
+    printer = TerminalPrinter(epoch=1000.0, out=out)
+    warning = make_alert(1, kind=AlertKind.STRAGGLER, node="dgx-03", gpu=2, hpc_job="71002")
+    critical = replace(warning, severity=Severity.CRITICAL, updated=1040.0)
+    printer.submit([Transition(warning, AlertState.PENDING)])
+    printer.submit([Transition(warning, AlertState.FIRING)])  # a refresh: no line
+    printer.submit([Transition(critical, AlertState.FIRING)])
+    printer.submit([Transition(replace(critical, updated=1045.0), AlertState.FIRING)])  # a refresh: no line
+    printer.submit([Transition(replace(warning, updated=1090.0), AlertState.FIRING)])
+    lines = out.getvalue().splitlines()
+    assert [line.split(") ", 1)[1].split()[:3] for line in lines] == [
+        ["FIRING", "straggler", "warning"],
+        ["RAISED", "straggler", "critical"],
+        ["LOWERED", "straggler", "warning"],
+    ]
+    assert "(+   40s) RAISED   straggler        critical dgx-03 GPU 2 (job 71002)" in lines[1]
+    assert (printer.fired_total, printer.sent_total) == (1, 3)
 
 
 def _through_the_agent_command(scenario) -> Scenario:
@@ -198,3 +220,67 @@ def test_default_address_falls_back_to_a_free_port_when_9472_is_taken() -> None:
         assert host == "127.0.0.1" and port != 9472
     finally:
         holder.close()
+
+
+# Runs `gpufleet-server demo` through its console entry point with one step wrapped so that the process
+# sends itself a real SIGINT there (as a terminal's Ctrl-C would), and writes the pids of the agents it
+# started to a file, so the test can see that none outlives the demo.
+_CTRL_C_AT = r"""
+import os, signal, subprocess, sys
+from gpufleet.server import cli, demo, serve
+
+step, pids = sys.argv[1], open(sys.argv[2], "w")
+popen = demo.subprocess.Popen
+
+class Popen(popen):
+    def __init__(self, cmd, *args, **kwargs):
+        super().__init__(cmd, *args, **kwargs)
+        if "--node" in cmd:
+            pids.write(f"{self.pid}\n"); pids.flush()
+            if step == "second_agent" and cmd[cmd.index("--node") + 1] == "dgx-02":
+                os.kill(os.getpid(), signal.SIGINT)
+
+def at(name, real):
+    def wrapped(*args, **kwargs):
+        if step == name:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+    return wrapped
+
+demo.subprocess.Popen = Popen
+demo.load_demo_scenario = at("scenario", demo.load_demo_scenario)
+demo.wait_for_agents = at("wait_for_agents", demo.wait_for_agents)
+serve.build_runtime = at("server_start", serve.build_runtime)
+sys.exit(cli.main(["demo", "--web.listen-address", "127.0.0.1:0", "--duration", "60"]))
+"""
+
+
+@pytest.mark.parametrize("step", ["scenario", "second_agent", "wait_for_agents", "server_start"])
+def test_ctrl_c_in_the_first_seconds_stops_cleanly(tmp_path, step) -> None:
+    pids, out, err = tmp_path / "agents", tmp_path / "out", tmp_path / "err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        # Files, not pipes: an agent left behind would hold a pipe open, and the test would hang on it.
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CTRL_C_AT, step, str(pids)],
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's `cmd &` would ignore it
+        )
+        code = proc.wait(timeout=120)
+    started = [int(pid) for pid in pids.read_text().split()]
+    left = [pid for pid in started if _running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert (code, err.read_text()) == (0, "")
+    assert out.read_text().splitlines()[-1] == "gpufleet demo: stopped"
+    assert started if step != "scenario" else not started
+    assert left == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

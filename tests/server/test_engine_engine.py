@@ -99,7 +99,7 @@ def _losses(override):
             eng.ingest(samples[i])
             i += 1
         for tr in eng.advance(t):
-            if tr.alert.kind is AlertKind.STRAGGLER and tr.alert.state is AlertState.FIRING and fired is None:
+            if tr.alert.kind == AlertKind.STRAGGLER and tr.alert.state is AlertState.FIRING and fired is None:
                 fired = tr.alert.started
         jobs = eng.jobs()
         lost.append((t, jobs[0].gpu_hours_lost if jobs else 0.0))
@@ -163,11 +163,11 @@ def test_an_unattributed_node_whose_busy_set_changes_forgets_its_baseline_and_of
     eng, _ = _drive([s for s in samples if s.time < T0 + 400])
     n0 = eng.registry.ids[("node_model", eng.windows.node_ids["n0"], 0)]
     slots = [eng.windows.slot_of[("n0", g)] for g in range(4)]
-    assert eng.history.baseline("sm")[n0] > 0 and (eng._straggler.learned[slots] > 20).all()
+    assert eng.history.baseline("sm")[n0] > 0 and (eng.state("straggler").learned[slots] > 20).all()
     for s in samples:
         if T0 + 400 <= s.time < T0 + 440:
             eng.ingest(s)
     eng.advance(T0 + 445)
     assert eng.registry.first_seen[n0] > T0 + 400
     assert eng.history.baseline("sm")[n0] != eng.history.baseline("sm")[n0]  # NaN: no baseline yet
-    assert (eng._straggler.learned[slots] <= 9).all()  # at most the ticks since 400 s
+    assert (eng.state("straggler").learned[slots] <= 9).all()  # at most the ticks since 400 s

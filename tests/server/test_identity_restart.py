@@ -1,12 +1,15 @@
-"""A node's name stays with the target it answered from across a restart: another target claiming it while
-the real one is merely down is refused, and the real one is taken back when it returns."""
+"""A node's name stays with the target it answered from and the GPUs it reported, across a restart: another
+target claiming it while the real one is merely down is refused unless it reports the node's GPUs (the same
+agent at a new address), and the real one is taken back when it returns. A pin lapses after its TTL."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterator
 
@@ -20,14 +23,27 @@ from tests.agent.running import server_process
 from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
 
 REAL, IMPOSTOR = "10.0.0.1:9471", "10.0.0.9:9471"
+MOVED = "10.0.0.5:9471"  # the real agent at a new address (a new pod IP)
 
 
-def _runtime(settings: ServerSettings, now: list[float], down: set[str]):
+def _answer(node: str, t: float, gpus: str) -> bytes:
+    """One snapshot of `node` whose GPU uuids are named after `gpus` (the hardware answering)."""
+    snap = snapshot(node, t)
+    for gpu in snap["gpus"]:
+        gpu["uuid"] = f"GPU-{gpus}-{gpu['index']}"
+    return orjson.dumps(envelope(node, [snap]))
+
+
+def _runtime(settings: ServerSettings, now: list[float], down: set[str], gpus: dict[str, str] | None = None):
+    """Every target answers as dgx-01: the impostor with its own GPUs, any other target with the real ones
+    unless `gpus` says which hardware answers there."""
+
     def handler(request: httpx.Request) -> httpx.Response:
         target = f"{request.url.host}:{request.url.port}"
         if target in down:
             raise httpx.ConnectError("refused")
-        return httpx.Response(200, content=orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", now[0])])))
+        hardware = (gpus or {}).get(target, "impostor" if target == IMPOSTOR else "real")
+        return httpx.Response(200, content=_answer("dgx-01", now[0], hardware))
 
     return build_runtime(
         settings, engine=StubEngine(), clock=lambda: now[0], transport=httpx.MockTransport(handler), parse=parse_dict
@@ -72,10 +88,72 @@ def test_a_remembered_target_no_longer_listed_frees_its_nodes_name(tmp_path) -> 
     first.store.close()
 
     # The node moved to a new address and the old one left discovery: the new target may answer for it.
-    second = _runtime(ServerSettings(targets=(IMPOSTOR,), storage_path=str(tmp_path / "m.db")), now, set())
+    second = _runtime(ServerSettings(targets=(MOVED,), storage_path=str(tmp_path / "m.db")), now, set())
     second.restore()
     asyncio.run(_cycles(second, now, 1))
     assert [s["node"] for s in second.engine.samples] == ["dgx-01"] and second.source.errors == {}
+
+
+def test_the_real_agent_back_at_a_new_address_with_its_gpus_takes_its_name_across_a_restart(tmp_path) -> None:
+    now = [1000.0]
+    path = str(tmp_path / "n.db")
+    first = _runtime(ServerSettings(targets=(REAL,), storage_path=path), now, set())
+    asyncio.run(_cycles(first, now, 2))
+    first.store.close()
+
+    # The pod restarted under a new IP while the server restarted, and discovery still lists the old one.
+    down = {REAL}
+    second = _runtime(ServerSettings(targets=(REAL, MOVED), storage_path=path), now, down)
+    second.restore()
+    asyncio.run(_cycles(second, now, 1))
+    assert [s["time"] for s in second.engine.samples] == [now[0]]
+    assert {h.target: h.up for h in second.source.health()} == {REAL: False, MOVED: True}
+    assert second.store.node_pins()["dgx-01"].target == MOVED
+
+    down.clear()
+    down.add(MOVED)  # and back at its old address, with the same GPUs
+    asyncio.run(_cycles(second, now, 1))
+    assert second.engine.samples[-1]["time"] == now[0]
+    assert {h.target: h.up for h in second.source.health()} == {REAL: True, MOVED: False}
+    assert second.source.errors == {(REAL, "connect"): 1, (MOVED, "connect"): 1}
+
+
+def test_an_impostor_with_other_gpus_is_refused_across_restarts_after_the_nodes_address_left(tmp_path) -> None:
+    now = [1000.0]
+    path = str(tmp_path / "o.db")
+    first = _runtime(ServerSettings(targets=(REAL,), storage_path=path), now, set())
+    asyncio.run(_cycles(first, now, 1))
+    first.store.close()
+    for _ in range(2):  # each restart reads the pin back from the store
+        runtime = _runtime(ServerSettings(targets=(IMPOSTOR,), storage_path=path), now, set())
+        runtime.restore()
+        asyncio.run(_cycles(runtime, now, 2))
+        assert runtime.engine.samples == [] and runtime.source.errors == {(IMPOSTOR, "node_claimed"): 2}
+        assert "none of them" in (runtime.source.health()[0].last_error or "")
+        runtime.store.close()
+
+
+def test_after_the_identity_ttl_a_node_with_replaced_gpus_takes_its_name_across_a_restart(tmp_path, caplog) -> None:
+    now = [1000.0]
+    settings = ServerSettings(targets=(REAL,), storage_path=str(tmp_path / "t.db"), targets_identity_ttl_seconds=3600)
+    first = _runtime(settings, now, set())
+    asyncio.run(_cycles(first, now, 2))
+    last_served = now[0]
+    first.store.close()
+
+    # The node's GPUs were replaced, and its agent answers from a new address; the old one is still listed.
+    settings = replace(settings, targets=(REAL, MOVED))
+    second = _runtime(settings, now, {REAL}, gpus={MOVED: "replaced"})
+    second.restore()
+    asyncio.run(_cycles(second, now, 1))
+    assert second.engine.samples == [] and second.source.errors[(MOVED, "node_claimed")] == 1
+    now[0] = last_served + 3600  # the next cycle is 5 s past the TTL
+    with caplog.at_level(logging.INFO, logger="gpufleet.server.ingest.identity"):
+        asyncio.run(_cycles(second, now, 1))
+    assert "no longer pinned" in caplog.text
+    assert [s["time"] for s in second.engine.samples] == [now[0]]
+    pin = second.store.node_pins()["dgx-01"]
+    assert (pin.target, pin.gpu_uuids) == (MOVED, {"GPU-replaced-0", "GPU-replaced-1"})
 
 
 class _Agent(BaseHTTPRequestHandler):
@@ -167,3 +245,38 @@ def test_real_servers_keep_a_node_name_with_its_target_across_a_restart(tmp_path
                 assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
                 nodes = api.get("/nodes").json()["nodes"]
                 assert [n["node"] for n in nodes] == ["dgx-01"]
+
+
+def test_real_servers_give_a_node_name_to_its_agent_at_a_new_address_and_not_to_other_gpus(tmp_path) -> None:
+    """Real `serve` processes on one store, agents found through a file_sd file: the agent comes back under a
+    new address (its old one still listed) while the server restarts, beside an impostor with other GPUs.
+    The agent at its new address takes its name; the impostor is refused."""
+    sd = tmp_path / "agents.json"
+    timing = ("--pull.interval", "250ms", "--pull.timeout", "250ms")
+    with _serving(_Agent) as old_port:
+        old = f"127.0.0.1:{old_port}"
+        sd.write_text(orjson.dumps([{"targets": [old]}]).decode())
+        with server_process(tmp_path, "--targets.file-sd", str(sd), *timing) as (proc, port):
+            api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+            _until("the agent pulled", lambda: _metric(api, "gpufleet_server_target_up", target=old) == 1.0, proc)
+            _until("its pin stored", lambda: api.get("/healthz").json()["cycles"] >= 3, proc)
+    with _serving(_Agent) as new_port, _serving(_Impostor) as impostor_port:
+        new, impostor = f"127.0.0.1:{new_port}", f"127.0.0.1:{impostor_port}"
+        sd.write_text(orjson.dumps([{"targets": [old, impostor, new]}]).decode())
+        with server_process(tmp_path, "--targets.file-sd", str(sd), *timing) as (proc, port):
+            api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+            _until(
+                "the agent taken at its new address",
+                lambda: _metric(api, "gpufleet_server_target_up", target=new) == 1.0,
+                proc,
+            )
+            _until(
+                "the impostor refused",
+                lambda: (
+                    (_metric(api, "gpufleet_server_pull_errors_total", target=impostor, reason="node_claimed") or 0)
+                    >= 3
+                ),
+                proc,
+            )
+            assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
+            assert [n["node"] for n in api.get("/nodes").json()["nodes"]] == ["dgx-01"]

@@ -42,9 +42,7 @@ def agent(pki, tmp_path):
     Sampler(
         StubReader(), store, node="dgx-017", clock=clock.time, monotonic=clock.monotonic, jitter=lambda: 0.5
     ).run_once()
-    server = AgentHttpServer(
-        store, host="127.0.0.1", port=0, clock=clock.time, poll_interval=0.01, web=load_web_config(str(web_file))
-    )
+    server = AgentHttpServer(store, host="127.0.0.1", port=0, clock=clock.time, web=load_web_config(str(web_file)))
     server.start()
     yield server
     server.close()

@@ -8,7 +8,7 @@ import json
 import httpx
 import orjson
 
-from gpufleet.server.alerts import AlertKind, AlertState, Severity
+from gpufleet.server.alerts import AlertKind, AlertState, Severity, description
 from gpufleet.server.ingest.agent_alerts import AgentAlerts, is_ours
 from gpufleet.server.ingest.base import TargetHealth
 from gpufleet.server.ingest.puller import Puller
@@ -394,6 +394,7 @@ def test_agent_down_since_start_alerts_after_the_threshold_and_clears_once_the_e
     assert (a.node, a.gpu, a.hpc_job, a.pending_since, a.started) == ("10.0.0.4:9471", None, None, 1000.0, 1030.0)
     assert "has not answered since the server started (connect: refused)" in a.summary
     assert a.evidence["target"] == "10.0.0.4:9471" and is_ours(a)
+    assert description(a).endswith("check the node, its network and gpufleet-agent there.")  # health's advice
     assert alerts.step([down], covered=set(), now=1035.0) == []  # no refresh noise while it stays down
     assert alerts.alerts() == [a]
     up = _health("10.0.0.4:9471", up=True, node="dgx-04", last_success=1040.0)

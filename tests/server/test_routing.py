@@ -108,10 +108,11 @@ def test_the_description_is_one_line_with_the_summary_the_subject_and_what_to_lo
         hpc_job="71001",
         summary="GPU 5 on dgx-02 at 89 °C",
         labels={"namespace": "ml", "pod": "w-3"},
+        advice="Check the node's cooling.",
     )
     text = description(alert)
     assert "\n" not in text and text.startswith("GPU 5 on dgx-02 at 89 °C.")
-    assert "node dgx-02, GPU 5 (GPU-abc), job 71001, pod ml/w-3" in text and "cooling" in text
+    assert text.endswith("On node dgx-02, GPU 5 (GPU-abc), job 71001, pod ml/w-3. Check the node's cooling.")
 
 
 def test_the_store_keeps_an_alerts_labels_and_opens_a_store_written_before_they_existed(tmp_path):

@@ -167,7 +167,9 @@ def test_the_pipeline_reads_a_prometheus_behind_mutual_tls_and_basic_auth(pki, t
 @needs_openssl
 def test_status_reads_a_server_behind_mutual_tls_and_basic_auth(pki, tmp_path, capsys):
     web = web_config_file(tmp_path / "web.yml", pki, USER, PASSWORD)
-    with server_process(tmp_path, "--web.config.file", str(web)) as (_, port):
+    no_agents_yet = tmp_path / "agents.yml"
+    no_agents_yet.write_text("[]\n")
+    with server_process(tmp_path, "--web.config.file", str(web), "--targets.file-sd", str(no_agents_yet)) as (_, port):
         url = f"https://127.0.0.1:{port}"
         assert status(["--url", url, *flags("api", pki, tmp_path)]) == 0
         out, _ = capsys.readouterr()

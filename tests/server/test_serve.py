@@ -142,7 +142,8 @@ def test_bad_engine_section_exits_2(capsys, tmp_path) -> None:
         pytest.skip("engine not written yet")
     config = tmp_path / "s.yaml"
     config.write_text("engine: {no_such_engine_key: 1}\n")
-    assert main(["--config.file", str(config), "--storage.path", str(tmp_path / "x.db")]) == 2
+    argv = ["--config.file", str(config), "--targets", "127.0.0.1:1", "--storage.path", str(tmp_path / "x.db")]
+    assert main(argv) == 2
     assert "no_such_engine_key" in capsys.readouterr().err
 
 

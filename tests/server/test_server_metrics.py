@@ -94,8 +94,8 @@ def test_resolved_alerts_and_ended_jobs_disappear(tmp_path) -> None:
         ),
     )
     first = samples(registry)
-    assert first[("gpufleet_job_gpu_hours_lost_total", (("hpc_job", "7"), ("kind", "straggler")))] == 1.25
-    assert first[("gpufleet_job_gpu_hours_lost_total", (("hpc_job", "7"), ("kind", "comm_bound")))] == 0.5
+    assert first[("gpufleet_job_gpu_seconds_lost_total", (("hpc_job", "7"), ("kind", "straggler")))] == 4500
+    assert first[("gpufleet_job_gpu_seconds_lost_total", (("hpc_job", "7"), ("kind", "comm_bound")))] == 1800
     assert sum(1 for k in first if k[0] == "gpufleet_alert_active") == 1
     assert ("gpufleet_job_gpus", (("hpc_job", "7"),)) in first
     assert first[("gpufleet_job_stragglers", (("hpc_job", "7"),))] == 1  # a list of culprits counts as its length
@@ -103,7 +103,7 @@ def test_resolved_alerts_and_ended_jobs_disappear(tmp_path) -> None:
     runtime.view = FleetView()
     second = samples(registry)
     assert not any(
-        k[0] in ("gpufleet_alert_active", "gpufleet_alerts", "gpufleet_job_gpus", "gpufleet_job_gpu_hours_lost_total")
+        k[0] in ("gpufleet_alert_active", "gpufleet_alerts", "gpufleet_job_gpus", "gpufleet_job_gpu_seconds_lost_total")
         for k in second
     )
 

@@ -28,7 +28,7 @@ def test_the_straggler_summary_and_the_job_each_name_their_own_figure() -> None:
         boundary = (math.floor(sample.time / step) + 1) * step
         engine.ingest(sample)
     engine.advance(boundary)
-    (alert,) = [a for a in engine.alerts() if a.kind is AlertKind.STRAGGLER and a.state is AlertState.FIRING]
+    (alert,) = [a for a in engine.alerts() if a.kind == AlertKind.STRAGGLER and a.state is AlertState.FIRING]
     assert alert.started is not None and alert.started < T0 + 520
     found = CULPRIT_FIGURE.search(alert.summary)
     assert found, alert.summary

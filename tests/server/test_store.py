@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from gpufleet.server.alerts import AlertKind, AlertState, Severity
+from gpufleet.server.ingest.identity import NodePin
 from gpufleet.server.store import MAX_PAGE, AlertQuery, AlertStore, StoreError
 from tests.server.live_fakes import make_alert
 
@@ -117,4 +118,24 @@ def test_target_node_names_survive_a_reopen(tmp_path) -> None:
     first.close()
     second = AlertStore(path)
     assert second.target_nodes() == {"10.0.0.1:9471": "dgx-01", "10.0.0.2:9471": "dgx-22"}
+    second.close()
+
+
+def test_node_pins_survive_a_reopen_and_a_lapsed_one_is_deleted(tmp_path) -> None:
+    path = tmp_path / "p.db"
+    first = AlertStore(path)
+    assert first.node_pins() == {}
+    first.remember_node_pins(
+        {
+            "dgx-01": NodePin("10.0.0.1:9471", frozenset({"GPU-a0", "GPU-a1"}), 1000.0),
+            "cpu-01": NodePin("c:1", frozenset(), 5.0),
+        }
+    )
+    first.remember_node_pins({"cpu-01": None, "dgx-02": NodePin("b:1", frozenset({"GPU-b0"}), 2000.0)})
+    first.close()
+    second = AlertStore(path)
+    assert second.node_pins() == {
+        "dgx-01": NodePin("10.0.0.1:9471", frozenset({"GPU-a0", "GPU-a1"}), 1000.0),
+        "dgx-02": NodePin("b:1", frozenset({"GPU-b0"}), 2000.0),
+    }
     second.close()

@@ -110,7 +110,8 @@ def test_serve_refuses_a_damaged_store_with_exit_2_and_one_line(tmp_path, capsys
     path = tmp_path / "alerts.db"
     _store(path)
     _damage(path, "table")
-    argv = ["--web.listen-address", "127.0.0.1:0", "--storage.path", str(path), "--storage.on-corruption", REFUSE]
+    argv = ["--web.listen-address", "127.0.0.1:0", "--targets", "dgx-01:9471"]
+    argv += ["--storage.path", str(path), "--storage.on-corruption", REFUSE]
     assert main(argv) == 2
     # Structured log lines (the source's own start-up notes) may come first; the refusal is one plain line.
     plain = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("{")]
@@ -201,11 +202,23 @@ def test_check_config_names_a_damaged_store_where_serve_would_refuse_it(tmp_path
 
     path = tmp_path / "alerts.db"
     _store(path)
-    assert cli(["check-config", "--storage.path", str(path), "--storage.on-corruption", REFUSE]) == 0
+    assert (
+        cli(
+            ["check-config", "--targets", "dgx-01:9471", "--storage.path", str(path), "--storage.on-corruption", REFUSE]
+        )
+        == 0
+    )
     capsys.readouterr()
     _damage(path, "index")
-    assert cli(["check-config", "--storage.path", str(path)]) == 0  # moved aside at start: not a problem
+    assert (
+        cli(["check-config", "--targets", "dgx-01:9471", "--storage.path", str(path)]) == 0
+    )  # moved aside at start: not a problem
     capsys.readouterr()
-    assert cli(["check-config", "--storage.path", str(path), "--storage.on-corruption", REFUSE]) == 2
+    assert (
+        cli(
+            ["check-config", "--targets", "dgx-01:9471", "--storage.path", str(path), "--storage.on-corruption", REFUSE]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is damaged" in err and "serve would refuse it" in err

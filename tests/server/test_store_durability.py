@@ -35,6 +35,11 @@ class FullDiskStore(AlertStore):
             raise sqlite3.OperationalError("database or disk is full")
         return super().remember_target_nodes(nodes)
 
+    def remember_node_pins(self, pins):
+        if self.full:
+            raise sqlite3.OperationalError("database or disk is full")
+        return super().remember_node_pins(pins)
+
 
 class Clock:
     def __init__(self, t: float) -> None:
@@ -77,9 +82,10 @@ def test_alerts_that_fired_while_the_disk_was_full_are_written_once_it_has_room(
     health = client.get("/healthz")
     # Degraded, but 200: a liveness probe must not restart a server that would lose what waits.
     assert health.status_code == 200 and health.json()["degraded_reason"] == "store_unsaved"
-    assert health.json()["status"] == "degraded" and health.json()["store_unsaved_changes"] == 3  # 2 alerts, 1 node
+    # 2 alerts, 1 node name, its pin
+    assert health.json()["status"] == "degraded" and health.json()["store_unsaved_changes"] == 4
     assert health.json()["store_unsaved_age_seconds"] == 30.0
-    assert _metric(client, "gpufleet_server_store_unsaved_changes") == 3
+    assert _metric(client, "gpufleet_server_store_unsaved_changes") == 4
     assert _metric(client, "gpufleet_server_store_unsaved_age_seconds") == 30.0
     assert _metric(client, "gpufleet_server_store_errors_total") == 2
 
@@ -91,7 +97,7 @@ def test_alerts_that_fired_while_the_disk_was_full_are_written_once_it_has_room(
     assert client.get("/healthz").json()["status"] == "ok"
     assert _metric(client, "gpufleet_server_store_unsaved_changes") == 0
     assert _metric(client, "gpufleet_server_store_unsaved_age_seconds") is None
-    assert store.target_nodes() == {"a:1": "dgx-01"}
+    assert store.target_nodes() == {"a:1": "dgx-01"} and store.node_pins()["dgx-01"].target == "a:1"
     store.close()
 
     engine = StubEngine()  # and a restart restores both

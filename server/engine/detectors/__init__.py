@@ -4,29 +4,59 @@ and a clear test for subjects that had an alert open. The lifecycle decides what
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Mapping, Sequence
+from typing import AbstractSet, Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity, fingerprint
 from gpufleet.server.engine.arrays import grown
-from gpufleet.server.engine.groups import GroupHistory
+from gpufleet.server.engine.groups import JOB, GroupHistory, GroupRegistry
 from gpufleet.server.engine.units import EVIDENCE_DIGITS
 from gpufleet.server.engine.windows import CounterEvent
 
 
+class OpenAlerts(Protocol):
+    """The open alerts as a detector may ask about them (the lifecycle before this tick's step)."""
+
+    def opened(self, fp: str) -> float | None:
+        """When the open alert of a fingerprint opened; None when none is open."""
+        ...
+
+    def open_jobs(self, kinds: Iterable[AlertKind], since: float = float("-inf")) -> set[str]:
+        """hpc_jobs with an open alert of the given kinds (opened at or after `since`)."""
+        ...
+
+    def open_subjects(
+        self, kinds: Iterable[AlertKind], since: float = float("-inf")
+    ) -> dict[tuple[str | None, str | None, int | None], float]:
+        """(hpc_job, node, gpu) of every open alert of the given kinds, each with when it opened."""
+        ...
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Context:
-    """What a detector reads besides the tick and its own state: the groups' history and what the engine
-    and the detectors run before it concluded this tick. Every detector is called as detect(tick, state,
-    context), so the order they run in alone decides what each can see."""
+    """What a detector reads besides the tick and its own state: the groups' history, the open alerts,
+    what the engine remembers per GPU, and what the detectors run before it concluded this tick (each
+    set is the union of what they contributed in their Detection, see spec.joined)."""
 
     history: GroupHistory  # per-group baselines, medians and noise (job-level drops are measured on it)
+    alerts: OpenAlerts
+    last_busy_time: np.ndarray  # per slot: the last evaluation time it was busy (-inf: never)
+    last_group: np.ndarray  # per slot: the last group it was in (-1: none yet)
     events: Sequence[CounterEvent] = ()  # health counter increases drained from the windows this tick
     halted: AbstractSet[int] = frozenset()  # groups hung by a lost GPU: no straggler among the GPUs left
     explained: AbstractSet[int] = frozenset()  # groups whose drop a straggler, heat or a lost GPU explains
     standout: AbstractSet[int] = frozenset()  # groups where a GPU or node stands out, or on a silent node
     idling: AbstractSet[int] = frozenset()  # groups where one idles below its peers, or on a silent node
+    # Groups where a GPU or node stands out or is named: an unattributed one's GPU models are not
+    # re-inferred meanwhile (see Engine._inferred_in_trouble).
+    singled_out: AbstractSet[int] = frozenset()
+
+
+def job_groups(registry: GroupRegistry, jobs: Iterable[str | None]) -> set[int]:
+    """Group ids of the named jobs that have a group now."""
+    ids = registry.ids
+    return {ids[(JOB, job)] for job in jobs if job is not None and (JOB, job) in ids}
 
 
 @dataclass(slots=True)
@@ -54,15 +84,11 @@ class Finding:
         return subject_fingerprint(self.kind, self.node, self.gpu, self.hpc_job, self.extra)
 
 
-# Job-scoped kinds: the same GPU in a new job is a new problem; a hot GPU is the same problem.
-_JOB_KEYED = frozenset((AlertKind.STRAGGLER, AlertKind.COMM_BOUND, AlertKind.INPUT_BOUND))
-
-
 def subject_fingerprint(
     kind: AlertKind, node: str | None, gpu: int | None, hpc_job: str | None, extra: str = ""
 ) -> str:
-    """Fingerprint of an alert subject; hpc_job only counts for job-scoped kinds."""
-    return fingerprint(kind, node, gpu, hpc_job if kind in _JOB_KEYED else None, extra)
+    """Fingerprint of an alert subject; hpc_job only counts for job-keyed kinds."""
+    return fingerprint(kind, node, gpu, hpc_job if kind.job_keyed else None, extra)
 
 
 # Given an open alert's fingerprint: True = clear now, False = not clear (hold), None = no data to say.
@@ -114,7 +140,7 @@ class FingerprintIndex:
 
     def __init__(self, kind: AlertKind) -> None:
         self.kind = kind
-        self._keyed = kind in _JOB_KEYED
+        self._keyed = kind.job_keyed
         self._map: dict[str, tuple[int, int]] = {}
         self._done = np.full(0, _UNSYNCED, dtype=np.int64)
 

@@ -14,7 +14,8 @@ import numpy as np
 from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.config import EngineConfig
-from gpufleet.server.engine.detectors import Context, FingerprintIndex, Finding, Outcome, subject_fingerprint
+from gpufleet.server.engine.detectors import Context, FingerprintIndex, Finding, Outcome, hung, subject_fingerprint
+from gpufleet.server.engine.detectors.spec import Detection, Detector, KindSpec
 from gpufleet.server.engine.tick import Tick
 from gpufleet.server.engine.xids import XID_CRITICAL, XID_MEANINGS
 from gpufleet.server.engine.windows import B_REMAP_FAILURE, B_REMAP_PENDING, B_UP, CounterEvent
@@ -298,3 +299,48 @@ def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
 def _quiet(rule: Rule, seconds: float, cfg: EngineConfig) -> bool:
     """Whether a quiet rule holds for one alert quiet this many seconds."""
     return bool(evaluate((rule,), {"quiet_seconds": np.array([seconds])}, cfg)[rule.name][0])
+
+
+def _detect(tick: Tick, state: HealthState, context: Context) -> Detection:
+    """detect(), and what its lost GPUs and silent nodes mean for the jobs on them (see hung)."""
+    outcomes = detect(tick, state, context)
+    halted = hung.halted(tick, context, outcomes[AlertKind.GPU_LOST])
+    silent = hung.jobs_on_silent_nodes(tick, context, outcomes[AlertKind.NODE_UNREACHABLE])
+    return Detection(outcomes=outcomes, halted=halted, explained=halted, standout=silent, idling=silent)
+
+
+def _forget_node(state: HealthState, slots: np.ndarray, nid: int | None) -> None:
+    state.forget(set(slots.tolist()), nid)
+
+
+DETECTOR: Detector[HealthState] = Detector(
+    name="health",
+    kinds=(
+        KindSpec(
+            kind=AlertKind.NODE_UNREACHABLE,
+            advice="Its GPUs are not monitored: check the node, its network and gpufleet-agent there.",
+        ),
+        KindSpec(
+            kind=AlertKind.GPU_LOST,
+            advice="The GPU stopped answering (fell off the bus, XID 79 in the kernel log): drain the node.",
+        ),
+        KindSpec(
+            kind=AlertKind.XID,
+            advice="The driver reported an XID error: NVIDIA's XID catalogue says what the code means.",
+        ),
+        KindSpec(
+            kind=AlertKind.ECC,
+            advice="Its memory has uncorrectable errors: drain the GPU and check its remapped rows.",
+            without=(
+                (
+                    "ecc_uncorrected_errors_total",
+                    "no uncorrected ECC errors counted: only row remapping failures alert",
+                ),
+            ),
+        ),
+    ),
+    rules=RULES,
+    state=HealthState,
+    detect=_detect,
+    forget_node=_forget_node,
+)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
-from gpufleet.server.engine.detectors import Context, Finding, FingerprintIndex, Outcome, r3
+from gpufleet.server.engine.detectors import Context, Finding, FingerprintIndex, Outcome, job_groups, r3
+from gpufleet.server.engine.detectors.spec import Detection, Detector, KindSpec
 from gpufleet.server.engine.reduce import median
 from gpufleet.server.engine.tick import Tick, smoothed_row
 from gpufleet.server.engine.windows import (
@@ -202,3 +203,42 @@ def _finding(tick: Tick, slot: int, arrays: dict[str, np.ndarray], critical: boo
         f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} thermal: " + ", ".join(why),
         evidence,
     )
+
+
+def _detect(tick: Tick, state: FingerprintIndex, context: Context) -> Detection:
+    """detect(), and the groups its heat explains: those of the GPUs found hot now and of the jobs with a
+    thermal alert open (a job's drop while one of its GPUs is cut by heat is the heat's)."""
+    outcome = detect(tick, state, context)
+    gid = tick.groups.gid
+    explained = job_groups(tick.registry, context.alerts.open_jobs((AlertKind.THERMAL_THROTTLE,)))
+    for f in outcome.findings.values():
+        slot = tick.windows.slot_of.get((f.node, f.gpu))
+        if slot is not None and gid[slot] >= 0:
+            explained.add(int(gid[slot]))
+    return Detection(outcomes={AlertKind.THERMAL_THROTTLE: outcome}, explained=explained)
+
+
+DETECTOR: Detector[FingerprintIndex] = Detector(
+    name="thermal",
+    kinds=(
+        KindSpec(
+            kind=AlertKind.THERMAL_THROTTLE,
+            advice="The GPU cuts its clocks while this hot: check the node's cooling (fans, airflow, "
+            "inlet temperature).",
+            for_setting="thermal_for_seconds",
+            clear_setting="thermal_clear_seconds",
+            without=(
+                ("throttle_reasons", "fires on temperature alone; clocks cut by heat below the threshold go unseen"),
+                (
+                    "slowdown_temperature_celsius",
+                    "cannot tell a GPU near its own slowdown temperature: warning, not critical",
+                ),
+                ("sm_clock_max_hertz", "cannot measure how far heat cut the SM clock"),
+                ("memory_max_operating_temperature_celsius", "HBM at its own limit does not trigger"),
+            ),
+        ),
+    ),
+    rules=RULES,
+    state=lambda: FingerprintIndex(AlertKind.THERMAL_THROTTLE),
+    detect=_detect,
+)

@@ -21,11 +21,13 @@ import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.detectors import Context, Finding, Outcome, r3, subject_fingerprint
-from gpufleet.server.engine.groups import JOB, GroupHistory, Groups
+from gpufleet.server.engine.detectors.spec import Detection, Detector, KindSpec
+from gpufleet.server.engine.groups import JOB, GroupHistory, GroupRegistry, Groups
 from gpufleet.server.engine.config import EngineConfig
 from gpufleet.server.engine.rules import Rule, any_of, evaluate
 from gpufleet.server.engine.tick import SlowdownSource, Tick
 from gpufleet.server.engine.units import PERCENT, SECONDS_PER_HOUR, VIEW_DIGITS
+from gpufleet.server.engine.windows import Windows
 
 # Gates that compare a reading with a setting: evaluated first, their results are gates of the rules below.
 GATE_RULES: tuple[Rule, ...] = (
@@ -323,7 +325,7 @@ def _finding(
         "estimated_job_slowdown_ratio": r3(drop),
         "gpu_hours_lost": round(lost, VIEW_DIGITS),
     }
-    if kind is AlertKind.COMM_BOUND:
+    if kind == AlertKind.COMM_BOUND:
         summary = (
             f"job {job} is communication-bound: {signal} {cur:.2f} vs baseline {base:.2f} "
             f"(-{drop * PERCENT:.0f} %) with utilization {grp.util[gid]:.2f} and no GPU standing out"
@@ -335,3 +337,45 @@ def _finding(
         )
     sev = Severity.WARNING if drop < cfg.workload_critical_drop_ratio else Severity.CRITICAL
     return Finding(kind, None, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
+
+
+def _detect(tick: Tick, state: WorkloadState, context: Context) -> Detection:
+    """detect(), its findings split by kind."""
+    both = detect(tick, state, context)
+    return Detection(outcomes={kind: _only(both, kind) for kind in (AlertKind.COMM_BOUND, AlertKind.INPUT_BOUND)})
+
+
+def _only(outcome: Outcome, kind: AlertKind) -> Outcome:
+    """The part of a shared outcome that belongs to one kind."""
+    return Outcome({fp: f for fp, f in outcome.findings.items() if f.kind == kind}, outcome.clear)
+
+
+def _recycle(state: WorkloadState, gid: int, old_key: tuple, registry: GroupRegistry, windows: Windows) -> None:
+    state.recycle(gid, old_key)
+
+
+DETECTOR: Detector[WorkloadState] = Detector(
+    name="workload",
+    kinds=(
+        KindSpec(
+            kind=AlertKind.COMM_BOUND,
+            advice="Every GPU of the job waits in collectives: check the fabric (NVLink, InfiniBand or "
+            "RoCE errors, congestion, a changed topology).",
+            for_setting="comm_for_seconds",
+            clear_setting="workload_clear_seconds",
+            costs=True,
+            without=(("sm_active_ratio", "measures the job's drop by power, and only while clocks hold"),),
+        ),
+        KindSpec(
+            kind=AlertKind.INPUT_BOUND,
+            advice="The GPUs starve for input: check data loading, storage and the hosts' CPUs.",
+            for_setting="input_for_seconds",
+            clear_setting="workload_clear_seconds",
+            costs=True,
+        ),
+    ),
+    rules=RULES,
+    state=WorkloadState,
+    detect=_detect,
+    recycle=_recycle,
+)
