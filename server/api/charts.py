@@ -293,9 +293,11 @@ def _x_axis(box: _Box, tz: tzinfo | None, n: int = 5, caption: bool = True) -> s
         # Without the axis caption, the last label names the zone.
         label = _local(t, tz).strftime(fmt if caption or i < len(ticks) - 1 else fmt + " %Z").strip()
         x = box.x(t)
+        half = 3.2 * len(label)  # about half its width at the labels' 11 px: kept inside the picture
+        anchor = "end" if x + half > box.width else "start" if x - half < 0 else "middle"
         out.append(
             f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{box.bottom}" y2="{box.bottom + 3}" stroke="#8a939c"/>'
-            f'<text x="{x:.1f}" y="{box.bottom + 13}" text-anchor="middle" class="lbl">{escape(label)}</text>'
+            f'<text x="{x:.1f}" y="{box.bottom + 13}" text-anchor="{anchor}" class="lbl">{escape(label)}</text>'
         )
     if caption:
         zone = _local(box.x1, tz).strftime("%Z") or "local"

@@ -133,6 +133,11 @@ def test_a_jobs_hour_spans_the_hour_on_a_fixed_ratio_scale():
     assert root.find(f"{SVG}title").text == "job 71002: SM activity over the last hour"  # type: ignore[union-attr]
     # The axis starts an hour before the newest point, though the job is younger.
     assert words == ["0.0", "0.5", "1.0", "08:00", "08:30 UTC"]
+    # A tick near the right edge: its label, zone and all, ends inside the picture.
+    young = Series(job.reading, job.times[:6], (), job.median[:6], job.low[:6], job.high[:6])
+    edge = svg(job_chart(young, job="71002", tz=timezone.utc))
+    (last,) = [t for t in edge.iter(f"{SVG}text") if t.text == "08:30 UTC"]
+    assert last.get("text-anchor") == "end" and float(last.get("x", "0")) <= float(edge.get("width", "0"))
     ist = svg(job_chart(job, job="71002", tz=timezone(timedelta(hours=5, minutes=30), "IST")))
     assert [t.text for t in ist.iter(f"{SVG}text")][3:] == ["13:30", "14:00 IST"]
     assert root.findall(f".//{SVG}polygon[@class='band']")
