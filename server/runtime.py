@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Transition
+from gpufleet.server.history import ChartHistory, Charts
 from gpufleet.server.ingest.agent_alerts import AgentAlerts, is_ours
 from gpufleet.server.ingest.base import SampleSource, TargetHealth
 from gpufleet.server.ingest.identity import NodePin
@@ -38,6 +39,7 @@ class FleetView:
     nodes: tuple[dict[str, Any], ...] = ()
     stats: dict[str, Any] = field(default_factory=dict)
     evaluated_at: float | None = None
+    charts: Charts = field(default_factory=Charts)  # what the pages draw (server/history.py)
 
 
 @dataclass(slots=True)
@@ -85,6 +87,7 @@ class Runtime:
         self._unwatched: dict[str, float] = {}  # node -> since when no target is its and it sent nothing
         self.clock = clock
         self.view = FleetView()
+        self.charts = ChartHistory()
         self.stats = CycleStats()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -187,6 +190,7 @@ class Runtime:
         transitions = [Transition(self.routing.label(t.alert), t.previous) for t in transitions]
         view = replace(view, alerts=tuple(self.routing.label(a) for a in view.alerts))
         self.routing.retain(a.id for a in view.alerts)
+        view = replace(view, charts=self._charts(view))
         self.stats.tick_duration_seconds = time.perf_counter() - t0
         self.stats.last_tick = now
         self.stats.cycles_total += 1
@@ -210,6 +214,14 @@ class Runtime:
                     },
                 )
         return transitions
+
+    def _charts(self, view: FleetView) -> Charts:
+        """The pages' pictures for this cycle; a failure to draw them must not stop detection."""
+        try:
+            return self.charts.observe(self.engine, view.alerts)
+        except Exception:  # noqa: BLE001 - the pictures are an aid, the alerts are the product
+            log.exception("chart history not updated this cycle")
+            return self.view.charts
 
     def _forget_departed(self, health: Sequence[TargetHealth], view: FleetView, now: float) -> list[Transition]:
         """Resolve the alerts of nodes that left discovery and free the engine's state of them.

@@ -1,14 +1,15 @@
 """The status page at `/` and each alert's own page at `/ui/alerts/{id}`: HTML for a person.
 
 Built from what the JSON routes answer (their functions and models), so the page and the API cannot
-tell two stories. Self-contained: inline CSS, no script, no external asset, so it works air-gapped;
+tell two stories; the pictures come from the runtime's chart history (server/history.py), drawn as
+inline SVG by server/api/charts.py. Self-contained: inline CSS, no script, no external asset, so it works air-gapped;
 it reloads itself every pull interval. Every value from agents or the store is escaped.
 """
 
 from __future__ import annotations
 
 import math
-from datetime import datetime, timezone
+from datetime import datetime, timezone, tzinfo
 from html import escape
 from typing import Any, Iterable
 from urllib.parse import quote
@@ -19,15 +20,18 @@ from fastapi.responses import HTMLResponse
 
 from gpufleet.server.alerts import AlertState
 from gpufleet.server.api import alerts as alert_routes
+from gpufleet.server.api import charts
 from gpufleet.server.api import fleet as fleet_routes
 from gpufleet.server.api.deps import RuntimeDep
 from gpufleet.server.api.models import AlertModel, AlertPageModel, JobModel, JobsModel, NodesModel
+from gpufleet.server.history import AlertChart, Charts
 
 router = APIRouter(include_in_schema=False)
 
 FIRING_SHOWN = 100
 RECENT_SHOWN = 30
 MIN_REFRESH_SECONDS = 5
+JOB_CHARTS_SHOWN = 100  # jobs drawn with their last hour; past it the table goes on without pictures
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;color:#1d2329;background:#f5f6f8}
@@ -45,6 +49,9 @@ th{background:#eef0f3;font-weight:600;white-space:nowrap}td.n{text-align:right;f
 .ev{font-size:12px;color:#3d4650;margin-top:3px}.ev span{margin-right:12px;white-space:nowrap}
 dl{display:grid;grid-template-columns:max-content 1fr;gap:4px 16px;background:#fff;padding:10px 14px;margin:0}
 .nw{white-space:nowrap}dt{font-weight:600}dd{margin:0}code{font-size:12px}
+.charts{display:flex;gap:12px;flex-wrap:wrap}figure{margin:0;background:#fff;border:1px solid #e3e6ea;padding:8px}
+figcaption{font-size:12px;color:#3d4650;max-width:640px}.chart .lbl{font-size:11px;fill:#3d4650}
+.chart .axis{font-size:12px;fill:#1d2329}td svg{display:block}
 """
 
 
@@ -55,7 +62,8 @@ async def overview(runtime: RuntimeDep) -> HTMLResponse:
     jobs = await fleet_routes.list_jobs(runtime)
     firing = await alert_routes.list_alerts(runtime, state=AlertState.FIRING, limit=FIRING_SHOWN)
     recent = await alert_routes.list_alerts(runtime, limit=RECENT_SHOWN)
-    return HTMLResponse(render_overview(nodes, jobs, firing, recent, refresh_seconds(runtime.pull_interval_seconds)))
+    refresh = refresh_seconds(runtime.pull_interval_seconds)
+    return HTMLResponse(render_overview(nodes, jobs, firing, recent, refresh, charts=runtime.view.charts))
 
 
 @router.get("/ui/alerts/{alert_id}", response_class=HTMLResponse)
@@ -68,7 +76,8 @@ async def alert_page(runtime: RuntimeDep, alert_id: str) -> HTMLResponse:
         return HTMLResponse(
             _document("alert not found", refresh, f"<p>{escape(str(exc.detail))}</p>"), status_code=exc.status_code
         )
-    return HTMLResponse(render_alert(alert, runtime.view.evaluated_at, refresh))
+    chart = runtime.view.charts.alerts.get(alert.id)
+    return HTMLResponse(render_alert(alert, runtime.view.evaluated_at, refresh, chart=chart))
 
 
 def refresh_seconds(pull_interval_seconds: float) -> int:
@@ -77,21 +86,32 @@ def refresh_seconds(pull_interval_seconds: float) -> int:
 
 
 def render_overview(
-    nodes: NodesModel, jobs: JobsModel, firing: AlertPageModel, recent: AlertPageModel, refresh: int
+    nodes: NodesModel,
+    jobs: JobsModel,
+    firing: AlertPageModel,
+    recent: AlertPageModel,
+    refresh: int,
+    *,
+    charts: Charts | None = None,
+    tz: tzinfo | None = None,
 ) -> str:
-    """The `/` page."""
+    """The `/` page; `tz` is the zone the pictures' times are in (None: the server's)."""
     now = jobs.evaluated_at if jobs.evaluated_at is not None else nodes.evaluated_at
+    pictures = charts or Charts()
     body = [
         _fleet(nodes, firing.total, now),
-        _jobs(jobs.jobs, firing.alerts),
+        _fleet_view(pictures),
+        _jobs(jobs.jobs, firing.alerts, pictures, tz),
         _firing(firing, now),
         _recent([a for a in recent.alerts if a.state is not AlertState.FIRING]),
     ]
     return _document("gpufleet", refresh, "".join(body), now)
 
 
-def render_alert(alert: AlertModel, now: float | None, refresh: int) -> str:
-    """The `/ui/alerts/{id}` page."""
+def render_alert(
+    alert: AlertModel, now: float | None, refresh: int, *, chart: AlertChart | None = None, tz: tzinfo | None = None
+) -> str:
+    """The `/ui/alerts/{id}` page; `chart` its subject against its peers, `tz` the pictures' zone."""
     facts = [
         ("state", _state(alert)),
         ("severity", _severity(alert.severity.value)),
@@ -112,7 +132,8 @@ def render_alert(alert: AlertModel, now: float | None, refresh: int) -> str:
     body = (
         f"<h2>{escape(alert.kind)}: {escape(subject(alert))}</h2><p>{escape(alert.summary)}</p>"
         f"<dl>{''.join(f'<dt>{k}</dt><dd>{v}</dd>' for k, v in facts)}</dl>"
-        f"<h2>Evidence</h2>"
+        + _alert_charts(alert, chart, tz)
+        + "<h2>Evidence</h2>"
         + (f"<table>{rows}</table>" if rows else "<p class=muted>none</p>")
         + '<p><a href="/">&larr; status page</a></p>'
     )
@@ -156,16 +177,70 @@ def _fleet(nodes: NodesModel, firing_total: int, now: float | None) -> str:
     return "".join(html)
 
 
-def _jobs(jobs: list[JobModel], firing: list[AlertModel]) -> str:
+def _alert_charts(alert: AlertModel, chart: AlertChart | None, tz: tzinfo | None) -> str:
+    """The subject's readings against its peers', the alert's times marked."""
+    head = "<h2>Readings against its peers</h2>"
+    if chart is None or not chart.series:
+        return head + "<p class=muted role=note>no data: the engine holds no readings of this subject now</p>"
+    who = None if alert.gpu is None or alert.node is None else f"{alert.node} GPU {alert.gpu}"
+    marks = [
+        (t, label)
+        for t, label in ((alert.pending_since, "pending"), (alert.started, "firing"), (alert.resolved, "resolved"))
+        if t is not None
+    ]
+    figures = "".join(f"<figure>{charts.time_chart(s, subject=who, marks=marks, tz=tz)}</figure>" for s in chart.series)
+    peers = (
+        f"its job's other {chart.series[0].peers} GPUs"
+        if alert.hpc_job
+        else f"the node's other {chart.series[0].peers} GPUs"
+    )
+    note = f"Peers: {peers}."
+    if chart.window_start is not None:
+        note += (
+            f" From {escape(_clock(chart.window_start, tz))} on, each point is one of the engine's bins;"
+            " before it, one-minute means."
+        )
+    return f"{head}<div class=charts>{figures}</div><p class=muted>{note}</p>"
+
+
+def _fleet_view(pictures: Charts) -> str:
+    """Every GPU now (or every node, past a size), by temperature and by SM activity against its job."""
+    cells = pictures.fleet
+    if not cells:
+        return ""
+    per_node = pictures.fleet_per_node
+    grids = "".join(
+        f"<figure><figcaption>{caption}</figcaption>{charts.fleet_grid(cells, colour_by=by, per_node=per_node)}</figure>"
+        for by, caption in (("temperature", "Temperature"), ("relative", "SM activity over its job's median"))
+    )
+    note = (
+        f"One square per node ({sum(c.gpus for c in cells)} GPUs are more than a page shows one by one):"
+        " each shows its hottest GPU and the GPU farthest from its job's median."
+        if per_node
+        else "One square per GPU, a row per node."
+    )
+    return (
+        "<h2>GPUs now</h2><div class=charts>"
+        + grids
+        + f"</div><p class=muted>{note} A straggler computes while its peers"
+        " wait, so its SM activity stands out above its job's median; a GPU that idles stands out below it."
+        " Hover a square for its numbers.</p>"
+    )
+
+
+def _jobs(jobs: list[JobModel], firing: list[AlertModel], pictures: Charts, tz: tzinfo | None) -> str:
     if not jobs:
         return "<h2>Jobs</h2><p class=muted>no job attributed yet</p>"
     head = (
-        "<tr><th>job</th><th>GPUs</th><th>nodes</th><th>SM activity</th>"
+        '<tr><th>job</th><th>GPUs</th><th>nodes</th><th>SM activity</th><th title="The median of the job\'s GPUs and their 25th-75th percentile, one-minute means">'
+        "SM activity, last hour</th>"
         "<th title=\"The job's step-time slowdown now, read from its GPUs' activity against the job's own "
         'baseline">slower than its baseline now</th><th>GPU-hours lost</th><th>health</th></tr>'
     )
     rows = []
-    for job in jobs:
+    for i, job in enumerate(jobs):
+        series = pictures.jobs.get(job.hpc_job or "") if i < JOB_CHARTS_SHOWN else None
+        picture = charts.job_chart(series, job=job.hpc_job or "-", tz=tz) if series else "<span class=muted>-</span>"
         sm = _ratio(job.sm_active_ratio)
         if job.baseline_sm_active_ratio is not None:
             sm += f" <span class=muted>(baseline {_ratio(job.baseline_sm_active_ratio)})</span>"
@@ -178,7 +253,7 @@ def _jobs(jobs: list[JobModel], firing: list[AlertModel]) -> str:
             )
         rows.append(
             f"<tr><td><b>{escape(job.hpc_job or '-')}</b></td><td class=n>{job.gpus or 0}</td>"
-            f"<td>{escape(', '.join(job.nodes))}</td><td>{sm}</td>"
+            f"<td>{escape(', '.join(job.nodes))}</td><td>{sm}</td><td>{picture}</td>"
             f"<td class=n>{_percent(job.estimated_slowdown_ratio)}</td><td>{lost}</td>"
             f"<td>{_health(job, firing)}</td></tr>"
         )
@@ -286,6 +361,11 @@ def _time(t: float | None) -> str:
     if t is None:
         return "-"
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _clock(t: float, tz: tzinfo | None) -> str:
+    when = datetime.fromtimestamp(t, tz) if tz is not None else datetime.fromtimestamp(t).astimezone()
+    return when.strftime("%H:%M:%S %Z").strip()
 
 
 def _ago(t: float | None, now: float | None, suffix: str = " ago") -> str:
