@@ -100,7 +100,7 @@ class IncidentTracker:
         """The open alerts and the transitions with their incidents, plus a refresh for every open alert
         whose incident changed without a transition of its own (its cause fired or resolved): the store
         and the notifiers take it under its new incident."""
-        now = group(open_alerts, self.ranks)
+        now = self._sticky(group(open_alerts, self.ranks))
         view = tuple(with_membership(a, now[a.id]) if a.id in now else a for a in open_alerts)
         out = []
         for t in transitions:
@@ -115,26 +115,47 @@ class IncidentTracker:
         self._last = now
         return view, out
 
+    def _sticky(self, now: dict[str, Membership]) -> dict[str, Membership]:
+        """The grouping, but an effect whose cause resolved stays in that incident until it resolves too (and
+        takes what it explains along): the heat is gone but the straggler it made is still slowing down, and
+        one cause must not page twice."""
+        kept = {
+            alert_id: last
+            for alert_id, last in self._last.items()
+            if last.role is IncidentRole.EFFECT
+            and alert_id in now
+            and now[alert_id] == Membership(alert_id, IncidentRole.CAUSE)
+            and last.incident not in now
+        }
+        if not kept:
+            return now
+        return {
+            alert_id: kept.get(alert_id)
+            or (Membership(kept[m.incident].incident, IncidentRole.EFFECT) if m.incident in kept else m)
+            for alert_id, m in now.items()
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class Incident:
-    """One cause and the alerts it explains, its effects (oldest first)."""
+    """One cause and the alerts it explains, its effects (oldest first). The cause is None where it is not
+    among the alerts grouped: it resolved while its effects stay open."""
 
     id: str
-    cause: Alert
+    cause: Alert | None
     effects: tuple[Alert, ...]
 
 
 def incidents(alerts: Iterable[Alert]) -> list[Incident]:
-    """The incidents of alerts that carry their membership, newest cause first; an effect whose cause is not
-    among them is left out."""
+    """The incidents of alerts that carry their membership, the newest first (by cause, else first effect)."""
     listed = list(alerts)
     causes = {a.id: a for a in listed if a.role is IncidentRole.CAUSE}
     effects: dict[str, list[Alert]] = {}
     for a in listed:
-        if a.role is IncidentRole.EFFECT and a.incident in causes:
+        if a.role is IncidentRole.EFFECT and a.incident is not None:
             effects.setdefault(a.incident, []).append(a)
-    return [
-        Incident(c.id, c, tuple(sorted(effects.get(c.id, ()), key=lambda a: (a.pending_since, a.id))))
-        for c in sorted(causes.values(), key=lambda a: (-a.pending_since, a.id))
+    out = [
+        Incident(i, causes.get(i), tuple(sorted(effects.get(i, ()), key=lambda a: (a.pending_since, a.id))))
+        for i in set(causes) | set(effects)
     ]
+    return sorted(out, key=lambda i: (-(i.cause or i.effects[0]).pending_since, i.id))

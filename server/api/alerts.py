@@ -97,10 +97,21 @@ async def get_alert(runtime: RuntimeDep, alert_id: str) -> AlertModel:
 
 @router.get("/incidents", response_model=IncidentListModel, summary="Open incidents: each cause and its effects")
 async def list_incidents(runtime: RuntimeDep) -> IncidentListModel:
-    """The open alerts grouped by cause, as of the engine's latest evaluation."""
-    return IncidentListModel(
-        incidents=[
-            IncidentModel(id=i.id, cause=AlertModel.of(i.cause), effects=[AlertModel.of(e) for e in i.effects])
-            for i in incidents(runtime.view.alerts)
-        ]
-    )
+    """The open alerts grouped by cause, as of the engine's latest evaluation; a cause that resolved while
+    its effects stay open is read from the store."""
+    listed = []
+    for i in incidents(runtime.view.alerts):
+        cause = i.cause
+        if cause is None:
+            try:
+                cause = await run_in_threadpool(runtime.store.get, i.id)
+            except sqlite3.Error:
+                cause = None  # the store fails (/healthz says so): the effects are what is open
+        listed.append(
+            IncidentModel(
+                id=i.id,
+                cause=None if cause is None else AlertModel.of(cause),
+                effects=[AlertModel.of(e) for e in i.effects],
+            )
+        )
+    return IncidentListModel(incidents=listed)

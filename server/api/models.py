@@ -71,7 +71,10 @@ class IncidentModel(BaseModel):
     """Open alerts that share a cause: the cause, and the alerts it explains."""
 
     id: str = Field(description="The incident's id: its cause's alert id.")
-    cause: AlertModel
+    cause: AlertModel | None = Field(
+        description="What pages. Resolved while effects of it stay open (they stay in its incident until they "
+        "resolve); null where the store no longer holds it."
+    )
     effects: list[AlertModel] = Field(description="Alerts explained by the cause, oldest first.")
 
 

@@ -154,3 +154,19 @@ def test_an_older_store_gains_the_incident_columns(tmp_path) -> None:
     store.upsert([replace(old, incident="a1", role=CAUSE)])
     assert store.get("a1").role is CAUSE
     store.close()
+
+
+def test_an_effect_stays_in_its_incident_after_its_cause_resolves_and_the_incident_lists_it() -> None:
+    tracker = IncidentTracker()
+    heat = make_alert(1, kind=AlertKind.THERMAL_THROTTLE, node="n", gpu=0)
+    slow = make_alert(2, node="n", gpu=0)
+    tracker.step((heat, slow), ())
+    view, out = tracker.step((slow,), [Transition(replace(heat, state=AlertState.RESOLVED), AlertState.FIRING)])
+    assert [(a.id, a.incident, a.role) for a in view] == [(slow.id, heat.id, EFFECT)]  # not paged anew
+    assert [(t.alert.id, t.alert.incident, t.alert.role) for t in out] == [(heat.id, heat.id, CAUSE)]
+    (listed,) = incidents(view)
+    assert (listed.id, listed.cause, [e.id for e in listed.effects]) == (heat.id, None, [slow.id])
+    # A new cause covering it takes it over.
+    ecc = make_alert(3, kind=AlertKind.ECC, node="n", gpu=0)
+    view, _ = tracker.step((slow, ecc), ())
+    assert {a.id: (a.incident, a.role) for a in view} == {ecc.id: (ecc.id, CAUSE), slow.id: (ecc.id, EFFECT)}

@@ -10,8 +10,13 @@ import threading
 from pathlib import Path
 
 import httpx
+import orjson
 from fastapi.testclient import TestClient
 
+from gpufleet.agent.nvml_reader import NvmlReader
+from gpufleet.agent.sampler import Sampler
+from gpufleet.agent.sim import SimNvml, load_scenario
+from gpufleet.agent.store import SnapshotStore
 from gpufleet.server.api import create_app
 from gpufleet.server.contract import NodeSample, parse_line
 from gpufleet.server.notify.alertmanager import AlertmanagerNotifier
@@ -19,6 +24,7 @@ from gpufleet.server.runtime import Runtime
 from gpufleet.server.serve import build_engine
 from gpufleet.server.settings import ServerSettings
 from gpufleet.server.store import AlertStore
+from tests.agent.fakes import FakeClock
 from tests.agent.running import alertmanager_process, requires_alertmanager
 from tests.server.engine_samples import MAX_HZ, T0, cluster_lines
 from tests.server.test_source_protocol import ListSource
@@ -61,11 +67,43 @@ def _batches(seconds: float) -> list[list[NodeSample]]:
     return batches
 
 
-def _run(tmp_path: Path, am_url: str) -> tuple[Runtime, AlertmanagerNotifier, ServerSettings]:
-    """The live pipeline over the trace, notifying Alertmanager once at the end (every state it queued)."""
+def _scenario_batches(seconds: int) -> list[list[NodeSample]]:
+    """The simulator's `cluster-incidents` scenario, its three nodes sampled each second by the agent's own
+    sampler, in one batch per pull: node-a GPU 6 counts ECC errors from +110 s and XID 79 from +120 s, node-a
+    GPU 1's cooling fails from +100 s (and it falls behind its peers), node-b GPU 3 is power-braked."""
+    spec = load_scenario("cluster-incidents")
+    clock = FakeClock(T0)
+    samplers = [
+        Sampler(
+            NvmlReader(SimNvml(spec, node=node, clock=clock.time, epoch=T0, block_on_events=True)),
+            SnapshotStore(),
+            node=node,
+            clock=clock.time,
+        )
+        for node in spec.nodes
+    ]
+    batches: list[list[NodeSample]] = []
+    try:
+        for k in range(seconds):
+            if k % int(STEP_SECONDS) == 0:
+                batches.append([])
+            for sampler in samplers:
+                snap = sampler.run_once()
+                if snap is not None:
+                    batches[-1].append(parse_line(orjson.dumps(snap.to_dict())))
+            clock.advance(1.0)
+    finally:
+        for sampler in samplers:
+            sampler.stop()
+    return batches
+
+
+def _run(
+    tmp_path: Path, am_url: str, batches: list[list[NodeSample]]
+) -> tuple[Runtime, AlertmanagerNotifier, ServerSettings]:
+    """The live pipeline over the batches, notifying Alertmanager once at the end (every state it queued)."""
     settings = ServerSettings(storage_path=str(tmp_path / "alerts.db"), pull_interval_seconds=STEP_SECONDS)
     now = [T0]
-    batches = _batches(700.0)
     source = ListSource(batches, clock=lambda: now[0], stale_after_seconds=60.0)
     notifier = AlertmanagerNotifier(am_url, external_url="http://gpufleet:9472")
     runtime = Runtime(
@@ -78,13 +116,38 @@ def _run(tmp_path: Path, am_url: str) -> tuple[Runtime, AlertmanagerNotifier, Se
     )
 
     async def drive() -> None:
-        for k in range(len(batches)):
+        for k in range(len(source.batches)):
             now[0] = T0 + STEP_SECONDS * (k + 1)
             await runtime.cycle()
         assert await notifier.step()
 
     asyncio.run(drive())
     return runtime, notifier, settings
+
+
+def _pages(groups: list[dict]) -> tuple[dict[str, list[tuple]], dict[str, list[str]]]:
+    """What each incident pages (its un-inhibited alerts' kind, node, GPU) and the kinds it mutes."""
+    by_incident: dict[str, list[dict]] = {}
+    for g in groups:
+        assert set(g["labels"]) == {"incident"}  # the shipped route groups gpufleet's alerts by incident
+        by_incident.setdefault(g["labels"]["incident"], []).extend(g["alerts"])
+    for alerts in by_incident.values():
+        for a in alerts:
+            if a["status"]["state"] == "suppressed":
+                assert a["labels"]["role"] == "effect" and a["status"]["inhibitedBy"], a
+    paged = {
+        incident: [
+            (a["labels"]["kind"], a["labels"]["node"], a["labels"].get("gpu"))
+            for a in alerts
+            if a["status"]["state"] == "active"
+        ]
+        for incident, alerts in by_incident.items()
+    }
+    muted = {
+        incident: sorted(a["labels"]["kind"] for a in alerts if a["status"]["state"] == "suppressed")
+        for incident, alerts in by_incident.items()
+    }
+    return paged, muted
 
 
 def _settled_groups(url: str) -> list[dict]:
@@ -105,34 +168,14 @@ def _settled_groups(url: str) -> list[dict]:
 def test_each_cause_pages_once_with_the_shipped_config_and_its_effects_show_under_it(tmp_path) -> None:
     with alertmanager_process(tmp_path, config_text=SHIPPED.read_text()) as (_, port, log_path):
         url = f"http://127.0.0.1:{port}"
-        runtime, notifier, settings = _run(tmp_path, url)
+        runtime, notifier, settings = _run(tmp_path, url, _batches(700.0))
         groups = _settled_groups(url)
     assert notifier.failed_total == 0, log_path.read_text(errors="replace")[-2000:]
-
-    by_incident: dict[str, list[dict]] = {}
-    for g in groups:
-        assert set(g["labels"]) == {"incident"}  # the shipped route groups gpufleet's alerts by incident
-        by_incident.setdefault(g["labels"]["incident"], []).extend(g["alerts"])
-    paged = {
-        incident: [
-            (a["labels"]["kind"], a["labels"]["node"], a["labels"]["gpu"])
-            for a in alerts
-            if a["status"]["state"] == "active"
-        ]
-        for incident, alerts in by_incident.items()
-    }
-    muted = {
-        incident: sorted(a["labels"]["kind"] for a in alerts if a["status"]["state"] == "suppressed")
-        for incident, alerts in by_incident.items()
-    }
+    paged, muted = _pages(groups)
     assert all(len(p) == 1 for p in paged.values()), paged  # one page per incident
     heat = next(i for i, p in paged.items() if p == [("thermal_throttle", "n0", "5")])
     xid = next(i for i, p in paged.items() if p == [("xid", "n1", "6")])
     assert muted[heat] == ["straggler"] and muted[xid] == ["ecc"], muted
-    for alerts in by_incident.values():
-        for a in alerts:
-            if a["status"]["state"] == "suppressed":
-                assert a["labels"]["role"] == "effect" and a["status"]["inhibitedBy"], a
 
     client = TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
     listed = {i["id"]: i for i in client.get("/incidents").json()["incidents"]}
@@ -153,3 +196,21 @@ def test_each_cause_pages_once_with_the_shipped_config_and_its_effects_show_unde
     effect_page = client.get(f"/ui/alerts/{listed[heat]['effects'][0]['id']}").text
     assert f'effect of <a href="/ui/alerts/{heat}">' in effect_page
     runtime.store.close()
+
+
+@requires_alertmanager
+def test_each_root_cause_of_the_cluster_incidents_scenario_pages_once(tmp_path) -> None:
+    batches = _scenario_batches(260)  # past the heat's straggler firing, before the heat clears
+    with alertmanager_process(tmp_path, config_text=SHIPPED.read_text()) as (_, port, log_path):
+        url = f"http://127.0.0.1:{port}"
+        runtime, notifier, _ = _run(tmp_path, url, batches)
+        groups = _settled_groups(url)
+    runtime.store.close()
+    assert notifier.failed_total == 0, log_path.read_text(errors="replace")[-2000:]
+    paged, muted = _pages(groups)
+    assert all(len(p) == 1 for p in paged.values()), paged  # one page per incident
+    by_page = {p[0]: muted[i] for i, p in paged.items()}
+    assert by_page[("thermal_throttle", "node-a", "1")] == ["straggler"]  # the straggler the heat makes
+    assert by_page[("xid", "node-a", "6")] == ["ecc"]  # the ECC errors fired first, alone: regrouped since
+    assert by_page[("straggler", "node-b", "3")] == []  # a power brake: a cause of its own
+    assert len(paged) == len(by_page)  # no two incidents page the same alert
