@@ -67,11 +67,9 @@ def _batches(seconds: float) -> list[list[NodeSample]]:
     return batches
 
 
-def _scenario_batches(seconds: int) -> list[list[NodeSample]]:
-    """The simulator's `cluster-incidents` scenario, its three nodes sampled each second by the agent's own
-    sampler, in one batch per pull: node-a GPU 6 counts ECC errors from +110 s and XID 79 from +120 s, node-a
-    GPU 1's cooling fails from +100 s (and it falls behind its peers), node-b GPU 3 is power-braked."""
-    spec = load_scenario("cluster-incidents")
+def _scenario_batches(name: str, seconds: int) -> list[list[NodeSample]]:
+    """A simulator scenario, its nodes sampled each second by the agent's own sampler, in one batch per pull."""
+    spec = load_scenario(name)
     clock = FakeClock(T0)
     samplers = [
         Sampler(
@@ -200,7 +198,9 @@ def test_each_cause_pages_once_with_the_shipped_config_and_its_effects_show_unde
 
 @requires_alertmanager
 def test_each_root_cause_of_the_cluster_incidents_scenario_pages_once(tmp_path) -> None:
-    batches = _scenario_batches(260)  # past the heat's straggler firing, before the heat clears
+    # node-a GPU 6 counts ECC errors from +110 s and XID 79 from +120 s; node-a GPU 1's cooling fails from +100 s
+    # (and it falls behind its peers); node-b GPU 3 is power-braked. Until after the heat's straggler fires.
+    batches = _scenario_batches("cluster-incidents", 260)
     with alertmanager_process(tmp_path, config_text=SHIPPED.read_text()) as (_, port, log_path):
         url = f"http://127.0.0.1:{port}"
         runtime, notifier, _ = _run(tmp_path, url, batches)
@@ -214,3 +214,19 @@ def test_each_root_cause_of_the_cluster_incidents_scenario_pages_once(tmp_path) 
     assert by_page[("xid", "node-a", "6")] == ["ecc"]  # the ECC errors fired first, alone: regrouped since
     assert by_page[("straggler", "node-b", "3")] == []  # a power brake: a cause of its own
     assert len(paged) == len(by_page)  # no two incidents page the same alert
+
+
+@requires_alertmanager
+def test_the_demo_pages_its_cooling_failure_once(tmp_path) -> None:
+    # dgx-02 GPU 5's cooling fails from +200 s and holds its job back: the heat and the straggler it makes.
+    batches = _scenario_batches("demo", 350)
+    with alertmanager_process(tmp_path, config_text=SHIPPED.read_text()) as (_, port, log_path):
+        url = f"http://127.0.0.1:{port}"
+        runtime, notifier, _ = _run(tmp_path, url, batches)
+        groups = _settled_groups(url)
+    runtime.store.close()
+    assert notifier.failed_total == 0, log_path.read_text(errors="replace")[-2000:]
+    paged, muted = _pages(groups)
+    assert all(len(p) == 1 for p in paged.values()), paged
+    by_page = {p[0]: muted[i] for i, p in paged.items()}
+    assert by_page[("thermal_throttle", "dgx-02", "5")] == ["straggler"], by_page
