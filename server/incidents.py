@@ -57,11 +57,22 @@ def group(alerts: Iterable[Alert], ranks: Mapping[str, int] = CAUSE_RANKS) -> di
         key=lambda a: (ranks[a.kind.value], a.pending_since, a.id),
     )
     position = {a.id: i for i, a in enumerate(causes)}
+    # Causes by node and by job, best first: a fleet's thousands of open alerts look only at their own.
+    by_node: dict[str, list[int]] = {}
+    by_job: dict[str, list[int]] = {}
+    for i, c in enumerate(causes):
+        if c.node is not None:
+            by_node.setdefault(c.node, []).append(i)
+            if c.hpc_job is not None:
+                by_job.setdefault(c.hpc_job, []).append(i)
     parent: dict[str, str] = {}
     for alert in open_alerts:
+        candidates = by_node.get(alert.node, []) if alert.node is not None else []
+        if alert.gpu is None and alert.hpc_job is not None:
+            candidates = sorted({*candidates, *by_job.get(alert.hpc_job, ())})
         # Only a better cause may lead: the order is total, so no two alerts lead each other.
-        better = causes[: position.get(alert.id, len(causes))]
-        leader = next((c for c in better if covers(c, alert)), None)
+        mine = position.get(alert.id, len(causes))
+        leader = next((causes[i] for i in candidates if i < mine and covers(causes[i], alert)), None)
         if leader is not None:
             parent[alert.id] = leader.id
     out = {}

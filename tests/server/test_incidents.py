@@ -170,3 +170,13 @@ def test_an_effect_stays_in_its_incident_after_its_cause_resolves_and_the_incide
     ecc = make_alert(3, kind=AlertKind.ECC, node="n", gpu=0)
     view, _ = tracker.step((slow, ecc), ())
     assert {a.id: (a.incident, a.role) for a in view} == {ecc.id: (ecc.id, CAUSE), slow.id: (ecc.id, EFFECT)}
+
+
+def test_after_a_restart_the_stored_incidents_are_known_and_nothing_is_re_sent() -> None:
+    heat = replace(make_alert(1, kind=AlertKind.THERMAL_THROTTLE, node="n", gpu=0), incident="i", role=CAUSE)
+    slow = replace(make_alert(2, node="n", gpu=0), incident="i", role=EFFECT)
+    stored = [replace(heat, incident=heat.id), replace(slow, incident=heat.id)]
+    tracker = IncidentTracker()
+    tracker.restore(stored)
+    view, out = tracker.step(tuple(stored), ())
+    assert out == [] and list(view) == stored
