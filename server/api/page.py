@@ -289,10 +289,11 @@ def _incident(alert: AlertModel) -> str:
     """Its role in its incident, linked to the cause where it is an effect."""
     if alert.incident is None or alert.role is None:
         return "-"
+    members = f'<a href="/alerts?incident={quote(alert.incident, safe="")}">its alerts, JSON</a>'
     if alert.role is IncidentRole.CAUSE:
-        return "cause (what pages)"
+        return f"the cause: what pages ({members})"
     cause = f'<a href="/ui/alerts/{_path(alert.incident)}">{escape(alert.incident)}</a>'
-    return f'effect of {cause} (<a href="/incidents">incidents JSON</a>)'
+    return f"effect of {cause} ({members})"
 
 
 def _state(alert: AlertModel) -> str:
