@@ -70,6 +70,13 @@ class Severity(str, Enum):
     CRITICAL = "critical"
 
 
+class IncidentRole(str, Enum):
+    """An alert's place in its incident (server/incidents.py): the cause, or an effect of it."""
+
+    CAUSE = "cause"
+    EFFECT = "effect"
+
+
 class AlertState(str, Enum):
     PENDING = "pending"
     FIRING = "firing"
@@ -110,6 +117,10 @@ class Alert:
     runbook_url: str | None = None
     # What to look at, as its kind's detector says: the second half of the description.
     advice: str = ""
+    # The incident it belongs to (its cause's alert id) and its role there, set where the alert leaves the
+    # server (server/incidents.py), never by the engine; None where nothing grouped it (replay).
+    incident: str | None = None
+    role: IncidentRole | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The replay / REST shape of an alert."""
@@ -133,6 +144,8 @@ class Alert:
             "labels": dict(self.labels),
             "runbook_url": self.runbook_url,
             "evidence": dict(self.evidence),
+            "incident": self.incident,
+            "role": None if self.role is None else self.role.value,
         }
 
 

@@ -18,7 +18,21 @@ from gpufleet.server.contract import NodeSample, Pod
 
 # Labels the server sets itself: an external label may not take one of these names.
 RESERVED_LABELS = frozenset(
-    {"alertname", "kind", "severity", "node", "gpu", "hpc_job", "cause", "source", "namespace", "pod", "alert_id"}
+    {
+        "alertname",
+        "kind",
+        "severity",
+        "node",
+        "gpu",
+        "hpc_job",
+        "cause",
+        "source",
+        "namespace",
+        "pod",
+        "alert_id",
+        "incident",
+        "role",
+    }
 )
 RUNBOOK_FIELDS = frozenset({"kind", "alertname", "cause", "id", "node", "gpu", "hpc_job"})
 

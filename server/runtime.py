@@ -19,6 +19,7 @@ from gpufleet.server.alerts import Alert, AlertKind, AlertState, Transition
 from gpufleet.server.history import ChartHistory, Charts
 from gpufleet.server.ingest.agent_alerts import AgentAlerts, is_ours
 from gpufleet.server.ingest.base import SampleSource, TargetHealth
+from gpufleet.server.incidents import IncidentTracker
 from gpufleet.server.ingest.identity import NodePin
 from gpufleet.server.notify import Notifier
 from gpufleet.server.routing import AlertRouting
@@ -76,6 +77,7 @@ class Runtime:
     ) -> None:
         self.engine = engine
         self.routing = routing or AlertRouting()
+        self.incidents = IncidentTracker()
         self.source = source
         # Agents the engine has no samples from (down or silent since we started) alert from here.
         self.agent_alerts = agent_alerts or AgentAlerts(after_seconds=source.stale_after_seconds)
@@ -119,6 +121,7 @@ class Runtime:
             log.error("alert store unreadable: starting without its open alerts", extra={"error": str(exc)})
             alerts, nodes, pins = [], {}, {}
         self.agent_alerts.restore(alerts, nodes)
+        self.incidents.restore(alerts)
         self.source.remember_identities(nodes, pins)
         if alerts:
             self.engine.restore([a for a in alerts if not is_ours(a)])
@@ -190,6 +193,8 @@ class Runtime:
         transitions = [Transition(self.routing.label(t.alert), t.previous) for t in transitions]
         view = replace(view, alerts=tuple(self.routing.label(a) for a in view.alerts))
         self.routing.retain(a.id for a in view.alerts)
+        grouped, transitions = self.incidents.step(view.alerts, transitions)
+        view = replace(view, alerts=grouped)
         view = replace(view, charts=self._charts(view))
         self.stats.tick_duration_seconds = time.perf_counter() - t0
         self.stats.last_tick = now

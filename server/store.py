@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
-from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity
+from gpufleet.server.alerts import Alert, AlertKind, AlertState, IncidentRole, Severity
 from gpufleet.server.ingest.identity import NodePin
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,9 @@ CREATE TABLE IF NOT EXISTS {schema}alerts (
     summary TEXT NOT NULL,
     evidence BLOB NOT NULL,
     labels BLOB NOT NULL DEFAULT '{{}}',
-    advice TEXT NOT NULL DEFAULT ''
+    advice TEXT NOT NULL DEFAULT '',
+    incident TEXT,
+    role TEXT
 );
 """
 _SCHEMA = (
@@ -65,7 +67,7 @@ CREATE TABLE IF NOT EXISTS node_pins (
 
 _COLUMNS = (
     "id, fingerprint, kind, severity, state, node, gpu, uuid, hpc_job, pending_since, started, "
-    "resolved, updated, summary, evidence, labels, advice"
+    "resolved, updated, summary, evidence, labels, advice, incident, role"
 )
 
 
@@ -83,6 +85,7 @@ class AlertQuery:
     node: str | None = None
     gpu: int | None = None
     hpc_job: str | None = None
+    incident: str | None = None
     since: float | None = None
     limit: int = 100
     offset: int = 0
@@ -291,6 +294,7 @@ def query_open(alerts: Iterable[Alert], q: AlertQuery) -> AlertPage:
                 (a.node, q.node),
                 (a.gpu, q.gpu),
                 (a.hpc_job, q.hpc_job),
+                (a.incident, q.incident),
             )
         )
         and (q.since is None or a.resolved is None or a.resolved >= q.since)
@@ -308,7 +312,7 @@ def _where(q: AlertQuery) -> tuple[str, list[object]]:
         if value is not None:
             clauses.append(f"{column} = ?")
             args.append(value.value)
-    for column, plain in (("node", q.node), ("gpu", q.gpu), ("hpc_job", q.hpc_job)):
+    for column, plain in (("node", q.node), ("gpu", q.gpu), ("hpc_job", q.hpc_job), ("incident", q.incident)):
         if plain is not None:
             clauses.append(f"{column} = ?")
             args.append(plain)
@@ -338,6 +342,8 @@ def _to_row(a: Alert) -> Sequence[object]:
         orjson.dumps(dict(a.evidence), option=orjson.OPT_NON_STR_KEYS, default=str),
         orjson.dumps(dict(a.labels)),
         a.advice,
+        a.incident,
+        None if a.role is None else a.role.value,
     )
 
 
@@ -361,7 +367,17 @@ def _from_row(r: Sequence[Any]) -> Alert:
         evidence=orjson.loads(r[14]),
         labels=orjson.loads(r[15]),
         advice=r[16],
+        incident=r[17],
+        role=_role(r[18]),
     )
+
+
+def _role(value: Any) -> IncidentRole | None:
+    """A stored role; None for a row written before incidents (or edited by hand)."""
+    try:
+        return IncidentRole(value)
+    except ValueError:
+        return None
 
 
 def _add_missing_columns(db: sqlite3.Connection) -> None:
@@ -371,3 +387,6 @@ def _add_missing_columns(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE alerts ADD COLUMN labels BLOB NOT NULL DEFAULT '{}'")
     if "advice" not in have:
         db.execute("ALTER TABLE alerts ADD COLUMN advice TEXT NOT NULL DEFAULT ''")
+    for column in ("incident", "role"):
+        if column not in have:
+            db.execute(f"ALTER TABLE alerts ADD COLUMN {column} TEXT")

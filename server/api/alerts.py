@@ -10,7 +10,14 @@ from starlette.concurrency import run_in_threadpool
 
 from gpufleet.server.alerts import KIND_NAME, AlertKind, AlertState, Severity
 from gpufleet.server.api.deps import RuntimeDep
-from gpufleet.server.api.models import AlertModel, AlertPageModel, ErrorModel
+from gpufleet.server.api.models import (
+    AlertModel,
+    AlertPageModel,
+    ErrorModel,
+    IncidentListModel,
+    IncidentModel,
+)
+from gpufleet.server.incidents import incidents
 from gpufleet.server.store import MAX_PAGE, AlertQuery, query_open
 
 router = APIRouter(tags=["alerts"])
@@ -29,6 +36,7 @@ async def list_alerts(
     node: _Name = None,
     gpu: Annotated[int | None, Query(ge=0, le=1_000_000, description="GPU index on the node")] = None,
     hpc_job: _Name = None,
+    incident: Annotated[str | None, Query(min_length=1, max_length=256, description="An incident id")] = None,
     since: Annotated[
         float | None,
         Query(
@@ -48,6 +56,7 @@ async def list_alerts(
         node=node,
         gpu=gpu,
         hpc_job=hpc_job,
+        incident=incident,
         since=since,
         limit=limit,
         offset=offset,
@@ -84,3 +93,25 @@ async def get_alert(runtime: RuntimeDep, alert_id: str) -> AlertModel:
     if alert is None:
         raise HTTPException(status_code=404, detail=f"no alert with id {alert_id!r}")
     return AlertModel.of(alert)
+
+
+@router.get("/incidents", response_model=IncidentListModel, summary="Open incidents: each cause and its effects")
+async def list_incidents(runtime: RuntimeDep) -> IncidentListModel:
+    """The open alerts grouped by cause, as of the engine's latest evaluation; a cause that resolved while
+    its effects stay open is read from the store."""
+    listed = []
+    for i in incidents(runtime.view.alerts):
+        cause = i.cause
+        if cause is None:
+            try:
+                cause = await run_in_threadpool(runtime.store.get, i.id)
+            except sqlite3.Error:
+                cause = None  # the store fails (/healthz says so): the effects are what is open
+        listed.append(
+            IncidentModel(
+                id=i.id,
+                cause=None if cause is None else AlertModel.of(cause),
+                effects=[AlertModel.of(e) for e in i.effects],
+            )
+        )
+    return IncidentListModel(incidents=listed)

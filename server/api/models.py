@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpufleet.server.alerts import Alert, AlertState, Severity
+from gpufleet.server.alerts import Alert, AlertState, IncidentRole, Severity
 
 
 class AlertModel(BaseModel):
@@ -52,11 +52,36 @@ class AlertModel(BaseModel):
         description="Link from --alert.runbook-url for this alert; null when not configured."
     )
     evidence: dict[str, Any] = Field(description="The numbers that triggered it, against peers or baseline.")
+    incident: str | None = Field(
+        None,
+        description="The incident it belongs to: the alert id of its cause (its own id where it is the cause). "
+        "Null where nothing grouped it.",
+    )
+    role: IncidentRole | None = Field(
+        None, description="cause: what pages; effect: explained by its incident's cause (docs/server.md, Incidents)."
+    )
 
     @classmethod
     def of(cls, alert: Alert) -> "AlertModel":
         """From the engine's Alert value."""
         return cls.model_validate(alert.to_dict())
+
+
+class IncidentModel(BaseModel):
+    """Open alerts that share a cause: the cause, and the alerts it explains."""
+
+    id: str = Field(description="The incident's id: its cause's alert id.")
+    cause: AlertModel | None = Field(
+        description="What pages. Resolved while effects of it stay open (they stay in its incident until they "
+        "resolve); null where the store no longer holds it."
+    )
+    effects: list[AlertModel] = Field(description="Alerts explained by the cause, oldest first.")
+
+
+class IncidentListModel(BaseModel):
+    """The open incidents, newest cause first."""
+
+    incidents: list[IncidentModel]
 
 
 class AlertPageModel(BaseModel):

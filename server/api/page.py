@@ -18,7 +18,7 @@ import orjson
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import HTMLResponse
 
-from gpufleet.server.alerts import AlertState
+from gpufleet.server.alerts import AlertState, IncidentRole
 from gpufleet.server.api import alerts as alert_routes
 from gpufleet.server.api import charts
 from gpufleet.server.api import fleet as fleet_routes
@@ -48,6 +48,7 @@ th{background:#eef0f3;font-weight:600;white-space:nowrap}td.n{text-align:right;f
 .sev-info{color:#fff;background:#55708c;padding:1px 6px;border-radius:3px}
 .ev{font-size:12px;color:#3d4650;margin-top:3px}.ev span{margin-right:12px;white-space:nowrap}
 dl{display:grid;grid-template-columns:max-content 1fr;gap:4px 16px;background:#fff;padding:10px 14px;margin:0}
+tr.effect td{background:#f7f8fa;color:#3d4650}tr.effect td:nth-child(2){padding-left:22px}
 .nw{white-space:nowrap}dt{font-weight:600}dd{margin:0}code{font-size:12px}
 .charts{display:flex;gap:12px;flex-wrap:wrap}figure{margin:0;background:#fff;border:1px solid #e3e6ea;padding:8px}
 figcaption{font-size:12px;color:#3d4650;max-width:640px}.chart .lbl{font-size:11px;fill:#3d4650}
@@ -120,6 +121,7 @@ def render_alert(
         ("GPU UUID", escape(alert.uuid or "-")),
         ("job", escape(alert.hpc_job or "-")),
         ("cause", escape(alert.cause or "-")),
+        ("incident", _incident(alert)),
         ("pending since", _time(alert.pending_since)),
         ("firing since", _time(alert.started)),
         ("resolved", _time(alert.resolved)),
@@ -287,16 +289,33 @@ def _firing(page: AlertPageModel, now: float | None) -> str:
     shown = len(page.alerts)
     more = f" <span class=muted>(newest {shown} of {page.total})</span>" if page.total > shown else ""
     rows = "".join(
-        f"<tr><td>{_severity(a.severity.value)}</td><td>{escape(a.kind)}</td>"
+        f"<tr{' class=effect' if effect else ''}><td>{_severity(a.severity.value)}</td>"
+        f"<td>{'&#8627; ' if effect else ''}{escape(a.kind)}</td>"
         f'<td class=nw><a href="{_alert_href(a)}"><b>{escape(subject(a))}</b></a></td>'
         f"<td>{_ago(a.started, now, suffix='')}</td>"
         f"<td>{escape(a.summary)}<div class=ev>{_evidence_line(a.evidence)}</div></td></tr>"
-        for a in page.alerts
+        for a, effect in by_incident(page.alerts)
     )
     return (
         f"<h2>Firing alerts ({page.total}){more}</h2><table><tr><th>severity</th><th>kind</th><th>subject</th>"
         f"<th>for</th><th>summary and evidence</th></tr>{rows}</table>"
     )
+
+
+def by_incident(alerts: list[AlertModel]) -> list[tuple[AlertModel, bool]]:
+    """The alerts with each cause's effects right under it, as (alert, is an effect shown under its cause);
+    an effect whose cause is not among them keeps its place."""
+    listed = {a.id for a in alerts}
+    under: dict[str, list[AlertModel]] = {}
+    for a in alerts:
+        if a.role is IncidentRole.EFFECT and a.incident in listed and a.incident != a.id:
+            under.setdefault(a.incident, []).append(a)
+    placed = {e.id for effects in under.values() for e in effects}
+    out: list[tuple[AlertModel, bool]] = []
+    for a in alerts:
+        if a.id not in placed:
+            out += [(a, False)] + [(e, True) for e in under.get(a.id, ())]
+    return out
 
 
 def _recent(recent: Iterable[AlertModel]) -> str:
@@ -339,6 +358,17 @@ def _value(value: Any) -> str:
     if isinstance(value, str):
         return escape(value)
     return escape(orjson.dumps(value).decode())
+
+
+def _incident(alert: AlertModel) -> str:
+    """Its role in its incident, linked to the cause where it is an effect."""
+    if alert.incident is None or alert.role is None:
+        return "-"
+    members = f'<a href="/alerts?incident={quote(alert.incident, safe="")}">its alerts, JSON</a>'
+    if alert.role is IncidentRole.CAUSE:
+        return f"the cause: what pages ({members})"
+    cause = f'<a href="/ui/alerts/{_path(alert.incident)}">{escape(alert.incident)}</a>'
+    return f"effect of {cause} ({members})"
 
 
 def _state(alert: AlertModel) -> str:

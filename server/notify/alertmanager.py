@@ -3,9 +3,12 @@
 Alertmanager forgets an alert that is not re-sent, so every firing alert is re-sent each resend
 interval with an `endsAt` a few intervals ahead (if gpufleet dies, its alerts expire on their own),
 and a resolved alert is sent once more with `endsAt` set to when it resolved. Alertmanager tells
-alerts apart by their labels, so an alert whose severity escalates (its cause may change with it) is sent
-at once under its new labels, and its old label set is ended in the same POST rather than left firing
-until it expires.
+alerts apart by their labels, so an alert whose severity escalates (its cause may change with it) or that
+joins or leaves an incident (labels `incident` and `role`) is sent at once under its new labels, and its
+old label set is ended in the same POST rather than left firing until it expires.
+
+The `incident` and `role` labels let Alertmanager page once per cause: deploy/alertmanager/alertmanager.yml
+groups by incident and inhibits an incident's effects while its cause fires.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def to_alertmanager(alert: Alert, *, now: float, resend_interval_seconds: float,
         "gpu": None if alert.gpu is None else str(alert.gpu),
         "hpc_job": alert.hpc_job,
         "cause": cause(alert) or None,
+        "incident": alert.incident,
+        "role": None if alert.role is None else alert.role.value,
         "source": "gpufleet",
         **alert.labels,
     }
@@ -67,6 +72,11 @@ def to_alertmanager(alert: Alert, *, now: float, resend_interval_seconds: float,
     else:
         body["endsAt"] = rfc3339(now + 4 * resend_interval_seconds)
     return body
+
+
+def _key(alert: Alert) -> tuple[str, ...]:
+    """An alert occurrence under one label set: its id and the labels that may change while it is open."""
+    return (alert.id, alert.severity.value, alert.incident or "", "" if alert.role is None else alert.role.value)
 
 
 class AlertmanagerNotifier:
@@ -102,9 +112,10 @@ class AlertmanagerNotifier:
             transport=transport, timeout=httpx.Timeout(timeout_seconds), verify=verify, auth=auth
         )
         self._firing: dict[str, Alert] = {}  # alert id -> latest firing state
-        # (alert id, severity) -> state to send on the next step; the severity is part of the key because it
-        # is a label: an escalated alert's old label set must be ended alongside the new one being sent.
-        self._outbox: dict[tuple[str, str], Alert] = {}
+        # (alert id, its changing labels) -> state to send on the next step; severity, incident and role are
+        # part of the key because they are labels: an escalated or regrouped alert's old label set must be
+        # ended alongside the new one being sent.
+        self._outbox: dict[tuple[str, ...], Alert] = {}
         self._last_resend: float | None = None
         self.sent_total = 0
         self.failed_total = 0
@@ -117,7 +128,7 @@ class AlertmanagerNotifier:
             if alert.state is AlertState.FIRING:
                 before = self._firing.get(alert.id)
                 self._firing[alert.id] = alert
-                if before is not None and before.severity is not alert.severity:
+                if before is not None and _key(before) != _key(alert):
                     self._queue(replace(before, state=AlertState.RESOLVED, resolved=alert.updated))
                     self._queue(alert)
                 elif t.previous is not AlertState.FIRING:
@@ -128,13 +139,13 @@ class AlertmanagerNotifier:
 
     def _queue(self, alert: Alert) -> None:
         """Send this state of the alert (under its current labels) on the next step."""
-        self._outbox[(alert.id, alert.severity.value)] = alert
+        self._outbox[_key(alert)] = alert
 
     async def step(self) -> bool:
         """Send what is queued, plus every firing alert when the resend interval has passed; True if sent."""
         now = self._clock()
         due = self._last_resend is None or now - self._last_resend >= self.resend_interval_seconds
-        batch = {(a.id, a.severity.value): a for a in self._firing.values()} if due else {}
+        batch = {_key(a): a for a in self._firing.values()} if due else {}
         batch.update(self._outbox)
         self._outbox.clear()
         if due:
@@ -163,7 +174,7 @@ class AlertmanagerNotifier:
             self._requeue_resolved(batch)
         return ok
 
-    def _requeue_resolved(self, batch: dict[tuple[str, str], Alert]) -> None:
+    def _requeue_resolved(self, batch: dict[tuple[str, ...], Alert]) -> None:
         """Keep undelivered resolutions for the next step (firing ones go out with the next resend anyway)."""
         for key, alert in batch.items():
             if alert.state is AlertState.RESOLVED and key not in self._outbox:

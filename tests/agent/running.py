@@ -226,15 +226,15 @@ requires_alertmanager = pytest.mark.skipif(
 
 @contextlib.contextmanager
 def alertmanager_process(
-    tmp_path: Path, web_config: Path | None = None, client: dict | None = None
+    tmp_path: Path, web_config: Path | None = None, client: dict | None = None, config_text: str | None = None
 ) -> Iterator[tuple[subprocess.Popen, int, Path]]:
-    """A real Alertmanager on 127.0.0.1, routing everything nowhere, without clustering; behind
-    `web_config` (HTTPS) when given, `client` holding the httpx options that get past it. Yields
-    (process, port, log)."""
+    """A real Alertmanager on 127.0.0.1, routing everything nowhere (or as `config_text` says), without
+    clustering; behind `web_config` (HTTPS) when given, `client` holding the httpx options that get past it.
+    Yields (process, port, log)."""
     assert ALERTMANAGER is not None
     port = free_port()
     config = tmp_path / "alertmanager.yml"
-    config.write_text("route: {receiver: nowhere}\nreceivers: [{name: nowhere}]\n")
+    config.write_text(config_text or "route: {receiver: nowhere}\nreceivers: [{name: nowhere}]\n")
     cmd = [
         ALERTMANAGER,
         f"--config.file={config}",
