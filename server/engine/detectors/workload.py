@@ -335,7 +335,8 @@ def _finding(
             f"job {job} is input-bound: {signal} -{drop * PERCENT:.0f} % and utilization "
             f"{grp.util[gid]:.2f} vs {base_util:.2f} job-wide"
         )
-    sev = Severity.WARNING if drop < cfg.workload_critical_drop_ratio else Severity.CRITICAL
+    # What it costs decides whether it is critical (engine/severity.py): nothing is lost or corrupted.
+    sev = Severity.WARNING
     return Finding(kind, None, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
 
 

@@ -476,7 +476,8 @@ def gpu_finding(
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
     inferred_peers(tick.registry, gid, evidence)
-    sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
+    # What it costs decides whether it is critical (engine/severity.py): nothing is lost or corrupted.
+    sev = Severity.WARNING
     # "By ~N % per step": the slowdown put down to this GPU, as it fires (the summary stays as it fired). Not
     # the job's figure in /jobs, which is the job now against its own baseline: the two may differ.
     # Unknown (no baseline yet, no waiting peers measured): the summary says who and why, without a figure.

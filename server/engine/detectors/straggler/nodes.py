@@ -425,7 +425,8 @@ def _slow_node_finding(
     by = f" by ~{percent(share)} per step (estimated as it fired)" if known and isinstance(share, float) else ""
     subject = f"job {job}" if job else "its peer nodes"
     summary = f"node {node} holds back {subject}{by}: {what} while the other nodes wait" + inferred_suffix(evidence)
-    sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
+    # What it costs decides whether it is critical (engine/severity.py): nothing is lost or corrupted.
+    sev = Severity.WARNING
     return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
 
 
