@@ -173,9 +173,13 @@ class HealthModel(BaseModel):
     open_alerts: int
     # Why the status is degraded: "stalled" (cycles stopped completing), "store_unsaved", "store_error" (a store
     # read or write fails) or the ingest's blindness reason (no_series, all_rejected, all_targets_down,
-    # no_targets, source_down), with what it looked for and found.
+    # no_targets, source_down), with what it looked for and found, or "targets_never_answered" with each
+    # such target's last error.
     degraded_reason: str | None = None
     degraded_detail: str | None = None
+    targets_never_answered: list[str] = Field(
+        default_factory=list, description="Targets tried and never heard from (a typo'd host, a closed port)."
+    )
     store_unsaved_changes: int = Field(
         0,
         description="Alert changes the store has not taken yet (a failed "
