@@ -91,7 +91,7 @@ class JobModel(BaseModel):
         None,
         description=(
             "The job's step-time slowdown now (0-1): how far its GPUs' SM activity (power where that is not "
-            "reported) sits below the job's own baseline at evaluated_at. A straggler alert's 'by ~N % per step' "
+            "reported) sits below the job's own baseline at evaluated_at. A straggler alert's 'loses ~N % per step' "
             "is another figure: the slowdown put down to its culprit GPU or node, estimated from it against its "
             "peers as the alert fired."
         ),

@@ -253,7 +253,10 @@ def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
     for slot in sorted(fresh | set((pending | failure).nonzero()[0].tolist())):
         when, count = state.ecc_last.get(slot, (None, 0))
         why = []
-        if slot in fresh:
+        # The running count, whether or not this tick brought errors: the summary follows the alert while it
+        # fires, and one that dropped the count on the ticks between errors read one way in the notification
+        # sent as it fired and another on the pages and in replay.
+        if count:
             why.append(f"{count} uncorrected ECC error{'' if count == 1 else 's'}")
         if pending[slot]:
             why.append("row remapping pending (reset needed)")

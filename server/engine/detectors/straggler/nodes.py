@@ -405,16 +405,20 @@ def _slow_node_finding(
     }
     if pattern == "idle":
         what = (
-            f"its GPUs idle (utilization {evidence['node_median_utilization_ratio']} vs "
-            f"{evidence['other_nodes_utilization_ratio']}), host-bound"
+            f"its GPUs idle, waiting on their host, while the other nodes wait for it (utilization "
+            f"{evidence['node_median_utilization_ratio']} against {evidence['other_nodes_utilization_ratio']})"
         )
     elif pattern == "cut":
         what = (
-            f"its GPUs' clocks are cut, with throttle bits the other nodes lack (SM clock {_pct(node_clk)} "
-            f"of max vs {_pct(rest_clk)}" + "".join("; " + THROTTLE_CAUSES[c] for c in causes) + ")"
+            "its GPUs' clocks are cut, with throttle bits the other nodes lack, while they wait for it (SM clock "
+            f"{_pct(node_clk)} of max against {_pct(rest_clk)}"
+            + "".join("; " + THROTTLE_CAUSES[c] for c in causes)
+            + ")"
         )
     else:
-        what = "its GPUs stay busy"
+        what = "its GPUs are still computing while the other nodes wait for it" + (
+            f" (SM activity {node_sm} against {rest_sm})" if node_sm is not None and rest_sm is not None else ""
+        )
     evidence["pattern"] = {"idle": "host_idle", "cut": "node_clocks_cut"}.get(pattern, "node_slow")
     evidence["throttle_causes"] = causes
     if tick.registry.kind(gid) != JOB:
@@ -422,9 +426,13 @@ def _slow_node_finding(
     inferred_peers(tick.registry, gid, evidence)
     # Worded as a GPU straggler's figure (see gpu_finding): the slowdown put down to this node, as it fires.
     share = evidence["estimated_job_slowdown_ratio"]
-    by = f" by ~{percent(share)} per step (estimated as it fired)" if known and isinstance(share, float) else ""
-    subject = f"job {job}" if job else "its peer nodes"
-    summary = f"node {node} holds back {subject}{by}: {what} while the other nodes wait" + inferred_suffix(evidence)
+    loses = (
+        f". {'Job ' + job if job else 'Its peer nodes'} lose{'s' if job else ''} ~{percent(share)} per step to it "
+        "(estimated as it fired)"
+        if known and isinstance(share, float)
+        else ""
+    )
+    summary = f"node {node} is the slow one: {what}{loses}" + inferred_suffix(evidence)
     # What it costs decides whether it is critical (engine/severity.py): nothing is lost or corrupted.
     sev = Severity.WARNING
     return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
