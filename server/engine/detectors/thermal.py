@@ -172,13 +172,15 @@ def _finding(tick: Tick, slot: int, arrays: dict[str, np.ndarray], critical: boo
     job = w.job_names[job_code] if job_code >= 0 else None
     why = []
     if temp == temp:
-        why.append(f"{temp:.0f} °C (threshold {cfg.thermal_temperature_celsius:.0f} °C)")
+        why.append(f"{temp:.0f} °C (alerts from {cfg.thermal_temperature_celsius:.0f} °C)")
     if hbm_hot:
         why.append(f"HBM {hbm:.0f} °C (its max operating {hbm_max:.0f} °C)")
-    if reasons:
-        why.append("throttle " + "+".join(reasons))
+    if hw > 0:
+        why.append("the hardware brakes it for heat")
+    elif thermal_bits > 0:
+        why.append("the driver slows it for heat")
     if clock == clock and clock < 1.0:
-        why.append(f"SM clock at {clock * PERCENT:.0f} % of max")
+        why.append(f"its SM clock at {clock * PERCENT:.0f} % of max")
     evidence = {
         "temperature_celsius": r3(temp),
         "threshold_celsius": cfg.thermal_temperature_celsius,
@@ -201,7 +203,7 @@ def _finding(tick: Tick, slot: int, arrays: dict[str, np.ndarray], critical: boo
         w.slot_uuid[slot],
         job,
         Severity.CRITICAL if critical else Severity.WARNING,
-        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} thermal: " + ", ".join(why),
+        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} runs hot: " + ", ".join(why),
         evidence,
     )
 
