@@ -36,6 +36,7 @@ class AlertModel(BaseModel):
     description: str = Field(
         description="One line for a person: the summary, where it is (node, GPU, job, pod) and what to look at."
     )
+    advice: str = Field("", description="What to do, as the alert's kind says (the second half of the description).")
     cause: str = Field(
         description="The short why, from a fixed vocabulary joined by '+': a straggler's pattern "
         "and what cut its clocks, what made a GPU thermal, an XID's code; empty "

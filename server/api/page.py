@@ -13,12 +13,12 @@ from html import escape
 from typing import Any, Iterable
 from urllib.parse import quote
 
-import orjson
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import HTMLResponse
 
 from gpufleet.server.alerts import AlertState
 from gpufleet.server.api import alerts as alert_routes
+from gpufleet.server.api import evidence
 from gpufleet.server.api import fleet as fleet_routes
 from gpufleet.server.api.deps import RuntimeDep
 from gpufleet.server.api.models import AlertModel, AlertPageModel, JobModel, JobsModel, NodesModel
@@ -44,7 +44,7 @@ th{background:#eef0f3;font-weight:600;white-space:nowrap}td.n{text-align:right;f
 .sev-info{color:#fff;background:#55708c;padding:1px 6px;border-radius:3px}
 .ev{font-size:12px;color:#3d4650;margin-top:3px}.ev span{margin-right:12px;white-space:nowrap}
 dl{display:grid;grid-template-columns:max-content 1fr;gap:4px 16px;background:#fff;padding:10px 14px;margin:0}
-.nw{white-space:nowrap}dt{font-weight:600}dd{margin:0}code{font-size:12px}
+.todo{margin:4px 0;font-size:13px}.nw{white-space:nowrap}dt{font-weight:600}dd{margin:0}code{font-size:12px}
 """
 
 
@@ -108,9 +108,10 @@ def render_alert(alert: AlertModel, now: float | None, refresh: int) -> str:
     ]
     if alert.state is AlertState.FIRING and alert.started is not None and now is not None:
         facts.insert(1, ("firing for", escape(_duration(now - alert.started))))
-    rows = "".join(f"<tr><th>{escape(k)}</th><td>{_value(v)}</td></tr>" for k, v in alert.evidence.items())
+    rows = "".join(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in evidence.rows(alert.evidence))
     body = (
         f"<h2>{escape(alert.kind)}: {escape(subject(alert))}</h2><p>{escape(alert.summary)}</p>"
+        f"{_what_to_do(alert)}"
         f"<dl>{''.join(f'<dt>{k}</dt><dd>{v}</dd>' for k, v in facts)}</dl>"
         f"<h2>Evidence</h2>"
         + (f"<table>{rows}</table>" if rows else "<p class=muted>none</p>")
@@ -215,7 +216,7 @@ def _firing(page: AlertPageModel, now: float | None) -> str:
         f"<tr><td>{_severity(a.severity.value)}</td><td>{escape(a.kind)}</td>"
         f'<td class=nw><a href="{_alert_href(a)}"><b>{escape(subject(a))}</b></a></td>'
         f"<td>{_ago(a.started, now, suffix='')}</td>"
-        f"<td>{escape(a.summary)}<div class=ev>{_evidence_line(a.evidence)}</div></td></tr>"
+        f"<td>{escape(a.summary)}{_what_to_do(a)}<div class=ev>{_evidence_line(a.evidence)}</div></td></tr>"
         for a in page.alerts
     )
     return (
@@ -250,20 +251,21 @@ def _document(title: str, refresh: int, body: str, now: float | None = None) -> 
     )
 
 
-def _evidence_line(evidence: dict[str, Any]) -> str:
-    """Scalar evidence as `key value` pairs, for the overview; the alert's page shows all of it."""
+def _evidence_line(values: dict[str, Any]) -> str:
+    """Scalar evidence as `label value` pairs with units, for the overview; the alert's page shows all of it."""
     # Spaces between the pairs: the line wraps there instead of widening the table past the screen.
-    return " ".join(
-        f"<span>{escape(k)} <b>{_value(v)}</b></span>"
-        for k, v in evidence.items()
-        if v is None or isinstance(v, (str, int, float, bool))
-    )
+    scalars = {k: v for k, v in values.items() if v is None or isinstance(v, (str, int, float, bool))}
+    return " ".join(f"<span>{escape(k)} <b>{escape(v)}</b></span>" for k, v in evidence.rows(scalars))
 
 
-def _value(value: Any) -> str:
-    if isinstance(value, str):
-        return escape(value)
-    return escape(orjson.dumps(value).decode())
+def _what_to_do(alert: AlertModel) -> str:
+    """The advice of the alert's kind and its runbook link, where there are any."""
+    parts = []
+    if alert.advice:
+        parts.append(f"<b>What to do:</b> {escape(alert.advice)}")
+    if alert.runbook_url:
+        parts.append(f'<a href="{escape(alert.runbook_url)}">runbook</a>')
+    return f"<p class=todo>{' '.join(parts)}</p>" if parts else ""
 
 
 def _state(alert: AlertModel) -> str:
