@@ -406,7 +406,7 @@ def _slow_node_finding(
     if pattern == "idle":
         what = (
             f"its GPUs idle, waiting on their host, while the other nodes wait for it (utilization "
-            f"{evidence['node_median_utilization_ratio']} against {evidence['other_nodes_utilization_ratio']})"
+            f"{_two(node_u)} against {_two(rest_u)})"
         )
     elif pattern == "cut":
         what = (
@@ -417,7 +417,9 @@ def _slow_node_finding(
         )
     else:
         what = "its GPUs are still computing while the other nodes wait for it" + (
-            f" (SM activity {node_sm} against {rest_sm})" if node_sm is not None and rest_sm is not None else ""
+            f" (SM activity {_two(node_sm)} against {_two(rest_sm)})"
+            if node_sm is not None and rest_sm is not None
+            else ""
         )
     evidence["pattern"] = {"idle": "host_idle", "cut": "node_clocks_cut"}.get(pattern, "node_slow")
     evidence["throttle_causes"] = causes
@@ -441,3 +443,8 @@ def _slow_node_finding(
 def _pct(ratio: float | None) -> str:
     """A ratio as a whole percentage for a summary ('?' when unknown)."""
     return "?" if ratio is None else percent(ratio)
+
+
+def _two(ratio: float | None) -> str:
+    """A ratio as a summary quotes it: two decimals ('0.74'), '?' where unknown."""
+    return "?" if ratio is None else f"{ratio:.2f}"
