@@ -9,7 +9,7 @@ import random
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import orjson
 

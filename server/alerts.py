@@ -140,6 +140,7 @@ class Alert:
             "updated": self.updated,
             "summary": self.summary,
             "description": description(self),
+            "advice": self.advice,
             "cause": cause(self),
             "labels": dict(self.labels),
             "runbook_url": self.runbook_url,

@@ -47,6 +47,30 @@ _NODE_GAUGES = (
     ("gpufleet_node_open_alerts", "open_alerts", "Pending or firing alerts about the node."),
 )
 
+# (metric name, EngineStats key, help) of the engine's own statistics; a counter's name gains _total.
+_ENGINE_COUNTERS = (
+    ("gpufleet_server_engine_samples_ingested", "samples_ingested", "GPU samples the engine took into its windows."),
+    (
+        "gpufleet_server_engine_late_samples_dropped",
+        "late_samples_dropped",
+        "GPU samples that came after their bin was evaluated.",
+    ),
+    ("gpufleet_server_engine_ticks", "ticks", "Evaluations (one per closed bin)."),
+)
+_ENGINE_GAUGES = (
+    ("gpufleet_server_engine_pending_samples", "pending_samples", "Samples waiting for their bin to close."),
+    ("gpufleet_server_engine_gpus", "gpus", "GPUs the engine tracks."),
+    ("gpufleet_server_engine_nodes", "nodes", "Nodes the engine tracks."),
+    ("gpufleet_server_engine_jobs", "jobs", "Jobs the engine has seen."),
+    ("gpufleet_server_engine_open_alerts", "open_alerts", "Pending or firing alerts."),
+    ("gpufleet_server_engine_firing_alerts", "firing_alerts", "Firing alerts."),
+    (
+        "gpufleet_server_engine_last_evaluation_timestamp_seconds",
+        "last_tick_time",
+        "Sample time of the end of the last bin the engine evaluated.",
+    ),
+)
+
 
 class ServerCollector(Collector):
     """Reads a Runtime on every scrape; holds no metric state of its own."""
@@ -281,14 +305,7 @@ class ServerCollector(Collector):
         if too_old is not None:
             dropped.add_metric(["too_old"], too_old)
         yield dropped
-        stats = GaugeMetricFamily(
-            "gpufleet_server_engine_stat", "Numeric statistics the engine reports, by name.", labels=["name"]
-        )
-        for name, value in sorted(self.runtime.view.stats.items()):
-            number = _number(value)
-            if number is not None:
-                stats.add_metric([name], number)
-        yield stats
+        yield from _engine_stats(self.runtime.view.stats)
 
     def _notifiers(self) -> Iterator[Metric]:
         """Delivery counters per notifier."""
@@ -305,6 +322,16 @@ class ServerCollector(Collector):
             failed.add_metric([n.name, n.url], n.failed_total)
             dropped.add_metric([n.name, n.url], n.dropped_total)
         yield from (sent, failed, dropped)
+
+
+def _engine_stats(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The engine's own statistics, each as its type: counters, gauges, the time of its last evaluation
+    (too_old_snapshots_dropped is gpufleet_server_samples_dropped_total{reason="too_old"})."""
+    for family, table in ((CounterMetricFamily, _ENGINE_COUNTERS), (GaugeMetricFamily, _ENGINE_GAUGES)):
+        for name, key, doc in table:
+            number = _number(stats.get(key))
+            if number is not None:
+                yield family(name, doc, value=number)
 
 
 def _number(value: Any) -> float | None:

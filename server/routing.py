@@ -94,7 +94,7 @@ class AlertRouting:
                 self._given[alert.id] = labels
         elif alert.state is AlertState.RESOLVED:
             del self._given[alert.id]
-        runbook = self._runbook(alert)
+        runbook = self.runbook(alert)
         if labels == alert.labels and runbook == alert.runbook_url:
             return alert
         return replace(alert, labels=labels, runbook_url=runbook)
@@ -124,7 +124,8 @@ class AlertRouting:
         (namespace,) = namespaces
         return {"namespace": namespace, "pod": next(iter(pods))[1]} if len(pods) == 1 else {"namespace": namespace}
 
-    def _runbook(self, alert: Alert) -> str | None:
+    def runbook(self, alert: Alert) -> str | None:
+        """The alert's runbook link from the configured template; None without one."""
         if self.runbook_url is None:
             return None
         return self.runbook_url.format(

@@ -39,6 +39,7 @@ _UNITS = (
     ("_gap", "utilization 0-1"),
     ("_factor", "multiple"),
     ("_ticks", "ticks"),
+    ("_gpu_hours_per_hour", "GPU-hours per hour"),
 )
 
 

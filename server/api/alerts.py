@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import replace
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query
 from starlette.concurrency import run_in_threadpool
 
-from gpufleet.server.alerts import KIND_NAME, AlertKind, AlertState, Severity
+from gpufleet.server.alerts import KIND_NAME, Alert, AlertKind, AlertState, Severity
 from gpufleet.server.api.deps import RuntimeDep
 from gpufleet.server.api.models import (
     AlertModel,
@@ -18,6 +19,7 @@ from gpufleet.server.api.models import (
     IncidentModel,
 )
 from gpufleet.server.incidents import incidents
+from gpufleet.server.runtime import Runtime
 from gpufleet.server.store import MAX_PAGE, AlertQuery, query_open
 
 router = APIRouter(tags=["alerts"])
@@ -68,7 +70,7 @@ async def list_alerts(
         page = query_open(runtime.view.alerts, query)
     end = offset + len(page.alerts)
     return AlertPageModel(
-        alerts=[AlertModel.of(a) for a in page.alerts],
+        alerts=[AlertModel.of(_linked(runtime, a)) for a in page.alerts],
         total=page.total,
         limit=limit,
         offset=offset,
@@ -92,7 +94,7 @@ async def get_alert(runtime: RuntimeDep, alert_id: str) -> AlertModel:
             raise HTTPException(status_code=503, detail=f"alert store unavailable: {exc}") from None
     if alert is None:
         raise HTTPException(status_code=404, detail=f"no alert with id {alert_id!r}")
-    return AlertModel.of(alert)
+    return AlertModel.of(_linked(runtime, alert))
 
 
 @router.get("/incidents", response_model=IncidentListModel, summary="Open incidents: each cause and its effects")
@@ -110,8 +112,13 @@ async def list_incidents(runtime: RuntimeDep) -> IncidentListModel:
         listed.append(
             IncidentModel(
                 id=i.id,
-                cause=None if cause is None else AlertModel.of(cause),
-                effects=[AlertModel.of(e) for e in i.effects],
+                cause=None if cause is None else AlertModel.of(_linked(runtime, cause)),
+                effects=[AlertModel.of(_linked(runtime, e)) for e in i.effects],
             )
         )
     return IncidentListModel(incidents=listed)
+
+
+def _linked(runtime: Runtime, alert: Alert) -> Alert:
+    """The alert with its runbook link: the store keeps none, the link is the server's setting now."""
+    return alert if alert.runbook_url else replace(alert, runbook_url=runtime.routing.runbook(alert))

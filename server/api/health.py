@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Sequence
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from gpufleet.server.api.deps import RuntimeDep
 from gpufleet.server.api.models import HealthModel
+from gpufleet.server.ingest.base import TargetHealth
 
 router = APIRouter(tags=["health"])
 
@@ -23,11 +24,12 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
     """200 while cycles complete; 503 before the first cycle or when cycles stopped completing. "degraded"
     with a reason also while alert changes wait for the store (a failed write, retried every cycle), while
     the store fails to read or write (a damaged file), or when the last cycle had no usable GPU sample
-    (still 200)."""
+    (still 200), or while a target has been tried and never answered (still 200; the targets named)."""
     health = runtime.source.health()
     stats = runtime.stats
     last = stats.last_tick
     blind = runtime.source.blind
+    silent = never_answered(health)
     status: Literal["ok", "starting", "degraded"]
     reason = detail = None
     status: Literal["ok", "starting", "degraded"]
@@ -50,6 +52,11 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
         # Cycles complete but see no GPU: "ok" here would hide a fleet nobody watches.
         status, reason = "degraded", blind.reason
         detail = f"looked for {blind.looked_for}; found {blind.found}"
+    elif silent:
+        # A typo'd host or a firewalled port answers nothing from the first pull: its node never appears,
+        # so no node_unreachable names it. Here is the only place it shows.
+        status, reason = "degraded", "targets_never_answered"
+        detail = "; ".join(f"{h.target}: {h.last_error or 'no answer'}" for h in silent)
     else:
         status = "ok"
     body = HealthModel(
@@ -59,6 +66,7 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
         cycles=stats.cycles_total,
         last_tick=last,
         open_alerts=len(runtime.view.alerts),
+        targets_never_answered=[h.target for h in silent],
         degraded_reason=reason,
         degraded_detail=detail,
         store_unsaved_changes=stats.store_unsaved_changes,
@@ -70,3 +78,8 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
     # reads or free the disk (it would lose the unsaved changes), so a liveness probe on /healthz must not
     # loop it; gpufleet_server_blind, gpufleet_server_store_unsaved_changes and the log say it instead.
     return JSONResponse(body.model_dump(), status_code=503 if status == "starting" or reason == "stalled" else 200)
+
+
+def never_answered(health: Sequence[TargetHealth]) -> list[TargetHealth]:
+    """Targets the source has tried and never heard from."""
+    return [h for h in health if h.last_attempt is not None and h.last_success is None]

@@ -36,6 +36,7 @@ class AlertModel(BaseModel):
     description: str = Field(
         description="One line for a person: the summary, where it is (node, GPU, job, pod) and what to look at."
     )
+    advice: str = Field("", description="What to do, as the alert's kind says (the second half of the description).")
     cause: str = Field(
         description="The short why, from a fixed vocabulary joined by '+': a straggler's pattern "
         "and what cut its clocks, what made a GPU thermal, an XID's code; empty "
@@ -116,7 +117,7 @@ class JobModel(BaseModel):
         None,
         description=(
             "The job's step-time slowdown now (0-1): how far its GPUs' SM activity (power where that is not "
-            "reported) sits below the job's own baseline at evaluated_at. A straggler alert's 'by ~N % per step' "
+            "reported) sits below the job's own baseline at evaluated_at. A straggler alert's 'loses ~N % per step' "
             "is another figure: the slowdown put down to its culprit GPU or node, estimated from it against its "
             "peers as the alert fired."
         ),
@@ -198,9 +199,13 @@ class HealthModel(BaseModel):
     open_alerts: int
     # Why the status is degraded: "stalled" (cycles stopped completing), "store_unsaved", "store_error" (a store
     # read or write fails) or the ingest's blindness reason (no_series, all_rejected, all_targets_down,
-    # no_targets, source_down), with what it looked for and found.
+    # no_targets, source_down), with what it looked for and found, or "targets_never_answered" with each
+    # such target's last error.
     degraded_reason: str | None = None
     degraded_detail: str | None = None
+    targets_never_answered: list[str] = Field(
+        default_factory=list, description="Targets tried and never heard from (a typo'd host, a closed port)."
+    )
     store_unsaved_changes: int = Field(
         0,
         description="Alert changes the store has not taken yet (a failed "

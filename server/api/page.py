@@ -14,13 +14,12 @@ from html import escape
 from typing import Any, Iterable
 from urllib.parse import quote
 
-import orjson
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import HTMLResponse
 
 from gpufleet.server.alerts import AlertState, IncidentRole
 from gpufleet.server.api import alerts as alert_routes
-from gpufleet.server.api import charts
+from gpufleet.server.api import charts, evidence
 from gpufleet.server.api import fleet as fleet_routes
 from gpufleet.server.api.deps import RuntimeDep
 from gpufleet.server.api.models import AlertModel, AlertPageModel, JobModel, JobsModel, NodesModel
@@ -49,7 +48,7 @@ th{background:#eef0f3;font-weight:600;white-space:nowrap}td.n{text-align:right;f
 .ev{font-size:12px;color:#3d4650;margin-top:3px}.ev span{margin-right:12px;white-space:nowrap}
 dl{display:grid;grid-template-columns:max-content 1fr;gap:4px 16px;background:#fff;padding:10px 14px;margin:0}
 tr.effect td{background:#f7f8fa;color:#3d4650}tr.effect td:nth-child(2){padding-left:22px}
-.nw{white-space:nowrap}dt{font-weight:600}dd{margin:0}code{font-size:12px}
+.todo{margin:4px 0;font-size:13px}.nw{white-space:nowrap}dt{font-weight:600}dd{margin:0}code{font-size:12px}
 .charts{display:flex;gap:12px;flex-wrap:wrap}figure{margin:0;background:#fff;border:1px solid #e3e6ea;padding:8px}
 figcaption{font-size:12px;color:#3d4650;max-width:640px}.chart .lbl{font-size:11px;fill:#3d4650}
 .chart .axis{font-size:12px;fill:#1d2329}td svg{display:block}
@@ -130,9 +129,10 @@ def render_alert(
     ]
     if alert.state is AlertState.FIRING and alert.started is not None and now is not None:
         facts.insert(1, ("firing for", escape(_duration(now - alert.started))))
-    rows = "".join(f"<tr><th>{escape(k)}</th><td>{_value(v)}</td></tr>" for k, v in alert.evidence.items())
+    rows = "".join(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in evidence.rows(alert.evidence))
     body = (
         f"<h2>{escape(alert.kind)}: {escape(subject(alert))}</h2><p>{escape(alert.summary)}</p>"
+        f"{_what_to_do(alert)}"
         f"<dl>{''.join(f'<dt>{k}</dt><dd>{v}</dd>' for k, v in facts)}</dl>"
         + _alert_charts(alert, chart, tz)
         + "<h2>Evidence</h2>"
@@ -293,7 +293,7 @@ def _firing(page: AlertPageModel, now: float | None) -> str:
         f"<td>{'&#8627; ' if effect else ''}{escape(a.kind)}</td>"
         f'<td class=nw><a href="{_alert_href(a)}"><b>{escape(subject(a))}</b></a></td>'
         f"<td>{_ago(a.started, now, suffix='')}</td>"
-        f"<td>{escape(a.summary)}<div class=ev>{_evidence_line(a.evidence)}</div></td></tr>"
+        f"<td>{escape(a.summary)}{_what_to_do(a)}<div class=ev>{_evidence_line(a.evidence)}</div></td></tr>"
         for a, effect in by_incident(page.alerts)
     )
     return (
@@ -344,20 +344,21 @@ def _document(title: str, refresh: int, body: str, now: float | None = None) -> 
     )
 
 
-def _evidence_line(evidence: dict[str, Any]) -> str:
-    """Scalar evidence as `key value` pairs, for the overview; the alert's page shows all of it."""
+def _evidence_line(values: dict[str, Any]) -> str:
+    """Scalar evidence as `label value` pairs with units, for the overview; the alert's page shows all of it."""
     # Spaces between the pairs: the line wraps there instead of widening the table past the screen.
-    return " ".join(
-        f"<span>{escape(k)} <b>{_value(v)}</b></span>"
-        for k, v in evidence.items()
-        if v is None or isinstance(v, (str, int, float, bool))
-    )
+    scalars = {k: v for k, v in values.items() if v is None or isinstance(v, (str, int, float, bool))}
+    return " ".join(f"<span>{escape(k)} <b>{escape(v)}</b></span>" for k, v in evidence.rows(scalars))
 
 
-def _value(value: Any) -> str:
-    if isinstance(value, str):
-        return escape(value)
-    return escape(orjson.dumps(value).decode())
+def _what_to_do(alert: AlertModel) -> str:
+    """The advice of the alert's kind and its runbook link, where there are any."""
+    parts = []
+    if alert.advice:
+        parts.append(f"<b>What to do:</b> {escape(alert.advice)}")
+    if alert.runbook_url:
+        parts.append(f'<a href="{escape(alert.runbook_url)}">runbook</a>')
+    return f"<p class=todo>{' '.join(parts)}</p>" if parts else ""
 
 
 def _incident(alert: AlertModel) -> str:

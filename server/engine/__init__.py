@@ -23,6 +23,7 @@ from gpufleet.server.engine.groups import JOB, GroupHistory, GroupMembers, Group
 from gpufleet.server.engine.inference import JobInference
 from gpufleet.server.engine.lifecycle import Lifecycle
 from gpufleet.server.engine.prepared import prepare_windows
+from gpufleet.server.engine import severity
 from gpufleet.server.engine.tick import SlowdownSource, Tick, read_windows, smoothed
 from gpufleet.server.engine.units import VIEW_DIGITS
 from gpufleet.server.engine.views import EngineStats, JobHealth, NodeHealth
@@ -225,6 +226,7 @@ class Engine:
             sag=workload.sag(groups, self.history, drop, source),
         )
         outcomes, context = self._detect(tick, w.drain_events())
+        severity.grade(outcomes, cfg)
         self._troubled = self._inferred_in_trouble(tick, set(context.singled_out))
         transitions = self.lifecycle.step(t, outcomes)
         self._count_losses(outcomes)

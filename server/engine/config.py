@@ -19,6 +19,9 @@ class EngineConfig:
     tick_seconds: float = 5.0
     # A bin is evaluated once now >= its end + this (live ingest may lag the newest sample).
     settle_seconds: float = 0.0
+    # Critical at this loss or more (GPU-hours per hour: the GPUs a problem slows times its slowdown): an
+    # 8-GPU node's worth of time, as much as losing a node; a 20 % straggler in 16 GPUs costs 3.2.
+    critical_loss_gpu_hours_per_hour: float = 8.0
     # Per-GPU history kept in memory (memory grows with GPUs x window); also bounds one advance()'s work.
     window_seconds: float = 300.0
     # Rolling median of the level readings that suppresses jitter before any comparison.
@@ -54,7 +57,7 @@ class EngineConfig:
     thermal_clear_seconds: float = 30.0
     # Critical within this of the GPU's own slowdown temperature.
     thermal_slowdown_margin_celsius: float = 2.0
-    # Critical when a busy, thermally throttled GPU's SM clock is below this share of its max.
+    # A busy, thermally throttled GPU's SM clock below this share of its max is cut by heat (clocks_cut).
     thermal_clock_cut_ratio: float = 0.85
     # HBM at its own max operating temperature (less this margin) is hot whatever the die reads: the memory
     # throttles there, and an HBM-heavy job or blocked airflow over the stacks can heat it alone.
@@ -130,8 +133,6 @@ class EngineConfig:
     # "Busy while the other nodes wait" needs them idling no more than this share of node_idle_gap below
     # the node: others idling more are starved themselves (the host-idle pattern, on them).
     straggler_others_idle_ratio: float = 0.5
-    # A straggler is critical when it costs its job this share of each step or more.
-    straggler_critical_slowdown_ratio: float = 0.2
     # A GPU's newest reading is its newest bin's, or the one before where that has no sample: at 10 s
     # sampling every other 5 s bin is empty.
     straggler_newest_bins: int = 2
@@ -227,8 +228,6 @@ class EngineConfig:
     # input_bound also clears once utilization is back within this share of input_utilization_drop of
     # the baseline utilization (the same hysteresis as workload_recovered_ratio).
     input_clear_utilization_ratio: float = 0.5
-    # A drop of this much or more is critical: the job runs at under 70 % of its usual speed.
-    workload_critical_drop_ratio: float = 0.3
 
     # Health beyond the settings above.
 

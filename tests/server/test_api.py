@@ -164,6 +164,7 @@ def test_nodes_jobs_health_after_a_cycle(tmp_path) -> None:
         "open_alerts": 1,
         "degraded_reason": None,
         "degraded_detail": None,
+        "targets_never_answered": [],
         "store_unsaved_changes": 0,
         "store_unsaved_age_seconds": None,
     }
@@ -189,6 +190,32 @@ def test_health_is_degraded_within_one_cycle_when_every_target_is_down(tmp_path)
     metrics = client.get("/metrics").text
     assert 'gpufleet_server_blind_cycles_total{reason="all_targets_down"} 1.0' in metrics
     assert "gpufleet_server_blind 1.0" in metrics
+
+
+def test_health_is_degraded_naming_a_target_that_never_answered(tmp_path) -> None:
+    payload = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0)]))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "dgx-O2":  # a typo: the name resolves nowhere
+            raise httpx.ConnectError("Name or service not known", request=request)
+        return httpx.Response(200, content=payload)
+
+    settings = ServerSettings(storage_path=str(tmp_path / "api.db"))
+    puller = Puller(
+        StaticTargets(("a:1", "dgx-O2:9400")),
+        transport=httpx.MockTransport(handler),
+        parse=parse_dict,
+        clock=lambda: 5000.0,
+    )
+    runtime = Runtime(engine=StubEngine(), source=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0)
+    client = TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
+    asyncio.run(runtime.cycle())
+    health = client.get("/healthz")
+    assert health.status_code == 200
+    body = health.json()
+    assert (body["status"], body["degraded_reason"]) == ("degraded", "targets_never_answered")
+    assert body["targets_never_answered"] == ["dgx-O2:9400"]
+    assert body["degraded_detail"].startswith("dgx-O2:9400: ")
 
 
 def test_health_is_503_when_cycles_stop_completing(tmp_path) -> None:

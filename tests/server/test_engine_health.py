@@ -132,3 +132,16 @@ def test_ecc_summary_counts_what_its_evidence_counts_with_the_right_plural():
     assert two.evidence["uncorrected_errors_new"] == 2
     assert two.summary == "GPU 7 on n1: 2 uncorrected ECC errors"
     assert T0 + 400 <= two.evidence["last_error_time"] <= T0 + 410
+
+
+def test_an_ecc_alert_reads_the_same_as_it_fires_and_after_whatever_the_trace_length():
+    """Live sends the summary as it fires; the pages and replay show it later. Between errors a remap still
+    pending kept the alert on and its summary lost the error count: the two read differently."""
+
+    def ecc(t, node, gpu):
+        if (node, gpu) == ("n1", 7) and t >= 300:
+            return {"ecc_uncorrected_errors_total": 3, "remapped_rows_pending": True}
+        return {}
+
+    summaries = {a.summary for seconds in (310.0, 320.0, 900.0) for a in _of("ecc", ecc, seconds=seconds)}
+    assert summaries == {"GPU 7 on n1: 3 uncorrected ECC errors, row remapping pending (reset needed)"}

@@ -668,3 +668,28 @@ def test_a_power_only_straggler_under_an_operator_cap_is_named():
     (s,) = _by_kind(cluster_lines(1000, override=capped))["straggler"]
     assert (s.node, s.gpu) == ("n1", 3)
     assert T0 + 450 < s.started <= T0 + 530
+
+
+def test_a_straggler_is_a_warning_in_a_small_job_and_critical_where_its_job_loses_much():
+    """Severity from cost: the same ~25 % slow GPU costs a 16-GPU job ~4 GPU-hours per hour (warning), a
+    64-GPU job ~16 (critical, over critical_loss_gpu_hours_per_hour)."""
+    (small,) = _by_kind(cluster_lines(1000, override=_slow_gpu))["straggler"]
+    (large,) = _by_kind(cluster_lines(1000, nodes=8, override=_slow_gpu))["straggler"]
+    assert small.severity.value == "warning"
+    assert large.severity.value == "critical"
+    lowered = [
+        a for a in run_replay(cluster_lines(1000, override=_slow_gpu), {"critical_loss_gpu_hours_per_hour": 2.0})
+    ]
+    assert [a.severity.value for a in lowered if a.kind == "straggler"] == ["critical"]
+
+
+def test_the_straggler_summary_says_who_waits_for_whom_with_the_peers_number_against_the_culprits():
+    (s,) = _by_kind(cluster_lines(1000, override=_slow_gpu))["straggler"]
+    assert s.summary.startswith(
+        "GPU 3 on n1 is the slow one: it is still computing while its 15 peers wait for it "
+        "(SM activity 0.80 against 0.62); its SM clock runs at 75 % of max against 100 %. "
+        "Job j1 loses ~"
+    ), s.summary
+    assert "holds back" not in s.summary and " vs " not in s.summary
+    (idle,) = _by_kind(cluster_lines(1000, override=_starved_rank))["straggler"]
+    assert "it idles, waiting on its host, while its 15 peers wait for it (utilization " in idle.summary

@@ -35,14 +35,16 @@ def test_short_spike_is_not_an_alert():
     assert _alerts(spike) == []
 
 
-def test_hw_thermal_bits_fire_critical_even_below_threshold():
+def test_hw_thermal_bits_fire_below_threshold_as_a_warning():
+    """Clocks cut by heat cost what the straggler they make says; the GPU is not at its own limits."""
+
     def bits(t, node, gpu):
         if node == "n0" and gpu == 2 and t >= 300:
             return {"throttle_reasons": 0x40, "temperature_celsius": 80.0, "sm_clock_hertz": 1.2e9}
         return {}
 
     (a,) = _alerts(bits)
-    assert a.severity.value == "critical" and a.resolved is None
+    assert a.severity.value == "warning" and a.resolved is None
     assert a.evidence["clocks_cut"] is True
 
 

@@ -4,6 +4,8 @@ nothing they load comes from anywhere but the server itself."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from datetime import datetime
 from html.parser import HTMLParser
 from urllib.parse import urlsplit
 
@@ -14,9 +16,11 @@ from fastapi.testclient import TestClient
 
 from gpufleet.server.alerts import AlertKind, AlertState, Severity
 from gpufleet.server.api import create_app
+from gpufleet.server.api.evidence import local_time
 from gpufleet.server.api.page import refresh_seconds
 from gpufleet.server.ingest.puller import Puller
 from gpufleet.server.ingest.targets import StaticTargets
+from gpufleet.server.routing import AlertRouting
 from gpufleet.server.runtime import FleetView, Runtime
 from gpufleet.server.settings import ServerSettings
 from gpufleet.server.store import AlertStore
@@ -124,7 +128,7 @@ def test_overview_names_the_culprit_gpu_its_job_and_what_it_cost(seeded) -> None
     assert "dgx-03 GPU 2 (job 71002)" in html  # the firing alert's subject
     assert "23 %" in html and "slower than its baseline now" in html
     assert "straggler 0.12" in html  # GPU-hours lost, by kind
-    assert "peers_median <b>0.5</b>" in html  # the firing alert's evidence, inline
+    assert "peers median <b>0.5</b>" in html  # the firing alert's evidence, inline
     links = refs(html).links
     assert f"/ui/alerts/{straggler.id}" in links and f"/ui/alerts/{resolved.id}" in links  # firing and recent
     assert "<span class=ok>ok</span>" in html  # the calm job
@@ -136,9 +140,43 @@ def test_alert_page_shows_the_whole_alert_and_links_its_json(seeded) -> None:
     assert page.status_code == 200
     html = page.text
     assert "straggler: dgx-03 GPU 2 (job 71002)" in html and "alert 1" in html
-    assert "<th>n</th><td>1</td>" in html and "<th>peers_median</th><td>0.5</td>" in html
+    assert "<th>n</th><td>1</td>" in html and "<th>peers median</th><td>0.5</td>" in html
     assert f"/alerts/{straggler.id}" in refs(html).links
     assert client.get(f"/alerts/{straggler.id}").json()["id"] == straggler.id  # the REST route stays JSON
+
+
+def test_both_pages_show_evidence_with_labels_units_and_local_times_and_what_to_do(tmp_path) -> None:
+    runtime, client = build(tmp_path)
+    xid = replace(
+        make_alert(3, kind=AlertKind.XID, severity=Severity.CRITICAL, node="node-a", gpu=6),
+        evidence={
+            "code": 79,
+            "count": 2,
+            "last_event_time": 1795808310.882114,
+            "temperature_celsius": 86.4,
+            "sm_active_ratio": 0.7,
+            "gpu_hours_lost": 1.234,
+        },
+        advice="Drain it, or restart the job without it.",
+    )
+    runtime.routing = AlertRouting(runbook_url="https://runbooks.example/gpufleet/{kind}")
+    runtime.store.upsert([xid])
+    when = local_time(1795808310.882114)
+    assert when.startswith(datetime.fromtimestamp(1795808310).strftime("%Y-%m-%d %H:%M:%S"))
+    overview = client.get("/").text
+    alert_page = client.get(f"/ui/alerts/{xid.id}").text
+    for html in (overview, alert_page):
+        assert "last_event_time" not in html and "1795808310" not in html
+        assert "Drain it, or restart the job without it." in html
+        assert "https://runbooks.example/gpufleet/xid" in refs(html).links
+    assert f"last event <b>{when}</b>" in overview and "temperature <b>86 °C</b>" in overview
+    assert f"<th>last event</th><td>{when}</td>" in alert_page
+    assert "<th>SM activity</th><td>0.70</td>" in alert_page
+    assert "<th>GPU-hours lost</th><td>1.23 GPU-hours</td>" in alert_page
+    assert "<th>XID code</th><td>79</td>" in alert_page
+    rest = client.get(f"/alerts/{xid.id}").json()
+    assert rest["evidence"]["last_event_time"] == 1795808310.882114  # REST keeps the machine values
+    assert rest["advice"] == "Drain it, or restart the job without it."
 
 
 def test_unknown_alert_is_a_404_page(seeded) -> None:

@@ -74,7 +74,7 @@ def test_alerts_jobs_and_ingest_series(tmp_path) -> None:
     assert got[("gpufleet_server_cycles_total", ())] == 1
     assert got[("gpufleet_server_engine_last_tick_timestamp_seconds", ())] == 100.0
     assert ("gpufleet_server_engine_tick_duration_seconds", ()) in got
-    assert got[("gpufleet_server_engine_stat", (("name", "samples"),))] == 1
+    assert not [k for k in got if k[0] == "gpufleet_server_engine_stat"]
     assert got[("gpufleet_node_gpus", (("node", "dgx-01"),))] == 2
 
 
@@ -160,3 +160,38 @@ def test_every_alertmanager_replica_gets_every_alert_and_its_own_counters(tmp_pa
     assert got[(sent, (("notifier", "alertmanager"), ("url", "http://am-1:9093/api/v2/alerts")))] == 0
     assert got[(sent, (("notifier", "webhook"), ("url", "http://hooks/x")))] == 0
     runtime.store.close()
+
+
+def test_engine_statistics_are_typed_counters_gauges_and_a_timestamp(tmp_path) -> None:
+    runtime = make_runtime(tmp_path, lambda r: httpx.Response(200, content=b'{"schema":1,"snapshots":[]}'))
+    stats = dict(
+        samples_ingested=40,
+        late_samples_dropped=2,
+        too_old_snapshots_dropped=1,
+        pending_samples=3,
+        ticks=7,
+        last_tick_time=1795808310.0,
+        gpus=16,
+        nodes=2,
+        jobs=1,
+        open_alerts=2,
+        firing_alerts=1,
+    )
+    runtime.view = FleetView(stats=stats)
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(build_registry(runtime)).decode())}
+    assert "gpufleet_server_engine_stat" not in families
+    for name, value in (
+        ("gpufleet_server_engine_samples_ingested", 40),
+        ("gpufleet_server_engine_late_samples_dropped", 2),
+        ("gpufleet_server_engine_ticks", 7),
+    ):
+        assert families[name].type == "counter"
+        assert [s.value for s in families[name].samples if s.name == name + "_total"] == [value]
+    for name, value in (
+        ("gpufleet_server_engine_pending_samples", 3),
+        ("gpufleet_server_engine_gpus", 16),
+        ("gpufleet_server_engine_firing_alerts", 1),
+        ("gpufleet_server_engine_last_evaluation_timestamp_seconds", 1795808310.0),
+    ):
+        assert families[name].type == "gauge" and [s.value for s in families[name].samples] == [value]
+    assert families["gpufleet_server_samples_dropped"].samples[0].labels == {"reason": "too_old"}

@@ -15,7 +15,7 @@ from gpufleet.server.status import render
 from tests.server.engine_samples import T0, cluster_lines
 from tests.server.test_engine_straggler import _slow_gpu
 
-CULPRIT_FIGURE = re.compile(r"holds back job j1 by ~(\d+) % per step \(estimated as it fired\): ")
+CULPRIT_FIGURE = re.compile(r"\. Job j1 loses ~(\d+) % per step to it \(estimated as it fired\)")
 
 
 def test_the_straggler_summary_and_the_job_each_name_their_own_figure() -> None:
@@ -39,7 +39,7 @@ def test_the_straggler_summary_and_the_job_each_name_their_own_figure() -> None:
 
     # The job's figure says it is the job now against its own baseline, and that the alert's is another one.
     described = JobModel.model_fields["estimated_slowdown_ratio"].description or ""
-    assert "now" in described and "own baseline" in described and "'by ~N % per step'" in described
+    assert "now" in described and "own baseline" in described and "'loses ~N % per step'" in described
     header = render(
         {"evaluated_at": T0, "jobs": [job.to_dict()]}, {"total": 0, "alerts": []}, {"nodes": [], "targets": []}, url="u"
     ).splitlines()[2]

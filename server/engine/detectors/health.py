@@ -159,7 +159,9 @@ def _gpu_lost(tick: Tick, state: HealthState) -> Outcome:
     out = Outcome()
     for slot in (down | vanished).nonzero()[0].tolist():
         why = (
-            "reports up=false" if down[slot] else f"missing from its node's snapshots for {cfg.gpu_lost_seconds:.0f} s"
+            "the driver reports it down"
+            if down[slot]
+            else f"its node has sent no reading of it for {cfg.gpu_lost_seconds:.0f} s"
         )
         job = _job_of(tick, slot)
         out.add(
@@ -170,8 +172,8 @@ def _gpu_lost(tick: Tick, state: HealthState) -> Outcome:
                 w.slot_uuid[slot],
                 job,
                 Severity.CRITICAL,
-                f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} lost: {why}"
-                + (f" (job {job} cannot go on without it)" if job else ""),
+                f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} is lost: {why}"
+                + (f"; job {job} cannot go on without it" if job else ""),
                 {
                     "up": None if up[slot] != up[slot] else bool(up[slot] >= cfg.gpu_up_share_ratio),
                     "missing": bool(vanished[slot]),
@@ -221,7 +223,7 @@ def _xid(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
             w.slot_uuid[slot],
             _job_of(tick, slot),
             Severity.CRITICAL if code in XID_CRITICAL else Severity.WARNING,
-            f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} XID {code if code >= 0 else '?'}: {meaning}",
+            f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} reported XID {code if code >= 0 else '?'}: {meaning}",
             {"code": code if code >= 0 else None, "meaning": meaning, "count": count, "last_event_time": when},
             extra=str(code),
         )
@@ -253,7 +255,10 @@ def _ecc(tick: Tick, state: HealthState, events: list[CounterEvent]) -> Outcome:
     for slot in sorted(fresh | set((pending | failure).nonzero()[0].tolist())):
         when, count = state.ecc_last.get(slot, (None, 0))
         why = []
-        if slot in fresh:
+        # The running count, whether or not this tick brought errors: the summary follows the alert while it
+        # fires, and one that dropped the count on the ticks between errors read one way in the notification
+        # sent as it fired and another on the pages and in replay.
+        if count:
             why.append(f"{count} uncorrected ECC error{'' if count == 1 else 's'}")
         if pending[slot]:
             why.append("row remapping pending (reset needed)")

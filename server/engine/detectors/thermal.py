@@ -73,11 +73,12 @@ WARM_RULES: tuple[Rule, ...] = (
         less=("thermal_memory_margin_celsius", "thermal_clear_margin_celsius"),
     ),
 )
-# Critical: clocks cut by heat, or the GPU at its own limits.
+# Clocks cut by heat (what that costs a job is its straggler's), and the GPU at its own limits: critical,
+# the GPU brakes hard or shuts down next (engine/severity.py).
 CRITICAL_RULES: tuple[Rule, ...] = (
     Rule(
         name="thermal_clock_cut",
-        doc="a busy, thermally throttled GPU's SM clock is cut well under its max (critical)",
+        doc="a busy, thermally throttled GPU's SM clock is cut well under its max",
         signal="sm_clock_ratio",
         op="<",
         margin="thermal_clock_cut_ratio",
@@ -124,7 +125,7 @@ def detect(tick: Tick, state: FingerprintIndex, context: Context) -> Outcome:
     on = arrays["hot"]
     clear = ~warm & ~arrays["thermal_bits"] & ~unknown
     arrays.update(evaluate(CRITICAL_RULES, arrays, cfg))
-    critical = any_of(arrays, [r.name for r in CRITICAL_RULES])
+    critical = arrays["thermal_near_slowdown"]
     out = Outcome()
     for slot in on.nonzero()[0].tolist():
         out.add(_finding(tick, slot, arrays, bool(critical[slot])))
@@ -156,7 +157,7 @@ def _finding(tick: Tick, slot: int, arrays: dict[str, np.ndarray], critical: boo
     cut_clock = bool(arrays["thermal_clock_cut"][slot])
     near_limit = bool(arrays["thermal_near_slowdown"][slot])
     hbm_hot = bool(arrays["thermal_hot_hbm"][slot])
-    critical = critical or cut_by_bits or hbm_hot
+    critical = critical or hbm_hot  # at its own limits; cut clocks cost what the straggler says
     reasons = [
         r
         for r, hit in (("hw_thermal_slowdown", hw > 0), ("sw_thermal_slowdown", thermal_bits > 0 and not hw > 0))
@@ -171,13 +172,15 @@ def _finding(tick: Tick, slot: int, arrays: dict[str, np.ndarray], critical: boo
     job = w.job_names[job_code] if job_code >= 0 else None
     why = []
     if temp == temp:
-        why.append(f"{temp:.0f} °C (threshold {cfg.thermal_temperature_celsius:.0f} °C)")
+        why.append(f"{temp:.0f} °C (alerts from {cfg.thermal_temperature_celsius:.0f} °C)")
     if hbm_hot:
         why.append(f"HBM {hbm:.0f} °C (its max operating {hbm_max:.0f} °C)")
-    if reasons:
-        why.append("throttle " + "+".join(reasons))
+    if hw > 0:
+        why.append("the hardware brakes it for heat")
+    elif thermal_bits > 0:
+        why.append("the driver slows it for heat")
     if clock == clock and clock < 1.0:
-        why.append(f"SM clock at {clock * PERCENT:.0f} % of max")
+        why.append(f"its SM clock at {clock * PERCENT:.0f} % of max")
     evidence = {
         "temperature_celsius": r3(temp),
         "threshold_celsius": cfg.thermal_temperature_celsius,
@@ -200,7 +203,7 @@ def _finding(tick: Tick, slot: int, arrays: dict[str, np.ndarray], critical: boo
         w.slot_uuid[slot],
         job,
         Severity.CRITICAL if critical else Severity.WARNING,
-        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} thermal: " + ", ".join(why),
+        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} runs hot: " + ", ".join(why),
         evidence,
     )
 

@@ -325,17 +325,26 @@ def _finding(
         "estimated_job_slowdown_ratio": r3(drop),
         "gpu_hours_lost": round(lost, VIEW_DIGITS),
     }
+    # Its usual level first and what the job does instead: "0.52 vs baseline 0.69" says neither.
+    level = (
+        f"SM activity {cur:.2f} against its usual {base:.2f}"
+        if by_sm
+        else f"power {cur:.0f} W against its usual {base:.0f} W"
+    )
+    gpus = int(grp.size[gid])
     if kind == AlertKind.COMM_BOUND:
         summary = (
-            f"job {job} is communication-bound: {signal} {cur:.2f} vs baseline {base:.2f} "
-            f"(-{drop * PERCENT:.0f} %) with utilization {grp.util[gid]:.2f} and no GPU standing out"
+            f"job {job} is communication-bound: its {gpus} GPUs stay busy but compute less, waiting in "
+            f"collectives ({level}, -{drop * PERCENT:.0f} %; utilization {grp.util[gid]:.2f}), and no GPU "
+            "stands out"
         )
     else:
         summary = (
-            f"job {job} is input-bound: {signal} -{drop * PERCENT:.0f} % and utilization "
-            f"{grp.util[gid]:.2f} vs {base_util:.2f} job-wide"
+            f"job {job} is input-bound: its {gpus} GPUs idle, waiting for data (utilization "
+            f"{grp.util[gid]:.2f} against its usual {base_util:.2f}; {level}, -{drop * PERCENT:.0f} %)"
         )
-    sev = Severity.WARNING if drop < cfg.workload_critical_drop_ratio else Severity.CRITICAL
+    # What it costs decides whether it is critical (engine/severity.py): nothing is lost or corrupted.
+    sev = Severity.WARNING
     return Finding(kind, None, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
 
 

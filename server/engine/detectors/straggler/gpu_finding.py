@@ -55,9 +55,10 @@ def gpu_finding(
     if tick.registry.kind(gid) != JOB:
         evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
     inferred_peers(tick.registry, gid, evidence)
-    reasons = _reasons(tick, slot, gid, ex, causes, idle) + _shared_reason(slot, shared, waiting_peers, sm_known)
-    summary = _summary(tick, slot, job, evidence, reasons)
-    sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
+    reasons = _reasons(tick, slot, gid, ex, causes, idle, waiting_peers)
+    summary = _summary(tick, slot, job, evidence, reasons + _shared_reason(slot, shared, waiting_peers, sm_known))
+    # What it costs decides whether it is critical (engine/severity.py): nothing is lost or corrupted.
+    sev = Severity.WARNING
     node, index, uuid = w.slot_node[slot], w.slot_index[slot], w.slot_uuid[slot]
     return Finding(AlertKind.STRAGGLER, node, index, uuid, job, sev, summary, evidence, cost_gpu_hours=cost)
 
@@ -151,23 +152,39 @@ def _evidence(
     }
 
 
-def _reasons(tick: Tick, slot: int, gid: int, ex: np.ndarray, causes: list[str], idle: bool) -> list[str]:
-    """What sets the GPU apart from its peers, in words, one phrase per reading beyond its margin."""
+def _reasons(
+    tick: Tick, slot: int, gid: int, ex: np.ndarray, causes: list[str], idle: bool, waiting_peers: list[int]
+) -> list[str]:
+    """What sets the GPU apart from its peers, in words: its peers' wait first, then its reading against
+    theirs, then its clocks and throttling."""
     cfg, m, grp = tick.config, tick.med, tick.groups
+    # Its peers' number first, the culprit's against it, and what the difference means: "0.70 vs 0.50" on
+    # the culprit alone reads as if it were the better GPU.
+    peers = len(waiting_peers) if waiting_peers else int(grp.size[gid]) - 1
+    wait = f"its {peers} peer{'' if peers == 1 else 's'} wait for it"
     reasons = []
-    if ex[SM] >= cfg.straggler_sm_excess:
-        reasons.append(f"SM activity {m['sm'][slot]:.2f} vs peers {grp.sm[gid]:.2f}")
+    if idle:
+        reasons.append(
+            f"it idles, waiting on its host, while {wait} "
+            f"(utilization {m['util'][slot]:.2f} against {grp.util[gid]:.2f})"
+        )
+    elif ex[SM] >= cfg.straggler_sm_excess:
+        reasons.append(
+            f"it is still computing while {wait} (SM activity {m['sm'][slot]:.2f} against {grp.sm[gid]:.2f})"
+        )
+    elif math.isnan(grp.sm[gid]) and ex[PW] >= cfg.straggler_power_excess:
+        reasons.append(
+            f"it is still computing while {wait} (power {m['power'][slot]:.0f} W against {grp.power[gid]:.0f} W)"
+        )
+    else:
+        reasons.append(wait)
     if -ex[CLK] >= cfg.straggler_clock_deficit:
-        reasons.append(f"SM clock {percent(m['clock'][slot])} of max vs peers {percent(grp.clock[gid])}")
-    if math.isnan(grp.sm[gid]) and ex[PW] >= cfg.straggler_power_excess:
-        reasons.append(f"power {m['power'][slot]:.0f} W vs peers {grp.power[gid]:.0f} W")
+        reasons.append(f"its SM clock runs at {percent(m['clock'][slot])} of max against {percent(grp.clock[gid])}")
     if m["slow"][slot] >= cfg.straggler_slow_bits_share:
         # Heat and the rest can each hold under half the samples while slowing bits hold most of them.
         reasons.append(
             "throttled: " + "; ".join(THROTTLE_CAUSES[c] for c in causes) if causes else "throttle/slowdown bits set"
         )
-    if idle:
-        reasons.append(f"utilization {m['util'][slot]:.2f} vs peers {grp.util[gid]:.2f}: idle, waiting on its host")
     return reasons
 
 
@@ -183,14 +200,16 @@ def _shared_reason(slot: int, shared: SharedNode | None, waiting_peers: list[int
 
 
 def _summary(tick: Tick, slot: int, job: str | None, evidence: dict[str, Any], reasons: list[str]) -> str:
-    """One line: which GPU holds back whom, by how much as it fired, and why."""
+    """One line: which GPU is the slow one and why, then what its job loses to it as it fired."""
     w = tick.windows
     # The slowdown put down to this GPU as it fires, not the job's figure in /jobs (the job now against
     # its own baseline): the two may differ. Unknown (no baseline, no waiting peers measured): no figure.
     share = evidence["estimated_job_slowdown_ratio"]
-    by = f" by ~{percent(share)} per step (estimated as it fired)" if isinstance(share, float) else ""
-    summary = (
-        f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} holds back "
-        f"{'job ' + job if job else 'its peers'}{by}: " + "; ".join(reasons)
+    loses = (
+        f". {'Job ' + job if job else 'Its peers'} lose{'s' if job else ''} ~{percent(share)} per step to it "
+        "(estimated as it fired)"
+        if isinstance(share, float)
+        else ""
     )
+    summary = f"GPU {w.slot_index[slot]} on {w.slot_node[slot]} is the slow one: " + "; ".join(reasons) + loses
     return summary + inferred_suffix(evidence)

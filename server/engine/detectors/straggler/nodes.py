@@ -400,7 +400,8 @@ def _slow_node_finding(
         evidence["note"] = "no hpc_job attribution: compared with unattributed nodes of the same GPU model"
     inferred_peers(tick.registry, gid, evidence)
     summary = _node_summary(node, job, evidence, what, known)
-    sev = Severity.CRITICAL if slowdown >= cfg.straggler_critical_slowdown_ratio else Severity.WARNING
+    # What it costs decides whether it is critical (engine/severity.py): nothing is lost or corrupted.
+    sev = Severity.WARNING
     return Finding(AlertKind.STRAGGLER, node, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
 
 
@@ -431,27 +432,42 @@ def _node_what(evidence: dict[str, Any], pattern: str, causes: list[str]) -> str
     """What sets the node apart, in words."""
     if pattern == "idle":
         return (
-            f"its GPUs idle (utilization {evidence['node_median_utilization_ratio']} vs "
-            f"{evidence['other_nodes_utilization_ratio']}), host-bound"
+            "its GPUs idle, waiting on their host, while the other nodes wait for it (utilization "
+            f"{_two(evidence['node_median_utilization_ratio'])} against "
+            f"{_two(evidence['other_nodes_utilization_ratio'])})"
         )
     if pattern == "cut":
         node_clk, rest_clk = evidence["node_median_sm_clock_ratio"], evidence["other_nodes_sm_clock_ratio"]
         return (
-            f"its GPUs' clocks are cut, with throttle bits the other nodes lack (SM clock {_pct(node_clk)} "
-            f"of max vs {_pct(rest_clk)}" + "".join("; " + THROTTLE_CAUSES[c] for c in causes) + ")"
+            "its GPUs' clocks are cut, with throttle bits the other nodes lack, while they wait for it (SM clock "
+            f"{_pct(node_clk)} of max against {_pct(rest_clk)}"
+            + "".join("; " + THROTTLE_CAUSES[c] for c in causes)
+            + ")"
         )
-    return "its GPUs stay busy"
+    node_sm, rest_sm = evidence["node_median_sm_active_ratio"], evidence["other_nodes_sm_active_ratio"]
+    return "its GPUs are still computing while the other nodes wait for it" + (
+        f" (SM activity {_two(node_sm)} against {_two(rest_sm)})" if node_sm is not None and rest_sm is not None else ""
+    )
 
 
 def _node_summary(node: str, job: str | None, evidence: dict[str, Any], what: str, known: bool) -> str:
-    """One line: which node holds back whom, by how much as it fired, and why."""
+    """One line: which node is the slow one and why, then what its job loses to it as it fired."""
     # Worded as a GPU straggler's figure (see gpu_finding): the slowdown put down to this node, as it fires.
     share = evidence["estimated_job_slowdown_ratio"]
-    by = f" by ~{percent(share)} per step (estimated as it fired)" if known and isinstance(share, float) else ""
-    subject = f"job {job}" if job else "its peer nodes"
-    return f"node {node} holds back {subject}{by}: {what} while the other nodes wait" + inferred_suffix(evidence)
+    loses = (
+        f". {'Job ' + job if job else 'Its peer nodes'} lose{'s' if job else ''} ~{percent(share)} per step to it "
+        "(estimated as it fired)"
+        if known and isinstance(share, float)
+        else ""
+    )
+    return f"node {node} is the slow one: {what}{loses}" + inferred_suffix(evidence)
 
 
 def _pct(ratio: float | None) -> str:
     """A ratio as a whole percentage for a summary ('?' when unknown)."""
     return "?" if ratio is None else percent(ratio)
+
+
+def _two(ratio: float | None) -> str:
+    """A ratio as a summary quotes it: two decimals ('0.74'), '?' where unknown."""
+    return "?" if ratio is None else f"{ratio:.2f}"
