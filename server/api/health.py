@@ -30,7 +30,6 @@ async def healthz(runtime: RuntimeDep) -> JSONResponse:
     last = stats.last_tick
     blind = runtime.source.blind
     silent = never_answered(health)
-    status: Literal["ok", "starting", "degraded"]
     reason = detail = None
     status: Literal["ok", "starting", "degraded"]
     if last is None:
