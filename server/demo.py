@@ -332,8 +332,9 @@ def subject(alert: Alert) -> str:
 
 
 class TerminalPrinter:
-    """A notifier that prints a line when an alert starts firing, when its severity changes while it fires
-    (warning to critical and back), and when it resolves."""
+    """A notifier that prints a line at every change of an alert's state: pending (its condition holds, not
+    yet for long enough to fire), firing, a change of severity while it fires (warning to critical and
+    back), resolved, and cleared (a pending one whose condition went away before it fired)."""
 
     name = "terminal"
     url = "stdout"  # where it delivers, as every notifier says: /metrics labels the counters by it
@@ -346,9 +347,12 @@ class TerminalPrinter:
         self._shown: dict[str, Severity] = {}  # the severity last printed for each firing alert
 
     def line(self, alert: Alert, verb: str | None = None) -> str:
-        """One readable line: FIRING, RESOLVED (by default, the alert's state) or RAISED/LOWERED, and when."""
+        """One readable line: PENDING, FIRING, RESOLVED (by default, the alert's state), RAISED/LOWERED or
+        CLEARED, and when."""
         verb = verb or ("RESOLVED" if alert.state is AlertState.RESOLVED else "FIRING")
-        at = {"FIRING": alert.started, "RESOLVED": alert.resolved}.get(verb, alert.updated)
+        at = {"PENDING": alert.pending_since, "FIRING": alert.started, "RESOLVED": alert.resolved}.get(
+            verb, alert.updated
+        )
         at = at if at is not None else alert.updated
         clock = time.strftime("%H:%M:%S", time.localtime(at))
         return (
@@ -357,10 +361,12 @@ class TerminalPrinter:
         )
 
     def submit(self, transitions: Sequence[Transition]) -> None:
-        """Print each change into firing, of severity while firing, and into resolved."""
+        """Print each change of state, and of severity while firing; refreshes print nothing."""
         for t in transitions:
             alert, verb = t.alert, None
-            if alert.state is AlertState.FIRING:
+            if alert.state is AlertState.PENDING and t.previous is not AlertState.PENDING:
+                verb = "PENDING"
+            elif alert.state is AlertState.FIRING:
                 shown = self._shown.get(alert.id)
                 if t.previous is not AlertState.FIRING:
                     verb = "FIRING"
@@ -369,9 +375,11 @@ class TerminalPrinter:
                     verb = "RAISED" if _RANK[alert.severity] > _RANK[shown] else "LOWERED"
                 self._shown[alert.id] = alert.severity
             elif alert.state is AlertState.RESOLVED and t.previous in (AlertState.FIRING, None):
-                verb = "RESOLVED"  # one that was only pending never fired: not news
+                verb = "RESOLVED"
                 self.resolved_total += 1
                 self._shown.pop(alert.id, None)
+            elif alert.state is AlertState.RESOLVED and t.previous is AlertState.PENDING:
+                verb = "CLEARED"  # it never fired: nobody was paged
             if verb is not None:
                 print(self.line(alert, verb), file=self.out, flush=True)
                 self.sent_total += 1

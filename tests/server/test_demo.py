@@ -35,7 +35,7 @@ def test_subject_names_gpu_node_or_job() -> None:
     assert subject(make_alert(1, kind=AlertKind.COMM_BOUND, node=None, gpu=None, hpc_job="7")) == "job 7"
 
 
-def test_printer_shows_firing_and_resolved_only() -> None:
+def test_printer_shows_every_change_of_state_and_no_refresh() -> None:
     out = io.StringIO()
     printer = TerminalPrinter(epoch=1000.0, out=out)
     alert = make_alert(1, kind=AlertKind.THERMAL_THROTTLE, node="dgx-03", gpu=5, hpc_job="71001")  # started 1011
@@ -51,9 +51,14 @@ def test_printer_shows_firing_and_resolved_only() -> None:
         ]
     )
     lines = out.getvalue().splitlines()
-    assert len(lines) == 2
-    assert "(+   11s) FIRING   thermal_throttle" in lines[0] and "dgx-03 GPU 5 (job 71001): alert 1" in lines[0]
-    assert "(+  100s) RESOLVED thermal_throttle" in lines[1]
+    assert [line.split(") ", 1)[1].split()[:2] for line in lines] == [
+        ["PENDING", "thermal_throttle"],
+        ["FIRING", "thermal_throttle"],
+        ["RESOLVED", "thermal_throttle"],
+        ["CLEARED", "straggler"],
+    ]
+    assert "(+   11s) FIRING   thermal_throttle" in lines[1] and "dgx-03 GPU 5 (job 71001): alert 1" in lines[1]
+    assert "(+  100s) RESOLVED thermal_throttle" in lines[2]
     assert (printer.fired_total, printer.resolved_total) == (1, 1)
 
 
