@@ -568,4 +568,4 @@ def print_banner(base: str, nodes: Sequence[str], scenario: Scenario, epoch: flo
         )
         print("\n".join(timeline(scenario, epoch)), flush=True)
     stop = f"Stops by itself after {args.duration:g}s" if args.duration is not None else "Runs until Ctrl-C"
-    print(f"{stop}; Ctrl-C stops everything. Alerts as they fire and resolve:", flush=True)
+    print(f"{stop}; Ctrl-C stops everything. Alerts as they go pending, fire, change severity and resolve:", flush=True)

@@ -177,7 +177,7 @@ def test_demo_runs_serves_what_it_prints_and_stops_by_itself() -> None:
         banner = []
         for line in proc.stdout:
             banner.append(line)
-            if "Alerts as they fire and resolve" in line:
+            if "Alerts as they go pending, fire" in line:
                 break
         printed = dict(re.findall(r"^  (alerts|docs|metrics|jobs): +(http://\S+)$", "".join(banner), re.M))
         assert set(printed) == {"alerts", "docs", "metrics", "jobs"}, banner
