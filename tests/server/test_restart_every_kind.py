@@ -237,3 +237,23 @@ def test_a_real_server_killed_mid_incident_keeps_the_engines_thermal_alert(tmp_p
             api = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=10)
             until("15 cycles after the restart", lambda: api.get("/healthz").json()["cycles"] >= 15, proc, 60)
             assert thermal(api) == before
+
+
+def test_only_an_alert_taken_over_at_a_restart_offers_its_evidence_to_the_detectors() -> None:
+    # The workload detector judges a taken-over alert by the baselines in its evidence; an alert this engine
+    # opened itself must keep being judged by the engine's own history.
+    from gpufleet.server.alerts import AlertKind, Severity
+    from gpufleet.server.engine.detectors import Finding, Outcome
+    from gpufleet.server.engine.lifecycle import Lifecycle
+    from tests.server.live_fakes import make_alert
+
+    lifecycle = Lifecycle({AlertKind.COMM_BOUND: (0.0, 60.0)})
+    taken_over = make_alert(1, kind=AlertKind.COMM_BOUND, node=None, gpu=None, hpc_job="71001")
+    assert lifecycle.restore([taken_over]) == 1
+    found = Finding(AlertKind.COMM_BOUND, None, None, None, "71002", Severity.WARNING, "waits", {"baseline": 0.6})
+    outcome = Outcome()
+    outcome.add(found)
+    lifecycle.step(2000.0, {AlertKind.COMM_BOUND: outcome})
+    assert lifecycle.restored_evidence(taken_over.fingerprint) == taken_over.evidence
+    assert found.fingerprint in lifecycle.records and lifecycle.restored_evidence(found.fingerprint) is None
+    assert lifecycle.restored_evidence("no-such-alert") is None
