@@ -56,6 +56,7 @@ class _Record:
     # buffers after a server restart, and re-judging those old ticks would resolve and re-open it.
     settled_until: float = float("-inf")
     advice: str = ""
+    restored: bool = False
 
     def alert(self, resolved: float | None = None, state: AlertState | None = None) -> Alert:
         """Immutable snapshot of this record."""
@@ -217,6 +218,12 @@ class Lifecycle:
             if r.kind in wanted and r.pending_since >= since
         }
 
+    def restored_evidence(self, fp: str) -> Mapping[str, Any] | None:
+        """The evidence of an open alert taken over at a restart (what it was judged against, which a
+        detector that has not re-learned its subject has no other source for); None for any other."""
+        rec = self.records.get(fp)
+        return rec.evidence if rec is not None and rec.restored else None
+
     def restore(self, alerts: Iterable[Alert]) -> int:
         """Re-seed open alerts (ids, pending_since, started kept); returns how many were taken."""
         taken = 0
@@ -241,6 +248,7 @@ class Lifecycle:
                 settled_until=a.updated,
                 # A store written before alerts kept their advice has none: the kind's own is the same.
                 advice=a.advice or self.advice.get(a.kind, ""),
+                restored=True,
             )
             taken += 1
         return taken

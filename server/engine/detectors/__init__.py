@@ -32,6 +32,10 @@ class OpenAlerts(Protocol):
         """(hpc_job, node, gpu) of every open alert of the given kinds, each with when it opened."""
         ...
 
+    def restored_evidence(self, fp: str) -> Mapping[str, Any] | None:
+        """The evidence of an open alert taken over from the store at a restart; None for any other."""
+        ...
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Context:

@@ -15,7 +15,7 @@ another 4 % over its peers most ticks and held a 40 % input-bound drop back for 
 
 from __future__ import annotations
 
-from typing import AbstractSet
+from typing import AbstractSet, Any, Mapping
 
 import numpy as np
 
@@ -260,6 +260,9 @@ def detect(tick: Tick, state: WorkloadState, context: Context) -> Outcome:
     held = evaluate(FIRE_RULES, arrays, cfg)
     comm = any_of(held, ("comm_bound_sm_drop", "comm_bound_power_drop"))
     inp = any_of(held, ("input_bound_sm_drop", "input_bound_power_drop"))
+    by_fp = state.fingerprints(reg, is_job)
+    taken_over = {by_fp[fp][0]: ev for fp in by_fp if (ev := context.alerts.restored_evidence(fp)) is not None}
+    arrays.update(_against_evidence(grp, taken_over, arrays))
     # Only an explanation or the job's return closes an alert: a GPU standing out for a tick or two while
     # the whole job idles or spins is noise (at 10 s sampling it reset a pending input_bound every
     # minute, which then fired three minutes late); the lifecycle's pending grace carries the alert over it.
@@ -268,7 +271,6 @@ def detect(tick: Tick, state: WorkloadState, context: Context) -> Outcome:
     comm_clear = recovered | back["comm_bound_stopped_spinning"] | arrays["explained"]
     inp_clear = recovered | back["input_bound_utilization_back"] | arrays["explained"]
     out = Outcome()
-    by_fp = state.fingerprints(reg, is_job)
     for gid in (comm | inp).nonzero()[0].tolist():
         out.add(
             _finding(
@@ -281,12 +283,37 @@ def detect(tick: Tick, state: WorkloadState, context: Context) -> Outcome:
         if hit is None:
             return None
         gid, is_comm = hit
-        if grp.size[gid] == 0 or np.isnan(drop[gid]):
+        judged_by = np.fmax(arrays["sag_sm"][gid], arrays["sag_power"][gid]) if gid in taken_over else drop[gid]
+        if grp.size[gid] == 0 or np.isnan(judged_by):
             return None if grp.size[gid] else True
         return bool(comm_clear[gid] if is_comm else inp_clear[gid])
 
     out.clear = clear_test
     return out
+
+
+def _against_evidence(
+    grp: Groups, taken_over: Mapping[int, Mapping[str, Any]], arrays: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The sag and utilization fall that judge whether a job recovered, for groups whose alert was taken
+    over at a restart measured against the baselines in its evidence. The history the engine began at the
+    restart holds only the incident: against it the job read as recovered within a minute or two, and its
+    comm_bound or input_bound resolved while the incident went on, to fire again under a new id."""
+    if not taken_over:
+        return {}
+    out = {k: np.array(arrays[k], dtype=float) for k in ("sag_sm", "sag_power", "utilization_fall")}
+    for gid, evidence in taken_over.items():
+        by_sm = evidence.get("signal") == "sm_active_ratio"
+        level = grp.sm[gid] if by_sm else grp.power[gid]
+        out["sag_sm" if by_sm else "sag_power"][gid] = 1.0 - level / _number(evidence.get("baseline"))
+        out["sag_power" if by_sm else "sag_sm"][gid] = np.nan
+        out["utilization_fall"][gid] = _number(evidence.get("baseline_utilization_ratio")) - grp.util[gid]
+    return out
+
+
+def _number(value: Any) -> float:
+    """A stored evidence value as a float (NaN when it is missing or not a number)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else np.nan
 
 
 def _groups(n: int, ids: AbstractSet[int]) -> np.ndarray:
