@@ -1,7 +1,9 @@
 """The agent's immutable data model: one GpuSample per GPU, one NodeSnapshot per sampling cycle.
 
 NodeSnapshot.to_dict() is the snapshot contract (schema 1): the agent->server wire format and the
-trace format. Every reading a GPU or driver does not support is None here and null on the wire.
+trace format. Every reading a GPU or driver does not support is None here and null on the wire. Each
+reading's field carries its row of the agent's reading table (agent.reading_row, gathered by
+agent.readings), so a reading is declared once, where its type is.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from gpufleet.reasons import CLOCK_CUT_REASONS, THERMAL_REASONS, ThrottleReason 
 SCHEMA_VERSION = 1
 
 _EMPTY: Mapping[Any, Any] = MappingProxyType({})
+
+
+# The sources several rows name. Rows naming the same call share one call per read (agent.nvml_calls);
+# the thresholds and maximum clocks are limits that do not change while the driver runs, read at open.
 
 
 def _threshold(name: str) -> NvmlCall:
