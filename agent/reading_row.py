@@ -115,8 +115,6 @@ class Family:
     label: str = ""
 
 
-# The per-GPU families rows name, in their order on /metrics; a family a row declares itself comes
-
 # --- the row ----------------------------------------------------------------------------------------------
 
 ROW_KEY = "gpufleet.reading"  # the field metadata key that holds a GpuSample field's Row

@@ -26,15 +26,6 @@ from typing import Mapping
 from gpufleet.agent.model import GpuSample
 from gpufleet.agent.reading_row import (  # noqa: F401 - the row vocabulary, re-exported for the table's readers
     ALL_LINKS,
-    CLOCK,
-    COUNT,
-    COUNTER,
-    FLAG,
-    KIB_COUNTER,
-    MEMORY_CLOCK,
-    POWER,
-    RATIO,
-    TEMPERATURE,
     Family,
     FieldValue,
     GpmMetric,
