@@ -1,7 +1,9 @@
 """The agent's immutable data model: one GpuSample per GPU, one NodeSnapshot per sampling cycle.
 
 NodeSnapshot.to_dict() is the snapshot contract (schema 1): the agent->server wire format and the
-trace format. Every reading a GPU or driver does not support is None here and null on the wire.
+trace format. Every reading a GPU or driver does not support is None here and null on the wire. Each
+reading's field carries its row of the agent's reading table (agent.reading_row, gathered by
+agent.readings), so a reading is declared once, where its type is.
 """
 
 from __future__ import annotations
@@ -10,6 +12,25 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from gpufleet.agent.reading_row import (
+    ALL_LINKS,
+    CLOCK,
+    COUNT,
+    COUNTER,
+    FLAG,
+    KIB_COUNTER,
+    MEMORY_CLOCK,
+    POWER,
+    RATIO,
+    TEMPERATURE,
+    FieldValue,
+    GpmMetric,
+    NvmlCall,
+    Own,
+    PerLinkField,
+    Rule,
+    reading,
+)
 from gpufleet.reasons import CLOCK_CUT_REASONS, THERMAL_REASONS, ThrottleReason  # noqa: F401 - re-exported
 
 SCHEMA_VERSION = 1
@@ -17,12 +38,46 @@ SCHEMA_VERSION = 1
 _EMPTY: Mapping[Any, Any] = MappingProxyType({})
 
 
+# The sources several rows name. Rows naming the same call share one call per read (agent.nvml_calls);
+# the thresholds and maximum clocks are limits that do not change while the driver runs, read at open.
+
+
+def _threshold(name: str) -> NvmlCall:
+    return NvmlCall("nvmlDeviceGetTemperatureThreshold", (name,), at_open=True)
+
+
+def _ecc(error_type: str) -> NvmlCall:
+    return NvmlCall("nvmlDeviceGetTotalEccErrors", (error_type, "NVML_VOLATILE_ECC"))
+
+
+def _utilization(part: str) -> NvmlCall:
+    return NvmlCall("nvmlDeviceGetUtilizationRates", part=part)
+
+
+def _memory(part: str) -> NvmlCall:
+    return NvmlCall("nvmlDeviceGetMemoryInfo", part=part, kwargs=(("version", "nvmlMemory_v2"),))
+
+
+def _remapped(part: int) -> NvmlCall:
+    """One of nvmlDeviceGetRemappedRows' (correctable, uncorrectable, pending, failure)."""
+    return NvmlCall("nvmlDeviceGetRemappedRows", part=part)
+
+
+def _clock(clock: str) -> NvmlCall:
+    return NvmlCall("nvmlDeviceGetClockInfo", (clock,))
+
+
+def _max_clock(clock: str) -> NvmlCall:
+    return NvmlCall("nvmlDeviceGetMaxClockInfo", (clock,), at_open=True)
+
+
 @dataclass(frozen=True, slots=True)
 class GpuSample:
     """One GPU at one instant. None means the reading is unsupported (or failed) on this GPU.
 
-    Each reading field is a row of agent.readings, which says how it is read and exported; the fields
-    stay written out here so their types are checked (tests/agent/test_readings.py keeps the two in step).
+    A reading's field carries its row (`reading(source, rule, family, label_value, fast=, nvlink=)`,
+    agent.reading_row): how it is read, converted, tiered and exported; agent.readings gathers the rows.
+    A field's place here is its place in the snapshot's JSON.
     """
 
     index: int
@@ -36,44 +91,124 @@ class GpuSample:
     pci_bus_id: str | None = None
     serial: str | None = None
     vbios_version: str | None = None
-    utilization_ratio: float | None = None
-    memory_utilization_ratio: float | None = None
-    sm_active_ratio: float | None = None
-    sm_occupancy_ratio: float | None = None
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
+    utilization_ratio: float | None = reading(_utilization("gpu"), RATIO, "gpufleet_gpu_utilization_ratio", fast=True)
+    memory_utilization_ratio: float | None = reading(
+        _utilization("memory"), RATIO, "gpufleet_gpu_memory_utilization_ratio"
+    )
+    sm_active_ratio: float | None = reading(
+        GpmMetric("NVML_GPM_METRIC_SM_UTIL"), RATIO, "gpufleet_gpu_sm_active_ratio", fast=True
+    )
+    sm_occupancy_ratio: float | None = reading(
+        GpmMetric("NVML_GPM_METRIC_SM_OCCUPANCY"), RATIO, "gpufleet_gpu_sm_occupancy_ratio"
+    )
+    memory_used_bytes: int | None = reading(_memory("used"), COUNT, "gpufleet_gpu_memory_used_bytes")
+    memory_total_bytes: int | None = reading(_memory("total"), COUNT, "gpufleet_gpu_memory_total_bytes")
     # Free for allocation: total less used less what the driver reserves (which used leaves out).
-    memory_free_bytes: int | None = None
-    temperature_celsius: float | None = None
-    memory_temperature_celsius: float | None = None
-    slowdown_temperature_celsius: float | None = None
-    shutdown_temperature_celsius: float | None = None
-    max_operating_temperature_celsius: float | None = None
-    memory_max_operating_temperature_celsius: float | None = None
-    power_watts: float | None = None
-    power_limit_watts: float | None = None
-    energy_joules_total: float | None = None
-    sm_clock_hertz: float | None = None
-    sm_clock_max_hertz: float | None = None
-    memory_clock_hertz: float | None = None
-    memory_clock_max_hertz: float | None = None
-    throttle_reasons: int | None = None
+    memory_free_bytes: int | None = reading(_memory("free"), COUNT, "gpufleet_gpu_memory_free_bytes")
+    temperature_celsius: float | None = reading(
+        NvmlCall("nvmlDeviceGetTemperatureV", ("NVML_TEMPERATURE_GPU",)),
+        TEMPERATURE,
+        "gpufleet_gpu_temperature_celsius",
+        fast=True,
+    )
+    memory_temperature_celsius: float | None = reading(
+        FieldValue("NVML_FI_DEV_MEMORY_TEMP"), TEMPERATURE, "gpufleet_gpu_memory_temperature_celsius", fast=True
+    )
+    slowdown_temperature_celsius: float | None = reading(
+        _threshold("NVML_TEMPERATURE_THRESHOLD_SLOWDOWN"),
+        TEMPERATURE,
+        "gpufleet_gpu_temperature_limit_celsius",
+        "slowdown",
+    )
+    shutdown_temperature_celsius: float | None = reading(
+        _threshold("NVML_TEMPERATURE_THRESHOLD_SHUTDOWN"),
+        TEMPERATURE,
+        "gpufleet_gpu_temperature_limit_celsius",
+        "shutdown",
+    )
+    max_operating_temperature_celsius: float | None = reading(
+        _threshold("NVML_TEMPERATURE_THRESHOLD_GPU_MAX"),
+        TEMPERATURE,
+        "gpufleet_gpu_temperature_limit_celsius",
+        "max_operating",
+    )
+    memory_max_operating_temperature_celsius: float | None = reading(
+        _threshold("NVML_TEMPERATURE_THRESHOLD_MEM_MAX"),
+        TEMPERATURE,
+        "gpufleet_gpu_temperature_limit_celsius",
+        "memory_max_operating",
+    )
+    power_watts: float | None = reading(
+        FieldValue("NVML_FI_DEV_POWER_INSTANT"), POWER, "gpufleet_gpu_power_watts", fast=True
+    )
+    # Operators change power caps at run time, so the limit is polled too.
+    power_limit_watts: float | None = reading(
+        NvmlCall("nvmlDeviceGetEnforcedPowerLimit"), POWER, "gpufleet_gpu_power_limit_watts"
+    )
+    energy_joules_total: float | None = reading(
+        FieldValue("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"),
+        Rule(div=1000, counter=True),  # mJ -> J
+        "gpufleet_gpu_energy_joules",
+    )
+    sm_clock_hertz: float | None = reading(_clock("NVML_CLOCK_SM"), CLOCK, "gpufleet_gpu_clock_hertz", "sm", fast=True)
+    sm_clock_max_hertz: float | None = reading(_max_clock("NVML_CLOCK_SM"), CLOCK, "gpufleet_gpu_clock_max_hertz", "sm")
+    memory_clock_hertz: float | None = reading(
+        _clock("NVML_CLOCK_MEM"), MEMORY_CLOCK, "gpufleet_gpu_clock_hertz", "memory", fast=True
+    )
+    memory_clock_max_hertz: float | None = reading(
+        _max_clock("NVML_CLOCK_MEM"), MEMORY_CLOCK, "gpufleet_gpu_clock_max_hertz", "memory"
+    )
+    throttle_reasons: int | None = reading(
+        NvmlCall("nvmlDeviceGetCurrentClocksEventReasons"), COUNT, "gpufleet_gpu_throttle_reasons", fast=True
+    )
     # Cumulative time spent in each throttle reason, keyed by ThrottleReason.label.
-    throttle_seconds_total: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
-    nvlink_tx_bytes_total: int | None = None
-    nvlink_rx_bytes_total: int | None = None
+    throttle_seconds_total: Mapping[str, float] = reading(
+        Own.THROTTLE_FIELDS,
+        Rule(div=1_000_000_000, counter=True),  # ns -> s
+        default_factory=lambda: _EMPTY,
+    )
+    nvlink_tx_bytes_total: int | None = reading(
+        FieldValue("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", ALL_LINKS),
+        KIB_COUNTER,
+        "gpufleet_gpu_nvlink_bytes",
+        "tx",
+        nvlink=True,
+    )
+    nvlink_rx_bytes_total: int | None = reading(
+        FieldValue("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", ALL_LINKS),
+        KIB_COUNTER,
+        "gpufleet_gpu_nvlink_bytes",
+        "rx",
+        nvlink=True,
+    )
     # Per-link counters (flag-enabled extra); empty when disabled or unsupported.
-    nvlink_link_tx_bytes_total: tuple[int | None, ...] = ()
-    nvlink_link_rx_bytes_total: tuple[int | None, ...] = ()
-    pcie_tx_bytes_total: int | None = None
-    pcie_rx_bytes_total: int | None = None
-    ecc_corrected_errors_total: int | None = None
-    ecc_uncorrected_errors_total: int | None = None
-    remapped_rows_correctable: int | None = None
-    remapped_rows_uncorrectable: int | None = None
-    remapped_rows_pending: bool | None = None
-    remapped_rows_failure: bool | None = None
-    xid_errors_total: int | None = None
+    nvlink_link_tx_bytes_total: tuple[int | None, ...] = reading(
+        PerLinkField("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"), KIB_COUNTER, default=()
+    )
+    nvlink_link_rx_bytes_total: tuple[int | None, ...] = reading(
+        PerLinkField("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"), KIB_COUNTER, default=()
+    )
+    pcie_tx_bytes_total: int | None = reading(
+        FieldValue("NVML_FI_DEV_PCIE_COUNT_TX_BYTES"), COUNTER, "gpufleet_gpu_pcie_bytes", "tx"
+    )
+    pcie_rx_bytes_total: int | None = reading(
+        FieldValue("NVML_FI_DEV_PCIE_COUNT_RX_BYTES"), COUNTER, "gpufleet_gpu_pcie_bytes", "rx"
+    )
+    ecc_corrected_errors_total: int | None = reading(
+        _ecc("NVML_MEMORY_ERROR_TYPE_CORRECTED"), COUNTER, "gpufleet_gpu_ecc_errors", "corrected"
+    )
+    ecc_uncorrected_errors_total: int | None = reading(
+        _ecc("NVML_MEMORY_ERROR_TYPE_UNCORRECTED"), COUNTER, "gpufleet_gpu_ecc_errors", "uncorrected"
+    )
+    remapped_rows_correctable: int | None = reading(_remapped(0), COUNT, "gpufleet_gpu_remapped_rows", "correctable")
+    remapped_rows_uncorrectable: int | None = reading(
+        _remapped(1), COUNT, "gpufleet_gpu_remapped_rows", "uncorrectable"
+    )
+    remapped_rows_pending: bool | None = reading(_remapped(2), FLAG, "gpufleet_gpu_remapped_rows_pending")
+    remapped_rows_failure: bool | None = reading(_remapped(3), FLAG, "gpufleet_gpu_remapped_rows_failure")
+    # Counted from NVML's event set on the XID thread; the count by code and the last code are the XID
+    # watcher's own fields.
+    xid_errors_total: int | None = reading(Own.XID_EVENTS, COUNTER)
     # XID events seen since the agent started, keyed by XID code.
     xid_errors_by_code: Mapping[int, int] = field(default_factory=lambda: _EMPTY)
     last_xid: int | None = None

@@ -34,7 +34,7 @@ from gpufleet.agent.nvml_fields import THROTTLE_READINGS, FieldBatch, FieldEntry
 from gpufleet.agent.nvml_meter import MeteredNvml
 from gpufleet.agent.nvml_values import INVALID, CounterTracker, base_name, convert
 from gpufleet.agent.readings import READINGS, PerLinkField
-from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET, EVERY_CYCLE, INTEGRATED, Plan, Unit, due, fit
+from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET, EVERY_CYCLE, FAST_READINGS, INTEGRATED, Plan, Unit, due, fit
 from gpufleet.agent.xid import XID_READING, XidStore, XidWatcher
 
 log = logging.getLogger(__name__)
@@ -319,14 +319,14 @@ class NvmlReader:
     def _time_fields(self, gpu: _Gpu) -> None:
         """Each remaining field id alone in its own call: the batch's cost, split by field. The cheapest
         single call stands for what any call costs; each field is charged what it costs beyond that,
-        and the first entry (instant power, read every cycle) carries the call itself."""
+        and the first one a detector reads (kept fresh whatever the budget) carries the call itself."""
         singles = {e.reading: min(self._timed_fetch(gpu, e) for _ in range(_FIELD_PROBES)) for e in gpu.fields.entries}
         if not singles:
             return
         base = min(singles.values())
         for reading, cost in singles.items():
             gpu.costs[reading] = cost - base
-        gpu.costs[next(iter(singles))] += base
+        gpu.costs[next((r for r in singles if r in FAST_READINGS), next(iter(singles)))] += base
 
     def _timed_fetch(self, gpu: _Gpu, entry: FieldEntry) -> float:
         started = time.thread_time_ns()
