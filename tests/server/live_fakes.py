@@ -4,8 +4,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+from urllib.parse import parse_qs
+
+import httpx
+import orjson
 
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Transition, fingerprint
+
+
+class StepClock:
+    """Sample time, moved by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def recorded_agents(lines: list[bytes], clock: StepClock) -> httpx.MockTransport:
+    """Each node's agent answering /snapshots?since= with what it had recorded by the clock's time."""
+    by_node: dict[str, list[dict]] = {}
+    for line in lines:
+        snap = orjson.loads(line)
+        by_node.setdefault(snap["node"], []).append(snap)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        node = request.url.host
+        since = float(parse_qs(request.url.query.decode()).get("since", ["-inf"])[-1])
+        snaps = [s for s in by_node[node] if since < s["time"] <= clock.now]
+        return httpx.Response(
+            200, content=orjson.dumps({"schema": 1, "node": node, "time": clock.now, "snapshots": snaps})
+        )
+
+    return httpx.MockTransport(answer)
 
 
 def snapshot(node: str, t: float, *, temps: tuple[float, ...] = (60.0, 60.0), job: str | None = "j1") -> dict:
