@@ -5,13 +5,12 @@ agent at a new address), and the real one is taken back when it returns. A pin l
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
+from http.server import BaseHTTPRequestHandler
+from typing import Callable
 
 import httpx
 import orjson
@@ -20,6 +19,7 @@ import pytest
 from gpufleet.server.serve import build_runtime
 from gpufleet.server.settings import ServerSettings
 from tests.agent.running import server_process
+from tests.loopback import serving
 from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
 
 REAL, IMPOSTOR = "10.0.0.1:9471", "10.0.0.9:9471"
@@ -180,17 +180,6 @@ class _Impostor(_Agent):
     gpu_tag = "impostor"
 
 
-@contextlib.contextmanager
-def _serving(handler: type, port: int = 0) -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def _metric(api: httpx.Client, name: str, **labels: str) -> float | None:
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in api.get("/metrics").text.splitlines():
@@ -212,8 +201,8 @@ def _until(what: str, check: Callable[[], bool], proc) -> None:
 def test_real_servers_keep_a_node_name_with_its_target_across_a_restart(tmp_path) -> None:
     """Real `serve` processes on one store: the real agent is down when the server restarts and an impostor
     claims its name; the impostor is refused, and the real agent, back on its address, is taken."""
-    with _serving(_Agent) as real_port:
-        with _serving(_Impostor) as impostor_port:
+    with serving(_Agent) as real_port:
+        with serving(_Impostor) as impostor_port:
             real, impostor = f"127.0.0.1:{real_port}", f"127.0.0.1:{impostor_port}"
             timing = ("--pull.interval", "250ms", "--pull.timeout", "250ms")
             with server_process(tmp_path, "--targets", real, *timing) as (proc, port):
@@ -223,7 +212,7 @@ def test_real_servers_keep_a_node_name_with_its_target_across_a_restart(tmp_path
                 )
                 _until("its node name stored", lambda: api.get("/healthz").json()["cycles"] >= 3, proc)
             # The real agent goes down (its port closes) and the server restarts meanwhile.
-    with _serving(_Impostor, impostor_port):
+    with serving(_Impostor, impostor_port):
         with server_process(tmp_path, "--targets", f"{real},{impostor}", *timing) as (proc, port):
             api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
             _until(
@@ -236,7 +225,7 @@ def test_real_servers_keep_a_node_name_with_its_target_across_a_restart(tmp_path
             )
             assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
             assert [n["node"] for n in api.get("/nodes").json()["nodes"]] == []
-            with _serving(_Agent, real_port):  # the real agent is back on its address
+            with serving(_Agent, real_port):  # the real agent is back on its address
                 _until(
                     "the real agent taken back",
                     lambda: _metric(api, "gpufleet_server_target_up", target=real) == 1.0,
@@ -253,14 +242,14 @@ def test_real_servers_give_a_node_name_to_its_agent_at_a_new_address_and_not_to_
     The agent at its new address takes its name; the impostor is refused."""
     sd = tmp_path / "agents.json"
     timing = ("--pull.interval", "250ms", "--pull.timeout", "250ms")
-    with _serving(_Agent) as old_port:
+    with serving(_Agent) as old_port:
         old = f"127.0.0.1:{old_port}"
         sd.write_text(orjson.dumps([{"targets": [old]}]).decode())
         with server_process(tmp_path, "--targets.file-sd", str(sd), *timing) as (proc, port):
             api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
             _until("the agent pulled", lambda: _metric(api, "gpufleet_server_target_up", target=old) == 1.0, proc)
             _until("its pin stored", lambda: api.get("/healthz").json()["cycles"] >= 3, proc)
-    with _serving(_Agent) as new_port, _serving(_Impostor) as impostor_port:
+    with serving(_Agent) as new_port, serving(_Impostor) as impostor_port:
         new, impostor = f"127.0.0.1:{new_port}", f"127.0.0.1:{impostor_port}"
         sd.write_text(orjson.dumps([{"targets": [old, impostor, new]}]).decode())
         with server_process(tmp_path, "--targets.file-sd", str(sd), *timing) as (proc, port):
