@@ -198,6 +198,17 @@ def _until(what: str, check: Callable[[], bool], proc) -> None:
     pytest.fail(f"never within 30 s: {what}")
 
 
+def _until_refused(api: httpx.Client, impostor: str, proc) -> None:
+    """Waits until the server has refused `impostor` three times for claiming a pinned node, and checks it
+    counts the impostor down."""
+    _until(
+        "the impostor refused three times",
+        lambda: (_metric(api, "gpufleet_server_pull_errors_total", target=impostor, reason="node_claimed") or 0) >= 3,
+        proc,
+    )
+    assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
+
+
 def test_real_servers_keep_a_node_name_with_its_target_across_a_restart(tmp_path) -> None:
     """Real `serve` processes on one store: the real agent is down when the server restarts and an impostor
     claims its name; the impostor is refused, and the real agent, back on its address, is taken."""
@@ -215,15 +226,7 @@ def test_real_servers_keep_a_node_name_with_its_target_across_a_restart(tmp_path
     with serving(_Impostor, impostor_port):
         with server_process(tmp_path, "--targets", f"{real},{impostor}", *timing) as (proc, port):
             api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
-            _until(
-                "the impostor refused three times",
-                lambda: (
-                    (_metric(api, "gpufleet_server_pull_errors_total", target=impostor, reason="node_claimed") or 0)
-                    >= 3
-                ),
-                proc,
-            )
-            assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
+            _until_refused(api, impostor, proc)
             assert [n["node"] for n in api.get("/nodes").json()["nodes"]] == []
             with serving(_Agent, real_port):  # the real agent is back on its address
                 _until(
@@ -259,13 +262,5 @@ def test_real_servers_give_a_node_name_to_its_agent_at_a_new_address_and_not_to_
                 lambda: _metric(api, "gpufleet_server_target_up", target=new) == 1.0,
                 proc,
             )
-            _until(
-                "the impostor refused",
-                lambda: (
-                    (_metric(api, "gpufleet_server_pull_errors_total", target=impostor, reason="node_claimed") or 0)
-                    >= 3
-                ),
-                proc,
-            )
-            assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
+            _until_refused(api, impostor, proc)
             assert [n["node"] for n in api.get("/nodes").json()["nodes"]] == ["dgx-01"]
