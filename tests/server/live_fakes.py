@@ -9,6 +9,8 @@ from urllib.parse import parse_qs
 import httpx
 import orjson
 
+from gpufleet.server.ingest.puller import Puller
+from gpufleet.server.ingest.targets import StaticTargets
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Transition, fingerprint
 
 
@@ -38,6 +40,17 @@ def recorded_agents(lines: list[bytes], clock: StepClock) -> httpx.MockTransport
         )
 
     return httpx.MockTransport(answer)
+
+
+def hot_puller(clock: StepClock, temps: tuple[float, ...]) -> Puller:
+    """A puller whose one target answers every pull with dgx-01's snapshot of 4990 s at `temps`."""
+    hot = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0, temps=temps)]))
+    return Puller(
+        StaticTargets(("a:1",)),
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, content=hot)),
+        parse=lambda raw: raw,
+        clock=clock,
+    )
 
 
 def snapshot(node: str, t: float, *, temps: tuple[float, ...] = (60.0, 60.0), job: str | None = "j1") -> dict:
