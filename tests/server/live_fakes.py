@@ -53,6 +53,27 @@ def hot_puller(clock: StepClock, temps: tuple[float, ...]) -> Puller:
     )
 
 
+def job_gpu(node: str, i: int, hot: bool) -> dict[str, Any]:
+    """GPU `i` of `node` at work in job 71001, a snapshot-contract GPU entry; `hot`: 95 °C with the SW
+    thermal slowdown bit."""
+    return {
+        "index": i,
+        "uuid": f"GPU-{node}-{i}",
+        "model": "NVIDIA H100",
+        "up": True,
+        "hpc_job": "71001",
+        "utilization_ratio": 1.0,
+        "sm_active_ratio": 0.8,
+        "temperature_celsius": 95.0 if hot else 62.0,
+        "slowdown_temperature_celsius": 90.0,
+        "power_watts": 600.0,
+        "power_limit_watts": 700.0,
+        "sm_clock_hertz": 1.98e9,
+        "sm_clock_max_hertz": 1.98e9,
+        "throttle_reasons": 0x20 if hot else 0,
+    }
+
+
 def snapshot(node: str, t: float, *, temps: tuple[float, ...] = (60.0, 60.0), job: str | None = "j1") -> dict:
     """A minimal snapshot-contract dict with one entry per GPU temperature."""
     return {
