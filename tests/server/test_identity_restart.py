@@ -56,6 +56,13 @@ async def _cycles(runtime, now: list[float], n: int) -> None:
         await runtime.cycle()
 
 
+def _pinned_by_the_real_agent(path: str, now: list[float], cycles: int) -> None:
+    """A server that pulled the real agent `cycles` times and stopped: the store at `path` holds its pin."""
+    first = _runtime(ServerSettings(targets=(REAL,), storage_path=path), now, set())
+    asyncio.run(_cycles(first, now, cycles))
+    first.store.close()
+
+
 def test_an_impostor_cannot_take_a_known_nodes_name_while_its_target_is_down_across_a_restart(tmp_path) -> None:
     now = [1000.0]
     down = {IMPOSTOR}
@@ -83,9 +90,7 @@ def test_an_impostor_cannot_take_a_known_nodes_name_while_its_target_is_down_acr
 
 def test_a_remembered_target_no_longer_listed_frees_its_nodes_name(tmp_path) -> None:
     now = [1000.0]
-    first = _runtime(ServerSettings(targets=(REAL,), storage_path=str(tmp_path / "m.db")), now, set())
-    asyncio.run(_cycles(first, now, 1))
-    first.store.close()
+    _pinned_by_the_real_agent(str(tmp_path / "m.db"), now, 1)
 
     # The node moved to a new address and the old one left discovery: the new target may answer for it.
     second = _runtime(ServerSettings(targets=(MOVED,), storage_path=str(tmp_path / "m.db")), now, set())
@@ -97,9 +102,7 @@ def test_a_remembered_target_no_longer_listed_frees_its_nodes_name(tmp_path) -> 
 def test_the_real_agent_back_at_a_new_address_with_its_gpus_takes_its_name_across_a_restart(tmp_path) -> None:
     now = [1000.0]
     path = str(tmp_path / "n.db")
-    first = _runtime(ServerSettings(targets=(REAL,), storage_path=path), now, set())
-    asyncio.run(_cycles(first, now, 2))
-    first.store.close()
+    _pinned_by_the_real_agent(path, now, 2)
 
     # The pod restarted under a new IP while the server restarted, and discovery still lists the old one.
     down = {REAL}
@@ -121,9 +124,7 @@ def test_the_real_agent_back_at_a_new_address_with_its_gpus_takes_its_name_acros
 def test_an_impostor_with_other_gpus_is_refused_across_restarts_after_the_nodes_address_left(tmp_path) -> None:
     now = [1000.0]
     path = str(tmp_path / "o.db")
-    first = _runtime(ServerSettings(targets=(REAL,), storage_path=path), now, set())
-    asyncio.run(_cycles(first, now, 1))
-    first.store.close()
+    _pinned_by_the_real_agent(path, now, 1)
     for _ in range(2):  # each restart reads the pin back from the store
         runtime = _runtime(ServerSettings(targets=(IMPOSTOR,), storage_path=path), now, set())
         runtime.restore()
