@@ -120,25 +120,19 @@ def _cpu_budget(value: Any) -> float:
     return fraction
 
 
-def _refresh(value: Any) -> float:
-    seconds = parse_duration(value)
-    if not 1 <= seconds <= 3600:
-        raise ValueError(f"must be between 1 and 3600 seconds, got {value!r}")
-    return seconds
+def _seconds_between(low: float, high: float) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        seconds = parse_duration(value)
+        if not low <= seconds <= high:
+            raise ValueError(f"must be between {low:g} and {high:g} seconds, got {value!r}")
+        return seconds
+
+    return parse
 
 
-def _retention(value: Any) -> float:
-    seconds = parse_duration(value)
-    if not MIN_RETENTION_SECONDS <= seconds <= 86400:
-        raise ValueError(f"must be between {MIN_RETENTION_SECONDS:g} and 86400 seconds, got {value!r}")
-    return seconds
-
-
-def _timeout(value: Any) -> float:
-    seconds = parse_duration(value)
-    if not 0.01 <= seconds <= 3600:
-        raise ValueError(f"must be between 0.01 and 3600 seconds, got {value!r}")
-    return seconds
+_refresh = _seconds_between(1, 3600)
+_retention = _seconds_between(MIN_RETENTION_SECONDS, 86400)
+_timeout = _seconds_between(0.01, 3600)
 
 
 def _count(value: Any) -> int:

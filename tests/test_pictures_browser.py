@@ -17,32 +17,15 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.test_status_page_browser import CHROMIUM, server, text_of  # noqa: F401 - server is a fixture
+from tests.test_status_page_browser import CHROMIUM, offline_chromium, server, text_of  # noqa: F401 - server is a fixture
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install chromium)")
 
 
 def chromium(url: str, tmp_path: Path, name: str, *extra: str) -> tuple[str, list[str]]:
     """Chromium's stdout for `url` with `extra` flags, and every URL its network log saw requested."""
-    assert CHROMIUM is not None
     netlog = tmp_path / f"{name}.netlog.json"
-    cmd = [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--hide-scrollbars",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-        f"--log-net-log={netlog}",
-        *extra,
-        url,
-    ]
+    cmd = [*offline_chromium(tmp_path), "--hide-scrollbars", f"--log-net-log={netlog}", *extra, url]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout, requested(netlog)

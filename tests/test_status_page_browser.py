@@ -18,10 +18,8 @@ import subprocess
 import threading
 from pathlib import Path
 from typing import Iterator
-from urllib.parse import parse_qs
 
 import httpx
-import orjson
 import pytest
 import uvicorn
 
@@ -31,40 +29,13 @@ from gpufleet.server.api import create_app
 from gpufleet.server.runtime import Runtime
 from gpufleet.server.serve import build_runtime, listen_socket
 from gpufleet.server.settings import ServerSettings
+from tests.server.live_fakes import StepClock, recorded_agents
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install chromium)")
 
 RECORDED_SECONDS = 320
 PULL_SECONDS = 5.0
-
-
-class StepClock:
-    """Sample time, moved by the test."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def recorded_agents(lines: list[bytes], clock: StepClock) -> httpx.MockTransport:
-    """Each node's agent answering /snapshots?since= with what it had recorded by the clock's time."""
-    by_node: dict[str, list[dict]] = {}
-    for line in lines:
-        snap = orjson.loads(line)
-        by_node.setdefault(snap["node"], []).append(snap)
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        node = request.url.host
-        since = float(parse_qs(request.url.query.decode()).get("since", ["-inf"])[-1])
-        snaps = [s for s in by_node[node] if since < s["time"] <= clock.now]
-        return httpx.Response(
-            200, content=orjson.dumps({"schema": 1, "node": node, "time": clock.now, "snapshots": snaps})
-        )
-
-    return httpx.MockTransport(answer)
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +82,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Runt
         runtime.store.close()
 
 
-def chromium_dom(url: str, tmp_path: Path, *, js_budget_ms: int = 0) -> str:
-    """The DOM Chromium built for `url` (after `js_budget_ms` of virtual time for scripts), offline but for
-    127.0.0.1."""
+def offline_chromium(tmp_path: Path) -> list[str]:
+    """Headless Chromium's command, its profile under `tmp_path`, every host name but 127.0.0.1 unresolvable."""
     assert CHROMIUM is not None
-    cmd = [
+    return [
         CHROMIUM,
         "--headless",
         "--no-sandbox",
@@ -128,6 +98,12 @@ def chromium_dom(url: str, tmp_path: Path, *, js_budget_ms: int = 0) -> str:
         f"--user-data-dir={tmp_path / 'chromium-profile'}",
         "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
     ]
+
+
+def chromium_dom(url: str, tmp_path: Path, *, js_budget_ms: int = 0) -> str:
+    """The DOM Chromium built for `url` (after `js_budget_ms` of virtual time for scripts), offline but for
+    127.0.0.1."""
+    cmd = offline_chromium(tmp_path)
     if js_budget_ms:
         cmd.append(f"--virtual-time-budget={js_budget_ms}")
     done = subprocess.run([*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=120)

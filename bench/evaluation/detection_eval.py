@@ -247,6 +247,16 @@ def _kind_table(kinds: dict[str, scenarios.KindScore]) -> list[str]:
     return out
 
 
+def _scenario_cells(r: ScenarioResult) -> str:
+    """A per-scenario row's cells: runs, required, detected, false alerts, allowed, median TTF."""
+    return f"{r.runs} | {r.required} | {r.detected} | {r.fp} | {r.neutral} | {_fmt(_pct(r.ttf_s, 50), '{:.0f}')}"
+
+
+def _failures(ev: Evaluation) -> list[str]:
+    """Each scenario's failures as list items, the scenario named first."""
+    return [f"- {r.name}, {f}" for r in ev.per_scenario for f in r.failures]
+
+
 def render(ev: Evaluation, max_failures: int = 40) -> str:
     """The markdown section (without markers)."""
     rate = ev.gpu_samples / ev.replay_s if ev.replay_s else 0.0
@@ -277,12 +287,8 @@ def render(ev: Evaluation, max_failures: int = 40) -> str:
         "| scenario | runs | required | detected | false alerts | allowed | median TTF (s) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in ev.per_scenario:
-        lines.append(
-            f"| {r.name} | {r.runs} | {r.required} | {r.detected} | {r.fp} | {r.neutral} | "
-            f"{_fmt(_pct(r.ttf_s, 50), '{:.0f}')} |"
-        )
-    failures = [f"- {r.name}, {f}" for r in ev.per_scenario for f in r.failures]
+    lines += [f"| {r.name} | {_scenario_cells(r)} |" for r in ev.per_scenario]
+    failures = _failures(ev)
     lines += ["", f"### Failures ({len(failures)})", ""]
     lines += failures[:max_failures] or ["None."]
     if len(failures) > max_failures:
@@ -434,12 +440,8 @@ def render_probes(ev: Evaluation) -> str:
         "| probe | description | runs | required | detected | false alerts | allowed | median TTF (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in ev.per_scenario:
-        lines.append(
-            f"| {r.name} | {probes.BY_NAME[r.name].description} | {r.runs} | {r.required} | {r.detected} | "
-            f"{r.fp} | {r.neutral} | {_fmt(_pct(r.ttf_s, 50), '{:.0f}')} |"
-        )
-    failures = [f"- {r.name}, {f}" for r in ev.per_scenario for f in r.failures]
+    lines += [f"| {r.name} | {probes.BY_NAME[r.name].description} | {_scenario_cells(r)} |" for r in ev.per_scenario]
+    failures = _failures(ev)
     lines += ["", f"Misses, late, false and stuck alerts ({len(failures)}):", "", *(failures or ["None."])]
     return "\n".join(lines)
 

@@ -159,24 +159,12 @@ def draw(kind: str, seed: int, hard: bool) -> Case:
     if kind == "cooling":
         inc = {"kind": "cooling_failure", "node": node, "gpu": gpu, "resistance_factor": sev((2.0, 3.0), (1.3, 2.0))}
         expect = ("thermal_throttle", node, gpu)
-    elif kind == "slow_silent":
-        inc = {
-            "kind": "slow_gpu",
-            "node": node,
-            "gpu": gpu,
-            "speed_factor": sev((0.55, 0.85), (0.8, 0.95)),
-            "silent": True,
-        }
-        expect, slowdown = ("straggler", node, gpu), cf * (1 / inc["speed_factor"] - 1)
-    elif kind == "slow_brake":
-        inc = {
-            "kind": "slow_gpu",
-            "node": node,
-            "gpu": gpu,
-            "speed_factor": sev((0.5, 0.85), (0.8, 0.95)),
-            "power_brake": True,
-        }
-        expect, slowdown = ("straggler", node, gpu), cf * (1 / inc["speed_factor"] - 1)
+    elif kind in ("slow_silent", "slow_brake"):  # no throttle bits at all, or the HW power brake's
+        silent = kind == "slow_silent"
+        speed = sev((0.55, 0.85) if silent else (0.5, 0.85), (0.8, 0.95))
+        flag = "silent" if silent else "power_brake"
+        inc = {"kind": "slow_gpu", "node": node, "gpu": gpu, "speed_factor": speed, flag: True}
+        expect, slowdown = ("straggler", node, gpu), cf * (1 / speed - 1)
     elif kind == "host":
         inc = {"kind": "host_starvation", "node": node, "input_wait_ratio": sev((0.3, 1.0), (0.08, 0.3))}
         expect, slowdown = ("straggler", node, None), inc["input_wait_ratio"]  # idle time added to each step

@@ -1023,6 +1023,10 @@ def _runs(mask: np.ndarray, min_len: int, max_gap: int) -> list[tuple[int, int]]
 def _truths(lay: _Layout, sch: _Schedule, res: _Result) -> list[Truth]:
     spec, t0, out = lay.spec, lay.spec.t0, []
     name = lambda g: spec.nodes[lay.node_of[g]].name  # noqa: E731
+
+    def thermal_truth(g: int, a: int, end: float, required: bool, note: str, lead: float = 0) -> Truth:
+        return Truth("thermal_throttle", name(g), int(lay.local[g]), None, t0 + a, end, required, note, lead)
+
     # Integer sensor plus noise (0.3 °C): near the threshold the reading flickers across it. A die clearly
     # above it (or thermally throttled) must be reported, timed from its run within half a degree. Within a
     # degree an alert is allowed: a die at 82.2 °C reads 83 one time in five, and at 10 s sampling four such
@@ -1044,32 +1048,11 @@ def _truths(lay: _Layout, sch: _Schedule, res: _Result) -> list[Truth]:
                 continue
             lead = next((a - x for x, y in envelopes if x <= a <= y), 0)
             out.append(
-                Truth(
-                    "thermal_throttle",
-                    name(g),
-                    int(lay.local[g]),
-                    None,
-                    t0 + a,
-                    t0 + b,
-                    True,
-                    "temperature clearly above threshold or thermal throttle bits",
-                    lead,
-                )
+                thermal_truth(g, a, t0 + b, True, "temperature clearly above threshold or thermal throttle bits", lead)
             )
         for a, b in _runs(plausible[:, g] | throttled[:, g], 1, 60):
             if _runs(plausible[a : b + 1, g], int(THERMAL_ALERT_FOR_S), 0) or throttled[a : b + 1, g].any():
-                out.append(
-                    Truth(
-                        "thermal_throttle",
-                        name(g),
-                        int(lay.local[g]),
-                        None,
-                        t0 + a,
-                        t0 + b + 60,
-                        False,
-                        "temperature within a degree of the threshold",
-                    )
-                )
+                out.append(thermal_truth(g, a, t0 + b + 60, False, "temperature within a degree of the threshold"))
     for inc in spec.incidents:
         out.extend(_incident_truths(lay, sch, res, inc))
     return [replace(t, start=float(t.start), end=float(t.end), lead_s=float(t.lead_s)) for t in out]

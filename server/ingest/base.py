@@ -17,11 +17,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Protocol, TypedDict
 
 import httpx
 
 from gpufleet.server.ingest.identity import NodePin
+from gpufleet.server.outbound import for_peer
 
 if TYPE_CHECKING:
     from gpufleet.server.settings import ClientAuth, ServerSettings
@@ -284,6 +285,36 @@ class Wiring:
     clock: Callable[[], float] = time.time
     transport: httpx.AsyncBaseTransport | None = None
     parse: Callable[[Mapping[str, Any]], Any] | None = None  # None: the snapshot contract's parser
+
+
+class PeerOptions(TypedDict):
+    """What every source's constructor takes alike: the pull timings from the settings, the test's wiring,
+    and its peer's TLS context and credentials."""
+
+    timeout_seconds: float
+    stale_after_seconds: float
+    transport: httpx.AsyncBaseTransport | None
+    clock: Callable[[], float]
+    parse: Callable[[Mapping[str, Any]], Any] | None
+    verify: ssl.SSLContext
+    auth: httpx.Auth
+
+
+def peer_options(
+    settings: ServerSettings, wiring: Wiring, peer: ClientAuth, prefix: str, *, https: bool
+) -> PeerOptions:
+    """The options a source built from settings reaches its peer with (its TLS and credential settings
+    `peer`, their flags' prefix `prefix`); ValueError names a file that cannot be used."""
+    outbound = for_peer(peer, prefix, https=https)
+    return PeerOptions(
+        timeout_seconds=settings.pull_timeout_seconds,
+        stale_after_seconds=settings.pull_stale_after_seconds,
+        transport=wiring.transport,
+        clock=wiring.clock,
+        parse=wiring.parse,
+        verify=outbound.ssl_context,
+        auth=outbound.auth,
+    )
 
 
 @dataclass(frozen=True, slots=True)

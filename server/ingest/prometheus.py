@@ -53,8 +53,8 @@ from gpufleet.server.ingest.base import (
     Wiring,
     bounded,
     default_parse,
+    peer_options,
 )
-from gpufleet.server.outbound import for_peer
 from gpufleet.server.readings import READINGS, Kind, Reading
 
 if TYPE_CHECKING:
@@ -705,19 +705,12 @@ def _result(buf: bytes | bytearray, status: int) -> list[Any]:
 def from_settings(settings: ServerSettings, wiring: Wiring) -> PrometheusSource:
     """The source --ingest.prometheus-url and the ingest.prometheus.* settings describe."""
     url = settings.prometheus_url or ""
-    prom = for_peer(settings.prometheus_client, "ingest.prometheus", https=url.startswith("https://"))
+    prom = peer_options(
+        settings, wiring, settings.prometheus_client, "ingest.prometheus", https=url.startswith("https://")
+    )
     log.info("reading GPU series through Prometheus", extra={"url": url, "schema": settings.prometheus_schema})
     return PrometheusSource(
-        url,
-        interval_seconds=settings.pull_interval_seconds,
-        timeout_seconds=settings.pull_timeout_seconds,
-        stale_after_seconds=settings.pull_stale_after_seconds,
-        transport=wiring.transport,
-        clock=wiring.clock,
-        parse=wiring.parse,
-        verify=prom.ssl_context,
-        auth=prom.auth,
-        schema=settings.prometheus_schema,
+        url, **prom, interval_seconds=settings.pull_interval_seconds, schema=settings.prometheus_schema
     )
 
 

@@ -32,6 +32,7 @@ from gpufleet.server.ingest.base import (
     Wiring,
     bounded,
     default_parse,
+    peer_options,
 )
 from gpufleet.server.ingest.identity import (
     DEFAULT_IDENTITY_TTL_SECONDS,
@@ -48,7 +49,6 @@ from gpufleet.server.ingest.targets import (
     StaticTargets,
     TargetSource,
 )
-from gpufleet.server.outbound import for_peer
 from gpufleet.server.uuids import duplicate_gpu_uuid
 
 if TYPE_CHECKING:
@@ -684,23 +684,17 @@ def first_span(settings: ServerSettings) -> float:
 
 def from_settings(settings: ServerSettings, wiring: Wiring) -> Puller:
     """The agents named by --targets, --targets.file-sd and --targets.dns, pulled with the pull.* settings."""
-    agents = for_peer(settings.pull_client, "pull", https=settings.pull_scheme == "https")
+    agents = peer_options(settings, wiring, settings.pull_client, "pull", https=settings.pull_scheme == "https")
     targets = build_targets(settings)
     if not targets.sources:
         log.warning("no targets configured: use --targets, --targets.file-sd, --targets.dns or --ingest.prometheus-url")
     return Puller(
         targets,
-        timeout_seconds=settings.pull_timeout_seconds,
+        **agents,
         max_payload_bytes=settings.pull_max_bytes,
         concurrency=settings.pull_concurrency,
-        stale_after_seconds=settings.pull_stale_after_seconds,
-        transport=wiring.transport,
-        clock=wiring.clock,
-        parse=wiring.parse,
         clock_offset_min_seconds=settings.pull_clock_offset_min_seconds,
         scheme=settings.pull_scheme,
-        verify=agents.ssl_context,
-        auth=agents.auth,
         max_entries=settings.pull_max_entries,
         max_snapshots=settings.pull_max_snapshots,
         max_gpus=settings.pull_max_gpus,

@@ -75,3 +75,13 @@ def cluster_lines(
             if row or not override:
                 lines.append(snapshot_line(node, t0 + t_rel + 0.1 * n, row))
     return lines
+
+
+def slow_gpu_from_400(t: float, node: str, gpu: int) -> dict[str, float]:
+    """A cluster_lines override: from 400 s GPU n1/3 computes while its 15 peers wait for it (the engine's
+    straggler)."""
+    if t < 400:
+        return {}
+    if node == "n1" and gpu == 3:
+        return {"sm_clock_hertz": 1.48e9, "sm_active_ratio": 0.80, "power_watts": 430.0}
+    return {"sm_active_ratio": 0.62, "power_watts": 410.0}

@@ -4,8 +4,74 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+from urllib.parse import parse_qs
 
+import httpx
+import orjson
+
+from gpufleet.server.ingest.puller import Puller
+from gpufleet.server.ingest.targets import StaticTargets
 from gpufleet.server.alerts import Alert, AlertKind, AlertState, Severity, Transition, fingerprint
+
+
+class StepClock:
+    """Sample time, moved by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def recorded_agents(lines: list[bytes], clock: StepClock) -> httpx.MockTransport:
+    """Each node's agent answering /snapshots?since= with what it had recorded by the clock's time."""
+    by_node: dict[str, list[dict]] = {}
+    for line in lines:
+        snap = orjson.loads(line)
+        by_node.setdefault(snap["node"], []).append(snap)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        node = request.url.host
+        since = float(parse_qs(request.url.query.decode()).get("since", ["-inf"])[-1])
+        snaps = [s for s in by_node[node] if since < s["time"] <= clock.now]
+        return httpx.Response(
+            200, content=orjson.dumps({"schema": 1, "node": node, "time": clock.now, "snapshots": snaps})
+        )
+
+    return httpx.MockTransport(answer)
+
+
+def hot_puller(clock: StepClock, temps: tuple[float, ...]) -> Puller:
+    """A puller whose one target answers every pull with dgx-01's snapshot of 4990 s at `temps`."""
+    hot = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0, temps=temps)]))
+    return Puller(
+        StaticTargets(("a:1",)),
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, content=hot)),
+        parse=lambda raw: raw,
+        clock=clock,
+    )
+
+
+def job_gpu(node: str, i: int, hot: bool) -> dict[str, Any]:
+    """GPU `i` of `node` at work in job 71001, a snapshot-contract GPU entry; `hot`: 95 °C with the SW
+    thermal slowdown bit."""
+    return {
+        "index": i,
+        "uuid": f"GPU-{node}-{i}",
+        "model": "NVIDIA H100",
+        "up": True,
+        "hpc_job": "71001",
+        "utilization_ratio": 1.0,
+        "sm_active_ratio": 0.8,
+        "temperature_celsius": 95.0 if hot else 62.0,
+        "slowdown_temperature_celsius": 90.0,
+        "power_watts": 600.0,
+        "power_limit_watts": 700.0,
+        "sm_clock_hertz": 1.98e9,
+        "sm_clock_max_hertz": 1.98e9,
+        "throttle_reasons": 0x20 if hot else 0,
+    }
 
 
 def snapshot(node: str, t: float, *, temps: tuple[float, ...] = (60.0, 60.0), job: str | None = "j1") -> dict:

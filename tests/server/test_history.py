@@ -13,16 +13,7 @@ from gpufleet.server.alerts import AlertKind, AlertState
 from gpufleet.server.contract import parse_line
 from gpufleet.server.engine import Engine
 from gpufleet.server.history import ChartHistory, Downsampled, job_quantiles
-from tests.server.engine_samples import T0, cluster_lines
-
-
-def _slow_gpu(t, node, gpu):
-    """From 400 s GPU n1/3 computes while its 15 peers wait for it (the engine's straggler)."""
-    if t < 400:
-        return {}
-    if node == "n1" and gpu == 3:
-        return {"sm_clock_hertz": 1.48e9, "sm_active_ratio": 0.80, "power_watts": 430.0}
-    return {"sm_active_ratio": 0.62, "power_watts": 410.0}
+from tests.server.engine_samples import T0, cluster_lines, slow_gpu_from_400
 
 
 def _drive(lines, until: float, charts: ChartHistory | None, step: float = 5.0):
@@ -43,7 +34,7 @@ def _drive(lines, until: float, charts: ChartHistory | None, step: float = 5.0):
 
 @pytest.fixture(scope="module")
 def straggling():
-    lines = cluster_lines(560, override=_slow_gpu)
+    lines = cluster_lines(560, override=slow_gpu_from_400)
     return _drive(lines, 560, ChartHistory())
 
 
@@ -87,7 +78,7 @@ def test_the_fleet_view_marks_the_gpu_apart_from_its_job(straggling):
 
 
 def test_reading_the_windows_changes_no_alert():
-    lines = cluster_lines(560, override=_slow_gpu)
+    lines = cluster_lines(560, override=slow_gpu_from_400)
     _, watched, _ = _drive(lines, 560, ChartHistory())
     _, alone, _ = _drive(lines, 560, None)
     assert [(t.alert.id, t.alert.state, t.alert.evidence) for t in watched] == [
@@ -98,7 +89,7 @@ def test_reading_the_windows_changes_no_alert():
 
 def test_past_the_cap_a_fleet_is_drawn_per_node(monkeypatch):
     monkeypatch.setattr(history, "FLEET_GPU_CELLS", 8)
-    _, _, charts = _drive(cluster_lines(560, override=_slow_gpu), 560, ChartHistory())
+    _, _, charts = _drive(cluster_lines(560, override=slow_gpu_from_400), 560, ChartHistory())
     assert charts.fleet_per_node and [(c.node, c.gpu, c.gpus) for c in charts.fleet] == [
         ("n0", None, 8),
         ("n1", None, 8),
@@ -109,7 +100,7 @@ def test_past_the_cap_a_fleet_is_drawn_per_node(monkeypatch):
 
 
 def test_a_resolved_alert_keeps_its_one_minute_points():
-    lines = cluster_lines(1100, override=lambda t, n, g: _slow_gpu(t, n, g) if t < 700 else {})
+    lines = cluster_lines(1100, override=lambda t, n, g: slow_gpu_from_400(t, n, g) if t < 700 else {})
     charts_history = ChartHistory()
     _, transitions, charts = _drive(lines, 1100, charts_history)
     resolved = {t.alert.id for t in transitions if t.alert.state is AlertState.RESOLVED}
@@ -158,7 +149,7 @@ def test_job_quantiles_match_numpys_and_skip_absent_readings():
 
 
 def test_an_alert_open_longer_than_the_window_keeps_its_minutes_before_it():
-    _, _, charts = _drive(cluster_lines(1000, override=_slow_gpu), 1000, ChartHistory())
+    _, _, charts = _drive(cluster_lines(1000, override=slow_gpu_from_400), 1000, ChartHistory())
     ((alert_id, chart),) = charts.alerts.items()
     sm = chart.series[0]
     t = np.array(sm.times)

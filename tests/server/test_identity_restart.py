@@ -5,13 +5,12 @@ agent at a new address), and the real one is taken back when it returns. A pin l
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
+from http.server import BaseHTTPRequestHandler
+from typing import Callable
 
 import httpx
 import orjson
@@ -20,6 +19,7 @@ import pytest
 from gpufleet.server.serve import build_runtime
 from gpufleet.server.settings import ServerSettings
 from tests.agent.running import server_process
+from tests.loopback import serving
 from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
 
 REAL, IMPOSTOR = "10.0.0.1:9471", "10.0.0.9:9471"
@@ -56,6 +56,13 @@ async def _cycles(runtime, now: list[float], n: int) -> None:
         await runtime.cycle()
 
 
+def _pinned_by_the_real_agent(path: str, now: list[float], cycles: int) -> None:
+    """A server that pulled the real agent `cycles` times and stopped: the store at `path` holds its pin."""
+    first = _runtime(ServerSettings(targets=(REAL,), storage_path=path), now, set())
+    asyncio.run(_cycles(first, now, cycles))
+    first.store.close()
+
+
 def test_an_impostor_cannot_take_a_known_nodes_name_while_its_target_is_down_across_a_restart(tmp_path) -> None:
     now = [1000.0]
     down = {IMPOSTOR}
@@ -83,9 +90,7 @@ def test_an_impostor_cannot_take_a_known_nodes_name_while_its_target_is_down_acr
 
 def test_a_remembered_target_no_longer_listed_frees_its_nodes_name(tmp_path) -> None:
     now = [1000.0]
-    first = _runtime(ServerSettings(targets=(REAL,), storage_path=str(tmp_path / "m.db")), now, set())
-    asyncio.run(_cycles(first, now, 1))
-    first.store.close()
+    _pinned_by_the_real_agent(str(tmp_path / "m.db"), now, 1)
 
     # The node moved to a new address and the old one left discovery: the new target may answer for it.
     second = _runtime(ServerSettings(targets=(MOVED,), storage_path=str(tmp_path / "m.db")), now, set())
@@ -97,9 +102,7 @@ def test_a_remembered_target_no_longer_listed_frees_its_nodes_name(tmp_path) -> 
 def test_the_real_agent_back_at_a_new_address_with_its_gpus_takes_its_name_across_a_restart(tmp_path) -> None:
     now = [1000.0]
     path = str(tmp_path / "n.db")
-    first = _runtime(ServerSettings(targets=(REAL,), storage_path=path), now, set())
-    asyncio.run(_cycles(first, now, 2))
-    first.store.close()
+    _pinned_by_the_real_agent(path, now, 2)
 
     # The pod restarted under a new IP while the server restarted, and discovery still lists the old one.
     down = {REAL}
@@ -121,9 +124,7 @@ def test_the_real_agent_back_at_a_new_address_with_its_gpus_takes_its_name_acros
 def test_an_impostor_with_other_gpus_is_refused_across_restarts_after_the_nodes_address_left(tmp_path) -> None:
     now = [1000.0]
     path = str(tmp_path / "o.db")
-    first = _runtime(ServerSettings(targets=(REAL,), storage_path=path), now, set())
-    asyncio.run(_cycles(first, now, 1))
-    first.store.close()
+    _pinned_by_the_real_agent(path, now, 1)
     for _ in range(2):  # each restart reads the pin back from the store
         runtime = _runtime(ServerSettings(targets=(IMPOSTOR,), storage_path=path), now, set())
         runtime.restore()
@@ -180,17 +181,6 @@ class _Impostor(_Agent):
     gpu_tag = "impostor"
 
 
-@contextlib.contextmanager
-def _serving(handler: type, port: int = 0) -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def _metric(api: httpx.Client, name: str, **labels: str) -> float | None:
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in api.get("/metrics").text.splitlines():
@@ -209,11 +199,22 @@ def _until(what: str, check: Callable[[], bool], proc) -> None:
     pytest.fail(f"never within 30 s: {what}")
 
 
+def _until_refused(api: httpx.Client, impostor: str, proc) -> None:
+    """Waits until the server has refused `impostor` three times for claiming a pinned node, and checks it
+    counts the impostor down."""
+    _until(
+        "the impostor refused three times",
+        lambda: (_metric(api, "gpufleet_server_pull_errors_total", target=impostor, reason="node_claimed") or 0) >= 3,
+        proc,
+    )
+    assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
+
+
 def test_real_servers_keep_a_node_name_with_its_target_across_a_restart(tmp_path) -> None:
     """Real `serve` processes on one store: the real agent is down when the server restarts and an impostor
     claims its name; the impostor is refused, and the real agent, back on its address, is taken."""
-    with _serving(_Agent) as real_port:
-        with _serving(_Impostor) as impostor_port:
+    with serving(_Agent) as real_port:
+        with serving(_Impostor) as impostor_port:
             real, impostor = f"127.0.0.1:{real_port}", f"127.0.0.1:{impostor_port}"
             timing = ("--pull.interval", "250ms", "--pull.timeout", "250ms")
             with server_process(tmp_path, "--targets", real, *timing) as (proc, port):
@@ -223,20 +224,12 @@ def test_real_servers_keep_a_node_name_with_its_target_across_a_restart(tmp_path
                 )
                 _until("its node name stored", lambda: api.get("/healthz").json()["cycles"] >= 3, proc)
             # The real agent goes down (its port closes) and the server restarts meanwhile.
-    with _serving(_Impostor, impostor_port):
+    with serving(_Impostor, impostor_port):
         with server_process(tmp_path, "--targets", f"{real},{impostor}", *timing) as (proc, port):
             api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
-            _until(
-                "the impostor refused three times",
-                lambda: (
-                    (_metric(api, "gpufleet_server_pull_errors_total", target=impostor, reason="node_claimed") or 0)
-                    >= 3
-                ),
-                proc,
-            )
-            assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
+            _until_refused(api, impostor, proc)
             assert [n["node"] for n in api.get("/nodes").json()["nodes"]] == []
-            with _serving(_Agent, real_port):  # the real agent is back on its address
+            with serving(_Agent, real_port):  # the real agent is back on its address
                 _until(
                     "the real agent taken back",
                     lambda: _metric(api, "gpufleet_server_target_up", target=real) == 1.0,
@@ -253,14 +246,14 @@ def test_real_servers_give_a_node_name_to_its_agent_at_a_new_address_and_not_to_
     The agent at its new address takes its name; the impostor is refused."""
     sd = tmp_path / "agents.json"
     timing = ("--pull.interval", "250ms", "--pull.timeout", "250ms")
-    with _serving(_Agent) as old_port:
+    with serving(_Agent) as old_port:
         old = f"127.0.0.1:{old_port}"
         sd.write_text(orjson.dumps([{"targets": [old]}]).decode())
         with server_process(tmp_path, "--targets.file-sd", str(sd), *timing) as (proc, port):
             api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
             _until("the agent pulled", lambda: _metric(api, "gpufleet_server_target_up", target=old) == 1.0, proc)
             _until("its pin stored", lambda: api.get("/healthz").json()["cycles"] >= 3, proc)
-    with _serving(_Agent) as new_port, _serving(_Impostor) as impostor_port:
+    with serving(_Agent) as new_port, serving(_Impostor) as impostor_port:
         new, impostor = f"127.0.0.1:{new_port}", f"127.0.0.1:{impostor_port}"
         sd.write_text(orjson.dumps([{"targets": [old, impostor, new]}]).decode())
         with server_process(tmp_path, "--targets.file-sd", str(sd), *timing) as (proc, port):
@@ -270,13 +263,5 @@ def test_real_servers_give_a_node_name_to_its_agent_at_a_new_address_and_not_to_
                 lambda: _metric(api, "gpufleet_server_target_up", target=new) == 1.0,
                 proc,
             )
-            _until(
-                "the impostor refused",
-                lambda: (
-                    (_metric(api, "gpufleet_server_pull_errors_total", target=impostor, reason="node_claimed") or 0)
-                    >= 3
-                ),
-                proc,
-            )
-            assert _metric(api, "gpufleet_server_target_up", target=impostor) == 0.0
+            _until_refused(api, impostor, proc)
             assert [n["node"] for n in api.get("/nodes").json()["nodes"]] == ["dgx-01"]

@@ -196,11 +196,13 @@ def test_each_cause_pages_once_with_the_shipped_config_and_its_effects_show_unde
     runtime.store.close()
 
 
-@requires_alertmanager
-def test_each_root_cause_of_the_cluster_incidents_scenario_pages_once(tmp_path) -> None:
-    # node-a GPU 6 counts ECC errors from +110 s and XID 79 from +120 s; node-a GPU 1's cooling fails from +100 s
-    # (and it falls behind its peers); node-b GPU 3 is power-braked. Until after the heat's straggler fires.
-    batches = _scenario_batches("cluster-incidents", 260)
+def _paged_through_alertmanager(
+    tmp_path, scenario: str, seconds: int
+) -> tuple[dict[str, list[tuple]], dict[tuple, list[str]]]:
+    """The scenario's first `seconds` run live against a real Alertmanager with the shipped config: its
+    pages by incident, and each page's alert -> the kinds muted under it. Every send went through, and each
+    incident paged once."""
+    batches = _scenario_batches(scenario, seconds)
     with alertmanager_process(tmp_path, config_text=SHIPPED.read_text()) as (_, port, log_path):
         url = f"http://127.0.0.1:{port}"
         runtime, notifier, _ = _run(tmp_path, url, batches)
@@ -209,7 +211,14 @@ def test_each_root_cause_of_the_cluster_incidents_scenario_pages_once(tmp_path) 
     assert notifier.failed_total == 0, log_path.read_text(errors="replace")[-2000:]
     paged, muted = _pages(groups)
     assert all(len(p) == 1 for p in paged.values()), paged  # one page per incident
-    by_page = {p[0]: muted[i] for i, p in paged.items()}
+    return paged, {p[0]: muted[i] for i, p in paged.items()}
+
+
+@requires_alertmanager
+def test_each_root_cause_of_the_cluster_incidents_scenario_pages_once(tmp_path) -> None:
+    # node-a GPU 6 counts ECC errors from +110 s and XID 79 from +120 s; node-a GPU 1's cooling fails from +100 s
+    # (and it falls behind its peers); node-b GPU 3 is power-braked. Until after the heat's straggler fires.
+    paged, by_page = _paged_through_alertmanager(tmp_path, "cluster-incidents", 260)
     assert by_page[("thermal_throttle", "node-a", "1")] == ["straggler"]  # the straggler the heat makes
     assert by_page[("xid", "node-a", "6")] == ["ecc"]  # the ECC errors fired first, alone: regrouped since
     assert by_page[("straggler", "node-b", "3")] == []  # a power brake: a cause of its own
@@ -219,14 +228,5 @@ def test_each_root_cause_of_the_cluster_incidents_scenario_pages_once(tmp_path) 
 @requires_alertmanager
 def test_the_demo_pages_its_cooling_failure_once(tmp_path) -> None:
     # dgx-02 GPU 5's cooling fails from +200 s and holds its job back: the heat and the straggler it makes.
-    batches = _scenario_batches("demo", 350)
-    with alertmanager_process(tmp_path, config_text=SHIPPED.read_text()) as (_, port, log_path):
-        url = f"http://127.0.0.1:{port}"
-        runtime, notifier, _ = _run(tmp_path, url, batches)
-        groups = _settled_groups(url)
-    runtime.store.close()
-    assert notifier.failed_total == 0, log_path.read_text(errors="replace")[-2000:]
-    paged, muted = _pages(groups)
-    assert all(len(p) == 1 for p in paged.values()), paged
-    by_page = {p[0]: muted[i] for i, p in paged.items()}
+    _, by_page = _paged_through_alertmanager(tmp_path, "demo", 350)
     assert by_page[("thermal_throttle", "dgx-02", "5")] == ["straggler"], by_page

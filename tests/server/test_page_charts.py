@@ -6,10 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 from datetime import timezone
-from urllib.parse import parse_qs
 
-import httpx
-import orjson
 import pytest
 from fastapi.testclient import TestClient
 
@@ -22,46 +19,11 @@ from gpufleet.server.history import Charts, FleetCell, Series
 from gpufleet.server.runtime import FleetView
 from gpufleet.server.serve import build_runtime
 from gpufleet.server.settings import ServerSettings
-from tests.server.engine_samples import T0, cluster_lines
-from tests.server.live_fakes import make_alert
+from tests.server.engine_samples import T0, cluster_lines, slow_gpu_from_400
+from tests.server.live_fakes import StepClock, make_alert, recorded_agents
 from tests.server.test_page import build
 
 SECONDS = 560
-
-
-def _slow_gpu(t, node, gpu):
-    """From 400 s GPU n1/3 computes while its 15 peers wait for it."""
-    if t < 400:
-        return {}
-    if node == "n1" and gpu == 3:
-        return {"sm_clock_hertz": 1.48e9, "sm_active_ratio": 0.80, "power_watts": 430.0}
-    return {"sm_active_ratio": 0.62, "power_watts": 410.0}
-
-
-class StepClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def agents(lines: list[bytes], clock: StepClock) -> httpx.MockTransport:
-    """Each node's agent answering /snapshots?since= with its snapshots up to the clock."""
-    by_node: dict[str, list[dict]] = {}
-    for line in lines:
-        snap = orjson.loads(line)
-        by_node.setdefault(snap["node"], []).append(snap)
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        node = request.url.host
-        since = float(parse_qs(request.url.query.decode()).get("since", ["-inf"])[-1])
-        snaps = [s for s in by_node[node] if since < s["time"] <= clock.now]
-        return httpx.Response(
-            200, content=orjson.dumps({"schema": 1, "node": node, "time": clock.now, "snapshots": snaps})
-        )
-
-    return httpx.MockTransport(answer)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +33,9 @@ def client(tmp_path_factory: pytest.TempPathFactory):
     settings = ServerSettings(
         targets=("n0:9471", "n1:9471"), pull_interval_seconds=5.0, storage_path=str(tmp / "server.db")
     )
-    runtime = build_runtime(settings, clock=clock, transport=agents(cluster_lines(SECONDS, override=_slow_gpu), clock))
+    runtime = build_runtime(
+        settings, clock=clock, transport=recorded_agents(cluster_lines(SECONDS, override=slow_gpu_from_400), clock)
+    )
 
     async def pull() -> None:
         while clock.now < T0 + SECONDS:

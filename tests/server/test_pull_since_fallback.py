@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Iterator
 from urllib.parse import parse_qs, urlparse
 
@@ -16,6 +15,7 @@ import orjson
 
 from gpufleet.server.ingest.puller import Puller
 from gpufleet.server.ingest.targets import StaticTargets
+from tests.loopback import serving
 from tests.server.live_fakes import envelope, parse_dict, snapshot
 
 NEWEST = 1_763_800_000.0  # the agent's newest snapshot, one a second before it (600 s of ring)
@@ -50,13 +50,8 @@ class _SinceOnlyAgent(BaseHTTPRequestHandler):
 @contextlib.contextmanager
 def _agent() -> Iterator[int]:
     _SinceOnlyAgent.asked = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SinceOnlyAgent)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(_SinceOnlyAgent) as port:
+        yield port
 
 
 def test_an_agent_ignoring_span_is_ingested_through_since_once_its_clock_is_known() -> None:

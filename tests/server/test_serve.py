@@ -13,7 +13,7 @@ from gpufleet.server.serve import build_runtime, main
 from gpufleet.server.settings import FLAGS, ConfigError, ServerSettings, load_settings, parse_duration
 from gpufleet.server.store import AlertQuery
 from tests.agent.running import server_process
-from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
+from tests.server.live_fakes import StubEngine, envelope, job_gpu, parse_dict, snapshot
 
 
 def test_defaults() -> None:
@@ -216,30 +216,11 @@ def _thermal_agents(now: list[float], hot, first_since):
     """Mock agents dgx-01 (10.0.0.1) and dgx-02 (10.0.0.2) of job 71001, 4 GPUs each, one snapshot per second
     up to now[0]; hot(node, gpu, t) says which GPU-seconds read 95 °C with the SW thermal bit."""
 
-    def gpu(node: str, i: int, t: float) -> dict:
-        is_hot = hot(node, i, t)
-        return {
-            "index": i,
-            "uuid": f"GPU-{node}-{i}",
-            "model": "NVIDIA H100",
-            "up": True,
-            "hpc_job": "71001",
-            "utilization_ratio": 1.0,
-            "sm_active_ratio": 0.8,
-            "temperature_celsius": 95.0 if is_hot else 62.0,
-            "slowdown_temperature_celsius": 90.0,
-            "power_watts": 600.0,
-            "power_limit_watts": 700.0,
-            "sm_clock_hertz": 1.98e9,
-            "sm_clock_max_hertz": 1.98e9,
-            "throttle_reasons": 0x20 if is_hot else 0,
-        }
-
     def handler(request: httpx.Request) -> httpx.Response:
         node = {"10.0.0.1": "dgx-01", "10.0.0.2": "dgx-02"}[request.url.host]
         since = float(request.url.params.get("since", first_since()))
         snaps = [
-            {"schema": 1, "node": node, "time": float(t), "gpus": [gpu(node, i, t) for i in range(4)]}
+            {"schema": 1, "node": node, "time": float(t), "gpus": [job_gpu(node, i, hot(node, i, t)) for i in range(4)]}
             for t in range(int(since) + 1, int(now[0]) + 1)
         ]
         return httpx.Response(200, content=orjson.dumps(envelope(node, snaps)))

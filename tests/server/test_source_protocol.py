@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Callable
 
 import httpx
 import orjson
@@ -23,7 +23,7 @@ from gpufleet.server.runtime import Runtime
 from gpufleet.server.serve import build_engine, build_runtime, build_source, source_kind
 from gpufleet.server.settings import ServerSettings, sample_sources
 from gpufleet.server.store import AlertStore
-from tests.server.live_fakes import envelope
+from tests.server.live_fakes import envelope, job_gpu
 
 NODES = ("dgx-01", "dgx-02")
 
@@ -75,25 +75,6 @@ def list_kind(batches: list[list[NodeSample]]) -> SourceKind:
     return SourceKind(name="list", selected=lambda settings: True, build=build)
 
 
-def gpu(node: str, i: int, hot: bool) -> dict[str, Any]:
-    return {
-        "index": i,
-        "uuid": f"GPU-{node}-{i}",
-        "model": "NVIDIA H100",
-        "up": True,
-        "hpc_job": "71001",
-        "utilization_ratio": 1.0,
-        "sm_active_ratio": 0.8,
-        "temperature_celsius": 95.0 if hot else 62.0,
-        "slowdown_temperature_celsius": 90.0,
-        "power_watts": 600.0,
-        "power_limit_watts": 700.0,
-        "sm_clock_hertz": 1.98e9,
-        "sm_clock_max_hertz": 1.98e9,
-        "throttle_reasons": 0x20 if hot else 0,
-    }
-
-
 def thermal_batches(start: float, cycles: int, hot_from: float) -> list[list[NodeSample]]:
     """Two nodes of job 71001, 4 GPUs each, a sample a second, in 5 s batches; dgx-02 GPU 1 runs hot (95 °C,
     SW thermal slowdown) from hot_from on. Each batch ends at the cycle's clock."""
@@ -107,7 +88,7 @@ def thermal_batches(start: float, cycles: int, hot_from: float) -> list[list[Nod
                         "schema": 1,
                         "node": node,
                         "time": float(t),
-                        "gpus": [gpu(node, i, node == "dgx-02" and i == 1 and t >= hot_from) for i in range(4)],
+                        "gpus": [job_gpu(node, i, node == "dgx-02" and i == 1 and t >= hot_from) for i in range(4)],
                     }
                 )
                 for t in times
@@ -199,7 +180,7 @@ def _families(source: SampleSource, tmp_path, name: str) -> set[str]:
 def test_every_source_exports_the_same_metric_families(tmp_path) -> None:
     """/metrics reads a source through the protocol alone: the toy, the puller and the Prometheus source give the
     same families, the ones only some sources fill (dcgm-exporter's missing readings) included."""
-    snap = {"schema": 1, "node": "n1", "time": 99.0, "gpus": [gpu("n1", 0, False)]}
+    snap = {"schema": 1, "node": "n1", "time": 99.0, "gpus": [job_gpu("n1", 0, False)]}
     agent = orjson.dumps(envelope("n1", [snap]))
     up = {"status": "success", "data": {"resultType": "vector", "result": []}}
     empty = {"status": "success", "data": {"resultType": "matrix", "result": []}}

@@ -10,21 +10,18 @@ import struct
 from pathlib import Path
 
 import httpx
-import orjson
 import pytest
 from fastapi.testclient import TestClient
 
 from gpufleet.server.alerts import AlertState
 from gpufleet.server.api import create_app
-from gpufleet.server.ingest.puller import Puller
-from gpufleet.server.ingest.targets import StaticTargets
 from gpufleet.server.runtime import Runtime
 from gpufleet.server.serve import main
 from gpufleet.server.settings import ServerSettings, load_settings
 from gpufleet.server.store import AlertStore, StoreError
 from gpufleet.server.store_check import MOVE_ASIDE, REFUSE, damage, open_checked
 from tests.agent.running import server_process
-from tests.server.live_fakes import StubEngine, envelope, make_alert, snapshot
+from tests.server.live_fakes import StepClock, StubEngine, hot_puller, make_alert
 
 PAGE = 4096  # SQLite's default page size, which the store keeps
 
@@ -147,28 +144,14 @@ def test_a_real_server_on_a_damaged_store_moves_it_aside_and_serves(tmp_path) ->
         assert proc.poll() is None
 
 
-class _Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_damage_the_start_check_missed_degrades_healthz_and_alerts_come_from_memory(tmp_path) -> None:
     """The store opened without its check (damage that came later): the restore, every write and every read
     fail, and the server goes on: alerts fire, /alerts and / answer from memory, /healthz says why."""
     path = tmp_path / "alerts.db"
     _store(path)
     _damage(path, "table")
-    clock = _Clock(5000.0)
-    hot = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0, temps=(95.0, 60.0))]))
-    puller = Puller(
-        StaticTargets(("a:1",)),
-        transport=httpx.MockTransport(lambda r: httpx.Response(200, content=hot)),
-        parse=lambda raw: raw,
-        clock=clock,
-    )
+    clock = StepClock(5000.0)
+    puller = hot_puller(clock, (95.0, 60.0))
     store = AlertStore(path)
     runtime = Runtime(engine=StubEngine(), source=puller, store=store, clock=clock)
     client = TestClient(create_app(ServerSettings(storage_path=str(path)), runtime=runtime, run_pipeline=False))

@@ -6,18 +6,14 @@ import asyncio
 import sqlite3
 from dataclasses import replace
 
-import httpx
-import orjson
 from fastapi.testclient import TestClient
 
 from gpufleet.server.api import create_app
-from gpufleet.server.ingest.puller import Puller
-from gpufleet.server.ingest.targets import StaticTargets
 from gpufleet.server.runtime import Runtime
 from gpufleet.server.settings import ServerSettings
 from gpufleet.server.store import AlertStore
 from gpufleet.server.alerts import AlertState
-from tests.server.live_fakes import StubEngine, envelope, make_alert, snapshot
+from tests.server.live_fakes import StepClock, StubEngine, hot_puller, make_alert
 
 
 class FullDiskStore(AlertStore):
@@ -41,23 +37,9 @@ class FullDiskStore(AlertStore):
         return super().remember_node_pins(pins)
 
 
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def _build(tmp_path, clock, engine=None):
     settings = ServerSettings(storage_path=str(tmp_path / "alerts.db"))
-    hot = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0, temps=(95.0, 91.0))]))
-    puller = Puller(
-        StaticTargets(("a:1",)),
-        transport=httpx.MockTransport(lambda r: httpx.Response(200, content=hot)),
-        parse=lambda raw: raw,
-        clock=clock,
-    )
+    puller = hot_puller(clock, (95.0, 91.0))
     store = FullDiskStore(settings.storage_path)
     runtime = Runtime(engine=engine or StubEngine(), source=puller, store=store, clock=clock)
     return runtime, store, TestClient(create_app(settings, runtime=runtime, run_pipeline=False))
@@ -71,13 +53,13 @@ def _metric(client: TestClient, name: str) -> float | None:
 
 
 def test_alerts_that_fired_while_the_disk_was_full_are_written_once_it_has_room(tmp_path):
-    clock = Clock(5000.0)
+    clock = StepClock(5000.0)
     runtime, store, client = _build(tmp_path, clock)
     store.full = True
     asyncio.run(runtime.cycle())  # two GPUs start throttling: two alerts fire
     assert [a.state.value for a in runtime.view.alerts] == ["firing", "firing"]
     assert client.get("/alerts").json()["total"] == 0  # nothing reached the store
-    clock.t = 5030.0
+    clock.now = 5030.0
     asyncio.run(runtime.cycle())  # still full: retried, still waiting
     health = client.get("/healthz")
     # Degraded, but 200: a liveness probe must not restart a server that would lose what waits.
@@ -90,7 +72,7 @@ def test_alerts_that_fired_while_the_disk_was_full_are_written_once_it_has_room(
     assert _metric(client, "gpufleet_server_store_errors_total") == 2
 
     store.full = False  # space returns; no new transition this cycle
-    clock.t = 5035.0
+    clock.now = 5035.0
     asyncio.run(runtime.cycle())
     firing = client.get("/alerts", params={"state": "firing"}).json()
     assert firing["total"] == 2
@@ -107,13 +89,13 @@ def test_alerts_that_fired_while_the_disk_was_full_are_written_once_it_has_room(
 
 
 def test_the_newest_state_of_an_alert_is_what_the_store_gets_after_an_outage(tmp_path):
-    clock = Clock(5000.0)
+    clock = StepClock(5000.0)
     runtime, store, client = _build(tmp_path, clock)
     store.full = True
     asyncio.run(runtime.cycle())
     (first, _) = runtime.view.alerts
     runtime.engine._latest[("dgx-01", 0)] = (5040.0, 60.0, "j1")  # GPU 0 cools: its alert resolves
-    clock.t = 5045.0
+    clock.now = 5045.0
     asyncio.run(runtime.cycle())
     store.full = False
     asyncio.run(runtime.cycle())
@@ -122,7 +104,7 @@ def test_the_newest_state_of_an_alert_is_what_the_store_gets_after_an_outage(tmp
 
 
 def test_stopping_while_writes_wait_makes_one_last_try(tmp_path):
-    clock = Clock(5000.0)
+    clock = StepClock(5000.0)
     runtime, store, _ = _build(tmp_path, clock)
     store.full = True
     asyncio.run(runtime.cycle())
@@ -139,15 +121,9 @@ def test_stopping_while_writes_wait_makes_one_last_try(tmp_path):
 def test_alerts_a_full_disk_kept_out_of_the_file_are_listed_by_alerts_meanwhile(tmp_path):
     """SQLite's own full-disk error (the file may not grow): /alerts, each alert's page and the restore list
     show the alerts the write could not save, from memory, until the retried write takes them."""
-    clock = Clock(5000.0)
+    clock = StepClock(5000.0)
     settings = ServerSettings(storage_path=str(tmp_path / "alerts.db"))
-    hot = orjson.dumps(envelope("dgx-01", [snapshot("dgx-01", 4990.0, temps=(95.0, 91.0))]))
-    puller = Puller(
-        StaticTargets(("a:1",)),
-        transport=httpx.MockTransport(lambda r: httpx.Response(200, content=hot)),
-        parse=lambda raw: raw,
-        clock=clock,
-    )
+    puller = hot_puller(clock, (95.0, 91.0))
     store = AlertStore(settings.storage_path)
     _fill(store)
     runtime = Runtime(engine=StubEngine(), source=puller, store=store, clock=clock)
@@ -162,7 +138,7 @@ def test_alerts_a_full_disk_kept_out_of_the_file_are_listed_by_alerts_meanwhile(
     assert len(store.open_alerts()) == 2
 
     store._db.execute("PRAGMA max_page_count = 1073741823")  # room again
-    clock.t = 5005.0
+    clock.now = 5005.0
     asyncio.run(runtime.cycle())
     assert runtime.stats.store_unsaved_since is None
     assert store._unsaved == 0

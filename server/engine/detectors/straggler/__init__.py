@@ -20,11 +20,10 @@ from gpufleet.server.engine.detectors import Context, Finding, Outcome
 from gpufleet.server.engine.detectors.straggler.gpu_finding import gpu_finding
 from gpufleet.server.engine.detectors.straggler.policy import RULES
 from gpufleet.server.engine.detectors.straggler.stages import (
-    Culprits,
     Judged,
     NodeCulprits,
     Readings,
-    Slots,
+    Sighting,
     add_shared_node,
     find_culprits,
     find_nodes,
@@ -72,17 +71,17 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     culprits = find_culprits(tick, state, slots, read, judged)
     shared = find_shared_node(tick, state, slots, read)
     learn_offsets(tick, state, slots, read, culprits.waiting | shared.waiting)
-    culprits = add_shared_node(tick, slots, judged, culprits, shared)
-    standout = standout_groups(tick, state, slots, read, judged, culprits, shared)
-    still_waiting = peers_still_waiting(read, judged, culprits)
-    nodes = find_nodes(tick, state, slots, read, judged, culprits, still_waiting, context.halted)
+    seen = Sighting(tick, state, slots, read, judged, add_shared_node(tick, slots, judged, culprits, shared))
+    standout = standout_groups(seen, shared)
+    still_waiting = peers_still_waiting(read, judged, seen.culprits)
+    nodes = find_nodes(seen, still_waiting, context.halted)
     out = Outcome()
     for finding in _gpu_findings(tick, state, read, judged, nodes, shared):
         out.add(finding)
     for finding in nodes.findings:
         out.add(finding)
     standout |= {gid for gid, _ in nodes.standout}
-    out.clear = _clear_test(tick, state, slots, read, judged, culprits, still_waiting, nodes)
+    out.clear = _clear_test(seen, still_waiting, nodes)
     state.prune(tick.t, tick.config.straggler_cost_keep_seconds)
     return Result(out, standout, nodes.idle_groups, frozenset(slots.gid[nodes.gpus_named].tolist()))
 
@@ -106,27 +105,19 @@ def _gpu_findings(
     ]
 
 
-def _clear_test(
-    tick: Tick,
-    state: StragglerState,
-    slots: Slots,
-    read: Readings,
-    judged: Judged,
-    culprits: Culprits,
-    still_waiting: np.ndarray,
-    nodes: NodeCulprits,
-):
+def _clear_test(seen: Sighting, still_waiting: np.ndarray, nodes: NodeCulprits):
     """Clear once the GPU no longer stands out even at reduced margins, its group stopped waiting (even
     at the reduced cross-sectional margin: peers_still_waiting) or went idle, or it left the job.
 
     Before the GPU has learned or its group's slowdown is measured (a straggler from the job's start
     keeps both from forming), only the cross-section clears it: the GPU no longer stands out.
     """
+    tick, state, slots, read, judged = seen.tick, seen.state, seen.slots, seen.read, seen.judged
     w, index = tick.windows, state.index
     node_pairs, node_standout = nodes.pairs, nodes.standout
     in_judged = (read.busy | judged.starved) & read.conditions.active
     warm = (state.learned[: slots.n] >= read.warm_ticks) & read.conditions.slowdown_measured
-    weak, cross = culprits.weak, judged.cross
+    weak, cross = seen.culprits.weak, judged.cross
 
     def test(fp: str) -> bool | None:
         pair = node_pairs.get(fp)

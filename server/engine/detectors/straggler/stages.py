@@ -235,20 +235,26 @@ def add_shared_node(tick: Tick, slots: Slots, judged: Judged, culprits: Culprits
     )
 
 
-def standout_groups(
-    tick: Tick,
-    state: StragglerState,
-    slots: Slots,
-    read: Readings,
-    judged: Judged,
-    culprits: Culprits,
-    shared: SharedNode,
-) -> set[int]:
+@dataclass(frozen=True, slots=True)
+class Sighting:
+    """What the later stages read: the tick, the detector's state, and the stages' results so far
+    (culprits with shared_node's added)."""
+
+    tick: Tick
+    state: StragglerState
+    slots: Slots
+    read: Readings
+    judged: Judged
+    culprits: Culprits
+
+
+def standout_groups(seen: Sighting, shared: SharedNode) -> set[int]:
     """Groups where a GPU stands out at the weaker margins beyond its group's noise (or by clocks, bits,
     idling or on a shared node): they hold back the workload alerts."""
+    tick, slots, read, judged, culprits = seen.tick, seen.slots, seen.read, seen.judged, seen.culprits
     ex = read.excess
     activity = np.where(read.sm_unknown, ex[PW], ex[SM])
-    sigmas = excess_in_noise(state, tick.config, tick.groups, activity, slots.group_of, slots.in_group)
+    sigmas = excess_in_noise(seen.state, tick.config, tick.groups, activity, slots.group_of, slots.in_group)
     noise_inputs = {**judged.rule_inputs, "excess_sigmas": sigmas}
     beyond_noise = any_of(evaluate(BEYOND_NOISE, noise_inputs, tick.config), _names(BEYOND_NOISE))
     by_hardware = (culprits.hardware[1] | read.clocks_cut) & ~read.victim
@@ -273,18 +279,17 @@ class NodeCulprits:
     gpus_named: np.ndarray  # per slot: the GPUs named on their own
 
 
-def find_nodes(
-    tick: Tick,
-    state: StragglerState,
-    slots: Slots,
-    read: Readings,
-    judged: Judged,
-    culprits: Culprits,
-    still_waiting: np.ndarray,
-    halted: AbstractSet[int],
-) -> NodeCulprits:
+def find_nodes(seen: Sighting, still_waiting: np.ndarray, halted: AbstractSet[int]) -> NodeCulprits:
     """Nodes holding their group back (node_level), and nodes most of whose GPUs stand out (whole_node);
     no GPU of a group with such a node is named on its own."""
+    tick, state, slots, read, judged, culprits = (
+        seen.tick,
+        seen.state,
+        seen.slots,
+        seen.read,
+        seen.judged,
+        seen.culprits,
+    )
     findings, standout, idle_groups, pairs = node_level(tick, state, halted)
     idle_groups |= set(slots.gid[(judged.by_baseline | judged.by_cross_section) & judged.idle[1]].tolist())
     named = culprits.named
