@@ -1,8 +1,8 @@
 """A reopening slowloris against a daemon on 127.0.0.1, and new-client probes measured while it runs.
 
 Each of the attack's connections sends one byte of a request that never ends (a head, or a body after a
-whole head) every `pace_seconds`, and is reopened as soon as the daemon closes it: the attack of issue 49
-scaled so that it runs in seconds (a daemon under test is told a short head deadline). The pacing of the
+whole head) every `pace_seconds`, and is reopened as soon as the daemon closes it, scaled so that it runs
+in seconds (a daemon under test is told a short head deadline). The pacing of the
 attacker's bytes is the attack itself; the loop is bounded in rounds and stops by itself.
 """
 
