@@ -18,3 +18,14 @@ def serving(handler: type[BaseHTTPRequestHandler], port: int = 0) -> Iterator[in
     finally:
         server.shutdown()
         server.server_close()
+
+
+def answer_json(handler: BaseHTTPRequestHandler, body: bytes, headers: dict[str, str] | None = None) -> None:
+    """A 200 with a JSON body, as an agent answers /snapshots."""
+    handler.send_response(200)
+    handler.send_header("content-type", "application/json")
+    handler.send_header("content-length", str(len(body)))
+    for name, value in (headers or {}).items():
+        handler.send_header(name, value)
+    handler.end_headers()
+    handler.wfile.write(body)

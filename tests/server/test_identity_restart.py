@@ -19,7 +19,7 @@ import pytest
 from gpufleet.server.serve import build_runtime
 from gpufleet.server.settings import ServerSettings
 from tests.agent.running import server_process
-from tests.loopback import serving
+from tests.loopback import answer_json, serving
 from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
 
 REAL, IMPOSTOR = "10.0.0.1:9471", "10.0.0.9:9471"
@@ -167,11 +167,7 @@ class _Agent(BaseHTTPRequestHandler):
         for gpu in snap["gpus"]:
             gpu["uuid"] = f"GPU-{self.gpu_tag}-{gpu['index']}"
         body = orjson.dumps({**envelope("dgx-01", [snap]), "time": time.time()})
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        answer_json(self, body)
 
     def log_message(self, *_: object) -> None:
         pass

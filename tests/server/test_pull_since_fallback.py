@@ -15,7 +15,7 @@ import orjson
 
 from gpufleet.server.ingest.puller import Puller
 from gpufleet.server.ingest.targets import StaticTargets
-from tests.loopback import serving
+from tests.loopback import answer_json, serving
 from tests.server.live_fakes import envelope, parse_dict, snapshot
 
 NEWEST = 1_763_800_000.0  # the agent's newest snapshot, one a second before it (600 s of ring)
@@ -33,11 +33,7 @@ class _SinceOnlyAgent(BaseHTTPRequestHandler):
         since = float(query["since"][0]) if "since" in query else float("-inf")
         ring = [snapshot("dgx-01", NEWEST - age) for age in range(599, -1, -1)]
         body = orjson.dumps({**envelope("dgx-01", [s for s in ring if s["time"] > since]), "time": NEWEST + 0.5})
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        answer_json(self, body)
 
     def date_time_string(self, timestamp: float | None = None) -> str:
         """Its Date header, in its own clock (as a real agent's is)."""

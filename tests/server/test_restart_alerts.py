@@ -4,11 +4,10 @@ ingest side's node_unreachable (a target down, or answering with nothing usable)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
+from http.server import BaseHTTPRequestHandler
+from typing import Callable
 
 import httpx
 import orjson
@@ -18,6 +17,7 @@ from gpufleet.server.alerts import AlertState
 from gpufleet.server.serve import build_runtime
 from gpufleet.server.settings import ServerSettings
 from tests.agent.running import server_process
+from tests.loopback import answer_json, serving
 from tests.server.live_fakes import StubEngine, envelope, parse_dict, snapshot
 
 HOSTS = {"10.0.0.1": "dgx-01", "10.0.0.2": "dgx-02", "10.0.0.3": "dgx-03"}
@@ -108,26 +108,10 @@ class _BrokenAgent(BaseHTTPRequestHandler):
         import time
 
         body = orjson.dumps(envelope("dgx-03", [{"schema": 1, "node": "dgx-03", "time": time.time()}]))
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        answer_json(self, body)
 
     def log_message(self, *_: object) -> None:
         pass
-
-
-@contextlib.contextmanager
-def _broken_agent() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _BrokenAgent)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _closed_port() -> int:
@@ -154,7 +138,7 @@ def test_a_real_server_restarted_keeps_its_ingest_alerts_and_resolves_none(tmp_p
     """Real `serve` processes on one store: a target down and a target whose every snapshot is rejected each
     raise node_unreachable; killed (or stopped) and started again, the server carries both on under the
     same id and start, through its stale-after, with no resolve in between."""
-    with _broken_agent() as port:
+    with serving(_BrokenAgent) as port:
         flags = (
             "--targets",
             f"127.0.0.1:{port},127.0.0.1:{_closed_port()}",
