@@ -42,6 +42,15 @@ CALL_COST_US: Mapping[str, float] = MappingProxyType(
         "nvmlDeviceGetClockInfo": 10.5,
         "nvmlDeviceGetEnforcedPowerLimit": 9.1,
         "nvmlDeviceGetPowerUsage": 1.0,
+        # MIG, per GPU and per GPU instance. MigMode: measured on one H200, driver 580
+        # (h200-driver-580/newcalls.txt). The rest are estimates, not measured: the instance's GPM
+        # sample as the whole GPU's, the handle and id lookups as the profile's cheap identity calls.
+        "nvmlDeviceGetMigMode": 158.1,
+        "nvmlGpmMigSampleGet": 236.9,
+        "nvmlDeviceGetMaxMigDeviceCount": 10.0,
+        "nvmlDeviceGetMigDeviceHandleByIndex": 10.0,
+        "nvmlDeviceGetGpuInstanceId": 3.0,
+        "nvmlDeviceGetComputeInstanceId": 3.0,
     }
 )
 # Field id name -> thread CPU microseconds when asked alone (fieldprof.txt).
