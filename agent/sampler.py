@@ -20,6 +20,7 @@ from gpufleet.agent.exposition import FamiliesFn
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot
 from gpufleet.agent.nvml_reader import NvmlUnavailable
+from gpufleet.agent.processes import ComputeProcess, ProcessTable
 from gpufleet.agent.record import Recorder
 from gpufleet.agent.render_on_demand import RenderOnDemand
 from gpufleet.agent.store import Publication, SnapshotStore
@@ -76,8 +77,10 @@ class Sampler:
         backoff_max: float = 60.0,
         version: str = __version__,
         families: FamiliesFn | None = None,
+        processes: ProcessTable | None = None,
     ) -> None:
         self._reader = reader
+        self._processes = processes  # per-process memory in the samples; None: off
         self._store = store
         self._node = node
         self._interval = interval
@@ -154,19 +157,14 @@ class Sampler:
         )
 
     def _attribute(self, gpus: tuple[GpuSample, ...]) -> tuple[GpuSample, ...]:
-        attributor = self._attributor
+        attributor, table = self._attributor, self._processes
         if attributor is None:
-            return tuple(gpus)
+            return tuple(gpus) if table is None else table.attach(tuple(gpus), self._list_processes(gpus))
+        # One process list per GPU, shared by attribution and the per-process memory.
+        listed = self._list_processes(gpus) if table is not None or not attributor.uses_mapping_dir else {}
         out = []
         for gpu in gpus:
-            pids: tuple[int, ...] = ()
-            if gpu.up and not attributor.uses_mapping_dir:
-                try:
-                    pids = self._reader.compute_pids(gpu.index)
-                except NvmlUnavailable:
-                    raise
-                except Exception as exc:
-                    self._errors[("compute_processes", type(exc).__name__)] += 1
+            pids = () if attributor.uses_mapping_dir else tuple(p.pid for p in listed.get(gpu.index, ()))
             job = attributor.job_for(gpu.index, gpu.uuid, pids)
             pod = attributor.pod_for(pids)
             namespace, name = (pod.namespace, pod.name) if pod is not None else (None, None)
@@ -174,7 +172,25 @@ class Sampler:
                 gpu = dataclasses.replace(gpu, hpc_job=job, kubernetes_namespace=namespace, kubernetes_pod=name)
             out.append(gpu)
         attributor.end_cycle()
-        return tuple(out)
+        return tuple(out) if table is None else table.attach(tuple(out), listed)
+
+    def _list_processes(self, gpus: tuple[GpuSample, ...]) -> dict[int, tuple[ComputeProcess, ...]]:
+        """Each GPU's compute processes; a reader without their memory (tests' stand-ins) gives pids alone."""
+        listed: dict[int, tuple[ComputeProcess, ...]] = {}
+        with_memory = getattr(self._reader, "compute_processes", None)
+        for gpu in gpus:
+            if not gpu.up:
+                continue
+            try:
+                if with_memory is not None:
+                    listed[gpu.index] = with_memory(gpu.index)
+                else:
+                    listed[gpu.index] = tuple(ComputeProcess(pid) for pid in self._reader.compute_pids(gpu.index))
+            except NvmlUnavailable:
+                raise
+            except Exception as exc:
+                self._errors[("compute_processes", type(exc).__name__)] += 1
+        return listed
 
     def _log_failure(self, message: str, exc: Exception) -> None:
         """With traceback, but once a minute per kind: a bug that repeats every cycle must not flood."""

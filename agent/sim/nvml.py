@@ -206,7 +206,7 @@ class SimNvml(ToolCalls):
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
     def materialize_procfs(self, root: Path) -> tuple[int, ...]:
-        """Write <root>/<pid>/environ and cgroup (and a pod's resolv.conf and service account namespace
+        """Write <root>/<pid>/environ, cgroup and comm (and a pod's resolv.conf and service account namespace
         under root/) for every compute process this node's GPUs can report."""
         root = Path(root)
         written = []
@@ -221,6 +221,7 @@ class SimNvml(ToolCalls):
                 env, cgroup, resolv = process(job, node, gpu, rank)
                 (proc / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
                 (proc / "cgroup").write_text(cgroup)
+                (proc / "comm").write_text("python3\n")  # what the kernel shows of a training script
                 if resolv is not None:
                     (proc / "root" / "etc").mkdir(parents=True, exist_ok=True)
                     (proc / "root" / "etc" / "resolv.conf").write_text(resolv)
