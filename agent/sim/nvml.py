@@ -524,8 +524,10 @@ class SimNvml(ToolCalls):
         info.gpuInstanceId = _NOT_AVAILABLE
         info.computeInstanceId = _NOT_AVAILABLE
         if self._mig.get(index):  # in MIG mode a process runs in one instance: the job's in the first
-            info.gpuInstanceId = self._mig[index][0].gpu_instance_id
-            info.computeInstanceId = self._mig[index][0].compute_instance_id
+            first = self._mig[index][0]
+            info.gpuInstanceId, info.computeInstanceId = first.gpu_instance_id, first.compute_instance_id
+            slices = sum(i.profile.memory_slices for i in self._mig[index])
+            info.usedGpuMemory = first.memory_used_bytes(state.memory_used_bytes, slices)
         return [pynvml.nvmlStructToFriendlyObject(info)]
 
     # --- GPM -----------------------------------------------------------------------------------------
