@@ -48,8 +48,8 @@ class MigGpu:
 
     def discover(self) -> None:
         """Read the mode; in MIG mode list the instances anew (ids, profile, UUID), else forget them."""
-        if not self._supported.get(MIG_MODE, True):
-            return
+        if not self._supported.get(MIG_MODE, True) or not _has_mig_calls(self._nvml):
+            return  # a pynvml older than MIG (or a stand-in without it): no MIG, as on a board without it
         mode = self._call((MIG_MODE,), self._nvml.nvmlDeviceGetMigMode, self._handle)
         if mode is None:
             return  # unsupported now, or a transient failure: what was known stays
@@ -165,6 +165,19 @@ class _InstanceGpm:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._nvml, name)
+
+
+def _has_mig_calls(nvml: Any) -> bool:
+    return all(getattr(nvml, name, None) is not None for name in _MIG_CALLS)
+
+
+_MIG_CALLS = (
+    "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetMaxMigDeviceCount",
+    "nvmlDeviceGetMigDeviceHandleByIndex",
+    "nvmlDeviceGetGpuInstanceId",
+    "nvmlDeviceGetComputeInstanceId",
+)
 
 
 def _handle_at(nvml: Any, parent: Any, index: int) -> Any:
