@@ -620,11 +620,11 @@ class SimNvml(ToolCalls):
         address = next(a for a, i in self._mig_handles.items() if i is self._mig[gpu][index])
         return ctypes.cast(ctypes.c_void_p(address), pynvml.c_nvmlDevice_t)
 
-    def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> bool:
+    def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> int:
         if self._mig_device(device) is not None:
-            return True
+            return 1
         self._device(device)
-        return False
+        return 0
 
     def _mig_only(self, device: Any) -> SimInstance:
         instance = self._mig_device(device)

@@ -134,7 +134,8 @@ def test_profile_from_a_mig_device_name():
 def sampled(scenario: str = "mig", cycles: int = 2, nvml: Any = None) -> tuple[Any, Sampler, NvmlReader]:
     clock = FakeClock()
     nvml = nvml or sim(scenario, clock)
-    reader = NvmlReader(nvml, clock=clock.time)
+    # A whole core's budget: every read every cycle, whatever the reads cost on this machine.
+    reader = NvmlReader(nvml, clock=clock.time, cpu_budget=1.0)
     sampler = Sampler(reader, SnapshotStore(), node=load_scenario(scenario).nodes[0], clock=clock.time)
     snap = None
     for _ in range(cycles):
