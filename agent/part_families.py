@@ -7,7 +7,7 @@ show) are left out of its series, as an absent label is in Prometheus.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from gpufleet.agent.gpm import GPM_READINGS
 from gpufleet.agent.model import GpuSample
@@ -16,7 +16,7 @@ from gpufleet.agent.sample_parts import MigInstance
 Row = tuple[tuple[str, ...], tuple[str, ...], float]
 # (family name, kind, help, rows)
 FamilyRows = tuple[str, str, str, list[Row]]
-Ids = dict[int, tuple[str, ...]]
+Ids = Mapping[int, tuple[str, ...]]
 
 _MIG_MEMORY = (
     ("memory_used_bytes", "gpufleet_mig_memory_used_bytes", "Memory used in the MIG GPU instance (NVML used)."),
@@ -57,7 +57,7 @@ def _instance_labels(i: MigInstance) -> tuple[tuple[str, ...], tuple[str, ...]]:
         ("mig_uuid", i.uuid),
     )
     present = [(k, v) for k, v in pairs if v]
-    return tuple(k for k, _ in present), tuple(v for _, v in present)  # type: ignore[misc]
+    return tuple(k for k, _ in present), tuple(v for _, v in present if v)
 
 
 def process_family(gpus: tuple[GpuSample, ...], ids: Ids, gpu_labels: tuple[str, ...]) -> FamilyRows:
@@ -75,7 +75,7 @@ def process_family(gpus: tuple[GpuSample, ...], ids: Ids, gpu_labels: tuple[str,
             )
             present = [(k, v) for k, v in pairs if v]
             names = gpu_labels + tuple(k for k, _ in present)
-            rows.append((names, ids[g.index] + tuple(v for _, v in present), float(p.memory_used_bytes)))  # type: ignore[misc]
+            rows.append((names, ids[g.index] + tuple(v for _, v in present if v), float(p.memory_used_bytes)))
     help_text = (
         "GPU memory a compute process uses, for the processes with most memory on each GPU "
         "(--metrics.processes-per-gpu, --metrics.processes-max); process: its name in procfs."
@@ -92,8 +92,6 @@ def dcgm_instance_rows(
         value = i.value(reading)
         if value is None:
             continue
-        extra_names, extra_values = ("GPU_I_ID",), (str(i.gpu_instance_id),)
-        if i.profile:
-            extra_names, extra_values = extra_names + ("GPU_I_PROFILE",), extra_values + (i.profile,)
-        rows.append((names + extra_names, values + extra_values, value * scale))
+        extra = (("GPU_I_ID", str(i.gpu_instance_id)),) + ((("GPU_I_PROFILE", i.profile),) if i.profile else ())
+        rows.append((names + tuple(k for k, _ in extra), values + tuple(v for _, v in extra), value * scale))
     return rows

@@ -43,7 +43,7 @@ def profiles(model: GpuModel) -> dict[str, MigProfile]:
     """The profiles `model` offers, by name."""
     gib = model.memory_total_bytes / 1024**3
     unit = round(gib / MEMORY_SLICES / 5) * 5 or 5  # 80 GB boards: 10 GB a slice; 40 GB boards: 5
-    out = {}
+    out: dict[str, MigProfile] = {}
     for key, memory in _MEMORY_SLICES.items():
         compute = int(key[0])
         name = f"{compute}g.{unit * memory}gb"
