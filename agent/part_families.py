@@ -1,6 +1,6 @@
 """The metric rows of a GPU's MIG instances and compute processes, for agent.exposition and agent.dcgm_names.
 
-Rows only (label names, label values, value): the exposition modules wrap them in their families, so this
+Imports no NVML binding (the exposition runs where nvidia-ml-py is missing, to say so). Rows only (label names, label values, value): the exposition modules wrap them in their families, so this
 module imports neither. Labels a part lacks (a profile the driver did not name, a process procfs does not
 show) are left out of its series, as an absent label is in Prometheus.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Iterator, Mapping
 
-from gpufleet.agent.gpm import GPM_READINGS
 from gpufleet.agent.model import GpuSample
+from gpufleet.agent.readings import READINGS, GpmMetric
 from gpufleet.agent.sample_parts import MigInstance
 
 Row = tuple[tuple[str, ...], tuple[str, ...], float]
@@ -24,7 +24,7 @@ _MIG_MEMORY = (
 )
 _MIG_ACTIVITY = tuple(
     (r, f"gpufleet_mig_{r}", f"GPM {r.removesuffix('_ratio').replace('_', ' ')} of the MIG GPU instance, 0-1.")
-    for r in GPM_READINGS
+    for r in (r.name for r in READINGS if isinstance(r.source, GpmMetric))
 )
 MIG_FAMILIES = tuple(name for _, name, _ in _MIG_MEMORY + _MIG_ACTIVITY)
 
