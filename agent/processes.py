@@ -8,13 +8,11 @@ the `per_gpu` processes with most memory on each GPU, then the `per_node` with m
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
 from gpufleet.agent.attribution import read_regular
-from gpufleet.agent.model import GpuSample
 from gpufleet.agent.sample_parts import GpuProcess
 
 DEFAULT_PER_GPU = 4
@@ -60,34 +58,28 @@ class ProcessTable:
         self._per_node = per_node
         self._names: dict[int, str | None] = {}
 
-    def attach(
-        self, gpus: tuple[GpuSample, ...], listed: Mapping[int, tuple[ComputeProcess, ...]]
-    ) -> tuple[GpuSample, ...]:
-        """The samples with their chosen processes (each labelled with its GPU's job); names of pids no
-        GPU lists any more are forgotten, as their ids may be reused."""
-        chosen = self._choose(gpus, listed)
-        self._names = {pid: name for pid, name in self._names.items() if any(p.pid == pid for _, p in chosen)}
+    def choose(
+        self, listed: Mapping[int, tuple[ComputeProcess, ...]], jobs: Mapping[int, str | None]
+    ) -> dict[int, tuple[GpuProcess, ...]]:
+        """GPU index -> the processes its sample carries, each labelled with the GPU's job (`jobs`); names of
+        pids no GPU lists any more are forgotten, as their ids may be reused."""
+        chosen = self._choose(listed)
+        live = {p.pid for _, p in chosen}
+        self._names = {pid: name for pid, name in self._names.items() if pid in live}
         by_gpu: dict[int, list[GpuProcess]] = {}
-        jobs = {g.index: g.hpc_job for g in gpus}
         for index, p in chosen:
             process = GpuProcess(
                 p.pid, p.memory_used_bytes, self._name(p.pid), jobs.get(index), p.gpu_instance_id, p.compute_instance_id
             )
             by_gpu.setdefault(index, []).append(process)
-        out = []
-        for g in gpus:
-            processes = tuple(by_gpu.get(g.index, ()))
-            out.append(dataclasses.replace(g, processes=processes) if processes or g.processes else g)
-        return tuple(out)
+        return {index: tuple(processes) for index, processes in by_gpu.items()}
 
-    def _choose(
-        self, gpus: Iterable[GpuSample], listed: Mapping[int, tuple[ComputeProcess, ...]]
-    ) -> list[tuple[int, ComputeProcess]]:
+    def _choose(self, listed: Mapping[int, tuple[ComputeProcess, ...]]) -> list[tuple[int, ComputeProcess]]:
         """Top per GPU, then top over the node; by memory (unknown memory last), then pid for a stable order."""
         candidates = []
-        for g in gpus:
-            ranked = sorted(listed.get(g.index, ()), key=_rank)
-            candidates += [(g.index, p) for p in ranked[: self._per_gpu]]
+        for index, processes in listed.items():
+            ranked = sorted(processes, key=_rank)
+            candidates += [(index, p) for p in ranked[: self._per_gpu]]
         kept = sorted(candidates, key=lambda item: _rank(item[1]))[: self._per_node]
         return sorted(kept, key=lambda item: (item[0], _rank(item[1])))
 

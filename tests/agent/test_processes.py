@@ -3,7 +3,6 @@ procfs, one NVML process list per GPU shared with job attribution, and the metri
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from gpufleet.agent.processes import ComputeProcess, ProcessTable, from_nvml, re
 from gpufleet.agent.sampler import Sampler
 from gpufleet.agent.sim import SimNvml, load_scenario
 from gpufleet.agent.store import SnapshotStore
-from tests.agent.fakes import FakeClock, StubReader, gpu
+from tests.agent.fakes import FakeClock, StubReader
 from tests.agent.test_mig import Counting
 
 GIB = 1024**3
@@ -51,22 +50,22 @@ def test_the_largest_processes_per_gpu_then_per_node_are_kept(tmp_path):
         0: (ComputeProcess(10, 1 * GIB), ComputeProcess(11, 9 * GIB), ComputeProcess(12, 5 * GIB)),
         1: (ComputeProcess(20, 2 * GIB), ComputeProcess(21), ComputeProcess(22, 7 * GIB)),
     }
-    out = table.attach((gpu(0, hpc_job="42"), gpu(1)), listed)
+    out = table.choose(listed, {0: "42", 1: None})
     # Per GPU: 11 and 12 on GPU 0, 22 and 20 on GPU 1 (unknown memory last); over the node: the three largest.
-    assert [p.pid for p in out[0].processes] == [11, 12]
-    assert [p.pid for p in out[1].processes] == [22]
-    assert [p.job for p in out[0].processes] == ["42", "42"] and out[1].processes[0].job is None
+    assert [p.pid for p in out[0]] == [11, 12]
+    assert [p.pid for p in out[1]] == [22]
+    assert [p.job for p in out[0]] == ["42", "42"] and out[1][0].job is None
 
 
 def test_processes_are_named_from_comm_once_and_forgotten_when_gone(tmp_path):
     root = procfs(tmp_path, {10: "python3"})
     table = ProcessTable(root)
-    first = table.attach((gpu(0),), {0: (ComputeProcess(10, GIB), ComputeProcess(11, GIB))})
-    assert [(p.pid, p.name) for p in first[0].processes] == [(10, "python3"), (11, None)]
+    first = table.choose({0: (ComputeProcess(10, GIB), ComputeProcess(11, GIB))}, {})
+    assert [(p.pid, p.name) for p in first[0]] == [(10, "python3"), (11, None)]
     procfs(tmp_path, {10: "renamed"})
-    assert table.attach((gpu(0),), {0: (ComputeProcess(10, GIB),)})[0].processes[0].name == "python3"
-    table.attach((gpu(0),), {0: ()})  # pid 10 ended; a new process may take its id
-    assert table.attach((gpu(0),), {0: (ComputeProcess(10, GIB),)})[0].processes[0].name == "renamed"
+    assert table.choose({0: (ComputeProcess(10, GIB),)}, {})[0][0].name == "python3"
+    assert table.choose({0: ()}, {}) == {}  # pid 10 ended; a new process may take its id
+    assert table.choose({0: (ComputeProcess(10, GIB),)}, {})[0][0].name == "renamed"
 
 
 def test_comm_that_is_not_a_regular_file_is_no_name(tmp_path):
@@ -145,7 +144,6 @@ def test_the_flags_bound_or_turn_off_the_processes(capsys):
 def test_the_node_cap_counts_processes_over_all_gpus():
     table = ProcessTable(per_gpu=4, per_node=5)
     listed = {i: tuple(ComputeProcess(100 * i + k, (i + k) * GIB) for k in range(4)) for i in range(3)}
-    out = table.attach(tuple(gpu(i) for i in range(3)), listed)
-    kept = Counter({g.index: len(g.processes) for g in out})
-    assert sum(kept.values()) == 5
-    assert min(p.memory_used_bytes for g in out for p in g.processes) >= 3 * GIB
+    out = table.choose(listed, {})
+    assert sum(len(processes) for processes in out.values()) == 5
+    assert min(p.memory_used_bytes for processes in out.values() for p in processes) >= 3 * GIB
