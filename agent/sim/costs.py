@@ -42,15 +42,16 @@ CALL_COST_US: Mapping[str, float] = MappingProxyType(
         "nvmlDeviceGetClockInfo": 10.5,
         "nvmlDeviceGetEnforcedPowerLimit": 9.1,
         "nvmlDeviceGetPowerUsage": 1.0,
-        # MIG, per GPU and per GPU instance. MigMode: measured on one H200, driver 580
-        # (h200-driver-580/newcalls.txt). The rest are estimates, not measured: the instance's GPM
-        # sample as the whole GPU's, the handle and id lookups as the profile's cheap identity calls.
+        # MIG, per GPU and per GPU instance: one H200, driver 580, MIG off (MigMode from
+        # h200-driver-580/newcalls.txt; the rest tests/fixtures/h200-driver-580/migcalls.txt, where with
+        # MIG off the handle lookup answered NotFound and the id and GPM calls InvalidArgument: the cost
+        # of those answers stands for the cost of a real one, which no MIG board here has measured).
         "nvmlDeviceGetMigMode": 158.1,
-        "nvmlGpmMigSampleGet": 236.9,
-        "nvmlDeviceGetMaxMigDeviceCount": 10.0,
-        "nvmlDeviceGetMigDeviceHandleByIndex": 10.0,
-        "nvmlDeviceGetGpuInstanceId": 3.0,
-        "nvmlDeviceGetComputeInstanceId": 3.0,
+        "nvmlDeviceGetMaxMigDeviceCount": 155.0,
+        "nvmlGpmMigSampleGet": 320.0,
+        "nvmlDeviceGetMigDeviceHandleByIndex": 13.0,
+        "nvmlDeviceGetGpuInstanceId": 3.5,
+        "nvmlDeviceGetComputeInstanceId": 3.5,
     }
 )
 # Field id name -> thread CPU microseconds when asked alone (fieldprof.txt).

@@ -585,9 +585,10 @@ class SimNvml(ToolCalls):
         return metricsGet
 
     # --- MIG ------------------------------------------------------------------------------------------
-    # As NVML answers: NotSupported on a board without MIG, a max count of 0 while MIG is off, NotFound for
-    # an index with no instance, InvalidArgument beyond the max; instance ids asked of a whole GPU's handle
-    # are NotSupported.
+    # As NVML answers (an H200 on driver 580 with MIG off: tests/fixtures/h200-driver-580/migcalls.txt):
+    # NotSupported on a board without MIG, a max count of 0 while MIG is off, NotFound for an index with no
+    # instance (every index while MIG is off), InvalidArgument beyond the max; instance ids asked of a
+    # whole GPU's handle and an instance GPM sample of a GPU not in MIG mode are InvalidArgument.
 
     def _mig_device(self, handle: Any) -> SimInstance | None:
         """The GPU instance a MIG device handle stands for (its parent checked as any device); else None."""
@@ -613,9 +614,9 @@ class SimNvml(ToolCalls):
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
         gpu = self._mig_capable(device)
-        if gpu not in self._mig or not isinstance(index, int) or not 0 <= index < MAX_MIG_DEVICES:
+        if not isinstance(index, int) or not 0 <= index < MAX_MIG_DEVICES:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if index >= len(self._mig[gpu]):
+        if index >= len(self._mig.get(gpu, ())):
             raise _error(pynvml.NVML_ERROR_NOT_FOUND)
         address = next(a for a, i in self._mig_handles.items() if i is self._mig[gpu][index])
         return ctypes.cast(ctypes.c_void_p(address), pynvml.c_nvmlDevice_t)
@@ -630,7 +631,7 @@ class SimNvml(ToolCalls):
         instance = self._mig_device(device)
         if instance is None:
             self._device(device)
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return instance
 
     def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:
@@ -655,9 +656,9 @@ class SimNvml(ToolCalls):
 
     def nvmlGpmMigSampleGet(self, device: Any, gpuInstanceId: int, gpmSample: Any) -> Any:
         index, t = self._device(device)
-        if not self._model.gpm_supported or index not in self._mig:
+        if not self._model.gpm_supported:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        instance = next((i for i in self._mig[index] if i.gpu_instance_id == gpuInstanceId), None)
+        instance = next((i for i in self._mig.get(index, ()) if i.gpu_instance_id == gpuInstanceId), None)
         sample = self._gpm.get(_address(gpmSample) or -1)
         if instance is None or sample is None:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)

@@ -4,6 +4,7 @@ expositions turn a node with GPUs in MIG mode into per-instance series and snaps
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -21,6 +22,7 @@ from gpufleet.agent.store import SnapshotStore
 from tests.agent.fakes import FakeClock
 
 NODE = "mig-01"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def sim(scenario: str = "mig", clock: FakeClock | None = None) -> SimNvml:
@@ -66,11 +68,10 @@ def test_the_simulator_answers_mig_calls_with_nvmls_values_and_errors():
     assert nvml.nvmlDeviceGetMigMode(whole) == [pynvml.NVML_DEVICE_MIG_DISABLE] * 2
     assert nvml.nvmlDeviceGetMaxMigDeviceCount(split) == 7
     assert nvml.nvmlDeviceGetMaxMigDeviceCount(whole) == 0
-    # An index with no instance is NotFound; beyond the maximum, or with MIG off, InvalidArgument.
+    # An index with no instance (any, with MIG off) is NotFound; beyond the maximum, InvalidArgument.
     assert code(nvml.nvmlDeviceGetMigDeviceHandleByIndex, split, 3) == pynvml.NVML_ERROR_NOT_FOUND
     assert code(nvml.nvmlDeviceGetMigDeviceHandleByIndex, split, 7) == pynvml.NVML_ERROR_INVALID_ARGUMENT
-    assert code(nvml.nvmlDeviceGetMigDeviceHandleByIndex, whole, 0) == pynvml.NVML_ERROR_INVALID_ARGUMENT
-    assert code(nvml.nvmlDeviceGetGpuInstanceId, whole) == pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert code(nvml.nvmlDeviceGetMigDeviceHandleByIndex, whole, 0) == pynvml.NVML_ERROR_NOT_FOUND
     handles = [nvml.nvmlDeviceGetMigDeviceHandleByIndex(split, i) for i in range(3)]
     assert [nvml.nvmlDeviceGetGpuInstanceId(h) for h in handles] == [1, 3, 4]
     assert [nvml.nvmlDeviceGetComputeInstanceId(h) for h in handles] == [0, 0, 0]
@@ -82,6 +83,37 @@ def test_the_simulator_answers_mig_calls_with_nvmls_values_and_errors():
     assert sum(m.total for m in memory) <= parent.total - parent.reserved
     assert 0 < sum(m.used for m in memory) <= parent.used
     assert memory[0].total == 2 * memory[1].total  # 4 memory slices against 2
+
+
+def real_answers() -> dict[str, str]:
+    """What a real H200 (driver 580, MIG off) answered each MIG call, last answer per call."""
+    out = {}
+    for line in (FIXTURES / "h200-driver-580" / "migcalls.txt").read_text().splitlines()[1:]:
+        name, _, _, answer = line.split(None, 3)
+        out[name] = answer
+    return out
+
+
+def test_the_simulator_answers_as_a_real_gpu_with_mig_off():
+    nvml = sim("hgx-h100")
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    sample = nvml.nvmlGpmSampleAlloc()
+
+    def answer(name: str, *args: Any) -> str:
+        try:
+            return repr(getattr(nvml, name)(handle, *args))
+        except pynvml.NVMLError as exc:
+            return f"ERR {exc.value} {exc}"
+
+    real = real_answers()
+    assert answer("nvmlDeviceGetMigMode") == real["nvmlDeviceGetMigMode"] == "[0, 0]"
+    assert answer("nvmlDeviceGetMaxMigDeviceCount") == real["nvmlDeviceGetMaxMigDeviceCount"] == "0"
+    assert answer("nvmlDeviceGetMigDeviceHandleByIndex", 0) == real["nvmlDeviceGetMigDeviceHandleByIndex"]
+    assert answer("nvmlDeviceGetGpuInstanceId") == real["nvmlDeviceGetGpuInstanceId"]
+    assert answer("nvmlDeviceGetComputeInstanceId") == real["nvmlDeviceGetComputeInstanceId"]
+    assert answer("nvmlGpmMigSampleGet", 0, sample) == real["nvmlGpmMigSampleGet"]
+    assert answer("nvmlDeviceIsMigDeviceHandle") == "0" and real["nvmlDeviceIsMigDeviceHandle"] == "c_uint(0)"
 
 
 def test_a_board_without_mig_says_not_supported():
