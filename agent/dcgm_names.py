@@ -24,6 +24,7 @@ from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
 from gpufleet.agent.exposition import Family, agent_families
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot
+from gpufleet.agent.part_families import dcgm_instance_rows
 
 DEFAULT_COUNTERS_FILE = "dcgm-counters.csv"
 KINDS = ("gauge", "counter", "label")
@@ -232,6 +233,8 @@ class DcgmFamilies:
                     value = _value(g, field)
                     if value is not None:
                         fam.rows.append((names, values, value))
+                    if g.mig_instances:  # dcgm-exporter's per-instance series: FB_* and PROF_* fields
+                        fam.rows += dcgm_instance_rows(g, names, values, field.reading, field.scale)  # type: ignore[arg-type]
                 if fam.rows:
                     out.append(fam)
         return out

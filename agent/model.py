@@ -31,6 +31,7 @@ from gpufleet.agent.reading_row import (
     Rule,
     reading,
 )
+from gpufleet.agent.sample_parts import GpuProcess, MigInstance
 from gpufleet.reasons import CLOCK_CUT_REASONS, THERMAL_REASONS, ThrottleReason  # noqa: F401 - re-exported
 
 SCHEMA_VERSION = 1
@@ -219,6 +220,12 @@ class GpuSample:
     # too, remapped_rows_correctable for all four remapped_rows_*); agent.tiers. A reading whose unit is
     # not named here was read in this cycle.
     slow_readings_age_seconds: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    # MIG (agent.mig): True while the GPU is in MIG mode, False where it could be and is not, None where the
+    # board or driver has no MIG; then its GPU instances, each with its own memory and GPM activity.
+    mig_enabled: bool | None = None
+    mig_instances: tuple[MigInstance, ...] = ()
+    # Its compute processes with the most memory, bounded per GPU and per node (agent.processes).
+    processes: tuple[GpuProcess, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The GPU's object in the snapshot contract."""
@@ -229,6 +236,8 @@ class GpuSample:
             out[name] = {str(k): v for k, v in value.items()} if value else {}
         for name in _TUPLE_FIELDS:
             out[name] = list(getattr(self, name))
+        for name in _PART_FIELDS:
+            out[name] = [part.to_dict() for part in getattr(self, name)]
         return out
 
 
@@ -237,6 +246,7 @@ class GpuSample:
 _MAPPING_FIELDS = tuple(n for n, t in GpuSample.__annotations__.items() if str(t).startswith("Mapping["))
 _TUPLE_FIELDS = tuple(n for n, t in GpuSample.__annotations__.items() if str(t).startswith("tuple["))
 _FIELDS = tuple(GpuSample.__annotations__)
+_PART_FIELDS = ("mig_instances", "processes")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
 from gpufleet.agent.gpm import GPM_READINGS, GpmSampler
+from gpufleet.agent.mig import MIG_MODE, MIG_UNIT, REDISCOVER_SECONDS, MigGpu
 from gpufleet.agent.model import GpuSample
 from gpufleet.agent.nvml_calls import IDENTITY, POLLED, STATIC, cuda_version_text, text
 from gpufleet.agent.nvml_errors import (
@@ -33,6 +34,7 @@ from gpufleet.agent.nvml_errors import (
 from gpufleet.agent.nvml_fields import THROTTLE_READINGS, FieldBatch, FieldEntry, batch_entries, fetch, read_link_count
 from gpufleet.agent.nvml_meter import MeteredNvml
 from gpufleet.agent.nvml_values import INVALID, CounterTracker, base_name, convert
+from gpufleet.agent.processes import ComputeProcess, from_nvml
 from gpufleet.agent.readings import READINGS, PerLinkField
 from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET, EVERY_CYCLE, FAST_READINGS, INTEGRATED, Plan, Unit, due, fit
 from gpufleet.agent.xid import XID_READING, XidStore, XidWatcher
@@ -66,6 +68,7 @@ class _Gpu:
     supported: dict[str, bool] = field(default_factory=dict)
     fields: FieldBatch = field(default_factory=lambda: FieldBatch(()))
     gpm: GpmSampler | None = None
+    mig: MigGpu | None = None
     link_count: int | None = None
     # Read unit key -> thread CPU seconds one read took while probing.
     costs: dict[str, float] = field(default_factory=dict)
@@ -211,12 +214,16 @@ class NvmlReader:
 
     def compute_pids(self, index: int) -> tuple[int, ...]:
         """PIDs of the compute processes on GPU `index`; () on any error."""
+        return tuple(p.pid for p in self.compute_processes(index))
+
+    def compute_processes(self, index: int) -> tuple[ComputeProcess, ...]:
+        """The compute processes on GPU `index` with their memory (one NVML call); () on any error."""
         gpu = next((g for g in self._gpus if g.index == index), None)
         if gpu is None or not gpu.up or not self._is_open:
             return ()
         try:
             processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(gpu.handle)
-            return tuple(int(p.pid) for p in processes)
+            return tuple(from_nvml(p) for p in processes)
         except Exception as exc:  # noqa: BLE001 - attribution is best effort
             name = error_name(error_code(exc))
             self._errors.add("compute_processes", name)
@@ -280,6 +287,7 @@ class NvmlReader:
         self._probe_static(gpu)
         self._probe_fields(gpu)
         self._probe_gpm(gpu)
+        self._probe_mig(gpu)
         for call in POLLED:
             gpu.supported.update(dict.fromkeys(call.readings, True))
         # A dry poll: learns which per-poll calls answer NotSupported, what each costs, and the values a
@@ -349,6 +357,34 @@ class NvmlReader:
             gpu.gpm.touch()
             gpu.costs[_GPM_UNIT] = (time.thread_time_ns() - started) / 1e9
 
+    def _probe_mig(self, gpu: _Gpu) -> None:
+        """The GPU's MIG mode and instances, and what reading the instances costs (a read unit of the tiers)."""
+        if not gpu.up:
+            return
+        gpu.supported[MIG_MODE] = True
+        gpu.mig = MigGpu(self._nvml, gpu.handle, self._mig_call(gpu), gpu.supported, gpm=gpu.gpm is not None)
+        gpu.mig.discover()
+        if gpu.mig.instances:
+            started = time.thread_time_ns()
+            gpu.mig.read()
+            gpu.costs[MIG_UNIT] = (time.thread_time_ns() - started) / 1e9
+
+    def _mig_call(self, gpu: _Gpu) -> Callable[..., Any]:
+        def call(readings: tuple[str, ...], fn: Callable[..., Any], *args: Any) -> Any:
+            result = self._guard(gpu, readings, fn, *args)
+            return None if result is _MISSING else result
+
+        return call
+
+    def _poll_mig(self, gpu: _Gpu) -> None:
+        mig = gpu.mig
+        if mig is None or not gpu.up:
+            return
+        if due(max(1, round(REDISCOVER_SECONDS / self._interval)), self._cycle, gpu.index):
+            mig.discover()
+        if mig.instances and self._due(gpu, MIG_UNIT):
+            mig.read()
+
     def _fit_tiers(self) -> Plan:
         """Every read unit with its cost summed over the GPUs that answer, fitted to the budget."""
         costs: dict[str, float] = {}
@@ -407,6 +443,7 @@ class NvmlReader:
         self._poll_calls(gpu, values, asked=asked)
         self._poll_fields(gpu, values, asked)
         self._poll_gpm(gpu, values, asked)
+        self._poll_mig(gpu)
         if not gpu.up:
             return self._down_sample(gpu)
         self._hold(gpu, values, asked, now)
@@ -570,6 +607,8 @@ class NvmlReader:
         for name in _LINK_FIELDS:
             fields[name] = self._links(gpu, name, values)
         fields.update(self._xid_fields(gpu))
+        if gpu.mig is not None:
+            fields.update(mig_enabled=gpu.mig.enabled, mig_instances=gpu.mig.instances)
         resets = self._counters.check(gpu.key, fields)
         if ages:
             fields["slow_readings_age_seconds"] = MappingProxyType(ages)
@@ -659,6 +698,9 @@ class NvmlReader:
             if gpu.gpm is not None:
                 gpu.gpm.free()
                 gpu.gpm = None
+            if gpu.mig is not None:
+                gpu.mig.free()
+                gpu.mig = None
         self._gpus = []
         if self._initialized:
             self._initialized = False

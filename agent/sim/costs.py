@@ -42,6 +42,16 @@ CALL_COST_US: Mapping[str, float] = MappingProxyType(
         "nvmlDeviceGetClockInfo": 10.5,
         "nvmlDeviceGetEnforcedPowerLimit": 9.1,
         "nvmlDeviceGetPowerUsage": 1.0,
+        # MIG, per GPU and per GPU instance: one H200, driver 580, MIG off (MigMode from
+        # h200-driver-580/newcalls.txt; the rest tests/fixtures/h200-driver-580/migcalls.txt, where with
+        # MIG off the handle lookup answered NotFound and the id and GPM calls InvalidArgument: the cost
+        # of those answers stands for the cost of a real one, which no MIG board here has measured).
+        "nvmlDeviceGetMigMode": 158.1,
+        "nvmlDeviceGetMaxMigDeviceCount": 155.0,
+        "nvmlGpmMigSampleGet": 320.0,
+        "nvmlDeviceGetMigDeviceHandleByIndex": 13.0,
+        "nvmlDeviceGetGpuInstanceId": 3.5,
+        "nvmlDeviceGetComputeInstanceId": 3.5,
     }
 )
 # Field id name -> thread CPU microseconds when asked alone (fieldprof.txt).

@@ -20,6 +20,7 @@ import pynvml
 
 from gpufleet.agent.sim import physics as ph
 from gpufleet.agent.sim.hardware import GpuModel
+from gpufleet.agent.sim.mig import MAX_MIG_DEVICES, MIG_CAPABLE, SimInstance, check_layout, instances
 from gpufleet.agent.sim.physics import Timeline, build_world, stable_key
 from gpufleet.agent.sim.scenario import Incident, JobSpec, Scenario
 from gpufleet.agent.sim.tool_calls import ToolCalls
@@ -109,11 +110,12 @@ class _EventSet:
 class _GpmSample:
     """What nvmlGpmSampleGet recorded into one sample buffer."""
 
-    __slots__ = ("gpu", "t")
+    __slots__ = ("gpu", "t", "instance")
 
     def __init__(self) -> None:
         self.gpu: int | None = None
         self.t = 0.0
+        self.instance: SimInstance | None = None  # nvmlGpmMigSampleGet's GPU instance
 
 
 class SimNvml(ToolCalls):
@@ -152,6 +154,12 @@ class SimNvml(ToolCalls):
         self._xids = self._xid_schedule()
         self._pids = self._assign_pids()
         self._uuids = tuple(self._uuid(i) for i in range(count))
+        self._mig = {
+            gpu: instances(node, self._model, gpu, check_layout(self._model, names)) for gpu, names in self._spec.mig
+        }
+        self._mig_handles = {
+            base + 0x1000 * (i.gpu + 1) + 0x10 * (i.position + 1): i for g in self._mig.values() for i in g
+        }
         log.debug(
             "simulated NVML ready",
             extra={"scenario": scenario.name, "node": node, "gpus": count, "epoch": self.epoch, "seed": seed},
@@ -198,7 +206,7 @@ class SimNvml(ToolCalls):
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
     def materialize_procfs(self, root: Path) -> tuple[int, ...]:
-        """Write <root>/<pid>/environ and cgroup (and a pod's resolv.conf and service account namespace
+        """Write <root>/<pid>/environ, cgroup and comm (and a pod's resolv.conf and service account namespace
         under root/) for every compute process this node's GPUs can report."""
         root = Path(root)
         written = []
@@ -213,6 +221,7 @@ class SimNvml(ToolCalls):
                 env, cgroup, resolv = process(job, node, gpu, rank)
                 (proc / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
                 (proc / "cgroup").write_text(cgroup)
+                (proc / "comm").write_text("python3\n")  # what the kernel shows of a training script
                 if resolv is not None:
                     (proc / "root" / "etc").mkdir(parents=True, exist_ok=True)
                     (proc / "root" / "etc" / "resolv.conf").write_text(resolv)
@@ -310,10 +319,16 @@ class SimNvml(ToolCalls):
     # --- identity ------------------------------------------------------------------------------------
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        instance = self._mig_device(handle)
+        if instance is not None:
+            return instance.uuid
         index, _ = self._device(handle)
         return self._uuids[index]
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
+        instance = self._mig_device(handle)
+        if instance is not None:
+            return f"{self._model.name} MIG {instance.profile.name}"
         self._device(handle)
         return self._model.name
 
@@ -370,6 +385,9 @@ class SimNvml(ToolCalls):
         raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        instance = self._mig_device(handle)
+        if instance is not None:
+            return self._mig_memory(instance, version)
         index, t = self._device(handle)
         model = self._model
         with self._lock:
@@ -505,6 +523,11 @@ class SimNvml(ToolCalls):
         info.usedGpuMemory = state.memory_used_bytes
         info.gpuInstanceId = _NOT_AVAILABLE
         info.computeInstanceId = _NOT_AVAILABLE
+        if self._mig.get(index):  # in MIG mode a process runs in one instance: the job's in the first
+            first = self._mig[index][0]
+            info.gpuInstanceId, info.computeInstanceId = first.gpu_instance_id, first.compute_instance_id
+            slices = sum(i.profile.memory_slices for i in self._mig[index])
+            info.usedGpuMemory = first.memory_used_bytes(state.memory_used_bytes, slices)
         return [pynvml.nvmlStructToFriendlyObject(info)]
 
     # --- GPM -----------------------------------------------------------------------------------------
@@ -530,7 +553,7 @@ class SimNvml(ToolCalls):
         sample = self._gpm.get(_address(gpmSample) or -1)
         if sample is None:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        sample.gpu, sample.t = index, t
+        sample.gpu, sample.t, sample.instance = index, t, None
         return gpmSample
 
     def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
@@ -541,6 +564,9 @@ class SimNvml(ToolCalls):
         second = self._gpm.get(_address(metricsGet.sample2) or -1)
         if first is None or second is None or first.gpu is None or first.gpu != second.gpu:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if first.instance is not second.instance:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        share = 1.0 if first.instance is None else first.instance.activity_share
         if not self._model.gpm_supported:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if not 0 < metricsGet.numMetrics <= pynvml.NVML_GPM_METRIC_MAX:
@@ -555,8 +581,89 @@ class SimNvml(ToolCalls):
                 metric.value = 0.0
             else:
                 metric.nvmlReturn = pynvml.NVML_SUCCESS
-                metric.value = min(100.0, max(0.0, 100.0 * rates[slot]))
+                metric.value = min(100.0, max(0.0, 100.0 * share * rates[slot]))
         return metricsGet
+
+    # --- MIG ------------------------------------------------------------------------------------------
+    # As NVML answers (an H200 on driver 580 with MIG off: tests/fixtures/h200-driver-580/migcalls.txt):
+    # NotSupported on a board without MIG, a max count of 0 while MIG is off, NotFound for an index with no
+    # instance (every index while MIG is off), InvalidArgument beyond the max; instance ids asked of a
+    # whole GPU's handle and an instance GPM sample of a GPU not in MIG mode are InvalidArgument.
+
+    def _mig_device(self, handle: Any) -> SimInstance | None:
+        """The GPU instance a MIG device handle stands for (its parent checked as any device); else None."""
+        instance = self._mig_handles.get(_address(handle) or -1)
+        if instance is not None:
+            self._require_init()
+            self._check_lost(instance.gpu, self.scenario_time())
+        return instance
+
+    def _mig_capable(self, handle: Any) -> int:
+        index, _ = self._device(handle)
+        if self._model.key not in MIG_CAPABLE:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return index
+
+    def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if self._mig_capable(device) in self._mig else 0
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
+        index, _ = self._device(device)
+        return MAX_MIG_DEVICES if self._model.key in MIG_CAPABLE and index in self._mig else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
+        gpu = self._mig_capable(device)
+        if not isinstance(index, int) or not 0 <= index < MAX_MIG_DEVICES:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if index >= len(self._mig.get(gpu, ())):
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+        address = next(a for a, i in self._mig_handles.items() if i is self._mig[gpu][index])
+        return ctypes.cast(ctypes.c_void_p(address), pynvml.c_nvmlDevice_t)
+
+    def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> int:
+        if self._mig_device(device) is not None:
+            return 1
+        self._device(device)
+        return 0
+
+    def _mig_only(self, device: Any) -> SimInstance:
+        instance = self._mig_device(device)
+        if instance is None:
+            self._device(device)
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return instance
+
+    def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:
+        return self._mig_only(device).gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, device: Any) -> int:
+        return self._mig_only(device).compute_instance_id
+
+    def _mig_memory(self, instance: SimInstance, version: int | None) -> Any:
+        """A GPU instance's memory: its slices' share of the parent's job memory (the parent's job spans them)."""
+        with self._lock:
+            parent_used = self._timeline.state(instance.gpu, self.scenario_time()).memory_used_bytes
+        slices = sum(i.profile.memory_slices for i in self._mig[instance.gpu])
+        used = instance.memory_used_bytes(parent_used, slices)
+        if version and version != pynvml.nvmlMemory_v2:
+            raise _error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        info = pynvml.c_nvmlMemory_v2_t() if version else pynvml.c_nvmlMemory_t()
+        if version:
+            info.version = version
+        info.total, info.used, info.free = instance.memory_total_bytes, used, instance.memory_total_bytes - used
+        return info
+
+    def nvmlGpmMigSampleGet(self, device: Any, gpuInstanceId: int, gpmSample: Any) -> Any:
+        index, t = self._device(device)
+        if not self._model.gpm_supported:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        instance = next((i for i in self._mig.get(index, ()) if i.gpu_instance_id == gpuInstanceId), None)
+        sample = self._gpm.get(_address(gpmSample) or -1)
+        if instance is None or sample is None:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        sample.gpu, sample.t, sample.instance = index, t, instance
+        return gpmSample
 
     # --- XID events ----------------------------------------------------------------------------------
 

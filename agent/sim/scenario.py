@@ -12,9 +12,10 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from gpufleet.agent.sim.hardware import MODELS, GpuModel
+from gpufleet.agent.sim.mig import MigLayoutError, check_layout
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
-BUILTIN_SCENARIOS: tuple[str, ...] = ("hgx-h100", "a100", "pcie", "demo", "cluster-incidents")
+BUILTIN_SCENARIOS: tuple[str, ...] = ("hgx-h100", "a100", "pcie", "demo", "cluster-incidents", "mig")
 
 SCHEDULERS: tuple[str, ...] = ("slurm", "kubernetes")
 # A training step's compute phase (GEMMs, attention, memory-bound kernels) draws 0.95 of the board's range
@@ -34,6 +35,8 @@ class NodeSpec:
     name: str
     model: GpuModel
     gpu_count: int
+    # GPUs in MIG mode: (GPU index, its GPU instances' profile names), agent.sim.mig.
+    mig: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,11 +292,30 @@ def _parse_nodes(items: list[Any]) -> tuple[NodeSpec, ...]:
         count = obj.integer("gpus", 8, low=1)
         if count > 64:
             raise ScenarioError(f"{obj.key('gpus')}: at most 64 GPUs per node, got {count}")
+        mig = _parse_mig(obj, MODELS[model_key], count)
         obj.done()
         if any(s.name == name for s in specs):
             raise ScenarioError(f"{obj.key('name')}: duplicate node name {name!r}")
-        specs.append(NodeSpec(name, MODELS[model_key], count))
+        specs.append(NodeSpec(name, MODELS[model_key], count, mig))
     return tuple(specs)
+
+
+def _parse_mig(obj: _Obj, model: GpuModel, count: int) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """`mig: [{gpu: N, instances: [PROFILE, ...]}, ...]`: the node's GPUs in MIG mode and their instances."""
+    out: dict[int, tuple[str, ...]] = {}
+    for i, item in enumerate(obj.items("mig", [])):
+        entry = _Obj(item, f"{obj.key('mig')}[{i}]")
+        gpu = entry.integer("gpu", low=0)
+        if gpu >= count or gpu in out:
+            raise ScenarioError(f"{entry.key('gpu')}: GPU {gpu} does not exist or is listed twice")
+        names = tuple(str(p) for p in entry.items("instances", []))
+        try:
+            check_layout(model, names)
+        except MigLayoutError as exc:
+            raise ScenarioError(f"{entry.key('instances')}: {exc}") from None
+        entry.done()
+        out[gpu] = names
+    return tuple(sorted(out.items()))
 
 
 def _node_by_name(nodes: tuple[NodeSpec, ...], name: str, key: str) -> NodeSpec:

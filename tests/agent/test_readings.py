@@ -52,6 +52,10 @@ NOT_READINGS = {
     "last_xid",
     "counter_resets",
     "slow_readings_age_seconds",
+    # MIG instances and compute processes: parts of their own (agent.sample_parts), not per-GPU readings.
+    "mig_enabled",
+    "mig_instances",
+    "processes",
 }
 
 
