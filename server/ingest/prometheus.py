@@ -759,7 +759,7 @@ def _chunks(values: list[str]) -> Iterator[list[str]]:
     run: list[str] = []
     size = 0
     for v in values:
-        n = len(re.escape(v)) + 1
+        n = len(_RE2_SPECIAL.sub(r"\\\1", v)) + 1
         if run and size + n > _CHUNK_CHARS:
             yield run
             run, size = [], 0
@@ -769,9 +769,13 @@ def _chunks(values: list[str]) -> Iterator[list[str]]:
         yield run
 
 
+# RE2's metacharacters: the rest of a label value stands for itself.
+_RE2_SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
+
+
 def _regex(values: list[str]) -> str:
     """A PromQL string literal of a regex matching exactly `values` (RE2, anchored by PromQL)."""
-    return orjson.dumps("|".join(re.escape(v) for v in values)).decode()
+    return orjson.dumps("|".join(_RE2_SPECIAL.sub(r"\\\1", v) for v in values)).decode()
 
 
 def _agents_first(series: list[_Series]) -> Iterator[_Series]:
