@@ -87,7 +87,9 @@ class Fleet:
         stack.callback(self.stop_all)
 
     def start(self, index: int, run: str) -> float:
-        """Start shard `index` with an alert store of its own for this `run`; returns when it listened."""
+        """Start shard `index` with an alert store of its own for this `run`, once it listens; returns when
+        its process was started."""
+        started = time.time()
         folder = self.tmp / f"shard{index}-{run}"
         folder.mkdir()
         peers = ",".join(f"http://127.0.0.1:{p}" for p in self.ports)
@@ -110,7 +112,7 @@ class Fleet:
             )
         )
         self.servers[index] = (stack, proc)
-        return time.time()
+        return started
 
     def stop(self, index: int) -> None:
         stack, _ = self.servers.pop(index)
