@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
+from bench.shard_restart_bench import COUNT, HOT, JOBLESS, JOBS, SCENARIO, owner_of_job
 from gpufleet.server.shard import Shard
 from tests.agent.running import (
     agent_process,
@@ -29,28 +30,6 @@ from tests.agent.running import (
 
 pytestmark = requires_victoria_metrics
 
-SCENARIO = """
-name: shards
-description: four jobs of one node each, a node of no job, a cooling failure in job 81004 from the start
-duration_s: 7200
-nodes:
-  - {name: n1, model: h100-sxm, gpus: 2}
-  - {name: n2, model: h100-sxm, gpus: 2}
-  - {name: n3, model: h100-sxm, gpus: 2}
-  - {name: n4, model: h100-sxm, gpus: 2}
-  - {name: spare-a, model: h100-sxm, gpus: 2}
-jobs:
-  - {id: "81001", nodes: [n1], start_s: 0, step_time_s: 0.8, compute_fraction: 0.8}
-  - {id: "81002", nodes: [n2], start_s: 0, step_time_s: 0.8, compute_fraction: 0.8}
-  - {id: "81004", nodes: [n3], start_s: 0, step_time_s: 0.8, compute_fraction: 0.8}
-  - {id: "81005", nodes: [n4], start_s: 0, step_time_s: 0.8, compute_fraction: 0.8}
-incidents:
-  - {kind: cooling_failure, node: n3, gpu: 1, start_s: 0, end_s: 7200, resistance_factor: 2.6}
-"""
-JOBS = {"81001": "n1", "81002": "n2", "81004": "n3", "81005": "n4"}
-JOBLESS = "spare-a"
-HOT = ("n3", 1)  # node and GPU of the cooling failure, in job 81004
-COUNT = 2
 DEADLINE_SECONDS = 240.0  # from cold: the GPU must heat, VictoriaMetrics scrape, the thermal rule hold for its `for`
 POLL_SECONDS = 0.5
 
@@ -144,10 +123,6 @@ class Fleet:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     with contextlib.ExitStack() as stack:
         yield Fleet(tmp_path_factory.mktemp("shards"), stack)
-
-
-def owner_of_job(job: str) -> int:
-    return next(i for i in range(COUNT) if Shard(i, COUNT).owns_job(job))
 
 
 def test_the_shards_jobs_are_disjoint_and_cover_every_job(fleet: Fleet) -> None:

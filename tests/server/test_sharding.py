@@ -143,9 +143,20 @@ def agent_series(node: str, job: str | None, t: float) -> list[dict]:
     return out
 
 
-def dcgm_series(host: str, job: str | None, t: float) -> dict:
-    labels = {"__name__": "DCGM_FI_DEV_GPU_TEMP", "Hostname": host, "gpu": "0", "UUID": f"GPU-{host}"}
+def dcgm_series(host: str, job: str | None, t: float, **pod: str) -> dict:
+    labels = {"__name__": "DCGM_FI_DEV_GPU_TEMP", "Hostname": host, "gpu": "0", "UUID": f"GPU-{host}", **pod}
     return {"metric": {**labels, **({"hpc_job": job} if job else {})}, "values": [[t, "62"]]}
+
+
+# dcgm-exporter with Kubernetes pod mapping and no hpc_job: host -> (namespace, pod), and the job that names.
+PODS = {
+    "k8s-0": ("ml", "train-worker-0", "ml/train"),
+    "k8s-1": ("ml", "train-worker-1", "ml/train"),
+    "k8s-2": ("ml", "eval-x7k2p", "ml/eval"),
+    "k8s-3": ("research", "llama-master-0", "research/llama"),
+    "k8s-4": ("research", "llama-worker-0", "research/llama"),
+    "k8s-5": ("prod", "serve-0", "prod/serve"),
+}
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
@@ -155,6 +166,7 @@ def test_a_shard_asks_the_database_for_its_own_jobs_and_nodes_only(index: int) -
     fleet = [
         *(s for i in range(12) for s in agent_series(NODES[i], JOBS[i] if i < 9 else None, t)),
         *(dcgm_series(f"dcgm-{i}", JOBS[20 + i] if i < 9 else None, t) for i in range(12)),
+        *(dcgm_series(host, None, t, namespace=ns, pod=pod) for host, (ns, pod, _) in PODS.items()),
     ]
     db = Database(fleet)
     source = PrometheusSource(
@@ -165,14 +177,14 @@ def test_a_shard_asks_the_database_for_its_own_jobs_and_nodes_only(index: int) -
     owned_nodes = {n for i, n in enumerate(NODES[:12]) if (shard.owns_job(JOBS[i]) if i < 9 else shard.owns_node(n))}
     owned_hosts = {
         f"dcgm-{i}" for i in range(12) if (shard.owns_job(JOBS[20 + i]) if i < 9 else shard.owns_node(f"dcgm-{i}"))
-    }
+    } | {host for host, (_, _, job) in PODS.items() if shard.owns_job(job)}
     # Read: the owned jobs' nodes and the nodes that hash here (for their GPUs of no job), whose GPUs of other
     # shards' jobs the filter downstream cuts off.
     assert {s.node for s in result.samples} == owned_nodes | owned_hosts | {n for n in NODES[:12] if shard.owns_node(n)}
     assert {s.node for s in result.samples if owned_part(s, shard) is not None} == owned_nodes | owned_hosts
     # No series of another shard's job, job-less node or job-less host was asked for: only this one's, by name.
     queries = [p["query"][0] for path, p in db.requests if path == "/api/v1/query"]
-    asked: dict[str, set[str]] = {"hpc_job": set(), "node": set(), "Hostname": set()}
+    asked: dict[str, set[str]] = {"hpc_job": set(), "node": set(), "Hostname": set(), "pod": set()}
     for query in queries:
         for label, quoted in re.findall(r'(\w+)=~("(?:[^"\\]|\\.)*")', query):
             if label in asked:
@@ -182,6 +194,9 @@ def test_a_shard_asks_the_database_for_its_own_jobs_and_nodes_only(index: int) -
         n for n in NODES[:12] if shard.owns_node(n)
     }
     assert asked["Hostname"] == {f"dcgm-{i}" for i in range(9, 12) if shard.owns_node(f"dcgm-{i}")}
+    assert asked["pod"] == {pod for _, pod, job in PODS.values() if shard.owns_job(job)}
+    jobs = {s.node: set(s.jobs) for s in result.samples}
+    assert all(jobs[host] == {job} for host, (_, _, job) in PODS.items() if host in jobs)
 
 
 def test_a_shard_that_owns_nothing_of_a_listed_fleet_is_not_blind() -> None:
