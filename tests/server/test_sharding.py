@@ -291,3 +291,64 @@ def test_a_bad_shard_is_a_one_line_error_and_exit_2(tmp_path, capsys) -> None:
         == 0
     )
     assert "shard 3/16" in capsys.readouterr().out
+
+
+def shard_app(tmp_path, index: int, alerts: list) -> Any:
+    from fastapi.testclient import TestClient
+
+    from gpufleet.server.api import create_app
+    from gpufleet.server.ingest.puller import Puller
+    from gpufleet.server.ingest.targets import StaticTargets
+    from gpufleet.server.runtime import Runtime
+    from gpufleet.server.settings import ServerSettings
+    from gpufleet.server.store import AlertStore
+    from tests.server.live_fakes import StubEngine, parse_dict
+
+    shard = Shard(index, 2)
+    settings = ServerSettings(storage_path=str(tmp_path / f"shard{index}.db"), shard=shard)
+    empty = httpx.MockTransport(lambda r: httpx.Response(200, content=b'{"schema":1,"snapshots":[]}'))
+    puller = Puller(StaticTargets(("a:1",)), transport=empty, parse=parse_dict, clock=lambda: 5000.0)
+    runtime = Runtime(
+        engine=StubEngine(), source=puller, store=AlertStore(settings.storage_path), clock=lambda: 5000.0, shard=shard
+    )
+    runtime.store.upsert(alerts)
+    app = create_app(settings, runtime=runtime, run_pipeline=False)
+    return app, TestClient(app)
+
+
+def test_any_shard_shows_the_fleets_alerts_and_page_and_says_which_shard_is_missing(tmp_path) -> None:
+    from tests.server.live_fakes import make_alert
+
+    app0, client0 = shard_app(tmp_path, 0, [make_alert(i, node=f"a{i}", hpc_job="j0") for i in (1, 4, 5)])
+    app1, client1 = shard_app(tmp_path, 1, [make_alert(i, node=f"b{i}", hpc_job="j1") for i in (2, 3)])
+    app0.state.peers = Peers(["http://shard-1:9472"], Shard(0, 2), transport=httpx.ASGITransport(app=app1))
+
+    own = client0.get("/alerts").json()
+    assert own["shard"] == {"index": 0, "count": 2} and own["scope"] == "shard" and own["total"] == 3
+    fleet = client0.get("/alerts", params={"scope": "fleet", "limit": 2, "offset": 1}).json()
+    assert [a["summary"] for a in fleet["alerts"]] == ["alert 4", "alert 3"]  # newest first over both shards
+    assert (fleet["total"], fleet["next_offset"], fleet["shards_missing"]) == (5, 3, [])
+    assert client1.get("/alerts", params={"scope": "fleet"}).json()["total"] == 2  # no peers: its own part
+    metrics = client1.get("/metrics").text
+    assert 'gpufleet_server_shard_info{count="2",index="1"} 1.0' in metrics
+    assert "Shard <b>0/2</b>" in client0.get("/").text
+
+    app0.state.peers = Peers(
+        ["http://shard-1:9472"], Shard(0, 2), transport=httpx.MockTransport(lambda r: httpx.Response(503))
+    )
+    page = client0.get("/", params={"scope": "fleet"}).text
+    assert "Not shown: shard 1 did not answer." in page and "http://shard-1:9472: HTTP 503" in page
+    jobs = client0.get("/jobs", params={"scope": "fleet"}).json()
+    assert jobs["shards_missing"] == [1] and jobs["peer_errors"] == [
+        {"peer": "http://shard-1:9472", "error": "HTTP 503"}
+    ]
+
+
+def test_a_sharded_server_that_pulls_the_agents_judges_its_own_part() -> None:
+    from gpufleet.server.serve import build_source
+
+    settings = load_settings(["--targets", "a:9471", "--shard", "1/4"])
+    source = build_source(settings)
+    assert isinstance(source, ShardedSource) and source.shard == Shard(1, 4)
+    assert not isinstance(build_source(load_settings(["--targets", "a:9471"])), ShardedSource)
+    asyncio.run(source.aclose())
