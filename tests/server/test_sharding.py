@@ -68,6 +68,9 @@ class Listed:
     def health(self) -> list[TargetHealth]:
         return self.targets
 
+    def remember_identities(self, nodes: Any, pins: Any = None) -> None:
+        pass
+
 
 def test_a_node_whose_gpus_go_to_another_shards_job_is_handed_over_and_its_health_with_it() -> None:
     shard = Shard(0, 2)
@@ -352,3 +355,26 @@ def test_a_sharded_server_that_pulls_the_agents_judges_its_own_part() -> None:
     assert isinstance(source, ShardedSource) and source.shard == Shard(1, 4)
     assert not isinstance(build_source(load_settings(["--targets", "a:9471"])), ShardedSource)
     asyncio.run(source.aclose())
+
+
+def test_a_restart_into_another_part_resolves_the_stored_alerts_that_are_no_longer_its_own(tmp_path) -> None:
+    from gpufleet.server.alerts import AlertState
+    from gpufleet.server.runtime import Runtime
+    from gpufleet.server.store import AlertQuery, AlertStore
+    from tests.server.live_fakes import StubEngine, make_alert
+
+    shard = Shard(1, 2)
+    mine = next(j for j in JOBS if shard.owns_job(j))
+    theirs = next(j for j in JOBS if not shard.owns_job(j))
+    store = AlertStore(str(tmp_path / "s.db"))
+    store.upsert([make_alert(1, hpc_job=mine), make_alert(2, hpc_job=theirs), make_alert(3, node=None, hpc_job=theirs)])
+    engine = StubEngine()
+    runtime = Runtime(engine=engine, source=Listed(), store=store, clock=lambda: 5000.0, shard=shard)  # type: ignore[arg-type]
+    assert runtime.restore() == 1
+    assert [a.hpc_job for a in store.open_alerts()] == [mine]
+    assert [a.hpc_job for a in engine.restored] == [mine]
+    resolved = store.query(AlertQuery(state=AlertState.RESOLVED)).alerts
+    assert sorted(a.id for a in resolved) == sorted(
+        make_alert(n, hpc_job=theirs, node=node).id for n, node in ((2, "dgx-01"), (3, None))
+    )
+    assert {a.evidence["resolved_reason"] for a in resolved} == {"its jobs belong to another shard"}
