@@ -50,12 +50,20 @@ def until(what: str, check: Callable[[], Any], alive: Callable[[], None], deadli
 class Fleet:
     """The running processes: agents, VictoriaMetrics, and one server per shard (restartable)."""
 
-    def __init__(self, tmp: Path, stack: contextlib.ExitStack) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        stack: contextlib.ExitStack,
+        *,
+        agent_args: tuple[str, ...] = (),
+        server_args: tuple[str, ...] = (),
+    ) -> None:
         self.tmp = tmp
+        self.server_args = server_args
         scenario = tmp / "shards.yaml"
         scenario.write_text(SCENARIO)
         ports = [
-            stack.enter_context(agent_process("--simulate", str(scenario), "--node", node))[1]
+            stack.enter_context(agent_process("--simulate", str(scenario), "--node", node, *agent_args))[1]
             for node in [*JOBS.values(), JOBLESS]
         ]
         self.victoria, self.victoria_port, self.victoria_log = stack.enter_context(victoria_metrics_process(tmp, ports))
@@ -88,6 +96,7 @@ class Fleet:
                 peers,
                 "--web.listen-address",
                 f"127.0.0.1:{self.ports[index]}",
+                *self.server_args,
             )
         )
         self.servers[index] = (stack, proc)
