@@ -165,7 +165,10 @@ def _shard(jobs: JobsModel, firing: AlertPageModel) -> str:
         )
     missing = sorted(set(jobs.shards_missing) | set(firing.shards_missing))
     failed = {e.peer: e.error for e in [*jobs.peer_errors, *firing.peer_errors]}
-    lines = [f"<p>The whole fleet, as every shard answered this server (shard {shard.index}/{shard.count}).</p>"]
+    lines = [
+        f"<p>The jobs and alerts of the whole fleet, as every shard answered this server (shard "
+        f"{shard.index}/{shard.count}); the nodes and agents are this shard's own.</p>"
+    ]
     if missing:
         lines.append(
             f"<p class=bad>Not shown: shard{'s' if len(missing) > 1 else ''} "
