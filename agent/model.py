@@ -273,8 +273,9 @@ class GpuSample:
     nvlink_recovery_errors_total: int | None = reading(
         FieldValue("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL"), COUNTER, _NVLINK_ERRORS, "recovery", nvlink=True
     )
-    # GPM profiling metrics: one nvmlGpmMetricsGet with SM activity, but GRAPHICS_UTIL, which costs a
-    # thousand times the others (1.2-1.5 ms a call on an H200), in a call of its own that the tiers slow.
+    # GPM profiling metrics no detector reads, in a second nvmlGpmMetricsGet on the shared call's samples,
+    # a read of its own that the tiers slow: GRAPHICS_UTIL costs a thousand times the other metrics (1.2-1.5
+    # ms a call on an H200), and each metric converted costs the agent's Python on every read.
     graphics_active_ratio: float | None = reading(
         GpmMetric("NVML_GPM_METRIC_GRAPHICS_UTIL", apart=True),
         RATIO,
@@ -282,26 +283,28 @@ class GpuSample:
             "gpufleet_gpu_graphics_active_ratio", "gauge", "GPM: share of time a graphics or compute engine ran, 0-1."
         ),
     )
-    tensor_active_ratio: float | None = reading(GpmMetric("NVML_GPM_METRIC_ANY_TENSOR_UTIL"), RATIO, _PIPE, "tensor")
-    fp64_active_ratio: float | None = reading(GpmMetric("NVML_GPM_METRIC_FP64_UTIL"), RATIO, _PIPE, "fp64")
-    fp32_active_ratio: float | None = reading(GpmMetric("NVML_GPM_METRIC_FP32_UTIL"), RATIO, _PIPE, "fp32")
-    fp16_active_ratio: float | None = reading(GpmMetric("NVML_GPM_METRIC_FP16_UTIL"), RATIO, _PIPE, "fp16")
+    tensor_active_ratio: float | None = reading(
+        GpmMetric("NVML_GPM_METRIC_ANY_TENSOR_UTIL", apart=True), RATIO, _PIPE, "tensor"
+    )
+    fp64_active_ratio: float | None = reading(GpmMetric("NVML_GPM_METRIC_FP64_UTIL", apart=True), RATIO, _PIPE, "fp64")
+    fp32_active_ratio: float | None = reading(GpmMetric("NVML_GPM_METRIC_FP32_UTIL", apart=True), RATIO, _PIPE, "fp32")
+    fp16_active_ratio: float | None = reading(GpmMetric("NVML_GPM_METRIC_FP16_UTIL", apart=True), RATIO, _PIPE, "fp16")
     dram_active_ratio: float | None = reading(
-        GpmMetric("NVML_GPM_METRIC_DRAM_BW_UTIL"),
+        GpmMetric("NVML_GPM_METRIC_DRAM_BW_UTIL", apart=True),
         RATIO,
         Family("gpufleet_gpu_dram_active_ratio", "gauge", "GPM: DRAM bandwidth used, share of the maximum, 0-1."),
     )
     pcie_tx_bytes_per_second: float | None = reading(
-        GpmMetric("NVML_GPM_METRIC_PCIE_TX_PER_SEC"), MIB_RATE, _PCIE_RATE, "tx"
+        GpmMetric("NVML_GPM_METRIC_PCIE_TX_PER_SEC", apart=True), MIB_RATE, _PCIE_RATE, "tx"
     )
     pcie_rx_bytes_per_second: float | None = reading(
-        GpmMetric("NVML_GPM_METRIC_PCIE_RX_PER_SEC"), MIB_RATE, _PCIE_RATE, "rx"
+        GpmMetric("NVML_GPM_METRIC_PCIE_RX_PER_SEC", apart=True), MIB_RATE, _PCIE_RATE, "rx"
     )
     nvlink_tx_bytes_per_second: float | None = reading(
-        GpmMetric("NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC"), MIB_RATE, _NVLINK_RATE, "tx", nvlink=True
+        GpmMetric("NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", apart=True), MIB_RATE, _NVLINK_RATE, "tx", nvlink=True
     )
     nvlink_rx_bytes_per_second: float | None = reading(
-        GpmMetric("NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC"), MIB_RATE, _NVLINK_RATE, "rx", nvlink=True
+        GpmMetric("NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", apart=True), MIB_RATE, _NVLINK_RATE, "rx", nvlink=True
     )
     # Counted from NVML's event set on the XID thread; the count by code and the last code are the XID
     # watcher's own fields.

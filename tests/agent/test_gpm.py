@@ -5,7 +5,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from gpufleet.agent.gpm import GPM_SHARED, GpmSampler
+from gpufleet.agent.gpm import GPM_APART, GPM_READINGS, GPM_SHARED, GpmSampler
 from tests.agent.fake_nvml import FakeNvml, h100
 
 
@@ -20,9 +20,10 @@ def test_first_sample_none_then_metrics(fake):
     sampler = GpmSampler(fake, fake.handle(0))
     assert sampler.sample() is None
     first, second = sampler.sample(), sampler.sample()
-    assert first == second and set(first) == set(GPM_SHARED)
-    assert (first["sm_active_ratio"], first["sm_occupancy_ratio"]) == ((0, 81.0), (0, 40.5))
-    assert first["tensor_active_ratio"] == (0, 0.0)  # a metric the fake GPU holds no value for
+    assert first == second == {"sm_active_ratio": (0, 81.0), "sm_occupancy_ratio": (0, 40.5)}
+    assert set(first) == set(GPM_SHARED)
+    apart = sampler.sample(apart=True)
+    assert set(apart) == set(GPM_READINGS) and apart["tensor_active_ratio"] == (0, 0.0)  # no value in the fake
     assert fake.called("nvmlGpmSampleAlloc") == 2
     sampler.free()
     sampler.free()
@@ -73,8 +74,10 @@ def test_timing_the_metrics_apart_leaves_the_next_poll_without_a_previous_sample
     assert sampler.sample(apart=True) is None
     assert sampler.sample(apart=True) is not None
     sampler.drop(frozenset({"graphics_active_ratio"}))
-    assert not sampler.has_apart and sampler.time_apart() == 0.0
     assert "graphics_active_ratio" not in sampler.sample(apart=True)
+    sampler.drop(frozenset(r for r, _ in GPM_APART))
+    assert not sampler.has_apart and sampler.time_apart() == 0.0
+    assert set(sampler.sample(apart=True)) == set(GPM_SHARED)
 
 
 def test_alloc_failure_frees_what_was_allocated(fake):

@@ -115,7 +115,8 @@ def test_what_derives_from_the_table():
     assert tiers.FAST_READINGS == {r.name for r in READINGS if r.fast}
     gpm = [r for r in READINGS if isinstance(r.source, GpmMetric)]
     assert [name for name, _ in GPM_METRICS] == [r.name for r in gpm if not r.source.apart]
-    assert [name for name, _ in GPM_APART] == [r.name for r in gpm if r.source.apart] == ["graphics_active_ratio"]
+    assert [name for name, _ in GPM_APART] == [r.name for r in gpm if r.source.apart]
+    assert [name for name, _ in GPM_METRICS] == ["sm_active_ratio", "sm_occupancy_ratio"]  # the detectors' call
     polled = [name for call in nvml_calls.POLLED for name in call.readings]
     static = [name for call in nvml_calls.STATIC for name in call.readings]
     at_open = {r.name: r.source.at_open for r in READINGS if isinstance(r.source, NvmlCall)}
