@@ -68,19 +68,23 @@ class GpmSampler:
 
     def time_apart(self) -> float:
         """Thread CPU seconds of one call for the metrics asked apart, on two samples taken now into both
-        buffers (the first poll's sample overwrites them and has no previous one to compare with)."""
+        buffers (the first poll's sample overwrites them and has no previous one to compare with). Only
+        timing: a failed call costs what it cost, and the polls handle every failure."""
         if not self._apart:
             return 0.0
-        for buffer in self._buffers:
-            self._nvml.nvmlGpmSampleGet(self._handle, buffer)
         self._have_previous = False
-        self._apart_request.sample1, self._apart_request.sample2 = self._buffers[0], self._buffers[1]
-        started = time.thread_time_ns()
+        started = spent = 0
         try:
+            for buffer in self._buffers:
+                self._nvml.nvmlGpmSampleGet(self._handle, buffer)
+            self._apart_request.sample1, self._apart_request.sample2 = self._buffers[0], self._buffers[1]
+            started = time.thread_time_ns()
             self._nvml.nvmlGpmMetricsGet(self._apart_request)
+        except Exception:  # noqa: BLE001 - timing only
+            pass
         finally:
-            spent = (time.thread_time_ns() - started) / 1e9
-        return spent
+            spent = time.thread_time_ns() - started if started else 0
+        return spent / 1e9
 
     def touch(self) -> None:
         """One sample into the buffer the next poll overwrites: costs what a poll's sample costs (the

@@ -358,9 +358,7 @@ class NvmlReader:
             gpu.gpm.touch()
             gpu.costs[_GPM_UNIT] = (time.thread_time_ns() - started) / 1e9
             if gpu.gpm.has_apart:
-                spent = self._guard(gpu, _GPM_APART_READINGS, gpu.gpm.time_apart)
-                if spent is not _MISSING:
-                    gpu.costs[_GPM_APART_UNIT] = spent
+                gpu.costs[_GPM_APART_UNIT] = gpu.gpm.time_apart()
 
     def _fit_tiers(self) -> Plan:
         """Every read unit with its cost summed over the GPUs that answer, fitted to the budget."""

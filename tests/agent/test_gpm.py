@@ -73,6 +73,9 @@ def test_timing_the_metrics_apart_leaves_the_next_poll_without_a_previous_sample
     assert sampler.time_apart() >= 0.0
     assert sampler.sample(apart=True) is None
     assert sampler.sample(apart=True) is not None
+    fake.inject("nvmlGpmMetricsGet", pynvml.NVML_ERROR_UNKNOWN, times=1)
+    assert sampler.time_apart() >= 0.0  # timing only: the polls handle a failure
+    assert sampler.sample(apart=True) is None
     sampler.drop(frozenset({"graphics_active_ratio"}))
     assert "graphics_active_ratio" not in sampler.sample(apart=True)
     sampler.drop(frozenset(r for r, _ in GPM_APART))
