@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
-from gpufleet.agent.gpm import GPM_READINGS, GpmSampler
+from gpufleet.agent.gpm import GPM_APART, GPM_READINGS, GPM_SHARED, GpmSampler
 from gpufleet.agent.mig import MIG_MODE, MIG_UNIT, REDISCOVER_SECONDS, MigGpu
 from gpufleet.agent.model import GpuSample
 from gpufleet.agent.nvml_calls import IDENTITY, POLLED, STATIC, cuda_version_text, text
@@ -46,8 +46,14 @@ _NVLINK_READINGS = tuple(r.name for r in READINGS if r.nvlink)
 _LINK_FIELDS = tuple(r.name for r in READINGS if isinstance(r.source, PerLinkField))
 _THROTTLE_PREFIX = "throttle_seconds_total."
 # A read unit (one call, one field id, or GPM) is named after the first reading it fills.
-_GPM_UNIT = GPM_READINGS[0]
-_UNIT_OF = {**{r: call.readings[0] for call in POLLED for r in call.readings}, **dict.fromkeys(GPM_READINGS, _GPM_UNIT)}
+_GPM_UNIT = GPM_SHARED[0]
+_GPM_APART_UNIT = GPM_APART[0][0] if GPM_APART else ""  # the metrics asked apart: one unit
+_GPM_APART_READINGS = tuple(r for r, _ in GPM_APART)
+_UNIT_OF = {
+    **{r: call.readings[0] for call in POLLED for r in call.readings},
+    **dict.fromkeys(GPM_SHARED, _GPM_UNIT),
+    **dict.fromkeys(_GPM_APART_READINGS, _GPM_APART_UNIT),
+}
 _FIELD_PROBES = 2  # each field id timed twice alone, the lower figure kept
 _FIELD_CALL = "nvmlDeviceGetFieldValues"
 
@@ -345,17 +351,22 @@ class NvmlReader:
         return (time.thread_time_ns() - started) / 1e9
 
     def _probe_gpm(self, gpu: _Gpu) -> None:
-        gpu.supported.update(dict.fromkeys(GPM_READINGS, True))
+        for reading in GPM_READINGS:  # an NVLink rate on a card without NVLink stays unsupported
+            gpu.supported.setdefault(reading, True)
         support = self._guard(gpu, GPM_READINGS, self._nvml.nvmlGpmQueryDeviceSupport, gpu.handle)
         if support is not _MISSING and int(getattr(support, "isSupportedDevice", 0)):
             sampler = self._guard(gpu, GPM_READINGS, GpmSampler, self._nvml, gpu.handle)
             gpu.gpm = None if sampler is _MISSING else sampler
+            if gpu.gpm is not None:
+                gpu.gpm.drop(frozenset(r for r in GPM_READINGS if not gpu.supported[r]))
         if gpu.gpm is None and gpu.up:
             self._mark_unsupported(gpu, GPM_READINGS)
         elif gpu.gpm is not None:
             started = time.thread_time_ns()
             gpu.gpm.touch()
             gpu.costs[_GPM_UNIT] = (time.thread_time_ns() - started) / 1e9
+            if gpu.gpm.has_apart:
+                gpu.costs[_GPM_APART_UNIT] = gpu.gpm.time_apart()
 
     def _probe_mig(self, gpu: _Gpu) -> None:
         """The GPU's MIG mode and instances, and what reading the instances costs (a read unit of the tiers)."""
@@ -393,8 +404,10 @@ class NvmlReader:
             if not gpu.up:
                 continue
             for key, cost in gpu.costs.items():
+                if not gpu.supported.get(key, True):  # found unsupported while probing: never read
+                    continue
                 costs[key] = costs.get(key, 0.0) + cost
-                readings[key] = GPM_READINGS if key == _GPM_UNIT else _unit_readings(key)
+                readings[key] = GPM_SHARED if key == _GPM_UNIT else _unit_readings(key)
         masked = all(g.supported.get("throttle_reasons") for g in self._gpus if g.up)
         units = [Unit(k, readings[k], c, integrable=masked and k in THROTTLE_READINGS) for k, c in costs.items()]
         plan = fit(units, budget=self._budget, interval_s=self._interval)
@@ -553,14 +566,22 @@ class NvmlReader:
         self._meter.attribute(_FIELD_CALL, shares)
 
     def _poll_gpm(self, gpu: _Gpu, values: dict[str, Any], asked: list[str]) -> None:
-        readings = tuple(r for r in GPM_READINGS if gpu.supported.get(r))
-        if gpu.gpm is None or not readings or not gpu.up:
+        readings = tuple(r for r in GPM_SHARED if gpu.supported.get(r))
+        if gpu.gpm is None or not gpu.up:
             return
+        # The metrics apart ride on the shared call's two samples, in the cycles their own period is due.
+        apart = gpu.gpm.has_apart and (
+            self._due(gpu, _GPM_APART_UNIT) or not any(r in gpu.held for r in _GPM_APART_READINGS)
+        )
         # GPM needs two samples for a value: until there is one, sample every cycle (--once has two).
-        if not self._due(gpu, _GPM_UNIT) and any(r in gpu.held for r in readings):
+        if not apart and not self._due(gpu, _GPM_UNIT) and any(r in gpu.held for r in readings):
+            return
+        if apart:
+            readings += tuple(r for r in _GPM_APART_READINGS if gpu.supported.get(r))
+        if not readings:
             return
         asked.extend(readings)
-        result = self._guard(gpu, readings, gpu.gpm.sample)
+        result = self._guard(gpu, readings, gpu.gpm.sample, apart)
         if result is not _MISSING and result is not None:
             self._apply(gpu, ((r, code, raw) for r, (code, raw) in result.items()), values)
 

@@ -55,12 +55,37 @@ _NVLINK_FIELDS = {
 _COUNTER_FIELDS = {**_THROTTLE_FIELDS, **_PCIE_FIELDS}
 _U32 = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
 _U64 = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-_GPM_METRICS = {
-    pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: ph.UTIL,
-    pynvml.NVML_GPM_METRIC_SM_UTIL: ph.SM,
-    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: ph.OCC,
-    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: ph.TENSOR,
-    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: ph.MEM_UTIL,
+_MIB = 1024 * 1024
+# GPM metric -> its value from the mean rates between two samples: percent, or MiB/s for the rates.
+# Training runs its math on the tensor cores; the FP32 and FP16 pipes see the elementwise and optimizer
+# work beside it, FP64 none.
+_GPM_METRICS: dict[int, Callable[[Sequence[float]], float]] = {
+    pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: lambda r: 100.0 * r[ph.UTIL],
+    pynvml.NVML_GPM_METRIC_SM_UTIL: lambda r: 100.0 * r[ph.SM],
+    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: lambda r: 100.0 * r[ph.OCC],
+    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: lambda r: 100.0 * r[ph.TENSOR],
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: lambda r: 100.0 * r[ph.MEM_UTIL],
+    pynvml.NVML_GPM_METRIC_FP64_UTIL: lambda r: 0.0,
+    pynvml.NVML_GPM_METRIC_FP32_UTIL: lambda r: 17.0 * r[ph.TENSOR],
+    pynvml.NVML_GPM_METRIC_FP16_UTIL: lambda r: 6.0 * r[ph.TENSOR],
+    pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: lambda r: r[ph.PCIE_TX_BYTES] / _MIB,
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: lambda r: r[ph.PCIE_RX_BYTES] / _MIB,
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: lambda r: r[ph.NVLINK_TX_KIB] / 1024,
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: lambda r: r[ph.NVLINK_RX_KIB] / 1024,
+}
+_PERCENT_METRICS = frozenset(_GPM_METRICS) - {
+    pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC,
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC,
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC,
+}
+# NVLink error fields -> the share of a link_errors incident's replays each counts: a replay follows a
+# flit CRC error; data CRC errors and recoveries stay at 0.
+_NVLINK_ERROR_FIELDS = {
+    pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: 1,
+    pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL: 1,
+    pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: 0,
+    pynvml.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL: 0,
 }
 
 
@@ -464,6 +489,7 @@ class SimNvml(ToolCalls):
                 tl.counter_base(index, t),
                 tl.temperature(index, t),
                 tl.world.gpus[tl.world.own[index]].link_weights,
+                self._link_errors(index, t, "nvlink_replays"),
             )
         stamp = int(self._clock() * 1e6)
         for i, field in enumerate(fieldIds):
@@ -496,6 +522,50 @@ class SimNvml(ToolCalls):
             share = min(1.0, (t - inc.start_s) / (end - inc.start_s))
             total += int(math.floor(count * share + 1e-9)) if share < 1.0 else count
         return total
+
+    def _link_errors(self, index: int, t: float, attr: str) -> int:
+        """A link_errors counter (nvlink_replays, pcie_replays) at t, counted since the last counter reset."""
+        incidents = self._incidents.get("link_errors", ())
+        if not incidents:
+            return 0
+        reset = self._last_reset(index, t)
+        total = 0
+        for inc in incidents:
+            if (self.node, index) in inc.gpus:
+                total += _ramp(getattr(inc, attr), inc, t) - _ramp(getattr(inc, attr), inc, reset)
+        return total
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+        index, t = self._device(handle)
+        return self._link_errors(index, t, "pcie_replays")
+
+    def nvmlDeviceGetFanSpeed(self, handle: Any) -> int:
+        index, t = self._device(handle)
+        if not self._model.has_fan:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        # The board's fan curve: 30 % cool, full at the slowdown temperature.
+        with self._lock:
+            temp = self._timeline.temperature(index, t)
+        share = (temp - 40.0) / max(1.0, self._model.slowdown_celsius - 40.0)
+        return int(round(100 * min(1.0, max(0.3, share))))
+
+    def nvmlDeviceGetPerformanceState(self, handle: Any) -> int:
+        self._device(handle)
+        # Data-center boards stay in P0 while the driver is persistent, idle or busy (an H100 reads P0 idle).
+        return pynvml.NVML_PSTATE_0
+
+    def nvmlDeviceGetEncoderUtilization(self, handle: Any) -> list[int]:
+        self._device(handle)
+        return [0, 100000]  # (percent, sampling period in us): training runs no video
+
+    def nvmlDeviceGetDecoderUtilization(self, handle: Any) -> list[int]:
+        self._device(handle)
+        return [0, 100000]
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: Any) -> int:
+        index, t = self._device(handle)
+        cap = self._power_cap_w(index, t)
+        return int(round(1000 * (self._model.tdp_watts if cap is None else min(cap, self._model.tdp_watts))))
 
     def _last_reset(self, index: int, t: float) -> float:
         last = -1.0
@@ -575,13 +645,14 @@ class SimNvml(ToolCalls):
             rates = self._timeline.mean(first.gpu, min(first.t, second.t), max(first.t, second.t))
         for i in range(metricsGet.numMetrics):
             metric = metricsGet.metrics[i]
-            slot = _GPM_METRICS.get(metric.metricId)
-            if slot is None:
+            value_of = _GPM_METRICS.get(metric.metricId)
+            if value_of is None:
                 metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
                 metric.value = 0.0
-            else:
-                metric.nvmlReturn = pynvml.NVML_SUCCESS
-                metric.value = min(100.0, max(0.0, 100.0 * share * rates[slot]))
+                continue
+            value = max(0.0, share * value_of(rates))
+            metric.nvmlReturn = pynvml.NVML_SUCCESS
+            metric.value = min(100.0, value) if metric.metricId in _PERCENT_METRICS else value
         return metricsGet
 
     # --- MIG ------------------------------------------------------------------------------------------
@@ -745,7 +816,7 @@ class SimNvml(ToolCalls):
 class _FieldReading:
     """The values one nvmlDeviceGetFieldValues call reports, computed once per call."""
 
-    __slots__ = ("model", "state", "counters", "temp_c", "weights")
+    __slots__ = ("model", "state", "counters", "temp_c", "weights", "nvlink_replays")
 
     def __init__(
         self,
@@ -755,12 +826,14 @@ class _FieldReading:
         base: tuple[float, ...],
         temp_c: float,
         weights: tuple[float, ...],
+        nvlink_replays: int = 0,
     ):
         self.model = model
         self.state = state
         self.counters = [max(0.0, a - b) for a, b in zip(integral, base)]
         self.temp_c = temp_c
         self.weights = weights
+        self.nvlink_replays = nvlink_replays
 
     def fill(self, out: Any, fid: int, scope: int, stamp: int) -> None:
         """Set ids, timestamp, value, valueType and nvmlReturn of one field entry."""
@@ -806,7 +879,21 @@ class _FieldReading:
             if not model.has_nvlink:
                 return -pynvml.NVML_ERROR_NOT_SUPPORTED
             return _U32, model.nvlink_links
+        share = _NVLINK_ERROR_FIELDS.get(fid)
+        if share is not None:
+            if not model.has_nvlink:
+                return -pynvml.NVML_ERROR_NOT_SUPPORTED
+            return _U64, share * self.nvlink_replays
         return -pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+def _ramp(count: int, inc: Incident, t: float) -> int:
+    """How many of an incident's `count` events happened by t, spread evenly from its start to its end."""
+    if t < inc.start_s or count <= 0:
+        return 0
+    end = inc.end_s if inc.end_s is not None else inc.start_s + 1.0
+    share = min(1.0, (t - inc.start_s) / (end - inc.start_s))
+    return count if share >= 1.0 else int(math.floor(count * share + 1e-9))
 
 
 def _copy_pynvml_names() -> None:

@@ -92,6 +92,9 @@ class Incident:
     corrected: int = 0
     uncorrected: int = 0
     nodes: tuple[str, ...] = ()
+    # link_errors: NVLink replays (each after a CRC flit error) and PCIe replays over the incident.
+    nvlink_replays: int = 0
+    pcie_replays: int = 0
 
     def active(self, t: float) -> bool:
         """Whether the incident is in effect at scenario time t."""
@@ -529,6 +532,13 @@ def _ecc_errors(obj: _Obj, nodes, jobs) -> dict[str, Any]:
     return out
 
 
+def _link_errors(obj: _Obj, nodes, jobs) -> dict[str, Any]:
+    out = _gpu_targets(obj, nodes, jobs)
+    out["nvlink_replays"] = obj.integer("nvlink_replays", 0, low=0)
+    out["pcie_replays"] = obj.integer("pcie_replays", 0, low=0)
+    return out
+
+
 _INCIDENT_PARSERS: dict[str, Callable[..., dict[str, Any]]] = {
     "cooling_failure": _cooling_failure,
     "slow_gpu": _slow_gpu,
@@ -540,6 +550,7 @@ _INCIDENT_PARSERS: dict[str, Callable[..., dict[str, Any]]] = {
     "power_cap": _power_cap,
     "nvml_init_failure": _nvml_init_failure,
     "ecc_errors": _ecc_errors,
+    "link_errors": _link_errors,
 }
 INCIDENT_KINDS: tuple[str, ...] = tuple(_INCIDENT_PARSERS)
 
