@@ -156,13 +156,13 @@ class Prepared:
             first = np.ones(len(key), dtype=bool)
             first[1:] = sorted_key[1:] != sorted_key[:-1]
             starts = np.flatnonzero(first)
-            n_cells = len(starts)
-            cell_of_row = np.empty(len(key), dtype=np.int64)
-            cell_of_row[order] = np.cumsum(first) - 1
-            ids = (cell_of_row + np.arange(len(add))[:, None] * n_cells).ravel()
-            chunk.cell_sums = np.bincount(ids, weights=add.ravel(), minlength=len(add) * n_cells).reshape(
-                len(add), n_cells
-            )
+            # Snapshots come in time order, not slot order, and a few GPUs report twice within a bin
+            # (sampling jitter): each cell's first row is its sum so far (0.0 + row), and the few later
+            # rows are added to it in row order (np.add.at applies repeated indices in turn).
+            chunk.cell_sums = add[:, order[starts]] + 0.0
+            if len(starts) < len(key):
+                later = np.flatnonzero(~first)
+                np.add.at(chunk.cell_sums, (slice(None), np.cumsum(first)[later] - 1), add[:, order[later]])
         chunk.cell_rows = np.diff(np.append(starts, len(key)))
         chunk.cell_bin = bins[order[starts]]
         # Slots are registered while the chunk is built, never after: the layout (_cap) holds until
@@ -222,6 +222,13 @@ class Prepared:
         acc = w.acc.reshape(-1)
         if fresh.all():
             # Every cell starts from zero (the usual case), and 0.0 + a sum that began at 0.0 is that sum.
+            m = len(flat)
+            if m and bins[0] == bins[-1] and flat[-1] - flat[0] == m - 1:
+                # One bin, every slot of a run (cells of a bin are in slot order): two block copies.
+                lo = int(flat[0])
+                bin_id[lo : lo + m] = bins
+                w.acc.reshape(len(w.acc), -1)[:, lo : lo + m] = sums
+                return
             bin_id[flat] = bins
             acc[at] = sums
             return

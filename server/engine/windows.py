@@ -551,6 +551,10 @@ class Windows:
         add = np.concatenate([np.where(valid, derived, 0.0), valid])  # sums, then counts
         if one_per_slot:
             # Every cell once (the usual case at tick-rate sampling): scatter straight away.
+            if fresh.all():
+                # Every cell starts from zero (the usual case): 0.0 + row is row + 0.0, no gather needed.
+                self.acc.reshape(len(self.acc), -1)[:, cell] = add + 0.0
+                return
             at = self._row_offsets + cell
             acc[at] = np.where(fresh, 0.0, acc[at]) + add
             return
@@ -599,16 +603,31 @@ class Windows:
         return self.bin_id[ks % self.ring, : self.n] == ks[:, None]
 
     def recent(
-        self, last_bin: int, n_bins: int, rows: np.ndarray | list[int], held: np.ndarray | None = None
+        self,
+        last_bin: int,
+        n_bins: int,
+        rows: np.ndarray | list[int],
+        held: np.ndarray | None = None,
+        slots: np.ndarray | None = None,
     ) -> np.ndarray:
         """Bin means of some binned rows, shape (n_bins, len(rows), n) newest first; NaN where no sample
-        or unsupported. `held` is self.held(last_bin, n_bins) when the caller has it already."""
+        or unsupported. `held` is self.held(last_bin, n_bins) when the caller has it already. With
+        `slots`, only those GPUs' columns (shape (n_bins, len(rows), len(slots))): a finding's evidence
+        reads a few GPUs, and gathering every GPU's bins for it cost more than the tick's own read."""
         if held is None:
             held = self.held(last_bin, n_bins)
         n = self.n
         pos = ((last_bin - np.arange(n_bins)) % self.ring)[:, None]
         rows = np.asarray(rows)
-        acc = self.acc[np.concatenate([rows, rows + N_BINNED])[None, :], pos, :n]  # sums, then counts
+        both = np.concatenate([rows, rows + N_BINNED])[None, :]  # sums, then counts
+        if slots is None:
+            acc = self.acc[both, pos, :n]
+        else:
+            slots = np.asarray(slots)
+            if slots.dtype == bool:
+                slots = np.flatnonzero(slots)
+            acc = self.acc[both[:, :, None], pos[:, :, None], slots[None, None, :]]
+            held = held[:, slots]
         # 0/0 (no sample) is NaN already; a stale cell (an older bin at that position) is masked by
         # multiplying with NaN, and x * 1.0 keeps every other mean exactly.
         with np.errstate(invalid="ignore", divide="ignore"):
