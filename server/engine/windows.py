@@ -194,7 +194,6 @@ class Windows:
         # Sums and sample counts of every binned row in one array (sums first): one scatter per
         # flush and one gather per read serve both.
         self.acc = grow(None if first else self.acc, 0.0, (2 * N_BINNED, self.ring))
-        self._row_offsets = (np.arange(2 * N_BINNED) * (self.ring * cap))[:, None]
         self.bin_id = grow(None if first else self.bin_id, -1, (self.ring,), np.int64)
         self.slot_job = grow(None if first else self.slot_job, NO_JOB, (), np.int64)
         self.slot_job_since = grow(None if first else self.slot_job_since, np.nan)
@@ -539,9 +538,9 @@ class Windows:
         if not keep.all():
             self.late_dropped += int(np.count_nonzero(~keep))
             slots, bins, pos, held, derived = slots[keep], bins[keep], pos[keep], held[keep], derived[:, keep]
-        # Cells are addressed flat, row * ring * cap + pos * cap + slot: numpy's 2-d and 3-d fancy
-        # assignment costs several times more per tick than a 1-d scatter.
-        acc = self.acc.reshape(-1)
+        # Cells are addressed as columns of self.cells(), pos * cap + slot: numpy's 3-d fancy assignment
+        # costs several times more per tick than scattering columns.
+        cells = self.cells()
         cell = pos * self._cap + slots
         # A cell that held an older bin starts from zero (it is overwritten below, not cleared first).
         fresh = bins > held
@@ -553,10 +552,9 @@ class Windows:
             # Every cell once (the usual case at tick-rate sampling): scatter straight away.
             if fresh.all():
                 # Every cell starts from zero (the usual case): 0.0 + row is row + 0.0, no gather needed.
-                self.acc.reshape(len(self.acc), -1)[:, cell] = add + 0.0
+                cells[:, cell] = add + 0.0
                 return
-            at = self._row_offsets + cell
-            acc[at] = np.where(fresh, 0.0, acc[at]) + add
+            cells[:, cell] = np.where(fresh, 0.0, cells[:, cell]) + add
             return
         order = np.argsort(cell, kind="stable")
         sorted_cell = cell[order]
@@ -575,8 +573,13 @@ class Windows:
         else:
             add = add[:, order]
         # One entry per cell now, so gather-add-scatter is exact (and cheaper than fancy +=).
-        at = self._row_offsets + cell[order]
-        acc[at] = np.where(fresh[order], 0.0, acc[at]) + add
+        at = cell[order]
+        cells[:, at] = np.where(fresh[order], 0.0, cells[:, at]) + add
+
+    def cells(self) -> np.ndarray:
+        """self.acc as (row, cell) with cell = bin position * capacity + slot: a view, for scattering the
+        cells of many bins and slots at once."""
+        return self.acc.reshape(len(self.acc), -1)
 
     # -- replay ---------------------------------------------------------------------------------
     def prepare(self, prepared: PreparedFlushes) -> None:
