@@ -146,7 +146,7 @@ class Prepared:
         if (key[1:] > key[:-1]).all():
             # One row per cell, in cell order already (a tick's snapshots list GPUs in slot order).
             order = starts = np.arange(len(key))
-            first_rows = slice(None)
+            first_rows: slice | np.ndarray = slice(None)
             later = None
         else:
             order = np.argsort(key, kind="stable")
@@ -164,7 +164,7 @@ class Prepared:
         if later is not None:
             # In row order: np.add.at applies repeated indices in turn, as a sum over the rows would.
             cells_of_later = np.cumsum(first)[later] - 1
-            np.add.at(chunk.cell_sums, (slice(None), cells_of_later), _sums_and_counts(derived[:, order[later]]))
+            np.add.at(chunk.cell_sums.T, cells_of_later, _sums_and_counts(derived[:, order[later]]).T)
         chunk.cell_rows = np.diff(np.append(starts, len(key)))
         chunk.cell_bin = bins[order[starts]]
         # Slots are registered while the chunk is built, never after: the layout (_cap) holds until
