@@ -10,10 +10,13 @@ from typing import Iterator
 
 import pytest
 
-from bench.shard_restart_bench import COUNT, HOT, JOBLESS, JOBS, owner_of_job
-from gpufleet.server.shard import Shard
-from tests.agent.running import requires_victoria_metrics
-from tests.test_shards_victoriametrics import Fleet, until
+from tests.agent.running import requires_victoria_metrics, victoria_metrics_process
+from tests.shards_fleet import (
+    Fleet,
+    assert_jobless_node_on_its_hash_shard,
+    assert_jobs_split_by_owner,
+    incident_from_its_owner_alone,
+)
 
 pytestmark = requires_victoria_metrics
 
@@ -24,28 +27,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         yield Fleet(
             tmp_path_factory.mktemp("shards-dcgm"),
             stack,
+            victoria_metrics_process,
             agent_args=("--metrics.names", "dcgm"),
             server_args=("--ingest.prometheus-schema", "dcgm"),
         )
 
 
 def test_the_shards_split_dcgm_exporter_series_by_job_and_node(fleet: Fleet) -> None:
-    until(
-        "every job on some shard", lambda: set().union(*(fleet.jobs(i) for i in range(COUNT))) == set(JOBS), fleet.alive
-    )
-    for index in range(COUNT):
-        assert fleet.jobs(index) == {j for j in JOBS if owner_of_job(j) == index}
-    owner = next(i for i in range(COUNT) if Shard(i, COUNT).owns_node(JOBLESS))
-    until(
-        f"{JOBLESS} on shard {owner}",
-        lambda: JOBLESS in {n["node"] for n in fleet.get(owner, "/nodes")["nodes"]},
-        fleet.alive,
-    )
-    assert all(JOBLESS not in {n["node"] for n in fleet.get(i, "/nodes")["nodes"]} for i in range(COUNT) if i != owner)
+    assert_jobs_split_by_owner(fleet)
+    assert_jobless_node_on_its_hash_shard(fleet)
 
 
 def test_the_incident_is_raised_by_its_jobs_shard_alone(fleet: Fleet) -> None:
-    owner = owner_of_job("81004")
-    (alert,) = until(f"thermal_throttle on {HOT} from shard {owner}", lambda: fleet.hot_alerts(owner), fleet.alive)
-    assert alert["hpc_job"] == "81004"
-    assert all(fleet.get(i, "/alerts", kind="thermal_throttle")["alerts"] == [] for i in range(COUNT) if i != owner)
+    incident_from_its_owner_alone(fleet)
