@@ -378,3 +378,81 @@ def test_a_restart_into_another_part_resolves_the_stored_alerts_that_are_no_long
         make_alert(n, hpc_job=theirs, node=node).id for n, node in ((2, "dgx-01"), (3, None))
     )
     assert {a.evidence["resolved_reason"] for a in resolved} == {"its jobs belong to another shard"}
+
+
+def test_any_shard_shows_the_fleets_nodes_and_incidents_and_says_which_shard_is_missing(tmp_path) -> None:
+    from dataclasses import replace
+
+    from gpufleet.server.alerts import IncidentRole
+    from gpufleet.server.runtime import FleetView
+    from tests.server.live_fakes import make_alert
+
+    def node(name: str, gpus: int, jobs: list[str], reachable: bool = True, t: float = 4990.0) -> dict:
+        return {
+            "node": name,
+            "gpus": gpus,
+            "reachable": reachable,
+            "last_sample_time": t,
+            "lag_seconds": 5000.0 - t,
+            "hpc_jobs": jobs,
+            "open_alerts": 1,
+        }
+
+    def incident(n: int, node_: str, job: str) -> tuple:
+        cause = make_alert(n, node=node_, hpc_job=job)
+        cause = replace(cause, incident=cause.id, role=IncidentRole.CAUSE)
+        effect = replace(make_alert(n + 100, node=node_, hpc_job=job), incident=cause.id, role=IncidentRole.EFFECT)
+        return cause, effect
+
+    app0, client0 = shard_app(tmp_path, 0, [])
+    app1, client1 = shard_app(tmp_path, 1, [])
+    # `shared` runs a GPU of a job of each shard: each shard sees its own GPU of it.
+    app0.state.runtime.view = FleetView(
+        alerts=(*incident(1, "a1", "j0"), *incident(3, "shared", "j0")),
+        nodes=(node("a1", 8, ["j0"]), node("shared", 1, ["j0"], t=4980.0)),
+        evaluated_at=5000.0,
+    )
+    app1.state.runtime.view = FleetView(
+        alerts=incident(2, "b1", "j1"),
+        nodes=(node("b1", 8, ["j1"]), node("shared", 1, ["j1"], reachable=False)),
+        evaluated_at=4998.0,
+    )
+    app0.state.peers = Peers(["http://shard-1:9472"], Shard(0, 2), transport=httpx.ASGITransport(app=app1))
+
+    own = client0.get("/nodes").json()
+    assert [n["node"] for n in own["nodes"]] == ["a1", "shared"] and own["scope"] == "shard"
+    nodes = client0.get("/nodes", params={"scope": "fleet"}).json()
+    assert (nodes["scope"], nodes["shards_missing"], nodes["evaluated_at"]) == ("fleet", [], 4998.0)
+    assert [n["node"] for n in nodes["nodes"]] == ["a1", "b1", "shared"]
+    shared = nodes["nodes"][2]
+    assert (shared["gpus"], shared["hpc_jobs"], shared["reachable"], shared["open_alerts"]) == (
+        2,
+        ["j0", "j1"],
+        False,
+        2,
+    )
+    assert (shared["last_sample_time"], shared["lag_seconds"]) == (4990.0, 10.0)
+    assert nodes["targets"] == own["targets"]  # both shards pull the one agent: listed once
+
+    assert [i["cause"]["summary"] for i in client0.get("/incidents").json()["incidents"]] == ["alert 3", "alert 1"]
+    fleet = client0.get("/incidents", params={"scope": "fleet"}).json()
+    assert [i["cause"]["summary"] for i in fleet["incidents"]] == ["alert 3", "alert 2", "alert 1"]
+    assert [[e["summary"] for e in i["effects"]] for i in fleet["incidents"]] == [
+        ["alert 103"],
+        ["alert 102"],
+        ["alert 101"],
+    ]
+    assert fleet["scope"] == "fleet" and fleet["shards_missing"] == [] and fleet["shard"] == {"index": 0, "count": 2}
+    assert len(client1.get("/incidents", params={"scope": "fleet"}).json()["incidents"]) == 1  # no peers: its own
+    page = client0.get("/", params={"scope": "fleet"}).text
+    assert "<b>3</b><span class=muted>nodes</span>" in page and "<b>18</b><span class=muted>GPUs</span>" in page
+
+    app0.state.peers = Peers(
+        ["http://shard-1:9472"], Shard(0, 2), transport=httpx.MockTransport(lambda r: httpx.Response(503))
+    )
+    for path, listed in (("/nodes", "nodes"), ("/incidents", "incidents")):
+        down = client0.get(path, params={"scope": "fleet"}).json()
+        assert down["shards_missing"] == [1] and down["peer_errors"] == [
+            {"peer": "http://shard-1:9472", "error": "HTTP 503"}
+        ]
+        assert len(down[listed]) == 2  # its own part still shown
