@@ -134,8 +134,7 @@ async def get_alert(runtime: RuntimeDep, alert_id: str) -> AlertModel:
 async def list_incidents(runtime: RuntimeDep, peers: PeersDep = None, scope: Scope = "shard") -> IncidentListModel:
     """The open alerts grouped by cause, as of the engine's latest evaluation; a cause that resolved while
     its effects stay open is read from the store. This shard's, or with scope=fleet (and --shard.peers) every
-    shard's that answered, newest cause first (an incident's alerts are all of one shard: its job's, or its
-    node's)."""
+    shard's that answered, newest cause first (each shard groups the alerts it owns)."""
     listed = []
     for i in incidents(runtime.view.alerts):
         cause = i.cause
