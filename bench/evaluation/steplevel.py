@@ -32,7 +32,7 @@ import argparse
 import hashlib
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -189,7 +189,9 @@ def _levels(level: int) -> np.ndarray:
     return np.array([p[level] for p in (GAP, COMPUTE, SPIN, TRANSFER)])
 
 
-def _integrals(steps: _Steps, spec: StepSpec, rank: int, at: np.ndarray, level: int, compute_scale: float) -> np.ndarray:
+def _integrals(
+    steps: _Steps, spec: StepSpec, rank: int, at: np.ndarray, level: int, compute_scale: float
+) -> np.ndarray:
     """The integral of one signal of one rank from 0 to each time in `at`."""
     job = spec.job
     gap, comp, spin, xfer = _levels(level)
@@ -255,34 +257,32 @@ def _uuid(seed: int, rank: int) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def _gpu(spec: StepSpec, smp: _Samples, k: int, r: int, temp: float) -> dict[str, Any]:
-    power = float(smp.power[k, r])
-    return {
-        "index": r % GPUS_PER_NODE,
-        "uuid": _uuid(spec.seed, r),
-        "model": MODEL,
-        "up": True,
-        "hpc_job": spec.job.hpc_job,
-        "utilization_ratio": round(float(smp.util[k, r]), 4),
-        "sm_active_ratio": round(float(smp.sm[k, r]), 4),
-        "memory_used_bytes": 70 * 2**30,
-        "memory_free_bytes": MEMORY_TOTAL - 70 * 2**30,
-        "memory_total_bytes": MEMORY_TOTAL,
-        "temperature_celsius": round(temp),
-        "power_watts": round(power, 2),
-        "power_limit_watts": TDP_W,
-        "energy_joules_total": round(float(smp.energy[k, r]), 1),
-        "sm_clock_hertz": float(smp.clock[k, r]),
-        "sm_clock_max_hertz": CLOCK_MAX_HZ,
-        "throttle_reasons": int(smp.bits[k, r]),
-        "xid_errors_total": 0,
-    }
+def _gpu_heads(spec: StepSpec) -> list[str]:
+    """Each rank's fields that never change, as the start of its JSON object."""
+    job = "null" if spec.job.hpc_job is None else orjson.dumps(spec.job.hpc_job).decode()
+    return [
+        f'{{"index":{r % GPUS_PER_NODE},"uuid":"{_uuid(spec.seed, r)}","model":"{MODEL}","up":true,'
+        f'"hpc_job":{job},"memory_used_bytes":{70 * 2**30},"memory_free_bytes":{MEMORY_TOTAL - 70 * 2**30},'
+        f'"memory_total_bytes":{MEMORY_TOTAL},"power_limit_watts":{TDP_W},"sm_clock_max_hertz":{CLOCK_MAX_HZ},'
+        f'"xid_errors_total":0,'
+        for r in range(spec.job.size)
+    ]
+
+
+def _gpu(head: str, smp: _Samples, k: int, r: int, temp: float) -> str:
+    return (
+        f'{head}"utilization_ratio":{smp.util[k, r]:.4f},"sm_active_ratio":{smp.sm[k, r]:.4f},'
+        f'"temperature_celsius":{round(temp)},"power_watts":{smp.power[k, r]:.2f},'
+        f'"energy_joules_total":{smp.energy[k, r]:.1f},"sm_clock_hertz":{smp.clock[k, r]:.1f},'
+        f'"throttle_reasons":{smp.bits[k, r]}}}'
+    )
 
 
 def _lines(spec: StepSpec, smp: _Samples, rng: np.random.Generator) -> list[bytes]:
     R = spec.job.size
     nodes = (R + GPUS_PER_NODE - 1) // GPUS_PER_NODE
     skew = rng.uniform(0.0, min(0.5, spec.interval_s / 4), nodes)
+    heads = _gpu_heads(spec)
     # The die follows power through a first-order lag (about a minute) above a 25-30 °C inlet.
     inlet = rng.uniform(25.0, 30.0, R)
     temp = inlet + 0.055 * smp.power[0]
@@ -290,16 +290,15 @@ def _lines(spec: StepSpec, smp: _Samples, rng: np.random.Generator) -> list[byte
     out = []
     for k, t in enumerate(smp.times):
         temp = temp + alpha * (inlet + 0.055 * smp.power[k] - temp)
+        temps = temp.tolist()
         for n in range(nodes):
             ranks = range(n * GPUS_PER_NODE, min(R, (n + 1) * GPUS_PER_NODE))
-            snap = {
-                "schema": 1,
-                "node": node_name(n),
-                "time": round(spec.t0 + float(t) + float(skew[n]), 3),
-                "driver_version": "550.90.07",
-                "gpus": [_gpu(spec, smp, k, r, float(temp[r])) for r in ranks],
-            }
-            out.append(orjson.dumps(snap))
+            gpus = ",".join(_gpu(heads[r], smp, k, r, temps[r]) for r in ranks)
+            at = spec.t0 + float(t) + float(skew[n])
+            out.append(
+                f'{{"schema":1,"node":"{node_name(n)}","time":{at:.3f},"driver_version":"550.90.07",'
+                f'"gpus":[{gpus}]}}'.encode()
+            )
     return out
 
 
@@ -327,3 +326,217 @@ def generate(spec: StepSpec) -> StepTrace:
     smp = _sample(spec, steps, rng, factor)
     lines = _lines(spec, smp, rng)
     return StepTrace(spec, tuple(lines), tuple(_truths(spec, measured)), smp.util.size, factor, measured)
+
+
+# ---------------------------------------------------------------------------------------- evaluation
+
+SIZES = (16, 64, 384, 1024)
+INTERVALS_S = (1.0, 5.0)
+NOISES = (QUIET, NOISY)
+SLOWDOWNS = (0.03, 0.05, 0.10, 0.25)
+# The straggler starts once the job's offsets are learned and lasts past the five minutes it must be
+# named within; the trace ends a minute after it, so that its alert can clear.
+ONSET_S, INCIDENT_S, TAIL_S = 240.0, 330.0, 60.0
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One condition of the grid: job size, sampling, noise, job slowdown (0: healthy), attribution."""
+
+    size: int
+    interval_s: float
+    noise: Noise
+    slowdown: float
+    attributed: bool
+
+    def spec(self, seed: int) -> StepSpec:
+        rng = np.random.default_rng([seed, self.size, int(self.slowdown * 1000)])
+        hpc = str(int(rng.integers(100000, 999999))) if self.attributed else None
+        job = StepJob(self.size, hpc, step_s=float(rng.uniform(0.5, 1.2)), allreduce_s=float(rng.uniform(0.08, 0.25)))
+        straggler = (
+            StepStraggler(int(rng.integers(self.size)), ONSET_S, ONSET_S + INCIDENT_S, self.slowdown)
+            if self.slowdown > 0
+            else None
+        )
+        return StepSpec(job, straggler, self.noise, self.interval_s, ONSET_S + INCIDENT_S + TAIL_S, seed)
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    runs: int = 0
+    required: int = 0
+    found_in_time: int = 0  # required truths named within WITHIN_S
+    found: int = 0
+    tp: int = 0
+    fp: int = 0
+    ttf_s: list[float] = field(default_factory=list)
+    gpu_samples: int = 0
+    cpu_s: float = 0.0
+
+    @property
+    def recall_in_time(self) -> float | None:
+        return self.found_in_time / self.required if self.required else None
+
+
+def run_cell(run_replay: Callable[[Iterable[bytes]], list[Any]], cell: Cell, seeds: range) -> CellResult:
+    """Generate, replay and score one cell over the seeds."""
+    out = CellResult(cell)
+    for seed in seeds:
+        started = time.process_time()
+        trace = generate(cell.spec(seed))
+        alerts = run_replay(trace.lines)
+        end = trace.spec.t0 + trace.spec.duration_s
+        ks = scenarios.score(alerts, trace.truths, trace_end=end).kinds["straggler"]
+        out.runs += 1
+        out.required += ks.required
+        out.found += ks.detected
+        out.found_in_time += sum(t <= WITHIN_S for t in ks.ttf_s)
+        out.tp, out.fp = out.tp + ks.tp, out.fp + ks.fp
+        out.ttf_s += ks.ttf_s
+        out.gpu_samples += trace.gpu_samples
+        out.cpu_s += time.process_time() - started
+    return out
+
+
+def grid(quick: bool = False) -> list[Cell]:
+    """Every cell the document reports: attributed at both noises, unattributed at the quiet noise,
+    healthy jobs (slowdown 0) for false alerts. quick: the two smaller sizes only."""
+    sizes = SIZES[:2] if quick else SIZES
+    out = [
+        Cell(n, iv, noise, slow, True)
+        for n in sizes
+        for iv in INTERVALS_S
+        for noise in NOISES
+        for slow in (0.0, *SLOWDOWNS)
+    ]
+    out += [Cell(n, iv, QUIET, slow, False) for n in sizes for iv in INTERVALS_S for slow in (0.0, *SLOWDOWNS)]
+    return out
+
+
+def _f(x: float | None, pattern: str = "{:.2f}") -> str:
+    return "–" if x is None else pattern.format(x)
+
+
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+def _totals(results: list[CellResult]) -> tuple[int, int, int, int, int, list[float]]:
+    req = sum(r.required for r in results)
+    in_time = sum(r.found_in_time for r in results)
+    tp, fp = sum(r.tp for r in results), sum(r.fp for r in results)
+    runs = sum(r.runs for r in results)
+    return runs, req, in_time, tp, fp, [t for r in results for t in r.ttf_s]
+
+
+def render(results: list[CellResult], seeds: int) -> str:
+    """The Step-level model section: per job slowdown and attribution, over every size and sampling."""
+    lines = [
+        f"Generated by `python -m bench.evaluation.steplevel --seeds {seeds}`. Traces come from "
+        "`bench/evaluation/steplevel.py`, a model written apart from the suite's generator: one synchronous "
+        "job simulated step by step (each rank's compute drawn per step, every rank spinning in the "
+        "all-reduce until the slowest arrives, readings averaged over the sampling interval as NVML reports "
+        "them), so ranks move together because of the steps, not because a shared wobble is drawn. A "
+        "straggler's severity is what it costs its job: its compute factor is solved on the same draws so "
+        f"that the job's mean step time grows by that share. It starts {ONSET_S:.0f} s in and lasts "
+        f"{INCIDENT_S:.0f} s; a straggler slowing its job by {STEP_REQUIRED_SLOWDOWN:.0%} or more must be "
+        f"named, and is counted found when named within {WITHIN_S:.0f} s. Jobs of {', '.join(map(str, SIZES))} "
+        f"GPUs, sampled every {' and '.join(f'{iv:g}' for iv in INTERVALS_S)} s, {seeds} seeds per cell. "
+        f"Noise: quiet ({QUIET.rank_cv:.0%} per-rank and {QUIET.batch_cv:.0%} job-wide compute spread per "
+        f"step, sensor noise ×{QUIET.sensor:g}); noisy ({NOISY.rank_cv:.0%}, {NOISY.batch_cv:.0%}, "
+        f"×{NOISY.sensor:g}). False alerts count every straggler alert on a GPU that was not slowed.",
+        "",
+        "| job slowdown | attribution | noise | runs | required | named within 5 min | recall within 5 min "
+        "| TP | FP | precision | median time to fire (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted(
+        {(r.cell.slowdown, r.cell.attributed, r.cell.noise.name) for r in results}, key=lambda k: (k[0], not k[1], k[2])
+    )
+    for slow, att, noise in keys:
+        rows = [r for r in results if (r.cell.slowdown, r.cell.attributed, r.cell.noise.name) == (slow, att, noise)]
+        runs, req, in_time, tp, fp, ttf = _totals(rows)
+        prec = tp / (tp + fp) if tp + fp else None
+        lines.append(
+            f"| {'healthy' if slow == 0 else f'{slow:.0%}'} | {'hpc_job' if att else 'none'} | {noise} | {runs} | "
+            f"{req} | {in_time} | {_f(in_time / req if req else None)} | {tp} | {fp} | {_f(prec)} | "
+            f"{_f(_median(ttf), '{:.0f}')} |"
+        )
+    cpu = sum(r.cpu_s for r in results)
+    samples = sum(r.gpu_samples for r in results)
+    lines += ["", f"{len(results)} cells, {samples:,} GPU-samples, {cpu / 60:.0f} min of CPU (generation and replay)."]
+    return "\n".join(lines)
+
+
+def render_limit(results: list[CellResult], seeds: int) -> str:
+    """The detection-limit table: per job size, sampling and noise (attributed), the smallest job
+    slowdown named within five minutes in every seed, and its median time to fire."""
+    lines = [
+        f"Generated by `python -m bench.evaluation.steplevel --seeds {seeds}` (the step-level model above, "
+        "jobs with `hpc_job`). Per job size, sampling interval and noise: the smallest job slowdown of "
+        f"{', '.join(f'{s:.0%}' for s in SLOWDOWNS)} whose straggler was named within {WITHIN_S:.0f} s in "
+        f"every one of the {seeds} seeds (and every larger one too), its median time to fire, and the false "
+        "straggler alerts over all of that cell's runs, healthy ones included.",
+        "",
+        "| job GPUs | sampling (s) | noise | smallest slowdown named every time | median time to fire (s) | "
+        "named within 5 min, per slowdown | false alerts |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    attributed = [r for r in results if r.cell.attributed]
+    for size in sorted({r.cell.size for r in attributed}):
+        for iv in sorted({r.cell.interval_s for r in attributed}):
+            for noise in [n for n in NOISES if any(r.cell.noise == n for r in attributed)]:
+                row = sorted(
+                    (r for r in attributed if (r.cell.size, r.cell.interval_s, r.cell.noise) == (size, iv, noise)),
+                    key=lambda r: r.cell.slowdown,
+                )
+                stragglers = [r for r in row if r.cell.slowdown > 0]
+                limit = None
+                for i, r in enumerate(stragglers):
+                    if all(x.required and x.found_in_time == x.required for x in stragglers[i:]):
+                        limit = r
+                        break
+                per = ", ".join(f"{r.cell.slowdown:.0%}: {r.found_in_time}/{r.required}" for r in stragglers)
+                fp = sum(r.fp for r in row)
+                lines.append(
+                    f"| {size} | {iv:g} | {noise.name} | {'not reached' if limit is None else f'{limit.cell.slowdown:.0%}'} | "
+                    f"{'–' if limit is None else _f(_median(limit.ttf_s), '{:.0f}')} | {per} | {fp} |"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point."""
+    ap = argparse.ArgumentParser(prog="python -m bench.evaluation.steplevel", description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=5, help="seeds per cell (default 5)")
+    ap.add_argument("--quick", action="store_true", help="the two smaller job sizes only (implies --no-write)")
+    ap.add_argument("--no-write", action="store_true", help=f"do not update {DOC.name}")
+    ap.add_argument("--doc", type=Path, default=DOC, help="markdown file to update")
+    args = ap.parse_args(argv)
+    if args.seeds < 1:
+        ap.error("--seeds must be at least 1")
+    from gpufleet.server.replay import run_replay
+
+    results = []
+    for cell in grid(args.quick):
+        r = run_cell(run_replay, cell, range(args.seeds))
+        results.append(r)
+        print(
+            f"{cell.size:5d} GPUs {cell.interval_s:g} s {cell.noise.name:5s} {cell.slowdown:4.0%} "
+            f"{'attributed' if cell.attributed else 'unattributed'}: {r.found_in_time}/{r.required} in time, "
+            f"{r.fp} false, {r.cpu_s:.1f} s CPU",
+            file=sys.stderr,
+            flush=True,
+        )
+    body, limit = render(results, args.seeds), render_limit(results, args.seeds)
+    print(body + "\n\n" + limit)
+    if not args.no_write and not args.quick:
+        SECTION.write(args.doc, body, "Evaluation")
+        LIMIT_SECTION.write(args.doc, limit, "Evaluation")
+        print(f"\nwrote {args.doc}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
