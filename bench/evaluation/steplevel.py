@@ -269,12 +269,13 @@ def _gpu_heads(spec: StepSpec) -> list[str]:
     ]
 
 
-def _gpu(head: str, smp: _Samples, k: int, r: int, temp: float) -> str:
+def _gpu(head: str, row: tuple[list, ...], r: int, temp: float) -> str:
+    util, sm, power, energy, clock, bits = row
     return (
-        f'{head}"utilization_ratio":{smp.util[k, r]:.4f},"sm_active_ratio":{smp.sm[k, r]:.4f},'
-        f'"temperature_celsius":{round(temp)},"power_watts":{smp.power[k, r]:.2f},'
-        f'"energy_joules_total":{smp.energy[k, r]:.1f},"sm_clock_hertz":{smp.clock[k, r]:.1f},'
-        f'"throttle_reasons":{smp.bits[k, r]}}}'
+        f'{head}"utilization_ratio":{util[r]:.4f},"sm_active_ratio":{sm[r]:.4f},'
+        f'"temperature_celsius":{round(temp)},"power_watts":{power[r]:.2f},'
+        f'"energy_joules_total":{energy[r]:.1f},"sm_clock_hertz":{clock[r]:.1f},'
+        f'"throttle_reasons":{bits[r]}}}'
     )
 
 
@@ -291,9 +292,10 @@ def _lines(spec: StepSpec, smp: _Samples, rng: np.random.Generator) -> list[byte
     for k, t in enumerate(smp.times):
         temp = temp + alpha * (inlet + 0.055 * smp.power[k] - temp)
         temps = temp.tolist()
+        row = tuple(a[k].tolist() for a in (smp.util, smp.sm, smp.power, smp.energy, smp.clock, smp.bits))
         for n in range(nodes):
             ranks = range(n * GPUS_PER_NODE, min(R, (n + 1) * GPUS_PER_NODE))
-            gpus = ",".join(_gpu(heads[r], smp, k, r, temps[r]) for r in ranks)
+            gpus = ",".join(_gpu(heads[r], row, r, temps[r]) for r in ranks)
             at = spec.t0 + float(t) + float(skew[n])
             out.append(
                 f'{{"schema":1,"node":"{node_name(n)}","time":{at:.3f},"driver_version":"550.90.07",'
@@ -400,18 +402,49 @@ def run_cell(run_replay: Callable[[Iterable[bytes]], list[Any]], cell: Cell, see
 
 
 def grid(quick: bool = False) -> list[Cell]:
-    """Every cell the document reports: attributed at both noises, unattributed at the quiet noise,
-    healthy jobs (slowdown 0) for false alerts. quick: the two smaller sizes only."""
+    """Every cell the document reports: healthy jobs (slowdown 0) for false alerts and each straggler
+    slowdown, attributed at both noises, unattributed at the quiet noise. The largest job at 1 s sampling
+    (its traces the costliest) runs the quiet noise only, and unattributed jobs of 384 GPUs or more run
+    5 s sampling only. quick: the two smaller sizes only."""
     sizes = SIZES[:2] if quick else SIZES
+    slows = (0.0, *SLOWDOWNS)
     out = [
         Cell(n, iv, noise, slow, True)
         for n in sizes
         for iv in INTERVALS_S
         for noise in NOISES
-        for slow in (0.0, *SLOWDOWNS)
+        for slow in slows
+        if not (n >= 1024 and iv < 5.0 and noise is not QUIET)
     ]
-    out += [Cell(n, iv, QUIET, slow, False) for n in sizes for iv in INTERVALS_S for slow in (0.0, *SLOWDOWNS)]
+    out += [
+        Cell(n, iv, QUIET, slow, False) for n in sizes for iv in INTERVALS_S for slow in slows if n < 384 or iv >= 5.0
+    ]
     return out
+
+
+def _cell_key(cell: Cell, seeds: int) -> str:
+    return f"{cell.size}/{cell.interval_s:g}/{cell.noise.name}/{cell.slowdown:g}/{int(cell.attributed)}/{seeds}"
+
+
+def _cached(path: Path | None) -> dict[str, dict[str, Any]]:
+    """Cell results of an earlier run of the same code (--cache), by cell and seed count."""
+    if path is None or not path.exists():
+        return {}
+    return {row["key"]: row for row in map(orjson.loads, path.read_bytes().splitlines()) if row}
+
+
+def _restore(cell: Cell, row: dict[str, Any]) -> CellResult:
+    fields = ("runs", "required", "found_in_time", "found", "tp", "fp", "ttf_s", "gpu_samples", "cpu_s")
+    return CellResult(cell, **{f: row[f] for f in fields})
+
+
+def _store(path: Path | None, key: str, r: CellResult) -> None:
+    if path is None:
+        return
+    row = {f: getattr(r, f) for f in ("runs", "required", "found_in_time", "found", "tp", "fp", "ttf_s")}
+    row.update(key=key, gpu_samples=r.gpu_samples, cpu_s=r.cpu_s)
+    with open(path, "ab") as fh:
+        fh.write(orjson.dumps(row) + b"\n")
 
 
 def _f(x: float | None, pattern: str = "{:.2f}") -> str:
@@ -513,14 +546,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the two smaller job sizes only (implies --no-write)")
     ap.add_argument("--no-write", action="store_true", help=f"do not update {DOC.name}")
     ap.add_argument("--doc", type=Path, default=DOC, help="markdown file to update")
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="keep each cell's result in FILE and reuse those found there (a run resumed with the same code)",
+    )
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
     from gpufleet.server.replay import run_replay
 
-    results = []
+    results, cache = [], _cached(args.cache)
     for cell in grid(args.quick):
+        key = _cell_key(cell, args.seeds)
+        if key in cache:
+            results.append(_restore(cell, cache[key]))
+            continue
         r = run_cell(run_replay, cell, range(args.seeds))
+        _store(args.cache, key, r)
         results.append(r)
         print(
             f"{cell.size:5d} GPUs {cell.interval_s:g} s {cell.noise.name:5s} {cell.slowdown:4.0%} "
