@@ -511,7 +511,8 @@ def render_limit(results: list[CellResult], seeds: int) -> str:
         "jobs with `hpc_job`). Per job size, sampling interval and noise: the smallest job slowdown of "
         f"{', '.join(f'{s:.0%}' for s in SLOWDOWNS)} whose straggler was named within {WITHIN_S:.0f} s in "
         f"every one of the {seeds} seeds (and every larger one too), its median time to fire, and the false "
-        "straggler alerts over all of that cell's runs, healthy ones included.",
+        "straggler alerts over all of that cell's runs, healthy ones included. Conditions the grid does not "
+        "run (steplevel.grid: the costliest traces) have no row or no figure.",
         "",
         "| job GPUs | sampling (s) | noise | smallest slowdown named every time | median time to fire (s) | "
         "named within 5 min, per slowdown | false alerts |",
@@ -526,6 +527,8 @@ def render_limit(results: list[CellResult], seeds: int) -> str:
                     key=lambda r: r.cell.slowdown,
                 )
                 stragglers = [r for r in row if r.cell.slowdown > 0]
+                if not stragglers:
+                    continue
                 limit = None
                 for i, r in enumerate(stragglers):
                     if all(x.required and x.found_in_time == x.required for x in stragglers[i:]):
