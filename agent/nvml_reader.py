@@ -34,6 +34,7 @@ from gpufleet.agent.nvml_fields import THROTTLE_READINGS, FieldBatch, FieldEntry
 from gpufleet.agent.nvml_meter import MeteredNvml
 from gpufleet.agent.nvml_values import INVALID, CounterTracker, base_name, convert
 from gpufleet.agent.readings import READINGS, PerLinkField
+from gpufleet.agent.sample_build import build_sample
 from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET, EVERY_CYCLE, FAST_READINGS, INTEGRATED, Plan, Unit, due, fit
 from gpufleet.agent.xid import XID_READING, XidStore, XidWatcher
 
@@ -573,12 +574,16 @@ class NvmlReader:
         resets = self._counters.check(gpu.key, fields)
         if ages:
             fields["slow_readings_age_seconds"] = MappingProxyType(ages)
-        return GpuSample(**self._identity(gpu), counter_resets=resets, **fields)
+        fields.update(self._identity(gpu))
+        fields["counter_resets"] = resets
+        return build_sample(fields)
 
     def _links(self, gpu: _Gpu, name: str, values: Mapping[str, Any]) -> tuple[int | None, ...]:
         """Per-link counters in link order; () when disabled or no link is supported."""
+        if not self._per_link:
+            return ()
         readings = [f"{name}.{i}" for i in range(gpu.link_count or 0)]
-        if not self._per_link or not any(gpu.supported.get(r) for r in readings):
+        if not any(gpu.supported.get(r) for r in readings):
             return ()
         return tuple(values.get(r) for r in readings)
 

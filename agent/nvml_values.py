@@ -59,22 +59,29 @@ class CounterTracker:
     def check(self, uuid: str, values: Mapping[str, Any]) -> tuple[str, ...]:
         """Names in `values` whose counters decreased since this GPU's previous check."""
         backwards: set[str] = set()
+        last = self._last
         for name, key, value in _flatten(values):
             slot = (uuid, name, key)
-            previous = self._last.get(slot)
+            previous = last.get(slot)
             if previous is not None and value < previous:
                 backwards.add(name)
-            self._last[slot] = value
-        return tuple(sorted(backwards))
+            last[slot] = value
+        return tuple(sorted(backwards)) if backwards else ()
+
+
+# The counter readings, from the table once: a sample's other fields are never looked at.
+_COUNTERS = tuple(name for name, rule in RULES.items() if rule.counter)
 
 
 def _flatten(values: Mapping[str, Any]) -> Iterator[tuple[str, Any, float]]:
     """(name, key, value) for every present counter value, looking inside per-reason/per-link fields."""
-    for name, value in values.items():
-        rule = RULES.get(name)
-        if rule is None or not rule.counter:
+    for name in _COUNTERS:
+        value = values.get(name)
+        if value is None:
             continue
-        if isinstance(value, Mapping):
+        if type(value) is int or type(value) is float:  # most counters; skips the ABC check below
+            yield name, None, value
+        elif isinstance(value, Mapping):
             yield from ((name, key, v) for key, v in value.items() if v is not None)
         elif isinstance(value, tuple):
             yield from ((name, i, v) for i, v in enumerate(value) if v is not None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
@@ -22,6 +21,7 @@ from gpufleet.agent.model import GpuSample, NodeSnapshot
 from gpufleet.agent.nvml_reader import NvmlUnavailable
 from gpufleet.agent.record import Recorder
 from gpufleet.agent.render_on_demand import RenderOnDemand
+from gpufleet.agent.sample_build import replace_sample
 from gpufleet.agent.store import Publication, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class Sampler:
             pod = attributor.pod_for(pids)
             namespace, name = (pod.namespace, pod.name) if pod is not None else (None, None)
             if (job, namespace, name) != (gpu.hpc_job, gpu.kubernetes_namespace, gpu.kubernetes_pod):
-                gpu = dataclasses.replace(gpu, hpc_job=job, kubernetes_namespace=namespace, kubernetes_pod=name)
+                gpu = replace_sample(gpu, {"hpc_job": job, "kubernetes_namespace": namespace, "kubernetes_pod": name})
             out.append(gpu)
         attributor.end_cycle()
         return tuple(out)
