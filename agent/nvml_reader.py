@@ -73,6 +73,10 @@ class _Gpu:
     # Last value of every reading and the (clock) time it was read: what a cycle not due to read it shows.
     held: dict[str, Any] = field(default_factory=dict)
     read_at: dict[str, float] = field(default_factory=dict)
+    # Every static limit read or found unsupported: later polls skip looking (it stays so until re-open).
+    static_done: bool = False
+    # Field entries polled together -> each reading's share of the batch's CPU (costs are fixed at open).
+    batch_shares: dict[tuple[str, ...], tuple[tuple[str, float], ...]] = field(default_factory=dict)
 
     @property
     def uuid(self) -> str:
@@ -122,6 +126,7 @@ class NvmlReader:
         self._xid_store = XidStore()
         self._counters = CounterTracker()
         self._logged: set[tuple[str, str, str]] = set()
+        self._unit_names: dict[str, str] = {}  # reading -> its read unit's name, learned as readings are held
         self._gpus: list[_Gpu] = []
         self._xid: XidWatcher | None = None
         self._versions: dict[str, str | None] = {}
@@ -431,11 +436,11 @@ class NvmlReader:
         ages: dict[str, float] = {}
         if len(values) == len(gpu.held):
             return ages
-        read_at = gpu.read_at
+        read_at, units = gpu.read_at, self._unit_names
         for reading, value in gpu.held.items():
             if reading not in values:
                 values[reading] = value
-                name = _UNIT_OF.get(reading) or base_name(reading)
+                name = units.get(reading) or units.setdefault(reading, _UNIT_OF.get(reading) or base_name(reading))
                 ages[name] = max(ages.get(name, 0.0), round(now - read_at[reading], 3))
         return ages
 
@@ -459,11 +464,16 @@ class NvmlReader:
     def _read_missing_static(self, gpu: _Gpu) -> None:
         """Read the static limits not known yet: at open, and on later polls after a transient failure
         (Timeout, Unknown, ...), which would otherwise leave a limit null until NVML is next re-opened."""
+        if gpu.static_done:
+            return
+        missing = False
         for call in STATIC:
             if gpu.wants(call.readings) and not all(r in gpu.static for r in call.readings):
                 raw = self._guard(gpu, call.readings, call.fetch, self._nvml, gpu.handle)
                 if raw is not _MISSING:
                     self._convert_into(gpu, zip(call.readings, raw), gpu.static)
+                missing = missing or not all(r in gpu.static for r in call.readings)
+        gpu.static_done = not missing and gpu.up
 
     def _poll_calls(
         self, gpu: _Gpu, values: dict[str, Any], *, asked: list[str] | None = None, timed: bool = False
@@ -507,13 +517,13 @@ class NvmlReader:
         spent = self._meter.last_call_ns(_FIELD_CALL)
         if not spent:
             return
-        weights = {e.reading: gpu.costs.get(e.reading, 0.0) for e in entries}
-        total = sum(weights.values())
+        readings = tuple(e.reading for e in entries)
+        fractions = gpu.batch_shares.get(readings)
+        if fractions is None:
+            fractions = gpu.batch_shares[readings] = _batch_fractions(gpu.costs, readings)
         shares: dict[str, int] = {}
-        for reading, weight in weights.items():
-            name = base_name(reading) if base_name(reading) in _LINK_FIELDS else reading
-            share = spent * weight / total if total > 0 else spent / len(weights)
-            shares[name] = shares.get(name, 0) + int(share)
+        for name, fraction in fractions:
+            shares[name] = shares.get(name, 0) + int(spent * fraction)
         self._meter.attribute(_FIELD_CALL, shares)
 
     def _poll_gpm(self, gpu: _Gpu, values: dict[str, Any], asked: list[str]) -> None:
@@ -671,6 +681,17 @@ class NvmlReader:
                 self._nvml.nvmlShutdown()
             except Exception:  # noqa: BLE001 - the library may already be gone
                 log.debug("nvmlShutdown failed", exc_info=True)
+
+
+def _batch_fractions(costs: Mapping[str, float], readings: tuple[str, ...]) -> tuple[tuple[str, float], ...]:
+    """Each reading's share of a batch's CPU by what it cost alone (per-link counters under their name)."""
+    weights = [costs.get(r, 0.0) for r in readings]
+    total = sum(weights)
+    out = []
+    for reading, weight in zip(readings, weights):
+        name = base_name(reading) if base_name(reading) in _LINK_FIELDS else reading
+        out.append((name, weight / total if total > 0 else 1 / len(readings)))
+    return tuple(out)
 
 
 def _unit_readings(key: str) -> tuple[str, ...]:
