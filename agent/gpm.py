@@ -19,6 +19,15 @@ from gpufleet.agent.readings import READINGS, GpmMetric
 GPM_METRICS = tuple((r.name, r.source.metric_id) for r in READINGS if isinstance(r.source, GpmMetric))
 GPM_READINGS = tuple(reading for reading, _ in GPM_METRICS)
 
+# Straight to the ctypes descriptors: pynvml's printable structures run Python in __getattribute__ and
+# __setattr__ for every member, more than the rest of a poll's handling of each metric.
+_REQUEST = pynvml.c_nvmlGpmMetricsGet_t
+_SET_SAMPLE1 = _REQUEST.sample1.__set__
+_SET_SAMPLE2 = _REQUEST.sample2.__set__
+_GET_METRICS = _REQUEST.metrics.__get__
+_GET_RETURN = pynvml.c_nvmlGpmMetric_t.nvmlReturn.__get__
+_GET_VALUE = pynvml.c_nvmlGpmMetric_t.value.__get__
+
 
 class GpmSampler:
     """Two reused GPM sample buffers and one reused metrics request for one GPU."""
@@ -71,17 +80,19 @@ class GpmSampler:
         self._current = 1 - self._current
         if not had_previous or not self._wanted:
             return None
-        self._request.sample1, self._request.sample2 = previous, current
+        _SET_SAMPLE1(self._request, previous)
+        _SET_SAMPLE2(self._request, current)
         self._nvml.nvmlGpmMetricsGet(self._request)
         return self._collect()
 
     def _collect(self) -> dict[str, tuple[int, float | None]]:
         """Each wanted metric's own return code and value."""
         out: dict[str, tuple[int, float | None]] = {}
+        metrics = _GET_METRICS(self._request)
         for i, (reading, _) in enumerate(self._wanted):
-            metric = self._request.metrics[i]
-            code = int(metric.nvmlReturn)
-            out[reading] = (code, float(metric.value) if code == SUCCESS else None)
+            metric = metrics[i]
+            code = int(_GET_RETURN(metric))
+            out[reading] = (code, float(_GET_VALUE(metric)) if code == SUCCESS else None)
         return out
 
     def free(self) -> None:

@@ -12,6 +12,7 @@ sampler closes and re-opens with backoff). Used from one sampler thread; XID eve
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -47,6 +48,8 @@ _THROTTLE_PREFIX = "throttle_seconds_total."
 # A read unit (one call, one field id, or GPM) is named after the first reading it fills.
 _GPM_UNIT = GPM_READINGS[0]
 _UNIT_OF = {**{r: call.readings[0] for call in POLLED for r in call.readings}, **dict.fromkeys(GPM_READINGS, _GPM_UNIT)}
+# Each reason's bit as a plain int: an IntFlag's & runs enum code on every cycle.
+_THROTTLE_BITS = {key: int(reason) for key, reason in THROTTLE_READINGS.items()}
 _FIELD_PROBES = 2  # each field id timed twice alone, the lower figure kept
 _FIELD_CALL = "nvmlDeviceGetFieldValues"
 
@@ -73,6 +76,8 @@ class _Gpu:
     # Last value of every reading and the (clock) time it was read: what a cycle not due to read it shows.
     held: dict[str, Any] = field(default_factory=dict)
     read_at: dict[str, float] = field(default_factory=dict)
+    # The plan's read units not due in a cycle, by cycle modulo the schedule's length (empty: none fitted).
+    resting: tuple[frozenset[str], ...] = ()
     # Every static limit read or found unsupported: later polls skip looking (it stays so until re-open).
     static_done: bool = False
     # Field entries polled together -> each reading's share of the batch's CPU (costs are fixed at open).
@@ -193,6 +198,8 @@ class NvmlReader:
             self._gpus = [self._open_gpu(i) for i in range(int(count))]
             self._plan = self._fit_tiers()
             self._from_mask = tuple(k for k, p in self._plan.periods.items() if p == INTEGRATED)
+            for gpu in self._gpus:
+                gpu.resting = _resting_schedule(self._plan.periods, gpu.index)
             self._capabilities = None
             self._xid.start()
         except BaseException:  # leave nothing half-open behind: no thread, no initialised library
@@ -421,6 +428,9 @@ class NvmlReader:
         return self._build(gpu, values, ages)
 
     def _due(self, gpu: _Gpu, key: str) -> bool:
+        resting = gpu.resting
+        if resting:
+            return key not in resting[self._cycle % len(resting)]
         return due(self._plan.period(key), self._cycle, gpu.index)
 
     def _hold(self, gpu: _Gpu, values: Mapping[str, Any], asked: Iterable[str], now: float) -> None:
@@ -437,11 +447,16 @@ class NvmlReader:
         if len(values) == len(gpu.held):
             return ages
         read_at, units = gpu.read_at, self._unit_names
+        oldest: dict[str, float] = {}  # unit -> when its least recently read reading was read
         for reading, value in gpu.held.items():
             if reading not in values:
                 values[reading] = value
                 name = units.get(reading) or units.setdefault(reading, _UNIT_OF.get(reading) or base_name(reading))
-                ages[name] = max(ages.get(name, 0.0), round(now - read_at[reading], 3))
+                at = read_at[reading]
+                if at < oldest.get(name, at + 1.0):
+                    oldest[name] = at
+        for name, at in oldest.items():
+            ages[name] = max(0.0, round(now - at, 3))
         return ages
 
     def _integrate_throttle(self, gpu: _Gpu, values: dict[str, Any], now: float) -> None:
@@ -456,7 +471,7 @@ class NvmlReader:
             # One missed cycle is normal; a longer gap is unknown time, not throttled time.
             step = 0.0 if last is None else min(max(now - last, 0.0), 2 * self._interval)
             for key in integrated:
-                totals[key] = totals.get(key, 0.0) + (step if mask & THROTTLE_READINGS[key] else 0.0)
+                totals[key] = totals.get(key, 0.0) + (step if mask & _THROTTLE_BITS[key] else 0.0)
         for key in integrated:
             if gpu.supported.get(key, True) and key in totals:
                 values[key] = totals[key]
@@ -681,6 +696,24 @@ class NvmlReader:
                 self._nvml.nvmlShutdown()
             except Exception:  # noqa: BLE001 - the library may already be gone
                 log.debug("nvmlShutdown failed", exc_info=True)
+
+
+_MAX_SCHEDULE_CYCLES = 3600
+
+
+def _resting_schedule(periods: Mapping[str, int], offset: int) -> tuple[frozenset[str], ...]:
+    """For each cycle of the plan's repeat, the units not due then (tiers.due, worked out once at open, so a
+    cycle asks a set rather than the plan for each unit). Empty where the repeat is longer than an hour's
+    cycles, or the plan reads everything every cycle."""
+    length = math.lcm(*(p for p in periods.values() if p > 1)) if any(p > 1 for p in periods.values()) else 1
+    if length > _MAX_SCHEDULE_CYCLES or all(p == 1 for p in periods.values()):
+        return ()
+    shared: dict[frozenset[str], frozenset[str]] = {}
+    schedule = []
+    for cycle in range(length):
+        resting = frozenset(k for k, p in periods.items() if not due(p, cycle, offset))
+        schedule.append(shared.setdefault(resting, resting))
+    return tuple(schedule)
 
 
 def _batch_fractions(costs: Mapping[str, float], readings: tuple[str, ...]) -> tuple[tuple[str, float], ...]:

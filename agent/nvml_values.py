@@ -60,12 +60,23 @@ class CounterTracker:
         """Names in `values` whose counters decreased since this GPU's previous check."""
         backwards: set[str] = set()
         last = self._last
-        for name, key, value in _flatten(values):
-            slot = (uuid, name, key)
-            previous = last.get(slot)
-            if previous is not None and value < previous:
-                backwards.add(name)
-            last[slot] = value
+        for name in _COUNTERS:
+            value = values.get(name)
+            if value is None:
+                continue
+            if type(value) is int or type(value) is float:  # most counters: no generator, no ABC check
+                slot: tuple[str, str, Any] = (uuid, name, None)
+                previous = last.get(slot)
+                if previous is not None and value < previous:
+                    backwards.add(name)
+                last[slot] = value
+                continue
+            for _, key, item in _flatten({name: value}):
+                slot = (uuid, name, key)
+                previous = last.get(slot)
+                if previous is not None and item < previous:
+                    backwards.add(name)
+                last[slot] = item
         return tuple(sorted(backwards)) if backwards else ()
 
 
