@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from gpufleet.agent.gpm import GPM_READINGS, GpmSampler
 from gpufleet.agent.model import GpuSample
-from gpufleet.agent.nvml_calls import IDENTITY, POLLED, STATIC, cuda_version_text, text
+from gpufleet.agent.nvml_calls import IDENTITY, POLLED, STATIC, Call, cuda_version_text, text
 from gpufleet.agent.nvml_errors import (
     GPU_IS_LOST,
     INVALID_VALUE,
@@ -76,6 +76,8 @@ class _Gpu:
     # Last value of every reading and the (clock) time it was read: what a cycle not due to read it shows.
     held: dict[str, Any] = field(default_factory=dict)
     read_at: dict[str, float] = field(default_factory=dict)
+    # The per-poll calls whose readings are all supported; None: to be worked out.
+    polled: tuple[Call, ...] | None = None
     # The plan's read units not due in a cycle, by cycle modulo the schedule's length (empty: none fitted).
     resting: tuple[frozenset[str], ...] = ()
     # Every static limit read or found unsupported: later polls skip looking (it stays so until re-open).
@@ -493,9 +495,12 @@ class NvmlReader:
     def _poll_calls(
         self, gpu: _Gpu, values: dict[str, Any], *, asked: list[str] | None = None, timed: bool = False
     ) -> None:
-        for call in POLLED:
+        wanted = gpu.polled
+        if wanted is None:  # worked out again only after a reading is found unsupported
+            wanted = gpu.polled = tuple(call for call in POLLED if gpu.wants(call.readings))
+        for call in wanted:
             key = call.readings[0]
-            if gpu.wants(call.readings) and (asked is None or self._due(gpu, key)):
+            if gpu.up and (asked is None or self._due(gpu, key)):
                 if asked is not None:
                     asked.extend(call.readings)
                 started = time.thread_time_ns() if timed else 0
@@ -558,7 +563,11 @@ class NvmlReader:
         failed: dict[int | None, list[str]] = {}
         for reading, code, raw in results:
             if code == SUCCESS:
-                self._convert_into(gpu, [(reading, raw)], values)
+                value = convert(reading, raw)
+                if value is INVALID:
+                    self._count(gpu, (reading,), INVALID_VALUE, f"value {raw!r}")
+                else:
+                    values[reading] = value
             else:
                 failed.setdefault(code, []).append(reading)
         for code, readings in failed.items():
@@ -589,9 +598,15 @@ class NvmlReader:
         return GpuSample(up=False, **self._identity(gpu))
 
     def _build(self, gpu: _Gpu, values: dict[str, Any], ages: dict[str, float]) -> GpuSample:
-        fields = {k: v for k, v in values.items() if "." not in k}
+        fields: dict[str, Any] = {}
+        throttle: dict[str, Any] = {}
+        skip = len(_THROTTLE_PREFIX)
+        for k, v in values.items():  # one pass: the model's own fields, and the throttle reasons
+            if "." not in k:
+                fields[k] = v
+            elif k.startswith(_THROTTLE_PREFIX):
+                throttle[k[skip:]] = v
         fields.update(gpu.static)
-        throttle = {k[len(_THROTTLE_PREFIX) :]: v for k, v in values.items() if k.startswith(_THROTTLE_PREFIX)}
         fields["throttle_seconds_total"] = MappingProxyType(throttle)
         for name in _LINK_FIELDS:
             fields[name] = self._links(gpu, name, values)
@@ -656,6 +671,7 @@ class NvmlReader:
         readings = tuple(readings)
         newly = [r for r in readings if gpu.supported.get(r, True)]
         gpu.supported.update(dict.fromkeys(readings, False))
+        gpu.polled = None
         self._capabilities = None
         for reading in readings:
             gpu.held.pop(reading, None)

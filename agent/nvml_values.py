@@ -30,7 +30,7 @@ def base_name(reading: str) -> str:
 
 def convert(reading: str, raw: Any) -> Any:
     """The model value for a raw NVML number, or INVALID when it is not a sane number."""
-    rule = RULES[base_name(reading)]
+    rule = RULES.get(reading) or RULES[base_name(reading)]
     if isinstance(raw, bool) or not isinstance(raw, (int, float)):
         return INVALID
     if rule.flag:
