@@ -226,7 +226,8 @@ class NvmlReader:
 
     def compute_pids(self, index: int) -> tuple[int, ...]:
         """PIDs of the compute processes on GPU `index`; () on any error."""
-        gpu = next((g for g in self._gpus if g.index == index), None)
+        gpus = self._gpus
+        gpu = gpus[index] if 0 <= index < len(gpus) and gpus[index].index == index else None
         if gpu is None or not gpu.up or not self._is_open:
             return ()
         try:
