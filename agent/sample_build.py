@@ -33,7 +33,7 @@ def build_sample(values: Mapping[str, Any]) -> GpuSample:
     full = dict(_DEFAULTS)
     for name, factory in _FACTORIES:
         if name not in values:
-            full[name] = factory()  # type: ignore[misc]
+            full[name] = factory()
     full.update(values)
     sample = _new(GpuSample)
     for store, name in zip(_SETTERS, _NAMES):
