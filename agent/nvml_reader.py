@@ -134,6 +134,8 @@ class NvmlReader:
         self._counters = CounterTracker()
         self._logged: set[tuple[str, str, str]] = set()
         self._unit_names: dict[str, str] = {}  # reading -> its read unit's name, learned as readings are held
+        # GPU index -> the attribution fields the sampler last gave it (see label()).
+        self._labels: dict[int, dict[str, str | None]] = {}
         self._gpus: list[_Gpu] = []
         self._xid: XidWatcher | None = None
         self._versions: dict[str, str | None] = {}
@@ -223,6 +225,11 @@ class NvmlReader:
         except NvmlUnavailable:
             self.close()
             raise
+
+    def label(self, index: int, hpc_job: str | None, namespace: str | None, pod: str | None) -> None:
+        """The job and pod the sampler attributed GPU `index` to, carried into its next samples: while they
+        hold, the sampler finds them in place and builds no second sample to add them."""
+        self._labels[index] = {"hpc_job": hpc_job, "kubernetes_namespace": namespace, "kubernetes_pod": pod}
 
     def compute_pids(self, index: int) -> tuple[int, ...]:
         """PIDs of the compute processes on GPU `index`; () on any error."""
@@ -617,6 +624,7 @@ class NvmlReader:
             fields["slow_readings_age_seconds"] = MappingProxyType(ages)
         fields.update(self._identity(gpu))
         fields["counter_resets"] = resets
+        fields.update(self._labels.get(gpu.index, {}))
         return build_sample(fields)
 
     def _links(self, gpu: _Gpu, name: str, values: Mapping[str, Any]) -> tuple[int | None, ...]:

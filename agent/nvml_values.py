@@ -54,29 +54,30 @@ class CounterTracker:
     """Remembers each GPU's last counter values and names the counters that went backwards."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[str, str, Any], float] = {}
+        # GPU -> counter (its name, or (name, key) inside a per-reason or per-link field) -> last value.
+        self._last: dict[str, dict[Any, float]] = {}
 
     def check(self, uuid: str, values: Mapping[str, Any]) -> tuple[str, ...]:
         """Names in `values` whose counters decreased since this GPU's previous check."""
         backwards: set[str] = set()
-        last = self._last
+        last = self._last.get(uuid)
+        if last is None:
+            last = self._last[uuid] = {}
         for name in _COUNTERS:
             value = values.get(name)
             if value is None:
                 continue
             if type(value) is int or type(value) is float:  # most counters: no generator, no ABC check
-                slot: tuple[str, str, Any] = (uuid, name, None)
-                previous = last.get(slot)
+                previous = last.get(name)
                 if previous is not None and value < previous:
                     backwards.add(name)
-                last[slot] = value
+                last[name] = value
                 continue
             for _, key, item in _flatten({name: value}):
-                slot = (uuid, name, key)
-                previous = last.get(slot)
+                previous = last.get((name, key))
                 if previous is not None and item < previous:
                     backwards.add(name)
-                last[slot] = item
+                last[(name, key)] = item
         return tuple(sorted(backwards)) if backwards else ()
 
 

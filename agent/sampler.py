@@ -157,6 +157,9 @@ class Sampler:
         attributor = self._attributor
         if attributor is None:
             return tuple(gpus)
+        # Optional on a reader (tests' stand-ins lack it): where the reader carries each GPU's last
+        # attribution into its samples, a steady one needs no second sample per GPU.
+        label = getattr(self._reader, "label", None)
         out = []
         for gpu in gpus:
             pids: tuple[int, ...] = ()
@@ -172,6 +175,8 @@ class Sampler:
             namespace, name = (pod.namespace, pod.name) if pod is not None else (None, None)
             if (job, namespace, name) != (gpu.hpc_job, gpu.kubernetes_namespace, gpu.kubernetes_pod):
                 gpu = replace_sample(gpu, {"hpc_job": job, "kubernetes_namespace": namespace, "kubernetes_pod": name})
+                if label is not None:
+                    label(gpu.index, job, namespace, name)
             out.append(gpu)
         attributor.end_cycle()
         return tuple(out)
