@@ -225,7 +225,7 @@ class ConnectionGate:
         next_tick = self.monotonic()
         try:
             while not self._closing:
-                for key, _ in self._selector.select(DEADLINE_TICK_SECONDS):
+                for key, _ in self._selector.select(self._select_timeout(next_tick)):
                     if key.fileobj is self.listener:
                         self.accept()
                     elif key.fileobj is self._wake_r:
@@ -241,6 +241,15 @@ class ConnectionGate:
                 self._drop(waiting.sock, waiting.address)
             self._selector.close()
             self.listener.close()
+
+    def _select_timeout(self, next_tick: float) -> float | None:
+        """Until the earliest deadline (checked no oftener than the tick), or for ever when no connection
+        waits. A wakeup costs a thread 0.1-0.2 ms of CPU on a small VM: ticking 20 times a second would
+        cost more than all the scrapes an idle agent answers."""
+        if not self._waiting:
+            return None
+        earliest = min(w.deadline for w in self._waiting.values())
+        return max(0.0, max(earliest, next_tick) - self.monotonic())
 
     def accept(self) -> None:
         """Take what waits in the backlog (a bounded batch, so reading heads is not starved)."""

@@ -25,6 +25,12 @@ GPM_APART = tuple((r.name, r.source.metric_id) for r in READINGS if isinstance(r
 GPM_SHARED = tuple(reading for reading, _ in GPM_METRICS)
 GPM_READINGS = GPM_SHARED + tuple(reading for reading, _ in GPM_APART)
 
+# Straight to the ctypes descriptors: pynvml's printable structures run Python in __setattr__ for every
+# member set, more than the rest of a poll's handling of each metric.
+_REQUEST = pynvml.c_nvmlGpmMetricsGet_t
+_SET_SAMPLE1 = _REQUEST.sample1.__set__
+_SET_SAMPLE2 = _REQUEST.sample2.__set__
+
 
 class GpmSampler:
     """Two reused GPM sample buffers and one reused metrics request for one GPU."""
@@ -109,11 +115,13 @@ class GpmSampler:
             return None
         out: dict[str, tuple[int, float | None]] = {}
         if self._wanted:
-            self._request.sample1, self._request.sample2 = previous, current
+            _SET_SAMPLE1(self._request, previous)
+            _SET_SAMPLE2(self._request, current)
             self._nvml.nvmlGpmMetricsGet(self._request)
             _collect(self._request, self._wanted, out)
         if apart and self._apart:
-            self._apart_request.sample1, self._apart_request.sample2 = previous, current
+            _SET_SAMPLE1(self._apart_request, previous)
+            _SET_SAMPLE2(self._apart_request, current)
             self._nvml.nvmlGpmMetricsGet(self._apart_request)
             _collect(self._apart_request, self._apart, out)
         return out or None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import pynvml
 
@@ -51,9 +51,11 @@ class FieldEntry:
     scope: int
 
 
-@dataclass(frozen=True, slots=True)
-class FieldResult:
-    """One entry's outcome: its own return code (None: NVML left it out) and the raw number on success."""
+class FieldResult(NamedTuple):
+    """One entry's outcome: its own return code (None: NVML left it out) and the raw number on success.
+
+    A named tuple rather than a frozen dataclass: every entry of every poll makes one, and a tuple is
+    made in a fifth of the time."""
 
     entry: FieldEntry
     code: int | None

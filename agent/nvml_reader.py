@@ -12,6 +12,7 @@ sampler closes and re-opens with backoff). Used from one sampler thread; XID eve
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -20,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 from gpufleet.agent.gpm import GPM_APART, GPM_READINGS, GPM_SHARED, GpmSampler
 from gpufleet.agent.mig import MIG_MODE, MIG_UNIT, REDISCOVER_SECONDS, MigGpu
 from gpufleet.agent.model import GpuSample
-from gpufleet.agent.nvml_calls import IDENTITY, POLLED, STATIC, cuda_version_text, text
+from gpufleet.agent.nvml_calls import IDENTITY, POLLED, STATIC, Call, cuda_version_text, text
 from gpufleet.agent.nvml_errors import (
     GPU_IS_LOST,
     INVALID_VALUE,
@@ -36,6 +37,7 @@ from gpufleet.agent.nvml_meter import MeteredNvml
 from gpufleet.agent.nvml_values import INVALID, CounterTracker, base_name, convert
 from gpufleet.agent.processes import ComputeProcess, from_nvml
 from gpufleet.agent.readings import READINGS, PerLinkField
+from gpufleet.agent.sample_build import build_sample
 from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET, EVERY_CYCLE, FAST_READINGS, INTEGRATED, Plan, Unit, due, fit
 from gpufleet.agent.xid import XID_READING, XidStore, XidWatcher
 
@@ -54,6 +56,12 @@ _UNIT_OF = {
     **dict.fromkeys(GPM_SHARED, _GPM_UNIT),
     **dict.fromkeys(_GPM_APART_READINGS, _GPM_APART_UNIT),
 }
+# Each reason's bit as a plain int: an IntFlag's & runs enum code on every cycle.
+_THROTTLE_BITS = {key: int(reason) for key, reason in THROTTLE_READINGS.items()}
+# The XID thread's event wait. An event ends it at once whatever the timeout; each wait costs the driver
+# about 0.1 ms of CPU however long it lasts (H200, driver 580: 0.021 % of a core at 0.5 s, 0.006 % at 2 s),
+# and closing the reader waits out at most one (within the agent's 5 s shutdown).
+XID_WAIT_MS = 2000
 _FIELD_PROBES = 2  # each field id timed twice alone, the lower figure kept
 _FIELD_CALL = "nvmlDeviceGetFieldValues"
 
@@ -81,6 +89,14 @@ class _Gpu:
     # Last value of every reading and the (clock) time it was read: what a cycle not due to read it shows.
     held: dict[str, Any] = field(default_factory=dict)
     read_at: dict[str, float] = field(default_factory=dict)
+    # The per-poll calls whose readings are all supported; None: to be worked out.
+    polled: tuple[Call, ...] | None = None
+    # The plan's read units not due in a cycle, by cycle modulo the schedule's length (empty: none fitted).
+    resting: tuple[frozenset[str], ...] = ()
+    # Every static limit read or found unsupported: later polls skip looking (it stays so until re-open).
+    static_done: bool = False
+    # Field entries polled together -> each reading's share of the batch's CPU (costs are fixed at open).
+    batch_shares: dict[tuple[str, ...], tuple[tuple[str, float], ...]] = field(default_factory=dict)
 
     @property
     def uuid(self) -> str:
@@ -103,7 +119,7 @@ class NvmlReader:
         nvml: Any,
         *,
         per_link_nvlink: bool = False,
-        xid_wait_ms: int = 500,
+        xid_wait_ms: int = XID_WAIT_MS,
         cpu_budget: float = DEFAULT_CPU_BUDGET,
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.time,
@@ -130,6 +146,9 @@ class NvmlReader:
         self._xid_store = XidStore()
         self._counters = CounterTracker()
         self._logged: set[tuple[str, str, str]] = set()
+        self._unit_names: dict[str, str] = {}  # reading -> its read unit's name, learned as readings are held
+        # GPU index -> the attribution fields the sampler last gave it (see label()).
+        self._labels: dict[int, dict[str, str | None]] = {}
         self._gpus: list[_Gpu] = []
         self._xid: XidWatcher | None = None
         self._versions: dict[str, str | None] = {}
@@ -196,6 +215,8 @@ class NvmlReader:
             self._gpus = [self._open_gpu(i) for i in range(int(count))]
             self._plan = self._fit_tiers()
             self._from_mask = tuple(k for k, p in self._plan.periods.items() if p == INTEGRATED)
+            for gpu in self._gpus:
+                gpu.resting = _resting_schedule(self._plan.periods, gpu.index)
             self._capabilities = None
             self._xid.start()
         except BaseException:  # leave nothing half-open behind: no thread, no initialised library
@@ -218,13 +239,19 @@ class NvmlReader:
             self.close()
             raise
 
+    def label(self, index: int, hpc_job: str | None, namespace: str | None, pod: str | None) -> None:
+        """The job and pod the sampler attributed GPU `index` to, carried into its next samples: while they
+        hold, the sampler finds them in place and builds no second sample to add them."""
+        self._labels[index] = {"hpc_job": hpc_job, "kubernetes_namespace": namespace, "kubernetes_pod": pod}
+
     def compute_pids(self, index: int) -> tuple[int, ...]:
         """PIDs of the compute processes on GPU `index`; () on any error."""
         return tuple(p.pid for p in self.compute_processes(index))
 
     def compute_processes(self, index: int) -> tuple[ComputeProcess, ...]:
         """The compute processes on GPU `index` with their memory (one NVML call); () on any error."""
-        gpu = next((g for g in self._gpus if g.index == index), None)
+        gpus = self._gpus
+        gpu = gpus[index] if 0 <= index < len(gpus) and gpus[index].index == index else None
         if gpu is None or not gpu.up or not self._is_open:
             return ()
         try:
@@ -465,6 +492,9 @@ class NvmlReader:
         return self._build(gpu, values, ages)
 
     def _due(self, gpu: _Gpu, key: str) -> bool:
+        resting = gpu.resting
+        if resting:
+            return key not in resting[self._cycle % len(resting)]
         return due(self._plan.period(key), self._cycle, gpu.index)
 
     def _hold(self, gpu: _Gpu, values: Mapping[str, Any], asked: Iterable[str], now: float) -> None:
@@ -480,12 +510,17 @@ class NvmlReader:
         ages: dict[str, float] = {}
         if len(values) == len(gpu.held):
             return ages
-        read_at = gpu.read_at
+        read_at, units = gpu.read_at, self._unit_names
+        oldest: dict[str, float] = {}  # unit -> when its least recently read reading was read
         for reading, value in gpu.held.items():
             if reading not in values:
                 values[reading] = value
-                name = _UNIT_OF.get(reading) or base_name(reading)
-                ages[name] = max(ages.get(name, 0.0), round(now - read_at[reading], 3))
+                name = units.get(reading) or units.setdefault(reading, _UNIT_OF.get(reading) or base_name(reading))
+                at = read_at[reading]
+                if at < oldest.get(name, at + 1.0):
+                    oldest[name] = at
+        for name, at in oldest.items():
+            ages[name] = max(0.0, round(now - at, 3))
         return ages
 
     def _integrate_throttle(self, gpu: _Gpu, values: dict[str, Any], now: float) -> None:
@@ -500,7 +535,7 @@ class NvmlReader:
             # One missed cycle is normal; a longer gap is unknown time, not throttled time.
             step = 0.0 if last is None else min(max(now - last, 0.0), 2 * self._interval)
             for key in integrated:
-                totals[key] = totals.get(key, 0.0) + (step if mask & THROTTLE_READINGS[key] else 0.0)
+                totals[key] = totals.get(key, 0.0) + (step if mask & _THROTTLE_BITS[key] else 0.0)
         for key in integrated:
             if gpu.supported.get(key, True) and key in totals:
                 values[key] = totals[key]
@@ -508,18 +543,26 @@ class NvmlReader:
     def _read_missing_static(self, gpu: _Gpu) -> None:
         """Read the static limits not known yet: at open, and on later polls after a transient failure
         (Timeout, Unknown, ...), which would otherwise leave a limit null until NVML is next re-opened."""
+        if gpu.static_done:
+            return
+        missing = False
         for call in STATIC:
             if gpu.wants(call.readings) and not all(r in gpu.static for r in call.readings):
                 raw = self._guard(gpu, call.readings, call.fetch, self._nvml, gpu.handle)
                 if raw is not _MISSING:
                     self._convert_into(gpu, zip(call.readings, raw), gpu.static)
+                missing = missing or not all(r in gpu.static for r in call.readings)
+        gpu.static_done = not missing and gpu.up
 
     def _poll_calls(
         self, gpu: _Gpu, values: dict[str, Any], *, asked: list[str] | None = None, timed: bool = False
     ) -> None:
-        for call in POLLED:
+        wanted = gpu.polled
+        if wanted is None:  # worked out again only after a reading is found unsupported
+            wanted = gpu.polled = tuple(call for call in POLLED if gpu.wants(call.readings))
+        for call in wanted:
             key = call.readings[0]
-            if gpu.wants(call.readings) and (asked is None or self._due(gpu, key)):
+            if gpu.up and (asked is None or self._due(gpu, key)):
                 if asked is not None:
                     asked.extend(call.readings)
                 started = time.thread_time_ns() if timed else 0
@@ -556,13 +599,13 @@ class NvmlReader:
         spent = self._meter.last_call_ns(_FIELD_CALL)
         if not spent:
             return
-        weights = {e.reading: gpu.costs.get(e.reading, 0.0) for e in entries}
-        total = sum(weights.values())
+        readings = tuple(e.reading for e in entries)
+        fractions = gpu.batch_shares.get(readings)
+        if fractions is None:
+            fractions = gpu.batch_shares[readings] = _batch_fractions(gpu.costs, readings)
         shares: dict[str, int] = {}
-        for reading, weight in weights.items():
-            name = base_name(reading) if base_name(reading) in _LINK_FIELDS else reading
-            share = spent * weight / total if total > 0 else spent / len(weights)
-            shares[name] = shares.get(name, 0) + int(share)
+        for name, fraction in fractions:
+            shares[name] = shares.get(name, 0) + int(spent * fraction)
         self._meter.attribute(_FIELD_CALL, shares)
 
     def _poll_gpm(self, gpu: _Gpu, values: dict[str, Any], asked: list[str]) -> None:
@@ -590,7 +633,11 @@ class NvmlReader:
         failed: dict[int | None, list[str]] = {}
         for reading, code, raw in results:
             if code == SUCCESS:
-                self._convert_into(gpu, [(reading, raw)], values)
+                value = convert(reading, raw)
+                if value is INVALID:
+                    self._count(gpu, (reading,), INVALID_VALUE, f"value {raw!r}")
+                else:
+                    values[reading] = value
             else:
                 failed.setdefault(code, []).append(reading)
         for code, readings in failed.items():
@@ -621,9 +668,15 @@ class NvmlReader:
         return GpuSample(up=False, **self._identity(gpu))
 
     def _build(self, gpu: _Gpu, values: dict[str, Any], ages: dict[str, float]) -> GpuSample:
-        fields = {k: v for k, v in values.items() if "." not in k}
+        fields: dict[str, Any] = {}
+        throttle: dict[str, Any] = {}
+        skip = len(_THROTTLE_PREFIX)
+        for k, v in values.items():  # one pass: the model's own fields, and the throttle reasons
+            if "." not in k:
+                fields[k] = v
+            elif k.startswith(_THROTTLE_PREFIX):
+                throttle[k[skip:]] = v
         fields.update(gpu.static)
-        throttle = {k[len(_THROTTLE_PREFIX) :]: v for k, v in values.items() if k.startswith(_THROTTLE_PREFIX)}
         fields["throttle_seconds_total"] = MappingProxyType(throttle)
         for name in _LINK_FIELDS:
             fields[name] = self._links(gpu, name, values)
@@ -633,12 +686,17 @@ class NvmlReader:
         resets = self._counters.check(gpu.key, fields)
         if ages:
             fields["slow_readings_age_seconds"] = MappingProxyType(ages)
-        return GpuSample(**self._identity(gpu), counter_resets=resets, **fields)
+        fields.update(self._identity(gpu))
+        fields["counter_resets"] = resets
+        fields.update(self._labels.get(gpu.index, {}))
+        return build_sample(fields)
 
     def _links(self, gpu: _Gpu, name: str, values: Mapping[str, Any]) -> tuple[int | None, ...]:
         """Per-link counters in link order; () when disabled or no link is supported."""
+        if not self._per_link:
+            return ()
         readings = [f"{name}.{i}" for i in range(gpu.link_count or 0)]
-        if not self._per_link or not any(gpu.supported.get(r) for r in readings):
+        if not any(gpu.supported.get(r) for r in readings):
             return ()
         return tuple(values.get(r) for r in readings)
 
@@ -686,6 +744,7 @@ class NvmlReader:
         readings = tuple(readings)
         newly = [r for r in readings if gpu.supported.get(r, True)]
         gpu.supported.update(dict.fromkeys(readings, False))
+        gpu.polled = None
         self._capabilities = None
         for reading in readings:
             gpu.held.pop(reading, None)
@@ -729,6 +788,35 @@ class NvmlReader:
                 self._nvml.nvmlShutdown()
             except Exception:  # noqa: BLE001 - the library may already be gone
                 log.debug("nvmlShutdown failed", exc_info=True)
+
+
+_MAX_SCHEDULE_CYCLES = 3600
+
+
+def _resting_schedule(periods: Mapping[str, int], offset: int) -> tuple[frozenset[str], ...]:
+    """For each cycle of the plan's repeat, the units not due then (tiers.due, worked out once at open, so a
+    cycle asks a set rather than the plan for each unit). Empty where the repeat is longer than an hour's
+    cycles, or the plan reads everything every cycle."""
+    length = math.lcm(*(p for p in periods.values() if p > 1)) if any(p > 1 for p in periods.values()) else 1
+    if length > _MAX_SCHEDULE_CYCLES or all(p == 1 for p in periods.values()):
+        return ()
+    shared: dict[frozenset[str], frozenset[str]] = {}
+    schedule = []
+    for cycle in range(length):
+        resting = frozenset(k for k, p in periods.items() if not due(p, cycle, offset))
+        schedule.append(shared.setdefault(resting, resting))
+    return tuple(schedule)
+
+
+def _batch_fractions(costs: Mapping[str, float], readings: tuple[str, ...]) -> tuple[tuple[str, float], ...]:
+    """Each reading's share of a batch's CPU by what it cost alone (per-link counters under their name)."""
+    weights = [costs.get(r, 0.0) for r in readings]
+    total = sum(weights)
+    out = []
+    for reading, weight in zip(readings, weights):
+        name = base_name(reading) if base_name(reading) in _LINK_FIELDS else reading
+        out.append((name, weight / total if total > 0 else 1 / len(readings)))
+    return tuple(out)
 
 
 def _unit_readings(key: str) -> tuple[str, ...]:

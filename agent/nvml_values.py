@@ -30,7 +30,7 @@ def base_name(reading: str) -> str:
 
 def convert(reading: str, raw: Any) -> Any:
     """The model value for a raw NVML number, or INVALID when it is not a sane number."""
-    rule = RULES[base_name(reading)]
+    rule = RULES.get(reading) or RULES[base_name(reading)]
     if isinstance(raw, bool) or not isinstance(raw, (int, float)):
         return INVALID
     if rule.flag:
@@ -54,27 +54,46 @@ class CounterTracker:
     """Remembers each GPU's last counter values and names the counters that went backwards."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[str, str, Any], float] = {}
+        # GPU -> counter (its name, or (name, key) inside a per-reason or per-link field) -> last value.
+        self._last: dict[str, dict[Any, float]] = {}
 
     def check(self, uuid: str, values: Mapping[str, Any]) -> tuple[str, ...]:
         """Names in `values` whose counters decreased since this GPU's previous check."""
         backwards: set[str] = set()
-        for name, key, value in _flatten(values):
-            slot = (uuid, name, key)
-            previous = self._last.get(slot)
-            if previous is not None and value < previous:
-                backwards.add(name)
-            self._last[slot] = value
-        return tuple(sorted(backwards))
+        last = self._last.get(uuid)
+        if last is None:
+            last = self._last[uuid] = {}
+        for name in _COUNTERS:
+            value = values.get(name)
+            if value is None:
+                continue
+            if type(value) is int or type(value) is float:  # most counters: no generator, no ABC check
+                previous = last.get(name)
+                if previous is not None and value < previous:
+                    backwards.add(name)
+                last[name] = value
+                continue
+            for _, key, item in _flatten({name: value}):
+                previous = last.get((name, key))
+                if previous is not None and item < previous:
+                    backwards.add(name)
+                last[(name, key)] = item
+        return tuple(sorted(backwards)) if backwards else ()
+
+
+# The counter readings, from the table once: a sample's other fields are never looked at.
+_COUNTERS = tuple(name for name, rule in RULES.items() if rule.counter)
 
 
 def _flatten(values: Mapping[str, Any]) -> Iterator[tuple[str, Any, float]]:
     """(name, key, value) for every present counter value, looking inside per-reason/per-link fields."""
-    for name, value in values.items():
-        rule = RULES.get(name)
-        if rule is None or not rule.counter:
+    for name in _COUNTERS:
+        value = values.get(name)
+        if value is None:
             continue
-        if isinstance(value, Mapping):
+        if type(value) is int or type(value) is float:  # most counters; skips the ABC check below
+            yield name, None, value
+        elif isinstance(value, Mapping):
             yield from ((name, key, v) for key, v in value.items() if v is not None)
         elif isinstance(value, tuple):
             yield from ((name, i, v) for i, v in enumerate(value) if v is not None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
@@ -24,6 +23,7 @@ from gpufleet.agent.processes import ComputeProcess, ProcessTable
 from gpufleet.agent.sample_parts import GpuProcess
 from gpufleet.agent.record import Recorder
 from gpufleet.agent.render_on_demand import RenderOnDemand
+from gpufleet.agent.sample_build import replace_sample
 from gpufleet.agent.store import Publication, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,39 @@ class Waiter(Protocol):
     def wait(self, timeout: float | None = None) -> bool: ...
 
 
+class StopSignal:
+    """A one-way stop flag to wait on: a threading.Event's set/is_set/wait, any number of waiters, on one
+    lock held until set. Event.wait makes a lock and a condition round per call, and the sampler waits
+    once a cycle: on a small VM that wakeup costs it twice what a lock's does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+        _release(self._lock)
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            _release(self._lock)  # the next waiter passes too
+        return self._set
+
+
+def _release(lock: threading.Lock) -> None:
+    """Release, where a second set() or a waiter passing through may have released it already."""
+    try:
+        lock.release()
+    except RuntimeError:
+        pass
+
+
 class Sampler:
     """Samples on its own drift-free timer; NVML trouble shows as nvml_up 0 or a growing age, never a crash."""
 
@@ -89,7 +122,7 @@ class Sampler:
         self._recorder = recorder
         self._clock = clock
         self._monotonic = monotonic
-        self._stop: Waiter = stop if stop is not None else threading.Event()
+        self._stop: Waiter = stop if stop is not None else StopSignal()
         self._jitter = jitter
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
@@ -173,7 +206,17 @@ class Sampler:
                 owners[gpu.index] = (job, pod.namespace, pod.name) if pod is not None else (job, None, None)
             attributor.end_cycle()
         chosen = table.choose(listed, {i: owner[0] for i, owner in owners.items()}) if table is not None else {}
-        return tuple(_with_owner(gpu, owners.get(gpu.index), chosen.get(gpu.index, ())) for gpu in gpus)
+        # Optional on a reader (tests' stand-ins lack it): where the reader carries each GPU's last
+        # attribution into its samples, a steady one needs no second sample per GPU.
+        label = getattr(self._reader, "label", None)
+        out = []
+        for gpu in gpus:
+            owner = owners.get(gpu.index)
+            updated = _with_owner(gpu, owner, chosen.get(gpu.index, ()))
+            if label is not None and owner is not None and updated is not gpu:
+                label(gpu.index, *owner)
+            out.append(updated)
+        return tuple(out)
 
     def _list_processes(self, gpus: tuple[GpuSample, ...]) -> dict[int, tuple[ComputeProcess, ...]]:
         """Each GPU's compute processes; a reader without their memory (tests' stand-ins) gives pids alone."""
@@ -332,7 +375,7 @@ def _with_owner(
         changes.update(hpc_job=owner[0], kubernetes_namespace=owner[1], kubernetes_pod=owner[2])
     if processes != gpu.processes:
         changes["processes"] = processes
-    return dataclasses.replace(gpu, **changes) if changes else gpu
+    return replace_sample(gpu, changes) if changes else gpu
 
 
 def _copy(mapping: Mapping[Any, Any]) -> dict[Any, Any]:

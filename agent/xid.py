@@ -34,26 +34,29 @@ class XidCounts:
     last: int | None = None
 
 
+_NO_EVENTS = XidCounts()
+
+
 class XidStore:
     """Per-GPU (by UUID) XID counts; written by the watcher thread, copied by the sampler."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_code: dict[str, Counter[int]] = {}
-        self._last: dict[str, int] = {}
+        # Each GPU's counts as the sampler reads them, made when an event arrives (rarely) rather than on
+        # every read (every GPU, every cycle).
+        self._counts: dict[str, XidCounts] = {}
 
     def record(self, uuid: str, code: int) -> None:
         """Count one XID event."""
         with self._lock:
-            self._by_code.setdefault(uuid, Counter())[code] += 1
-            self._last[uuid] = code
+            by_code = self._by_code.setdefault(uuid, Counter())
+            by_code[code] += 1
+            self._counts[uuid] = XidCounts(sum(by_code.values()), MappingProxyType(dict(by_code)), code)
 
     def get(self, uuid: str) -> XidCounts:
-        """An immutable copy of one GPU's counts (zero when it never had an event)."""
-        with self._lock:
-            by_code = dict(self._by_code.get(uuid, {}))
-            last = self._last.get(uuid)
-        return XidCounts(sum(by_code.values()), MappingProxyType(by_code), last)
+        """One GPU's counts, immutable (zero when it never had an event)."""
+        return self._counts.get(uuid, _NO_EVENTS)
 
 
 def handle_key(handle: Any) -> Hashable:

@@ -129,6 +129,9 @@ class CostedNvml:
         self._gpm_metric_cost_s = _field_costs(inner, GPM_METRIC_COST_US)
         self._lock = threading.Lock()
         self.burned: defaultdict[int, float] = defaultdict(float)
+        # Seconds the simulator's own work ran past the real call's cost (all threads): what a benchmark of
+        # the whole process subtracts, so a call costs there exactly what the real one does.
+        self.excess = 0.0
 
     def burned_by_this_thread(self) -> float:
         """Seconds of simulated NVML cost burned on the calling thread so far."""
@@ -173,6 +176,10 @@ class CostedNvml:
                     burn(remaining)
                     with self._lock:
                         self.burned[threading.get_ident()] += remaining
+                over = (time.thread_time_ns() - started) / 1e9 - cost
+                if over > 0:
+                    with self._lock:
+                        self.excess += over
 
         call.__name__ = name
         return call

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import logging
 
 import orjson
@@ -292,3 +293,26 @@ def test_a_missed_guess_costs_one_render_and_the_scrape_renders_as_before():
         sampler.run_once()
         clock.advance(1.0)
     assert renderer.renders == 3
+
+
+def test_a_stop_signal_frees_every_waiter_and_stays_set():
+    from gpufleet.agent.sampler import StopSignal
+
+    stop = StopSignal()
+    assert not stop.is_set() and stop.wait(0) is False
+    stop.set()
+    stop.set()  # a second set (a signal during shutdown) is harmless
+    assert stop.is_set() and stop.wait(0) is True and stop.wait(None) is True and stop.wait(5) is True
+
+
+def test_waiters_blocked_on_a_stop_signal_all_return_when_it_is_set():
+    from gpufleet.agent.sampler import StopSignal
+
+    stop, results = StopSignal(), []
+    threads = [threading.Thread(target=lambda: results.append(stop.wait(None))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    stop.set()
+    for thread in threads:
+        thread.join(10)
+    assert results == [True, True, True]

@@ -16,7 +16,7 @@ import pytest
 
 from gpufleet.agent.sampler import Sampler
 from gpufleet.agent.store import SnapshotStore
-from gpufleet.agent.connections import ConnectionLimits, request_end
+from gpufleet.agent.connections import ConnectionLimits, _Waiting, request_end
 from gpufleet.agent.webserver import AgentHttpServer, _RequestReader
 from tests.agent.fakes import FakeClock, StubReader
 
@@ -602,3 +602,19 @@ def test_a_client_gone_before_accept_is_not_an_accept_failure(caplog):
         server.gate.listener = real
         server.close()
     assert not caplog.records and not server.gate.warn.totals
+
+
+def test_the_gate_thread_sleeps_until_a_deadline_and_for_ever_with_none():
+    now = [100.0]
+    server = AgentHttpServer(SnapshotStore(), host="127.0.0.1", port=0, monotonic=lambda: now[0])
+    gate = server.gate
+    a, b = socket.socketpair()
+    with a, b:
+        assert gate._select_timeout(next_tick=now[0]) is None  # nothing waits: no wakeups at all
+        gate._wait(_Waiting(a, ("127.0.0.1", 1), b"", deadline=105.0, handshaking=False))
+        gate._wait(_Waiting(b, ("127.0.0.1", 2), b"", deadline=103.0, handshaking=False))
+        assert gate._select_timeout(next_tick=now[0]) == 3.0  # the earliest deadline
+        assert gate._select_timeout(next_tick=104.0) == 4.0  # but never before the next tick
+        now[0] = 110.0
+        assert gate._select_timeout(next_tick=now[0]) == 0.0  # overdue: expire at once
+    server.close()
