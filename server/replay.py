@@ -1,6 +1,7 @@
 """Offline replay: snapshot-contract JSONL in, one JSON object per fired alert out.
 
-`gpufleet-server replay TRACE... [--config FILE]`. Lines may come from many agents' --record files in
+`gpufleet-server replay TRACE... [--config FILE]`; with `--prometheus-url URL --start T --end T` the
+snapshots come from a database's history instead (server/replay_db.py). Lines may come from many agents' --record files in
 any order, gzip-compressed or not, or from standard input (`-`): every line of every file is parsed,
 sorted by sample time, a node's repeated snapshots are dropped, a node whose clock is off the others'
 or steps is lined up with them (_align_clocks, by the rule the live server follows too: server/clocks.py),
@@ -28,7 +29,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping, Sequence, cast
 
 import orjson
 
-from gpufleet.server import clocks, contract
+from gpufleet.server import clocks, contract, replay_db
 from gpufleet.server.alerts import Alert, AlertState
 from gpufleet.server.contract import ContractError, NodeSample, parse_lines
 from gpufleet.server.engine import Engine, EngineConfig, EngineStats
@@ -432,10 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpufleet-server replay", description=__doc__.splitlines()[0])
     parser.add_argument(
         "traces",
-        nargs="+",
+        nargs="*",
         metavar="TRACE",
         help="snapshot-contract JSONL file(s), gzip-compressed or not; - reads standard input",
     )
+    replay_db.add_arguments(parser)
     parser.add_argument("--config", "--config.file", dest="config", metavar="FILE", help="engine config (YAML/JSON)")
     parser.add_argument("--log.level", dest="log_level", default="warning")
     parser.add_argument("--log.format", dest="log_format", default="text")
@@ -445,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_logging(args.log_level, args.log_format)
         cfg = load_config(args.config) if args.config else EngineConfig()
+        request = replay_db.checked(args) if args.prometheus_url is not None else None
+        if request is None and not args.traces:
+            raise ValueError("give TRACE files, or --prometheus-url with --start and --end")
         for trace in args.traces:
             if trace != "-" and not Path(trace).is_file():
                 raise ValueError(
@@ -455,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"gpufleet-server replay: {exc}", file=sys.stderr)
         return 2
+    if request is not None:
+        return _replay_database(request, cfg)
     handles: list[IO[bytes]] = []
     try:
         sources = []
@@ -476,11 +483,32 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    alerts = result.alerts
+    _print_alerts(result.alerts)
+    return 0
+
+
+def _print_alerts(alerts: list[Alert]) -> None:
     out = sys.stdout.buffer
     for alert in alerts:
         out.write(alert_json(alert) + b"\n")
     out.flush()
+
+
+def _replay_database(request: replay_db.Range, cfg: EngineConfig) -> int:
+    """replay --prometheus-url: the same lines from a database's history (server/replay_db.py)."""
+    try:
+        alerts, history = replay_db.replay(request, cfg)
+    except replay_db.HistoryError as exc:
+        print(f"gpufleet-server replay: {exc}", file=sys.stderr)
+        return 2
+    if not history.samples:
+        print(
+            f"gpufleet-server replay: no GPU snapshot of shard {request.shard} in {request.url} between "
+            f"{request.start:.0f} and {request.end:.0f} ({history.snapshots} rebuilt, {history.rejected} refused)",
+            file=sys.stderr,
+        )
+        return 1
+    _print_alerts(alerts)
     return 0
 
 
