@@ -144,7 +144,7 @@ def exposition_lines(snapshot: Mapping[str, Any], scrape_job: str = "gpufleet-ag
     where = f"node={_quoted(node)},instance={_quoted(node + ':9471')},job={_quoted(scrape_job)}"
     yield f"gpufleet_agent_sample_age_seconds{{{where}}} 0 {ms}"
     for gpu in snapshot.get("gpus") or ():
-        ids = f"{where},gpu=\"{int(gpu['index'])}\",uuid={_quoted(gpu['uuid'])}"
+        ids = f'{where},gpu="{int(gpu["index"])}",uuid={_quoted(gpu["uuid"])}'
         model = f",model={_quoted(gpu.get('model') or 'unknown')}"
         job = gpu.get("hpc_job")
         if job is not None:

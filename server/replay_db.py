@@ -24,6 +24,7 @@ from datetime import datetime
 from typing import Any, Callable
 
 from gpufleet.server.contract import NodeSample
+from gpufleet.server.ingest.owned import owned_part
 from gpufleet.server.engine import EngineConfig
 from gpufleet.server.shard import Shard
 
@@ -62,32 +63,6 @@ def parse_time(text: str) -> float:
     return parsed.timestamp()
 
 
-def owned_part(sample: NodeSample, shard: Shard) -> NodeSample | None:
-    """The GPUs of the sample the shard owns (their job decides, or the node for GPUs of no job), or None."""
-    if shard.whole:
-        return sample
-    keep = [i for i, job in enumerate(sample.jobs) if shard.owns(job, sample.node)]
-    if len(keep) == len(sample.jobs):
-        return sample
-    if not keep:
-        return None
-
-    def pick(items: tuple[Any, ...] | None) -> Any:
-        return None if items is None else tuple(items[i] for i in keep)
-
-    return NodeSample(
-        sample.node,
-        sample.time,
-        pick(sample.indices),
-        pick(sample.uuids),
-        pick(sample.models),
-        pick(sample.jobs),
-        sample.values[keep],
-        pick(sample.xid_by_code),
-        pick(sample.pods),
-    )
-
-
 @dataclass(frozen=True)
 class History:
     """What the database gave for the range."""
@@ -110,7 +85,9 @@ async def read_history(
     transport: Any = None,
     progress: Callable[[float], None] | None = None,
 ) -> History:
-    """Every snapshot stored for (start, end], in chunks, with the live source's decoding; the shard's part."""
+    """Every snapshot stored for (start, end], in chunks, with the live source's decoding; the shard's part
+    (asked for as a live shard asks: its jobs' and job-less nodes' series only, ingest/prometheus.py; the
+    GPUs of other shards' jobs on the nodes read are cut off by ingest/owned.py)."""
     from gpufleet.server.ingest.prometheus import PrometheusSource
 
     shard = shard or Shard()
@@ -125,6 +102,7 @@ async def read_history(
         transport=transport,
         clock=lambda: now[0],
         schema=schema,
+        shard=shard,
     )
     samples: list[NodeSample] = []
     queries = snapshots = rejected = 0

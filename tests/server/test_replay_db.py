@@ -1,5 +1,5 @@
-"""replay --prometheus-url: its times, its flags' errors, the shard's part of a snapshot, and reading a
-history in chunks (a stand-in query API that records what it was asked; the real database is in
+"""replay --prometheus-url: its times, its flags' errors, the shard's part of a snapshot (ingest/owned.py),
+and reading a history in chunks (a stand-in query API that records what it was asked; the real database is in
 tests/test_replay_db_end_to_end.py and tests/test_shard_union.py)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 
 from gpufleet.server import replay_db
 from gpufleet.server.contract import N_FIELDS, NodeSample
+from gpufleet.server.ingest.owned import owned_part
 from gpufleet.server.ingest.prometheus import SCHEMAS
 from gpufleet.server.replay import main
 from gpufleet.server.shard import Shard, shard_of
@@ -75,15 +76,15 @@ def test_a_shard_keeps_the_gpus_of_its_jobs_and_of_no_job_by_the_node() -> None:
     theirs = next(j for j in jobs if shard_of(j, 2) == 1)
     node = next(f"n{i}" for i in range(40) if shard_of(f"n{i}", 2) == 0)
     sample = _sample(node, (theirs, mine, None, theirs))
-    part = replay_db.owned_part(sample, Shard(0, 2))
+    part = owned_part(sample, Shard(0, 2))
     assert part is not None
     assert part.indices == (1, 2) and part.jobs == (mine, None) and part.uuids == ("GPU-1", "GPU-2")
     assert (part.values == sample.values[[1, 2]]).all()
     assert part.pods == (("ns", "pod-1"), ("ns", "pod-2")) and part.xid_by_code == ({43: 1}, {43: 2})
-    other = replay_db.owned_part(sample, Shard(1, 2))
+    other = owned_part(sample, Shard(1, 2))
     assert other is not None and other.jobs == (theirs, theirs)
-    assert replay_db.owned_part(_sample(node, (theirs,)), Shard(0, 2)) is None
-    assert replay_db.owned_part(sample, Shard()) is sample
+    assert owned_part(_sample(node, (theirs,)), Shard(0, 2)) is None
+    assert owned_part(sample, Shard()) is sample
 
 
 class _Database:
@@ -136,11 +137,3 @@ def test_a_range_is_read_in_overlapping_chunks_and_each_sample_delivered_once() 
     assert covered[0][0] <= 1000.0 and covered[-1][1] == 1300.0
     assert all(b[0] < a[1] for a, b in zip(covered, covered[1:])), "a gap between two chunks"
     assert len(covered) == 5 and all(hi - lo <= 62 for lo, hi in covered)
-
-    shard = Shard(1, 3)
-    part = asyncio.run(
-        replay_db.read_history(
-            "http://db:8428", 1000.0, 1300.0, shard=shard, chunk_seconds=60, transport=httpx.MockTransport(db.handler)
-        )
-    )
-    assert part.samples and {s.jobs[0] for s in part.samples} == {j for j in jobs if shard.owns_job(j)}
