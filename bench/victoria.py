@@ -41,7 +41,16 @@ def free_port() -> int:
 def victoria_metrics(
     data: Path | None = None, scrape_config: Path | None = None, extra: Iterable[str] = ()
 ) -> Iterator[str]:
-    """A running VictoriaMetrics; yields its base URL. Retention is a century, so history of any age can be
+    """A running VictoriaMetrics (victoria_process); yields its base URL."""
+    with victoria_process(data, scrape_config, extra) as (_, url):
+        yield url
+
+
+@contextlib.contextmanager
+def victoria_process(
+    data: Path | None = None, scrape_config: Path | None = None, extra: Iterable[str] = ()
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A running VictoriaMetrics; yields the process and its base URL. Retention is a century, so history of any age can be
     imported; search answers up to the present (no latency offset) and caches nothing, so a query after a
     flush sees every sample."""
     assert BINARY is not None, WHY_MISSING
@@ -65,7 +74,7 @@ def victoria_metrics(
             try:
                 url = f"http://127.0.0.1:{port}"
                 _wait_ready(proc, url, log_path)
-                yield url
+                yield proc, url
             finally:
                 proc.terminate()
                 try:
