@@ -4,10 +4,10 @@
 
 A real VictoriaMetrics (bench/victoria.py) is loaded with the history of a fleet of --gpus GPUs (8 a node,
 128 a job, one node in 20 running no job) as the series gpufleet agents export, one scrape every 5 s:
-the warm-up lookback (300 s) and --cycles cycles after it. Then, for each COUNT and each shard of it, one
+60 s of history before the first cycle, and --cycles cycles after it. Then, for each COUNT and each shard of it, one
 child process builds the server's own pipeline (serve.build_runtime: the Prometheus source asking only for
 the shard's series, the shard filter, the engine, the alert store) and runs its cycles on a clock that
-steps 5 s through that history: the first cycle reads the warm-up lookback, the others what a live cycle
+steps 5 s through that history: the first cycle reads the 60 s before it (the warm-up), the others what a live cycle
 reads (15 s of range). Each cycle's CPU is the process's user+system time from /proc, split into the read
 (query, decode, rebuild) and the rest (engine, view, store); VictoriaMetrics's own CPU over each child's
 run comes from its /proc too. Everything is CPU time, not wall time: the machine is shared.
@@ -35,7 +35,9 @@ GPUS_PER_NODE = 8
 NODES_PER_JOB = 16
 JOBLESS_EVERY = 20  # one node in this many runs no job
 INTERVAL_SECONDS = 5.0
-LOOKBACK_SECONDS = 300.0
+# History before the first cycle: its read is the warm-up (the source asks for up to 300 s; a database
+# holding less answers with what it has, and the warm-up's cost follows the history read).
+WARMUP_SECONDS = 60.0
 T0 = 1_764_000_000.0
 
 
@@ -120,7 +122,7 @@ def run_shard(url: str, shard: str, cycles: int) -> dict[str, Any]:
     from gpufleet.server.serve import build_runtime
     from gpufleet.server.settings import load_settings
 
-    now = [T0 + LOOKBACK_SECONDS]
+    now = [T0 + WARMUP_SECONDS]
     with tempfile.TemporaryDirectory() as folder:
         settings = load_settings(
             [
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(victoria.WHY_MISSING, file=sys.stderr)
         return 2
     nodes = fleet(args.gpus)
-    scrapes = int(LOOKBACK_SECONDS / INTERVAL_SECONDS) + args.cycles + 2
+    scrapes = int(WARMUP_SECONDS / INTERVAL_SECONDS) + args.cycles + 2
     with victoria.victoria_process() as (vm, url):
         vm_pid = vm.pid
         before = proc_cpu_seconds()
