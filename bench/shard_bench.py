@@ -105,12 +105,14 @@ class _Timed:
         self.inner = inner
         self.cpu_seconds = 0.0
         self.gpus_read = 0
+        self.failed = 0
 
     async def pull_once(self) -> Any:
         before = proc_cpu_seconds()
         result = await self.inner.pull_once()
         self.cpu_seconds += proc_cpu_seconds() - before
         self.gpus_read += sum(len(s) for s in result.samples)
+        self.failed += result.failed_targets
         return result
 
     def __getattr__(self, name: str) -> Any:
@@ -170,6 +172,7 @@ def run_shard(url: str, shard: str, cycles: int) -> dict[str, Any]:
         "cycle_cpu_max_s": max(c["cpu"] for c in steady),
         "read_cpu_s": statistics.median(c["read"] for c in steady),
         "gpu_samples_read_per_cycle": statistics.median(c["gpus_read"] for c in steady),
+        "failed_reads": read.failed,
         "engine": stats,
     }
 
@@ -232,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 "cycle_cpu_max_s": sum(r["cycle_cpu_max_s"] for r in rows),
                 "read_cpu_s": sum(r["read_cpu_s"] for r in rows),
                 "vm_cpu_per_cycle_s": sum(r["vm_cpu_per_cycle_s"] for r in rows),
+                "failed_reads": sum(r["failed_reads"] for r in rows),
                 "shard": "sum",
             }
             print(_row(count, total), flush=True)
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 def _row(count: int, r: dict[str, Any]) -> str:
     return (
         f"| {count} | {r['shard']} | {r['gpus_owned']:,} | {r['gpu_samples_read_per_cycle']:,.0f} | {r['warmup_cpu_s']:.2f} "
-        f"| {r['cycle_cpu_s']:.3f} / {r['cycle_cpu_max_s']:.3f} | {r['read_cpu_s']:.3f} | {r['vm_cpu_per_cycle_s']:.3f} |"
+        f"| {r['cycle_cpu_s']:.3f} / {r['cycle_cpu_max_s']:.3f} | {r['read_cpu_s']:.3f} | {r['vm_cpu_per_cycle_s']:.3f} | {r['failed_reads']} |"
     )
 
 

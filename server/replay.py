@@ -120,9 +120,16 @@ def _read(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> tuple[list[No
     return samples, bad, starts or [0]
 
 
-def _run(samples: list[NodeSample], cfg: EngineConfig, starts: Sequence[int] = (0,)) -> tuple[list[Alert], EngineStats]:
+def _run(
+    samples: list[NodeSample],
+    cfg: EngineConfig,
+    starts: Sequence[int] = (0,),
+    handovers: Sequence[tuple[float, str]] = (),
+) -> tuple[list[Alert], EngineStats]:
     """Feed samples (in the order read; starts: where each source begins) in time order, advancing at each
-    tick boundary they cross; the fired alerts and the engine's counters at the end."""
+    tick boundary they cross; the fired alerts and the engine's counters at the end. handovers: (time,
+    node) where a shard's replay stops owning a node (server/replay_db.py), forgotten then as a live shard
+    forgets it, not left to read as unreachable."""
     engine = Engine(cfg)
     fired: dict[str, Alert] = {}
     if not samples:
@@ -136,12 +143,16 @@ def _run(samples: list[NodeSample], cfg: EngineConfig, starts: Sequence[int] = (
     engine.prepare(samples)
     step = cfg.tick_seconds
     boundary = (math.floor(samples[0].time / step) + 1) * step
+    pending = sorted(handovers, reverse=True)
+    handover = pending[-1][0] if pending else math.inf
     for sample in samples:
         if sample.time >= boundary:
             _collect(engine.advance(boundary), fired)
             boundary = (math.floor(sample.time / step) + 1) * step
             if boundary - step > sample.time:
                 boundary = sample.time + step
+        if sample.time >= handover:
+            handover = _hand_over(engine, pending, sample.time, fired)
         engine.ingest(sample)
     _collect(engine.advance(boundary), fired)
     for alert in engine.alerts():
@@ -149,6 +160,16 @@ def _run(samples: list[NodeSample], cfg: EngineConfig, starts: Sequence[int] = (
             fired[alert.id] = alert
     alerts = sorted(fired.values(), key=lambda a: (a.started or 0.0, a.kind.value, a.node or "", a.gpu or -1))
     return alerts, engine.stats()
+
+
+def _hand_over(engine: Engine, pending: list[tuple[float, str]], now: float, fired: dict[str, Alert]) -> float:
+    """Forget the nodes handed over by now (pending: newest first); the time of the next hand-over."""
+    from gpufleet.server.runtime import HANDED_OVER_REASON
+
+    while pending and pending[-1][0] <= now:
+        at, node = pending.pop()
+        _collect(engine.forget_node(node, at, HANDED_OVER_REASON), fired)
+    return pending[-1][0] if pending else math.inf
 
 
 class _Span:
@@ -394,9 +415,11 @@ def aligned_samples(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> lis
         return _align_clocks(samples, [s for s in order if id(s) not in repeats], starts)
 
 
-def run_samples(samples: list[NodeSample], config: EngineConfig | None = None) -> list[Alert]:
-    """The engine over already loaded samples, as replay feeds it: every alert that fired."""
-    return _run(samples, config or EngineConfig())[0]
+def run_samples(
+    samples: list[NodeSample], config: EngineConfig | None = None, handovers: Sequence[tuple[float, str]] = ()
+) -> list[Alert]:
+    """The engine over already loaded samples, as replay feeds it: every alert that fired (handovers: see _run)."""
+    return _run(samples, config or EngineConfig(), handovers=handovers)[0]
 
 
 def alert_json(alert: Alert) -> bytes:

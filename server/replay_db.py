@@ -68,6 +68,7 @@ class History:
     """What the database gave for the range."""
 
     samples: list[NodeSample]
+    handovers: list[tuple[float, str]]  # (time, node) where the shard stopped owning any GPU of the node
     queries: int
     snapshots: int  # rebuilt snapshots before the shard took its part
     rejected: int  # rebuilt snapshots the contract refused
@@ -105,6 +106,8 @@ async def read_history(
         shard=shard,
     )
     samples: list[NodeSample] = []
+    handovers: list[tuple[float, str]] = []
+    ours: dict[str, bool] = {}  # node -> whether its latest sample held a GPU the shard owns
     queries = snapshots = rejected = 0
     try:
         # The first query asks for the source's whole lookback, chunk and overlap: (start, start + chunk].
@@ -119,7 +122,12 @@ async def read_history(
             rejected += result.rejected_snapshots
             for sample in result.samples:
                 part = owned_part(sample, shard)
-                if part is not None and start < part.time <= end:
+                if not start < sample.time <= end:
+                    continue
+                if part is None and ours.get(sample.node):
+                    handovers.append((sample.time, sample.node))
+                ours[sample.node] = part is not None
+                if part is not None:
                     samples.append(part)
             if progress is not None:
                 progress(now[0])
@@ -128,7 +136,7 @@ async def read_history(
             now[0] = min(end, now[0] + chunk)
     finally:
         await source.aclose()
-    return History(samples, queries, snapshots, rejected)
+    return History(samples, handovers, queries, snapshots, rejected)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -223,4 +231,4 @@ def replay(request: Range, config: EngineConfig) -> tuple[list, History]:
         },
     )
     history.samples.sort(key=lambda s: (s.time, s.node))
-    return run_samples(history.samples, config), history
+    return run_samples(history.samples, config, history.handovers), history

@@ -73,7 +73,7 @@ def _twin(alert: Alert, others: Iterable[Alert], tick_seconds: float) -> bool:
 def replay(url: str, start: float, end: float, shard: Shard, config: EngineConfig) -> list[Alert]:
     """replay --prometheus-url over (start, end] for one shard, in process."""
     history = asyncio.run(read_history(url, start, end, shard=shard))
-    return run_samples(sorted(history.samples, key=lambda s: (s.time, s.node)), config)
+    return run_samples(sorted(history.samples, key=lambda s: (s.time, s.node)), config, history.handovers)
 
 
 def compare(url: str, start: float, end: float, counts: Iterable[int], scenario: str = "") -> list[Union]:

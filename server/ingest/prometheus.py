@@ -350,12 +350,16 @@ class PrometheusSource(IngestAccounting):
                 out += self._matrix(*await self._fetch(f"{names}, node=~{_regex(part)}}}{range_}", now))
         if self.schema != "gpufleet":
             names = '{__name__=~"' + "|".join(sorted(dcgm.READINGS)) + '", ' + recorded
+            job_hosts: set[str] = set()
             for jobs_ in _chunks(owned_jobs):
-                out += self._matrix(*await self._fetch(f"{names}, hpc_job=~{_regex(jobs_)}}}{range_}", now))
+                part_ = self._matrix(*await self._fetch(f"{names}, hpc_job=~{_regex(jobs_)}}}{range_}", now))
+                job_hosts.update(h for s in part_ if isinstance(h := s.metric.get(dcgm.NODE_LABEL), str))
+                out += part_
             jobless = f'{names}, {dcgm.JOB_LABEL}=""}}'
             every = await self._label_values(dcgm.NODE_LABEL, jobless, window)
             self._fleet_listed |= bool(every)
-            hosts = [h for h in every if self.shard.owns_node(h)]
+            # The job-less GPUs on the owned jobs' hosts too: ingest/owned.py gives them to the host's job.
+            hosts = [h for h in every if self.shard.owns_node(h) or h in job_hosts]
             for part in _chunks(sorted(hosts)):
                 out += self._matrix(
                     *await self._fetch(

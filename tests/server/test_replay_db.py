@@ -70,20 +70,26 @@ def _sample(node: str, jobs: tuple[str | None, ...]) -> NodeSample:
     )  # type: ignore[arg-type]
 
 
-def test_a_shard_keeps_the_gpus_of_its_jobs_and_of_no_job_by_the_node() -> None:
+def test_a_shard_keeps_the_gpus_of_its_jobs_and_a_nodes_jobless_gpus_go_with_its_job() -> None:
     jobs = [f"job-{i}" for i in range(40)]
     mine = next(j for j in jobs if shard_of(j, 2) == 0)
-    theirs = next(j for j in jobs if shard_of(j, 2) == 1)
-    node = next(f"n{i}" for i in range(40) if shard_of(f"n{i}", 2) == 0)
-    sample = _sample(node, (theirs, mine, None, theirs))
+    theirs = next(j for j in jobs if shard_of(j, 2) == 1 and j > mine)  # of a node's jobs, the least decides
+    here = next(f"n{i}" for i in range(40) if shard_of(f"n{i}", 2) == 0)
+    there = next(f"n{i}" for i in range(40) if shard_of(f"n{i}", 2) == 1)
+    # On a node hashing elsewhere, a GPU that lost its job label (fallen off the bus) stays with the job.
+    sample = _sample(there, (theirs, mine, None, mine))
     part = owned_part(sample, Shard(0, 2))
     assert part is not None
-    assert part.indices == (1, 2) and part.jobs == (mine, None) and part.uuids == ("GPU-1", "GPU-2")
-    assert (part.values == sample.values[[1, 2]]).all()
-    assert part.pods == (("ns", "pod-1"), ("ns", "pod-2")) and part.xid_by_code == ({43: 1}, {43: 2})
+    assert part.indices == (1, 2, 3) and part.jobs == (mine, None, mine) and part.uuids == ("GPU-1", "GPU-2", "GPU-3")
+    assert (part.values == sample.values[[1, 2, 3]]).all()
+    assert part.pods == (("ns", "pod-1"), ("ns", "pod-2"), ("ns", "pod-3"))
+    assert part.xid_by_code == ({43: 1}, {43: 2}, {43: 3})
     other = owned_part(sample, Shard(1, 2))
-    assert other is not None and other.jobs == (theirs, theirs)
-    assert owned_part(_sample(node, (theirs,)), Shard(0, 2)) is None
+    assert other is not None and other.jobs == (theirs,)
+    # A node running no job at all goes by its name.
+    idle = _sample(here, (None, None))
+    assert owned_part(idle, Shard(0, 2)) is idle and owned_part(idle, Shard(1, 2)) is None
+    assert owned_part(_sample(here, (theirs,)), Shard(0, 2)) is None
     assert owned_part(sample, Shard()) is sample
 
 
