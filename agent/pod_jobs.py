@@ -13,6 +13,9 @@ from typing import Mapping, Protocol
 
 import orjson
 
+# Named here too: the agent's callers find both ways of naming a pod's job in one module.
+from gpufleet.podnames import job_from_pod_name as job_from_pod_name
+
 DEFAULT_TIMEOUT_SECONDS = 2.0
 # A pod's labels that name its job, most specific first: a JobSet's child Jobs put batch.kubernetes.io/job-name
 # on its pods too, and the JobSet is the job. (label, what sets it)
@@ -27,12 +30,6 @@ JOB_LABELS: tuple[tuple[str, str], ...] = (
 )
 _LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-# The suffixes controllers put after a job's name: a Job's pod's five random characters (the alphabet
-# Kubernetes' name generator draws from), indexes (StatefulSet, Indexed Job, operators' replicas) and the
-# training operators' replica types.
-_RANDOM_SUFFIX = re.compile(r"-[bcdfghjklmnpqrstvwxz2456789]{5}$")
-_INDEX_SUFFIX = re.compile(r"-[0-9]+$")
-_ROLE_SUFFIX = re.compile(r"-(master|worker|launcher|chief|ps|evaluator|leader|driver)$")
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MAX_API_RESPONSE_BYTES = 32 << 20
 
@@ -50,18 +47,6 @@ def job_from_labels(namespace: str, labels: Mapping[str, str]) -> str | None:
             name = f"{name}-{group}"
         return f"{namespace}/{name}"
     return None
-
-
-def job_from_pod_name(namespace: str, pod: str) -> str:
-    """NAMESPACE/NAME, the pod's name less its controllers' suffixes: llama-worker-3 and llama-master-0
-    (PyTorchJob) -> llama, train-2-x7k2p (Indexed Job) -> train, ckpt-0 (StatefulSet) -> ckpt."""
-    name = _RANDOM_SUFFIX.sub("", pod)
-    while True:
-        stripped = _ROLE_SUFFIX.sub("", _INDEX_SUFFIX.sub("", name))
-        if stripped == name or not stripped:
-            break
-        name = stripped
-    return f"{namespace}/{name}"
 
 
 class PodLabels(Protocol):

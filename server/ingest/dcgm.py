@@ -65,6 +65,9 @@ UUID_LABEL = "UUID"
 MODEL_LABEL = "modelName"
 INDEX_LABEL = "gpu"
 JOB_LABEL = "hpc_job"
+# With Kubernetes pod mapping on and no hpc_job, the job is the pod's, by its name (gpufleet.podnames).
+NAMESPACE_LABEL = "namespace"
+POD_LABEL = "pod"
 
 # reading -> ((alert kind, what it cannot do without the reading), ...), for a source where no GPU has it:
 # each detector declares what its kinds need (KindSpec.without), so this follows the detectors the server runs.

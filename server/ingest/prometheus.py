@@ -42,6 +42,7 @@ import httpx
 import msgspec
 import orjson
 
+from gpufleet.podnames import job_from_pod_name
 from gpufleet.server.ingest import dcgm
 from gpufleet.server.ingest.base import (
     Blindness,
@@ -355,7 +356,10 @@ class PrometheusSource(IngestAccounting):
                 part_ = self._matrix(*await self._fetch(f"{names}, hpc_job=~{_regex(jobs_)}}}{range_}", now))
                 job_hosts.update(h for s in part_ if isinstance(h := s.metric.get(dcgm.NODE_LABEL), str))
                 out += part_
-            jobless = f'{names}, {dcgm.JOB_LABEL}=""}}'
+            pods = await self._read_owned_pods(names, window, range_, now)
+            job_hosts.update(h for s in pods if isinstance(h := s.metric.get(dcgm.NODE_LABEL), str))
+            out += pods
+            jobless = f'{names}, {dcgm.JOB_LABEL}="", {dcgm.POD_LABEL}=""}}'
             every = await self._label_values(dcgm.NODE_LABEL, jobless, window)
             self._fleet_listed |= bool(every)
             # The job-less GPUs on the owned jobs' hosts too: ingest/owned.py gives them to the host's job.
@@ -363,8 +367,26 @@ class PrometheusSource(IngestAccounting):
             for part in _chunks(sorted(hosts)):
                 out += self._matrix(
                     *await self._fetch(
-                        f'{names}, {dcgm.JOB_LABEL}="", {dcgm.NODE_LABEL}=~{_regex(part)}}}{range_}', now
+                        f'{names}, {dcgm.JOB_LABEL}="", {dcgm.POD_LABEL}="", {dcgm.NODE_LABEL}=~{_regex(part)}}}{range_}',
+                        now,
                     )
+                )
+        return out
+
+    async def _read_owned_pods(self, names: str, window: Mapping[str, str], range_: str, now: float) -> list[_Series]:
+        """dcgm-exporter series of the owned jobs that only Kubernetes pod labels name (no hpc_job): the job is
+        the pod's namespace and name less its suffixes, so the pods are listed per namespace (label values
+        again, no samples read) and the owned ones asked for by name."""
+        out: list[_Series] = []
+        podded = f'{names}, {dcgm.JOB_LABEL}=""'
+        for namespace in await self._label_values(dcgm.NAMESPACE_LABEL, podded + "}", window):
+            in_namespace = f"{podded}, {dcgm.NAMESPACE_LABEL}={orjson.dumps(namespace).decode()}"
+            pods = await self._label_values(dcgm.POD_LABEL, in_namespace + "}", window)
+            self._fleet_listed |= bool(pods)
+            owned = [p for p in pods if p and self.shard.owns_job(job_from_pod_name(namespace, p))]
+            for part in _chunks(owned):
+                out += self._matrix(
+                    *await self._fetch(f"{in_namespace}, {dcgm.POD_LABEL}=~{_regex(part)}}}{range_}", now)
                 )
         return out
 
@@ -741,7 +763,7 @@ def _target(
         return None, False, "", 0, "", None, None
     reading = dcgm.READINGS.get(name)
     if reading is not None:
-        job = labels.get(dcgm.JOB_LABEL)
+        job = labels.get(dcgm.JOB_LABEL) or _pod_job(labels)
         return (
             reading.field,
             reading.field in dcgm.BOOLS,
@@ -763,7 +785,7 @@ def _chunks(values: list[str]) -> Iterator[list[str]]:
     run: list[str] = []
     size = 0
     for v in values:
-        n = len(re.escape(v)) + 1
+        n = len(_RE2_SPECIAL.sub(r"\\\1", v)) + 1
         if run and size + n > _CHUNK_CHARS:
             yield run
             run, size = [], 0
@@ -773,9 +795,21 @@ def _chunks(values: list[str]) -> Iterator[list[str]]:
         yield run
 
 
+# RE2's metacharacters: the rest of a label value stands for itself.
+_RE2_SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
+
+
 def _regex(values: list[str]) -> str:
     """A PromQL string literal of a regex matching exactly `values` (RE2, anchored by PromQL)."""
-    return orjson.dumps("|".join(re.escape(v) for v in values)).decode()
+    return orjson.dumps("|".join(_RE2_SPECIAL.sub(r"\\\1", v) for v in values)).decode()
+
+
+def _pod_job(labels: Mapping[str, Any]) -> str | None:
+    """The job of a dcgm-exporter series' Kubernetes pod (namespace/name less the controllers' suffixes)."""
+    namespace, pod = labels.get(dcgm.NAMESPACE_LABEL), labels.get(dcgm.POD_LABEL)
+    if isinstance(namespace, str) and isinstance(pod, str) and namespace and pod:
+        return job_from_pod_name(namespace, pod)
+    return None
 
 
 def _agents_first(series: list[_Series]) -> Iterator[_Series]:
