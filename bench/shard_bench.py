@@ -208,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         print(
-            "| shards | shard | GPUs owned | GPU samples read / cycle | warm-up cycle CPU s | cycle CPU s (median / max) | of which read | VictoriaMetrics CPU s / cycle |"
+            "| shards | shard | GPUs owned | GPU samples read / cycle | warm-up cycle CPU s | cycle CPU s (median / max) | of which read | VictoriaMetrics CPU s / cycle | failed reads |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for count in (int(c) for c in args.counts.split(",")):
             rows = []
             for index in range(count):
