@@ -143,7 +143,10 @@ def _run(
     engine.prepare(samples)
     step = cfg.tick_seconds
     boundary = (math.floor(samples[0].time / step) + 1) * step
-    pending = sorted(handovers, reverse=True)
+    # A node's last owned samples wait for their bin to close before the engine applies them: forgotten
+    # first, they would bring the node back, silent from then on (unreachable). Its bins close by then.
+    delay = cfg.settle_seconds + 2 * step
+    pending = sorted(((at + delay, node) for at, node in handovers), reverse=True)
     handover = pending[-1][0] if pending else math.inf
     for sample in samples:
         if sample.time >= boundary:
