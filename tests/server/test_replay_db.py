@@ -143,3 +143,28 @@ def test_a_range_is_read_in_overlapping_chunks_and_each_sample_delivered_once() 
     assert covered[0][0] <= 1000.0 and covered[-1][1] == 1300.0
     assert all(b[0] < a[1] for a, b in zip(covered, covered[1:])), "a gap between two chunks"
     assert len(covered) == 5 and all(hi - lo <= 62 for lo, hi in covered)
+
+
+def _node_samples(node: str, until: float, offset: float = 0.0) -> list[NodeSample]:
+    from gpufleet.server.contract import parse_snapshot
+
+    out = []
+    for t in range(0, int(until), 5):
+        gpus = [{"index": i, "uuid": f"GPU-{node}-{i}", "model": "H100", "hpc_job": None, "up": True} for i in range(2)]
+        out.append(parse_snapshot({"schema": 1, "node": node, "time": 10_000.0 + offset + t, "gpus": gpus}))
+    return out
+
+
+def test_a_node_handed_over_to_another_shard_is_forgotten_not_unreachable() -> None:
+    from gpufleet.server.replay import run_samples
+
+    # Three nodes for 15 minutes; one stops after 5, as a node whose GPUs pass to another shard's job does: its
+    # hand-over is the time of its first sample of another shard, before its last owned one is in a closed bin
+    # (the other nodes report within the bin).
+    samples = sorted(
+        [*_node_samples("a", 900, 2.0), *_node_samples("b", 900, 3.0), *_node_samples("gone", 300)],
+        key=lambda s: (s.time, s.node),
+    )
+    unreachable = [a.node for a in run_samples(samples) if a.kind.value == "node_unreachable"]
+    assert unreachable == ["gone"]
+    assert [a for a in run_samples(samples, handovers=[(10_296.0, "gone")]) if a.node == "gone"] == []
