@@ -362,8 +362,13 @@ class PrometheusSource(IngestAccounting):
             jobless = f'{names}, {dcgm.JOB_LABEL}="", {dcgm.POD_LABEL}=""}}'
             every = await self._label_values(dcgm.NODE_LABEL, jobless, window)
             self._fleet_listed |= bool(every)
-            # The job-less GPUs on the owned jobs' hosts too: ingest/owned.py gives them to the host's job.
-            hosts = [h for h in every if self.shard.owns_node(h) or h in job_hosts]
+            # ingest/owned.py gives a job-less GPU on a host that runs a job to that job's shard: the job-less
+            # series of the owned jobs' hosts, and of the hosts hashing here that run no job.
+            busy: set[str] = set()
+            if every:
+                for label in (dcgm.JOB_LABEL, dcgm.POD_LABEL):
+                    busy.update(await self._label_values(dcgm.NODE_LABEL, f'{names}, {label}=~".+"}}', window))
+            hosts = [h for h in every if (self.shard.owns_node(h) and h not in busy) or h in job_hosts]
             for part in _chunks(sorted(hosts)):
                 out += self._matrix(
                     *await self._fetch(

@@ -353,3 +353,27 @@ def test_a_sharded_server_that_pulls_the_agents_judges_its_own_part() -> None:
     assert isinstance(source, ShardedSource) and source.shard == Shard(1, 4)
     assert not isinstance(build_source(load_settings(["--targets", "a:9471"])), ShardedSource)
     asyncio.run(source.aclose())
+
+
+def test_a_job_less_dcgm_gpu_on_a_host_of_an_owned_job_is_read_and_kept_by_the_jobs_shard() -> None:
+    """A GPU that fell off the bus loses its hpc_job label while its job runs on the host's other GPUs: the
+    job's shard asks for it (by the host) and keeps it, the shard the host's name hashes to does not."""
+    t = 1000.0
+    job = JOBS[3]
+    host = next(h for h in (f"dcgm-{i}" for i in range(40)) if Shard(0, 2).owns_node(h) != Shard(0, 2).owns_job(job))
+    lost = dcgm_series(host, None, t)
+    lost["metric"] = {**lost["metric"], "gpu": "1", "UUID": f"GPU-{host}-1"}
+    db = Database([dcgm_series(host, job, t), lost])
+    kept = {}
+    for index in (0, 1):
+        shard = Shard(index, 2)
+        source = PrometheusSource(
+            "http://vm:8428", transport=httpx.MockTransport(db.handler), clock=lambda: t + 1, shard=shard, schema="dcgm"
+        )
+        result = asyncio.run(source.pull_once())
+        asyncio.run(source.aclose())
+        parts = [p for s in result.samples if (p := owned_part(s, shard)) is not None]
+        kept[index] = sorted(uuid for p in parts for uuid in p.uuids)
+    owner = 0 if Shard(0, 2).owns_job(job) else 1
+    assert kept[owner] == [f"GPU-{host}", f"GPU-{host}-1"]
+    assert kept[1 - owner] == []
