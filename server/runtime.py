@@ -124,6 +124,7 @@ class Runtime:
             # /healthz says the store fails; dying here would leave the fleet unwatched.
             log.error("alert store unreadable: starting without its open alerts", extra={"error": str(exc)})
             alerts, nodes, pins = [], {}, {}
+        alerts = self._keep_owned(alerts)
         self.agent_alerts.restore(alerts, nodes)
         self.incidents.restore(alerts)
         self.source.remember_identities(nodes, pins)
@@ -137,6 +138,33 @@ class Runtime:
             notifier.submit(still_firing)
         self.view = self._snapshot_view(None)
         return len(alerts)
+
+    def _keep_owned(self, alerts: list[Alert]) -> list[Alert]:
+        """The open alerts of the jobs and nodes this shard owns; the others (COUNT or INDEX changed since
+        they were stored) are resolved in the store, as their new shard raises them from its own history."""
+        foreign = [a for a in alerts if not self.shard.owns(a.hpc_job, a.node or "")]
+        if not foreign:
+            return alerts
+        now = self.clock()
+        resolved = [
+            replace(
+                a,
+                state=AlertState.RESOLVED,
+                resolved=max(now, a.updated),
+                updated=max(now, a.updated),
+                evidence={**a.evidence, "resolved_reason": HANDED_OVER_REASON},
+            )
+            for a in foreign
+        ]
+        try:
+            self.store.upsert(resolved)
+        except sqlite3.Error as exc:
+            log.error("alert store unwritable: another shard's alerts stay open in it", extra={"error": str(exc)})
+        log.info(
+            "open alerts of another shard's part resolved", extra={"alerts": len(foreign), "shard": str(self.shard)}
+        )
+        gone = {a.id for a in foreign}
+        return [a for a in alerts if a.id not in gone]
 
     async def start(self) -> None:
         """Restore state and launch the pull loop and the notifiers' delivery tasks."""

@@ -503,7 +503,7 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         "shard_peers",
         parse_peers,
         "the shards' URLs, comma-separated, or dns+http://NAME:PORT for every address of a headless "
-        "Service: /alerts, /jobs and / with ?scope=fleet ask each and show the whole fleet",
+        "Service: /alerts, /incidents, /jobs, /nodes and / with ?scope=fleet ask each and show the whole fleet",
     ),
     "shard.peer-timeout": (
         "shard_peer_timeout_seconds",

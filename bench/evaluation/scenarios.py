@@ -1019,3 +1019,86 @@ def describe_alert(a: Mapping[str, Any], t0: float) -> str:
     started = a.get("started")
     at = f"+{started - t0:.0f}s" if started is not None else "?"
     return f"{a['kind']} on {subject} at {at}: {a.get('summary', '')}"
+
+
+# ------------------------------------------------------------------------------------------ uneven ranks
+# Real large jobs are not uniform: pipeline stages differ (the last carries the loss), mixture-of-experts
+# ranks differ with routing, and two small jobs can share nodes. A steadily different rank is not a
+# straggler; a real straggler among uneven ranks still is. Healthy variants run an hour.
+
+UNEVEN_HEALTHY_S = 3600.0
+
+
+def _uneven_straggler(d: _Draw, jobs: list[Job], straggler: bool) -> list[Incident]:
+    """One GPU of the first job silently 25-40 % slow for 5-8 minutes, or none."""
+    if not straggler:
+        return []
+    node, gpus = d.pick(jobs[0].placement)
+    start = d.u(240, 420)
+    return [Incident("slow_gpu", start, start + d.u(300, 480), node, d.pick(gpus), severity=d.u(0.6, 0.75))]
+
+
+def _pipeline(name: str, straggler: bool, attributed: bool):
+    def build(seed: int) -> ClusterSpec:
+        d = _Draw(name, seed)
+        nodes = d.nodes(d.i(2, 4), d.model())
+        slots = _whole(nodes)
+        size = sum(len(g) for _, g in slots)
+        stages = d.i(4, 8)
+        last, first = d.u(1.10, 1.20), d.u(1.0, 1.05)
+        work = tuple(
+            last if r * stages // size == stages - 1 else first if r * stages // size == 0 else 1.0 for r in range(size)
+        )
+        job = d.job("pp", d.hpc() if attributed else None, slots, rank_work=work)
+        return d.spec(nodes, [job], _uneven_straggler(d, [job], straggler), 960.0 if straggler else UNEVEN_HEALTHY_S)
+
+    return build
+
+
+def _moe(name: str, straggler: bool, attributed: bool):
+    def build(seed: int) -> ClusterSpec:
+        d = _Draw(name, seed)
+        nodes = d.nodes(d.i(2, 4), d.model())
+        job = d.job("moe", d.hpc() if attributed else None, _whole(nodes), work_drift=d.u(0.05, 0.12))
+        return d.spec(nodes, [job], _uneven_straggler(d, [job], straggler), 960.0 if straggler else UNEVEN_HEALTHY_S)
+
+    return build
+
+
+def _shared_nodes(name: str, straggler: bool, attributed: bool):
+    def build(seed: int) -> ClusterSpec:
+        d = _Draw(name, seed)
+        nodes = d.nodes(2, d.model())
+        a = d.job("a", d.hpc() if attributed else None, [(n.name, range(4)) for n in nodes])
+        b = d.job(
+            "b",
+            d.hpc() if attributed else None,
+            [(n.name, range(4, 8)) for n in nodes],
+            intensity=d.u(0.5, 0.8),
+            sm_coefficient=d.u(0.45, 0.65),
+            step_s=d.u(1.2, 2.5),
+        )
+        jobs = [a, b] if d.rng.random() < 0.5 else [b, a]
+        return d.spec(nodes, [a, b], _uneven_straggler(d, jobs, straggler), 960.0 if straggler else UNEVEN_HEALTHY_S)
+
+    return build
+
+
+def _uneven_variants(key: str, what: str, factory) -> tuple[Scenario, ...]:
+    out = []
+    for straggler in (False, True):
+        for attributed in (True, False):
+            name = f"uneven_{key}{'_straggler' if straggler else ''}{'' if attributed else '_unattributed'}"
+            label = f"{what}{', one GPU 25-40 % slow for 5-8 min' if straggler else ', an hour healthy'}"
+            label += "" if attributed else ", no hpc_job"
+            out.append(Scenario(name, label, factory(name, straggler, attributed), small=False, decoy=not straggler))
+    return tuple(out)
+
+
+UNEVEN: tuple[Scenario, ...] = (
+    *_uneven_variants("pipeline", "a pipeline-parallel job of 4-8 stages, the last 10-20 % busier", _pipeline),
+    *_uneven_variants("moe", "a mixture-of-experts job whose ranks' load drifts 5-12 % over 10-30 min", _moe),
+    *_uneven_variants("shared_nodes", "two small jobs of different loads sharing two nodes", _shared_nodes),
+)
+CATALOG = CATALOG + UNEVEN
+BY_NAME = {s.name: s for s in CATALOG}

@@ -182,6 +182,11 @@ class Job:
     memory_bytes: int = 70 * 2**30
     # Fixed per-rank compute differences (uneven shards, extra work on rank 0): there all along.
     structural_spread: float = 0.005
+    # Uneven ranks by role: each GPU's work factor, in placement order (pipeline stages; () = even).
+    rank_work: tuple[float, ...] = ()
+    # Mixture-of-experts routing: each rank's work drifts by up to this share, slowly (periods of
+    # DRIFT_PERIOD_S), each rank on its own phase; 0 = no drift.
+    work_drift: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,6 +532,26 @@ def _silicon(lay: _Layout, g: int) -> float:
     return 1.0 + (h[0] / 255.0 - 0.5) * 0.06
 
 
+DRIFT_PERIOD_S = (600.0, 1800.0)
+
+
+class _Drift:
+    """Each GPU's work factor over time in jobs whose routing drifts (Job.work_drift). Drawn from its own
+    generator, so specs without drift keep their traces."""
+
+    def __init__(self, lay: _Layout):
+        G = lay.gpus
+        rng = np.random.default_rng([lay.spec.seed, 52])
+        self.amplitude = np.zeros(G)
+        for job in lay.spec.jobs:
+            self.amplitude[lay.job_gpus(job)] = job.work_drift * rng.uniform(0.3, 1.0, len(lay.job_gpus(job)))
+        self.period = rng.uniform(*DRIFT_PERIOD_S, G)
+        self.phase = rng.uniform(0.0, 2 * math.pi, G)
+
+    def at(self, t: int) -> np.ndarray:
+        return 1.0 + self.amplitude * np.sin(2 * math.pi * t / self.period + self.phase)
+
+
 # ------------------------------------------------------------------------------------------- physics
 
 
@@ -573,6 +598,10 @@ class _Physics:
             gpus = lay.job_gpus(job)
             self.rank_factor[gpus] = 1.0 + rng.uniform(-job.structural_spread, job.structural_spread, len(gpus))
         self.multi_gpu = np.array([sum(len(i) for _, i in j.placement) > 1 for j in jobs] + [False])
+        self.drift = _Drift(lay) if any(j.work_drift for j in jobs) else None
+        for job in jobs:
+            if job.rank_work:
+                self.rank_factor[lay.job_gpus(job)] *= np.asarray(job.rank_work)
         self.nvlink_bw = np.array([x.nvlink_bytes_per_second for x in m])
         self.pcie_bw = np.array([x.pcie_bytes_per_second for x in m])
         idle_temp = self.ambient + self.slot + self.r_th * self.idle_w
@@ -648,7 +677,8 @@ class _Physics:
         jx = np.where(job < 0, J, job)
         train = phase == TRAIN
         c = np.minimum(np.minimum(self.c_th, sch.brake[t]), sch.cap[t])
-        noise = self.rank_factor * (1.0 + 0.015 * self.lay.spec.noise_scale * rng.standard_normal(G))
+        rank = self.rank_factor if self.drift is None else self.rank_factor * self.drift.at(t)
+        noise = rank * (1.0 + 0.015 * self.lay.spec.noise_scale * rng.standard_normal(G))
         comp = self.step[jx] * noise / (c * sch.silent[t])
         member = (jx[None, :] == np.arange(J)[:, None]) & train[None, :]
         # The operator's cap on a whole job is its nominal pace; a cap on some of its GPUs (one node's

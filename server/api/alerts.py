@@ -131,9 +131,10 @@ async def get_alert(runtime: RuntimeDep, alert_id: str) -> AlertModel:
 
 
 @router.get("/incidents", response_model=IncidentListModel, summary="Open incidents: each cause and its effects")
-async def list_incidents(runtime: RuntimeDep) -> IncidentListModel:
+async def list_incidents(runtime: RuntimeDep, peers: PeersDep = None, scope: Scope = "shard") -> IncidentListModel:
     """The open alerts grouped by cause, as of the engine's latest evaluation; a cause that resolved while
-    its effects stay open is read from the store."""
+    its effects stay open is read from the store. This shard's, or with scope=fleet (and --shard.peers) every
+    shard's that answered, newest cause first (each shard groups the alerts it owns)."""
     listed = []
     for i in incidents(runtime.view.alerts):
         cause = i.cause
@@ -149,7 +150,20 @@ async def list_incidents(runtime: RuntimeDep) -> IncidentListModel:
                 effects=[AlertModel.of(_linked(runtime, e)) for e in i.effects],
             )
         )
-    return IncidentListModel(incidents=listed)
+    own = IncidentListModel(incidents=listed, shard=own_shard(runtime.shard))
+    if scope == "shard" or peers is None:
+        return own
+    return await peers.fleet(own, "/incidents", {}, IncidentListModel, _merge_incidents)
+
+
+def _merge_incidents(parts: list[IncidentListModel]) -> IncidentListModel:
+    """Every shard's incidents, newest first by cause (else first effect), as each shard orders its own."""
+
+    def newest_first(incident: IncidentModel) -> tuple[float, str]:
+        first = incident.cause or (incident.effects[0] if incident.effects else None)
+        return (-(first.pending_since if first is not None else 0.0), incident.id)
+
+    return IncidentListModel(incidents=sorted((i for p in parts for i in p.incidents), key=newest_first))
 
 
 def _linked(runtime: Runtime, alert: Alert) -> Alert:

@@ -79,12 +79,6 @@ class IncidentModel(BaseModel):
     effects: list[AlertModel] = Field(description="Alerts explained by the cause, oldest first.")
 
 
-class IncidentListModel(BaseModel):
-    """The open incidents, newest cause first."""
-
-    incidents: list[IncidentModel]
-
-
 class ShardModel(BaseModel):
     """A part of a sharded fleet (`--shard INDEX/COUNT`); 0 of 1 is the whole fleet."""
 
@@ -111,6 +105,12 @@ class ShardedModel(BaseModel):
         description="Fleet view: indexes of the shards whose part is missing because no peer answered for them.",
     )
     peer_errors: list[PeerErrorModel] = Field(default_factory=list, description="Fleet view: peers that failed.")
+
+
+class IncidentListModel(ShardedModel):
+    """The open incidents, newest cause first."""
+
+    incidents: list[IncidentModel]
 
 
 class AlertPageModel(ShardedModel):

@@ -58,7 +58,7 @@ figcaption{font-size:12px;color:#3d4650;max-width:640px}.chart .lbl{font-size:11
 @router.get("/", response_class=HTMLResponse)
 async def overview(runtime: RuntimeDep, peers: PeersDep = None, scope: Scope = "shard") -> HTMLResponse:
     """Fleet summary, jobs, firing and recent alerts: this shard's, or every shard's with scope=fleet."""
-    nodes = await fleet_routes.list_nodes(runtime)
+    nodes = await fleet_routes.list_nodes(runtime, peers, scope)
     jobs = await fleet_routes.list_jobs(runtime, peers, scope)
     firing = await alert_routes.list_alerts(
         runtime, state=AlertState.FIRING, limit=FIRING_SHOWN, scope=scope, peers=peers
@@ -101,7 +101,7 @@ def render_overview(
     now = jobs.evaluated_at if jobs.evaluated_at is not None else nodes.evaluated_at
     pictures = charts or Charts()
     body = [
-        _shard(jobs, firing),
+        _shard(jobs, firing, nodes),
         _fleet(nodes, firing.total, now),
         _fleet_view(pictures),
         _jobs(jobs.jobs, firing.alerts, pictures, tz),
@@ -153,7 +153,7 @@ def subject(alert: AlertModel) -> str:
     return f"{where} (job {alert.hpc_job})" if alert.hpc_job else where
 
 
-def _shard(jobs: JobsModel, firing: AlertPageModel) -> str:
+def _shard(jobs: JobsModel, firing: AlertPageModel, nodes: NodesModel) -> str:
     """Which part of a sharded fleet the page shows, and which shards' parts a fleet view lacks."""
     shard = jobs.shard
     if shard.count == 1:
@@ -163,9 +163,13 @@ def _shard(jobs: JobsModel, firing: AlertPageModel) -> str:
             f"<p>Shard <b>{shard.index}/{shard.count}</b>: the jobs and alerts of this shard's part of the fleet "
             '(<a href="/?scope=fleet">the whole fleet</a>, from every shard).</p>'
         )
-    missing = sorted(set(jobs.shards_missing) | set(firing.shards_missing))
-    failed = {e.peer: e.error for e in [*jobs.peer_errors, *firing.peer_errors]}
-    lines = [f"<p>The whole fleet, as every shard answered this server (shard {shard.index}/{shard.count}).</p>"]
+    views = (jobs, firing, nodes)
+    missing = sorted({i for v in views for i in v.shards_missing})
+    failed = {e.peer: e.error for v in views for e in v.peer_errors}
+    lines = [
+        f"<p>The nodes, jobs and alerts of the whole fleet, as every shard answered this server (shard "
+        f"{shard.index}/{shard.count}).</p>"
+    ]
     if missing:
         lines.append(
             f"<p class=bad>Not shown: shard{'s' if len(missing) > 1 else ''} "

@@ -100,6 +100,8 @@ _GPUFLEET_NAMES = sorted([*_FIELDS, *_ACTIVITY, _JOB_INFO, _XID, _AGE])
 # Series the dcgm recording rules (deploy/prometheus/dcgm-recording-rules.yaml) make under gpufleet's names
 # carry this label: the source reads the dcgm-exporter originals instead, once.
 RECORDED_LABEL = "gpufleet_recorded_from"
+# dcgm-exporter (and the agent's --metrics.names dcgm) label a MIG GPU instance's series so; the GPU's have none.
+_MIG_INSTANCE_LABEL = "GPU_I_ID"
 SCHEMAS = ("auto", "gpufleet", "dcgm")
 
 
@@ -596,6 +598,8 @@ class PrometheusSource(IngestAccounting):
         usable = 0
         for s in _agents_first(series):
             labels = s.metric
+            if labels.get(_MIG_INSTANCE_LABEL):
+                continue  # dcgm-exporter's series of one MIG instance, beside the GPU's own
             key = self._series_key(labels)
             if key is None:
                 continue

@@ -69,6 +69,9 @@ class Listed:
     def health(self) -> list[TargetHealth]:
         return self.targets
 
+    def remember_identities(self, nodes: Any, pins: Any = None) -> None:
+        pass
+
 
 def test_a_node_whose_gpus_go_to_another_shards_job_is_handed_over_and_its_health_with_it() -> None:
     shard = Shard(0, 2)
@@ -353,6 +356,107 @@ def test_a_sharded_server_that_pulls_the_agents_judges_its_own_part() -> None:
     assert isinstance(source, ShardedSource) and source.shard == Shard(1, 4)
     assert not isinstance(build_source(load_settings(["--targets", "a:9471"])), ShardedSource)
     asyncio.run(source.aclose())
+
+
+def test_a_restart_into_another_part_resolves_the_stored_alerts_that_are_no_longer_its_own(tmp_path) -> None:
+    from gpufleet.server.alerts import AlertState
+    from gpufleet.server.runtime import Runtime
+    from gpufleet.server.store import AlertQuery, AlertStore
+    from tests.server.live_fakes import StubEngine, make_alert
+
+    shard = Shard(1, 2)
+    mine = next(j for j in JOBS if shard.owns_job(j))
+    theirs = next(j for j in JOBS if not shard.owns_job(j))
+    store = AlertStore(str(tmp_path / "s.db"))
+    store.upsert([make_alert(1, hpc_job=mine), make_alert(2, hpc_job=theirs), make_alert(3, node=None, hpc_job=theirs)])
+    engine = StubEngine()
+    runtime = Runtime(engine=engine, source=Listed(), store=store, clock=lambda: 5000.0, shard=shard)  # type: ignore[arg-type]
+    assert runtime.restore() == 1
+    assert [a.hpc_job for a in store.open_alerts()] == [mine]
+    assert [a.hpc_job for a in engine.restored] == [mine]
+    resolved = store.query(AlertQuery(state=AlertState.RESOLVED)).alerts
+    assert sorted(a.id for a in resolved) == sorted(
+        make_alert(n, hpc_job=theirs, node=node).id for n, node in ((2, "dgx-01"), (3, None))
+    )
+    assert {a.evidence["resolved_reason"] for a in resolved} == {"its jobs belong to another shard"}
+
+
+def test_any_shard_shows_the_fleets_nodes_and_incidents_and_says_which_shard_is_missing(tmp_path) -> None:
+    from dataclasses import replace
+
+    from gpufleet.server.alerts import IncidentRole
+    from gpufleet.server.runtime import FleetView
+    from tests.server.live_fakes import make_alert
+
+    def node(name: str, gpus: int, jobs: list[str], reachable: bool = True, t: float = 4990.0) -> dict:
+        return {
+            "node": name,
+            "gpus": gpus,
+            "reachable": reachable,
+            "last_sample_time": t,
+            "lag_seconds": 5000.0 - t,
+            "hpc_jobs": jobs,
+            "open_alerts": 1,
+        }
+
+    def incident(n: int, node_: str, job: str) -> tuple:
+        cause = make_alert(n, node=node_, hpc_job=job)
+        cause = replace(cause, incident=cause.id, role=IncidentRole.CAUSE)
+        effect = replace(make_alert(n + 100, node=node_, hpc_job=job), incident=cause.id, role=IncidentRole.EFFECT)
+        return cause, effect
+
+    app0, client0 = shard_app(tmp_path, 0, [])
+    app1, client1 = shard_app(tmp_path, 1, [])
+    # `shared` runs a GPU of a job of each shard: each shard sees its own GPU of it.
+    app0.state.runtime.view = FleetView(
+        alerts=(*incident(1, "a1", "j0"), *incident(3, "shared", "j0")),
+        nodes=(node("a1", 8, ["j0"]), node("shared", 1, ["j0"], t=4980.0)),
+        evaluated_at=5000.0,
+    )
+    app1.state.runtime.view = FleetView(
+        alerts=incident(2, "b1", "j1"),
+        nodes=(node("b1", 8, ["j1"]), node("shared", 1, ["j1"], reachable=False)),
+        evaluated_at=4998.0,
+    )
+    app0.state.peers = Peers(["http://shard-1:9472"], Shard(0, 2), transport=httpx.ASGITransport(app=app1))
+
+    own = client0.get("/nodes").json()
+    assert [n["node"] for n in own["nodes"]] == ["a1", "shared"] and own["scope"] == "shard"
+    nodes = client0.get("/nodes", params={"scope": "fleet"}).json()
+    assert (nodes["scope"], nodes["shards_missing"], nodes["evaluated_at"]) == ("fleet", [], 4998.0)
+    assert [n["node"] for n in nodes["nodes"]] == ["a1", "b1", "shared"]
+    shared = nodes["nodes"][2]
+    assert (shared["gpus"], shared["hpc_jobs"], shared["reachable"], shared["open_alerts"]) == (
+        2,
+        ["j0", "j1"],
+        False,
+        2,
+    )
+    assert (shared["last_sample_time"], shared["lag_seconds"]) == (4990.0, 10.0)
+    assert nodes["targets"] == own["targets"]  # both shards pull the one agent: listed once
+
+    assert [i["cause"]["summary"] for i in client0.get("/incidents").json()["incidents"]] == ["alert 3", "alert 1"]
+    fleet = client0.get("/incidents", params={"scope": "fleet"}).json()
+    assert [i["cause"]["summary"] for i in fleet["incidents"]] == ["alert 3", "alert 2", "alert 1"]
+    assert [[e["summary"] for e in i["effects"]] for i in fleet["incidents"]] == [
+        ["alert 103"],
+        ["alert 102"],
+        ["alert 101"],
+    ]
+    assert fleet["scope"] == "fleet" and fleet["shards_missing"] == [] and fleet["shard"] == {"index": 0, "count": 2}
+    assert len(client1.get("/incidents", params={"scope": "fleet"}).json()["incidents"]) == 1  # no peers: its own
+    page = client0.get("/", params={"scope": "fleet"}).text
+    assert "<b>3</b><span class=muted>nodes</span>" in page and "<b>18</b><span class=muted>GPUs</span>" in page
+
+    app0.state.peers = Peers(
+        ["http://shard-1:9472"], Shard(0, 2), transport=httpx.MockTransport(lambda r: httpx.Response(503))
+    )
+    for path, listed in (("/nodes", "nodes"), ("/incidents", "incidents")):
+        down = client0.get(path, params={"scope": "fleet"}).json()
+        assert down["shards_missing"] == [1] and down["peer_errors"] == [
+            {"peer": "http://shard-1:9472", "error": "HTTP 503"}
+        ]
+        assert len(down[listed]) == 2  # its own part still shown
 
 
 def test_a_job_less_dcgm_gpu_on_a_host_of_an_owned_job_is_read_and_kept_by_the_jobs_shard() -> None:
