@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lint engine-settings-doc operator-manifests podresources-stubs demo test bench bench-live bench-live-prometheus eval crosscheck agent-demo hardware-wheels clean
+.PHONY: lint engine-settings-doc operator-manifests podresources-stubs demo test bench bench-live bench-live-prometheus bench-shards eval-shards eval crosscheck agent-demo hardware-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,14 @@ bench-live: $(STAMP)
 # About 5 minutes (needs the prometheus binary): the same fake agents read through a real Prometheus.
 bench-live-prometheus: $(STAMP)
 	$(BIN)/python -m bench.server_live_bench --ingest prometheus --agents 250 500 1000 --duration 60
+
+# Shards reading a real VictoriaMetrics (needs victoria-metrics): one shard's cycle CPU, 1, 2 and 4 shards.
+bench-shards: $(STAMP)
+	$(BIN)/python -m bench.shard_bench
+
+# The shards' alerts together against one unsharded server's, the scenario suite replayed from VictoriaMetrics.
+eval-shards: $(STAMP)
+	$(BIN)/python -m bench.evaluation.shard_union --counts 2,4
 
 # Precision, recall and time to fire over the scenario suite; rewrites its section of docs/evaluation.md.
 eval: $(STAMP)

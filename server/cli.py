@@ -9,7 +9,7 @@ PROG = "gpufleet-server"
 COMMANDS = {
     "serve": "pull the agents, detect stragglers and throttling, serve /alerts, /jobs and /metrics (the default)",
     "demo": "a simulated 4-node cluster with incidents on a timetable, and the server watching it",
-    "replay": "run the detection engine offline over recorded snapshot files, one JSON line per alert",
+    "replay": "run the detection engine offline over recorded snapshot files or a database's history, one JSON line per alert",
     "check-config": "check serve's settings and files without starting, as promtool check config does",
     "status": "what a running server sees now (jobs, culprits, firing alerts), for a terminal",
 }

@@ -1,6 +1,7 @@
 """Offline replay: snapshot-contract JSONL in, one JSON object per fired alert out.
 
-`gpufleet-server replay TRACE... [--config FILE]`. Lines may come from many agents' --record files in
+`gpufleet-server replay TRACE... [--config FILE]`; with `--prometheus-url URL --start T --end T` the
+snapshots come from a database's history instead (server/replay_db.py). Lines may come from many agents' --record files in
 any order, gzip-compressed or not, or from standard input (`-`): every line of every file is parsed,
 sorted by sample time, a node's repeated snapshots are dropped, a node whose clock is off the others'
 or steps is lined up with them (_align_clocks, by the rule the live server follows too: server/clocks.py),
@@ -28,7 +29,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping, Sequence, cast
 
 import orjson
 
-from gpufleet.server import clocks, contract
+from gpufleet.server import clocks, contract, replay_db
 from gpufleet.server.alerts import Alert, AlertState
 from gpufleet.server.contract import ContractError, NodeSample, parse_lines
 from gpufleet.server.engine import Engine, EngineConfig, EngineStats
@@ -119,9 +120,16 @@ def _read(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> tuple[list[No
     return samples, bad, starts or [0]
 
 
-def _run(samples: list[NodeSample], cfg: EngineConfig, starts: Sequence[int] = (0,)) -> tuple[list[Alert], EngineStats]:
+def _run(
+    samples: list[NodeSample],
+    cfg: EngineConfig,
+    starts: Sequence[int] = (0,),
+    handovers: Sequence[tuple[float, str]] = (),
+) -> tuple[list[Alert], EngineStats]:
     """Feed samples (in the order read; starts: where each source begins) in time order, advancing at each
-    tick boundary they cross; the fired alerts and the engine's counters at the end."""
+    tick boundary they cross; the fired alerts and the engine's counters at the end. handovers: (time,
+    node) where a shard's replay stops owning a node (server/replay_db.py), forgotten then as a live shard
+    forgets it, not left to read as unreachable."""
     engine = Engine(cfg)
     fired: dict[str, Alert] = {}
     if not samples:
@@ -135,12 +143,19 @@ def _run(samples: list[NodeSample], cfg: EngineConfig, starts: Sequence[int] = (
     engine.prepare(samples)
     step = cfg.tick_seconds
     boundary = (math.floor(samples[0].time / step) + 1) * step
+    # A node's last owned samples wait for their bin to close before the engine applies them: forgotten
+    # first, they would bring the node back, silent from then on (unreachable). Its bins close by then.
+    delay = cfg.settle_seconds + 2 * step
+    pending = sorted(((at + delay, node) for at, node in handovers), reverse=True)
+    handover = pending[-1][0] if pending else math.inf
     for sample in samples:
         if sample.time >= boundary:
             _collect(engine.advance(boundary), fired)
             boundary = (math.floor(sample.time / step) + 1) * step
             if boundary - step > sample.time:
                 boundary = sample.time + step
+        if sample.time >= handover:
+            handover = _hand_over(engine, pending, sample.time, fired)
         engine.ingest(sample)
     _collect(engine.advance(boundary), fired)
     for alert in engine.alerts():
@@ -148,6 +163,16 @@ def _run(samples: list[NodeSample], cfg: EngineConfig, starts: Sequence[int] = (
             fired[alert.id] = alert
     alerts = sorted(fired.values(), key=lambda a: (a.started or 0.0, a.kind.value, a.node or "", a.gpu or -1))
     return alerts, engine.stats()
+
+
+def _hand_over(engine: Engine, pending: list[tuple[float, str]], now: float, fired: dict[str, Alert]) -> float:
+    """Forget the nodes handed over by now (pending: newest first); the time of the next hand-over."""
+    from gpufleet.server.runtime import HANDED_OVER_REASON
+
+    while pending and pending[-1][0] <= now:
+        at, node = pending.pop()
+        _collect(engine.forget_node(node, at, HANDED_OVER_REASON), fired)
+    return pending[-1][0] if pending else math.inf
 
 
 class _Span:
@@ -393,9 +418,11 @@ def aligned_samples(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> lis
         return _align_clocks(samples, [s for s in order if id(s) not in repeats], starts)
 
 
-def run_samples(samples: list[NodeSample], config: EngineConfig | None = None) -> list[Alert]:
-    """The engine over already loaded samples, as replay feeds it: every alert that fired."""
-    return _run(samples, config or EngineConfig())[0]
+def run_samples(
+    samples: list[NodeSample], config: EngineConfig | None = None, handovers: Sequence[tuple[float, str]] = ()
+) -> list[Alert]:
+    """The engine over already loaded samples, as replay feeds it: every alert that fired (handovers: see _run)."""
+    return _run(samples, config or EngineConfig(), handovers=handovers)[0]
 
 
 def alert_json(alert: Alert) -> bytes:
@@ -432,10 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpufleet-server replay", description=__doc__.splitlines()[0])
     parser.add_argument(
         "traces",
-        nargs="+",
+        nargs="*",
         metavar="TRACE",
         help="snapshot-contract JSONL file(s), gzip-compressed or not; - reads standard input",
     )
+    replay_db.add_arguments(parser)
     parser.add_argument("--config", "--config.file", dest="config", metavar="FILE", help="engine config (YAML/JSON)")
     parser.add_argument("--log.level", dest="log_level", default="warning")
     parser.add_argument("--log.format", dest="log_format", default="text")
@@ -445,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_logging(args.log_level, args.log_format)
         cfg = load_config(args.config) if args.config else EngineConfig()
+        request = replay_db.checked(args) if args.prometheus_url is not None else None
+        if request is None and not args.traces:
+            raise ValueError("give TRACE files, or --prometheus-url with --start and --end")
         for trace in args.traces:
             if trace != "-" and not Path(trace).is_file():
                 raise ValueError(
@@ -455,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"gpufleet-server replay: {exc}", file=sys.stderr)
         return 2
+    if request is not None:
+        return _replay_database(request, cfg)
     handles: list[IO[bytes]] = []
     try:
         sources = []
@@ -476,11 +509,32 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    alerts = result.alerts
+    _print_alerts(result.alerts)
+    return 0
+
+
+def _print_alerts(alerts: list[Alert]) -> None:
     out = sys.stdout.buffer
     for alert in alerts:
         out.write(alert_json(alert) + b"\n")
     out.flush()
+
+
+def _replay_database(request: replay_db.Range, cfg: EngineConfig) -> int:
+    """replay --prometheus-url: the same lines from a database's history (server/replay_db.py)."""
+    try:
+        alerts, history = replay_db.replay(request, cfg)
+    except replay_db.HistoryError as exc:
+        print(f"gpufleet-server replay: {exc}", file=sys.stderr)
+        return 2
+    if not history.samples:
+        print(
+            f"gpufleet-server replay: no GPU snapshot of shard {request.shard} in {request.url} between "
+            f"{request.start:.0f} and {request.end:.0f} ({history.snapshots} rebuilt, {history.rejected} refused)",
+            file=sys.stderr,
+        )
+        return 1
+    _print_alerts(alerts)
     return 0
 
 

@@ -153,3 +153,102 @@ def test_the_agents_daemonset_reaches_the_kubelets_socket_and_lists_its_nodes_po
     (role,) = [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == binding["roleRef"]["name"]]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
     assert any(d["kind"] == "ServiceAccount" and d["metadata"]["name"] == account for d in docs)
+
+
+def _sharded() -> list[dict]:
+    return [
+        doc
+        for path in sorted((ROOT / "deploy" / "kubernetes" / "sharded").glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+
+
+def _expanded(text: str, env: dict[str, str]) -> str:
+    """A container's `$(VAR)` references as Kubernetes expands them."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def test_the_shards_two_replica_sets_take_index_from_the_pod_ordinal_and_agree_on_the_count(tmp_path):
+    """deploy/kubernetes/sharded/servers.yaml: shard K's HA pair is pod K of each of two StatefulSets; the
+    ordinal reaches `shard` through the pod-index label and the environment, with the sets' COUNT."""
+    from gpufleet.server.shard import Shard
+
+    docs = _sharded()
+    sets = sorted(
+        (d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].startswith("gpufleet-shard-")),
+        key=lambda d: d["metadata"]["name"],
+    )
+    assert [s["metadata"]["name"] for s in sets] == ["gpufleet-shard-a", "gpufleet-shard-b"]
+    (config,) = [
+        d["data"]["server.yaml"]
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gpufleet-shards"
+    ]
+    (tmp_path / "server.yaml").write_text(config)
+    count = sets[0]["spec"]["replicas"]
+    assert count > 1 and all(s["spec"]["replicas"] == count for s in sets)
+
+    def without_replica(d: dict) -> str:
+        return yaml.safe_dump(d["spec"]["template"]["spec"])
+
+    assert without_replica(sets[0]) == without_replica(sets[1])
+    for s in sets:
+        labels = s["spec"]["template"]["metadata"]["labels"]
+        assert s["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        (container,) = s["spec"]["template"]["spec"]["containers"]
+        _parse(container["command"] + container["args"])
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert container["args"] == ["serve", "--config.file", f"{mounts['config']}/server.yaml"]
+        env = {e["name"]: e for e in container["env"]}
+        assert (
+            env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+        )
+        for ordinal in (0, count - 1):
+            values = {"POD_INDEX": str(ordinal)}
+            environ = {k: _expanded(e["value"], values) for k, e in env.items() if "value" in e}
+            settings = server_settings.load_settings(["--config.file", str(tmp_path / "server.yaml")], env=environ)
+            assert settings.shard == Shard(ordinal, count)
+            assert settings.prometheus_url and settings.shard_peers and not settings.targets_dns
+        (claim,) = s["spec"]["volumeClaimTemplates"]
+        assert Path(settings.storage_path).parent == Path(mounts[claim["metadata"]["name"]])
+    (headless,) = [d for d in docs if d["kind"] == "Service" and d["spec"].get("clusterIP") == "None"]
+    assert headless["spec"]["selector"].items() <= sets[0]["spec"]["template"]["metadata"]["labels"].items()
+    assert headless["metadata"]["name"] in settings.shard_peers[0]
+
+
+def test_the_scrapers_split_the_agents_among_their_members_and_write_to_the_database_the_shards_read():
+    docs = _sharded()
+    (scrapers,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "vmagent-gpufleet"]
+    (container,) = scrapers["spec"]["template"]["spec"]["containers"]
+    flags = dict(arg.lstrip("-").split("=", 1) for arg in container["args"])
+    assert int(flags["promscrape.cluster.membersCount"]) == scrapers["spec"]["replicas"]
+    assert flags["promscrape.cluster.memberNum"] == "$(POD_NAME)"
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]} == {
+        "POD_NAME": "metadata.name"
+    }
+    (scrape,) = [
+        d["data"]["scrape.yaml"]
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vmagent-gpufleet"
+    ]
+    (job,) = yaml.safe_load(scrape)["scrape_configs"]
+    keeps = {tuple(r["source_labels"]): r["regex"] for r in job["relabel_configs"] if r["action"] == "keep"}
+    (daemonset,) = [d for d in _manifests() if d["kind"] == "DaemonSet"]
+    assert (
+        keeps[("__meta_kubernetes_pod_label_app_kubernetes_io_name",)]
+        == daemonset["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+    )
+    ports = [
+        p["containerPort"] for c in daemonset["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
+    ]
+    assert int(keeps[("__meta_kubernetes_pod_container_port_number",)]) in ports
+    (config,) = [
+        d["data"]["server.yaml"]
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gpufleet-shards"
+    ]
+    read = yaml.safe_load(config)["ingest.prometheus-url"]
+    write = flags["remoteWrite.url"]
+    assert read.startswith("http://vmselect.") and write.startswith("http://vminsert.")
+    assert read.split("/select/")[1].split("/")[0] == write.split("/insert/")[1].split("/")[0], "one tenant"

@@ -22,7 +22,11 @@ from gpufleet.server.shard import Shard
 def owned_part(sample: Any, shard: Shard) -> Any | None:
     """The sample with only the shard's GPUs (the same object when it owns them all); None when it owns none."""
     jobs, node = sample.jobs, sample.node
-    keep = [row for row, job in enumerate(jobs) if shard.owns(job, node)]
+    # A GPU of no job on a node that runs one goes with the node's job: a GPU that falls off the bus, or
+    # whose processes die first, loses its job label while its job still runs, and must stay with the
+    # shard that holds its history (its XIDs, its peers) rather than turn up new on another.
+    host_job = min((job for job in jobs if job), default=None)
+    keep = [row for row, job in enumerate(jobs) if shard.owns(job or host_job, node)]
     if len(keep) == len(jobs):
         return sample
     if not keep:

@@ -353,13 +353,24 @@ class PrometheusSource(IngestAccounting):
                 out += self._matrix(*await self._fetch(f"{names}, node=~{_regex(part)}}}{range_}", now))
         if self.schema != "gpufleet":
             names = '{__name__=~"' + "|".join(sorted(dcgm.READINGS)) + '", ' + recorded
+            job_hosts: set[str] = set()
             for jobs_ in _chunks(owned_jobs):
-                out += self._matrix(*await self._fetch(f"{names}, hpc_job=~{_regex(jobs_)}}}{range_}", now))
-            out += await self._read_owned_pods(names, window, range_, now)
+                part_ = self._matrix(*await self._fetch(f"{names}, hpc_job=~{_regex(jobs_)}}}{range_}", now))
+                job_hosts.update(h for s in part_ if isinstance(h := s.metric.get(dcgm.NODE_LABEL), str))
+                out += part_
+            pods = await self._read_owned_pods(names, window, range_, now)
+            job_hosts.update(h for s in pods if isinstance(h := s.metric.get(dcgm.NODE_LABEL), str))
+            out += pods
             jobless = f'{names}, {dcgm.JOB_LABEL}="", {dcgm.POD_LABEL}=""}}'
             every = await self._label_values(dcgm.NODE_LABEL, jobless, window)
             self._fleet_listed |= bool(every)
-            hosts = [h for h in every if self.shard.owns_node(h)]
+            # ingest/owned.py gives a job-less GPU on a host that runs a job to that job's shard: the job-less
+            # series of the owned jobs' hosts, and of the hosts hashing here that run no job.
+            busy: set[str] = set()
+            if every:
+                for label in (dcgm.JOB_LABEL, dcgm.POD_LABEL):
+                    busy.update(await self._label_values(dcgm.NODE_LABEL, f'{names}, {label}=~".+"}}', window))
+            hosts = [h for h in every if (self.shard.owns_node(h) and h not in busy) or h in job_hosts]
             for part in _chunks(sorted(hosts)):
                 out += self._matrix(
                     *await self._fetch(

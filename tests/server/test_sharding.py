@@ -48,8 +48,9 @@ def test_every_gpu_of_a_mixed_node_goes_to_exactly_one_shard() -> None:
                 sample.indices[sample.uuids.index(uuid)], "temperature_celsius"
             )
     assert set(owners) == set(sample.uuids)
+    host_job = min(j for j in jobs if j)  # a job-less GPU goes with its node's job (the least of them)
     for uuid, job in zip(sample.uuids, jobs):
-        assert Shard(owners[uuid], 4).owns(job, NODES[0])
+        assert Shard(owners[uuid], 4).owns(job or host_job, NODES[0])
     assert owned_part(sample, Shard(0, 1)) is sample
 
 
@@ -456,3 +457,27 @@ def test_any_shard_shows_the_fleets_nodes_and_incidents_and_says_which_shard_is_
             {"peer": "http://shard-1:9472", "error": "HTTP 503"}
         ]
         assert len(down[listed]) == 2  # its own part still shown
+
+
+def test_a_job_less_dcgm_gpu_on_a_host_of_an_owned_job_is_read_and_kept_by_the_jobs_shard() -> None:
+    """A GPU that fell off the bus loses its hpc_job label while its job runs on the host's other GPUs: the
+    job's shard asks for it (by the host) and keeps it, the shard the host's name hashes to does not."""
+    t = 1000.0
+    job = JOBS[3]
+    host = next(h for h in (f"dcgm-{i}" for i in range(40)) if Shard(0, 2).owns_node(h) != Shard(0, 2).owns_job(job))
+    lost = dcgm_series(host, None, t)
+    lost["metric"] = {**lost["metric"], "gpu": "1", "UUID": f"GPU-{host}-1"}
+    db = Database([dcgm_series(host, job, t), lost])
+    kept = {}
+    for index in (0, 1):
+        shard = Shard(index, 2)
+        source = PrometheusSource(
+            "http://vm:8428", transport=httpx.MockTransport(db.handler), clock=lambda: t + 1, shard=shard, schema="dcgm"
+        )
+        result = asyncio.run(source.pull_once())
+        asyncio.run(source.aclose())
+        parts = [p for s in result.samples if (p := owned_part(s, shard)) is not None]
+        kept[index] = sorted(uuid for p in parts for uuid in p.uuids)
+    owner = 0 if Shard(0, 2).owns_job(job) else 1
+    assert kept[owner] == [f"GPU-{host}", f"GPU-{host}-1"]
+    assert kept[1 - owner] == []

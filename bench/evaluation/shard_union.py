@@ -1,0 +1,135 @@
+"""The shards' alerts together are one unsharded server's, over the scenario suite replayed from a database.
+
+Each scenario's trace (tracegen, seed by seed) is loaded into a real VictoriaMetrics as the series gpufleet
+agents export, stamped at their sample times (bench/victoria.py); then `replay --prometheus-url` runs over
+the whole range once unsharded and once per shard of COUNT (server/replay_db.py). An alert is its kind and
+subject (kind, node, GPU, job); two alerts agree when those are equal and their start times lie within one
+engine cycle. The union of the shards' alerts must agree with the unsharded alerts one to one; an alert
+raised by two shards (a node-level alert about a node whose GPUs two shards own) is counted apart.
+
+    python -m bench.evaluation.shard_union [--counts 2,4] [--seeds 1] [--scenarios a,b]
+
+prints one row per scenario and count, and a total line; exit 1 when any scenario's union differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import orjson
+
+from bench import victoria
+from bench.evaluation import scenarios
+from bench.evaluation.tracegen import generate
+from gpufleet.server.alerts import Alert
+from gpufleet.server.engine import EngineConfig
+from gpufleet.server.replay import run_samples
+from gpufleet.server.replay_db import read_history
+from gpufleet.server.shard import Shard
+
+Key = tuple[str, str | None, int | None, str | None]
+
+
+def key(alert: Alert) -> Key:
+    return alert.kind.value, alert.node, alert.gpu, alert.hpc_job
+
+
+@dataclass
+class Union:
+    """One scenario replayed whole and in COUNT shards from one database."""
+
+    scenario: str
+    count: int
+    whole: list[Alert]
+    shards: list[list[Alert]]
+    tick_seconds: float
+    unmatched_whole: list[Key] = field(default_factory=list)  # unsharded alerts no shard raised
+    unmatched_shards: list[Key] = field(default_factory=list)  # shard alerts the unsharded server did not raise
+    twice: list[Key] = field(default_factory=list)  # alerts raised by more than one shard
+
+    def __post_init__(self) -> None:
+        union = [a for part in self.shards for a in part]
+        self.unmatched_whole = [key(a) for a in self.whole if not _twin(a, union, self.tick_seconds)]
+        self.unmatched_shards = [key(a) for a in union if not _twin(a, self.whole, self.tick_seconds)]
+        raised = Counter(k for part in self.shards for k in {key(a) for a in part})
+        self.twice = sorted((k for k, n in raised.items() if n > 1), key=str)
+
+    @property
+    def equal(self) -> bool:
+        return not self.unmatched_whole and not self.unmatched_shards
+
+
+def _twin(alert: Alert, others: Iterable[Alert], tick_seconds: float) -> bool:
+    return any(
+        key(o) == key(alert) and abs((o.started or 0.0) - (alert.started or 0.0)) <= tick_seconds for o in others
+    )
+
+
+def replay(url: str, start: float, end: float, shard: Shard, config: EngineConfig) -> list[Alert]:
+    """replay --prometheus-url over (start, end] for one shard, in process."""
+    history = asyncio.run(read_history(url, start, end, shard=shard))
+    return run_samples(sorted(history.samples, key=lambda s: (s.time, s.node)), config, history.handovers)
+
+
+def compare(url: str, start: float, end: float, counts: Iterable[int], scenario: str = "") -> list[Union]:
+    """The unsharded replay of the database's range against its replay in each count of shards."""
+    config = EngineConfig()
+    whole = replay(url, start, end, Shard(), config)
+    return [
+        Union(scenario, n, whole, [replay(url, start, end, Shard(i, n), config) for i in range(n)], config.tick_seconds)
+        for n in counts
+    ]
+
+
+def load_scenario(url: str, name: str, seed: int) -> tuple[float, float]:
+    """The scenario's trace into the database; the range (start, end] that holds it."""
+    trace = generate(scenarios.BY_NAME[name].build(seed))
+    times = [orjson.loads(line)["time"] for line in trace.lines]
+    victoria.import_trace(url, trace.lines)
+    return min(times) - 1.0, max(times)
+
+
+def run(names: list[str], seeds: range, counts: list[int]) -> list[Union]:
+    """Every (scenario, seed) in a fresh database of its own, compared at each count."""
+    out = []
+    for name in names:
+        for seed in seeds:
+            with victoria.victoria_metrics() as url:
+                start, end = load_scenario(url, name, seed)
+                for result in compare(url, start, end, counts, f"{name}/{seed}"):
+                    out.append(result)
+                    print(_row(result), flush=True)
+    return out
+
+
+def _row(u: Union) -> str:
+    union = sum(len(p) for p in u.shards)
+    verdict = "equal" if u.equal else f"DIFFERS: only unsharded {u.unmatched_whole}, only shards {u.unmatched_shards}"
+    twice = f"; raised by 2+ shards: {u.twice}" if u.twice else ""
+    return f"{u.scenario:36s} shards={u.count} unsharded={len(u.whole):3d} union={union:3d} {verdict}{twice}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--counts", default="2,4", help="shard counts, comma-separated")
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--scenarios", default="", help="names, comma-separated (default: the whole catalog)")
+    args = parser.parse_args(argv)
+    if victoria.BINARY is None:
+        print(victoria.WHY_MISSING, file=sys.stderr)
+        return 2
+    names = [n for n in args.scenarios.split(",") if n] or [s.name for s in scenarios.CATALOG]
+    results = run(names, range(args.seeds), [int(c) for c in args.counts.split(",")])
+    equal = sum(u.equal for u in results)
+    alerts = sum(len(u.whole) for u in results)
+    print(f"total: {equal}/{len(results)} (scenario, count) pairs equal; {alerts} unsharded alerts compared")
+    return 0 if equal == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
