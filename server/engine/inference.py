@@ -167,6 +167,25 @@ def lagged_correlation(z: np.ndarray, ok: np.ndarray, min_common: int) -> np.nda
     return out
 
 
+def _sure(corr: np.ndarray, members: np.ndarray, node: np.ndarray, min_contrast: float) -> bool:
+    """Whether a cluster is sure enough to be taken for a job (corr: NaN as zero; node: node id per row):
+    it holds every clustered GPU of each node it touches, or its GPUs move with each other at least
+    min_contrast more, on average, than with the GPUs clustered beside them.
+
+    Where no job's ranks share a wobble (steps too regular for one sample to catch more of one phase),
+    GPUs of one node still correlate a little (they are read at one instant), and average linkage cuts
+    the fleet into fragments that split nodes and mix jobs: compared as a job, a fragment hides the
+    straggler its node's own GPUs would show. A job shares a node with another job rarely, and then
+    stands apart by its own wobble."""
+    touched = np.isin(node, node[members])
+    if not (touched & ~members).any():
+        return True
+    n = int(members.sum())
+    inside = corr[np.ix_(members, members)].sum() / max(n * (n - 1), 1)
+    outside = corr[np.ix_(members, ~members)].mean()
+    return bool(inside - outside >= min_contrast)
+
+
 def _fill(held: np.ndarray) -> float:
     """Median over GPUs (columns; rows newest first) of the share of bins holding a sample, from each
     GPU's first sample on: bins before it (a trace or a node just begun) say nothing of its interval."""
@@ -246,6 +265,7 @@ class JobInference:
         z, ok = wobbles(series, cfg.inferred_clip_sigmas)
         corr = lagged_correlation(z, ok, min_common)
         fresh = np.full(len(slots), NONE, dtype=np.int64)
+        node = w.slot_node_id[slots]
         n_found = 0
         for m in np.unique(model[slots]).tolist():
             for source in (True, False):
@@ -255,8 +275,11 @@ class JobInference:
                 clusters = average_linkage(
                     corr[np.ix_(pick, pick)], cfg.inferred_min_correlation, cfg.inferred_min_relative_correlation
                 )
+                sub = np.nan_to_num(corr[np.ix_(pick, pick)], nan=0.0)
                 ids, counts = np.unique(clusters, return_counts=True)
                 for c in ids[counts >= cfg.straggler_min_group].tolist():
+                    if not _sure(sub, clusters == c, node[pick], cfg.inferred_min_contrast):
+                        continue
                     fresh[pick[clusters == c]] = n_found
                     n_found += 1
         self._relabel(slots, fresh, reserved)
