@@ -21,7 +21,10 @@ async def list_nodes(runtime: RuntimeDep) -> NodesModel:
         for h in runtime.source.health()
     ]
     return NodesModel(
-        nodes=[NodeModel.model_validate(n) for n in view.nodes], targets=targets, evaluated_at=view.evaluated_at
+        nodes=[NodeModel.model_validate(n) for n in view.nodes],
+        targets=targets,
+        evaluated_at=view.evaluated_at,
+        unjudged_gpus=int(view.stats.get("gpus_unjudged") or 0),
     )
 
 
