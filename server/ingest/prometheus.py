@@ -657,16 +657,7 @@ def _target(
         return None, False, "", 0, "", None, None
     reading = dcgm.READINGS.get(name)
     if reading is not None:
-        job = labels.get(dcgm.JOB_LABEL)
-        return (
-            reading.field,
-            reading.field in dcgm.BOOLS,
-            "",
-            0,
-            "",
-            job if isinstance(job, str) and job else None,
-            reading,
-        )
+        return reading.field, reading.field in dcgm.BOOLS, "", 0, "", dcgm.job_of(labels), reading
     return None
 
 
