@@ -246,10 +246,12 @@ class EngineConfig:
     # within itself: two jobs' step phases correlate by chance (±0.13 over a 5-minute window at 5 s), and
     # among 16 jobs of 128 GPUs two reached 0.37 and were merged on the absolute figure alone.
     inferred_min_relative_correlation: float = 0.5
-    # An inferred job that splits a node's busy GPUs must move with itself at least this much more, on
-    # average, than with the GPUs beside it (see inference._sure): measured 0.24-0.40 for real jobs,
-    # 0.11-0.20 for the fragments a fleet without shared step wobbles falls into.
-    inferred_min_contrast: float = 0.45
+    # An inferred job on several nodes that splits some of them holds at least this share of the clustered
+    # GPUs of each, and its GPUs on different nodes correlate this much on average (see inference._sure):
+    # a job takes a node's GPUs in blocks and moves together across nodes (measured 0.45-0.76), while in
+    # fleets whose ranks share no step wobble chance clusters split nodes and correlate 0.34-0.35 across.
+    inferred_min_node_share: float = 0.5
+    inferred_split_min_correlation: float = 0.4
     # Co-movement counts once two GPUs share as many samples as ticks in this (24: one pair's correlation
     # then within ±0.2); at 10 s sampling that takes twice as long, and early merges there joined jobs.
     inferred_min_seconds: float = 120.0

@@ -167,23 +167,29 @@ def lagged_correlation(z: np.ndarray, ok: np.ndarray, min_common: int) -> np.nda
     return out
 
 
-def _sure(corr: np.ndarray, members: np.ndarray, node: np.ndarray, min_contrast: float) -> bool:
-    """Whether a cluster is sure enough to be taken for a job (corr: NaN as zero; node: node id per row):
-    it holds every clustered GPU of each node it touches, or its GPUs move with each other at least
-    min_contrast more, on average, than with the GPUs clustered beside them.
+def _sure(corr: np.ndarray, members: np.ndarray, node: np.ndarray, min_share: float, min_across: float) -> bool:
+    """Whether a cluster (members: a mask over the clustered GPUs; node: their node ids; corr: their
+    correlations, NaN as zero) is sure enough to be taken for a job: on one node; or holding every
+    clustered GPU of each node it touches; or at least min_share of them, its GPUs on different nodes
+    moving together by min_across on average.
 
     Where no job's ranks share a wobble (steps too regular for one sample to catch more of one phase),
-    GPUs of one node still correlate a little (they are read at one instant), and average linkage cuts
-    the fleet into fragments that split nodes and mix jobs: compared as a job, a fragment hides the
-    straggler its node's own GPUs would show. A job shares a node with another job rarely, and then
-    stands apart by its own wobble."""
-    touched = np.isin(node, node[members])
-    if not (touched & ~members).any():
+    what moves together is a node's GPUs (read at one instant), and average linkage still joins parts
+    of nodes whose noise happened to agree: fragments that split nodes and mix jobs, their GPUs on
+    different nodes barely correlated. Compared as a job, a fragment hides the straggler its node's own
+    GPUs would show. A job sharing its nodes with another takes a block of each (half, a quarter) and
+    its ranks move together across nodes as much as within one."""
+    on = node[members]
+    nodes, held = np.unique(on, return_counts=True)
+    if len(nodes) == 1:
         return True
-    n = int(members.sum())
-    inside = corr[np.ix_(members, members)].sum() / max(n * (n - 1), 1)
-    outside = corr[np.ix_(members, ~members)].mean()
-    return bool(inside - outside >= min_contrast)
+    clustered = np.bincount(node, minlength=int(node.max()) + 1)[nodes]
+    if (held == clustered).all():
+        return True
+    if not (held >= min_share * clustered).all():
+        return False
+    across = on[:, None] != on[None, :]
+    return bool(corr[np.ix_(members, members)][across].mean() >= min_across)
 
 
 def _fill(held: np.ndarray) -> float:
@@ -278,7 +284,10 @@ class JobInference:
                 sub = np.nan_to_num(corr[np.ix_(pick, pick)], nan=0.0)
                 ids, counts = np.unique(clusters, return_counts=True)
                 for c in ids[counts >= cfg.straggler_min_group].tolist():
-                    if not _sure(sub, clusters == c, node[pick], cfg.inferred_min_contrast):
+                    sure = _sure(
+                        sub, clusters == c, node[pick], cfg.inferred_min_node_share, cfg.inferred_split_min_correlation
+                    )
+                    if not sure:
                         continue
                     fresh[pick[clusters == c]] = n_found
                     n_found += 1
