@@ -140,10 +140,18 @@ def _fallback_waiting(tick: Tick, lay: NodePairs) -> np.ndarray:
     slowed = (tick.slowdown >= min_drop) & (grp.util >= cfg.straggler_waiting_utilization)
     slowed &= ~tick.registry.one_job[: grp.n_groups] & (grp.size >= cfg.straggler_min_group)
     waits = (grp.gid >= 0) & slowed[np.maximum(grp.gid, 0)]
-    node_of = tick.windows.slot_node_id[:n]
+    spin = np.where(grp.gid >= 0, grp.util[np.maximum(grp.gid, 0)], np.nan)
+    node_of, util = tick.windows.slot_node_id[:n], tick.med["util"][:n]
     out = np.zeros(len(lay.gids), dtype=bool)
     for i in np.flatnonzero(~tick.registry.one_job[lay.gids]).tolist():
-        out[i] = bool((waits & (grp.ngid == lay.gids[i]) & (node_of != lay.nids[i])).any())
+        group = grp.ngid == lay.gids[i]
+        mine = group & (node_of == lay.nids[i]) & ~np.isnan(util)
+        if not mine.any():
+            continue
+        # Spinning clearly more than this node runs: the nodes of a job that idles as a whole (input-
+        # bound) are slowed too, but idle alike, and neither waits for the other.
+        busier = spin >= float(np.nanmedian(util[mine])) + cfg.node_idle_gap
+        out[i] = bool((waits & busier & group & ~mine).any())
     return out
 
 
