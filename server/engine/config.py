@@ -247,10 +247,12 @@ class EngineConfig:
     # among 16 jobs of 128 GPUs two reached 0.37 and were merged on the absolute figure alone.
     inferred_min_relative_correlation: float = 0.5
     # An inferred job on several nodes that splits some of them holds at least this share of the clustered
-    # GPUs of each, and its GPUs on different nodes correlate this much on average (see inference._sure):
-    # a job takes a node's GPUs in blocks and moves together across nodes (measured 0.45-0.76), while in
-    # fleets whose ranks share no step wobble chance clusters split nodes and correlate 0.34-0.35 across.
+    # GPUs of each (see inference._sure): a job takes a node's GPUs in blocks; where ranks share no step
+    # wobble, chance clusters take one GPU here and one there.
     inferred_min_node_share: float = 0.5
+    # An inferred job that splits some of its nodes also needs its GPUs on different nodes to correlate this
+    # much on average: a job moves together across its nodes (measured 0.45-0.76), chance clusters of split
+    # nodes 0.34-0.35 (the GPUs of a node are read at one instant; nothing is shared across nodes).
     inferred_split_min_correlation: float = 0.4
     # Co-movement counts once two GPUs share as many samples as ticks in this (24: one pair's correlation
     # then within ±0.2); at 10 s sampling that takes twice as long, and early merges there joined jobs.
