@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from gpufleet.server.engine.config import EngineConfig
-from gpufleet.server.engine.groups import INFERRED_JOB, GroupRegistry
+from gpufleet.server.engine.groups import CLUSTER_MODEL, INFERRED_JOB, GroupRegistry
 from gpufleet.server.engine.windows import B_POWER, B_SM, B_UTIL, Windows
 
 # Relative size of float rounding in a difference of readings (a few ulps of them).
@@ -327,6 +327,11 @@ def inferred_peers(registry: GroupRegistry, gid: int, evidence: dict[str, Any]) 
         evidence["note"] = (
             "no hpc_job attribution: peers inferred as one job from GPUs of the same model whose activity "
             "rises and falls with this one's"
+        )
+    elif registry.kind(gid) == CLUSTER_MODEL:
+        evidence["note"] = (
+            "no hpc_job attribution and no job inferred: compared with every unattributed GPU of its model, "
+            "named while it idles on its host and other nodes' GPUs wait, spinning"
         )
 
 
