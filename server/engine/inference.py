@@ -169,9 +169,10 @@ def lagged_correlation(z: np.ndarray, ok: np.ndarray, min_common: int) -> np.nda
 
 def _sure(corr: np.ndarray, members: np.ndarray, node: np.ndarray, min_share: float, min_across: float) -> bool:
     """Whether a cluster (members: a mask over the clustered GPUs; node: their node ids; corr: their
-    correlations, NaN as zero) is sure enough to be taken for a job: on one node; or holding every
-    clustered GPU of each node it touches; or at least min_share of them, its GPUs on different nodes
-    moving together by min_across on average.
+    correlations, NaN as zero) is sure enough to be taken for a job: on one node; or holding at least
+    min_share of the clustered GPUs of each node it touches (a job less a straggler or two that stopped
+    moving with it); or at least half of them, its GPUs on different nodes moving together by min_across
+    on average.
 
     Where no job's ranks share a wobble (steps too regular for one sample to catch more of one phase),
     what moves together is a node's GPUs (read at one instant), and average linkage still joins parts
@@ -184,9 +185,9 @@ def _sure(corr: np.ndarray, members: np.ndarray, node: np.ndarray, min_share: fl
     if len(nodes) == 1:
         return True
     clustered = np.bincount(node, minlength=int(node.max()) + 1)[nodes]
-    if (held == clustered).all():
+    if (held >= min_share * clustered).all():
         return True
-    if not (held >= min_share * clustered).all():
+    if not (2 * held >= clustered).all():
         return False
     across = on[:, None] != on[None, :]
     return bool(corr[np.ix_(members, members)][across].mean() >= min_across)

@@ -23,25 +23,32 @@ def test_a_cluster_on_one_node_or_of_whole_nodes_is_a_job():
     node = np.repeat(np.arange(4), 8)
     one_node = node == 2
     one_node[node == 2] = [True] * 3 + [False] * 5
-    assert _sure(_corr(32, 0.0), one_node, node, 0.5, 0.4)
-    assert _sure(_corr(32, 0.0), node < 2, node, 0.5, 0.4)
+    assert _sure(_corr(32, 0.0), one_node, node, 0.75, 0.4)
+    assert _sure(_corr(32, 0.0), node < 2, node, 0.75, 0.4)
+
+
+def test_a_job_less_a_gpu_that_stopped_moving_with_it_is_a_job():
+    node = np.repeat(np.arange(2), 8)
+    members = np.ones(16, dtype=bool)
+    members[3] = False  # a straggler from the start: it never moved with its job
+    assert _sure(_corr(16, 0.0), members, node, 0.75, 0.4)
 
 
 def test_one_gpu_from_each_of_many_nodes_is_no_job_however_well_it_correlates():
     node = np.repeat(np.arange(8), 8)
     members = np.zeros(64, dtype=bool)
     members[::8] = True
-    assert not _sure(_corr(64, 0.9), members, node, 0.5, 0.4)
+    assert not _sure(_corr(64, 0.9), members, node, 0.75, 0.4)
 
 
 def test_half_of_each_node_is_a_job_only_when_its_nodes_move_together():
     node = np.repeat(np.arange(2), 8)
     members = np.tile([True] * 4 + [False] * 4, 2)
-    assert _sure(_corr(16, 0.65), members, node, 0.5, 0.4)  # a job sharing its nodes with another
+    assert _sure(_corr(16, 0.65), members, node, 0.75, 0.4)  # a job sharing its nodes with another
     weak = _corr(16, 0.45)
     across = node[:, None] != node[None, :]
     weak[across] = 0.34  # a node's GPUs read at one instant, nothing shared across nodes
-    assert not _sure(weak, members, node, 0.5, 0.4)
+    assert not _sure(weak, members, node, 0.75, 0.4)
 
 
 def _stragglers(spec: ClusterSpec):
