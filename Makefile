@@ -64,12 +64,17 @@ crosscheck: $(STAMP)
 # the agent's and replay's packages its image lacks, and nvitop-exporter with what it needs (nvitop, psutil)
 # for the cost comparison, at the versions the tests here ran. Into .whl, which
 # git ignores; the device call carries it.
+# What a bare device machine (Python 3.12, nvidia-ml-py and numpy there) needs to run the agent, the server's
+# replay and the cost comparisons: the agent's and the server's dependencies, nvitop-exporter and psutil.
+HARDWARE_WHEELS := orjson|bcrypt|pyyaml|prometheus.client|msgspec|nvidia-ml-py|nvitop|nvitop-exporter|psutil|grpcio|protobuf|\
+	fastapi|fastapi.offline|starlette|uvicorn|httpx|httpcore|anyio|sniffio|idna|certifi|h11|click|pydantic|pydantic.core|\
+	annotated.types|typing.extensions|typing.inspection
 WHEEL_PLATFORMS := $(foreach n,28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
 hardware-wheels: $(STAMP)
 	rm -rf .whl
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		$(WHEEL_PLATFORMS) -d .whl $$($(BIN)/python -m pip list --format=freeze 2>/dev/null \
-		| grep -i -E '^(orjson|bcrypt|msgspec|nvidia-ml-py|nvitop|nvitop-exporter|psutil)==')
+		| grep -i -E '^($(HARDWARE_WHEELS))==')
 
 # The settings table of docs/detection.md, from EngineConfig's defaults and the comments above its fields.
 engine-settings-doc: $(STAMP)

@@ -25,6 +25,7 @@ from gpufleet.agent.exposition import FamiliesFn
 from gpufleet.extras import AGENT_MODULES, missing_extra
 from gpufleet.logs import configure_logging
 from gpufleet.agent.podresources import DEFAULT_SOCKET, kubelet_attributor
+from gpufleet.agent.processes import ProcessTable
 from gpufleet.agent.record import Recorder
 from gpufleet.agent.store import SnapshotStore
 from gpufleet.webconfig import WebConfig, WebConfigError, load_web_config
@@ -71,6 +72,7 @@ class Runtime:
     cleanup: list[Callable[[], None]] = field(default_factory=list)
     web: WebConfig | None = None
     families: FamiliesFn | None = None  # what /metrics names the readings; None: gpufleet's names
+    processes: ProcessTable | None = None  # per-process GPU memory; None: off
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -175,6 +177,9 @@ def build_runtime(config: AgentConfig) -> Runtime:
         )
         cleanup.append(kubelet.close)
         attributor = kubelet
+    processes = None
+    if config.processes_per_gpu:
+        processes = ProcessTable(procfs, per_gpu=config.processes_per_gpu, per_node=config.processes_per_node)
     return Runtime(
         node=node,
         reader=reader,
@@ -184,6 +189,7 @@ def build_runtime(config: AgentConfig) -> Runtime:
         cleanup=cleanup,
         web=web,
         families=families,
+        processes=processes,
     )
 
 
@@ -263,6 +269,7 @@ def run_once(config: AgentConfig, runtime: Runtime) -> int:
         attributor=runtime.attributor,
         clock=runtime.clock,
         families=runtime.families,
+        processes=runtime.processes,
     )
     try:
         if sampler.run_once() is None:
@@ -327,6 +334,7 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
         clock=runtime.clock,
         stop=stop,
         families=runtime.families,
+        processes=runtime.processes,
     )
     hangup = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

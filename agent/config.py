@@ -69,6 +69,10 @@ class AgentConfig:
     # /metrics under gpufleet's names, or dcgm-exporter's (agent.dcgm_names) from a counters file.
     metrics_names: str = "gpufleet"
     dcgm_counters: str | None = None
+    # Per-process GPU memory (agent.processes): the processes with most memory on each GPU, and on the
+    # node; 0 per GPU turns it off.
+    processes_per_gpu: int = 4
+    processes_per_node: int = 32
     log_level: str = "info"
     log_format: str = "json"
     web_config_file: str | None = None
@@ -139,6 +143,13 @@ def _count(value: Any) -> int:
     number = _seed(value)
     if not 1 <= number <= 65536:
         raise ValueError(f"must be an integer from 1 to 65536, got {value!r}")
+    return number
+
+
+def _count_or_off(value: Any) -> int:
+    number = _seed(value)
+    if not 0 <= number <= 1024:
+        raise ValueError(f"must be an integer from 0 (off) to 1024, got {value!r}")
     return number
 
 
@@ -409,6 +420,21 @@ OPTIONS: tuple[_Option, ...] = (
         "with --metrics.names dcgm: the DCGM fields to serve, a dcgm-exporter counters CSV "
         "(default: dcgm-exporter's default set)",
         "FILE",
+    ),
+    _Option(
+        "metrics.processes-per-gpu",
+        "processes_per_gpu",
+        _count_or_off,
+        "per-process GPU memory: the processes with most memory on each GPU, in the snapshot and as "
+        "gpufleet_gpu_process_memory_used_bytes; 0 turns it off (default 4)",
+        "N",
+    ),
+    _Option(
+        "metrics.processes-max",
+        "processes_per_node",
+        _count,
+        "per-process GPU memory: at most this many processes over the whole node, those with most memory (default 32)",
+        "N",
     ),
     _Option("log.level", "log_level", _choice(LOG_LEVELS), "debug, info, warning or error (default info)", "LEVEL"),
     _Option("log.format", "log_format", _choice(LOG_FORMATS), "json or text (default json)", "FORMAT"),

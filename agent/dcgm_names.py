@@ -24,6 +24,7 @@ from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
 from gpufleet.agent.exposition import Family, agent_families
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot
+from gpufleet.agent.part_families import dcgm_instance_rows
 
 DEFAULT_COUNTERS_FILE = "dcgm-counters.csv"
 KINDS = ("gauge", "counter", "label")
@@ -40,6 +41,7 @@ class Field:
     # Where the reading is None but this one is present, the field reads 0 (DCGM's "none yet").
     zero_if: str | None = None
     lacks: str = ""  # for a field without a reading: what the agent would have to read
+    plus: str | None = None  # a second reading added to the first (a total of tx and rx)
 
 
 def _not_yet(lacks: str, unit: str = "") -> Field:
@@ -58,26 +60,29 @@ FIELDS: Mapping[str, Field] = {
     "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": Field("energy_joules_total", 1e3, "mJ"),
     # DCGM serves these two as NVML's instantaneous PCIe throughput (KB/s), typed counter; the agent keeps
     # byte counters (gpufleet_gpu_pcie_bytes_total), which served under these names would break a panel.
-    "DCGM_FI_DEV_PCIE_TX_THROUGHPUT": _not_yet("a PCIe throughput reading (KB/s)", "KB/s"),
-    "DCGM_FI_DEV_PCIE_RX_THROUGHPUT": _not_yet("a PCIe throughput reading (KB/s)", "KB/s"),
-    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": _not_yet("nvmlDeviceGetPcieReplayCounter"),
+    # Served from GPM's PCIe rates (Hopper and later), so where the board has no GPM it serves none.
+    "DCGM_FI_DEV_PCIE_TX_THROUGHPUT": Field("pcie_tx_bytes_per_second", 1 / 1024, "KB/s"),
+    "DCGM_FI_DEV_PCIE_RX_THROUGHPUT": Field("pcie_rx_bytes_per_second", 1 / 1024, "KB/s"),
+    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": Field("pcie_replays_total"),
     "DCGM_FI_DEV_GPU_UTIL": Field("utilization_ratio", 100.0, "%"),
     "DCGM_FI_DEV_MEM_COPY_UTIL": Field("memory_utilization_ratio", 100.0, "%"),
-    "DCGM_FI_DEV_ENC_UTIL": _not_yet("nvmlDeviceGetEncoderUtilization", "%"),
-    "DCGM_FI_DEV_DEC_UTIL": _not_yet("nvmlDeviceGetDecoderUtilization", "%"),
+    "DCGM_FI_DEV_ENC_UTIL": Field("encoder_utilization_ratio", 100.0, "%"),
+    "DCGM_FI_DEV_DEC_UTIL": Field("decoder_utilization_ratio", 100.0, "%"),
     # The code of the last XID, 0 where the GPU delivers XID events and none came yet.
     "DCGM_FI_DEV_XID_ERRORS": Field("last_xid", zero_if="xid_errors_total"),
     "DCGM_FI_DEV_FB_FREE": Field("memory_free_bytes", 1 / MIB, "MiB"),
     "DCGM_FI_DEV_FB_USED": Field("memory_used_bytes", 1 / MIB, "MiB"),
-    # DCGM serves a throughput (MiB/s) here, typed counter; the agent keeps byte counters.
-    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": _not_yet("an NVLink throughput reading (MiB/s)", "MiB/s"),
+    # DCGM serves a throughput (MiB/s) here, typed counter: GPM's NVLink rates, both directions.
+    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": Field(
+        "nvlink_tx_bytes_per_second", 1 / MIB, "MiB/s", plus="nvlink_rx_bytes_per_second"
+    ),
     "DCGM_FI_DEV_VGPU_LICENSE_STATUS": _not_yet("vGPU licence status (vGPU hosts only)"),
     "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": Field("remapped_rows_uncorrectable"),
     "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": Field("remapped_rows_correctable"),
     "DCGM_FI_DEV_ROW_REMAP_FAILURE": Field("remapped_rows_failure"),
     # Beyond the default set: in dcgm-exporter's other shipped files, or for a site's own.
     "DCGM_FI_DEV_FB_TOTAL": Field("memory_total_bytes", 1 / MIB, "MiB"),
-    "DCGM_FI_DEV_FB_RESERVED": _not_yet("NVML's reserved memory (nvmlDeviceGetMemoryInfo_v2)", "MiB"),
+    "DCGM_FI_DEV_FB_RESERVED": Field("memory_reserved_bytes", 1 / MIB, "MiB"),
     "DCGM_FI_DEV_MAX_SM_CLOCK": Field("sm_clock_max_hertz", 1e-6, "MHz"),
     "DCGM_FI_DEV_MAX_MEM_CLOCK": Field("memory_clock_max_hertz", 1e-6, "MHz"),
     "DCGM_FI_DEV_SLOWDOWN_TEMP": Field("slowdown_temperature_celsius", unit="C"),
@@ -85,9 +90,9 @@ FIELDS: Mapping[str, Field] = {
     "DCGM_FI_DEV_GPU_MAX_OP_TEMP": Field("max_operating_temperature_celsius", unit="C"),
     "DCGM_FI_DEV_MEM_MAX_OP_TEMP": Field("memory_max_operating_temperature_celsius", unit="C"),
     "DCGM_FI_DEV_ENFORCED_POWER_LIMIT": Field("power_limit_watts", unit="W"),
-    "DCGM_FI_DEV_POWER_MGMT_LIMIT": _not_yet("nvmlDeviceGetPowerManagementLimit", "W"),
-    "DCGM_FI_DEV_FAN_SPEED": _not_yet("nvmlDeviceGetFanSpeed", "%"),
-    "DCGM_FI_DEV_PSTATE": _not_yet("nvmlDeviceGetPerformanceState"),
+    "DCGM_FI_DEV_POWER_MGMT_LIMIT": Field("power_management_limit_watts", unit="W"),
+    "DCGM_FI_DEV_FAN_SPEED": Field("fan_speed_ratio", 100.0, "%"),
+    "DCGM_FI_DEV_PSTATE": Field("performance_state"),
     # NVML's clocks-event (throttle) reasons bitmask, under DCGM's names before and after 3.3.
     "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": Field("throttle_reasons"),
     "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": Field("throttle_reasons"),
@@ -99,10 +104,10 @@ FIELDS: Mapping[str, Field] = {
     "DCGM_FI_DEV_RETIRED_SBE": _not_yet("retired pages (pre-Ampere GPUs)"),
     "DCGM_FI_DEV_RETIRED_DBE": _not_yet("retired pages (pre-Ampere GPUs)"),
     "DCGM_FI_DEV_RETIRED_PENDING": _not_yet("retired pages (pre-Ampere GPUs)"),
-    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": _not_yet("NVLink error counters"),
-    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": _not_yet("NVLink error counters"),
-    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": _not_yet("NVLink error counters"),
-    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": _not_yet("NVLink error counters"),
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": Field("nvlink_crc_flit_errors_total"),
+    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": Field("nvlink_crc_data_errors_total"),
+    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": Field("nvlink_replay_errors_total"),
+    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": Field("nvlink_recovery_errors_total"),
     "DCGM_FI_DEV_POWER_VIOLATION": _not_yet("NVML's violation times", "us"),
     "DCGM_FI_DEV_THERMAL_VIOLATION": _not_yet("NVML's violation times", "us"),
     "DCGM_FI_DEV_SYNC_BOOST_VIOLATION": _not_yet("NVML's violation times", "us"),
@@ -112,16 +117,16 @@ FIELDS: Mapping[str, Field] = {
     # Profiling: ratios 0-1, from NVML's GPM on Hopper and later.
     "DCGM_FI_PROF_SM_ACTIVE": Field("sm_active_ratio"),
     "DCGM_FI_PROF_SM_OCCUPANCY": Field("sm_occupancy_ratio"),
-    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": _not_yet("GPM graphics activity (NVML_GPM_METRIC_GRAPHICS_UTIL)"),
-    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": _not_yet("GPM tensor activity (NVML_GPM_METRIC_ANY_TENSOR_UTIL)"),
-    "DCGM_FI_PROF_DRAM_ACTIVE": _not_yet("GPM DRAM bandwidth (NVML_GPM_METRIC_DRAM_BW_UTIL)"),
-    "DCGM_FI_PROF_PIPE_FP64_ACTIVE": _not_yet("GPM FP64 activity (NVML_GPM_METRIC_FP64_UTIL)"),
-    "DCGM_FI_PROF_PIPE_FP32_ACTIVE": _not_yet("GPM FP32 activity (NVML_GPM_METRIC_FP32_UTIL)"),
-    "DCGM_FI_PROF_PIPE_FP16_ACTIVE": _not_yet("GPM FP16 activity (NVML_GPM_METRIC_FP16_UTIL)"),
-    "DCGM_FI_PROF_PCIE_TX_BYTES": _not_yet("GPM PCIe rate (NVML_GPM_METRIC_PCIE_TX_PER_SEC)", "B/s"),
-    "DCGM_FI_PROF_PCIE_RX_BYTES": _not_yet("GPM PCIe rate (NVML_GPM_METRIC_PCIE_RX_PER_SEC)", "B/s"),
-    "DCGM_FI_PROF_NVLINK_TX_BYTES": _not_yet("GPM NVLink rate (NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC)", "B/s"),
-    "DCGM_FI_PROF_NVLINK_RX_BYTES": _not_yet("GPM NVLink rate (NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC)", "B/s"),
+    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": Field("graphics_active_ratio"),
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": Field("tensor_active_ratio"),
+    "DCGM_FI_PROF_DRAM_ACTIVE": Field("dram_active_ratio"),
+    "DCGM_FI_PROF_PIPE_FP64_ACTIVE": Field("fp64_active_ratio"),
+    "DCGM_FI_PROF_PIPE_FP32_ACTIVE": Field("fp32_active_ratio"),
+    "DCGM_FI_PROF_PIPE_FP16_ACTIVE": Field("fp16_active_ratio"),
+    "DCGM_FI_PROF_PCIE_TX_BYTES": Field("pcie_tx_bytes_per_second", unit="B/s"),
+    "DCGM_FI_PROF_PCIE_RX_BYTES": Field("pcie_rx_bytes_per_second", unit="B/s"),
+    "DCGM_FI_PROF_NVLINK_TX_BYTES": Field("nvlink_tx_bytes_per_second", unit="B/s"),
+    "DCGM_FI_PROF_NVLINK_RX_BYTES": Field("nvlink_rx_bytes_per_second", unit="B/s"),
 }
 
 # `label` fields of a counters file: a label of that name on every series. (scope, attribute): a
@@ -232,6 +237,8 @@ class DcgmFamilies:
                     value = _value(g, field)
                     if value is not None:
                         fam.rows.append((names, values, value))
+                    if g.mig_instances:  # dcgm-exporter's per-instance series: FB_* and PROF_* fields
+                        fam.rows += dcgm_instance_rows(g, names, values, field.reading, field.scale)  # type: ignore[arg-type]
                 if fam.rows:
                     out.append(fam)
         return out
@@ -263,5 +270,10 @@ def _value(g: GpuSample, field: Field) -> float | None:
         raw = 0
     if raw is None:
         return None
+    if field.plus is not None:
+        other = getattr(g, field.plus)
+        if other is None:
+            return None
+        raw += other
     value = float(raw) * field.scale
     return value if isfinite(value) else None

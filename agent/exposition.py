@@ -24,6 +24,7 @@ from prometheus_client.utils import floatToGoString
 from gpufleet.agent.activity import NO_TOTALS, ActivityTotals
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot, ThrottleReason
+from gpufleet.agent.part_families import mig_families, process_family
 from gpufleet.agent.readings import READINGS, exported_families, family_name
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -261,6 +262,11 @@ def _gpu_families(snap: NodeSnapshot, health: AgentHealth, activity: ActivityTot
     yield _xid_family(snap.gpus, ids)
     yield _xid_events_family(snap.gpus, ids)
     yield _unsupported_family(health, ids)
+    for name, kind, help_text, rows in (
+        *mig_families(snap.gpus, ids, GPU_LABELS),
+        process_family(snap.gpus, ids, GPU_LABELS),
+    ):
+        yield Family(name, kind, help_text, rows)
 
 
 _Ids = dict[int, tuple[str, str, str, str]]

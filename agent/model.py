@@ -20,9 +20,11 @@ from gpufleet.agent.reading_row import (
     FLAG,
     KIB_COUNTER,
     MEMORY_CLOCK,
+    MIB_RATE,
     POWER,
     RATIO,
     TEMPERATURE,
+    Family,
     FieldValue,
     GpmMetric,
     NvmlCall,
@@ -31,6 +33,7 @@ from gpufleet.agent.reading_row import (
     Rule,
     reading,
 )
+from gpufleet.agent.sample_parts import GpuProcess, MigInstance
 from gpufleet.reasons import CLOCK_CUT_REASONS, THERMAL_REASONS, ThrottleReason  # noqa: F401 - re-exported
 
 SCHEMA_VERSION = 1
@@ -71,6 +74,23 @@ def _max_clock(clock: str) -> NvmlCall:
     return NvmlCall("nvmlDeviceGetMaxClockInfo", (clock,), at_open=True)
 
 
+# The families several of the readings dcgm-exporter also serves share, told apart by a label.
+_CODEC = Family("gpufleet_gpu_codec_utilization_ratio", "gauge", "Video encoder or decoder utilization, 0-1.", "codec")
+_NVLINK_ERRORS = Family(
+    "gpufleet_gpu_nvlink_errors", "counter", "NVLink errors over all links since the driver loaded.", "type"
+)
+_PIPE = Family("gpufleet_gpu_pipe_active_ratio", "gauge", "GPM: share of time the SMs' pipe was busy, 0-1.", "pipe")
+_PCIE_RATE = Family(
+    "gpufleet_gpu_pcie_bytes_per_second", "gauge", "GPM: PCIe data rate between two polls.", "direction"
+)
+_NVLINK_RATE = Family(
+    "gpufleet_gpu_nvlink_bytes_per_second",
+    "gauge",
+    "GPM: NVLink data rate over all links between two polls.",
+    "direction",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class GpuSample:
     """One GPU at one instant. None means the reading is unsupported (or failed) on this GPU.
@@ -105,6 +125,11 @@ class GpuSample:
     memory_total_bytes: int | None = reading(_memory("total"), COUNT, "gpufleet_gpu_memory_total_bytes")
     # Free for allocation: total less used less what the driver reserves (which used leaves out).
     memory_free_bytes: int | None = reading(_memory("free"), COUNT, "gpufleet_gpu_memory_free_bytes")
+    memory_reserved_bytes: int | None = reading(
+        _memory("reserved"),
+        COUNT,
+        Family("gpufleet_gpu_memory_reserved_bytes", "gauge", "Device memory the driver reserves (NVML reserved)."),
+    )
     temperature_celsius: float | None = reading(
         NvmlCall("nvmlDeviceGetTemperatureV", ("NVML_TEMPERATURE_GPU",)),
         TEMPERATURE,
@@ -206,6 +231,82 @@ class GpuSample:
     )
     remapped_rows_pending: bool | None = reading(_remapped(2), FLAG, "gpufleet_gpu_remapped_rows_pending")
     remapped_rows_failure: bool | None = reading(_remapped(3), FLAG, "gpufleet_gpu_remapped_rows_failure")
+    # The readings dcgm-exporter serves besides these (docs/agent.md, "dcgm-exporter's counters").
+    fan_speed_ratio: float | None = reading(
+        NvmlCall("nvmlDeviceGetFanSpeed"),
+        Rule(div=100, high=2.0),  # NVML allows above 100 %
+        Family("gpufleet_gpu_fan_speed_ratio", "gauge", "Fan speed the board drives, share of its maximum."),
+    )
+    performance_state: int | None = reading(
+        NvmlCall("nvmlDeviceGetPerformanceState"),
+        Rule(integer=True, high=15),  # NVML_PSTATE_UNKNOWN (32) is no reading
+        Family("gpufleet_gpu_performance_state", "gauge", "Performance state (P-state): 0 the highest, 15 the lowest."),
+    )
+    encoder_utilization_ratio: float | None = reading(
+        NvmlCall("nvmlDeviceGetEncoderUtilization", part=0), RATIO, _CODEC, "encoder"
+    )
+    decoder_utilization_ratio: float | None = reading(
+        NvmlCall("nvmlDeviceGetDecoderUtilization", part=0), RATIO, _CODEC, "decoder"
+    )
+    power_management_limit_watts: float | None = reading(
+        NvmlCall("nvmlDeviceGetPowerManagementLimit"),
+        POWER,
+        Family(
+            "gpufleet_gpu_power_management_limit_watts",
+            "gauge",
+            "Power management limit the operator set; the enforced limit is at most this.",
+        ),
+    )
+    pcie_replays_total: int | None = reading(
+        NvmlCall("nvmlDeviceGetPcieReplayCounter"),
+        COUNTER,
+        Family("gpufleet_gpu_pcie_replays", "counter", "PCIe replays (link-level retries) since the driver loaded."),
+    )
+    nvlink_crc_flit_errors_total: int | None = reading(
+        FieldValue("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"), COUNTER, _NVLINK_ERRORS, "crc_flit", nvlink=True
+    )
+    nvlink_crc_data_errors_total: int | None = reading(
+        FieldValue("NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL"), COUNTER, _NVLINK_ERRORS, "crc_data", nvlink=True
+    )
+    nvlink_replay_errors_total: int | None = reading(
+        FieldValue("NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL"), COUNTER, _NVLINK_ERRORS, "replay", nvlink=True
+    )
+    nvlink_recovery_errors_total: int | None = reading(
+        FieldValue("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL"), COUNTER, _NVLINK_ERRORS, "recovery", nvlink=True
+    )
+    # GPM profiling metrics no detector reads, in a second nvmlGpmMetricsGet on the shared call's samples,
+    # a read of its own that the tiers slow: GRAPHICS_UTIL costs a thousand times the other metrics (1.2-1.5
+    # ms a call on an H200), and each metric converted costs the agent's Python on every read.
+    graphics_active_ratio: float | None = reading(
+        GpmMetric("NVML_GPM_METRIC_GRAPHICS_UTIL", apart=True),
+        RATIO,
+        Family(
+            "gpufleet_gpu_graphics_active_ratio", "gauge", "GPM: share of time a graphics or compute engine ran, 0-1."
+        ),
+    )
+    tensor_active_ratio: float | None = reading(
+        GpmMetric("NVML_GPM_METRIC_ANY_TENSOR_UTIL", apart=True), RATIO, _PIPE, "tensor"
+    )
+    fp64_active_ratio: float | None = reading(GpmMetric("NVML_GPM_METRIC_FP64_UTIL", apart=True), RATIO, _PIPE, "fp64")
+    fp32_active_ratio: float | None = reading(GpmMetric("NVML_GPM_METRIC_FP32_UTIL", apart=True), RATIO, _PIPE, "fp32")
+    fp16_active_ratio: float | None = reading(GpmMetric("NVML_GPM_METRIC_FP16_UTIL", apart=True), RATIO, _PIPE, "fp16")
+    dram_active_ratio: float | None = reading(
+        GpmMetric("NVML_GPM_METRIC_DRAM_BW_UTIL", apart=True),
+        RATIO,
+        Family("gpufleet_gpu_dram_active_ratio", "gauge", "GPM: DRAM bandwidth used, share of the maximum, 0-1."),
+    )
+    pcie_tx_bytes_per_second: float | None = reading(
+        GpmMetric("NVML_GPM_METRIC_PCIE_TX_PER_SEC", apart=True), MIB_RATE, _PCIE_RATE, "tx"
+    )
+    pcie_rx_bytes_per_second: float | None = reading(
+        GpmMetric("NVML_GPM_METRIC_PCIE_RX_PER_SEC", apart=True), MIB_RATE, _PCIE_RATE, "rx"
+    )
+    nvlink_tx_bytes_per_second: float | None = reading(
+        GpmMetric("NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", apart=True), MIB_RATE, _NVLINK_RATE, "tx", nvlink=True
+    )
+    nvlink_rx_bytes_per_second: float | None = reading(
+        GpmMetric("NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", apart=True), MIB_RATE, _NVLINK_RATE, "rx", nvlink=True
+    )
     # Counted from NVML's event set on the XID thread; the count by code and the last code are the XID
     # watcher's own fields.
     xid_errors_total: int | None = reading(Own.XID_EVENTS, COUNTER)
@@ -219,6 +320,12 @@ class GpuSample:
     # too, remapped_rows_correctable for all four remapped_rows_*); agent.tiers. A reading whose unit is
     # not named here was read in this cycle.
     slow_readings_age_seconds: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    # MIG (agent.mig): True while the GPU is in MIG mode, False where it could be and is not, None where the
+    # board or driver has no MIG; then its GPU instances, each with its own memory and GPM activity.
+    mig_enabled: bool | None = None
+    mig_instances: tuple[MigInstance, ...] = ()
+    # Its compute processes with the most memory, bounded per GPU and per node (agent.processes).
+    processes: tuple[GpuProcess, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The GPU's object in the snapshot contract."""
@@ -229,6 +336,8 @@ class GpuSample:
             out[name] = {str(k): v for k, v in value.items()} if value else {}
         for name in _TUPLE_FIELDS:
             out[name] = list(getattr(self, name))
+        for name in _PART_FIELDS:
+            out[name] = [part.to_dict() for part in getattr(self, name)]
         return out
 
 
@@ -237,6 +346,7 @@ class GpuSample:
 _MAPPING_FIELDS = tuple(n for n, t in GpuSample.__annotations__.items() if str(t).startswith("Mapping["))
 _TUPLE_FIELDS = tuple(n for n, t in GpuSample.__annotations__.items() if str(t).startswith("tuple["))
 _FIELDS = tuple(GpuSample.__annotations__)
+_PART_FIELDS = ("mig_instances", "processes")
 
 
 @dataclass(frozen=True, slots=True)

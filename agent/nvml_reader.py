@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
-from gpufleet.agent.gpm import GPM_READINGS, GpmSampler
+from gpufleet.agent.gpm import GPM_APART, GPM_READINGS, GPM_SHARED, GpmSampler
+from gpufleet.agent.mig import MIG_MODE, MIG_UNIT, REDISCOVER_SECONDS, MigGpu
 from gpufleet.agent.model import GpuSample
 from gpufleet.agent.nvml_calls import IDENTITY, POLLED, STATIC, cuda_version_text, text
 from gpufleet.agent.nvml_errors import (
@@ -33,6 +34,7 @@ from gpufleet.agent.nvml_errors import (
 from gpufleet.agent.nvml_fields import THROTTLE_READINGS, FieldBatch, FieldEntry, batch_entries, fetch, read_link_count
 from gpufleet.agent.nvml_meter import MeteredNvml
 from gpufleet.agent.nvml_values import INVALID, CounterTracker, base_name, convert
+from gpufleet.agent.processes import ComputeProcess, from_nvml
 from gpufleet.agent.readings import READINGS, PerLinkField
 from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET, EVERY_CYCLE, FAST_READINGS, INTEGRATED, Plan, Unit, due, fit
 from gpufleet.agent.xid import XID_READING, XidStore, XidWatcher
@@ -44,8 +46,14 @@ _NVLINK_READINGS = tuple(r.name for r in READINGS if r.nvlink)
 _LINK_FIELDS = tuple(r.name for r in READINGS if isinstance(r.source, PerLinkField))
 _THROTTLE_PREFIX = "throttle_seconds_total."
 # A read unit (one call, one field id, or GPM) is named after the first reading it fills.
-_GPM_UNIT = GPM_READINGS[0]
-_UNIT_OF = {**{r: call.readings[0] for call in POLLED for r in call.readings}, **dict.fromkeys(GPM_READINGS, _GPM_UNIT)}
+_GPM_UNIT = GPM_SHARED[0]
+_GPM_APART_UNIT = GPM_APART[0][0] if GPM_APART else ""  # the metrics asked apart: one unit
+_GPM_APART_READINGS = tuple(r for r, _ in GPM_APART)
+_UNIT_OF = {
+    **{r: call.readings[0] for call in POLLED for r in call.readings},
+    **dict.fromkeys(GPM_SHARED, _GPM_UNIT),
+    **dict.fromkeys(_GPM_APART_READINGS, _GPM_APART_UNIT),
+}
 _FIELD_PROBES = 2  # each field id timed twice alone, the lower figure kept
 _FIELD_CALL = "nvmlDeviceGetFieldValues"
 
@@ -66,6 +74,7 @@ class _Gpu:
     supported: dict[str, bool] = field(default_factory=dict)
     fields: FieldBatch = field(default_factory=lambda: FieldBatch(()))
     gpm: GpmSampler | None = None
+    mig: MigGpu | None = None
     link_count: int | None = None
     # Read unit key -> thread CPU seconds one read took while probing.
     costs: dict[str, float] = field(default_factory=dict)
@@ -211,12 +220,16 @@ class NvmlReader:
 
     def compute_pids(self, index: int) -> tuple[int, ...]:
         """PIDs of the compute processes on GPU `index`; () on any error."""
+        return tuple(p.pid for p in self.compute_processes(index))
+
+    def compute_processes(self, index: int) -> tuple[ComputeProcess, ...]:
+        """The compute processes on GPU `index` with their memory (one NVML call); () on any error."""
         gpu = next((g for g in self._gpus if g.index == index), None)
         if gpu is None or not gpu.up or not self._is_open:
             return ()
         try:
             processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(gpu.handle)
-            return tuple(int(p.pid) for p in processes)
+            return tuple(from_nvml(p) for p in processes)
         except Exception as exc:  # noqa: BLE001 - attribution is best effort
             name = error_name(error_code(exc))
             self._errors.add("compute_processes", name)
@@ -280,6 +293,7 @@ class NvmlReader:
         self._probe_static(gpu)
         self._probe_fields(gpu)
         self._probe_gpm(gpu)
+        self._probe_mig(gpu)
         for call in POLLED:
             gpu.supported.update(dict.fromkeys(call.readings, True))
         # A dry poll: learns which per-poll calls answer NotSupported, what each costs, and the values a
@@ -337,17 +351,50 @@ class NvmlReader:
         return (time.thread_time_ns() - started) / 1e9
 
     def _probe_gpm(self, gpu: _Gpu) -> None:
-        gpu.supported.update(dict.fromkeys(GPM_READINGS, True))
+        for reading in GPM_READINGS:  # an NVLink rate on a card without NVLink stays unsupported
+            gpu.supported.setdefault(reading, True)
         support = self._guard(gpu, GPM_READINGS, self._nvml.nvmlGpmQueryDeviceSupport, gpu.handle)
         if support is not _MISSING and int(getattr(support, "isSupportedDevice", 0)):
             sampler = self._guard(gpu, GPM_READINGS, GpmSampler, self._nvml, gpu.handle)
             gpu.gpm = None if sampler is _MISSING else sampler
+            if gpu.gpm is not None:
+                gpu.gpm.drop(frozenset(r for r in GPM_READINGS if not gpu.supported[r]))
         if gpu.gpm is None and gpu.up:
             self._mark_unsupported(gpu, GPM_READINGS)
         elif gpu.gpm is not None:
             started = time.thread_time_ns()
             gpu.gpm.touch()
             gpu.costs[_GPM_UNIT] = (time.thread_time_ns() - started) / 1e9
+            if gpu.gpm.has_apart:
+                gpu.costs[_GPM_APART_UNIT] = gpu.gpm.time_apart()
+
+    def _probe_mig(self, gpu: _Gpu) -> None:
+        """The GPU's MIG mode and instances, and what reading the instances costs (a read unit of the tiers)."""
+        if not gpu.up:
+            return
+        gpu.supported[MIG_MODE] = True
+        gpu.mig = MigGpu(self._nvml, gpu.handle, self._mig_call(gpu), gpu.supported, gpm=gpu.gpm is not None)
+        gpu.mig.discover()
+        if gpu.mig.instances:
+            started = time.thread_time_ns()
+            gpu.mig.read()
+            gpu.costs[MIG_UNIT] = (time.thread_time_ns() - started) / 1e9
+
+    def _mig_call(self, gpu: _Gpu) -> Callable[..., Any]:
+        def call(readings: tuple[str, ...], fn: Callable[..., Any], *args: Any) -> Any:
+            result = self._guard(gpu, readings, fn, *args)
+            return None if result is _MISSING else result
+
+        return call
+
+    def _poll_mig(self, gpu: _Gpu) -> None:
+        mig = gpu.mig
+        if mig is None or not gpu.up:
+            return
+        if due(max(1, round(REDISCOVER_SECONDS / self._interval)), self._cycle, gpu.index):
+            mig.discover()
+        if mig.instances and self._due(gpu, MIG_UNIT):
+            mig.read()
 
     def _fit_tiers(self) -> Plan:
         """Every read unit with its cost summed over the GPUs that answer, fitted to the budget."""
@@ -357,8 +404,10 @@ class NvmlReader:
             if not gpu.up:
                 continue
             for key, cost in gpu.costs.items():
+                if not gpu.supported.get(key, True):  # found unsupported while probing: never read
+                    continue
                 costs[key] = costs.get(key, 0.0) + cost
-                readings[key] = GPM_READINGS if key == _GPM_UNIT else _unit_readings(key)
+                readings[key] = GPM_SHARED if key == _GPM_UNIT else _unit_readings(key)
         masked = all(g.supported.get("throttle_reasons") for g in self._gpus if g.up)
         units = [Unit(k, readings[k], c, integrable=masked and k in THROTTLE_READINGS) for k, c in costs.items()]
         plan = fit(units, budget=self._budget, interval_s=self._interval)
@@ -407,6 +456,7 @@ class NvmlReader:
         self._poll_calls(gpu, values, asked=asked)
         self._poll_fields(gpu, values, asked)
         self._poll_gpm(gpu, values, asked)
+        self._poll_mig(gpu)
         if not gpu.up:
             return self._down_sample(gpu)
         self._hold(gpu, values, asked, now)
@@ -516,14 +566,22 @@ class NvmlReader:
         self._meter.attribute(_FIELD_CALL, shares)
 
     def _poll_gpm(self, gpu: _Gpu, values: dict[str, Any], asked: list[str]) -> None:
-        readings = tuple(r for r in GPM_READINGS if gpu.supported.get(r))
-        if gpu.gpm is None or not readings or not gpu.up:
+        readings = tuple(r for r in GPM_SHARED if gpu.supported.get(r))
+        if gpu.gpm is None or not gpu.up:
             return
+        # The metrics apart ride on the shared call's two samples, in the cycles their own period is due.
+        apart = gpu.gpm.has_apart and (
+            self._due(gpu, _GPM_APART_UNIT) or not any(r in gpu.held for r in _GPM_APART_READINGS)
+        )
         # GPM needs two samples for a value: until there is one, sample every cycle (--once has two).
-        if not self._due(gpu, _GPM_UNIT) and any(r in gpu.held for r in readings):
+        if not apart and not self._due(gpu, _GPM_UNIT) and any(r in gpu.held for r in readings):
+            return
+        if apart:
+            readings += tuple(r for r in _GPM_APART_READINGS if gpu.supported.get(r))
+        if not readings:
             return
         asked.extend(readings)
-        result = self._guard(gpu, readings, gpu.gpm.sample)
+        result = self._guard(gpu, readings, gpu.gpm.sample, apart)
         if result is not _MISSING and result is not None:
             self._apply(gpu, ((r, code, raw) for r, (code, raw) in result.items()), values)
 
@@ -570,6 +628,8 @@ class NvmlReader:
         for name in _LINK_FIELDS:
             fields[name] = self._links(gpu, name, values)
         fields.update(self._xid_fields(gpu))
+        if gpu.mig is not None:
+            fields.update(mig_enabled=gpu.mig.enabled, mig_instances=gpu.mig.instances)
         resets = self._counters.check(gpu.key, fields)
         if ages:
             fields["slow_readings_age_seconds"] = MappingProxyType(ages)
@@ -659,6 +719,9 @@ class NvmlReader:
             if gpu.gpm is not None:
                 gpu.gpm.free()
                 gpu.gpm = None
+            if gpu.mig is not None:
+                gpu.mig.free()
+                gpu.mig = None
         self._gpus = []
         if self._initialized:
             self._initialized = False

@@ -41,6 +41,7 @@ COUNT = Rule(integer=True)
 COUNTER = Rule(integer=True, counter=True)
 KIB_COUNTER = Rule(mul=1024, integer=True, counter=True)  # KiB -> bytes
 FLAG = Rule(flag=True)
+MIB_RATE = Rule(mul=1024 * 1024, high=1e13)  # MiB/s -> bytes/s, at most 10 TB/s
 
 
 # --- where the raw value comes from -----------------------------------------------------------------
@@ -84,9 +85,14 @@ class NvmlCall:
 
 @dataclass(frozen=True, slots=True)
 class GpmMetric:
-    """A GPM metric (pynvml's NVML_GPM_METRIC_* constant), averaged between two polls (agent.gpm)."""
+    """A GPM metric (pynvml's NVML_GPM_METRIC_* constant), averaged between two polls (agent.gpm).
+
+    `apart`: asked in a second nvmlGpmMetricsGet on the same two samples, a read unit of its own that
+    agent.tiers can slow, for a metric that costs far more than the rest of the call.
+    """
 
     metric_id: str
+    apart: bool = False
 
 
 class Own(Enum):

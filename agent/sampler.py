@@ -20,6 +20,8 @@ from gpufleet.agent.exposition import FamiliesFn
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot
 from gpufleet.agent.nvml_reader import NvmlUnavailable
+from gpufleet.agent.processes import ComputeProcess, ProcessTable
+from gpufleet.agent.sample_parts import GpuProcess
 from gpufleet.agent.record import Recorder
 from gpufleet.agent.render_on_demand import RenderOnDemand
 from gpufleet.agent.store import Publication, SnapshotStore
@@ -76,8 +78,10 @@ class Sampler:
         backoff_max: float = 60.0,
         version: str = __version__,
         families: FamiliesFn | None = None,
+        processes: ProcessTable | None = None,
     ) -> None:
         self._reader = reader
+        self._processes = processes  # per-process memory in the samples; None: off
         self._store = store
         self._node = node
         self._interval = interval
@@ -154,27 +158,40 @@ class Sampler:
         )
 
     def _attribute(self, gpus: tuple[GpuSample, ...]) -> tuple[GpuSample, ...]:
-        attributor = self._attributor
-        if attributor is None:
+        attributor, table = self._attributor, self._processes
+        if attributor is None and table is None:
             return tuple(gpus)
-        out = []
+        # One process list per GPU, shared by attribution and the per-process memory.
+        by_pids = attributor is not None and not attributor.uses_mapping_dir
+        listed = self._list_processes(gpus) if table is not None or by_pids else {}
+        owners: dict[int, tuple[str | None, str | None, str | None]] = {}
+        if attributor is not None:
+            for gpu in gpus:
+                pids = tuple(p.pid for p in listed.get(gpu.index, ())) if by_pids else ()
+                job = attributor.job_for(gpu.index, gpu.uuid, pids)
+                pod = attributor.pod_for(pids)
+                owners[gpu.index] = (job, pod.namespace, pod.name) if pod is not None else (job, None, None)
+            attributor.end_cycle()
+        chosen = table.choose(listed, {i: owner[0] for i, owner in owners.items()}) if table is not None else {}
+        return tuple(_with_owner(gpu, owners.get(gpu.index), chosen.get(gpu.index, ())) for gpu in gpus)
+
+    def _list_processes(self, gpus: tuple[GpuSample, ...]) -> dict[int, tuple[ComputeProcess, ...]]:
+        """Each GPU's compute processes; a reader without their memory (tests' stand-ins) gives pids alone."""
+        listed: dict[int, tuple[ComputeProcess, ...]] = {}
+        with_memory = getattr(self._reader, "compute_processes", None)
         for gpu in gpus:
-            pids: tuple[int, ...] = ()
-            if gpu.up and not attributor.uses_mapping_dir:
-                try:
-                    pids = self._reader.compute_pids(gpu.index)
-                except NvmlUnavailable:
-                    raise
-                except Exception as exc:
-                    self._errors[("compute_processes", type(exc).__name__)] += 1
-            job = attributor.job_for(gpu.index, gpu.uuid, pids)
-            pod = attributor.pod_for(pids)
-            namespace, name = (pod.namespace, pod.name) if pod is not None else (None, None)
-            if (job, namespace, name) != (gpu.hpc_job, gpu.kubernetes_namespace, gpu.kubernetes_pod):
-                gpu = dataclasses.replace(gpu, hpc_job=job, kubernetes_namespace=namespace, kubernetes_pod=name)
-            out.append(gpu)
-        attributor.end_cycle()
-        return tuple(out)
+            if not gpu.up:
+                continue
+            try:
+                if with_memory is not None:
+                    listed[gpu.index] = with_memory(gpu.index)
+                else:
+                    listed[gpu.index] = tuple(ComputeProcess(pid) for pid in self._reader.compute_pids(gpu.index))
+            except NvmlUnavailable:
+                raise
+            except Exception as exc:
+                self._errors[("compute_processes", type(exc).__name__)] += 1
+        return listed
 
     def _log_failure(self, message: str, exc: Exception) -> None:
         """With traceback, but once a minute per kind: a bug that repeats every cycle must not flood."""
@@ -304,6 +321,18 @@ class Sampler:
             self._reader.close()
         except Exception as exc:  # closing a broken library may fail too; nothing more to do about it
             log.debug("reader close failed", extra={"error": repr(exc)})
+
+
+def _with_owner(
+    gpu: GpuSample, owner: tuple[str | None, str | None, str | None] | None, processes: tuple[GpuProcess, ...]
+) -> GpuSample:
+    """The sample with its job, pod and processes; one copy of it at most, none where nothing changes."""
+    changes: dict[str, Any] = {}
+    if owner is not None and owner != (gpu.hpc_job, gpu.kubernetes_namespace, gpu.kubernetes_pod):
+        changes.update(hpc_job=owner[0], kubernetes_namespace=owner[1], kubernetes_pod=owner[2])
+    if processes != gpu.processes:
+        changes["processes"] = processes
+    return dataclasses.replace(gpu, **changes) if changes else gpu
 
 
 def _copy(mapping: Mapping[Any, Any]) -> dict[Any, Any]:

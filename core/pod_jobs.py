@@ -6,6 +6,10 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
+from gpufleet.podnames import job_from_pod_name
+
+__all__ = ["JOB_LABELS", "LABELS_READ", "job_from_labels", "job_from_pod_name", "prometheus_label"]
+
 # A pod's labels that name its job, most specific first: a JobSet's child Jobs put batch.kubernetes.io/job-name
 # on its pods too, and the JobSet is the job. (label, what sets it)
 JOB_LABELS: tuple[tuple[str, str], ...] = (
@@ -22,12 +26,6 @@ _LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
 LABELS_READ: tuple[str, ...] = (*(label for label, _ in JOB_LABELS), _LWS_GROUP)
 _NOT_IN_PROMETHEUS_NAME = re.compile(r"[^A-Za-z0-9_]")
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-# The suffixes controllers put after a job's name: a Job's pod's five random characters (the alphabet
-# Kubernetes' name generator draws from), indexes (StatefulSet, Indexed Job, operators' replicas) and the
-# training operators' replica types.
-_RANDOM_SUFFIX = re.compile(r"-[bcdfghjklmnpqrstvwxz2456789]{5}$")
-_INDEX_SUFFIX = re.compile(r"-[0-9]+$")
-_ROLE_SUFFIX = re.compile(r"-(master|worker|launcher|chief|ps|evaluator|leader|driver)$")
 
 
 def job_from_labels(namespace: str, labels: Mapping[str, str]) -> str | None:
@@ -43,18 +41,6 @@ def job_from_labels(namespace: str, labels: Mapping[str, str]) -> str | None:
             name = f"{name}-{group}"
         return f"{namespace}/{name}"
     return None
-
-
-def job_from_pod_name(namespace: str, pod: str) -> str:
-    """NAMESPACE/NAME, the pod's name less its controllers' suffixes: llama-worker-3 and llama-master-0
-    (PyTorchJob) -> llama, train-2-x7k2p (Indexed Job) -> train, ckpt-0 (StatefulSet) -> ckpt."""
-    name = _RANDOM_SUFFIX.sub("", pod)
-    while True:
-        stripped = _ROLE_SUFFIX.sub("", _INDEX_SUFFIX.sub("", name))
-        if stripped == name or not stripped:
-            break
-        name = stripped
-    return f"{namespace}/{name}"
 
 
 def prometheus_label(label: str) -> str:

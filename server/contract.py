@@ -280,7 +280,8 @@ def _sample(
     """One line's NodeSample from its slice of the batch's columns (has_xids: some line of the batch
     has XID counts by code). A node's identity (name, GPU indices, UUIDs, models, jobs) repeats line
     after line: `identities` maps it to one shared copy, so a trace's samples hold one set of those
-    strings per node instead of one per line (most of replay's memory, and its page faults)."""
+    strings per node instead of one per line (most of replay's memory, and its page faults); it also
+    maps each node name to the (key, identity) of its latest line."""
     key = (
         s.node,
         cols[_I_INDEX][start:end],
@@ -290,15 +291,16 @@ def _sample(
         cols[_I_NAMESPACE][start:end],
         cols[_I_POD][start:end],
     )
-    ident = identities.get(key)
-    if ident is None:
-        indices = key[1]
-        if len(set(indices)) != len(indices):
-            return ContractError(f"duplicate gpu index in {indices!r}")
-        if (twice := duplicate_gpu_uuid(key[2])) is not None:
-            return ContractError(twice)
-        jobs = tuple(_job(j) for j in key[4]) if odd_jobs else key[4]
-        ident = identities[key] = key[:4] + (jobs, _pods(key[5], key[6]))
+    # A node's identity is most often its previous line's: compared with that first, the fresh strings
+    # of the line are never hashed (hashing them for the lookup below cost as much as comparing).
+    last = identities.get(s.node)
+    if last is not None and last[0] == key:
+        ident = last[1]
+    else:
+        ident = _identity(key, odd_jobs, identities)
+        if isinstance(ident, ContractError):
+            return ident
+        identities[s.node] = (key, ident)
     node, indices, uuids, models, jobs, pods = ident
     xids = None
     xid_raw = cols[_I_XID][start:end] if has_xids else ()
@@ -308,6 +310,20 @@ def _sample(
         except ContractError as exc:
             return exc
     return NodeSample(node, s.time, indices, uuids, models, jobs, matrix[start:end], xids, pods)
+
+
+def _identity(key: tuple, odd_jobs: bool, identities: dict) -> tuple | ContractError:
+    """The shared identity tuples for a line's identity key (checked and stored on first sight)."""
+    ident = identities.get(key)
+    if ident is None:
+        indices = key[1]
+        if len(set(indices)) != len(indices):
+            return ContractError(f"duplicate gpu index in {indices!r}")
+        if (twice := duplicate_gpu_uuid(key[2])) is not None:
+            return ContractError(twice)
+        jobs = tuple(_job(j) for j in key[4]) if odd_jobs else key[4]
+        ident = identities[key] = key[:4] + (jobs, _pods(key[5], key[6]))
+    return ident
 
 
 def _pods(namespaces: tuple, names: tuple) -> tuple[Pod | None, ...] | None:

@@ -162,6 +162,7 @@ INCIDENT_TEXT = {
     "ecc_errors": ("ECC errors", "ecc (for uncorrected errors)"),
     "power_cap": ("operator power cap", "nothing: a uniform cap is not a fault"),
     "counter_reset": ("counter reset", "nothing"),
+    "link_errors": ("NVLink and PCIe link retries", "nothing alone; named in its GPU's straggler evidence"),
 }
 # Alerts fire 30-60 s after an incident starts and resolve 60-90 s after it ends (docs/detection.md).
 RESOLVE_MARGIN_SECONDS = 90.0

@@ -95,6 +95,13 @@ class ServerCollector(Collector):
         )
         info.add_metric([__version__, platform.python_version()], 1)
         yield info
+        shard = GaugeMetricFamily(
+            "gpufleet_server_shard_info",
+            "Always 1; the part of the fleet this server judges (--shard INDEX/COUNT; 0/1: all of it).",
+            labels=["index", "count"],
+        )
+        shard.add_metric([str(self.runtime.shard.index), str(self.runtime.shard.count)], 1)
+        yield shard
         yield from self._alerts()
         yield from self._jobs()
         yield from self._nodes()

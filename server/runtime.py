@@ -23,12 +23,14 @@ from gpufleet.server.incidents import IncidentTracker
 from gpufleet.server.ingest.identity import NodePin
 from gpufleet.server.notify import Notifier
 from gpufleet.server.routing import AlertRouting
+from gpufleet.server.shard import Shard
 from gpufleet.server.store import AlertStore
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REMOVED_GRACE_SECONDS = 300.0
 REMOVED_REASON = "target removed from discovery"
+HANDED_OVER_REASON = "its jobs belong to another shard"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +76,10 @@ class Runtime:
         agent_alerts: AgentAlerts | None = None,
         routing: AlertRouting | None = None,
         removed_grace_seconds: float = DEFAULT_REMOVED_GRACE_SECONDS,
+        shard: Shard | None = None,
     ) -> None:
         self.engine = engine
+        self.shard = shard or Shard()  # the part of the fleet this engine judges, which the API names
         self.routing = routing or AlertRouting()
         self.incidents = IncidentTracker()
         self.source = source
@@ -121,6 +125,7 @@ class Runtime:
             # /healthz says the store fails; dying here would leave the fleet unwatched.
             log.error("alert store unreadable: starting without its open alerts", extra={"error": str(exc)})
             alerts, nodes, pins = [], {}, {}
+        alerts = self._keep_owned(alerts)
         self.agent_alerts.restore(alerts, nodes)
         self.incidents.restore(alerts)
         self.source.remember_identities(nodes, pins)
@@ -134,6 +139,33 @@ class Runtime:
             notifier.submit(still_firing)
         self.view = self._snapshot_view(None)
         return len(alerts)
+
+    def _keep_owned(self, alerts: list[Alert]) -> list[Alert]:
+        """The open alerts of the jobs and nodes this shard owns; the others (COUNT or INDEX changed since
+        they were stored) are resolved in the store, as their new shard raises them from its own history."""
+        foreign = [a for a in alerts if not self.shard.owns(a.hpc_job, a.node or "")]
+        if not foreign:
+            return alerts
+        now = self.clock()
+        resolved = [
+            replace(
+                a,
+                state=AlertState.RESOLVED,
+                resolved=max(now, a.updated),
+                updated=max(now, a.updated),
+                evidence={**a.evidence, "resolved_reason": HANDED_OVER_REASON},
+            )
+            for a in foreign
+        ]
+        try:
+            self.store.upsert(resolved)
+        except sqlite3.Error as exc:
+            log.error("alert store unwritable: another shard's alerts stay open in it", extra={"error": str(exc)})
+        log.info(
+            "open alerts of another shard's part resolved", extra={"alerts": len(foreign), "shard": str(self.shard)}
+        )
+        gone = {a.id for a in foreign}
+        return [a for a in alerts if a.id not in gone]
 
     async def start(self) -> None:
         """Restore state and launch the pull loop and the notifiers' delivery tasks."""
@@ -166,18 +198,29 @@ class Runtime:
         result = await self.source.pull_once()
         now = self.clock()
         loop = asyncio.get_running_loop()
-        transitions = await loop.run_in_executor(self._executor, self._step, result.samples, now, result.pins)
+        transitions = await loop.run_in_executor(
+            self._executor, self._step, result.samples, now, result.pins, result.handed_over
+        )
         for notifier in self.notifiers:
             notifier.submit(transitions)
         return transitions
 
-    def _step(self, samples: list[Any], now: float, pins: Mapping[str, NodePin | None]) -> list[Transition]:
+    def _step(
+        self,
+        samples: list[Any],
+        now: float,
+        pins: Mapping[str, NodePin | None],
+        handed_over: Sequence[str] = (),
+    ) -> list[Transition]:
         """Engine ingest + advance, then persistence; runs on the engine thread."""
         t0 = time.perf_counter()
         self.routing.observe(samples)
         for sample in samples:
             self.engine.ingest(sample)
-        transitions = list(self.engine.advance(now))
+        # A node whose GPUs now all run another shard's jobs is that shard's to judge: resolved and freed
+        # here (after its older samples of this cycle), else it would read as unreachable once they stop.
+        transitions = [t for node in handed_over for t in self.engine.forget_node(node, now, HANDED_OVER_REASON)]
+        transitions += self.engine.advance(now)
         view = self._snapshot_view(now)
         health = self.source.health()
         named = self.agent_alerts.learn(health)

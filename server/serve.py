@@ -25,6 +25,7 @@ from gpufleet.server.connections import (
     raise_descriptor_limit,
 )
 from gpufleet.server.ingest.base import SampleSource, SourceKind, Wiring
+from gpufleet.server.ingest.owned import ShardedSource
 from gpufleet.server.ingest.targets import TargetError, parse_file_sd
 from gpufleet.server.notify import Notifier
 from gpufleet.server.outbound import Outbound, for_peer
@@ -90,8 +91,10 @@ def build_source(
     parse: Callable[[Any], Any] | None = None,
     kinds: Sequence[SourceKind] | None = None,
 ) -> SampleSource:
-    """Where samples come from: the agents themselves, Prometheus's scrapes of them, or another kind."""
-    return source_kind(settings, kinds).build(settings, Wiring(clock=clock, transport=transport, parse=parse))
+    """Where samples come from: the agents themselves, Prometheus's scrapes of them, or another kind; a
+    shard's (--shard) gives the engine only the part it owns."""
+    source = source_kind(settings, kinds).build(settings, Wiring(clock=clock, transport=transport, parse=parse))
+    return source if settings.shard.whole else ShardedSource(source, settings.shard)
 
 
 def build_runtime(
@@ -124,6 +127,7 @@ def build_runtime(
         clock=clock,
         routing=AlertRouting(settings.alert_external_labels, settings.alert_runbook_url),
         removed_grace_seconds=settings.targets_removed_grace_seconds,
+        shard=settings.shard,
     )
 
 
@@ -233,6 +237,7 @@ def check_config(argv: Sequence[str] | None = None) -> int:
         f"{' and ' + settings.targets_dns if settings.targets_dns else ''}, "
         f"{len(settings.alertmanager_urls)} Alertmanager(s), webhook {'on' if settings.webhook_url else 'off'}, "
         f"TLS {'on' if settings.web_config_file else 'off'} for the API"
+        + ("" if settings.shard.whole else f", shard {settings.shard} with {len(settings.shard_peers)} peer URL(s)")
     )
     return 0
 
@@ -335,7 +340,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(settings, runtime=runtime, web=web)
     log.info(
         "gpufleet-server listening",
-        extra={"address": settings.listen_address, "storage": settings.storage_path, "url": settings.public_url()},
+        extra={
+            "address": settings.listen_address,
+            "storage": settings.storage_path,
+            "url": settings.public_url(),
+            "shard": str(settings.shard),
+        },
     )
     with sock:
         asyncio.run(serve_until_signalled(uvicorn_server(settings, app, web.tls if web else None), [sock]))

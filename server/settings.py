@@ -28,6 +28,8 @@ from gpufleet.config import (
     read_config_file,
 )
 
+from gpufleet.server.shard import Shard
+
 if TYPE_CHECKING:
     from gpufleet.server.ingest.base import SourceKind
 
@@ -84,6 +86,26 @@ def parse_alertmanager_urls(text: Any) -> tuple[str, ...]:
                 "(the server adds /api/v2/alerts)"
             )
     return urls
+
+
+def parse_shard(text: Any) -> Shard:
+    """INDEX/COUNT, such as 2/16 (index from 0)."""
+    return Shard.parse(str(text))
+
+
+def parse_peers(text: Any) -> tuple[str, ...]:
+    """The other shards' URLs: http(s) URLs, comma-separated (a list in the file); `dns+` before one
+    (`dns+http://gpufleet-shards:9472`, as Thanos spells it) asks every address its name resolves to."""
+    items = [str(item).strip() for item in (str(text).split(",") if isinstance(text, str) else list(text))]
+    out = []
+    for item in filter(None, items):
+        dns = item.startswith("dns+")
+        out.append(("dns+" if dns else "") + parse_url(item[4:] if dns else item))
+    if not out:
+        raise ValueError("expected at least one http:// or https:// URL")
+    if len(set(out)) != len(out):
+        raise ValueError("the same URL twice")
+    return tuple(out)
 
 
 def parse_external_labels(text: Any) -> dict[str, str]:
@@ -279,6 +301,9 @@ class ServerSettings:
     web_max_large_answers: int = 32
     log_level: str = "info"
     log_format: str = "json"
+    shard: Shard = Shard()
+    shard_peers: tuple[str, ...] = ()
+    shard_peer_timeout_seconds: float = 2.0
     engine: Mapping[str, Any] = field(default_factory=dict)
 
     def public_url(self) -> str:
@@ -467,6 +492,23 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         parse_runbook_url,
         "runbook link template for every alert, with {kind}, {alertname}, {cause}, {id}, {node}, "
         "{gpu}, {hpc_job}, e.g. https://wiki.example.com/gpu/{kind}",
+    ),
+    "shard": (
+        "shard",
+        parse_shard,
+        "judge only shard INDEX/COUNT of the fleet, e.g. 2/16 (index from 0, as a StatefulSet ordinal): "
+        "the jobs whose id hashes to INDEX, and the GPUs of no job by their node (default 0/1: all)",
+    ),
+    "shard.peers": (
+        "shard_peers",
+        parse_peers,
+        "the shards' URLs, comma-separated, or dns+http://NAME:PORT for every address of a headless "
+        "Service: /alerts, /incidents, /jobs, /nodes and / with ?scope=fleet ask each and show the whole fleet",
+    ),
+    "shard.peer-timeout": (
+        "shard_peer_timeout_seconds",
+        parse_duration,
+        "how long a fleet view waits for each peer shard's answer (default 2s)",
     ),
     "log.level": ("log_level", _choice("debug", "info", "warning", "error"), "debug|info|warning|error"),
     "log.format": ("log_format", _choice("json", "text"), "json|text"),

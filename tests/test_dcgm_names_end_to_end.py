@@ -150,6 +150,17 @@ def _rules() -> list[dict]:
 
 
 @requires_prometheus
+def test_every_default_counter_the_simulated_gpu_has_is_served_for_every_gpu(scraped) -> None:
+    """dcgm-exporter's default set, less what a bare-metal H100 has not (the vGPU licence), one series a GPU."""
+    api, _, _ = scraped
+    listed = {c.field for c in load_counters() if c.kind != "label"}
+    assert listed - SERVED == {"DCGM_FI_DEV_VGPU_LICENSE_STATUS"}
+    for field in sorted(SERVED):
+        assert sorted(int(r["metric"]["gpu"]) for r in _query(api, field)) == list(range(GPUS)), field
+    assert _query(api, "DCGM_FI_DEV_VGPU_LICENSE_STATUS") == []
+
+
+@requires_prometheus
 def test_alert_rules_load_and_evaluate(scraped) -> None:
     api, _, _ = scraped
     loaded = [rule for group in _get(api, "/rules")["groups"] for rule in group["rules"]]
@@ -216,6 +227,7 @@ def test_the_server_reads_the_dcgm_form_through_prometheus(scraped) -> None:
         assert 0.0 <= row["utilization_ratio"] <= 1.0
         assert row["temperature_celsius"] == pytest.approx(g["temperature_celsius"], abs=15)
         assert row["energy_joules_total"] > 0
+        assert row["pcie_replays_total"] == g["pcie_replays_total"] == 0  # a health counter, read back
 
 
 XID_SCENARIO = """

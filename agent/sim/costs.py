@@ -36,12 +36,29 @@ CALL_COST_US: Mapping[str, float] = MappingProxyType(
         "nvmlDeviceGetComputeRunningProcesses": 40.9,
         "nvmlDeviceGetComputeRunningProcesses_v3": 40.9,
         "nvmlDeviceGetTemperatureV": 28.2,
-        "nvmlGpmMetricsGet": 13.4,
         "nvmlDeviceGetTotalEccErrors": 12.6,
         "nvmlDeviceGetCurrentClocksEventReasons": 11.7,
         "nvmlDeviceGetClockInfo": 10.5,
         "nvmlDeviceGetEnforcedPowerLimit": 9.1,
         "nvmlDeviceGetPowerUsage": 1.0,
+        # One H200, driver 580.159.04 (h200-driver-580/newcalls.txt, newcalls.py): the calls of the
+        # readings dcgm-exporter also serves. Fan speed costs as much where unsupported.
+        "nvmlDeviceGetPcieReplayCounter": 174.2,
+        "nvmlDeviceGetPowerManagementLimit": 164.7,
+        "nvmlDeviceGetFanSpeed": 162.0,
+        "nvmlDeviceGetPerformanceState": 3.4,
+        "nvmlDeviceGetEncoderUtilization": 3.0,
+        "nvmlDeviceGetDecoderUtilization": 3.0,
+        # MIG, per GPU and per GPU instance: one H200, driver 580, MIG off (MigMode from
+        # h200-driver-580/newcalls.txt; the rest tests/fixtures/h200-driver-580/migcalls.txt, where with
+        # MIG off the handle lookup answered NotFound and the id and GPM calls InvalidArgument: the cost
+        # of those answers stands for the cost of a real one, which no MIG board here has measured).
+        "nvmlDeviceGetMigMode": 158.1,
+        "nvmlDeviceGetMaxMigDeviceCount": 155.0,
+        "nvmlGpmMigSampleGet": 320.0,
+        "nvmlDeviceGetMigDeviceHandleByIndex": 13.0,
+        "nvmlDeviceGetGpuInstanceId": 3.5,
+        "nvmlDeviceGetComputeInstanceId": 3.5,
     }
 )
 # Field id name -> thread CPU microseconds when asked alone (fieldprof.txt).
@@ -59,8 +76,24 @@ FIELD_COST_US: Mapping[str, float] = MappingProxyType(
         "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP": 3.0,
         "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN": 3.0,
         "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST": 3.0,
+        # H200 (newcalls.txt).
+        "NVML_FI_DEV_PCIE_REPLAY_COUNTER": 173.8,
+        "NVML_FI_DEV_PCIE_REPLAY_ROLLOVER_COUNTER": 169.1,
+        "NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": 5.7,
+        "NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": 5.4,
+        "NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": 5.4,
+        "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": 5.5,
+        "NVML_FI_DEV_PERF_POLICY_THERMAL": 655.8,
+        "NVML_FI_DEV_PERF_POLICY_POWER": 6.3,
     }
 )
+# nvmlGpmMetricsGet costs its call plus each metric asked (newcalls.txt, each metric alone on an H200:
+# 1.2-1.8 us; GRAPHICS_UTIL 1.2-1.5 ms). The call's share is what leaves the H100's two-metric call
+# (nvmlprof.txt, 13.4 us) at its measured cost.
+GPM_CALL_COST_US = 10.4
+GPM_METRIC_COST_US: Mapping[str, float] = MappingProxyType({"NVML_GPM_METRIC_GRAPHICS_UTIL": 1350.0})
+DEFAULT_GPM_METRIC_COST_US = 1.5
+_GPM_CALL = "nvmlGpmMetricsGet"
 # Calls and fields the profile did not time (identity, thresholds, ...): the profile's "everything
 # else" ran 3-40 us, so the upper end.
 DEFAULT_CALL_COST_US = 40.0
@@ -93,6 +126,7 @@ class CostedNvml:
         self._inner = inner
         self._call_cost_s = {name: us / 1e6 for name, us in call_cost_us.items()}
         self._field_cost_s = _field_costs(inner, field_cost_us)
+        self._gpm_metric_cost_s = _field_costs(inner, GPM_METRIC_COST_US)
         self._lock = threading.Lock()
         self.burned: defaultdict[int, float] = defaultdict(float)
 
@@ -106,7 +140,17 @@ class CostedNvml:
             fields = self._field_cost_s
             default = DEFAULT_FIELD_COST_US / 1e6
             return sum(fields.get(f if isinstance(f, int) else f[0], default) for f in args[1])
+        if name == _GPM_CALL and len(args) >= 1 and name not in self._call_cost_s:
+            return self._gpm_cost(args[0])
         return self._call_cost_s.get(name, DEFAULT_CALL_COST_US / 1e6)
+
+    def _gpm_cost(self, request: Any) -> float:
+        """Seconds one nvmlGpmMetricsGet costs: the call and each metric it asks for."""
+        metrics = self._gpm_metric_cost_s
+        default = DEFAULT_GPM_METRIC_COST_US / 1e6
+        count = int(getattr(request, "numMetrics", 0))
+        asked = (request.metrics[i].metricId for i in range(count))
+        return GPM_CALL_COST_US / 1e6 + sum(metrics.get(m, default) for m in asked)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._inner, name)

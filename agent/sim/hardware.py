@@ -51,6 +51,8 @@ class GpuModel:
     # Usable host/NIC PCIe bandwidth per direction, bytes/s.
     pcie_bytes_per_s: float
     remapped_rows_supported: bool
+    # A fan the board drives (NVML's fan speed); HGX and SXM boards are cooled by the chassis: none.
+    has_fan: bool = False
 
     @property
     def has_nvlink(self) -> bool:

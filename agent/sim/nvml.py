@@ -20,6 +20,7 @@ import pynvml
 
 from gpufleet.agent.sim import physics as ph
 from gpufleet.agent.sim.hardware import GpuModel
+from gpufleet.agent.sim.mig import MAX_MIG_DEVICES, MIG_CAPABLE, SimInstance, check_layout, instances
 from gpufleet.agent.sim.physics import Timeline, build_world, stable_key
 from gpufleet.agent.sim.scenario import Incident, JobSpec, Scenario
 from gpufleet.agent.sim.tool_calls import ToolCalls
@@ -54,12 +55,37 @@ _NVLINK_FIELDS = {
 _COUNTER_FIELDS = {**_THROTTLE_FIELDS, **_PCIE_FIELDS}
 _U32 = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
 _U64 = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-_GPM_METRICS = {
-    pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: ph.UTIL,
-    pynvml.NVML_GPM_METRIC_SM_UTIL: ph.SM,
-    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: ph.OCC,
-    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: ph.TENSOR,
-    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: ph.MEM_UTIL,
+_MIB = 1024 * 1024
+# GPM metric -> its value from the mean rates between two samples: percent, or MiB/s for the rates.
+# Training runs its math on the tensor cores; the FP32 and FP16 pipes see the elementwise and optimizer
+# work beside it, FP64 none.
+_GPM_METRICS: dict[int, Callable[[Sequence[float]], float]] = {
+    pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: lambda r: 100.0 * r[ph.UTIL],
+    pynvml.NVML_GPM_METRIC_SM_UTIL: lambda r: 100.0 * r[ph.SM],
+    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: lambda r: 100.0 * r[ph.OCC],
+    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: lambda r: 100.0 * r[ph.TENSOR],
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: lambda r: 100.0 * r[ph.MEM_UTIL],
+    pynvml.NVML_GPM_METRIC_FP64_UTIL: lambda r: 0.0,
+    pynvml.NVML_GPM_METRIC_FP32_UTIL: lambda r: 17.0 * r[ph.TENSOR],
+    pynvml.NVML_GPM_METRIC_FP16_UTIL: lambda r: 6.0 * r[ph.TENSOR],
+    pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: lambda r: r[ph.PCIE_TX_BYTES] / _MIB,
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: lambda r: r[ph.PCIE_RX_BYTES] / _MIB,
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: lambda r: r[ph.NVLINK_TX_KIB] / 1024,
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: lambda r: r[ph.NVLINK_RX_KIB] / 1024,
+}
+_PERCENT_METRICS = frozenset(_GPM_METRICS) - {
+    pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC,
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC,
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC,
+}
+# NVLink error fields -> the share of a link_errors incident's replays each counts: a replay follows a
+# flit CRC error; data CRC errors and recoveries stay at 0.
+_NVLINK_ERROR_FIELDS = {
+    pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: 1,
+    pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL: 1,
+    pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: 0,
+    pynvml.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL: 0,
 }
 
 
@@ -109,11 +135,12 @@ class _EventSet:
 class _GpmSample:
     """What nvmlGpmSampleGet recorded into one sample buffer."""
 
-    __slots__ = ("gpu", "t")
+    __slots__ = ("gpu", "t", "instance")
 
     def __init__(self) -> None:
         self.gpu: int | None = None
         self.t = 0.0
+        self.instance: SimInstance | None = None  # nvmlGpmMigSampleGet's GPU instance
 
 
 class SimNvml(ToolCalls):
@@ -152,6 +179,12 @@ class SimNvml(ToolCalls):
         self._xids = self._xid_schedule()
         self._pids = self._assign_pids()
         self._uuids = tuple(self._uuid(i) for i in range(count))
+        self._mig = {
+            gpu: instances(node, self._model, gpu, check_layout(self._model, names)) for gpu, names in self._spec.mig
+        }
+        self._mig_handles = {
+            base + 0x1000 * (i.gpu + 1) + 0x10 * (i.position + 1): i for g in self._mig.values() for i in g
+        }
         log.debug(
             "simulated NVML ready",
             extra={"scenario": scenario.name, "node": node, "gpus": count, "epoch": self.epoch, "seed": seed},
@@ -198,7 +231,7 @@ class SimNvml(ToolCalls):
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
     def materialize_procfs(self, root: Path) -> tuple[int, ...]:
-        """Write <root>/<pid>/environ and cgroup (and a pod's resolv.conf and service account namespace
+        """Write <root>/<pid>/environ, cgroup and comm (and a pod's resolv.conf and service account namespace
         under root/) for every compute process this node's GPUs can report."""
         root = Path(root)
         written = []
@@ -213,6 +246,7 @@ class SimNvml(ToolCalls):
                 env, cgroup, resolv = process(job, node, gpu, rank)
                 (proc / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
                 (proc / "cgroup").write_text(cgroup)
+                (proc / "comm").write_text("python3\n")  # what the kernel shows of a training script
                 if resolv is not None:
                     (proc / "root" / "etc").mkdir(parents=True, exist_ok=True)
                     (proc / "root" / "etc" / "resolv.conf").write_text(resolv)
@@ -310,10 +344,16 @@ class SimNvml(ToolCalls):
     # --- identity ------------------------------------------------------------------------------------
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        instance = self._mig_device(handle)
+        if instance is not None:
+            return instance.uuid
         index, _ = self._device(handle)
         return self._uuids[index]
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
+        instance = self._mig_device(handle)
+        if instance is not None:
+            return f"{self._model.name} MIG {instance.profile.name}"
         self._device(handle)
         return self._model.name
 
@@ -370,6 +410,9 @@ class SimNvml(ToolCalls):
         raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        instance = self._mig_device(handle)
+        if instance is not None:
+            return self._mig_memory(instance, version)
         index, t = self._device(handle)
         model = self._model
         with self._lock:
@@ -446,6 +489,7 @@ class SimNvml(ToolCalls):
                 tl.counter_base(index, t),
                 tl.temperature(index, t),
                 tl.world.gpus[tl.world.own[index]].link_weights,
+                self._link_errors(index, t, "nvlink_replays"),
             )
         stamp = int(self._clock() * 1e6)
         for i, field in enumerate(fieldIds):
@@ -479,6 +523,50 @@ class SimNvml(ToolCalls):
             total += int(math.floor(count * share + 1e-9)) if share < 1.0 else count
         return total
 
+    def _link_errors(self, index: int, t: float, attr: str) -> int:
+        """A link_errors counter (nvlink_replays, pcie_replays) at t, counted since the last counter reset."""
+        incidents = self._incidents.get("link_errors", ())
+        if not incidents:
+            return 0
+        reset = self._last_reset(index, t)
+        total = 0
+        for inc in incidents:
+            if (self.node, index) in inc.gpus:
+                total += _ramp(getattr(inc, attr), inc, t) - _ramp(getattr(inc, attr), inc, reset)
+        return total
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+        index, t = self._device(handle)
+        return self._link_errors(index, t, "pcie_replays")
+
+    def nvmlDeviceGetFanSpeed(self, handle: Any) -> int:
+        index, t = self._device(handle)
+        if not self._model.has_fan:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        # The board's fan curve: 30 % cool, full at the slowdown temperature.
+        with self._lock:
+            temp = self._timeline.temperature(index, t)
+        share = (temp - 40.0) / max(1.0, self._model.slowdown_celsius - 40.0)
+        return int(round(100 * min(1.0, max(0.3, share))))
+
+    def nvmlDeviceGetPerformanceState(self, handle: Any) -> int:
+        self._device(handle)
+        # Data-center boards stay in P0 while the driver is persistent, idle or busy (an H100 reads P0 idle).
+        return pynvml.NVML_PSTATE_0
+
+    def nvmlDeviceGetEncoderUtilization(self, handle: Any) -> list[int]:
+        self._device(handle)
+        return [0, 100000]  # (percent, sampling period in us): training runs no video
+
+    def nvmlDeviceGetDecoderUtilization(self, handle: Any) -> list[int]:
+        self._device(handle)
+        return [0, 100000]
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: Any) -> int:
+        index, t = self._device(handle)
+        cap = self._power_cap_w(index, t)
+        return int(round(1000 * (self._model.tdp_watts if cap is None else min(cap, self._model.tdp_watts))))
+
     def _last_reset(self, index: int, t: float) -> float:
         last = -1.0
         for inc in self._incidents.get("counter_reset", ()):
@@ -505,6 +593,11 @@ class SimNvml(ToolCalls):
         info.usedGpuMemory = state.memory_used_bytes
         info.gpuInstanceId = _NOT_AVAILABLE
         info.computeInstanceId = _NOT_AVAILABLE
+        if self._mig.get(index):  # in MIG mode a process runs in one instance: the job's in the first
+            first = self._mig[index][0]
+            info.gpuInstanceId, info.computeInstanceId = first.gpu_instance_id, first.compute_instance_id
+            slices = sum(i.profile.memory_slices for i in self._mig[index])
+            info.usedGpuMemory = first.memory_used_bytes(state.memory_used_bytes, slices)
         return [pynvml.nvmlStructToFriendlyObject(info)]
 
     # --- GPM -----------------------------------------------------------------------------------------
@@ -530,7 +623,7 @@ class SimNvml(ToolCalls):
         sample = self._gpm.get(_address(gpmSample) or -1)
         if sample is None:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        sample.gpu, sample.t = index, t
+        sample.gpu, sample.t, sample.instance = index, t, None
         return gpmSample
 
     def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
@@ -541,6 +634,9 @@ class SimNvml(ToolCalls):
         second = self._gpm.get(_address(metricsGet.sample2) or -1)
         if first is None or second is None or first.gpu is None or first.gpu != second.gpu:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if first.instance is not second.instance:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        share = 1.0 if first.instance is None else first.instance.activity_share
         if not self._model.gpm_supported:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if not 0 < metricsGet.numMetrics <= pynvml.NVML_GPM_METRIC_MAX:
@@ -549,14 +645,96 @@ class SimNvml(ToolCalls):
             rates = self._timeline.mean(first.gpu, min(first.t, second.t), max(first.t, second.t))
         for i in range(metricsGet.numMetrics):
             metric = metricsGet.metrics[i]
-            slot = _GPM_METRICS.get(metric.metricId)
-            if slot is None:
+            value_of = _GPM_METRICS.get(metric.metricId)
+            if value_of is None:
                 metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
                 metric.value = 0.0
-            else:
-                metric.nvmlReturn = pynvml.NVML_SUCCESS
-                metric.value = min(100.0, max(0.0, 100.0 * rates[slot]))
+                continue
+            value = max(0.0, share * value_of(rates))
+            metric.nvmlReturn = pynvml.NVML_SUCCESS
+            metric.value = min(100.0, value) if metric.metricId in _PERCENT_METRICS else value
         return metricsGet
+
+    # --- MIG ------------------------------------------------------------------------------------------
+    # As NVML answers (an H200 on driver 580 with MIG off: tests/fixtures/h200-driver-580/migcalls.txt):
+    # NotSupported on a board without MIG, a max count of 0 while MIG is off, NotFound for an index with no
+    # instance (every index while MIG is off), InvalidArgument beyond the max; instance ids asked of a
+    # whole GPU's handle and an instance GPM sample of a GPU not in MIG mode are InvalidArgument.
+
+    def _mig_device(self, handle: Any) -> SimInstance | None:
+        """The GPU instance a MIG device handle stands for (its parent checked as any device); else None."""
+        instance = self._mig_handles.get(_address(handle) or -1)
+        if instance is not None:
+            self._require_init()
+            self._check_lost(instance.gpu, self.scenario_time())
+        return instance
+
+    def _mig_capable(self, handle: Any) -> int:
+        index, _ = self._device(handle)
+        if self._model.key not in MIG_CAPABLE:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return index
+
+    def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if self._mig_capable(device) in self._mig else 0
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
+        index, _ = self._device(device)
+        return MAX_MIG_DEVICES if self._model.key in MIG_CAPABLE and index in self._mig else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
+        gpu = self._mig_capable(device)
+        if not isinstance(index, int) or not 0 <= index < MAX_MIG_DEVICES:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if index >= len(self._mig.get(gpu, ())):
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+        address = next(a for a, i in self._mig_handles.items() if i is self._mig[gpu][index])
+        return ctypes.cast(ctypes.c_void_p(address), pynvml.c_nvmlDevice_t)
+
+    def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> int:
+        if self._mig_device(device) is not None:
+            return 1
+        self._device(device)
+        return 0
+
+    def _mig_only(self, device: Any) -> SimInstance:
+        instance = self._mig_device(device)
+        if instance is None:
+            self._device(device)
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return instance
+
+    def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:
+        return self._mig_only(device).gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, device: Any) -> int:
+        return self._mig_only(device).compute_instance_id
+
+    def _mig_memory(self, instance: SimInstance, version: int | None) -> Any:
+        """A GPU instance's memory: its slices' share of the parent's job memory (the parent's job spans them)."""
+        with self._lock:
+            parent_used = self._timeline.state(instance.gpu, self.scenario_time()).memory_used_bytes
+        slices = sum(i.profile.memory_slices for i in self._mig[instance.gpu])
+        used = instance.memory_used_bytes(parent_used, slices)
+        if version and version != pynvml.nvmlMemory_v2:
+            raise _error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        info = pynvml.c_nvmlMemory_v2_t() if version else pynvml.c_nvmlMemory_t()
+        if version:
+            info.version = version
+        info.total, info.used, info.free = instance.memory_total_bytes, used, instance.memory_total_bytes - used
+        return info
+
+    def nvmlGpmMigSampleGet(self, device: Any, gpuInstanceId: int, gpmSample: Any) -> Any:
+        index, t = self._device(device)
+        if not self._model.gpm_supported:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        instance = next((i for i in self._mig.get(index, ()) if i.gpu_instance_id == gpuInstanceId), None)
+        sample = self._gpm.get(_address(gpmSample) or -1)
+        if instance is None or sample is None:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        sample.gpu, sample.t, sample.instance = index, t, instance
+        return gpmSample
 
     # --- XID events ----------------------------------------------------------------------------------
 
@@ -638,7 +816,7 @@ class SimNvml(ToolCalls):
 class _FieldReading:
     """The values one nvmlDeviceGetFieldValues call reports, computed once per call."""
 
-    __slots__ = ("model", "state", "counters", "temp_c", "weights")
+    __slots__ = ("model", "state", "counters", "temp_c", "weights", "nvlink_replays")
 
     def __init__(
         self,
@@ -648,12 +826,14 @@ class _FieldReading:
         base: tuple[float, ...],
         temp_c: float,
         weights: tuple[float, ...],
+        nvlink_replays: int = 0,
     ):
         self.model = model
         self.state = state
         self.counters = [max(0.0, a - b) for a, b in zip(integral, base)]
         self.temp_c = temp_c
         self.weights = weights
+        self.nvlink_replays = nvlink_replays
 
     def fill(self, out: Any, fid: int, scope: int, stamp: int) -> None:
         """Set ids, timestamp, value, valueType and nvmlReturn of one field entry."""
@@ -699,7 +879,21 @@ class _FieldReading:
             if not model.has_nvlink:
                 return -pynvml.NVML_ERROR_NOT_SUPPORTED
             return _U32, model.nvlink_links
+        share = _NVLINK_ERROR_FIELDS.get(fid)
+        if share is not None:
+            if not model.has_nvlink:
+                return -pynvml.NVML_ERROR_NOT_SUPPORTED
+            return _U64, share * self.nvlink_replays
         return -pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+def _ramp(count: int, inc: Incident, t: float) -> int:
+    """How many of an incident's `count` events happened by t, spread evenly from its start to its end."""
+    if t < inc.start_s or count <= 0:
+        return 0
+    end = inc.end_s if inc.end_s is not None else inc.start_s + 1.0
+    share = min(1.0, (t - inc.start_s) / (end - inc.start_s))
+    return count if share >= 1.0 else int(math.floor(count * share + 1e-9))
 
 
 def _copy_pynvml_names() -> None:

@@ -12,9 +12,10 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from gpufleet.agent.sim.hardware import MODELS, GpuModel
+from gpufleet.agent.sim.mig import MigLayoutError, check_layout
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
-BUILTIN_SCENARIOS: tuple[str, ...] = ("hgx-h100", "a100", "pcie", "demo", "cluster-incidents")
+BUILTIN_SCENARIOS: tuple[str, ...] = ("hgx-h100", "a100", "pcie", "demo", "cluster-incidents", "mig")
 
 SCHEDULERS: tuple[str, ...] = ("slurm", "kubernetes")
 # A training step's compute phase (GEMMs, attention, memory-bound kernels) draws 0.95 of the board's range
@@ -34,6 +35,8 @@ class NodeSpec:
     name: str
     model: GpuModel
     gpu_count: int
+    # GPUs in MIG mode: (GPU index, its GPU instances' profile names), agent.sim.mig.
+    mig: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,9 @@ class Incident:
     corrected: int = 0
     uncorrected: int = 0
     nodes: tuple[str, ...] = ()
+    # link_errors: NVLink replays (each after a CRC flit error) and PCIe replays over the incident.
+    nvlink_replays: int = 0
+    pcie_replays: int = 0
 
     def active(self, t: float) -> bool:
         """Whether the incident is in effect at scenario time t."""
@@ -289,11 +295,30 @@ def _parse_nodes(items: list[Any]) -> tuple[NodeSpec, ...]:
         count = obj.integer("gpus", 8, low=1)
         if count > 64:
             raise ScenarioError(f"{obj.key('gpus')}: at most 64 GPUs per node, got {count}")
+        mig = _parse_mig(obj, MODELS[model_key], count)
         obj.done()
         if any(s.name == name for s in specs):
             raise ScenarioError(f"{obj.key('name')}: duplicate node name {name!r}")
-        specs.append(NodeSpec(name, MODELS[model_key], count))
+        specs.append(NodeSpec(name, MODELS[model_key], count, mig))
     return tuple(specs)
+
+
+def _parse_mig(obj: _Obj, model: GpuModel, count: int) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """`mig: [{gpu: N, instances: [PROFILE, ...]}, ...]`: the node's GPUs in MIG mode and their instances."""
+    out: dict[int, tuple[str, ...]] = {}
+    for i, item in enumerate(obj.items("mig", [])):
+        entry = _Obj(item, f"{obj.key('mig')}[{i}]")
+        gpu = entry.integer("gpu", low=0)
+        if gpu >= count or gpu in out:
+            raise ScenarioError(f"{entry.key('gpu')}: GPU {gpu} does not exist or is listed twice")
+        names = tuple(str(p) for p in entry.items("instances", []))
+        try:
+            check_layout(model, names)
+        except MigLayoutError as exc:
+            raise ScenarioError(f"{entry.key('instances')}: {exc}") from None
+        entry.done()
+        out[gpu] = names
+    return tuple(sorted(out.items()))
 
 
 def _node_by_name(nodes: tuple[NodeSpec, ...], name: str, key: str) -> NodeSpec:
@@ -507,6 +532,13 @@ def _ecc_errors(obj: _Obj, nodes, jobs) -> dict[str, Any]:
     return out
 
 
+def _link_errors(obj: _Obj, nodes, jobs) -> dict[str, Any]:
+    out = _gpu_targets(obj, nodes, jobs)
+    out["nvlink_replays"] = obj.integer("nvlink_replays", 0, low=0)
+    out["pcie_replays"] = obj.integer("pcie_replays", 0, low=0)
+    return out
+
+
 _INCIDENT_PARSERS: dict[str, Callable[..., dict[str, Any]]] = {
     "cooling_failure": _cooling_failure,
     "slow_gpu": _slow_gpu,
@@ -518,6 +550,7 @@ _INCIDENT_PARSERS: dict[str, Callable[..., dict[str, Any]]] = {
     "power_cap": _power_cap,
     "nvml_init_failure": _nvml_init_failure,
     "ecc_errors": _ecc_errors,
+    "link_errors": _link_errors,
 }
 INCIDENT_KINDS: tuple[str, ...] = tuple(_INCIDENT_PARSERS)
 

@@ -138,21 +138,6 @@ class ToolCalls:
         sample.decUtil = 0
         return [sample]
 
-    def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
-        """[current, pending]: MIG off, as on a node that trains whole-GPU jobs."""
-        self._device(handle)
-        if self._model.architecture not in (pynvml.NVML_DEVICE_ARCH_AMPERE, pynvml.NVML_DEVICE_ARCH_HOPPER):
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return [pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_DISABLE]
-
-    def nvmlDeviceIsMigDeviceHandle(self, handle: Any) -> int:
-        self._device(handle)
-        return 0
-
-    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
-        self._device(handle)
-        return 0
-
     def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
         self._device(handle)
         capability = _COMPUTE_CAPABILITY.get(self._model.architecture)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sqlite3
 from dataclasses import replace
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
 from starlette.concurrency import run_in_threadpool
 
 from gpufleet.server.alerts import KIND_NAME, Alert, AlertKind, AlertState, Severity
-from gpufleet.server.api.deps import RuntimeDep
+from gpufleet.server.api.deps import PeersDep, RuntimeDep, Scope
 from gpufleet.server.api.models import (
     AlertModel,
     AlertPageModel,
@@ -18,6 +18,7 @@ from gpufleet.server.api.models import (
     IncidentListModel,
     IncidentModel,
 )
+from gpufleet.server.api.peers import own_shard
 from gpufleet.server.incidents import incidents
 from gpufleet.server.runtime import Runtime
 from gpufleet.server.store import MAX_PAGE, AlertQuery, query_open
@@ -49,8 +50,28 @@ async def list_alerts(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+    scope: Scope = "shard",
+    peers: PeersDep = None,
 ) -> AlertPageModel:
-    """Alerts from the store matching every given filter."""
+    """Alerts from the store matching every given filter: this shard's, or with scope=fleet (and
+    --shard.peers) every shard's that answered, merged newest first."""
+    if scope == "fleet" and peers is not None:
+        filters: dict[str, Any] = {
+            "state": state,
+            "kind": kind,
+            "severity": severity,
+            "node": node,
+            "gpu": gpu,
+            "hpc_job": hpc_job,
+        }
+        filters |= {"incident": incident, "since": since}
+        params = {k: (v.value if hasattr(v, "value") else v) for k, v in filters.items() if v is not None}
+        # Each shard's first offset+limit alerts hold the fleet's page.
+        first = min(offset + limit, MAX_PAGE)
+        own = await list_alerts(runtime, **filters, limit=first)
+        return await peers.fleet(
+            own, "/alerts", {**params, "limit": first}, AlertPageModel, lambda parts: _merge_pages(parts, limit, offset)
+        )
     query = AlertQuery(
         state=state,
         kind=None if kind is None else AlertKind(kind),
@@ -75,6 +96,18 @@ async def list_alerts(
         limit=limit,
         offset=offset,
         next_offset=end if end < page.total else None,
+        shard=own_shard(runtime.shard),
+    )
+
+
+def _merge_pages(parts: list[AlertPageModel], limit: int, offset: int) -> AlertPageModel:
+    """One page of every shard's alerts, newest first as the store orders them."""
+    alerts = sorted((a for p in parts for a in p.alerts), key=lambda a: (-a.pending_since, a.id))
+    total = sum(p.total for p in parts)
+    page = alerts[offset : offset + limit]
+    end = offset + len(page)
+    return AlertPageModel(
+        alerts=page, total=total, limit=limit, offset=offset, next_offset=end if end < total else None
     )
 
 
@@ -98,9 +131,10 @@ async def get_alert(runtime: RuntimeDep, alert_id: str) -> AlertModel:
 
 
 @router.get("/incidents", response_model=IncidentListModel, summary="Open incidents: each cause and its effects")
-async def list_incidents(runtime: RuntimeDep) -> IncidentListModel:
+async def list_incidents(runtime: RuntimeDep, peers: PeersDep = None, scope: Scope = "shard") -> IncidentListModel:
     """The open alerts grouped by cause, as of the engine's latest evaluation; a cause that resolved while
-    its effects stay open is read from the store."""
+    its effects stay open is read from the store. This shard's, or with scope=fleet (and --shard.peers) every
+    shard's that answered, newest cause first (each shard groups the alerts it owns)."""
     listed = []
     for i in incidents(runtime.view.alerts):
         cause = i.cause
@@ -116,7 +150,20 @@ async def list_incidents(runtime: RuntimeDep) -> IncidentListModel:
                 effects=[AlertModel.of(_linked(runtime, e)) for e in i.effects],
             )
         )
-    return IncidentListModel(incidents=listed)
+    own = IncidentListModel(incidents=listed, shard=own_shard(runtime.shard))
+    if scope == "shard" or peers is None:
+        return own
+    return await peers.fleet(own, "/incidents", {}, IncidentListModel, _merge_incidents)
+
+
+def _merge_incidents(parts: list[IncidentListModel]) -> IncidentListModel:
+    """Every shard's incidents, newest first by cause (else first effect), as each shard orders its own."""
+
+    def newest_first(incident: IncidentModel) -> tuple[float, str]:
+        first = incident.cause or (incident.effects[0] if incident.effects else None)
+        return (-(first.pending_since if first is not None else 0.0), incident.id)
+
+    return IncidentListModel(incidents=sorted((i for p in parts for i in p.incidents), key=newest_first))
 
 
 def _linked(runtime: Runtime, alert: Alert) -> Alert:

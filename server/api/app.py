@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from gpufleet.webconfig import WebConfig
 from gpufleet.server.api import alerts, fleet, health, page
 from gpufleet.server.api.auth import WebGuard
+from gpufleet.server.api.peers import Peers
 from gpufleet.server.metrics import build_registry
 from gpufleet.server.runtime import Runtime
 from gpufleet.server.settings import ServerSettings
@@ -47,6 +48,11 @@ def create_app(
     )
     app.state.runtime = runtime
     app.state.settings = settings
+    app.state.peers = (
+        Peers(settings.shard_peers, settings.shard, timeout_seconds=settings.shard_peer_timeout_seconds)
+        if settings.shard_peers
+        else None
+    )
     registry = build_registry(runtime)
     app.include_router(alerts.router)
     app.include_router(fleet.router)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Depends, Request
 
+from gpufleet.server.api.peers import Peers
 from gpufleet.server.runtime import Runtime
 
 
@@ -15,3 +16,13 @@ def get_runtime(request: Request) -> Runtime:
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+
+def get_peers(request: Request) -> Peers | None:
+    """The other shards (--shard.peers), None where there are none."""
+    return getattr(request.app.state, "peers", None)
+
+
+PeersDep = Annotated[Peers | None, Depends(get_peers)]
+# Own part (the default) or the whole fleet's, from every peer shard (with --shard.peers).
+Scope = Literal["shard", "fleet"]

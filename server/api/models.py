@@ -79,13 +79,41 @@ class IncidentModel(BaseModel):
     effects: list[AlertModel] = Field(description="Alerts explained by the cause, oldest first.")
 
 
-class IncidentListModel(BaseModel):
+class ShardModel(BaseModel):
+    """A part of a sharded fleet (`--shard INDEX/COUNT`); 0 of 1 is the whole fleet."""
+
+    index: int = 0
+    count: int = 1
+
+
+class PeerErrorModel(BaseModel):
+    """A peer shard (`--shard.peers`) that gave no usable answer to a fleet view."""
+
+    peer: str = Field(description="The URL asked.")
+    error: str
+
+
+class ShardedModel(BaseModel):
+    """Which shard answers, and for a fleet view (`?scope=fleet`) which shards' parts it holds."""
+
+    shard: ShardModel = Field(default_factory=ShardModel, description="The shard of the server that answers.")
+    scope: Literal["shard", "fleet"] = Field(
+        default="shard", description="shard: this server's own part; fleet: every shard's that answered."
+    )
+    shards_missing: list[int] = Field(
+        default_factory=list,
+        description="Fleet view: indexes of the shards whose part is missing because no peer answered for them.",
+    )
+    peer_errors: list[PeerErrorModel] = Field(default_factory=list, description="Fleet view: peers that failed.")
+
+
+class IncidentListModel(ShardedModel):
     """The open incidents, newest cause first."""
 
     incidents: list[IncidentModel]
 
 
-class AlertPageModel(BaseModel):
+class AlertPageModel(ShardedModel):
     """A page of alerts, newest first."""
 
     alerts: list[AlertModel]
@@ -176,14 +204,14 @@ class TargetModel(BaseModel):
     )
 
 
-class JobsModel(BaseModel):
+class JobsModel(ShardedModel):
     """Every job the engine currently tracks."""
 
     jobs: list[JobModel]
     evaluated_at: float | None = Field(description="Time of the engine evaluation these figures come from.")
 
 
-class NodesModel(BaseModel):
+class NodesModel(ShardedModel):
     """Every node the engine tracks, and every configured agent target."""
 
     nodes: list[NodeModel]

@@ -21,7 +21,7 @@ from gpufleet.server.alerts import AlertState, IncidentRole
 from gpufleet.server.api import alerts as alert_routes
 from gpufleet.server.api import charts, evidence
 from gpufleet.server.api import fleet as fleet_routes
-from gpufleet.server.api.deps import RuntimeDep
+from gpufleet.server.api.deps import PeersDep, RuntimeDep, Scope
 from gpufleet.server.api.models import AlertModel, AlertPageModel, JobModel, JobsModel, NodesModel
 from gpufleet.server.history import AlertChart, Charts
 
@@ -56,12 +56,14 @@ figcaption{font-size:12px;color:#3d4650;max-width:640px}.chart .lbl{font-size:11
 
 
 @router.get("/", response_class=HTMLResponse)
-async def overview(runtime: RuntimeDep) -> HTMLResponse:
-    """Fleet summary, jobs, firing and recent alerts."""
-    nodes = await fleet_routes.list_nodes(runtime)
-    jobs = await fleet_routes.list_jobs(runtime)
-    firing = await alert_routes.list_alerts(runtime, state=AlertState.FIRING, limit=FIRING_SHOWN)
-    recent = await alert_routes.list_alerts(runtime, limit=RECENT_SHOWN)
+async def overview(runtime: RuntimeDep, peers: PeersDep = None, scope: Scope = "shard") -> HTMLResponse:
+    """Fleet summary, jobs, firing and recent alerts: this shard's, or every shard's with scope=fleet."""
+    nodes = await fleet_routes.list_nodes(runtime, peers, scope)
+    jobs = await fleet_routes.list_jobs(runtime, peers, scope)
+    firing = await alert_routes.list_alerts(
+        runtime, state=AlertState.FIRING, limit=FIRING_SHOWN, scope=scope, peers=peers
+    )
+    recent = await alert_routes.list_alerts(runtime, limit=RECENT_SHOWN, scope=scope, peers=peers)
     refresh = refresh_seconds(runtime.pull_interval_seconds)
     return HTMLResponse(render_overview(nodes, jobs, firing, recent, refresh, charts=runtime.view.charts))
 
@@ -99,6 +101,7 @@ def render_overview(
     now = jobs.evaluated_at if jobs.evaluated_at is not None else nodes.evaluated_at
     pictures = charts or Charts()
     body = [
+        _shard(jobs, firing, nodes),
         _fleet(nodes, firing.total, now),
         _fleet_view(pictures),
         _jobs(jobs.jobs, firing.alerts, pictures, tz),
@@ -148,6 +151,32 @@ def subject(alert: AlertModel) -> str:
         return f"job {alert.hpc_job}" if alert.hpc_job else "-"
     where = alert.node if alert.gpu is None else f"{alert.node} GPU {alert.gpu}"
     return f"{where} (job {alert.hpc_job})" if alert.hpc_job else where
+
+
+def _shard(jobs: JobsModel, firing: AlertPageModel, nodes: NodesModel) -> str:
+    """Which part of a sharded fleet the page shows, and which shards' parts a fleet view lacks."""
+    shard = jobs.shard
+    if shard.count == 1:
+        return ""
+    if jobs.scope == "shard":
+        return (
+            f"<p>Shard <b>{shard.index}/{shard.count}</b>: the jobs and alerts of this shard's part of the fleet "
+            '(<a href="/?scope=fleet">the whole fleet</a>, from every shard).</p>'
+        )
+    views = (jobs, firing, nodes)
+    missing = sorted({i for v in views for i in v.shards_missing})
+    failed = {e.peer: e.error for v in views for e in v.peer_errors}
+    lines = [
+        f"<p>The nodes, jobs and alerts of the whole fleet, as every shard answered this server (shard "
+        f"{shard.index}/{shard.count}).</p>"
+    ]
+    if missing:
+        lines.append(
+            f"<p class=bad>Not shown: shard{'s' if len(missing) > 1 else ''} "
+            f"{escape(', '.join(map(str, missing)))} did not answer.</p>"
+        )
+    lines += [f"<p class=bad>{escape(peer)}: {escape(error)}</p>" for peer, error in failed.items()]
+    return "".join(lines)
 
 
 def _fleet(nodes: NodesModel, firing_total: int, now: float | None) -> str:

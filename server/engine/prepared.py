@@ -143,32 +143,33 @@ class Prepared:
         as Windows._bin sums them, and where each cell sits in bin_id and acc."""
         w = self.w
         key = (bins - bins[0]) * w._cap + slots
-        valid = ~np.isnan(derived)
-        add = np.concatenate([np.where(valid, derived, 0.0), valid])  # sums, then counts
         if (key[1:] > key[:-1]).all():
-            # One row per cell, in cell order already (a tick's snapshots list GPUs in slot order): the
-            # sums are the rows (+ 0.0, which is what a sum from zero makes of -0.0).
+            # One row per cell, in cell order already (a tick's snapshots list GPUs in slot order).
             order = starts = np.arange(len(key))
-            chunk.cell_sums = add + 0.0
+            first_rows: slice | np.ndarray = slice(None)
+            later = None
         else:
             order = np.argsort(key, kind="stable")
             sorted_key = key[order]
             first = np.ones(len(key), dtype=bool)
             first[1:] = sorted_key[1:] != sorted_key[:-1]
             starts = np.flatnonzero(first)
-            n_cells = len(starts)
-            cell_of_row = np.empty(len(key), dtype=np.int64)
-            cell_of_row[order] = np.cumsum(first) - 1
-            ids = (cell_of_row + np.arange(len(add))[:, None] * n_cells).ravel()
-            chunk.cell_sums = np.bincount(ids, weights=add.ravel(), minlength=len(add) * n_cells).reshape(
-                len(add), n_cells
-            )
+            first_rows = order[starts]
+            # Snapshots come in time order, not slot order, and a few GPUs report twice within a bin
+            # (sampling jitter): those later rows are added to their cell below.
+            later = np.flatnonzero(~first) if len(starts) < len(key) else None
+        # Each cell's first row is its sum so far: 0.0 + row, i.e. the row + 0.0 (which turns -0.0 into
+        # 0.0, as a sum from zero does); NaN adds nothing and counts nothing.
+        chunk.cell_sums = _sums_and_counts(derived[:, first_rows])
+        if later is not None:
+            # In row order: np.add.at applies repeated indices in turn, as a sum over the rows would.
+            cells_of_later = np.cumsum(first)[later] - 1
+            np.add.at(chunk.cell_sums.T, cells_of_later, _sums_and_counts(derived[:, order[later]]).T)
         chunk.cell_rows = np.diff(np.append(starts, len(key)))
         chunk.cell_bin = bins[order[starts]]
         # Slots are registered while the chunk is built, never after: the layout (_cap) holds until
         # the chunk is applied.
         chunk.cell_flat = (chunk.cell_bin % w.ring) * w._cap + slots[order[starts]]
-        chunk.cell_at = w._row_offsets + chunk.cell_flat
 
     def _apply(self, chunk: _Chunk, a: int, e: int, min_bin: int) -> float | None:
         """Apply samples a..e (all within chunk) as a flush of them would; the time of the first that
@@ -211,22 +212,33 @@ class Prepared:
         """Windows._bin's last step for the chunk's cells c0..c1, summed already."""
         w = self.w
         bins, flat = chunk.cell_bin[c0:c1], chunk.cell_flat[c0:c1]
-        sums, at = chunk.cell_sums[:, c0:c1], chunk.cell_at[:, c0:c1]
+        sums = chunk.cell_sums[:, c0:c1]
         bin_id = w.bin_id.reshape(-1)
         held = bin_id[flat]
         keep = bins >= np.maximum(held, min_bin)
         if not keep.all():
             w.late_dropped += int(chunk.cell_rows[c0:c1][~keep].sum())
-            bins, flat, sums, at, held = bins[keep], flat[keep], sums[:, keep], at[:, keep], held[keep]
+            bins, flat, sums, held = bins[keep], flat[keep], sums[:, keep], held[keep]
         fresh = bins > held
-        acc = w.acc.reshape(-1)
+        cells = w.cells()
         if fresh.all():
             # Every cell starts from zero (the usual case), and 0.0 + a sum that began at 0.0 is that sum.
             bin_id[flat] = bins
-            acc[at] = sums
+            cells[:, flat] = sums
             return
         bin_id[flat[fresh]] = bins[fresh]
-        acc[at] = np.where(fresh, 0.0, acc[at]) + sums
+        cells[:, flat] = np.where(fresh, 0.0, cells[:, flat]) + sums
+
+
+def _sums_and_counts(rows: np.ndarray) -> np.ndarray:
+    """Binned rows as a cell's sums (NaN as 0.0, plus 0.0) stacked over its counts (1.0 where not NaN)."""
+    out = np.empty((2 * len(rows), rows.shape[1]))
+    valid = ~np.isnan(rows)
+    np.copyto(out[: len(rows)], 0.0)
+    np.copyto(out[: len(rows)], rows, where=valid)
+    out[: len(rows)] += 0.0
+    out[len(rows) :] = valid
+    return out
 
 
 class _Chunk:
@@ -250,7 +262,6 @@ class _Chunk:
         "cell_rows",
         "cell_bin",
         "cell_flat",
-        "cell_at",
     )
     # Set once the chunk has rows (_chunk_of); an empty chunk has none of them.
     slots: np.ndarray
@@ -262,7 +273,6 @@ class _Chunk:
     cell_rows: np.ndarray
     cell_bin: np.ndarray
     cell_flat: np.ndarray
-    cell_at: np.ndarray
 
     def __init__(
         self, start: int, end: int, row_start: np.ndarray, sample_time: np.ndarray, node_id: np.ndarray

@@ -89,45 +89,56 @@ def evaluate(
     clearing and hold job-level alerts back). A disabled rule is all False."""
     disabled: frozenset[str] = getattr(config, "disabled_rules", frozenset())
     scale = np.asarray(scales, dtype=float)
+    # A plain number keeps every threshold a Python float: numpy's 0-d arithmetic and broadcasting cost
+    # more per rule than the comparisons themselves, and give the same values.
+    scale_of: np.ndarray | float = float(scale) if scale.ndim == 0 else scale
     out: dict[str, np.ndarray] = {}
     for rule in rules:
         signal = np.asarray(arrays[rule.signal], dtype=float)
-        shape = np.broadcast_shapes(scale.shape, signal.shape)
+        shape = signal.shape if scale.ndim == 0 else np.broadcast_shapes(scale.shape, signal.shape)
         if rule.name in disabled:
             out[rule.name] = np.zeros(shape, dtype=bool)
             continue
-        floor = float(getattr(config, rule.margin)) if rule.margin is not None else 0.0
-        threshold = (scale if rule.scaled else 1.0) * floor
-        if rule.factor is not None:
-            threshold = threshold * float(getattr(config, rule.factor))
-        for setting in rule.less:
-            threshold = threshold - float(getattr(config, setting))
-        if rule.reference is not None:
-            threshold = np.asarray(arrays[rule.reference], dtype=float) + threshold
-        noisy = None
-        if rule.spread is not None:
-            assert rule.sigmas is not None  # __post_init__
-            widened = float(getattr(config, rule.sigmas)) * np.asarray(arrays[rule.spread], dtype=float)
-            if rule.scale_spread and rule.scaled:
-                widened = scale * widened
-            if rule.spread_signal is None:
-                threshold = np.fmax(threshold, widened)  # fmax: a NaN spread leaves the floor
-            else:
-                noisy = np.asarray(arrays[rule.spread_signal], dtype=float) < widened
-        if rule.op == ">=":
-            holds = signal >= threshold
-        elif rule.op == ">":
-            holds = signal > threshold
-        else:
-            holds = signal < threshold
-        if noisy is not None:
-            holds = holds & ~noisy
-        for gate in rule.gates:
-            holds = holds & arrays[gate]
-        for gate in rule.unless:
-            holds = holds & ~arrays[gate]
-        out[rule.name] = np.broadcast_to(holds, shape)
+        holds = _holds(rule, signal, arrays, config, scale_of)
+        out[rule.name] = holds if holds.shape == shape else np.broadcast_to(holds, shape)
     return out
+
+
+def _holds(
+    rule: Rule, signal: np.ndarray, arrays: Mapping[str, np.ndarray], config: object, scale: np.ndarray | float
+) -> np.ndarray:
+    """One enabled rule's truth, in the shape its operands broadcast to."""
+    floor = float(getattr(config, rule.margin)) if rule.margin is not None else 0.0
+    threshold = (scale if rule.scaled else 1.0) * floor
+    if rule.factor is not None:
+        threshold = threshold * float(getattr(config, rule.factor))
+    for setting in rule.less:
+        threshold = threshold - float(getattr(config, setting))
+    if rule.reference is not None:
+        threshold = np.asarray(arrays[rule.reference], dtype=float) + threshold
+    noisy = None
+    if rule.spread is not None:
+        assert rule.sigmas is not None  # __post_init__
+        widened = float(getattr(config, rule.sigmas)) * np.asarray(arrays[rule.spread], dtype=float)
+        if rule.scale_spread and rule.scaled:
+            widened = scale * widened
+        if rule.spread_signal is None:
+            threshold = np.fmax(threshold, widened)  # fmax: a NaN spread leaves the floor
+        else:
+            noisy = np.asarray(arrays[rule.spread_signal], dtype=float) < widened
+    if rule.op == ">=":
+        holds = signal >= threshold
+    elif rule.op == ">":
+        holds = signal > threshold
+    else:
+        holds = signal < threshold
+    if noisy is not None:
+        holds = holds & ~noisy
+    for gate in rule.gates:
+        holds = holds & arrays[gate]
+    for gate in rule.unless:
+        holds = holds & ~arrays[gate]
+    return np.asarray(holds)
 
 
 def any_of(results: Mapping[str, np.ndarray], names: Sequence[str]) -> np.ndarray:

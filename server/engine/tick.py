@@ -88,7 +88,7 @@ def smoothed_row(tick: Tick, row: int, slots: np.ndarray) -> np.ndarray:
     """Median of one binned row over the smoothing window for some slots (rarely needed readings)."""
     n_bins = tick.config.bins(tick.config.smooth_seconds)
     held = tick.held[:n_bins] if len(tick.held) >= n_bins else None
-    return nan_median_first_axis(tick.windows.recent(tick.k, n_bins, [row], held)[:, 0, slots])
+    return nan_median_first_axis(tick.windows.recent(tick.k, n_bins, [row], held, slots)[:, 0])
 
 
 # What slows a GPU's clocks, from the shares of the smoothing window's samples with each kind of bit:
@@ -109,9 +109,7 @@ def throttle_causes(tick: Tick, slots: np.ndarray) -> list[str]:
     n_bins = tick.config.bins(tick.config.smooth_seconds)
     held = tick.held[:n_bins] if len(tick.held) >= n_bins else None
     shares = nan_mean_first_axis(
-        tick.windows.recent(tick.k, n_bins, _SHARE_ROWS, held)[:, :, slots]
-        .transpose(0, 2, 1)
-        .reshape(-1, len(_SHARE_ROWS))
+        tick.windows.recent(tick.k, n_bins, _SHARE_ROWS, held, slots).transpose(0, 2, 1).reshape(-1, len(_SHARE_ROWS))
     )
     hw_thermal, thermal, slow, power_cap = shares.tolist()
     # Heat's bits are among the slowdown bits, so the samples slowed by anything else are the difference.

@@ -194,7 +194,6 @@ class Windows:
         # Sums and sample counts of every binned row in one array (sums first): one scatter per
         # flush and one gather per read serve both.
         self.acc = grow(None if first else self.acc, 0.0, (2 * N_BINNED, self.ring))
-        self._row_offsets = (np.arange(2 * N_BINNED) * (self.ring * cap))[:, None]
         self.bin_id = grow(None if first else self.bin_id, -1, (self.ring,), np.int64)
         self.slot_job = grow(None if first else self.slot_job, NO_JOB, (), np.int64)
         self.slot_job_since = grow(None if first else self.slot_job_since, np.nan)
@@ -539,9 +538,9 @@ class Windows:
         if not keep.all():
             self.late_dropped += int(np.count_nonzero(~keep))
             slots, bins, pos, held, derived = slots[keep], bins[keep], pos[keep], held[keep], derived[:, keep]
-        # Cells are addressed flat, row * ring * cap + pos * cap + slot: numpy's 2-d and 3-d fancy
-        # assignment costs several times more per tick than a 1-d scatter.
-        acc = self.acc.reshape(-1)
+        # Cells are addressed as columns of self.cells(), pos * cap + slot: numpy's 3-d fancy assignment
+        # costs several times more per tick than scattering columns.
+        cells = self.cells()
         cell = pos * self._cap + slots
         # A cell that held an older bin starts from zero (it is overwritten below, not cleared first).
         fresh = bins > held
@@ -551,8 +550,11 @@ class Windows:
         add = np.concatenate([np.where(valid, derived, 0.0), valid])  # sums, then counts
         if one_per_slot:
             # Every cell once (the usual case at tick-rate sampling): scatter straight away.
-            at = self._row_offsets + cell
-            acc[at] = np.where(fresh, 0.0, acc[at]) + add
+            if fresh.all():
+                # Every cell starts from zero (the usual case): 0.0 + row is row + 0.0, no gather needed.
+                cells[:, cell] = add + 0.0
+                return
+            cells[:, cell] = np.where(fresh, 0.0, cells[:, cell]) + add
             return
         order = np.argsort(cell, kind="stable")
         sorted_cell = cell[order]
@@ -571,8 +573,13 @@ class Windows:
         else:
             add = add[:, order]
         # One entry per cell now, so gather-add-scatter is exact (and cheaper than fancy +=).
-        at = self._row_offsets + cell[order]
-        acc[at] = np.where(fresh[order], 0.0, acc[at]) + add
+        at = cell[order]
+        cells[:, at] = np.where(fresh[order], 0.0, cells[:, at]) + add
+
+    def cells(self) -> np.ndarray:
+        """self.acc as (row, cell) with cell = bin position * capacity + slot: a view, for scattering the
+        cells of many bins and slots at once."""
+        return self.acc.reshape(len(self.acc), -1)
 
     # -- replay ---------------------------------------------------------------------------------
     def prepare(self, prepared: PreparedFlushes) -> None:
@@ -599,16 +606,31 @@ class Windows:
         return self.bin_id[ks % self.ring, : self.n] == ks[:, None]
 
     def recent(
-        self, last_bin: int, n_bins: int, rows: np.ndarray | list[int], held: np.ndarray | None = None
+        self,
+        last_bin: int,
+        n_bins: int,
+        rows: np.ndarray | list[int],
+        held: np.ndarray | None = None,
+        slots: np.ndarray | None = None,
     ) -> np.ndarray:
         """Bin means of some binned rows, shape (n_bins, len(rows), n) newest first; NaN where no sample
-        or unsupported. `held` is self.held(last_bin, n_bins) when the caller has it already."""
+        or unsupported. `held` is self.held(last_bin, n_bins) when the caller has it already. With
+        `slots`, only those GPUs' columns (shape (n_bins, len(rows), len(slots))): a finding's evidence
+        reads a few GPUs, and gathering every GPU's bins for it cost more than the tick's own read."""
         if held is None:
             held = self.held(last_bin, n_bins)
         n = self.n
         pos = ((last_bin - np.arange(n_bins)) % self.ring)[:, None]
         rows = np.asarray(rows)
-        acc = self.acc[np.concatenate([rows, rows + N_BINNED])[None, :], pos, :n]  # sums, then counts
+        both = np.concatenate([rows, rows + N_BINNED])[None, :]  # sums, then counts
+        if slots is None:
+            acc = self.acc[both, pos, :n]
+        else:
+            slots = np.asarray(slots)
+            if slots.dtype == bool:
+                slots = np.flatnonzero(slots)
+            acc = self.acc[both[:, :, None], pos[:, :, None], slots[None, None, :]]
+            held = held[:, slots]
         # 0/0 (no sample) is NaN already; a stale cell (an older bin at that position) is masked by
         # multiplying with NaN, and x * 1.0 keeps every other mean exactly.
         with np.errstate(invalid="ignore", divide="ignore"):

@@ -71,6 +71,8 @@ class PullResult:
     rejected_snapshots: int
     # Node names pinned (or unpinned: None) in this cycle, for the store to keep across a restart.
     pins: Mapping[str, NodePin | None] = field(default_factory=dict)
+    # Nodes whose GPUs all went to another shard's jobs in this cycle (--shard): the engine forgets them.
+    handed_over: tuple[str, ...] = ()
 
 
 @contextlib.asynccontextmanager

@@ -66,6 +66,9 @@ UUID_LABEL = "UUID"
 MODEL_LABEL = "modelName"
 INDEX_LABEL = "gpu"
 JOB_LABEL = "hpc_job"
+# With Kubernetes pod mapping on and no hpc_job, the job is the pod's, by its name (gpufleet.podnames).
+NAMESPACE_LABEL = "namespace"
+POD_LABEL = "pod"
 # The workload's pod, with Kubernetes pod mapping on. Scraped by a Prometheus Operator ServiceMonitor
 # without honor_labels, the target's own pod and namespace (the exporter's) take these names and the
 # workload's become exported_pod and exported_namespace.

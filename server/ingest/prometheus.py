@@ -42,6 +42,7 @@ import httpx
 import msgspec
 import orjson
 
+from gpufleet.podnames import job_from_pod_name
 from gpufleet.server.ingest import dcgm
 from gpufleet.server.ingest.base import (
     Blindness,
@@ -56,6 +57,7 @@ from gpufleet.server.ingest.base import (
     peer_options,
 )
 from gpufleet.server.readings import READINGS, Kind, Reading
+from gpufleet.server.shard import Shard
 
 if TYPE_CHECKING:
     from gpufleet.server.settings import ServerSettings
@@ -98,6 +100,8 @@ _GPUFLEET_NAMES = sorted([*_FIELDS, *_ACTIVITY, _JOB_INFO, _XID, _AGE])
 # Series the dcgm recording rules (deploy/prometheus/dcgm-recording-rules.yaml) make under gpufleet's names
 # carry this label: the source reads the dcgm-exporter originals instead, once.
 RECORDED_LABEL = "gpufleet_recorded_from"
+# dcgm-exporter (and the agent's --metrics.names dcgm) label a MIG GPU instance's series so; the GPU's have none.
+_MIG_INSTANCE_LABEL = "GPU_I_ID"
 SCHEMAS = ("auto", "gpufleet", "dcgm")
 
 
@@ -195,8 +199,10 @@ class PrometheusSource(IngestAccounting):
         verify: ssl.SSLContext | bool = True,
         auth: httpx.Auth | None = None,
         schema: str = "auto",
+        shard: Shard | None = None,
     ) -> None:
         super().__init__()
+        self.shard = shard or Shard()
         if schema not in SCHEMAS:
             raise ValueError(f"schema must be one of {', '.join(SCHEMAS)}, not {schema!r}")
         self.url = url.rstrip("/")
@@ -233,6 +239,7 @@ class PrometheusSource(IngestAccounting):
         self._dcgm_fields: frozenset[str] | None = None  # contract fields some dcgm GPU had, once known
         self._cycle_blind: Blindness | None = None
         self._last_usable: float | None = None  # when an answer last held usable GPU series
+        self._fleet_listed = False  # a shard's: whether the last listing found any job or node, owned or not
 
     async def aclose(self) -> None:
         """Close the connection to Prometheus."""
@@ -253,7 +260,7 @@ class PrometheusSource(IngestAccounting):
         lookback = self._lookback(now)
         self._cycle_blind = None
         try:
-            series = self._matrix(*await self._fetch(f"{self._selector}[{lookback:.0f}s]", now))
+            series = await self._read(lookback, now)
         except PullError as exc:
             failed = 1
             self._record_error(exc.reason, exc.detail)
@@ -305,6 +312,96 @@ class PrometheusSource(IngestAccounting):
             )
         )
 
+    async def _read(self, lookback: float, now: float) -> list[_Series]:
+        """The series of the last `lookback` seconds: all of them, or a shard's own (_read_owned)."""
+        if self.shard.whole:
+            return self._matrix(*await self._fetch(f"{self._selector}[{lookback:.0f}s]", now))
+        return await self._read_owned(lookback, now)
+
+    async def _read_owned(self, lookback: float, now: float) -> list[_Series]:
+        """Only the series of the jobs and job-less nodes this shard owns, so the database's work and the
+        answer follow the shard's share, not the fleet.
+
+        First the label values of `hpc_job` and of the node labels (an index lookup, no samples read), owned
+        ones picked here by the same hash every shard uses. dcgm-exporter's series carry `hpc_job`
+        themselves: they are asked for by job, and the job-less ones by `Hostname`. The agents name the job
+        on one info series per GPU only (`gpufleet_gpu_job_info`, so that job churn does not multiply every
+        series): the owned jobs' info series give their nodes, and those nodes' series are read, with the
+        nodes whose name hashes here (for GPUs of no job). So a shard reads the nodes of its jobs plus
+        1/COUNT of the nodes: about twice its share, still a share. Foreign GPUs on a node read whole are cut
+        off by ingest/owned.py. Long lists are asked for in several queries."""
+        window = {"start": f"{now - lookback:.3f}", "end": f"{now:.3f}"}
+        range_ = f"[{lookback:.0f}s]"
+        recorded = f'{RECORDED_LABEL}=""'
+        out: list[_Series] = []
+        owned_jobs: list[str] = []
+        with_jobs = {"gpufleet": [_JOB_INFO], "dcgm": sorted(dcgm.READINGS)}.get(self.schema)
+        jobs = await self._label_values(
+            "hpc_job", '{__name__=~"' + "|".join(with_jobs or [_JOB_INFO, *sorted(dcgm.READINGS)]) + '"}', window
+        )
+        owned_jobs = [j for j in jobs if j and self.shard.owns_job(j)]
+        self._fleet_listed = bool(jobs)
+        if self.schema != "dcgm":
+            names = '{__name__=~"' + "|".join(_GPUFLEET_NAMES) + '", ' + recorded
+            every = await self._label_values("node", _AGE, window)
+            self._fleet_listed |= bool(every)
+            nodes = {n for n in every if self.shard.owns_node(n)}
+            for jobs_ in _chunks(owned_jobs):
+                info = self._matrix(*await self._fetch(f"{_JOB_INFO}{{hpc_job=~{_regex(jobs_)}}}{range_}", now))
+                nodes.update(n for s in info if isinstance(n := s.metric.get("node"), str))
+            for part in _chunks(sorted(nodes)):
+                out += self._matrix(*await self._fetch(f"{names}, node=~{_regex(part)}}}{range_}", now))
+        if self.schema != "gpufleet":
+            names = '{__name__=~"' + "|".join(sorted(dcgm.READINGS)) + '", ' + recorded
+            for jobs_ in _chunks(owned_jobs):
+                out += self._matrix(*await self._fetch(f"{names}, hpc_job=~{_regex(jobs_)}}}{range_}", now))
+            out += await self._read_owned_pods(names, window, range_, now)
+            jobless = f'{names}, {dcgm.JOB_LABEL}="", {dcgm.POD_LABEL}=""}}'
+            every = await self._label_values(dcgm.NODE_LABEL, jobless, window)
+            self._fleet_listed |= bool(every)
+            hosts = [h for h in every if self.shard.owns_node(h)]
+            for part in _chunks(sorted(hosts)):
+                out += self._matrix(
+                    *await self._fetch(
+                        f'{names}, {dcgm.JOB_LABEL}="", {dcgm.POD_LABEL}="", {dcgm.NODE_LABEL}=~{_regex(part)}}}{range_}',
+                        now,
+                    )
+                )
+        return out
+
+    async def _read_owned_pods(self, names: str, window: Mapping[str, str], range_: str, now: float) -> list[_Series]:
+        """dcgm-exporter series of the owned jobs that only Kubernetes pod labels name (no hpc_job): the job is
+        the pod's namespace and name less its suffixes, so the pods are listed per namespace (label values
+        again, no samples read) and the owned ones asked for by name."""
+        out: list[_Series] = []
+        podded = f'{names}, {dcgm.JOB_LABEL}=""'
+        for namespace in await self._label_values(dcgm.NAMESPACE_LABEL, podded + "}", window):
+            in_namespace = f"{podded}, {dcgm.NAMESPACE_LABEL}={orjson.dumps(namespace).decode()}"
+            pods = await self._label_values(dcgm.POD_LABEL, in_namespace + "}", window)
+            self._fleet_listed |= bool(pods)
+            owned = [p for p in pods if p and self.shard.owns_job(job_from_pod_name(namespace, p))]
+            for part in _chunks(owned):
+                out += self._matrix(
+                    *await self._fetch(f"{in_namespace}, {dcgm.POD_LABEL}=~{_regex(part)}}}{range_}", now)
+                )
+        return out
+
+    async def _label_values(self, label: str, match: str, window: Mapping[str, str]) -> list[str]:
+        """The values `label` takes on the series `match` selects within `window`; PullError on failure."""
+        async with bounded(self._timeout_seconds):
+            response = await self._client.get(
+                f"{self.url}/api/v1/label/{label}/values", params={"match[]": match, **window}
+            )
+        if len(response.content) > self.max_answer_bytes:
+            raise PullError("oversized", f"over {self.max_answer_bytes} bytes")
+        try:
+            doc = orjson.loads(response.content)
+        except orjson.JSONDecodeError:
+            raise PullError("malformed_json", f"HTTP {response.status_code}") from None
+        if not isinstance(doc, dict) or doc.get("status") != "success" or not isinstance(doc.get("data"), list):
+            raise PullError("query_failed", f"HTTP {response.status_code}: {str(doc)[:200]}")
+        return [v for v in doc["data"] if isinstance(v, str)]
+
     def _blindness(self, result: PullResult) -> Blindness | None:
         return self._cycle_blind
 
@@ -318,7 +415,8 @@ class PrometheusSource(IngestAccounting):
             self.schema, "gpufleet_gpu_* or dcgm-exporter DCGM_FI_* series"
         )
         looked_for = f"{wanted} with node/gpu/uuid (dcgm: Hostname/gpu/UUID) labels, last {lookback:.0f}s"
-        if usable:
+        if usable or (not series and self._fleet_listed):
+            # A shard may own nothing at all of a fleet the database holds (fewer jobs than shards): not blind.
             self._last_usable = now
         elif self._last_usable is None or now - self._last_usable > self.stale_after_seconds:
             found = (
@@ -489,6 +587,8 @@ class PrometheusSource(IngestAccounting):
         usable = 0
         for s in _agents_first(series):
             labels = s.metric
+            if labels.get(_MIG_INSTANCE_LABEL):
+                continue  # dcgm-exporter's series of one MIG instance, beside the GPU's own
             key = self._series_key(labels)
             if key is None:
                 continue
@@ -602,6 +702,10 @@ class PrometheusSource(IngestAccounting):
             instance = labels.get("instance") if isinstance(labels, dict) else None
             if isinstance(instance, str) and isinstance(value, list) and len(value) == 2:
                 state[instance] = value[1] == "1"
+        if not self.shard.whole:
+            # `up` lists the whole fleet's agents: a shard keeps the ones it reads, and the failing ones it
+            # cannot name a node for (which ingest/owned.py gives a shard by their address).
+            state = {i: is_up for i, is_up in state.items() if i in self._instances or not is_up}
         for instance in set(state) | set(arrived) | set(self._health):
             previous = self._health.get(instance) or TargetHealth(target=instance)
             newest = arrived.get(instance, previous.last_sample_time)
@@ -661,6 +765,34 @@ def _target(
     return None
 
 
+# Characters of one regex matcher's alternatives: a query's URL stays far below the limits proxies put on one.
+_CHUNK_CHARS = 4000
+
+
+def _chunks(values: list[str]) -> Iterator[list[str]]:
+    """`values` in runs whose escaped alternatives fit one matcher."""
+    run: list[str] = []
+    size = 0
+    for v in values:
+        n = len(_RE2_SPECIAL.sub(r"\\\1", v)) + 1
+        if run and size + n > _CHUNK_CHARS:
+            yield run
+            run, size = [], 0
+        run.append(v)
+        size += n
+    if run:
+        yield run
+
+
+# RE2's metacharacters: the rest of a label value stands for itself.
+_RE2_SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
+
+
+def _regex(values: list[str]) -> str:
+    """A PromQL string literal of a regex matching exactly `values` (RE2, anchored by PromQL)."""
+    return orjson.dumps("|".join(_RE2_SPECIAL.sub(r"\\\1", v) for v in values)).decode()
+
+
 def _agents_first(series: list[_Series]) -> Iterator[_Series]:
     """The agents' series, then dcgm-exporter's: a GPU's agent series are known before its dcgm twins."""
     deferred = []
@@ -701,7 +833,11 @@ def from_settings(settings: ServerSettings, wiring: Wiring) -> PrometheusSource:
     )
     log.info("reading GPU series through Prometheus", extra={"url": url, "schema": settings.prometheus_schema})
     return PrometheusSource(
-        url, **prom, interval_seconds=settings.pull_interval_seconds, schema=settings.prometheus_schema
+        url,
+        **prom,
+        interval_seconds=settings.pull_interval_seconds,
+        schema=settings.prometheus_schema,
+        shard=settings.shard,
     )
 
 

@@ -54,6 +54,12 @@ class FakeGpu:
         }
     )
     remapped_rows: tuple[int, int, int, int] = (2, 0, 0, 0)
+    fan_percent: int | None = 55  # None: no fan NVML can read (an SXM board)
+    pstate: int = 0
+    encoder_percent: int = 3
+    decoder_percent: int = 7
+    power_management_limit_mw: int = 650_000
+    pcie_replays: int = 4
     # (field id, scope) -> value; int/float. Missing keys answer NOT_SUPPORTED per entry.
     fields: dict[tuple[int, int], int | float] = field(default_factory=dict)
     # (field id, scope) -> per-entry return code overriding success.
@@ -312,6 +318,27 @@ class FakeNvml:
 
     def nvmlDeviceGetRemappedRows(self, handle: Any) -> tuple[int, int, int, int]:
         return self._enter("nvmlDeviceGetRemappedRows", handle).remapped_rows
+
+    def nvmlDeviceGetFanSpeed(self, handle: Any) -> int:
+        gpu = self._enter("nvmlDeviceGetFanSpeed", handle)
+        if gpu.fan_percent is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.fan_percent
+
+    def nvmlDeviceGetPerformanceState(self, handle: Any) -> int:
+        return self._enter("nvmlDeviceGetPerformanceState", handle).pstate
+
+    def nvmlDeviceGetEncoderUtilization(self, handle: Any) -> list[int]:
+        return [self._enter("nvmlDeviceGetEncoderUtilization", handle).encoder_percent, 167_000]
+
+    def nvmlDeviceGetDecoderUtilization(self, handle: Any) -> list[int]:
+        return [self._enter("nvmlDeviceGetDecoderUtilization", handle).decoder_percent, 167_000]
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: Any) -> int:
+        return self._enter("nvmlDeviceGetPowerManagementLimit", handle).power_management_limit_mw
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+        return self._enter("nvmlDeviceGetPcieReplayCounter", handle).pcie_replays
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
         gpu = self._enter("nvmlDeviceGetComputeRunningProcesses", handle)

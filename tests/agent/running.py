@@ -249,3 +249,36 @@ def alertmanager_process(
         "Alertmanager", cmd, port, tmp_path / "alertmanager.log", "https" if web_config else "http", client
     ) as (proc, log_path):
         yield proc, port, log_path
+
+
+VICTORIA_METRICS = shutil.which("victoria-metrics")
+requires_victoria_metrics = pytest.mark.skipif(
+    VICTORIA_METRICS is None, reason="victoria-metrics binary not installed (apt-get install victoria-metrics)"
+)
+
+
+@contextlib.contextmanager
+def victoria_metrics_process(tmp_path: Path, targets: list[int]) -> Iterator[tuple[subprocess.Popen, int, Path]]:
+    """A real single-node VictoriaMetrics on 127.0.0.1 scraping the given local ports every second as job
+    gpufleet-agent, answering the Prometheus query API; yields (process, port, log). Its query latency offset
+    (default 30 s: the newest points stay hidden that long) is 1 s, as a site serving gpufleet would set it."""
+    assert VICTORIA_METRICS is not None
+    port = free_port()
+    config = tmp_path / "victoria-scrape.yml"
+    listed = ", ".join(f"'127.0.0.1:{p}'" for p in targets)
+    config.write_text(
+        "global: {scrape_interval: 1s, scrape_timeout: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: gpufleet-agent\n"
+        f"    static_configs: [{{targets: [{listed}]}}]\n"
+    )
+    cmd = [
+        VICTORIA_METRICS,
+        f"-promscrape.config={config}",
+        f"-storageDataPath={tmp_path / 'victoria-data'}",
+        f"-httpListenAddr=127.0.0.1:{port}",
+        "-search.latencyOffset=1s",
+        "-loggerLevel=WARN",
+    ]
+    with _daemon("VictoriaMetrics", cmd, port, tmp_path / "victoria-metrics.log", "http", None) as (proc, log_path):
+        yield proc, port, log_path

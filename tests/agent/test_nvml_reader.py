@@ -33,6 +33,12 @@ POLLED = {
         True,
         ("remapped_rows_correctable", "remapped_rows_uncorrectable", "remapped_rows_pending", "remapped_rows_failure"),
     ),
+    "nvmlDeviceGetFanSpeed": (True, ("fan_speed_ratio",)),
+    "nvmlDeviceGetPerformanceState": (True, ("performance_state",)),
+    "nvmlDeviceGetEncoderUtilization": (True, ("encoder_utilization_ratio",)),
+    "nvmlDeviceGetDecoderUtilization": (True, ("decoder_utilization_ratio",)),
+    "nvmlDeviceGetPowerManagementLimit": (True, ("power_management_limit_watts",)),
+    "nvmlDeviceGetPcieReplayCounter": (True, ("pcie_replays_total",)),
     "nvmlDeviceGetFieldValues": (
         True,
         (
@@ -551,3 +557,48 @@ def test_non_nvml_exception_is_contained(two_gpus):
     gpu0, gpu1 = reader.read()
     assert gpu0.up and gpu0.utilization_ratio is None and gpu0.power_watts == 655.0
     assert reader.errors[("utilization_ratio", "other")] == 2
+
+
+def test_the_readings_dcgm_exporter_also_serves_are_converted_exactly():
+    gpu = h100(0, links=2)
+    gpu.gpm_values.update(
+        {
+            pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: 99.0,
+            pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 88.28,
+            pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 22.0,
+            pynvml.NVML_GPM_METRIC_FP32_UTIL: 2.0,
+            pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: 5.0,
+            pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: 1024.0,
+        }
+    )
+    gpu.fields[(pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL, 0)] = 12
+    reader = opened(FakeNvml([gpu]))
+    reader.read()
+    (sample,) = reader.read()
+    reader.close()
+    assert (sample.fan_speed_ratio, sample.performance_state) == (0.55, 0)
+    assert (sample.encoder_utilization_ratio, sample.decoder_utilization_ratio) == (0.03, 0.07)
+    assert (sample.power_management_limit_watts, sample.pcie_replays_total) == (650.0, 4)
+    assert (sample.nvlink_replay_errors_total, sample.nvlink_crc_flit_errors_total) == (12, 1)
+    assert (sample.graphics_active_ratio, sample.tensor_active_ratio) == (0.99, 0.8828)
+    assert (sample.dram_active_ratio, sample.fp32_active_ratio, sample.fp64_active_ratio) == (0.22, 0.02, 0.0)
+    assert sample.pcie_tx_bytes_per_second == 5 * 2**20 and sample.nvlink_rx_bytes_per_second == 2**30
+    assert no_other_errors(reader)
+
+
+def test_a_card_without_nvlink_or_fan_lacks_those_readings_rather_than_reading_zero():
+    gpu = h100(0, links=0)
+    gpu.fan_percent = None
+    fake = FakeNvml([gpu])
+    reader = opened(fake)
+    reader.read()
+    (sample,) = reader.read()
+    calls = fake.called("nvmlDeviceGetFanSpeed")
+    reader.read()
+    lacking = ("fan_speed_ratio", "nvlink_crc_flit_errors_total", "nvlink_recovery_errors_total")
+    lacking += ("nvlink_tx_bytes_per_second", "nvlink_rx_bytes_per_second")
+    assert not any(reader.capabilities[0][name] for name in lacking)
+    reader.close()
+    assert all(getattr(sample, name) is None for name in lacking)
+    assert sample.pcie_tx_bytes_per_second == 0.0 and sample.tensor_active_ratio == 0.0
+    assert fake.called("nvmlDeviceGetFanSpeed") == calls == 1  # the probe, never a poll

@@ -162,3 +162,27 @@ def test_gpm_on_a_slower_tier_still_has_a_value_on_the_second_read():
         assert fake.called("nvmlGpmSampleGet") - before == 4  # every other cycle on each of two GPUs
     finally:
         reader.close()
+
+
+def test_a_gpm_metric_asked_apart_is_read_at_its_own_slower_period():
+    """GRAPHICS_UTIL costs a thousand times the other GPM metrics: in a call of its own, the tiers slow it
+    while SM activity, asked in the shared call, stays at most 2 s old."""
+    fake = FakeNvml([h100(0, links=0), h100(1, links=0)])
+    fake.gpus[0].gpm_values[pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL] = 97.0
+    clock = Clock()
+    reader = NvmlReader(CostedNvml(fake), xid_wait_ms=20, cpu_budget=0.004, interval_s=1.0, clock=clock)
+    reader.open()
+    try:
+        period = reader.plan.periods["graphics_active_ratio"]
+        assert period >= 4 and reader.plan.periods["sm_active_ratio"] <= 2
+        for _ in range(2):  # GPM's first poll has no previous sample; the second reads what it lacks
+            cycle(reader, clock)
+        before = fake.called("nvmlGpmMetricsGet")
+        nodes = [cycle(reader, clock) for _ in range(2 * period)]
+        assert all(gpus[0].graphics_active_ratio == 0.97 for gpus in nodes)
+        ages = [gpus[0].slow_readings_age_seconds.get("graphics_active_ratio", 0.0) for gpus in nodes]
+        assert max(ages) == period - 1 and ages.count(0.0) == 2
+        shared = sum(1 for gpus in nodes for g in gpus if "sm_active_ratio" not in g.slow_readings_age_seconds)
+        assert fake.called("nvmlGpmMetricsGet") - before == shared + 2 * 2  # two reads apart on each GPU
+    finally:
+        reader.close()

@@ -13,7 +13,7 @@ import pytest
 
 from gpufleet.agent import nvml_calls, nvml_fields, tiers
 from gpufleet.agent.exposition import TABLE_FAMILIES, render
-from gpufleet.agent.gpm import GPM_METRICS
+from gpufleet.agent.gpm import GPM_APART, GPM_METRICS
 from gpufleet.agent.health import AgentHealth
 from gpufleet.agent.model import GpuSample, NodeSnapshot
 from gpufleet.agent.nvml_reader import NvmlReader
@@ -52,6 +52,10 @@ NOT_READINGS = {
     "last_xid",
     "counter_resets",
     "slow_readings_age_seconds",
+    # MIG instances and compute processes: parts of their own (agent.sample_parts), not per-GPU readings.
+    "mig_enabled",
+    "mig_instances",
+    "processes",
 }
 
 
@@ -64,6 +68,7 @@ def test_every_reading_is_a_sample_field_and_every_sample_field_a_reading_or_nam
 
 def test_units_are_in_the_names():
     units = ("_ratio", "_bytes", "_celsius", "_watts", "_hertz", "_reasons", "_total", "_correctable")
+    units += ("_per_second", "_state")  # a rate; a P-state's number is its unit
     for r in READINGS:
         assert r.name.endswith(units) or r.rule.flag or r.name.startswith("remapped_rows_"), r.name
         assert r.rule.counter == r.name.endswith("_total"), r.name
@@ -112,7 +117,10 @@ def test_every_family_is_in_the_docs_metrics_table():
 def test_what_derives_from_the_table():
     assert RULES == {r.name: r.rule for r in READINGS}
     assert tiers.FAST_READINGS == {r.name for r in READINGS if r.fast}
-    assert [name for name, _ in GPM_METRICS] == [r.name for r in READINGS if isinstance(r.source, GpmMetric)]
+    gpm = [r for r in READINGS if isinstance(r.source, GpmMetric)]
+    assert [name for name, _ in GPM_METRICS] == [r.name for r in gpm if not r.source.apart]
+    assert [name for name, _ in GPM_APART] == [r.name for r in gpm if r.source.apart]
+    assert [name for name, _ in GPM_METRICS] == ["sm_active_ratio", "sm_occupancy_ratio"]  # the detectors' call
     polled = [name for call in nvml_calls.POLLED for name in call.readings]
     static = [name for call in nvml_calls.STATIC for name in call.readings]
     at_open = {r.name: r.source.at_open for r in READINGS if isinstance(r.source, NvmlCall)}
@@ -133,13 +141,16 @@ def test_a_call_with_several_rows_is_made_once_and_split_by_part():
     fake.nvmlInit()
     handle = fake.nvmlDeviceGetHandleByIndex(0)
     by_first = {call.readings[0]: call for call in nvml_calls.POLLED}
-    assert by_first["memory_used_bytes"].readings == ("memory_used_bytes", "memory_total_bytes", "memory_free_bytes")
-    used, total, free = by_first["memory_used_bytes"].fetch(fake, handle)
+    memory = ("memory_used_bytes", "memory_total_bytes", "memory_free_bytes", "memory_reserved_bytes")
+    assert by_first["memory_used_bytes"].readings == memory
+    used, total, free, reserved = by_first["memory_used_bytes"].fetch(fake, handle)
     gpu = fake.gpus[0]
-    assert (used, total) == (gpu.memory_used, gpu.memory_total) and 0 < free < total
+    assert (used, total, reserved) == (gpu.memory_used, gpu.memory_total, 0) and 0 < free < total
     assert by_first["remapped_rows_correctable"].fetch(fake, handle) == gpu.remapped_rows
     assert by_first["utilization_ratio"].fetch(fake, handle) == gpu.utilization
     assert by_first["temperature_celsius"].fetch(fake, handle) == (gpu.temperature,)
+    # A call answering a list (percent, sampling period) gives its first item.
+    assert by_first["encoder_utilization_ratio"].fetch(fake, handle) == (gpu.encoder_percent,)
 
 
 def test_a_row_may_declare_a_family_of_its_own():

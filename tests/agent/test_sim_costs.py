@@ -6,6 +6,7 @@ import threading
 import time
 
 import pynvml
+import pytest
 
 from gpufleet.agent.nvml_meter import MeteredNvml
 from gpufleet.agent.sim import SimNvml, load_scenario
@@ -67,3 +68,22 @@ def test_the_agents_meter_sees_the_burned_cost():
     metered = MeteredNvml(CostedNvml(sim(), call_cost_us={"nvmlDeviceGetCount": 2000.0}))
     assert metered.nvmlDeviceGetCount() == 8
     assert metered.seconds["nvmlDeviceGetCount"] >= 0.002
+
+
+def test_the_new_calls_cost_what_an_h200_measured_and_gpm_costs_by_its_metrics():
+    assert CALL_COST_US["nvmlDeviceGetPcieReplayCounter"] == 174.2
+    assert CALL_COST_US["nvmlDeviceGetFanSpeed"] == 162.0
+    assert FIELD_COST_US["NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"] == 5.7
+    nvml = CostedNvml(sim())
+
+    def request(*metrics: int) -> pynvml.c_nvmlGpmMetricsGet_t:
+        out = pynvml.c_nvmlGpmMetricsGet_t()
+        out.numMetrics = len(metrics)
+        for i, metric in enumerate(metrics):
+            out.metrics[i].metricId = metric
+        return out
+
+    shared = request(pynvml.NVML_GPM_METRIC_SM_UTIL, pynvml.NVML_GPM_METRIC_SM_OCCUPANCY)
+    assert nvml.call_cost("nvmlGpmMetricsGet", (shared,)) * 1e6 == pytest.approx(13.4)  # the H100's measured call
+    graphics = nvml.call_cost("nvmlGpmMetricsGet", (request(pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL),))
+    assert 1.2e-3 <= graphics <= 1.5e-3

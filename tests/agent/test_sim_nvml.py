@@ -550,3 +550,99 @@ def test_blocking_wait_is_woken_by_shutdown():
     waiter.join(timeout=10)
     assert not waiter.is_alive()
     assert outcome == [pynvml.NVMLError_Uninitialized]
+
+
+# --- the readings dcgm-exporter also serves --------------------------------------------------------
+
+
+def _link_errors_scenario(model: str = "h100-sxm") -> object:
+    return parse_scenario(
+        {
+            "name": "retries",
+            "duration_s": 300,
+            "nodes": [{"name": "n", "model": model, "gpus": 2}],
+            "jobs": [{"id": "j", "nodes": ["n"], "ramp_up_s": 0}],
+            "incidents": [
+                {"kind": "link_errors", "node": "n", "gpu": 1, "start_s": 100, "end_s": 110, "nvlink_replays": 50},
+                {"kind": "link_errors", "node": "n", "gpu": 1, "start_s": 100, "end_s": 110, "pcie_replays": 20},
+                {"kind": "counter_reset", "node": "n", "gpu": 1, "start_s": 200},
+            ],
+        }
+    )
+
+
+_NVLINK_ERRORS = [
+    pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL,
+    pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL,
+    pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL,
+    pynvml.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL,
+]
+
+
+def test_link_errors_raise_the_nvlink_error_and_pcie_replay_counters_of_their_gpu_only():
+    clock = FakeClock(50)
+    nvml = SimNvml(_link_errors_scenario(), node="n", clock=clock, epoch=clock.epoch)
+    nvml.nvmlInit()
+    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
+
+    def counts(index: int) -> tuple[list[int], int]:
+        values = _fields(nvml, index, _NVLINK_ERRORS)
+        assert all(v.nvmlReturn == pynvml.NVML_SUCCESS for v in values)
+        return [v.value.ullVal for v in values], nvml.nvmlDeviceGetPcieReplayCounter(handles[index])
+
+    assert counts(1) == ([0, 0, 0, 0], 0)
+    clock.at(105)
+    assert counts(1) == ([25, 0, 25, 0], 10)  # half way through the incident
+    clock.at(150)
+    assert counts(1) == ([50, 0, 50, 0], 20) and counts(0) == ([0, 0, 0, 0], 0)
+    clock.at(201)  # a driver reload starts them from 0
+    assert counts(1) == ([0, 0, 0, 0], 0)
+
+
+def test_a_board_without_nvlink_has_no_nvlink_error_counters():
+    nvml, _ = _sim("pcie", "pcie-01", t=100)
+    assert all(v.nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED for v in _fields(nvml, 0, _NVLINK_ERRORS))
+    assert nvml.nvmlDeviceGetPcieReplayCounter(nvml.nvmlDeviceGetHandleByIndex(0)) == 0
+
+
+def test_an_sxm_board_has_no_fan_and_the_other_new_calls_answer_as_a_real_h100():
+    nvml, _ = _sim("hgx-h100", "hgx-h100-01", t=100)
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetFanSpeed(handle)
+    assert nvml.nvmlDeviceGetPerformanceState(handle) == pynvml.NVML_PSTATE_0
+    assert nvml.nvmlDeviceGetEncoderUtilization(handle)[0] == nvml.nvmlDeviceGetDecoderUtilization(handle)[0] == 0
+    assert nvml.nvmlDeviceGetPowerManagementLimit(handle) == 700_000
+    assert nvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2).reserved == 535 * 1024 * 1024
+
+
+def test_gpm_profiling_metrics_follow_the_load():
+    nvml, clock = _sim("hgx-h100", "hgx-h100-01", t=100)
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    s1, s2 = nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()
+    nvml.nvmlGpmSampleGet(handle, s1)
+    clock.at(101)
+    nvml.nvmlGpmSampleGet(handle, s2)
+    wanted = {
+        "sm": pynvml.NVML_GPM_METRIC_SM_UTIL,
+        "graphics": pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL,
+        "tensor": pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
+        "dram": pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL,
+        "fp64": pynvml.NVML_GPM_METRIC_FP64_UTIL,
+        "fp32": pynvml.NVML_GPM_METRIC_FP32_UTIL,
+        "fp16": pynvml.NVML_GPM_METRIC_FP16_UTIL,
+        "pcie_rx": pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC,
+        "nvlink_tx": pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
+    }
+    mg = pynvml.c_nvmlGpmMetricsGet_t()
+    mg.version, mg.numMetrics, mg.sample1, mg.sample2 = pynvml.NVML_GPM_METRICS_GET_VERSION, len(wanted), s1, s2
+    for i, metric in enumerate(wanted.values()):
+        mg.metrics[i].metricId = metric
+    nvml.nvmlGpmMetricsGet(mg)
+    assert all(mg.metrics[i].nvmlReturn == pynvml.NVML_SUCCESS for i in range(len(wanted)))
+    got = {name: mg.metrics[i].value for i, name in enumerate(wanted)}
+    # A training step: busy tensor cores under busy SMs, some FP32 and FP16 work beside them, no FP64;
+    # gradients over NVLink (MiB/s) and input over PCIe.
+    assert got["graphics"] > got["sm"] > got["tensor"] > got["fp32"] > got["fp16"] > got["fp64"] == 0
+    assert 0 < got["dram"] < 100
+    assert 100 < got["pcie_rx"] < 50e9 / 2**20 and 1000 < got["nvlink_tx"] < 18 * 25e9 / 2**20

@@ -142,7 +142,19 @@ def test_openapi_documents_the_models(seeded) -> None:
     kind = components["AlertModel"]["properties"]["kind"]
     assert kind["type"] == "string" and "straggler" in kind["description"]
     params = {p["name"] for p in schema["paths"]["/alerts"]["get"]["parameters"]}
-    assert params == {"state", "kind", "severity", "node", "gpu", "hpc_job", "incident", "since", "limit", "offset"}
+    assert params == {
+        "state",
+        "kind",
+        "severity",
+        "node",
+        "gpu",
+        "hpc_job",
+        "incident",
+        "since",
+        "limit",
+        "offset",
+        "scope",
+    }
     assert "404" in schema["paths"]["/alerts/{alert_id}"]["get"]["responses"]
     assert seeded.get("/docs").status_code == 200
 

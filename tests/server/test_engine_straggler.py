@@ -697,3 +697,21 @@ def test_the_straggler_summary_says_who_waits_for_whom_with_the_peers_number_aga
     assert "holds back" not in s.summary and " vs " not in s.summary
     (idle,) = _by_kind(cluster_lines(1000, override=_starved_rank))["straggler"]
     assert "it idles, waiting on its host, while its 15 peers wait for it (utilization " in idle.summary
+
+
+def test_a_straggler_whose_links_retry_names_the_retries_and_only_its_own():
+    def retrying(t, node, gpu):
+        kw = {**_slow_gpu(t, node, gpu), "pcie_replays_total": 7, "nvlink_replay_errors_total": 3}
+        if (node, gpu) == ("n1", 3) and t >= 380:
+            kw["nvlink_replay_errors_total"] = 3 + int(t - 380)  # a replay a second over its links
+        if (node, gpu) == ("n0", 0) and t >= 380:
+            kw["pcie_replays_total"] = 7 + int(t - 380)  # another GPU's PCIe link retries too
+        return kw
+
+    (s,) = _by_kind(cluster_lines(1000, override=retrying))["straggler"]
+    assert (s.node, s.gpu) == ("n1", 3)
+    retries = s.evidence["link_retries"]
+    assert list(retries) == ["nvlink_replay"] and 20 <= retries["nvlink_replay"] <= 80
+    assert f"its links retry ({retries['nvlink_replay']} NVLink replays in the last 5 min)" in s.summary
+    (plain,) = _by_kind(cluster_lines(1000, override=_slow_gpu))["straggler"]
+    assert "link_retries" not in plain.evidence and "links retry" not in plain.summary

@@ -59,6 +59,22 @@ def dcgm_series(
     return out
 
 
+def test_a_mig_instances_series_are_not_taken_for_the_gpus() -> None:
+    # dcgm-exporter labels the series of a MIG GPU instance GPU_I_ID, beside the GPU's own, same gpu and UUID.
+    prom = FakePrometheus()
+    whole, instance = {"DCGM_FI_PROF_SM_ACTIVE": 0.9}, {"DCGM_FI_PROF_SM_ACTIVE": 0.3}
+    prom.stored = dcgm_series("node-a", 0, [990.0], whole) + [
+        s
+        for s in dcgm_series("node-a", 0, [990.0], instance, GPU_I_ID="7", GPU_I_PROFILE="1g.10gb")
+        if s["metric"]["__name__"] in instance
+    ]
+    src, _ = make_source(prom)
+
+    (sample,) = run(src.pull_once()).samples
+
+    assert sample.value(0, "sm_active_ratio") == pytest.approx(0.9)
+
+
 def test_stock_counters_become_contract_readings_in_contract_units() -> None:
     prom = FakePrometheus()
     prom.stored = dcgm_series("node-a", 0, [990.0], hpc_job="71001") + dcgm_series("node-a", 1, [990.0])

@@ -63,6 +63,7 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     """GPU-level and node-level straggler findings for this tick (none in the context's halted groups: a
     job hung by a lost GPU has no straggler among the GPUs left)."""
     state.fit(tick.windows.n)
+    state.note_link_retries(context.events, tick.t, tick.config.window_seconds)
     if tick.groups.n_groups == 0:
         return Result(Outcome(), set(), set())
     slots = place_gpus(tick, state)

@@ -56,6 +56,10 @@ def gpu_finding(
         evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
     inferred_peers(tick.registry, gid, evidence)
     reasons = _reasons(tick, slot, gid, ex, causes, idle, waiting_peers)
+    retries = state.link_retry_counts(slot)
+    if retries:
+        evidence["link_retries"] = retries
+        reasons.append(_link_reason(retries, cfg.window_seconds))
     summary = _summary(tick, slot, job, evidence, reasons + _shared_reason(slot, shared, waiting_peers, sm_known))
     # What it costs decides whether it is critical (engine/severity.py): nothing is lost or corrupted.
     sev = Severity.WARNING
@@ -186,6 +190,21 @@ def _reasons(
             "throttled: " + "; ".join(THROTTLE_CAUSES[c] for c in causes) if causes else "throttle/slowdown bits set"
         )
     return reasons
+
+
+_LINK_WORDS = {
+    "nvlink_replay": "NVLink replay",
+    "nvlink_recovery": "NVLink recovery",
+    "nvlink_crc_flit": "NVLink flit CRC error",
+    "nvlink_crc_data": "NVLink data CRC error",
+    "pcie_replay": "PCIe replay",
+}
+
+
+def _link_reason(retries: dict[str, int], window_seconds: float) -> str:
+    """Its links' retries in the window, in words: each stalls a transfer its peers wait for."""
+    counts = ", ".join(f"{n} {_LINK_WORDS.get(kind, kind)}{'' if n == 1 else 's'}" for kind, n in retries.items())
+    return f"its links retry ({counts} in the last {window_seconds / 60:.0f} min)"
 
 
 def _shared_reason(slot: int, shared: SharedNode | None, waiting_peers: list[int], sm_known: bool) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 
 from gpufleet.server.alerts import AlertKind
@@ -10,9 +12,13 @@ from gpufleet.server.engine.detectors import FingerprintIndex
 from gpufleet.server.engine.detectors.straggler.node_pairs import NodeOffsets
 from gpufleet.server.engine.groups import LEVELS
 from gpufleet.server.engine.tick import Tick
+from gpufleet.server.engine.windows import CounterEvent
 
 # The levels a GPU's own usual level is kept for: SM activity and power, LEVELS' first two rows.
 _OWN_LEVELS = LEVELS[: LEVELS.index("power") + 1]
+# Counter event kinds (server/readings.py) that are a link retrying: NVLink replays and recoveries after
+# CRC errors, PCIe replays. Each retry stalls the transfer, so a GPU whose links retry is slow for it.
+LINK_RETRY_KINDS = ("nvlink_replay", "nvlink_recovery", "nvlink_crc_flit", "nvlink_crc_data", "pcie_replay")
 
 
 class StragglerState:
@@ -31,6 +37,25 @@ class StragglerState:
         self._steady = np.full(0, np.nan)
         self.nodes = NodeOffsets()
         self.index = FingerprintIndex(AlertKind.STRAGGLER)
+        # Per GPU: its links' recent retries, (time, event kind, count), oldest first.
+        self.link_retries: dict[int, list[tuple[float, str, int]]] = {}
+
+    def note_link_retries(self, events: Iterable[CounterEvent], t: float, keep_seconds: float) -> None:
+        """Keep the link-retry events of this tick and drop those older than keep_seconds."""
+        for e in events:
+            if e.kind in LINK_RETRY_KINDS:
+                self.link_retries.setdefault(e.slot, []).append((e.time, e.kind, e.delta))
+        if self.link_retries:
+            since = t - keep_seconds
+            kept = {slot: [r for r in rs if r[0] >= since] for slot, rs in self.link_retries.items()}
+            self.link_retries = {slot: rs for slot, rs in kept.items() if rs}
+
+    def link_retry_counts(self, slot: int) -> dict[str, int]:
+        """Its links' retries kept now, summed by event kind."""
+        out: dict[str, int] = {}
+        for _, kind, delta in self.link_retries.get(slot, ()):
+            out[kind] = out.get(kind, 0) + delta
+        return out
 
     def forget(self, slots: np.ndarray) -> None:
         """Learn these GPUs afresh (their group's work changed)."""
@@ -41,6 +66,8 @@ class StragglerState:
             self.learned[slots] = 0
             self.spread[slots] = np.nan
             self.noise[:, slots] = np.nan
+            for slot in slots.tolist():
+                self.link_retries.pop(int(slot), None)
 
     def fit(self, n: int) -> None:
         """Grow per-slot arrays to n slots."""

@@ -1,0 +1,128 @@
+"""A shard's part of whatever a sample source reads (`--shard INDEX/COUNT`, server/shard.py).
+
+Every source is wrapped alike: the GPUs of a node sample that the shard does not own are cut out before the
+engine sees them (a node may run GPUs of two jobs that hash to different shards), and the targets' health
+(/nodes, agents' node_unreachable alerts) is kept for the nodes the shard speaks for.
+
+Where the cost goes: the agent-pull source pulls every agent and drops the rest here, so its network and
+parsing cost follow the fleet, and only the engine's (the larger share) follows the shard's. The Prometheus
+source asks the database for the owned series only (ingest/prometheus.py), so its read follows the share
+too; this filter then only cuts the foreign GPUs off the nodes it read whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from gpufleet.server.ingest.base import Blindness, MissingReading, PullResult, SampleSource, TargetHealth
+from gpufleet.server.ingest.identity import NodePin
+from gpufleet.server.shard import Shard
+
+
+def owned_part(sample: Any, shard: Shard) -> Any | None:
+    """The sample with only the shard's GPUs (the same object when it owns them all); None when it owns none."""
+    jobs, node = sample.jobs, sample.node
+    keep = [row for row, job in enumerate(jobs) if shard.owns(job, node)]
+    if len(keep) == len(jobs):
+        return sample
+    if not keep:
+        return None
+    pick = keep.__getitem__
+    rows = range(len(keep))
+    return type(sample)(
+        node,
+        sample.time,
+        tuple(sample.indices[pick(i)] for i in rows),
+        tuple(sample.uuids[pick(i)] for i in rows),
+        tuple(sample.models[pick(i)] for i in rows),
+        tuple(jobs[pick(i)] for i in rows),
+        sample.values[keep],
+        None if sample.xid_by_code is None else tuple(sample.xid_by_code[pick(i)] for i in rows),
+        None if sample.pods is None else tuple(sample.pods[pick(i)] for i in rows),
+    )
+
+
+class ShardedSource:
+    """A SampleSource giving the engine only what `shard` owns; everything else it passes through."""
+
+    def __init__(self, source: SampleSource, shard: Shard) -> None:
+        self.inner = source
+        self.shard = shard
+        # node -> whether its latest sample held a GPU this shard owns: a node whose GPUs all belong to other
+        # shards' jobs is theirs to speak for, even where its name hashes here.
+        self._ours: dict[str, bool] = {}
+
+    async def pull_once(self) -> PullResult:
+        result = await self.inner.pull_once()
+        samples = []
+        handed_over = set()
+        for sample in result.samples:
+            part = owned_part(sample, self.shard)
+            if part is None and self._ours.get(sample.node):
+                handed_over.add(sample.node)
+            self._ours[sample.node] = part is not None
+            if part is not None:
+                samples.append(part)
+                handed_over.discard(sample.node)  # an older sample of the range, before its GPUs went
+        return PullResult(
+            samples=samples,
+            started=result.started,
+            duration_seconds=result.duration_seconds,
+            targets=result.targets,
+            failed_targets=result.failed_targets,
+            rejected_snapshots=result.rejected_snapshots,
+            pins=result.pins,
+            handed_over=tuple(sorted(n for n in handed_over if not self._ours[n])),
+        )
+
+    def speaks_for(self, health: TargetHealth) -> bool:
+        """A target's node is this shard's when its GPUs were last seen in an owned job, or, before any
+        sample of it (an agent down since start), when its node name (its address, unnamed) hashes here."""
+        node = health.node
+        if node is not None and node in self._ours:
+            return self._ours[node]
+        return self.shard.owns_node(node or health.target)
+
+    def health(self) -> list[TargetHealth]:
+        return [h for h in self.inner.health() if self.speaks_for(h)]
+
+    @property
+    def stale_after_seconds(self) -> float:
+        return self.inner.stale_after_seconds
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    @property
+    def pulls_total(self) -> int:
+        return self.inner.pulls_total
+
+    @property
+    def samples_total(self) -> int:
+        return self.inner.samples_total
+
+    @property
+    def last_cycle(self) -> PullResult | None:
+        return self.inner.last_cycle
+
+    @property
+    def blind(self) -> Blindness | None:
+        return self.inner.blind
+
+    @property
+    def blind_cycles(self) -> Mapping[str, int]:
+        return self.inner.blind_cycles
+
+    @property
+    def missing(self) -> tuple[MissingReading, ...]:
+        return self.inner.missing
+
+    @property
+    def errors(self) -> Mapping[tuple[str, str], int]:
+        return self.inner.errors
+
+    def errors_by_reason(self) -> Mapping[str, int]:
+        return self.inner.errors_by_reason()
+
+    def remember_identities(self, nodes: Mapping[str, str], pins: Mapping[str, NodePin] | None = None) -> None:
+        self.inner.remember_identities(nodes, pins)
