@@ -88,14 +88,23 @@ _POD_LABEL_FORMS = tuple(
 MISSING_EFFECTS: Mapping[str, tuple[tuple[str, str], ...]] = registry.missing_effects(registry.STANDARD)
 
 
-def job_of(labels: Mapping[str, Any]) -> str | None:
+def job_of(labels: Mapping[str, Any], owners: bool = True) -> str | None:
     """The job a dcgm-exporter series' GPU runs, from its labels, most certain first: `hpc_job` (HPC job
     mapping: Slurm and others), then the workload pod's owner as its job-name labels say (JobSet, Kubeflow
     PyTorchJob/MPIJob/TFJob, MPI operator, LeaderWorkerSet, Volcano, Job), then the pod's name less its
-    controllers' suffixes (llama-worker-3 -> llama). NAMESPACE/NAME for a pod's; None without either."""
+    controllers' suffixes (llama-worker-3 -> llama). NAMESPACE/NAME for a pod's; None without either.
+
+    `owners` False: `pod` and `namespace` by the pod's name alone, as a shard's read of the database
+    selects a pod's series (ingest/prometheus.py): a job named otherwise could hash to a shard that
+    never reads it."""
     job = labels.get(JOB_LABEL)
     if isinstance(job, str) and job:
         return job
+    if not owners:
+        pod, namespace = labels.get(POD_LABEL), labels.get(NAMESPACE_LABEL)
+        if isinstance(pod, str) and pod and isinstance(namespace, str) and namespace:
+            return pod_jobs.job_from_pod_name(namespace, pod)
+        return None
     for pod_label, namespace_label in POD_LABELS:
         pod, namespace = labels.get(pod_label), labels.get(namespace_label)
         if isinstance(pod, str) and pod:

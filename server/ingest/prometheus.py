@@ -614,7 +614,7 @@ class PrometheusSource(IngestAccounting):
                         if isinstance(instance, str):
                             sources[(node, at)] = instance
                 continue
-            target = _target(name, labels)
+            target = _target(name, labels, self.shard.whole)
             if target is None:
                 self._record_error("schema", f"series of an unexpected metric {name[:80]}")
                 continue
@@ -741,12 +741,12 @@ class PrometheusSource(IngestAccounting):
 
 
 def _target(
-    name: str, labels: Mapping[str, Any]
+    name: str, labels: Mapping[str, Any], owners: bool = True
 ) -> tuple[str | None, bool, str, int, str, Any, dcgm.Reading | None] | None:
     """What every point of one GPU series sets (the same at each point, so decided once per series):
     (contract field or None, whether it is a bool, activity reading, which activity counter, XID code,
     hpc_job of a job-info or dcgm-exporter series, how to read a dcgm-exporter metric); None for a metric
-    this source does not read."""
+    this source does not read. `owners`: see dcgm.job_of (False on a shard)."""
     if name == _JOB_INFO:
         return None, False, "", 0, "", labels.get("hpc_job") or None, None
     if name == _XID:
@@ -761,7 +761,7 @@ def _target(
         return None, False, "", 0, "", None, None
     reading = dcgm.READINGS.get(name)
     if reading is not None:
-        return reading.field, reading.field in dcgm.BOOLS, "", 0, "", dcgm.job_of(labels), reading
+        return reading.field, reading.field in dcgm.BOOLS, "", 0, "", dcgm.job_of(labels, owners), reading
     return None
 
 

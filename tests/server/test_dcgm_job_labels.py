@@ -100,3 +100,10 @@ def test_gpus_of_one_pytorchjob_on_two_nodes_read_through_prometheus_are_one_job
     samples = {s.node: s for s in run(src.pull_once()).samples}
     assert samples["node-a"].jobs == ("team-a/llama",)
     assert samples["node-b"].jobs == ("team-a/llama", None)
+
+
+def test_on_a_shard_the_pod_name_alone_names_the_job_as_the_shards_read_selects_it():
+    labels = {**POD, "training_kubeflow_org_job_name": "llama-70b"}
+    assert job_of(labels, owners=False) == "team-a/llama"
+    assert job_of({**labels, "hpc_job": "81234"}, owners=False) == "81234"
+    assert job_of({"Hostname": "node-a"}, owners=False) is None
