@@ -3,7 +3,6 @@ the API server, else the pod's name less its controllers' suffixes."""
 
 from __future__ import annotations
 
-import re
 import ssl
 import urllib.error
 import urllib.parse
@@ -13,40 +12,13 @@ from typing import Mapping, Protocol
 
 import orjson
 
-# Named here too: the agent's callers find both ways of naming a pod's job in one module.
-from gpufleet.podnames import job_from_pod_name as job_from_pod_name
+from gpufleet.pod_jobs import JOB_LABELS, job_from_labels, job_from_pod_name
+
+__all__ = ["JOB_LABELS", "ApiServerPodLabels", "LabelsUnavailable", "PodLabels", "job_from_labels", "job_from_pod_name"]
 
 DEFAULT_TIMEOUT_SECONDS = 2.0
-# A pod's labels that name its job, most specific first: a JobSet's child Jobs put batch.kubernetes.io/job-name
-# on its pods too, and the JobSet is the job. (label, what sets it)
-JOB_LABELS: tuple[tuple[str, str], ...] = (
-    ("jobset.sigs.k8s.io/jobset-name", "JobSet; Kubeflow Trainer's TrainJob runs as one"),
-    ("training.kubeflow.org/job-name", "Kubeflow training operator: PyTorchJob, MPIJob v2, TFJob, JAXJob"),
-    ("mpi-job-name", "MPI operator v1"),
-    ("leaderworkerset.sigs.k8s.io/name", "LeaderWorkerSet: one job per group, NAME-GROUP"),
-    ("volcano.sh/job-name", "Volcano Job"),
-    ("batch.kubernetes.io/job-name", "Kubernetes Job"),
-    ("job-name", "Kubernetes Job, before 1.27"),
-)
-_LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
-_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MAX_API_RESPONSE_BYTES = 32 << 20
-
-
-def job_from_labels(namespace: str, labels: Mapping[str, str]) -> str | None:
-    """NAMESPACE/NAME of the job the first of JOB_LABELS names; None when none is set to a valid name."""
-    for label, _ in JOB_LABELS:
-        name = labels.get(label, "")
-        if not _LABEL_VALUE.match(name):
-            continue
-        if label == "leaderworkerset.sigs.k8s.io/name":
-            group = labels.get(_LWS_GROUP, "")
-            if not group.isdigit():
-                continue
-            name = f"{name}-{group}"
-        return f"{namespace}/{name}"
-    return None
 
 
 class PodLabels(Protocol):

@@ -45,6 +45,11 @@ _NODE_GAUGES = (
     ),
     ("gpufleet_node_lag_seconds", "lag_seconds", "How far the node's newest sample trails the evaluation time."),
     ("gpufleet_node_open_alerts", "open_alerts", "Pending or firing alerts about the node."),
+    (
+        "gpufleet_node_gpus_unjudged",
+        "unjudged_gpus",
+        "Busy GPUs of the node that no peer group could judge at the last evaluation.",
+    ),
 )
 
 # (metric name, EngineStats key, help) of the engine's own statistics; a counter's name gains _total.
@@ -64,6 +69,11 @@ _ENGINE_GAUGES = (
     ("gpufleet_server_engine_jobs", "jobs", "Jobs the engine has seen."),
     ("gpufleet_server_engine_open_alerts", "open_alerts", "Pending or firing alerts."),
     ("gpufleet_server_engine_firing_alerts", "firing_alerts", "Firing alerts."),
+    (
+        "gpufleet_server_gpus_unjudged",
+        "gpus_unjudged",
+        "Busy GPUs that no peer group could judge at the last evaluation (no straggler can be named among them).",
+    ),
     (
         "gpufleet_server_engine_last_evaluation_timestamp_seconds",
         "last_tick_time",

@@ -104,6 +104,7 @@ class Runtime:
         self._unsaved: dict[str, Alert] = {}
         self._unsaved_nodes: dict[str, str] = {}
         self._unsaved_pins: dict[str, NodePin | None] = {}
+        self._unjudged_warned = 0  # unjudged busy GPUs at the last warning (or since it fell)
         # One dedicated thread: the engine is not thread-safe, and a single thread keeps its large
         # allocations in one malloc arena instead of spreading them over the default pool's threads.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufleet-engine")
@@ -239,6 +240,7 @@ class Runtime:
         grouped, transitions = self.incidents.step(view.alerts, transitions)
         view = replace(view, alerts=grouped)
         view = replace(view, charts=self._charts(view))
+        self._unjudged_warned = warn_unjudged(view, self._unjudged_warned)
         self.stats.tick_duration_seconds = time.perf_counter() - t0
         self.stats.last_tick = now
         self.stats.cycles_total += 1
@@ -379,6 +381,20 @@ class Runtime:
                 await asyncio.wait_for(self._stop.wait(), timeout=delay)
             except asyncio.TimeoutError:
                 pass
+
+
+def warn_unjudged(view: FleetView, warned: int) -> int:
+    """Log a warning when more busy GPUs are unjudged than at the last warning (a GPU no straggler
+    comparison can name is a blind spot the operator should know of); returns the count to compare the
+    next evaluation with: this one's, so a fall re-arms the warning."""
+    count = int(view.stats.get("gpus_unjudged") or 0)
+    if count > warned:
+        per_node = {n["node"]: n["unjudged_gpus"] for n in view.nodes if n.get("unjudged_gpus")}
+        log.warning(
+            "busy GPUs without peers to judge them by: no straggler can be named among them",
+            extra={"gpus_unjudged": count, "was": warned, "nodes": per_node},
+        )
+    return count
 
 
 def _watched_nodes(view: FleetView) -> set[str]:

@@ -646,6 +646,37 @@ def _busy_decoys(d: _Draw, nodes, jobs: list[Job], duration: float) -> list[Inci
     return out
 
 
+def _unattributed_fleet(name: str, seed: int, wobble: float) -> ClusterSpec:
+    """96 GPUs, two jobs and no job attribution: a 64-GPU job with one GPU 20-25 % slow for ten minutes,
+    a 32-GPU job one of whose nodes its host starves. `wobble` scales how much the ranks of one job move
+    together within a sample (0: steps too regular for any shared wobble, so co-movement names no job)."""
+    d = _Draw(name, seed)
+    nodes = d.nodes(12, d.model())
+    big = d.job("big", None, _whole(nodes[:8]), shared_wobble=wobble)
+    small = d.job("small", None, _whole(nodes[8:]), shared_wobble=wobble)
+    slow_at, starve_at = d.u(240, 300), d.u(240, 360)
+    incidents = [
+        Incident("slow_gpu", slow_at, slow_at + 600, d.pick(nodes[:8]).name, d.i(0, 7), severity=d.u(0.75, 0.8)),
+        Incident(
+            "host_starved",
+            starve_at,
+            starve_at + d.u(400, 540),
+            d.pick(nodes[8:]).name,
+            job="small",
+            severity=d.u(0.25, 0.6),
+        ),
+    ]
+    return d.spec(nodes, [big, small], incidents, 960.0)
+
+
+def unattributed_fleet(seed: int) -> ClusterSpec:
+    return _unattributed_fleet("unattributed_fleet", seed, 1.0)
+
+
+def unattributed_fleet_steady(seed: int) -> ClusterSpec:
+    return _unattributed_fleet("unattributed_fleet_steady", seed, 0.0)
+
+
 # ------------------------------------------------------------------------------------------ catalog
 
 CATALOG: tuple[Scenario, ...] = (
@@ -799,6 +830,18 @@ CATALOG: tuple[Scenario, ...] = (
     ),
     Scenario(
         "busy_32", "32 nodes, 4-6 jobs, 4-6 incidents and decoys", _busy("busy_32", 32, (4, 6), (4, 6)), small=False
+    ),
+    Scenario(
+        "unattributed_fleet",
+        "96 GPUs, two jobs, no attribution: a GPU 20-25 % slow in the 64-GPU job, a host-starved node of the other",
+        unattributed_fleet,
+        small=False,
+    ),
+    Scenario(
+        "unattributed_fleet_steady",
+        "as unattributed_fleet, with steps too regular for the ranks to share any wobble",
+        unattributed_fleet_steady,
+        small=False,
     ),
 )
 BY_NAME = {s.name: s for s in CATALOG}

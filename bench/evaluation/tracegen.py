@@ -187,6 +187,9 @@ class Job:
     # Mixture-of-experts routing: each rank's work drifts by up to this share, slowly (periods of
     # DRIFT_PERIOD_S), each rank on its own phase; 0 = no drift.
     work_drift: float = 0.0
+    # How strongly what one second catches of a step (more compute, or more collective) moves every rank
+    # at once, relative to the model's usual; 0: ranks share no wobble (steps too regular to show one).
+    shared_wobble: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -591,6 +594,7 @@ class _Physics:
         self.comm = np.array([j.comm_ratio * j.step_s for j in jobs] + [0.0])
         self.intensity = np.array([j.intensity for j in jobs] + [0.0])
         self.sm_coef = np.array([j.sm_coefficient for j in jobs] + [0.0])
+        self.wobble = np.array([j.shared_wobble for j in jobs] + [0.0])
         self.mem_bytes = np.array([j.memory_bytes for j in jobs] + [0], dtype=np.float64)
         self.multi_node = np.array([len(j.placement) > 1 for j in jobs] + [False])
         self.rank_factor = np.ones(G)
@@ -750,7 +754,7 @@ class _Physics:
         # Synchronous ranks are in the same phase of the step at the same instant, so what a one-second
         # window catches (more compute, or more collective) moves every GPU of a job together.
         ns = self.lay.spec.noise_scale
-        together = 1.0 + 0.06 * ns * np.append(rng.standard_normal(len(self.lay.spec.jobs)), 0.0)[jx]
+        together = 1.0 + 0.06 * ns * self.wobble[jx] * np.append(rng.standard_normal(len(self.lay.spec.jobs)), 0.0)[jx]
         cfw = np.clip(cf * together, 0.0, 1.0)
         util = np.where(train, 1.0 - idf, 0.0) + irr + hang
         sm = np.where(train, self.sm_coef[jx] * cfw + 0.05 * wf, 0.0) + irr * 0.35 + hang * 0.03

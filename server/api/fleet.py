@@ -27,6 +27,7 @@ async def list_nodes(runtime: RuntimeDep, peers: PeersDep = None, scope: Scope =
         targets=targets,
         evaluated_at=view.evaluated_at,
         shard=own_shard(runtime.shard),
+        unjudged_gpus=int(view.stats.get("gpus_unjudged") or 0),
     )
     if scope == "shard" or peers is None:
         return own
@@ -67,6 +68,7 @@ def _merge_nodes(parts: list[NodesModel]) -> NodesModel:
         nodes=[_joined(by_name[name]) for name in sorted(by_name, key=lambda n: n or "")],
         targets=sorted(targets.values(), key=lambda t: t.target),
         evaluated_at=min(times) if times else None,
+        unjudged_gpus=sum(p.unjudged_gpus for p in parts),
     )
 
 
@@ -86,5 +88,6 @@ def _joined(views: list[NodeModel]) -> NodeModel:
             "lag_seconds": min(lags) if lags else None,
             "hpc_jobs": sorted({j for v in views for j in v.hpc_jobs}),
             "open_alerts": sum(v.open_alerts or 0 for v in views),
+            "unjudged_gpus": sum(v.unjudged_gpus or 0 for v in views),
         }
     )

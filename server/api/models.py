@@ -176,6 +176,9 @@ class NodeModel(BaseModel):
     lag_seconds: float | None = Field(None, description="How far its newest sample trails the evaluation time.")
     hpc_jobs: list[str] = Field(default_factory=list)
     open_alerts: int | None = None
+    unjudged_gpus: int | None = Field(
+        None, description="Busy GPUs of the node no peer group could judge: no straggler can be named among them."
+    )
 
 
 class TargetModel(BaseModel):
@@ -214,6 +217,7 @@ class NodesModel(ShardedModel):
     nodes: list[NodeModel]
     targets: list[TargetModel]
     evaluated_at: float | None
+    unjudged_gpus: int = Field(0, description="Busy GPUs, fleet-wide, no peer group could judge.")
 
 
 class HealthModel(BaseModel):

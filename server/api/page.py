@@ -187,12 +187,21 @@ def _fleet(nodes: NodesModel, firing_total: int, now: float | None) -> str:
         ("GPUs", str(sum(n.gpus or 0 for n in nodes.nodes))),
         ("agents up", f"{up} of {len(targets)}"),
         ("alerts firing", str(firing_total)),
+        ("busy GPUs unjudged", str(nodes.unjudged_gpus)),
     ]
     html = [
         "<h2>Fleet</h2><div class=cards>",
         *(f"<div class=card><b>{escape(v)}</b><span class=muted>{escape(k)}</span></div>" for k, v in cards),
         "</div>",
     ]
+    blind = [n for n in nodes.nodes if n.unjudged_gpus]
+    if blind:
+        rows = "".join(f"<tr><td>{escape(n.node or '-')}</td><td class=n>{n.unjudged_gpus}</td></tr>" for n in blind)
+        html.append(
+            "<h2>Busy GPUs without peers</h2><p class=muted>No peer group (job, inferred job, GPUs of the node)"
+            " holds enough busy GPUs to compare these with: no straggler can be named among them.</p>"
+            f"<table><tr><th>node</th><th>unjudged GPUs</th></tr>{rows}</table>"
+        )
     down = [t for t in targets if not t.up or t.stale]
     if down:
         rows = "".join(

@@ -77,6 +77,7 @@ class Engine:
         self._last_busy_t = np.full(0, -np.inf)
         self._members: GroupMembers | None = None
         self._dated = 0  # groups [0, _dated) have been checked by _date_running
+        self._unjudged = np.zeros(0, dtype=bool)  # per slot, at the last tick: see unjudged()
 
     # -- input ------------------------------------------------------------------------------
     def ingest(self, sample: NodeSample) -> None:
@@ -202,6 +203,7 @@ class Engine:
         self._last_group = np.where(gid >= 0, gid, grown(self._last_group, n, -1)[:n])
         groups = group_stats(gid, ngid, n_groups, levels, fractions, self._members)
         self._members = groups.members
+        self._unjudged = unjudged(busy, has_data, groups, cfg.straggler_min_group)
         if n_groups > self._dated:
             self._date_running(t, groups)
         if self._ticks % cfg.baseline_refresh_ticks == 0 or self.history.base.shape[1] < n_groups:
@@ -460,6 +462,7 @@ class Engine:
                 continue  # forgotten (forget_node) and not heard from since
             slots = np.flatnonzero(node_ids == nid)
             jobs = sorted({w.job_names[c] for c in w.slot_job[slots].tolist() if c >= 0})
+            mine = slots[slots < len(self._unjudged)]
             out.append(
                 NodeHealth(
                     node=node,
@@ -469,6 +472,7 @@ class Engine:
                     lag_seconds=None if self._last_t is None or last != last else max(0.0, self._last_t - float(last)),
                     hpc_jobs=tuple(jobs),
                     open_alerts=sum(1 for a in open_alerts if a.node == node),
+                    unjudged_gpus=int(self._unjudged[mine].sum()),
                 )
             )
         return out
@@ -488,7 +492,24 @@ class Engine:
             jobs=sum(1 for j in self.windows.job_names),
             open_alerts=len(alerts),
             firing_alerts=sum(1 for a in alerts if a.state is AlertState.FIRING),
+            gpus_unjudged=self.unjudged_gpus(),
         )
+
+    def unjudged_gpus(self) -> int:
+        """Busy GPUs at the latest evaluation that no peer group could judge (see unjudged()); a GPU of a
+        node forgotten since is not counted."""
+        w = self.windows
+        live = ~np.isnan(w.node_last_time[w.slot_node_id[: len(self._unjudged)]])
+        return int((self._unjudged & live).sum())
+
+
+def unjudged(busy: np.ndarray, has_data: np.ndarray, groups, min_group: int) -> np.ndarray:
+    """Per slot: a busy GPU with no peer group of at least min_group GPUs with data (a job alone on its
+    GPU, an unattributed GPU alone with its model on its node and in no inferred job). No straggler
+    comparison can name it; counted so that the blind spot is seen, not silent."""
+    gid = groups.gid
+    sized = np.where(gid >= 0, groups.size[np.maximum(gid, 0)], 0) if len(groups.size) else np.zeros(len(gid))
+    return busy & has_data & (sized < min_group)
 
 
 def _f(x: float) -> float | None:

@@ -246,6 +246,14 @@ class EngineConfig:
     # within itself: two jobs' step phases correlate by chance (±0.13 over a 5-minute window at 5 s), and
     # among 16 jobs of 128 GPUs two reached 0.37 and were merged on the absolute figure alone.
     inferred_min_relative_correlation: float = 0.5
+    # An inferred job on several nodes holds at least this share of the clustered GPUs of each (see
+    # inference._sure): a job takes a node's GPUs in blocks, less a straggler or two that stopped moving
+    # with it; where ranks share no step wobble, chance clusters take a few GPUs here and a few there.
+    inferred_min_node_share: float = 0.75
+    # A cluster holding only half of some node's GPUs (a job sharing its nodes) is a job only if its GPUs on
+    # different nodes correlate this much on average: a job moves together across its nodes (measured
+    # 0.45-0.76), chance clusters of split nodes 0.34-0.35 (a node's GPUs are read at one instant).
+    inferred_split_min_correlation: float = 0.4
     # Co-movement counts once two GPUs share as many samples as ticks in this (24: one pair's correlation
     # then within ±0.2); at 10 s sampling that takes twice as long, and early merges there joined jobs.
     inferred_min_seconds: float = 120.0

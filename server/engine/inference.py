@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from gpufleet.server.engine.config import EngineConfig
-from gpufleet.server.engine.groups import INFERRED_JOB, GroupRegistry
+from gpufleet.server.engine.groups import CLUSTER_MODEL, INFERRED_JOB, GroupRegistry
 from gpufleet.server.engine.windows import B_POWER, B_SM, B_UTIL, Windows
 
 # Relative size of float rounding in a difference of readings (a few ulps of them).
@@ -167,6 +167,32 @@ def lagged_correlation(z: np.ndarray, ok: np.ndarray, min_common: int) -> np.nda
     return out
 
 
+def _sure(corr: np.ndarray, members: np.ndarray, node: np.ndarray, min_share: float, min_across: float) -> bool:
+    """Whether a cluster (members: a mask over the clustered GPUs; node: their node ids; corr: their
+    correlations, NaN as zero) is sure enough to be taken for a job: on one node; or holding at least
+    min_share of the clustered GPUs of each node it touches (a job less a straggler or two that stopped
+    moving with it); or at least half of them, its GPUs on different nodes moving together by min_across
+    on average.
+
+    Where no job's ranks share a wobble (steps too regular for one sample to catch more of one phase),
+    what moves together is a node's GPUs (read at one instant), and average linkage still joins parts
+    of nodes whose noise happened to agree: fragments that split nodes and mix jobs, their GPUs on
+    different nodes barely correlated. Compared as a job, a fragment hides the straggler its node's own
+    GPUs would show. A job sharing its nodes with another takes a block of each (half, a quarter) and
+    its ranks move together across nodes as much as within one."""
+    on = node[members]
+    nodes, held = np.unique(on, return_counts=True)
+    if len(nodes) == 1:
+        return True
+    clustered = np.bincount(node, minlength=int(node.max()) + 1)[nodes]
+    if (held >= min_share * clustered).all():
+        return True
+    if not (2 * held >= clustered).all():
+        return False
+    across = on[:, None] != on[None, :]
+    return bool(corr[np.ix_(members, members)][across].mean() >= min_across)
+
+
 def _fill(held: np.ndarray) -> float:
     """Median over GPUs (columns; rows newest first) of the share of bins holding a sample, from each
     GPU's first sample on: bins before it (a trace or a node just begun) say nothing of its interval."""
@@ -246,6 +272,7 @@ class JobInference:
         z, ok = wobbles(series, cfg.inferred_clip_sigmas)
         corr = lagged_correlation(z, ok, min_common)
         fresh = np.full(len(slots), NONE, dtype=np.int64)
+        node = w.slot_node_id[slots]
         n_found = 0
         for m in np.unique(model[slots]).tolist():
             for source in (True, False):
@@ -255,8 +282,14 @@ class JobInference:
                 clusters = average_linkage(
                     corr[np.ix_(pick, pick)], cfg.inferred_min_correlation, cfg.inferred_min_relative_correlation
                 )
+                sub = np.nan_to_num(corr[np.ix_(pick, pick)], nan=0.0)
                 ids, counts = np.unique(clusters, return_counts=True)
                 for c in ids[counts >= cfg.straggler_min_group].tolist():
+                    sure = _sure(
+                        sub, clusters == c, node[pick], cfg.inferred_min_node_share, cfg.inferred_split_min_correlation
+                    )
+                    if not sure:
+                        continue
                     fresh[pick[clusters == c]] = n_found
                     n_found += 1
         self._relabel(slots, fresh, reserved)
@@ -295,6 +328,11 @@ def inferred_peers(registry: GroupRegistry, gid: int, evidence: dict[str, Any]) 
         evidence["note"] = (
             "no hpc_job attribution: peers inferred as one job from GPUs of the same model whose activity "
             "rises and falls with this one's"
+        )
+    elif registry.kind(gid) == CLUSTER_MODEL:
+        evidence["note"] = (
+            "no hpc_job attribution and no job inferred: compared with every unattributed GPU of its model, "
+            "named while it idles on its host and other nodes' GPUs wait, spinning"
         )
 
 

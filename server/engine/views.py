@@ -52,6 +52,8 @@ class NodeHealth:
     lag_seconds: float | None
     hpc_jobs: tuple[str, ...]
     open_alerts: int
+    # Busy GPUs no peer group could judge at the latest evaluation (see engine.unjudged).
+    unjudged_gpus: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON shape."""
@@ -75,6 +77,8 @@ class EngineStats:
     jobs: int
     open_alerts: int
     firing_alerts: int
+    # Busy GPUs no peer group could judge at the latest evaluation, fleet-wide.
+    gpus_unjudged: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON shape."""

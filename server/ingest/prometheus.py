@@ -625,7 +625,7 @@ class PrometheusSource(IngestAccounting):
                         if isinstance(instance, str):
                             sources[(node, at)] = instance
                 continue
-            target = _target(name, labels)
+            target = _target(name, labels, self.shard.whole)
             if target is None:
                 self._record_error("schema", f"series of an unexpected metric {name[:80]}")
                 continue
@@ -752,12 +752,12 @@ class PrometheusSource(IngestAccounting):
 
 
 def _target(
-    name: str, labels: Mapping[str, Any]
+    name: str, labels: Mapping[str, Any], owners: bool = True
 ) -> tuple[str | None, bool, str, int, str, Any, dcgm.Reading | None] | None:
     """What every point of one GPU series sets (the same at each point, so decided once per series):
     (contract field or None, whether it is a bool, activity reading, which activity counter, XID code,
     hpc_job of a job-info or dcgm-exporter series, how to read a dcgm-exporter metric); None for a metric
-    this source does not read."""
+    this source does not read. `owners`: see dcgm.job_of (False on a shard)."""
     if name == _JOB_INFO:
         return None, False, "", 0, "", labels.get("hpc_job") or None, None
     if name == _XID:
@@ -772,16 +772,7 @@ def _target(
         return None, False, "", 0, "", None, None
     reading = dcgm.READINGS.get(name)
     if reading is not None:
-        job = labels.get(dcgm.JOB_LABEL) or _pod_job(labels)
-        return (
-            reading.field,
-            reading.field in dcgm.BOOLS,
-            "",
-            0,
-            "",
-            job if isinstance(job, str) and job else None,
-            reading,
-        )
+        return reading.field, reading.field in dcgm.BOOLS, "", 0, "", dcgm.job_of(labels, owners), reading
     return None
 
 
@@ -811,14 +802,6 @@ _RE2_SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
 def _regex(values: list[str]) -> str:
     """A PromQL string literal of a regex matching exactly `values` (RE2, anchored by PromQL)."""
     return orjson.dumps("|".join(_RE2_SPECIAL.sub(r"\\\1", v) for v in values)).decode()
-
-
-def _pod_job(labels: Mapping[str, Any]) -> str | None:
-    """The job of a dcgm-exporter series' Kubernetes pod (namespace/name less the controllers' suffixes)."""
-    namespace, pod = labels.get(dcgm.NAMESPACE_LABEL), labels.get(dcgm.POD_LABEL)
-    if isinstance(namespace, str) and isinstance(pod, str) and namespace and pod:
-        return job_from_pod_name(namespace, pod)
-    return None
 
 
 def _agents_first(series: list[_Series]) -> Iterator[_Series]:

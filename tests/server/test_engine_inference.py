@@ -64,6 +64,7 @@ class _Window:
     def __init__(self, sm: np.ndarray) -> None:
         self.sm = sm  # (bins, n) oldest first
         self.ring = 60
+        self.slot_node_id = np.zeros(sm.shape[1], dtype=np.int64)  # one node
 
     def recent(self, k: int, n_bins: int, rows) -> np.ndarray:
         sm = self.sm[max(0, k + 1 - n_bins) : k + 1][::-1]

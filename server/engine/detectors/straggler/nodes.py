@@ -29,7 +29,7 @@ from gpufleet.server.engine.groups import JOB
 from gpufleet.server.engine.inference import inferred_peers, inferred_suffix
 from gpufleet.server.engine.reduce import nan_median_first_axis, nan_to_zero
 from gpufleet.server.engine.rules import MIDPOINT_RANK, any_of, evaluate
-from gpufleet.server.engine.tick import THROTTLE_CAUSES, Tick, throttle_causes
+from gpufleet.server.engine.tick import THROTTLE_CAUSES, SlowdownSource, Tick, throttle_causes
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 
 
@@ -53,6 +53,9 @@ def node_level(
     aged = tick.t - tick.registry.first_seen[gids] >= cfg.startup_grace_seconds
     r.cut &= tick.registry.one_job[gids] & r.steady & aged
     waiting = ((r.waiting_drop >= r.min_drop) & r.steady) | r.cross | r.cut
+    fallback = ~tick.registry.one_job[gids]
+    if fallback.any():
+        waiting = np.where(fallback, _fallback_waiting(tick, lay) | r.cut, waiting)
     off, warming = _learn_pairs(tick, state.nodes, lay, r, waiting)
     ready = ~warming & ~np.isnan(off[0]) & aged
     r.idle = r.gap - off[0]
@@ -70,7 +73,9 @@ def node_level(
     idle_stands = stands & results["straggler_node_idle"][1]
     victim = np.isin(gids, gids[idle_stands]) & ~idle_stands & ~r.cut
     stands &= ~victim
-    on = _named_pairs(tick, lay, r, off, ready & waiting & held[0], alike) & ~victim
+    # In a fallback group only the host-idle pattern names a node: nodes of other jobs wait for none.
+    idle_named = fallback & results["straggler_node_idle"][0]
+    on = _named_pairs(tick, lay, r, off, ready & waiting & held[0], alike, idle_named) & ~victim
     if halted:
         live = ~np.isin(gids, list(halted))
         stands &= live
@@ -102,15 +107,52 @@ def _pair_cross_section(tick: Tick, state: StragglerState, lay: NodePairs, r: _P
 
 
 def _named_pairs(
-    tick: Tick, lay: NodePairs, r: _PairReadings, off: np.ndarray, standing: np.ndarray, alike: np.ndarray
+    tick: Tick,
+    lay: NodePairs,
+    r: _PairReadings,
+    off: np.ndarray,
+    standing: np.ndarray,
+    alike: np.ndarray,
+    idle_named: np.ndarray,
 ) -> np.ndarray:
     """Per pair: the nodes to name: standing out at the full margins and still on their newest readings
-    (as for a GPU: gpus.standing_now), or with their clocks cut, where the group may name a node."""
+    (as for a GPU: gpus.standing_now), or with their clocks cut, where the group may name a node (a job's;
+    `idle_named`: a fallback group's node idling on its host, see _fallback_waiting)."""
     on = standing
     if on.any():
         on &= _pair_standing_now(tick, lay, off, r.node_busy & alike, r.by_power)
     on |= r.cut
-    return on & _one_job(tick, lay.gids, lay.nids)
+    return on & (_one_job(tick, lay.gids, lay.nids) | idle_named)
+
+
+def _fallback_waiting(tick: Tick, lay: NodePairs) -> np.ndarray:
+    """Per (group, node) pair of a fallback group (every unattributed GPU of a model, which may mix jobs):
+    whether the busy GPUs of another node wait as a job's do for its straggler: slowed against their own
+    baseline while spinning in collectives. The group's median cannot say so: the nodes of the job held
+    back may be a few among many of other jobs. Where no job could be inferred (ranks that share no step
+    wobble), a node idling on its host is then named by its idle gap; an idle node whose job merely idles
+    (input-bound) has no other node waiting for it."""
+    grp, cfg = tick.groups, tick.config
+    n = len(grp.gid)
+    min_drop = np.where(
+        tick.slowdown_source == SlowdownSource.POWER, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown
+    )
+    slowed = (tick.slowdown >= min_drop) & (grp.util >= cfg.straggler_waiting_utilization)
+    slowed &= ~tick.registry.one_job[: grp.n_groups] & (grp.size >= cfg.straggler_min_group)
+    waits = (grp.gid >= 0) & slowed[np.maximum(grp.gid, 0)]
+    spin = np.where(grp.gid >= 0, grp.util[np.maximum(grp.gid, 0)], np.nan)
+    node_of, util = tick.windows.slot_node_id[:n], tick.med["util"][:n]
+    out = np.zeros(len(lay.gids), dtype=bool)
+    for i in np.flatnonzero(~tick.registry.one_job[lay.gids]).tolist():
+        group = grp.ngid == lay.gids[i]
+        mine = group & (node_of == lay.nids[i]) & ~np.isnan(util)
+        if not mine.any():
+            continue
+        # Spinning clearly more than this node runs: the nodes of a job that idles as a whole (input-
+        # bound) are slowed too, but idle alike, and neither waits for the other.
+        busier = spin >= float(np.nanmedian(util[mine])) + cfg.node_idle_gap
+        out[i] = bool((waits & busier & group & ~mine).any())
+    return out
 
 
 class _PairReadings:
