@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 SECONDS_PER_HOUR = 3600.0
+SECONDS_PER_MINUTE = 60.0
 PERCENT = 100.0  # a ratio 0-1 times this is a percentage
 # Decimal places of an alert's evidence: three are a tenth of a percent of a ratio, a thousandth of a degree.
 EVIDENCE_DIGITS = 3

@@ -10,6 +10,7 @@ import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
 from gpufleet.server.engine.config import SECONDS_PER_HOUR
+from gpufleet.server.engine.units import SECONDS_PER_MINUTE
 from gpufleet.server.engine.detectors import Finding, r3, subject_fingerprint
 from gpufleet.server.engine.detectors.straggler.common import CLK, PW, SM, UTIL, percent
 from gpufleet.server.engine.detectors.straggler.gpus import SharedNode
@@ -204,7 +205,7 @@ _LINK_WORDS = {
 def _link_reason(retries: dict[str, int], window_seconds: float) -> str:
     """Its links' retries in the window, in words: each stalls a transfer its peers wait for."""
     counts = ", ".join(f"{n} {_LINK_WORDS.get(kind, kind)}{'' if n == 1 else 's'}" for kind, n in retries.items())
-    return f"its links retry ({counts} in the last {window_seconds / 60:.0f} min)"
+    return f"its links retry ({counts} in the last {window_seconds / SECONDS_PER_MINUTE:.0f} min)"
 
 
 def _shared_reason(slot: int, shared: SharedNode | None, waiting_peers: list[int], sm_known: bool) -> list[str]:
