@@ -8,25 +8,48 @@ Where the cost goes: the agent-pull source pulls every agent and drops the rest 
 parsing cost follow the fleet, and only the engine's (the larger share) follows the shard's. The Prometheus
 source asks the database for the owned series only (ingest/prometheus.py), so its read follows the share
 too; this filter then only cuts the foreign GPUs off the nodes it read whole.
+
+A node whose job ends while one of its GPUs is lost (the driver reports it down) stays with the job's shard
+until no GPU of it reports down (Ownership): that shard holds the gpu_lost alert, opened with the job's name,
+as one unsharded server does, and the shard the node's name hashes to does not raise it again, job-less. Every
+shard that reads the node derives the same from its samples alone: the node's shard by name reads it whole,
+and the job's shard keeps reading a node with a GPU down (ingest/prometheus.py).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
+from gpufleet.server.contract import COLUMN
 from gpufleet.server.ingest.base import Blindness, MissingReading, PullResult, SampleSource, TargetHealth
 from gpufleet.server.ingest.identity import NodePin
 from gpufleet.server.shard import Shard
 
 
-def owned_part(sample: Any, shard: Shard) -> Any | None:
-    """The sample with only the shard's GPUs (the same object when it owns them all); None when it owns none."""
+_UP = COLUMN["up"]
+
+
+def host_job(sample: Any) -> str | None:
+    """The job a GPU of no job on this node goes with: the least of the node's jobs (every shard picks alike)."""
+    return min((job for job in sample.jobs if job), default=None)
+
+
+def any_down(sample: Any) -> bool:
+    """Whether a GPU of the sample reports itself down (up = 0; NaN, not reported, is not down)."""
+    return bool(np.any(sample.values[:, _UP] == 0.0)) if len(sample.jobs) else False
+
+
+def owned_part(sample: Any, shard: Shard, held_job: str | None = None) -> Any | None:
+    """The sample with only the shard's GPUs (the same object when it owns them all); None when it owns none.
+    held_job: the job a node running none stays with (Ownership), where its GPUs of no job go."""
     jobs, node = sample.jobs, sample.node
     # A GPU of no job on a node that runs one goes with the node's job: a GPU that falls off the bus, or
     # whose processes die first, loses its job label while its job still runs, and must stay with the
     # shard that holds its history (its XIDs, its peers) rather than turn up new on another.
-    host_job = min((job for job in jobs if job), default=None)
-    keep = [row for row, job in enumerate(jobs) if shard.owns(job or host_job, node)]
+    host_job_ = host_job(sample) or held_job
+    keep = [row for row, job in enumerate(jobs) if shard.owns(job or host_job_, node)]
     if len(keep) == len(jobs):
         return sample
     if not keep:
@@ -46,12 +69,33 @@ def owned_part(sample: Any, shard: Shard) -> Any | None:
     )
 
 
+class Ownership:
+    """owned_part, sample after sample: a node keeps its last job's shard while a GPU of it reports down.
+
+    Feed each node's samples in time order (an older sample again, as overlapping reads bring, is harmless:
+    the newer ones that follow decide)."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self._last_job: dict[str, str] = {}  # node -> its job, while it runs one or a GPU of it is down since
+
+    def part(self, sample: Any) -> Any | None:
+        node = sample.node
+        job = host_job(sample)
+        if job is not None:
+            self._last_job[node] = job
+        elif node in self._last_job and not any_down(sample):
+            del self._last_job[node]
+        return owned_part(sample, self.shard, self._last_job.get(node))
+
+
 class ShardedSource:
     """A SampleSource giving the engine only what `shard` owns; everything else it passes through."""
 
     def __init__(self, source: SampleSource, shard: Shard) -> None:
         self.inner = source
         self.shard = shard
+        self._ownership = Ownership(shard)
         # node -> whether its latest sample held a GPU this shard owns: a node whose GPUs all belong to other
         # shards' jobs is theirs to speak for, even where its name hashes here.
         self._ours: dict[str, bool] = {}
@@ -61,7 +105,7 @@ class ShardedSource:
         samples = []
         handed_over = set()
         for sample in result.samples:
-            part = owned_part(sample, self.shard)
+            part = self._ownership.part(sample)
             if part is None and self._ours.get(sample.node):
                 handed_over.add(sample.node)
             self._ours[sample.node] = part is not None
