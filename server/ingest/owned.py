@@ -9,9 +9,9 @@ parsing cost follow the fleet, and only the engine's (the larger share) follows 
 source asks the database for the owned series only (ingest/prometheus.py), so its read follows the share
 too; this filter then only cuts the foreign GPUs off the nodes it read whole.
 
-A node whose job ends while one of its GPUs is lost (the driver reports it down) stays with the job's shard
-until no GPU of it reports down (Ownership): that shard holds the gpu_lost alert, opened with the job's name,
-as one unsharded server does, and the shard the node's name hashes to does not raise it again, job-less. Every
+A GPU that is lost (the driver reports it down) stays with its job's shard, with the node's GPUs of no job,
+until it is back up (Ownership), even where its job ends meanwhile: that shard holds the gpu_lost alert,
+opened with the job's name, as one unsharded server does, and no other shard raises it again, job-less. Every
 shard that reads the node derives the same from its samples alone: the node's shard by name reads it whole,
 and the job's shard keeps reading a node with a GPU down (ingest/prometheus.py).
 """
@@ -43,12 +43,12 @@ def any_down(sample: Any) -> bool:
 
 def owned_part(sample: Any, shard: Shard, held_job: str | None = None) -> Any | None:
     """The sample with only the shard's GPUs (the same object when it owns them all); None when it owns none.
-    held_job: the job a node running none stays with (Ownership), where its GPUs of no job go."""
+    held_job: the job of a GPU of the node that is down (Ownership), where its GPUs of no job go."""
     jobs, node = sample.jobs, sample.node
     # A GPU of no job on a node that runs one goes with the node's job: a GPU that falls off the bus, or
     # whose processes die first, loses its job label while its job still runs, and must stay with the
     # shard that holds its history (its XIDs, its peers) rather than turn up new on another.
-    host_job_ = host_job(sample) or held_job
+    host_job_ = held_job or host_job(sample)
     keep = [row for row, job in enumerate(jobs) if shard.owns(job or host_job_, node)]
     if len(keep) == len(jobs):
         return sample
@@ -70,23 +70,39 @@ def owned_part(sample: Any, shard: Shard, held_job: str | None = None) -> Any | 
 
 
 class Ownership:
-    """owned_part, sample after sample: a node keeps its last job's shard while a GPU of it reports down.
+    """owned_part, sample after sample: a GPU that reports down keeps the job it last had (its label goes
+    with its processes), and the node's GPUs of no job go with that job while it is down, so the shard that
+    holds its history keeps the node's lost GPU whether its job ends or other jobs run beside it.
 
     Feed each node's samples in time order (an older sample again, as overlapping reads bring, is harmless:
     the newer ones that follow decide)."""
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
-        self._last_job: dict[str, str] = {}  # node -> its job, while it runs one or a GPU of it is down since
+        self._jobs: dict[str, tuple[tuple[str, ...], tuple[str | None, ...]]] = {}  # node -> latest uuids, jobs
+        self._held: dict[str, dict[str, str]] = {}  # node -> {uuid: job} of its GPUs down since they had one
 
     def part(self, sample: Any) -> Any | None:
         node = sample.node
-        job = host_job(sample)
-        if job is not None:
-            self._last_job[node] = job
-        elif node in self._last_job and not any_down(sample):
-            del self._last_job[node]
-        return owned_part(sample, self.shard, self._last_job.get(node))
+        held = self._down_jobs(sample)
+        if held:
+            self._held[node] = held
+        else:
+            self._held.pop(node, None)
+        self._jobs[node] = (sample.uuids, sample.jobs)
+        return owned_part(sample, self.shard, min(held.values(), default=None))
+
+    def _down_jobs(self, sample: Any) -> dict[str, str]:
+        if not any_down(sample):
+            return {}
+        before = dict(zip(*self._jobs.get(sample.node, ((), ()))))
+        before.update(self._held.get(sample.node, {}))
+        out = {}
+        for row in np.flatnonzero(sample.values[:, _UP] == 0.0).tolist():
+            uuid = sample.uuids[row]
+            if job := sample.jobs[row] or before.get(uuid):
+                out[uuid] = job
+        return out
 
 
 class ShardedSource:
