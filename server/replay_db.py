@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any, Callable
 
 from gpufleet.server.contract import NodeSample
-from gpufleet.server.ingest.owned import owned_part
+from gpufleet.server.ingest.owned import Ownership
 from gpufleet.server.engine import EngineConfig
 from gpufleet.server.shard import Shard
 
@@ -107,6 +107,7 @@ async def read_history(
     )
     samples: list[NodeSample] = []
     handovers: list[tuple[float, str]] = []
+    ownership = Ownership(shard)
     ours: dict[str, bool] = {}  # node -> whether its latest sample held a GPU the shard owns
     queries = snapshots = rejected = 0
     try:
@@ -121,7 +122,7 @@ async def read_history(
             snapshots += len(result.samples)
             rejected += result.rejected_snapshots
             for sample in result.samples:
-                part = owned_part(sample, shard)
+                part = ownership.part(sample)
                 if not start < sample.time <= end:
                     continue
                 if part is None and ours.get(sample.node):

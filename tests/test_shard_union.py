@@ -4,8 +4,9 @@ A few scenarios of the suite (bench/evaluation/shard_union.py runs all of them, 
 trace loaded into the database as agents' series at its sample times, replayed once whole and once per
 shard of three. Chosen for what sharding could break: two jobs on the same nodes (a node's GPUs split
 between shards), GPUs of no job (owned by their node's hash), a node lost with its job's other nodes
-hanging (a node-level alert), and a busy cluster whose job-less nodes get a job (they pass to the job's
-shard: handed over, not left to read as unreachable on the shard their names hash to).
+hanging (a node-level alert), a busy cluster whose job-less nodes get a job (they pass to the job's
+shard: handed over, not left to read as unreachable on the shard their names hash to), and a GPU lost
+before its job ends (it stays with the job's shard, on a node whose name hashes to another at 3 shards).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from bench.evaluation import shard_union
 pytestmark = pytest.mark.skipif(victoria.BINARY is None, reason=victoria.WHY_MISSING)
 
 
-@pytest.mark.parametrize("name", ["straggler_on_shared_node", "straggler_unattributed", "node_crash", "busy_8"])
+@pytest.mark.parametrize(
+    "name", ["straggler_on_shared_node", "straggler_unattributed", "node_crash", "busy_8", "gpu_lost"]
+)
 def test_the_union_of_three_shards_alerts_is_the_unsharded_servers(name: str) -> None:
     with victoria.victoria_metrics() as url:
         start, end = shard_union.load_scenario(url, name, seed=0)

@@ -8,25 +8,48 @@ Where the cost goes: the agent-pull source pulls every agent and drops the rest 
 parsing cost follow the fleet, and only the engine's (the larger share) follows the shard's. The Prometheus
 source asks the database for the owned series only (ingest/prometheus.py), so its read follows the share
 too; this filter then only cuts the foreign GPUs off the nodes it read whole.
+
+A GPU that is lost (the driver reports it down) stays with its job's shard, with the node's GPUs of no job,
+until it is back up (Ownership), even where its job ends meanwhile: that shard holds the gpu_lost alert,
+opened with the job's name, as one unsharded server does, and no other shard raises it again, job-less. Every
+shard that reads the node derives the same from its samples alone: the node's shard by name reads it whole,
+and the job's shard keeps reading a node with a GPU down (ingest/prometheus.py).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
+from gpufleet.server.contract import COLUMN
 from gpufleet.server.ingest.base import Blindness, MissingReading, PullResult, SampleSource, TargetHealth
 from gpufleet.server.ingest.identity import NodePin
 from gpufleet.server.shard import Shard
 
 
-def owned_part(sample: Any, shard: Shard) -> Any | None:
-    """The sample with only the shard's GPUs (the same object when it owns them all); None when it owns none."""
+_UP = COLUMN["up"]
+
+
+def host_job(sample: Any) -> str | None:
+    """The job a GPU of no job on this node goes with: the least of the node's jobs (every shard picks alike)."""
+    return min((job for job in sample.jobs if job), default=None)
+
+
+def any_down(sample: Any) -> bool:
+    """Whether a GPU of the sample reports itself down (up = 0; NaN, not reported, is not down)."""
+    return bool(np.any(sample.values[:, _UP] == 0.0)) if len(sample.jobs) else False
+
+
+def owned_part(sample: Any, shard: Shard, held_job: str | None = None) -> Any | None:
+    """The sample with only the shard's GPUs (the same object when it owns them all); None when it owns none.
+    held_job: the job of a GPU of the node that is down (Ownership), where its GPUs of no job go."""
     jobs, node = sample.jobs, sample.node
     # A GPU of no job on a node that runs one goes with the node's job: a GPU that falls off the bus, or
     # whose processes die first, loses its job label while its job still runs, and must stay with the
     # shard that holds its history (its XIDs, its peers) rather than turn up new on another.
-    host_job = min((job for job in jobs if job), default=None)
-    keep = [row for row, job in enumerate(jobs) if shard.owns(job or host_job, node)]
+    host_job_ = held_job or host_job(sample)
+    keep = [row for row, job in enumerate(jobs) if shard.owns(job or host_job_, node)]
     if len(keep) == len(jobs):
         return sample
     if not keep:
@@ -46,12 +69,49 @@ def owned_part(sample: Any, shard: Shard) -> Any | None:
     )
 
 
+class Ownership:
+    """owned_part, sample after sample: a GPU that reports down keeps the job it last had (its label goes
+    with its processes), and the node's GPUs of no job go with that job while it is down, so the shard that
+    holds its history keeps the node's lost GPU whether its job ends or other jobs run beside it.
+
+    Feed each node's samples in time order (an older sample again, as overlapping reads bring, is harmless:
+    the newer ones that follow decide)."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self._jobs: dict[str, tuple[tuple[str, ...], tuple[str | None, ...]]] = {}  # node -> latest uuids, jobs
+        self._held: dict[str, dict[str, str]] = {}  # node -> {uuid: job} of its GPUs down since they had one
+
+    def part(self, sample: Any) -> Any | None:
+        node = sample.node
+        held = self._down_jobs(sample)
+        if held:
+            self._held[node] = held
+        else:
+            self._held.pop(node, None)
+        self._jobs[node] = (sample.uuids, sample.jobs)
+        return owned_part(sample, self.shard, min(held.values(), default=None))
+
+    def _down_jobs(self, sample: Any) -> dict[str, str]:
+        if not any_down(sample):
+            return {}
+        before = dict(zip(*self._jobs.get(sample.node, ((), ()))))
+        before.update(self._held.get(sample.node, {}))
+        out = {}
+        for row in np.flatnonzero(sample.values[:, _UP] == 0.0).tolist():
+            uuid = sample.uuids[row]
+            if job := sample.jobs[row] or before.get(uuid):
+                out[uuid] = job
+        return out
+
+
 class ShardedSource:
     """A SampleSource giving the engine only what `shard` owns; everything else it passes through."""
 
     def __init__(self, source: SampleSource, shard: Shard) -> None:
         self.inner = source
         self.shard = shard
+        self._ownership = Ownership(shard)
         # node -> whether its latest sample held a GPU this shard owns: a node whose GPUs all belong to other
         # shards' jobs is theirs to speak for, even where its name hashes here.
         self._ours: dict[str, bool] = {}
@@ -61,7 +121,7 @@ class ShardedSource:
         samples = []
         handed_over = set()
         for sample in result.samples:
-            part = owned_part(sample, self.shard)
+            part = self._ownership.part(sample)
             if part is None and self._ours.get(sample.node):
                 handed_over.add(sample.node)
             self._ours[sample.node] = part is not None

@@ -56,6 +56,7 @@ from gpufleet.server.ingest.base import (
     default_parse,
     peer_options,
 )
+from gpufleet.server.ingest.owned import any_down
 from gpufleet.server.readings import READINGS, Kind, Reading
 from gpufleet.server.shard import Shard
 
@@ -240,6 +241,9 @@ class PrometheusSource(IngestAccounting):
         self._cycle_blind: Blindness | None = None
         self._last_usable: float | None = None  # when an answer last held usable GPU series
         self._fleet_listed = False  # a shard's: whether the last listing found any job or node, owned or not
+        # a shard's: nodes whose latest sample had a GPU down, read on after their job ends, since the job's
+        # shard keeps such a node (ingest/owned.py, Ownership)
+        self._down_nodes: set[str] = set()
 
     async def aclose(self) -> None:
         """Close the connection to Prometheus."""
@@ -299,6 +303,8 @@ class PrometheusSource(IngestAccounting):
                 except Exception as exc:  # noqa: BLE001 - a bad rebuilt snapshot is rejected, not a crash
                     rejected += 1
                     self._record_error("schema", f"node {raw.get('node')!r}: {exc}")
+            if not self.shard.whole:
+                self._note_down(samples)
             self._cycle_blind = self._blind_answer(series, usable, len(snapshots), rejected, lookback, now)
             self._update_health(await self._up(now), arrived, now)
         return self._finish_cycle(
@@ -311,6 +317,18 @@ class PrometheusSource(IngestAccounting):
                 rejected_snapshots=rejected,
             )
         )
+
+    def _note_down(self, samples: list[Any]) -> None:
+        """Which nodes read had a GPU down in their latest sample (those read again next cycle)."""
+        latest: dict[str, Any] = {}
+        for sample in samples:
+            if sample.node not in latest or sample.time >= latest[sample.node].time:
+                latest[sample.node] = sample
+        for node, sample in latest.items():
+            if any_down(sample):
+                self._down_nodes.add(node)
+            else:
+                self._down_nodes.discard(node)
 
     async def _read(self, lookback: float, now: float) -> list[_Series]:
         """The series of the last `lookback` seconds: all of them, or a shard's own (_read_owned)."""
@@ -345,7 +363,7 @@ class PrometheusSource(IngestAccounting):
             names = '{__name__=~"' + "|".join(_GPUFLEET_NAMES) + '", ' + recorded
             every = await self._label_values("node", _AGE, window)
             self._fleet_listed |= bool(every)
-            nodes = {n for n in every if self.shard.owns_node(n)}
+            nodes = {n for n in every if self.shard.owns_node(n)} | (self._down_nodes & set(every))
             for jobs_ in _chunks(owned_jobs):
                 info = self._matrix(*await self._fetch(f"{_JOB_INFO}{{hpc_job=~{_regex(jobs_)}}}{range_}", now))
                 nodes.update(n for s in info if isinstance(n := s.metric.get("node"), str))
@@ -370,7 +388,11 @@ class PrometheusSource(IngestAccounting):
             if every:
                 for label in (dcgm.JOB_LABEL, dcgm.POD_LABEL):
                     busy.update(await self._label_values(dcgm.NODE_LABEL, f'{names}, {label}=~".+"}}', window))
-            hosts = [h for h in every if (self.shard.owns_node(h) and h not in busy) or h in job_hosts]
+            hosts = [
+                h
+                for h in every
+                if (self.shard.owns_node(h) and h not in busy) or h in job_hosts or h in self._down_nodes
+            ]
             for part in _chunks(sorted(hosts)):
                 out += self._matrix(
                     *await self._fetch(

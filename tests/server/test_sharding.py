@@ -18,10 +18,10 @@ from gpufleet.server.api.peers import Peers
 from gpufleet.server.cli import main as cli
 from gpufleet.server.contract import parse_snapshot
 from gpufleet.server.ingest.base import PullResult, TargetHealth
-from gpufleet.server.ingest.owned import ShardedSource, owned_part
+from gpufleet.server.ingest.owned import Ownership, ShardedSource, owned_part
 from gpufleet.server.ingest.prometheus import PrometheusSource
 from gpufleet.server.settings import ConfigError, load_settings
-from gpufleet.server.shard import Shard
+from gpufleet.server.shard import Shard, shard_of
 
 JOBS = [f"job-{i}" for i in range(40)]
 NODES = [f"node-{i:02d}" for i in range(40)]
@@ -481,3 +481,66 @@ def test_a_job_less_dcgm_gpu_on_a_host_of_an_owned_job_is_read_and_kept_by_the_j
     owner = 0 if Shard(0, 2).owns_job(job) else 1
     assert kept[owner] == [f"GPU-{host}", f"GPU-{host}-1"]
     assert kept[1 - owner] == []
+
+
+def _lost_gpu_run(node: str, first: str, second: str) -> list[Any]:
+    """Eight GPUs of `node`, 0-3 in `first`, 4-7 in `second`, every 5 s for 10 minutes: GPU 4 falls off the
+    bus at 300 s (reported down, its job label gone with its processes) and `second` ends 20 s later."""
+    out = []
+    for step in range(120):
+        t = 1000.0 + 5 * step
+        gpus = []
+        for i in range(8):
+            job: str | None = first if i < 4 else second
+            up = not (i == 4 and t >= 1300)
+            if (i == 4 and not up) or (i > 4 and t >= 1320):
+                job = None
+            gpus.append(
+                {"index": i, "uuid": f"GPU-{node}-{i}", "model": "H100", "hpc_job": job, "up": up}
+                | {"temperature_celsius": 60.0, "utilization_ratio": 0.9, "sm_active_ratio": 0.8}
+            )
+        out.append(parse_snapshot({"schema": 1, "node": node, "time": t, "gpus": gpus}))
+    return out
+
+
+def _shard_replay(samples: list[Any], shard: Shard) -> list[Any]:
+    """The alerts of one shard over the samples, cut and handed over as replay from a database does."""
+    from gpufleet.server.replay import run_samples
+
+    ownership = Ownership(shard)
+    parts, handovers, ours = [], [], False
+    for sample in samples:
+        part = ownership.part(sample)
+        if part is None and ours:
+            handovers.append((sample.time, sample.node))
+        ours = part is not None
+        if part is not None:
+            parts.append(part)
+    return run_samples(parts, handovers=handovers)
+
+
+def test_a_lost_gpu_stays_with_its_jobs_shard_when_its_job_ends_and_is_not_raised_again_elsewhere() -> None:
+    # The lost GPU's job on one shard; the node's other job and its name hashing to the other, where the
+    # job-less node would go were ownership decided by the latest labels alone.
+    second = JOBS[0]
+    theirs = 1 - shard_of(second, 2)
+    first = next(j for j in JOBS if shard_of(j, 2) == theirs)
+    node = next(n for n in NODES if shard_of(n, 2) == theirs)
+    samples = _lost_gpu_run(node, first, second)
+
+    def lost(alerts: list[Any]) -> list[tuple[Any, ...]]:
+        return [(a.gpu, a.hpc_job, a.started) for a in alerts if a.kind.value == "gpu_lost"]
+
+    whole = lost(_shard_replay(samples, Shard()))
+    assert [(gpu, job) for gpu, job, _ in whole] == [(4, second)]
+    union = [a for i in range(2) for a in lost(_shard_replay(samples, Shard(i, 2)))]
+    assert union == whole
+    # Every GPU to exactly one shard at every sample; the lost one, and its job's GPUs freed while it is
+    # down, stay with its job's shard.
+    ownerships = [Ownership(Shard(i, 2)) for i in range(2)]
+    for sample in samples:
+        parts = [o.part(sample) for o in ownerships]
+        uuids = [u for p in parts if p is not None for u in p.uuids]
+        assert sorted(uuids) == sorted(sample.uuids)
+        held = parts[1 - theirs]
+        assert held is not None and set(held.indices) == {4, 5, 6, 7}, sample.time
