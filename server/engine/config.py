@@ -36,6 +36,10 @@ class EngineConfig:
     offset_time_constant_seconds: float = 600.0
     # GPUs of one job do the same work: a learned offset in the culprit direction is capped here.
     structural_max_offset: float = 0.05
+    # A rank steadily different by role from the job's start (a pipeline stage, an expert-heavy rank) learns
+    # its offset up to this while judged against its baseline; the cross-section still holds it to
+    # structural_max_offset, so a straggler slow from the start cannot learn itself away.
+    structural_role_max_offset: float = 0.25
     # Learning time before a GPU or group is judged; it also forgets a job's ramp-up.
     startup_grace_seconds: float = 90.0
     # A GPU at or above this utilization is busy (a straggler must be; unattributed peers are).
@@ -77,6 +81,9 @@ class EngineConfig:
     straggler_sm_excess: float = 0.10
     # Culprit margin where SM activity is not reported: power this far above the peers' median.
     straggler_power_excess: float = 0.07
+    # Culprit margin without a baseline (times straggler_cross_margin_ratio): a rank's role offset stays
+    # in its cross-section excess, so this margin is wider than the one against a GPU's own offset.
+    straggler_cross_sm_excess: float = 0.10
     # Slow-node margin on power: a node's median over its GPUs is steadier than one GPU's reading.
     node_power_excess: float = 0.05
     # Culprit margin: SM clock this far below the peers' (with slowdown bits the peers lack, a clock cut).

@@ -92,9 +92,9 @@ HARDWARE: tuple[Rule, ...] = (
 CROSS_SECTION: tuple[Rule, ...] = (
     Rule(
         name="straggler_cross_sm_excess",
-        doc="a job's GPU with SM activity twice the margin above its peers' (no baseline needed)",
+        doc="a job's GPU with SM activity twice the cross-section margin above its peers' (no baseline needed)",
         signal="sm_excess",
-        margin="straggler_sm_excess",
+        margin="straggler_cross_sm_excess",
         factor=_CROSS,
         gates=("in_job", "sm_supported"),
     ),
@@ -306,7 +306,7 @@ NODE_CROSS: tuple[Rule, ...] = (
         name="straggler_node_sm_cross",
         doc="a job's busy node with SM activity twice the margin above the other nodes' (no baseline needed)",
         signal="node_act",
-        margin="straggler_sm_excess",
+        margin="straggler_cross_sm_excess",
         factor=_CROSS,
         scaled=False,
         gates=("in_job", "steady", "node_busy", "by_sm"),
