@@ -280,7 +280,7 @@ NODE: tuple[Rule, ...] = (
         name="straggler_node_sm_excess",
         doc="a node's median SM activity above the other nodes' beyond its offset while they wait",
         signal="node_busier",
-        margin="straggler_sm_excess",
+        margin="node_sm_excess",
         gates=("by_sm",),
     ),
     Rule(
