@@ -40,6 +40,9 @@ class EngineConfig:
     # its offset up to this while judged against its baseline; the cross-section still holds it to
     # structural_max_offset, so a straggler slow from the start cannot learn itself away.
     structural_role_max_offset: float = 0.25
+    # Peers slowed against the job's pace by this share of what a rank's role beyond structural_max_offset
+    # would cost, with no GPU standing out beyond its role, say that role was a straggler from the start.
+    straggler_role_slowdown_ratio: float = 1.0
     # Learning time before a GPU or group is judged; it also forgets a job's ramp-up.
     startup_grace_seconds: float = 90.0
     # A GPU at or above this utilization is busy (a straggler must be; unattributed peers are).

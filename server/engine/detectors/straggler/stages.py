@@ -191,6 +191,7 @@ class Culprits:
 
     named: np.ndarray  # stands out in the culprit direction at the full margins while its peers wait
     weak: np.ndarray  # stands out at the weaker margins
+    holding: np.ndarray  # the same beyond the structural range only: what keeps an open alert
     hardware: np.ndarray  # (2, n) at scales(): stands out by clocks or slowdown bits, not activity alone
     waiting: np.ndarray  # its peers wait: slowed against their baseline, or it stands out cross-section
 
@@ -204,22 +205,28 @@ def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     # start included; one standing out cross-section, beyond the structural range only.
     excess = np.where(judged.cross, read.excess, read.role_excess)
     full, weak, hardware = _culprit_signals(tick, state, read, judged, excess)
-    # A role is what the job's pace was learned with. Where its peers slowed against that pace and no GPU
-    # stands out beyond its whole offset, the slowdown is no role's: a GPU whose offset grew past the
-    # structural range while warming up (a straggler from the trace's start) is judged beyond that range.
-    role = (read.role_excess[SM] < read.excess[SM]) | (read.role_excess[PW] < read.excess[PW])
+    # A role is what the job's pace was learned with. Where its peers slowed against that pace by a share
+    # of what its role beyond the structural range would cost (straggler_role_slowdown_ratio) and no GPU
+    # stands out beyond its whole offset, the slowdown is no role's: a GPU whose offset grew past that
+    # range while warming up (a straggler from the trace's start) is judged beyond the range.
+    beyond = np.fmax(
+        nan_to_zero(read.excess[SM] - read.role_excess[SM]), nan_to_zero(read.excess[PW] - read.role_excess[PW])
+    )
+    costs = cfg.straggler_role_slowdown_ratio * (1.0 - 1.0 / (1.0 + beyond))
+    slowdown = nan_to_zero(tick.slowdown[: tick.groups.n_groups])[slots.group_of]
+    role = (beyond > 0.0) & cond.slowed & (slowdown >= costs)
     n_groups = tick.groups.n_groups
     explained = np.bincount(slots.group_of[judged_now & full & slots.in_group], minlength=n_groups) > 0
-    unexplained = role & cond.slowed & ~explained[slots.group_of] & slots.in_group
+    unexplained = role & ~explained[slots.group_of] & slots.in_group
     if unexplained.any():
         excess = np.where(unexplained, read.excess, excess)
         full, weak, hardware = _culprit_signals(tick, state, read, judged, excess)
-    # What keeps an open alert and whole-node findings stays judged beyond the structural range, as the
-    # cross-section is: a straggler from the start hovering at the margin stays one alert.
-    weak = _culprit_signals(tick, state, read, judged, read.excess)[1]
+    # What keeps an open alert is judged beyond the structural range, as the cross-section is: a straggler
+    # from the start hovering at the margin stays one alert.
+    holding = _culprit_signals(tick, state, read, judged, read.excess)[1]
     named = judged_now & full
     named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named, read.deviation - excess)
-    return Culprits(named, weak, hardware, waiting)
+    return Culprits(named=named, weak=weak, holding=holding, hardware=hardware, waiting=waiting)
 
 
 def _culprit_signals(
@@ -259,6 +266,7 @@ def add_shared_node(tick: Tick, slots: Slots, judged: Judged, culprits: Culprits
         culprits,
         named=named | shared.on[0],
         weak=culprits.weak | shared.on[1],
+        holding=culprits.holding | shared.on[1],
         waiting=culprits.waiting | shared.waiting,
     )
 
