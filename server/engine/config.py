@@ -78,10 +78,14 @@ class EngineConfig:
     straggler_min_group: int = 3
     # Peers count as waiting when the group's SM activity fell this far under its baseline.
     straggler_min_slowdown: float = 0.02
+    # The same where no job attribution names the peers (inferred jobs, a node's busy GPUs).
+    straggler_inferred_min_slowdown: float = 0.04
     # The same on power, where SM activity is not reported (a waiting GPU still draws much of its power).
     straggler_min_power_drop: float = 0.025
     # Culprit margin: SM activity this far above the peers' median, beyond the GPU's own offset.
     straggler_sm_excess: float = 0.03
+    # The same where no job attribution names the peers: a guessed group holds steadier differences.
+    straggler_inferred_sm_excess: float = 0.10
     # Culprit margin where SM activity is not reported: power this far above the peers' median.
     straggler_power_excess: float = 0.07
     # Culprit margin without a baseline (times straggler_cross_margin_ratio): a rank's role offset stays
@@ -161,6 +165,8 @@ class EngineConfig:
 
     # comm_bound / input_bound: the job's SM activity this far under its baseline is a drop.
     workload_drop: float = 0.15
+    # The same where no job attribution names the peers (inferred jobs, a node's busy GPUs).
+    straggler_inferred_min_slowdown: float = 0.04
     # The same on power, where SM activity is not reported: power moves less for the same slowdown.
     workload_power_drop: float = 0.08
     # A drop must also lie this many standard deviations of the job's own healthy history below that
