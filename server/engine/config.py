@@ -77,13 +77,13 @@ class EngineConfig:
     # GPUs with data a group needs: a median of two cannot say which one is different.
     straggler_min_group: int = 3
     # Peers count as waiting when the group's SM activity fell this far under its baseline.
-    straggler_min_slowdown: float = 0.02
+    straggler_min_slowdown: float = 0.04
     # The same where no job attribution names the peers (inferred jobs, a node's busy GPUs).
     straggler_inferred_min_slowdown: float = 0.04
     # The same on power, where SM activity is not reported (a waiting GPU still draws much of its power).
     straggler_min_power_drop: float = 0.025
     # Culprit margin: SM activity this far above the peers' median, beyond the GPU's own offset.
-    straggler_sm_excess: float = 0.03
+    straggler_sm_excess: float = 0.10
     # The same where no job attribution names the peers: a guessed group holds steadier differences.
     straggler_inferred_sm_excess: float = 0.10
     # Culprit margin where SM activity is not reported: power this far above the peers' median.
