@@ -165,8 +165,6 @@ class EngineConfig:
 
     # comm_bound / input_bound: the job's SM activity this far under its baseline is a drop.
     workload_drop: float = 0.15
-    # The same where no job attribution names the peers (inferred jobs, a node's busy GPUs).
-    straggler_inferred_min_slowdown: float = 0.04
     # The same on power, where SM activity is not reported: power moves less for the same slowdown.
     workload_power_drop: float = 0.08
     # A drop must also lie this many standard deviations of the job's own healthy history below that
