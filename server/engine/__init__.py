@@ -267,9 +267,7 @@ class Engine:
         if not inferred.any():
             return None
         min_drop = np.where(
-            tick.slowdown_source == SlowdownSource.POWER,
-            cfg.straggler_min_power_drop,
-            cfg.straggler_inferred_min_slowdown,
+            tick.slowdown_source == SlowdownSource.POWER, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown
         )
         trouble = inferred & (tick.slowdown >= min_drop)
         if standout:

@@ -78,22 +78,12 @@ class EngineConfig:
     straggler_min_group: int = 3
     # Peers count as waiting when the group's SM activity fell this far under its baseline.
     straggler_min_slowdown: float = 0.04
-    # The same where no job attribution names the peers (inferred jobs, a node's busy GPUs).
-    straggler_inferred_min_slowdown: float = 0.04
     # The same on power, where SM activity is not reported (a waiting GPU still draws much of its power).
     straggler_min_power_drop: float = 0.025
     # Culprit margin: SM activity this far above the peers' median, beyond the GPU's own offset.
     straggler_sm_excess: float = 0.10
-    # The same where no job attribution names the peers: a guessed group holds steadier differences.
-    straggler_inferred_sm_excess: float = 0.10
     # Culprit margin where SM activity is not reported: power this far above the peers' median.
     straggler_power_excess: float = 0.07
-    # Culprit margin without a baseline (times straggler_cross_margin_ratio): a rank's role offset stays
-    # in its cross-section excess, so this margin is wider than the one against a GPU's own offset.
-    straggler_cross_sm_excess: float = 0.10
-    # Slow-node margin on SM activity: a pipeline stage or an expert group can fill a node, and node pairs
-    # learn no role offset beyond structural_max_offset.
-    node_sm_excess: float = 0.10
     # Slow-node margin on power: a node's median over its GPUs is steadier than one GPU's reading.
     node_power_excess: float = 0.05
     # Culprit margin: SM clock this far below the peers' (with slowdown bits the peers lack, a clock cut).

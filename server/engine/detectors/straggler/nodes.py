@@ -169,7 +169,7 @@ def _pair_readings(tick: Tick, lay: NodePairs) -> _PairReadings:
     r.gap = o_u - node_u
     r.steady = o_u >= cfg.straggler_waiting_utilization
     r.act, r.by_power = _node_activity(node_sm, node_pw, o_sm, o_pw)
-    r.act_margin = np.where(r.by_power, cfg.node_power_excess, cfg.node_sm_excess)
+    r.act_margin = np.where(r.by_power, cfg.node_power_excess, cfg.straggler_sm_excess)
     # A node whose clocks are cut below the others', with slowdown bits they lack (a node-wide power brake,
     # HW slowdown), is slower whatever its activity says; as for a GPU (clock_cut), no baseline needed.
     # The others then draw more power spinning at full clocks: that is not "busy while the others wait".

@@ -233,7 +233,6 @@ def _culprit_signals(
     tick: Tick, state: StragglerState, read: Readings, judged: Judged, excess: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per slot at both scales: its culprit signals (full, weak) and those of hardware alone (gpus.signals)."""
-    attributed = tick.registry.is_job[: tick.groups.n_groups][tick.groups.gid.clip(0)] & (tick.groups.gid >= 0)
     culprit, hardware = signals(
         tick.config,
         excess,
@@ -242,7 +241,6 @@ def _culprit_signals(
         read.sm_unknown,
         tick.med["slow"],
         read.peer_slow_share,
-        attributed[: excess.shape[1]],
     )
     full, weak = ((culprit | read.clocks_cut) & ~read.victim) | judged.idle
     return full, weak, hardware
