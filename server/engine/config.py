@@ -36,13 +36,6 @@ class EngineConfig:
     offset_time_constant_seconds: float = 600.0
     # GPUs of one job do the same work: a learned offset in the culprit direction is capped here.
     structural_max_offset: float = 0.05
-    # A rank steadily different by role from the job's start (a pipeline stage, an expert-heavy rank) learns
-    # its offset up to this while judged against its baseline; the cross-section still holds it to
-    # structural_max_offset, so a straggler slow from the start cannot learn itself away.
-    structural_role_max_offset: float = 0.25
-    # Peers slowed against the job's pace by this share of what a rank's role beyond structural_max_offset
-    # would cost, with no GPU standing out beyond its role, say that role was a straggler from the start.
-    straggler_role_slowdown_ratio: float = 1.0
     # Learning time before a GPU or group is judged; it also forgets a job's ramp-up.
     startup_grace_seconds: float = 90.0
     # A GPU at or above this utilization is busy (a straggler must be; unattributed peers are).

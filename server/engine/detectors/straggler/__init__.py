@@ -118,7 +118,7 @@ def _clear_test(seen: Sighting, still_waiting: np.ndarray, nodes: NodeCulprits):
     node_pairs, node_standout = nodes.pairs, nodes.standout
     in_judged = (read.busy | judged.starved) & read.conditions.active
     warm = (state.learned[: slots.n] >= read.warm_ticks) & read.conditions.slowdown_measured
-    weak, cross = seen.culprits.holding, judged.cross
+    weak, cross = seen.culprits.weak, judged.cross
 
     def test(fp: str) -> bool | None:
         pair = node_pairs.get(fp)

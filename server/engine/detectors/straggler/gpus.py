@@ -38,13 +38,7 @@ _CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
 
 
 def standing_now(
-    tick: Tick,
-    cfg,
-    state: StragglerState,
-    group_of: np.ndarray,
-    sm_unknown: np.ndarray,
-    on: np.ndarray,
-    offset: np.ndarray | None = None,
+    tick: Tick, cfg, state: StragglerState, group_of: np.ndarray, sm_unknown: np.ndarray, on: np.ndarray
 ) -> np.ndarray:
     """Per slot: whether a GPU found standing out over the smoothing window still does in its newest
     readings (its newest bin, or the one before where that is empty), at the weaker margins; True where
@@ -62,7 +56,7 @@ def standing_now(
     assert members is not None  # Engine.advance builds them with every tick's groups
     peers = members.layout.medians(now[: UTIL + 1])[:, group_of]
     dev = deviation(now[: UTIL + 1], peers)
-    ex = dev - nan_to_zero(state.offset[:, : len(on)] if offset is None else offset)
+    ex = dev - nan_to_zero(state.offset[:, : len(on)])
     arrays = {
         "sm_excess": ex[SM],
         "power_excess": ex[PW],
@@ -73,16 +67,6 @@ def standing_now(
     }
     standing = any_of(evaluate(STANDING_NOW, arrays, cfg, cfg.straggler_weak_margin_ratio), _names(STANDING_NOW))
     return standing | np.isnan(now[UTIL])
-
-
-def structural(offset: np.ndarray, cfg, in_job: np.ndarray) -> np.ndarray:
-    """The learned offsets (rows as groups.LEVELS, NaN as 0) with a job's culprit direction held to
-    structural_max_offset: what the cross-section may take for granted without a baseline, since a
-    straggler slow from the job's start learns its slowness as if it were a role."""
-    off = nan_to_zero(offset).copy()
-    held = _CULPRIT_SIGN * np.minimum(_CULPRIT_SIGN * off[:UTIL], cfg.structural_max_offset)
-    off[:UTIL] = np.where(in_job, held, off[:UTIL])
-    return off
 
 
 def _names(rules) -> list[str]:
@@ -321,15 +305,11 @@ def learn(
     warming = state.learned[:n] < warm_ticks
     learn = steady & (warming | ~waiting)
     alpha = learning_rate(cfg, state.learned[:n], ~in_job)
-    before = _CULPRIT_SIGN * nan_to_zero(state.offset[:UTIL, :n])
     state.offset = follow(state.offset, dev, learn, alpha)
-    # Peers in one job run the same steps, or steadily different ones by role (a pipeline stage): an offset
-    # in the culprit direction is capped to the role range, and beyond the structural range it grows only
-    # while the GPU warms up, from the job's start; later a slow drift past it is a fault. None is learned
-    # in the victim direction, where it could only make a GPU that waited look like a culprit once its
-    # straggler recovered. (Fallback groups may mix work: their offsets stay free.)
-    cap = np.where(warming, cfg.structural_role_max_offset, np.fmax(cfg.structural_max_offset, before))
-    cap = np.minimum(cap, cfg.structural_role_max_offset)
+    # Peers in one job run the same steps: an offset in the culprit direction is capped to the structural
+    # range, and none is learned in the victim direction, where it could only make a GPU that waited look
+    # like a culprit once its straggler recovered. (Fallback groups may mix work: their offsets stay free.)
+    cap = cfg.structural_max_offset
     culprit = state.offset[:UTIL]
     state.offset[:UTIL] = np.where(in_job, _CULPRIT_SIGN * np.clip(_CULPRIT_SIGN * culprit, 0.0, cap), culprit)
     # Likewise for utilization, whose victim direction is up (spinning above a host-starved node); its

@@ -23,7 +23,6 @@ from gpufleet.server.engine.detectors.straggler.gpus import (
     shared_node,
     signals,
     standing_now,
-    structural,
 )
 from gpufleet.server.engine.detectors.straggler.nodes import node_level, whole_node
 from gpufleet.server.engine.detectors.straggler.policy import BEYOND_NOISE, CROSS_SECTION, RANK_IDLE
@@ -64,8 +63,7 @@ class Readings:
     """Per slot: each GPU against its group's medians and its own learned offsets."""
 
     deviation: np.ndarray  # rows as groups.LEVELS, against the group's medians (gpus.deviation)
-    excess: np.ndarray  # the deviation less the GPU's learned offset held to the structural range
-    role_excess: np.ndarray  # the deviation less the GPU's whole learned offset, role included
+    excess: np.ndarray  # the deviation less the GPU's learned offset
     sm_unknown: np.ndarray  # its group reports no SM activity
     utilization: np.ndarray
     busy: np.ndarray
@@ -90,8 +88,7 @@ def read_gpus(tick: Tick, state: StragglerState, slots: Slots, halted: AbstractS
     cut, victim = cuts(tick, cfg, dev, peer_slow_share, group_of, in_group)  # sets dev's clock row for a cut GPU
     return Readings(
         deviation=dev,
-        excess=dev - structural(state.offset, cfg, conditions.one_job),
-        role_excess=dev - nan_to_zero(state.offset),
+        excess=dev - nan_to_zero(state.offset),
         sm_unknown=np.isnan(peers[SM]),
         utilization=utilization,
         busy=(utilization >= cfg.busy_utilization) & in_group,
@@ -191,7 +188,6 @@ class Culprits:
 
     named: np.ndarray  # stands out in the culprit direction at the full margins while its peers wait
     weak: np.ndarray  # stands out at the weaker margins
-    holding: np.ndarray  # the same beyond the structural range only: what keeps an open alert
     hardware: np.ndarray  # (2, n) at scales(): stands out by clocks or slowdown bits, not activity alone
     waiting: np.ndarray  # its peers wait: slowed against their baseline, or it stands out cross-section
 
@@ -200,50 +196,13 @@ def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     """GPUs standing out in the culprit direction while their peers wait, still so on their newest readings."""
     cfg, cond = tick.config, read.conditions
     waiting = (cond.slowed | judged.cross) & cond.peers_spinning
-    judged_now = (judged.by_baseline | judged.by_cross_section) & waiting
-    # Against its baseline a GPU is judged beyond its whole learned offset, a role learned from the job's
-    # start included; one standing out cross-section, beyond the structural range only.
-    excess = np.where(judged.cross, read.excess, read.role_excess)
-    full, weak, hardware = _culprit_signals(tick, state, read, judged, excess)
-    # A role is what the job's pace was learned with. Where its peers slowed against that pace by a share
-    # of what its role beyond the structural range would cost (straggler_role_slowdown_ratio) and no GPU
-    # stands out beyond its whole offset, the slowdown is no role's: a GPU whose offset grew past that
-    # range while warming up (a straggler from the trace's start) is judged beyond the range.
-    beyond = np.fmax(
-        nan_to_zero(read.excess[SM] - read.role_excess[SM]), nan_to_zero(read.excess[PW] - read.role_excess[PW])
-    )
-    costs = cfg.straggler_role_slowdown_ratio * (1.0 - 1.0 / (1.0 + beyond))
-    slowdown = nan_to_zero(tick.slowdown[: tick.groups.n_groups])[slots.group_of]
-    role = (beyond > 0.0) & cond.slowed & (slowdown >= costs)
-    n_groups = tick.groups.n_groups
-    explained = np.bincount(slots.group_of[judged_now & full & slots.in_group], minlength=n_groups) > 0
-    unexplained = role & ~explained[slots.group_of] & slots.in_group
-    if unexplained.any():
-        excess = np.where(unexplained, read.excess, excess)
-        full, weak, hardware = _culprit_signals(tick, state, read, judged, excess)
-    # What keeps an open alert is judged beyond the structural range, as the cross-section is: a straggler
-    # from the start hovering at the margin stays one alert.
-    holding = _culprit_signals(tick, state, read, judged, read.excess)[1]
-    named = judged_now & full
-    named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named, read.deviation - excess)
-    return Culprits(named=named, weak=weak, holding=holding, hardware=hardware, waiting=waiting)
-
-
-def _culprit_signals(
-    tick: Tick, state: StragglerState, read: Readings, judged: Judged, excess: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per slot at both scales: its culprit signals (full, weak) and those of hardware alone (gpus.signals)."""
     culprit, hardware = signals(
-        tick.config,
-        excess,
-        tick.levels[: PW + 1],
-        state,
-        read.sm_unknown,
-        tick.med["slow"],
-        read.peer_slow_share,
+        cfg, read.excess, tick.levels[: PW + 1], state, read.sm_unknown, tick.med["slow"], read.peer_slow_share
     )
     full, weak = ((culprit | read.clocks_cut) & ~read.victim) | judged.idle
-    return full, weak, hardware
+    named = (judged.by_baseline | judged.by_cross_section) & waiting & full
+    named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named)
+    return Culprits(named, weak, hardware, waiting)
 
 
 def find_shared_node(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> SharedNode:
@@ -272,7 +231,6 @@ def add_shared_node(tick: Tick, slots: Slots, judged: Judged, culprits: Culprits
         culprits,
         named=named | shared.on[0],
         weak=culprits.weak | shared.on[1],
-        holding=culprits.holding | shared.on[1],
         waiting=culprits.waiting | shared.waiting,
     )
 
