@@ -2,7 +2,7 @@
 
     python -m bench.shard_bench [--gpus 12500] [--counts 1,2,4] [--cycles 24]
 
-A real VictoriaMetrics (bench/victoria.py) is loaded with the history of a fleet of --gpus GPUs (8 a node,
+A real VictoriaMetrics (bench/evaluation/victoria.py) is loaded with the history of a fleet of --gpus GPUs (8 a node,
 128 a job, one node in 20 running no job) as the series gpufleet agents export, one scrape every 5 s:
 60 s of history before the first cycle, and --cycles cycles after it. Then, for each COUNT and each shard of it, one
 child process builds the server's own pipeline (serve.build_runtime: the Prometheus source asking only for
@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import orjson
 
-from bench import victoria
+from bench.evaluation import victoria
 
 GPUS_PER_NODE = 8
 NODES_PER_JOB = 16

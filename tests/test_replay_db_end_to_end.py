@@ -23,7 +23,7 @@ import httpx
 import orjson
 import pytest
 
-from bench import victoria
+from bench.evaluation import victoria
 from gpufleet.server.engine import EngineConfig
 from gpufleet.server.replay import run_replay
 from tests.agent.running import ROOT, agent_process

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import victoria
+from bench.evaluation import victoria
 from bench.evaluation import shard_union
 
 pytestmark = pytest.mark.skipif(victoria.BINARY is None, reason=victoria.WHY_MISSING)

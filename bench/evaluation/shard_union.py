@@ -1,7 +1,7 @@
 """The shards' alerts together are one unsharded server's, over the scenario suite replayed from a database.
 
 Each scenario's trace (tracegen, seed by seed) is loaded into a real VictoriaMetrics as the series gpufleet
-agents export, stamped at their sample times (bench/victoria.py); then `replay --prometheus-url` runs over
+agents export, stamped at their sample times (bench/evaluation/victoria.py); then `replay --prometheus-url` runs over
 the whole range once unsharded and once per shard of COUNT (server/replay_db.py). An alert is its kind and
 subject (kind, node, GPU, job); two alerts agree when those are equal and their start times lie within one
 engine cycle. The union of the shards' alerts must agree with the unsharded alerts one to one; an alert
@@ -23,7 +23,7 @@ from typing import Iterable
 
 import orjson
 
-from bench import victoria
+from bench.evaluation import victoria
 from bench.evaluation import scenarios
 from bench.evaluation.tracegen import generate
 from gpufleet.server.alerts import Alert
