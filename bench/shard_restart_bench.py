@@ -26,10 +26,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 
+from bench.evaluation.processes import running
 from gpufleet.server.shard import Shard
 
 SCENARIO = """
@@ -70,34 +71,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@contextlib.contextmanager
-def running(cmd: list[str], ready_url: str, log: Path, timeout: float = 60.0) -> Iterator[subprocess.Popen]:
-    """A process, once `ready_url` answers 200; stopped with SIGTERM (then killed) on the way out."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
-        try:
-            wait_ready(proc, ready_url, log, timeout)
-            yield proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
-    waiter = threading.Event()
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and proc.poll() is None:
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        waiter.wait(0.05)
-    raise RuntimeError(f"{proc.args!r} did not start: {log.read_text(errors='replace')[-2000:]}")
 
 
 class Fleet:

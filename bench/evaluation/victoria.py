@@ -15,13 +15,13 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 import httpx
 import orjson
 
+from bench.evaluation.processes import running
 from gpufleet.server.readings import READINGS, Kind
 
 BINARY = shutil.which("victoria-metrics")
@@ -68,34 +68,9 @@ def victoria_process(
             *([f"-promscrape.config={scrape_config}"] if scrape_config else []),
             *extra,
         ]
-        log_path = folder / "victoria-metrics.log"
-        with log_path.open("wb") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-            try:
-                url = f"http://127.0.0.1:{port}"
-                _wait_ready(proc, url, log_path)
-                yield proc, url
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, log_path: Path) -> None:
-    """Until /health answers OK; fails with the log's tail when the process ends or never answers."""
-    waiter = threading.Event()
-    with httpx.Client(timeout=1.0) as client:
-        for _ in range(int(_READY_SECONDS * 10)):
-            if proc.poll() is not None:
-                raise RuntimeError(f"victoria-metrics exited {proc.returncode}: {log_path.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{url}/health").text.strip() == "OK":
-                    return
-            waiter.wait(0.1)
-    raise RuntimeError(f"victoria-metrics did not answer /health: {log_path.read_text()[-2000:]}")
+        url = f"http://127.0.0.1:{port}"
+        with running(cmd, f"{url}/health", folder / "victoria-metrics.log", _READY_SECONDS) as proc:
+            yield proc, url
 
 
 def flush(url: str) -> None:
