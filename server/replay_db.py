@@ -16,7 +16,6 @@ GPUs that shard owns (server/shard.py) are judged, so the shards' outputs togeth
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import math
 from dataclasses import dataclass
@@ -24,15 +23,14 @@ from datetime import datetime
 from typing import Any, Callable
 
 from gpufleet.server.contract import NodeSample
-from gpufleet.server.ingest.owned import Ownership
 from gpufleet.server.engine import EngineConfig
 from gpufleet.server.shard import Shard
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_SECONDS = 600.0
-# ingest/prometheus.py's SCHEMAS, spelled out: that module (and httpx) load only when a database is read,
-# not for every replay of files.
+# ingest/prometheus.py's SCHEMAS, spelled out: that module, ingest/owned.py (and httpx, asyncio) load only
+# when a database is read, not for every replay of files.
 SCHEMAS = ("auto", "gpufleet", "dcgm")
 # Each chunk also asks for this much before the previous one's end: a scrape stamped just before a
 # chunk's boundary but rounded out of its range selector is read by the next.
@@ -89,6 +87,7 @@ async def read_history(
     """Every snapshot stored for (start, end], in chunks, with the live source's decoding; the shard's part
     (asked for as a live shard asks: its jobs' and job-less nodes' series only, ingest/prometheus.py; the
     GPUs of other shards' jobs on the nodes read are cut off by ingest/owned.py)."""
+    from gpufleet.server.ingest.owned import Ownership
     from gpufleet.server.ingest.prometheus import PrometheusSource
 
     shard = shard or Shard()
@@ -207,6 +206,10 @@ def checked(args: argparse.Namespace) -> Range:
 
 def replay(request: Range, config: EngineConfig) -> tuple[list, History]:
     """The alerts the engine fires over the range's history, and what was read."""
+    # Here, not at the top: replay of files imports this module for its flags, and asyncio, httpx and the
+    # ingest sources would be a third of its start-up.
+    import asyncio
+
     from gpufleet.server.replay import run_samples
 
     history = asyncio.run(

@@ -334,3 +334,16 @@ def test_malformed_lines_are_logged_up_to_a_limit_then_counted(caplog):
     assert len(skipped) == MALFORMED_LOGGED
     (more,) = [r for r in caplog.records if r.getMessage() == "more malformed lines skipped"]
     assert (more.malformed, more.not_logged) == (5_000, 5_000 - MALFORMED_LOGGED)
+
+
+def test_replay_of_files_loads_no_database_client():
+    """The database replay's client (httpx, asyncio, the ingest sources) is start-up that a replay of files
+    never uses: it loads when --prometheus-url is given, not with the replay command."""
+    import subprocess
+
+    code = (
+        "import sys, gpufleet.server.replay\n"
+        "print(sorted(m for m in ('httpx', 'asyncio', 'gpufleet.server.ingest.base') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
