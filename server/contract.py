@@ -189,9 +189,20 @@ def parse_snapshot(payload: Any) -> NodeSample:
 
 def parse_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, NodeSample | ContractError]]:
     """(1-based line number, sample or error) for every non-blank line; matrices are built in batches."""
-    pending: list[tuple[int, Any]] = []
+    for linenos, items, _ in parse_batches(lines):
+        yield from zip(linenos, items)
+
+
+Batch = tuple[list[int], list[NodeSample | ContractError], int]
+
+
+def parse_batches(lines: Iterable[bytes | str]) -> Iterator[Batch]:
+    """parse_lines a batch at a time: (line numbers, the sample or error of each, how many are errors), so
+    that a reader keeps a batch without errors whole instead of looking at each of its lines."""
     identities: dict = {}
-    rows = 0
+    linenos: list[int] = []
+    pending: list[Any] = []
+    rows = bad = 0
     for lineno, line in enumerate(lines, 1):
         # isspace() stops at the first '{' where strip() would copy the whole line.
         if not line or line.isspace():
@@ -199,15 +210,18 @@ def parse_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, NodeSample 
         try:
             decoded = _decode(line)
         except ContractError as exc:
-            pending.append((lineno, exc))
+            pending.append(exc)
+            bad += 1
         else:
-            pending.append((lineno, decoded))
+            pending.append(decoded)
             rows += len(decoded.gpus)
+        linenos.append(lineno)
         if rows >= CHUNK_GPUS or len(pending) >= CHUNK_LINES:
-            yield from _flush(pending, identities)
-            pending = []
-            rows = 0
-    yield from _flush(pending, identities)
+            yield _batch(linenos, pending, bad, identities)
+            linenos, pending = [], []
+            rows = bad = 0
+    if pending:
+        yield _batch(linenos, pending, bad, identities)
 
 
 def decode_line(line: bytes | str) -> Any:
@@ -216,11 +230,14 @@ def decode_line(line: bytes | str) -> Any:
     return _decode(line)
 
 
-def _flush(pending: list[tuple[int, Any]], identities: dict) -> Iterator[tuple[int, NodeSample | ContractError]]:
-    """Build a chunk of decoded lines in one vectorised pass, keeping line order."""
-    built = iter(_build([item for _, item in pending if not isinstance(item, ContractError)], identities))
-    for lineno, item in pending:
-        yield lineno, (item if isinstance(item, ContractError) else next(built))
+def _batch(linenos: list[int], pending: list[Any], bad: int, identities: dict) -> Batch:
+    """A chunk of decoded lines (bad of them errors already) built in one vectorised pass, in line order."""
+    if not bad:
+        items = _build(pending, identities)
+    else:
+        built = iter(_build([item for item in pending if not isinstance(item, ContractError)], identities))
+        items = [item if isinstance(item, ContractError) else next(built) for item in pending]
+    return linenos, items, sum(isinstance(item, ContractError) for item in items)
 
 
 def _decode(line: bytes | str) -> _Snapshot:
@@ -245,8 +262,7 @@ def _build(snapshots: list[_Snapshot], identities: dict | None = None) -> list[N
     rows = [_astuple(g) for s in snapshots for g in s.gpus]
     if rows:
         cols = list(zip(*rows))
-        # None (an explicit null) becomes NaN here, like the absent readings' NaN default.
-        matrix = np.array([cols[i] for i in _COLUMNS], dtype=np.float64).T
+        matrix = _matrix(cols, len(rows))
         for cols_clamped, high in _CLAMPS:
             np.minimum(matrix[:, cols_clamped], high, out=matrix[:, cols_clamped])
         odd_jobs = _needs_job_normalising(cols[_I_JOB])
@@ -260,6 +276,24 @@ def _build(snapshots: list[_Snapshot], identities: dict | None = None) -> list[N
         out.append(_sample(s, matrix, cols, start, end, odd_jobs, has_xids, identities))
         start = end
     return out
+
+
+def _matrix(cols: list[tuple], n: int) -> np.ndarray:
+    """The batch's readings, shape (n, N_FIELDS), from its decoded columns, one column at a time: a reading
+    no line of the batch carries (its NaN default throughout) is filled without converting n floats, and
+    np.fromiter converts the others at half np.array's cost per value. A column with an explicit null
+    (None, which fromiter refuses) takes np.array, which turns it into NaN like the absent readings."""
+    out = np.empty((N_FIELDS, n))
+    for row, i in zip(out, _COLUMNS):
+        col = cols[i]
+        if col[0] is _NAN and col.count(_NAN) == n:
+            row.fill(_NAN)
+            continue
+        try:
+            row[:] = np.fromiter(col, np.float64, n)
+        except TypeError:
+            row[:] = np.array(col, dtype=np.float64)
+    return out.T
 
 
 def _needs_job_normalising(jobs: tuple) -> bool:

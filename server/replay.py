@@ -31,7 +31,7 @@ import orjson
 
 from gpufleet.server import clocks, contract, replay_db
 from gpufleet.server.alerts import Alert, AlertState
-from gpufleet.server.contract import ContractError, NodeSample, parse_lines
+from gpufleet.server.contract import ContractError, NodeSample, parse_batches
 from gpufleet.server.engine import Engine, EngineConfig, EngineStats
 
 log = logging.getLogger(__name__)
@@ -107,13 +107,19 @@ def _read(sources: Iterable[tuple[str, Iterable[bytes | str]]]) -> tuple[list[No
     bad = 0
     for name, lines in sources:
         starts.append(len(samples))
-        for lineno, item in parse_lines(lines):
-            if isinstance(item, ContractError):
-                bad += 1
-                if bad <= MALFORMED_LOGGED:
-                    log.warning("skipping malformed line", extra={"file": name, "line": lineno, "reason": str(item)})
-            else:
-                samples.append(item)
+        for linenos, items, errors in parse_batches(lines):
+            if not errors:
+                samples.extend(cast(list[NodeSample], items))
+                continue
+            for lineno, item in zip(linenos, items):
+                if isinstance(item, ContractError):
+                    bad += 1
+                    if bad <= MALFORMED_LOGGED:
+                        log.warning(
+                            "skipping malformed line", extra={"file": name, "line": lineno, "reason": str(item)}
+                        )
+                else:
+                    samples.append(item)
     if bad > MALFORMED_LOGGED:
         log.warning("more malformed lines skipped", extra={"malformed": bad, "not_logged": bad - MALFORMED_LOGGED})
     log.info("trace loaded", extra={"snapshots": len(samples), "malformed": bad})
