@@ -18,7 +18,7 @@ from operator import is_
 import numpy as np
 
 from gpufleet.server.contract import NodeSample
-from gpufleet.server.engine.windows import LIMIT_COLS, CounterEvent, Windows
+from gpufleet.server.engine.windows import LIMIT_COLS, CounterEvent, Windows, scatter_cells
 
 # About this many GPU rows are prepared at a time: enough to spread numpy's per-call cost over tens to
 # hundreds of ticks of a small cluster, few enough to keep a chunk's arrays to a few megabytes.
@@ -224,10 +224,10 @@ class Prepared:
         if fresh.all():
             # Every cell starts from zero (the usual case), and 0.0 + a sum that began at 0.0 is that sum.
             bin_id[flat] = bins
-            cells[:, flat] = sums
+            scatter_cells(cells, flat, sums)
             return
         bin_id[flat[fresh]] = bins[fresh]
-        cells[:, flat] = np.where(fresh, 0.0, cells[:, flat]) + sums
+        scatter_cells(cells, flat, np.where(fresh, 0.0, cells[:, flat]) + sums)
 
 
 def _sums_and_counts(rows: np.ndarray) -> np.ndarray:

@@ -7,7 +7,16 @@ import pytest
 
 from gpufleet.server.contract import parse_lines
 from gpufleet.server.engine import prepared as prepared_module
-from gpufleet.server.engine.windows import B_POWER, B_THERMAL, B_UTIL, L_MEM_MAX, L_SLOWDOWN, N_BINNED, Windows
+from gpufleet.server.engine.windows import (
+    B_POWER,
+    B_THERMAL,
+    B_UTIL,
+    L_MEM_MAX,
+    L_SLOWDOWN,
+    N_BINNED,
+    Windows,
+    scatter_cells,
+)
 from tests.server.engine_samples import T0, healthy, sample, snapshot_line
 
 
@@ -253,3 +262,24 @@ def test_prepared_windows_refuse_samples_out_of_order_or_not_the_prepared_ones()
     w.add(samples[1])
     with pytest.raises(RuntimeError, match="prepared"):
         w.flush(0)
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        np.arange(40, 72),  # one run: a bin's every GPU in slot order
+        np.delete(np.arange(40, 72), [3, 4, 20]),  # a few GPUs missing
+        np.arange(0, 64, 2),  # more runs than are copied run by run
+        np.array([9, 3, 4, 5, 60]),  # not in order
+        np.array([7]),
+    ],
+)
+def test_scattering_cells_run_by_run_writes_what_an_index_array_writes(cell):
+    rng = np.random.default_rng(3)
+    before = rng.random((4, 80))
+    values = rng.random((4, len(cell)))
+    expected = before.copy()
+    expected[:, cell] = values
+    got = before.copy()
+    scatter_cells(got, cell, values)
+    assert np.array_equal(got, expected)
