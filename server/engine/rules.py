@@ -93,9 +93,13 @@ def evaluate(
     # more per rule than the comparisons themselves, and give the same values.
     scale_of: np.ndarray | float = float(scale) if scale.ndim == 0 else scale
     out: dict[str, np.ndarray] = {}
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # signal's shape -> the results' (np.broadcast_shapes is slow)
     for rule in rules:
         signal = np.asarray(arrays[rule.signal], dtype=float)
-        shape = signal.shape if scale.ndim == 0 else np.broadcast_shapes(scale.shape, signal.shape)
+        if scale.ndim == 0:
+            shape = signal.shape
+        elif (shape := shapes.get(signal.shape)) is None:
+            shape = shapes[signal.shape] = np.broadcast_shapes(scale.shape, signal.shape)
         if rule.name in disabled:
             out[rule.name] = np.zeros(shape, dtype=bool)
             continue
