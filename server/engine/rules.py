@@ -96,10 +96,11 @@ def evaluate(
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # signal's shape -> the results' (np.broadcast_shapes is slow)
     for rule in rules:
         signal = np.asarray(arrays[rule.signal], dtype=float)
-        if scale.ndim == 0:
-            shape = signal.shape
-        elif (shape := shapes.get(signal.shape)) is None:
-            shape = shapes[signal.shape] = np.broadcast_shapes(scale.shape, signal.shape)
+        shape = signal.shape
+        if scale.ndim:
+            if shape not in shapes:
+                shapes[shape] = np.broadcast_shapes(scale.shape, shape)
+            shape = shapes[shape]
         if rule.name in disabled:
             out[rule.name] = np.zeros(shape, dtype=bool)
             continue
