@@ -88,7 +88,8 @@ def flush(url: str) -> None:
 
 def import_lines(url: str, lines: Iterable[str], extra_labels: Mapping[str, str] | None = None) -> int:
     """Post exposition lines with millisecond timestamps; returns how many were sent, once the database
-    answers queries with every one of them (settle: the range they span holds nothing else)."""
+    answers queries with every one of them (settle; samples already stored in the range they span would
+    end that wait early)."""
     params = [("extra_label", f"{k}={v}") for k, v in (extra_labels or {}).items()]
     sent = 0
     first_ms, last_ms = math.inf, -math.inf

@@ -160,12 +160,12 @@ def _raise(exc: Exception) -> httpx.Response:
 def test_a_chunk_the_database_does_not_answer_stops_the_replay_not_a_silence(failure) -> None:
     # Taken as a range without samples, the chunk would read as every node going quiet and coming back.
     db = _Database([(1000.0 + t, "node-0", "job-0") for t in range(0, 301, 5)])
-    third = []
+    chunks = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         if not request.url.params["query"].startswith("up{"):
-            third.append(request)
-            if len(third) == 3:
+            chunks.append(request)
+            if len(chunks) == 3:
                 return failure()
         return db.handler(request)
 
