@@ -4,8 +4,11 @@ Each scenario's trace (tracegen, seed by seed) is loaded into a real VictoriaMet
 agents export, stamped at their sample times (bench/evaluation/victoria.py); then `replay --prometheus-url` runs over
 the whole range once unsharded and once per shard of COUNT (server/replay_db.py). An alert is its kind and
 subject (kind, node, GPU, job); two alerts agree when those are equal and their start times lie within one
-engine cycle. The union of the shards' alerts must agree with the unsharded alerts one to one; an alert
-raised by two shards (a node-level alert about a node whose GPUs two shards own) is counted apart.
+engine cycle. The union is a set, as Alertmanager sees it (the shards' alerts carry no shard label, so two
+shards' alerts of one kind and subject are one alert there): every unsharded alert must have a twin among
+the shards' and every shard's alert a twin among the unsharded. An alert raised by two shards is listed
+apart; it is right only about a whole node whose GPUs two shards own (each raises `node_unreachable` for
+its part), never about one GPU or one job, which belong to one shard each.
 
     python -m bench.evaluation.shard_union [--counts 2,4] [--seeds 1] [--scenarios a,b]
 
@@ -51,6 +54,7 @@ class Union:
     unmatched_whole: list[Key] = field(default_factory=list)  # unsharded alerts no shard raised
     unmatched_shards: list[Key] = field(default_factory=list)  # shard alerts the unsharded server did not raise
     twice: list[Key] = field(default_factory=list)  # alerts raised by more than one shard
+    misowned: list[Key] = field(default_factory=list)  # of those, about one GPU or one job
 
     def __post_init__(self) -> None:
         union = [a for part in self.shards for a in part]
@@ -58,10 +62,11 @@ class Union:
         self.unmatched_shards = [key(a) for a in union if not _twin(a, self.whole, self.tick_seconds)]
         raised = Counter(k for part in self.shards for k in {key(a) for a in part})
         self.twice = sorted((k for k, n in raised.items() if n > 1), key=str)
+        self.misowned = [k for k in self.twice if k[1] is None or k[2] is not None]
 
     @property
     def equal(self) -> bool:
-        return not self.unmatched_whole and not self.unmatched_shards
+        return not self.unmatched_whole and not self.unmatched_shards and not self.misowned
 
 
 def _twin(alert: Alert, others: Iterable[Alert], tick_seconds: float) -> bool:
@@ -109,7 +114,12 @@ def run(names: list[str], seeds: range, counts: list[int]) -> list[Union]:
 
 def _row(u: Union) -> str:
     union = sum(len(p) for p in u.shards)
-    verdict = "equal" if u.equal else f"DIFFERS: only unsharded {u.unmatched_whole}, only shards {u.unmatched_shards}"
+    verdict = (
+        "equal"
+        if u.equal
+        else f"DIFFERS: only unsharded {u.unmatched_whole}, only shards {u.unmatched_shards}, "
+        f"one GPU's or job's by 2+ shards {u.misowned}"
+    )
     twice = f"; raised by 2+ shards: {u.twice}" if u.twice else ""
     return f"{u.scenario:36s} shards={u.count} unsharded={len(u.whole):3d} union={union:3d} {verdict}{twice}"
 

@@ -5,6 +5,11 @@ data in a temporary folder, optionally scraping with a Prometheus-style `-promsc
 loaded through `/api/v1/import/prometheus`, which takes exposition lines with timestamps: the scenario
 traces' snapshots become the series a gpufleet agent exports (`exposition_lines`), stamped at their
 sample time, so a replay of the database and a replay of the trace see the same samples.
+
+VictoriaMetrics makes imported samples searchable a little after it acknowledges them, even after
+`/internal/force_flush`: a query in the next tens of milliseconds (longer on a busy host) can answer
+`success` with some or none of them, which a replay would take for nodes that went silent. So a load
+returns only once the database counts every sample sent (`settle`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -28,6 +35,7 @@ BINARY = shutil.which("victoria-metrics")
 WHY_MISSING = "victoria-metrics not installed (apt-get install victoria-metrics)"
 _READY_SECONDS = 30.0
 _IMPORT_BATCH_LINES = 200_000
+_SETTLE_SECONDS = 120.0
 
 
 def free_port() -> int:
@@ -79,9 +87,12 @@ def flush(url: str) -> None:
 
 
 def import_lines(url: str, lines: Iterable[str], extra_labels: Mapping[str, str] | None = None) -> int:
-    """Post exposition lines with millisecond timestamps; returns how many were sent. Flushes at the end."""
+    """Post exposition lines with millisecond timestamps; returns how many were sent, once the database
+    answers queries with every one of them (settle; samples already stored in the range they span would
+    end that wait early)."""
     params = [("extra_label", f"{k}={v}") for k, v in (extra_labels or {}).items()]
     sent = 0
+    first_ms, last_ms = math.inf, -math.inf
     batch: list[str] = []
     with httpx.Client(timeout=120.0) as client:
 
@@ -92,6 +103,8 @@ def import_lines(url: str, lines: Iterable[str], extra_labels: Mapping[str, str]
 
         for line in lines:
             batch.append(line)
+            ms = int(line.rsplit(" ", 1)[1])
+            first_ms, last_ms = min(first_ms, ms), max(last_ms, ms)
             if len(batch) >= _IMPORT_BATCH_LINES:
                 post()
                 sent += len(batch)
@@ -99,8 +112,37 @@ def import_lines(url: str, lines: Iterable[str], extra_labels: Mapping[str, str]
         if batch:
             post()
             sent += len(batch)
-    flush(url)
+    if sent:
+        settle(url, sent, first_ms / 1000, last_ms / 1000)
     return sent
+
+
+def stored(url: str, first: float, last: float) -> int:
+    """How many samples a query over [first, last] (unix seconds) finds, of every series."""
+    window = math.ceil(last - first) + 1
+    answer = httpx.get(
+        f"{url}/api/v1/query",
+        params={"query": f'sum(count_over_time({{__name__=~".+"}}[{window}s]))', "time": f"{last:.3f}"},
+        timeout=120.0,
+    )
+    answer.raise_for_status()
+    result = answer.json()["data"]["result"]
+    return int(float(result[0]["value"][1])) if result else 0
+
+
+def settle(url: str, samples: int, first: float, last: float, timeout: float = _SETTLE_SECONDS) -> None:
+    """Flush, then wait until a query over [first, last] finds at least `samples` samples; RuntimeError
+    saying how many it found when it never does."""
+    waiter = threading.Event()
+    end = time.monotonic() + timeout
+    while True:
+        flush(url)
+        found = stored(url, first, last)
+        if found >= samples:
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"{url} answers {found} of the {samples} samples imported after {timeout:.0f} s")
+        waiter.wait(0.05)
 
 
 def _agent_series() -> list[tuple[str, str, str | None, str | None, bool]]:

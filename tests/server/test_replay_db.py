@@ -145,6 +145,38 @@ def test_a_range_is_read_in_overlapping_chunks_and_each_sample_delivered_once() 
     assert len(covered) == 5 and all(hi - lo <= 62 for lo, hi in covered)
 
 
+def _raise(exc: Exception) -> httpx.Response:
+    raise exc
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        lambda: httpx.Response(503, content=b'{"status":"error","errorType":"503","error":"too many queries"}'),
+        lambda: _raise(httpx.ReadTimeout("no answer")),
+    ],
+    ids=["error answer", "timeout"],
+)
+def test_a_chunk_the_database_does_not_answer_stops_the_replay_not_a_silence(failure) -> None:
+    # Taken as a range without samples, the chunk would read as every node going quiet and coming back.
+    db = _Database([(1000.0 + t, "node-0", "job-0") for t in range(0, 301, 5)])
+    chunks = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if not request.url.params["query"].startswith("up{"):
+            chunks.append(request)
+            if len(chunks) == 3:
+                return failure()
+        return db.handler(request)
+
+    with pytest.raises(replay_db.HistoryError, match=r"http://db:8428 up to 1181"):
+        asyncio.run(
+            replay_db.read_history(
+                "http://db:8428", 1000.0, 1300.0, chunk_seconds=60, transport=httpx.MockTransport(handler)
+            )
+        )
+
+
 def _node_samples(node: str, until: float, offset: float = 0.0) -> list[NodeSample]:
     from gpufleet.server.contract import parse_snapshot
 
