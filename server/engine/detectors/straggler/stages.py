@@ -54,8 +54,26 @@ def place_gpus(tick: Tick, state: StragglerState) -> Slots:
     carried = tick.registry.carried
     if len(carried) < n:
         carried = np.concatenate([carried, np.zeros(n - len(carried), dtype=bool)])
-    reset_moved(state, tick.config, gid, carried, in_group & tick.registry.one_job[np.maximum(gid, 0)])
-    return Slots(n, gid, in_group, np.where(in_group, gid, 0))
+    in_job = in_group & tick.registry.one_job[np.maximum(gid, 0)]
+    rebase = in_job & carried[:n] & (gid != state.learned_gid[:n])
+    reset_moved(state, tick.config, gid, carried, in_job)
+    slots = Slots(n, gid, in_group, np.where(in_group, gid, 0))
+    if rebase.any():
+        _rebase_carried(tick, state, slots, np.flatnonzero(rebase))
+    return slots
+
+
+def _rebase_carried(tick: Tick, state: StragglerState, slots: Slots, moved: np.ndarray) -> None:
+    """A GPU carried from a part of the inferred job it joined (a node's busy GPUs) learned its offsets
+    against that part's peers; against the job's they are what it reads against them now, held to a job's
+    structural range (as gpus.reset_moved holds them). A part of one role (a node that is the last
+    pipeline stage) learned none against itself, and its whole role stood out in the job as a slowdown."""
+    cap = tick.config.structural_max_offset
+    peers = tick.groups.levels[:, slots.group_of[moved]]
+    dev = deviation(tick.levels[:, moved], peers)[:UTIL]
+    sign = np.array([[1.0], [1.0], [-1.0]])  # culprit direction per row: busier, busier, clocks lower
+    held = sign * np.clip(sign * dev, 0.0, cap)
+    state.offset[:UTIL, moved] = np.where(np.isnan(dev), state.offset[:UTIL, moved], held)
 
 
 @dataclass(frozen=True, slots=True)
