@@ -90,10 +90,6 @@ class EngineConfig:
     # straggler from clearing and hold comm_bound back, so a culprit hovering at its margin is not named,
     # cleared and named again; 0.6 sits above the generator's noise (3 robust sigmas of excess: ~4 %).
     straggler_weak_margin_ratio: float = 0.6
-    # A synchronous job runs at its slowest rank's pace: a GPU named by activity alone whose excess is below
-    # this share of the largest named in its group (a busier pipeline stage once the job waits on a real
-    # straggler) is no straggler while that one runs.
-    straggler_pace_share_ratio: float = 0.5
     # Without a learned offset only the cross-section says who holds the group back, and each GPU's
     # structural offset stays in its excess: twice the SM-activity and idle margins.
     straggler_cross_margin_ratio: float = 2.0

@@ -221,27 +221,17 @@ def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     named = (judged.by_baseline | judged.by_cross_section) & waiting & full
     named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named)
     by_activity = named & ~(hardware[0] | read.clocks_cut | judged.idle[0])
-    named &= ~_not_the_pace(tick, slots, read, named, by_activity)
+    named &= ~_below_peers(read, by_activity, cfg)
     return Culprits(named, weak, hardware, waiting)
 
 
-def _not_the_pace(tick: Tick, slots: Slots, read: Readings, named: np.ndarray, by_activity: np.ndarray) -> np.ndarray:
-    """Per slot: named by its activity alone, yet not what its peers wait for: no busier than their median
-    now by the weaker margin (its excess is against its own level, learned below theirs: an expert's load
-    drifting up in a group whose offsets are free), or far less in excess than the group's strongest
-    culprit (straggler_pace_share_ratio): a synchronous job runs at its slowest rank's pace."""
-    cfg = tick.config
-    if not by_activity.any():
-        return by_activity
-    act_ex = np.where(read.sm_unknown, read.excess[PW], read.excess[SM])
+def _below_peers(read: Readings, by_activity: np.ndarray, cfg) -> np.ndarray:
+    """Per slot: named by its activity alone, yet no busier than its peers' median now by the weaker
+    margin: its excess is against an offset learned below theirs (an expert's load drifting up in a
+    group whose offsets are free), and peers do not wait for a GPU that finishes its steps before them."""
     act_dev = np.where(read.sm_unknown, read.deviation[PW], read.deviation[SM])
     margin = np.where(read.sm_unknown, cfg.straggler_power_excess, cfg.straggler_sm_excess)
-    level = ~(act_dev >= cfg.straggler_weak_margin_ratio * margin)
-    strongest = np.zeros(tick.groups.n_groups)
-    top = named & slots.in_group & ~np.isnan(act_ex)
-    np.maximum.at(strongest, slots.group_of[top], act_ex[top])
-    outpaced = ~(act_ex >= cfg.straggler_pace_share_ratio * strongest[slots.group_of])
-    return by_activity & (level | outpaced)
+    return by_activity & ~(act_dev >= cfg.straggler_weak_margin_ratio * margin)
 
 
 def find_shared_node(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> SharedNode:
