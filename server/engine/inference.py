@@ -201,7 +201,8 @@ def _level_parts(level: np.ndarray, node: np.ndarray, cfg: EngineConfig) -> list
     Two jobs sharing nodes (each a block of every node) can move together where their steps share no
     wobble and a node's GPUs, read at one instant, do: then their different loads are set against one
     median and the busier job's GPUs stand out. A job's own ranks differ in level by role, but a role is
-    contiguous in rank (a pipeline stage on one node), and a straggler is one GPU or one node."""
+    contiguous in rank (a pipeline stage on one node), and a straggler is one GPU or one node. Split, a
+    GPU without a level joins neither part."""
     known = ~np.isnan(level)
     nodes = np.unique(node)
     least = cfg.straggler_min_group

@@ -322,8 +322,13 @@ def find_nodes(seen: Sighting, still_waiting: np.ndarray, halted: AbstractSet[in
     findings, standout, idle_groups, pairs = node_level(tick, state, halted)
     idle_groups |= set(slots.gid[(judged.by_baseline | judged.by_cross_section) & judged.idle[1]].tolist())
     named = culprits.named
-    for gid, _ in standout:
-        named = named & (slots.gid != gid)
+    # A GPU of its job standing out far above its peers by the cross-section, on another node than those
+    # standing out, is named still: no slow node makes its victims busier, while a node busier by role (the
+    # last pipeline stage) stands out at the weaker margins once its job waits on that GPU.
+    apart = named & judged.by_cross_section & judged.cross_plain[0]
+    node_of = tick.windows.slot_node_id[: slots.n]
+    for gid, nid in standout:
+        named = named & ((slots.gid != gid) | (apart & (node_of != nid)))
     # Most of a node's GPUs standing out together is judged at the weaker margins, cross-section too.
     cross_weak = (read.busy & judged.cross_plain[1]) | judged.by_cross_section
     cross_weak &= read.conditions.cross_steady
