@@ -76,3 +76,11 @@ def test_a_node_of_the_last_stage_carried_into_its_inferred_job_is_not_named():
     named, score = _stragglers("uneven_pipeline_straggler_unattributed", 1)
     assert score.kinds["straggler"].detected == 1 and score.kinds["straggler"].fp == 0
     assert all(a.gpu is not None for a in named)
+
+
+def test_a_straggler_is_named_while_a_busier_stage_node_stands_out_at_the_weaker_margins():
+    # The last stage's node stands out at the weaker margins once the job waits; that held back every GPU
+    # of the job, the straggler on another node standing out far above its peers included.
+    named, score = _stragglers("uneven_pipeline_straggler", 2)
+    assert [(a.node, a.gpu) for a in named] == [("dgx-002", 2)]
+    assert score.kinds["straggler"].detected == 1
