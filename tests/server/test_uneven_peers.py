@@ -84,3 +84,10 @@ def test_a_straggler_is_named_while_a_busier_stage_node_stands_out_at_the_weaker
     named, score = _stragglers("uneven_pipeline_straggler", 2)
     assert [(a.node, a.gpu) for a in named] == [("dgx-002", 2)]
     assert score.kinds["straggler"].detected == 1
+
+
+def test_a_capped_nodes_victims_spinning_at_full_clocks_are_not_named_for_it():
+    # Every GPU of the node waiting for the capped one draws more power than it, each standing out
+    # cross-section: they are the capped node's victims, and only that node is named.
+    named, _ = _stragglers("node_power_cap", 15)
+    assert [(a.node, a.gpu) for a in named] == [("dgx-002", None)]

@@ -322,11 +322,15 @@ def find_nodes(seen: Sighting, still_waiting: np.ndarray, halted: AbstractSet[in
     findings, standout, idle_groups, pairs = node_level(tick, state, halted)
     idle_groups |= set(slots.gid[(judged.by_baseline | judged.by_cross_section) & judged.idle[1]].tolist())
     named = culprits.named
-    # A GPU of its job standing out far above its peers by the cross-section, on another node than those
-    # standing out, is named still: no slow node makes its victims busier, while a node busier by role (the
-    # last pipeline stage) stands out at the weaker margins once its job waits on that GPU.
+    # A GPU of its job standing out far above its peers by the cross-section, alone on its node and on
+    # another node than those standing out, is named still: a node busier by role (the last pipeline stage)
+    # stands out at the weaker margins once its job waits on that GPU. Several on one node are a node's
+    # GPUs spinning at full clocks beside a capped or braked node: its victims.
     apart = named & judged.by_cross_section & judged.cross_plain[0]
     node_of = tick.windows.slot_node_id[: slots.n]
+    if apart.any():
+        key = slots.group_of * len(tick.windows.node_names) + node_of
+        apart &= np.bincount(key[apart], minlength=int(key.max()) + 1)[key] == 1
     for gid, nid in standout:
         named = named & ((slots.gid != gid) | (apart & (node_of != nid)))
     # Most of a node's GPUs standing out together is judged at the weaker margins, cross-section too.
