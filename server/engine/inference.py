@@ -216,7 +216,10 @@ def _level_parts(level: np.ndarray, node: np.ndarray, cfg: EngineConfig) -> list
         return [np.ones(len(level), dtype=bool)]
     high = known & (level > ordered[cut])
     low = known & ~high
-    if not all(np.isin(nodes, node[part]).all() for part in (low, high)):
+    # Each job's GPUs lie closer together than the gap between the jobs; levels spread by a job's ramp-up
+    # or noise have gaps as wide within a part as between the parts.
+    spread = max(ordered[cut] / max(ordered[0], _ROUNDING), ordered[-1] / ordered[cut + 1]) - 1.0
+    if not ratio[cut] >= spread or not all(np.isin(nodes, node[part]).all() for part in (low, high)):
         return [np.ones(len(level), dtype=bool)]
     return [low, high]
 

@@ -43,6 +43,14 @@ def test_a_role_a_straggler_or_a_spread_keeps_one_job(level):
     assert len(parts) == 1 and parts[0].all()
 
 
+def test_levels_spread_as_widely_within_each_part_as_between_them_keep_one_job():
+    # A job's ramp-up or noise spreads its GPUs' levels: a gap of 8 % between 108 and 117 W is no wider
+    # than the spread above it (117 to 135 W).
+    level = np.array([100.0, 117.0, 104.0, 125.0, 108.0, 135.0])
+    parts = _level_parts(level, np.array([0, 0, 1, 1, 0, 1]), EngineConfig())
+    assert len(parts) == 1 and parts[0].all()
+
+
 def test_a_split_needs_a_gap_of_the_configured_size():
     level, node = np.tile([0.66] * 4 + [0.51] * 4, 2), np.repeat([0, 1], 8)
     assert len(_level_parts(level, node, EngineConfig(inferred_split_level_ratio=0.35))) == 1
