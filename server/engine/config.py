@@ -254,6 +254,9 @@ class EngineConfig:
     # different nodes correlate this much on average: a job moves together across its nodes (measured
     # 0.45-0.76), chance clusters of split nodes 0.34-0.35 (a node's GPUs are read at one instant).
     inferred_split_min_correlation: float = 0.4
+    # An inferred job whose GPUs fall into two levels of activity this far apart, each on every node it
+    # spans and closer together than the gap, is two jobs sharing its nodes (see inference._level_parts).
+    inferred_split_level_ratio: float = 0.08
     # Co-movement counts once two GPUs share as many samples as ticks in this (24: one pair's correlation
     # then within ±0.2); at 10 s sampling that takes twice as long, and early merges there joined jobs.
     inferred_min_seconds: float = 120.0

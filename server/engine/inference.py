@@ -193,6 +193,37 @@ def _sure(corr: np.ndarray, members: np.ndarray, node: np.ndarray, min_share: fl
     return bool(corr[np.ix_(members, members)][across].mean() >= min_across)
 
 
+def _level_parts(level: np.ndarray, node: np.ndarray, cfg: EngineConfig) -> list[np.ndarray]:
+    """A cluster's members (their levels over the window: SM activity or power; their node ids) as one
+    job, or as two where they fall into two levels apart by inferred_split_level_ratio, each part at least
+    straggler_min_group GPUs and on every node of the cluster.
+
+    Two jobs sharing nodes (each a block of every node) can move together where their steps share no
+    wobble and a node's GPUs, read at one instant, do: then their different loads are set against one
+    median and the busier job's GPUs stand out. A job's own ranks differ in level by role, but a role is
+    contiguous in rank (a pipeline stage on one node), and a straggler is one GPU or one node. Split, a
+    GPU without a level joins neither part."""
+    known = ~np.isnan(level)
+    nodes = np.unique(node)
+    least = cfg.straggler_min_group
+    if len(nodes) < 2 or np.count_nonzero(known) < 2 * least:
+        return [np.ones(len(level), dtype=bool)]
+    ordered = np.sort(level[known])
+    ratio = ordered[1:] / np.maximum(ordered[:-1], _ROUNDING) - 1.0
+    ratio[: least - 1] = ratio[len(ratio) - least + 1 :] = -np.inf  # each part at least `least` GPUs
+    cut = int(np.argmax(ratio))
+    if not ratio[cut] >= cfg.inferred_split_level_ratio:
+        return [np.ones(len(level), dtype=bool)]
+    high = known & (level > ordered[cut])
+    low = known & ~high
+    # Each job's GPUs lie closer together than the gap between the jobs; levels spread by a job's ramp-up
+    # or noise have gaps as wide within a part as between the parts.
+    spread = max(ordered[cut] / max(ordered[0], _ROUNDING), ordered[-1] / ordered[cut + 1]) - 1.0
+    if not ratio[cut] >= spread or not all(np.isin(nodes, node[part]).all() for part in (low, high)):
+        return [np.ones(len(level), dtype=bool)]
+    return [low, high]
+
+
 def _fill(held: np.ndarray) -> float:
     """Median over GPUs (columns; rows newest first) of the share of bins holding a sample, from each
     GPU's first sample on: bins before it (a trace or a node just begun) say nothing of its interval."""
@@ -269,6 +300,9 @@ class JobInference:
         by_sm = (~np.isnan(sm)).sum(axis=0) * 2 >= (~np.isnan(power)).sum(axis=0)
         series = np.where(by_sm[None, :], sm, power)
         min_common = cfg.bins(cfg.inferred_min_seconds)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a GPU without readings: its level is NaN
+            level = np.nanmedian(series, axis=0)
         z, ok = wobbles(series, cfg.inferred_clip_sigmas)
         corr = lagged_correlation(z, ok, min_common)
         fresh = np.full(len(slots), NONE, dtype=np.int64)
@@ -290,8 +324,10 @@ class JobInference:
                     )
                     if not sure:
                         continue
-                    fresh[pick[clusters == c]] = n_found
-                    n_found += 1
+                    members = pick[clusters == c]
+                    for part in _level_parts(level[members], node[members], cfg):
+                        fresh[members[part]] = n_found
+                        n_found += 1
         self._relabel(slots, fresh, reserved)
 
     def _relabel(self, slots: np.ndarray, fresh: np.ndarray, reserved: set[int]) -> None:

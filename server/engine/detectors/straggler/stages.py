@@ -54,8 +54,26 @@ def place_gpus(tick: Tick, state: StragglerState) -> Slots:
     carried = tick.registry.carried
     if len(carried) < n:
         carried = np.concatenate([carried, np.zeros(n - len(carried), dtype=bool)])
-    reset_moved(state, tick.config, gid, carried, in_group & tick.registry.one_job[np.maximum(gid, 0)])
-    return Slots(n, gid, in_group, np.where(in_group, gid, 0))
+    in_job = in_group & tick.registry.one_job[np.maximum(gid, 0)]
+    rebase = in_job & carried[:n] & (gid != state.learned_gid[:n])
+    reset_moved(state, tick.config, gid, carried, in_job)
+    slots = Slots(n, gid, in_group, np.where(in_group, gid, 0))
+    if rebase.any():
+        _rebase_carried(tick, state, slots, np.flatnonzero(rebase))
+    return slots
+
+
+def _rebase_carried(tick: Tick, state: StragglerState, slots: Slots, moved: np.ndarray) -> None:
+    """A GPU carried from a part of the inferred job it joined (a node's busy GPUs) learned its offsets
+    against that part's peers; against the job's they are what it reads against them now, held to a job's
+    structural range (as gpus.reset_moved holds them). A part of one role (a node that is the last
+    pipeline stage) learned none against itself, and its whole role stood out in the job as a slowdown."""
+    cap = tick.config.structural_max_offset
+    peers = tick.groups.levels[:, slots.group_of[moved]]
+    dev = deviation(tick.levels[:, moved], peers)[:UTIL]
+    sign = np.array([[1.0], [1.0], [-1.0]])  # culprit direction per row: busier, busier, clocks lower
+    held = sign * np.clip(sign * dev, 0.0, cap)
+    state.offset[:UTIL, moved] = np.where(np.isnan(dev), state.offset[:UTIL, moved], held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +220,18 @@ def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     full, weak = ((culprit | read.clocks_cut) & ~read.victim) | judged.idle
     named = (judged.by_baseline | judged.by_cross_section) & waiting & full
     named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named)
+    by_activity = named & ~(hardware[0] | read.clocks_cut | judged.idle[0])
+    named &= ~_below_peers(read, by_activity, cfg)
     return Culprits(named, weak, hardware, waiting)
+
+
+def _below_peers(read: Readings, by_activity: np.ndarray, cfg) -> np.ndarray:
+    """Per slot: named by its activity alone, yet no busier than its peers' median now by the weaker
+    margin: its excess is against an offset learned below theirs (an expert's load drifting up in a
+    group whose offsets are free), and peers do not wait for a GPU that finishes its steps before them."""
+    act_dev = np.where(read.sm_unknown, read.deviation[PW], read.deviation[SM])
+    margin = np.where(read.sm_unknown, cfg.straggler_power_excess, cfg.straggler_sm_excess)
+    return by_activity & ~(act_dev >= cfg.straggler_weak_margin_ratio * margin)
 
 
 def find_shared_node(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> SharedNode:
@@ -293,8 +322,17 @@ def find_nodes(seen: Sighting, still_waiting: np.ndarray, halted: AbstractSet[in
     findings, standout, idle_groups, pairs = node_level(tick, state, halted)
     idle_groups |= set(slots.gid[(judged.by_baseline | judged.by_cross_section) & judged.idle[1]].tolist())
     named = culprits.named
-    for gid, _ in standout:
-        named = named & (slots.gid != gid)
+    # A GPU of its job standing out far above its peers by the cross-section, alone on its node and on
+    # another node than those standing out, is named still: a node busier by role (the last pipeline stage)
+    # stands out at the weaker margins once its job waits on that GPU. Several on one node are a node's
+    # GPUs spinning at full clocks beside a capped or braked node: its victims.
+    apart = named & judged.by_cross_section & judged.cross_plain[0]
+    node_of = tick.windows.slot_node_id[: slots.n]
+    if apart.any():
+        key = slots.group_of * len(tick.windows.node_names) + node_of
+        apart &= np.bincount(key[apart], minlength=int(key.max()) + 1)[key] == 1
+    for gid, nid in standout:
+        named = named & ((slots.gid != gid) | (apart & (node_of != nid)))
     # Most of a node's GPUs standing out together is judged at the weaker margins, cross-section too.
     cross_weak = (read.busy & judged.cross_plain[1]) | judged.by_cross_section
     cross_weak &= read.conditions.cross_steady
