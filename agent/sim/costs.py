@@ -17,9 +17,9 @@ fieldprof.txt). A field-value batch costs the sum of its fields: the real batch 
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
+import zlib
 from collections import defaultdict
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
@@ -102,18 +102,26 @@ DEFAULT_FIELD_COST_US = 3.0
 _FIELD_CALL = "nvmlDeviceGetFieldValues"
 
 
-# Hashed over and over to burn CPU: hashlib lets go of the GIL for data over 2 KiB, as a real NVML call
-# through ctypes does, so the agent's other threads (a scrape) run meanwhile, as on a GPU node. About 5 us
-# a hash: the burn ends at most that late, and the overshoot is counted as the simulator's excess.
-_BURN_BLOCK = bytes(8192)
+# Burned as CRC-32s of zeros: zlib lets go of the GIL for data over 5 KiB, as a real NVML call through
+# ctypes does, so the agent's other threads (a scrape) run meanwhile, as on a GPU node. Each block is
+# sized to what is left of the cost at the rate just seen, so a call lets go of the GIL a few times, not
+# thousands; the burn ends a few microseconds late at most, and that overshoot counts as the simulator's.
+_BURN_BLOCK = memoryview(bytes(1 << 18))
+_BURN_MIN_BYTES = 8192
 
 
 def burn(seconds: float) -> None:
     """Spin until this thread has used `seconds` more CPU (a sleep would cost nothing), without the GIL."""
-    end = time.thread_time_ns() + int(seconds * 1e9)
-    block, sha1 = _BURN_BLOCK, hashlib.sha1
-    while time.thread_time_ns() < end:
-        sha1(block)
+    clock, crc32, block = time.thread_time_ns, zlib.crc32, _BURN_BLOCK
+    now = clock()
+    end = now + int(seconds * 1e9)
+    size = _BURN_MIN_BYTES
+    while now < end:
+        crc32(block[:size])
+        then = clock()
+        ns_per_byte = max(then - now, 1) / size
+        size = max(_BURN_MIN_BYTES, min(len(block), int(0.9 * (end - then) / ns_per_byte)))
+        now = then
 
 
 class CostedNvml:
