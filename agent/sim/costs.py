@@ -103,10 +103,12 @@ _FIELD_CALL = "nvmlDeviceGetFieldValues"
 
 
 # Burned as CRC-32s of zeros: zlib lets go of the GIL for data over 5 KiB, as a real NVML call through
-# ctypes does, so the agent's other threads (a scrape) run meanwhile, as on a GPU node. Each block is
-# sized to what is left of the cost at the rate just seen, so a call lets go of the GIL a few times, not
-# thousands; the burn ends a few microseconds late at most, and that overshoot counts as the simulator's.
-_BURN_BLOCK = memoryview(bytes(1 << 18))
+# ctypes does, so the agent's other threads (a scrape) run meanwhile, as on a GPU node. A first small
+# block gives the rate; the next is sized to what is left of the cost, so a call lets go of the GIL a
+# few times, not thousands. The burn ends a few microseconds late at most, and that overshoot counts as
+# the simulator's. The zeros are never written: the kernel maps them to its one zero page, so the 4 MiB
+# cost no memory.
+_BURN_BLOCK = memoryview(bytes(1 << 22))
 _BURN_MIN_BYTES = 8192
 
 
@@ -120,7 +122,7 @@ def burn(seconds: float) -> None:
         crc32(block[:size])
         then = clock()
         ns_per_byte = max(then - now, 1) / size
-        size = max(_BURN_MIN_BYTES, min(len(block), int(0.9 * (end - then) / ns_per_byte)))
+        size = max(_BURN_MIN_BYTES, min(len(block), int(0.95 * (end - then) / ns_per_byte)))
         now = then
 
 
