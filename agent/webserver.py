@@ -405,8 +405,10 @@ class _Handler(BaseHTTPRequestHandler):
             if send_body:
                 self.wfile.write(body)
             return
-        self._headers_buffer.append(b"\r\n")
-        head, self._headers_buffer = b"".join(self._headers_buffer), []
+        buffer: list[bytes] = self._headers_buffer  # type: ignore[attr-defined]  # http.server's, set per request
+        buffer.append(b"\r\n")
+        head = b"".join(buffer)
+        buffer.clear()
         _send_all(self.connection, head, body)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
