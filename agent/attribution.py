@@ -145,6 +145,11 @@ class JobAttributor:
         stands while the GPU runs none."""
         return self._mapping_dir is not None
 
+    @property
+    def answers_from_pids(self) -> bool:
+        """True when the same pids always get the same answers (each process is read once, then cached)."""
+        return self._mapping_dir is None
+
     def job_for(self, index: int, uuid: str, pids: Iterable[int]) -> str | None:
         """The job using GPU `index`; None when no process on it belongs to a job we can see."""
         if self._mapping_dir is not None:
@@ -347,6 +352,10 @@ class BackgroundAttributor:
         self._errors: Mapping[str, int] = {}
         self._changed = threading.Condition()
         self._pending: dict[int, tuple[str, tuple[int, ...]]] | None = None
+        # The questions last handed to the thread; where answers follow from the pids alone, the same
+        # questions again need no answering, and the thread is not woken for them.
+        self._handed: dict[int, tuple[str, tuple[int, ...]]] | None = None
+        self._from_pids = bool(getattr(inner, "answers_from_pids", False))
         self._busy = False
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -373,9 +382,14 @@ class BackgroundAttributor:
         return answer.pod if answer is not None else None
 
     def end_cycle(self) -> None:
-        """Hand this cycle's questions to the thread, replacing any it has not started on."""
+        """Hand this cycle's questions to the thread, replacing any it has not started on; the questions
+        last handed, asked again of an attributor that answers from pids alone, are not handed again (a
+        steady job's GPUs ask the same every cycle, and waking the thread costs more than its answers)."""
+        asked, self._asked, self._current = self._asked, {}, None
         with self._changed:
-            self._pending, self._asked, self._current = self._asked, {}, None
+            if self._from_pids and self._pending is None and asked == self._handed:
+                return
+            self._pending = self._handed = asked
             self._changed.notify_all()
 
     def resolve_pending(self) -> bool:

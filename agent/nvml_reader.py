@@ -134,6 +134,7 @@ class NvmlReader:
         self._interval = interval_s
         self._clock = clock
         self._plan: Plan = EVERY_CYCLE
+        self._periods: tuple[Plan, Mapping[str, float]] | None = None  # reading_periods, of this plan
         self._from_mask: tuple[str, ...] = ()  # throttle readings the plan integrates from the mask
         self._cycle = 0
         # GPU key -> reason reading -> seconds, for counters the reasons mask stands in for; kept across re-opens.
@@ -191,11 +192,16 @@ class NvmlReader:
     @property
     def reading_periods(self) -> Mapping[str, float]:
         """Read unit -> seconds between its reads (per-link NVLink folded; mask-integrated: every cycle)."""
+        # Asked for on every cycle's health; worked out once per plan.
+        plan, cached = self._plan, self._periods
+        if cached is not None and cached[0] is plan:
+            return cached[1]
         out: dict[str, float] = {}
-        for key, period in self._plan.periods.items():
+        for key, period in plan.periods.items():
             name = base_name(key) if base_name(key) in _LINK_FIELDS else key
             out[name] = max(out.get(name, 0.0), max(period, 1) * self._interval)
-        return MappingProxyType(out)
+        self._periods = (plan, MappingProxyType(out))
+        return self._periods[1]
 
     @property
     def errors(self) -> Mapping[tuple[str, str], int]:

@@ -464,6 +464,32 @@ def test_the_background_attributor_answers_from_the_last_finished_cycle(tmp_path
     assert att.job_for(0, "GPU-z", (81,)) is None  # another GPU at that index: nothing carried over
 
 
+def test_the_same_questions_again_are_not_handed_to_the_thread_where_pids_decide(tmp_path):
+    proc(tmp_path, 80, b"SLURM_JOB_ID=4242\0")
+    proc(tmp_path, 81, b"SLURM_JOB_ID=4243\0")
+    att = BackgroundAttributor(JobAttributor(tmp_path), start=False)
+    att.job_for(0, "GPU-a", (80,))
+    att.end_cycle()
+    assert att.resolve_pending()
+    assert att.job_for(0, "GPU-a", (80,)) == "4242"
+    att.end_cycle()
+    assert not att.resolve_pending()  # a steady job: nothing to answer, the thread stays asleep
+    assert att.job_for(0, "GPU-a", (81,)) == "4242"
+    att.end_cycle()
+    assert att.resolve_pending()  # new processes are looked at
+    assert att.job_for(0, "GPU-a", (81,)) == "4243"
+
+
+def test_a_mapping_directory_is_read_again_every_cycle(tmp_path):
+    mapping = tmp_path / "map"
+    mapping.mkdir()
+    att = BackgroundAttributor(JobAttributor(tmp_path, mapping_dir=mapping), start=False)
+    for _ in range(2):  # the files may change under the same processes
+        att.job_for(0, "GPU-a", ())
+        att.end_cycle()
+        assert att.resolve_pending()
+
+
 def test_a_read_stuck_in_the_kernel_does_not_stop_sampling(tmp_path):
     from gpufleet.agent.sampler import Sampler
     from gpufleet.agent.store import SnapshotStore

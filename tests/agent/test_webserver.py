@@ -17,7 +17,7 @@ import pytest
 from gpufleet.agent.sampler import Sampler
 from gpufleet.agent.store import SnapshotStore
 from gpufleet.agent.connections import ConnectionLimits, _Waiting, request_end
-from gpufleet.agent.webserver import AgentHttpServer, _RequestReader
+from gpufleet.agent.webserver import AgentHttpServer, _RequestReader, _send_all
 from tests.agent.fakes import FakeClock, StubReader
 
 
@@ -618,3 +618,27 @@ def test_the_gate_thread_sleeps_until_a_deadline_and_for_ever_with_none():
         now[0] = 110.0
         assert gate._select_timeout(next_tick=now[0]) == 0.0  # overdue: expire at once
     server.close()
+
+
+class _ShortSocket:
+    """A socket whose send buffer takes only `room` bytes of the first write, as a full one does."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.out = bytearray()
+
+    def sendmsg(self, buffers):
+        data = b"".join(buffers)
+        taken = min(self.room, len(data))
+        self.out += data[:taken]
+        return taken
+
+    def sendall(self, data):
+        self.out += bytes(data)
+
+
+@pytest.mark.parametrize("room", [0, 3, 6, 10, 100_000])
+def test_an_answer_written_in_one_call_is_finished_whatever_the_socket_took(room):
+    sock = _ShortSocket(room)
+    _send_all(sock, b"HEAD\r\n", b"body bytes")
+    assert bytes(sock.out) == b"HEAD\r\nbody bytes"
