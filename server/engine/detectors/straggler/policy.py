@@ -174,6 +174,33 @@ STANDING_NOW: tuple[Rule, ...] = (
     ),
 )
 
+# A GPU whose deviation from its job's median stepped up at one moment (steps.py; arrays per GPU: the rise
+# between two stretches, its group's spread of rises, the job's median fall over the same stretches, the
+# slope within the stretches as a share of the rise). All three together name it.
+STEP: tuple[Rule, ...] = (
+    Rule(
+        name="straggler_step_rise",
+        doc="activity against its job's median rose from one flat stretch to the next, beyond its group's spread",
+        signal="step_rise",
+        margin="straggler_step_excess",
+        spread="step_spread",
+        sigmas="straggler_step_sigmas",
+    ),
+    Rule(
+        name="straggler_step_job_fall",
+        doc="its job's median activity fell over the same stretches (the peers wait for it)",
+        signal="job_fall",
+        margin="straggler_step_min_slowdown",
+    ),
+    Rule(
+        name="straggler_step_flat",
+        doc="the rise is a step: the slope within the stretches is under this share of it (a drift is a ramp)",
+        signal="ramp_share",
+        margin="straggler_step_ramp_ratio",
+        op="<",
+    ),
+)
+
 
 def _clock_cut(prefix: str, subject: str) -> tuple[Rule, ...]:
     """Clocks cut below the peers' with slowdown bits the peers lack (either alone where the other is
@@ -337,4 +364,5 @@ RULES: tuple[Rule, ...] = (
     + NODE
     + NODE_CROSS
     + NODE_CLOCK_CUT
+    + STEP
 )

@@ -27,6 +27,7 @@ from gpufleet.server.engine.detectors.straggler.gpus import (
 from gpufleet.server.engine.detectors.straggler.nodes import node_level, whole_node
 from gpufleet.server.engine.detectors.straggler.policy import BEYOND_NOISE, CROSS_SECTION, RANK_IDLE
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
+from gpufleet.server.engine.detectors.straggler.steps import Steps, find_steps
 from gpufleet.server.engine.reduce import nan_to_zero
 from gpufleet.server.engine.rules import any_of, evaluate
 from gpufleet.server.engine.tick import Tick
@@ -203,6 +204,23 @@ def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     named = (judged.by_baseline | judged.by_cross_section) & waiting & full
     named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named)
     return Culprits(named, weak, hardware, waiting)
+
+
+def add_steps(tick: Tick, state: StragglerState, slots: Slots, read: Readings, culprits: Culprits) -> tuple[Culprits, Steps]:
+    """The culprits plus the GPUs of job groups whose standing against their peers stepped up (steps.py),
+    judged where their peers spin; a GPU named so learns no offset meanwhile (it counts as waited for)."""
+    cond = read.conditions
+    judged = read.busy & read.was_warm & cond.judgeable & cond.one_job & cond.peers_spinning
+    steps = find_steps(tick, state.steps, slots.group_of, judged, read.sm_unknown)
+    return (
+        replace(
+            culprits,
+            named=culprits.named | steps.on,
+            weak=culprits.weak | steps.on,
+            waiting=culprits.waiting | steps.on,
+        ),
+        steps,
+    )
 
 
 def find_shared_node(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> SharedNode:
