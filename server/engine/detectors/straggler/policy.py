@@ -180,11 +180,13 @@ STANDING_NOW: tuple[Rule, ...] = (
 STEP: tuple[Rule, ...] = (
     Rule(
         name="straggler_step_rise",
-        doc="activity against its job's median rose from one flat stretch to the next, beyond its group's spread",
+        doc="activity against its job's median rose from one flat stretch to the next, beyond its group's "
+        "spread, while it keeps its own usual activity",
         signal="step_rise",
         margin="straggler_step_excess",
         spread="step_spread",
         sigmas="straggler_step_sigmas",
+        gates=("kept",),
     ),
     Rule(
         name="straggler_step_job_fall",

@@ -206,12 +206,21 @@ def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     return Culprits(named, weak, hardware, waiting)
 
 
-def add_steps(tick: Tick, state: StragglerState, slots: Slots, read: Readings, culprits: Culprits) -> tuple[Culprits, Steps]:
+def add_steps(
+    tick: Tick, state: StragglerState, slots: Slots, read: Readings, culprits: Culprits
+) -> tuple[Culprits, Steps]:
     """The culprits plus the GPUs of job groups whose standing against their peers stepped up (steps.py),
     judged where their peers spin; a GPU named so learns no offset meanwhile (it counts as waited for)."""
-    cond = read.conditions
+    cfg, cond = tick.config, read.conditions
     judged = read.busy & read.was_warm & cond.judgeable & cond.one_job & cond.peers_spinning
-    steps = find_steps(tick, state.steps, slots.group_of, judged, read.sm_unknown)
+    # A culprit keeps working (as gpus.signals asks): a job hung in its collective falls on every GPU.
+    level, own = state.level[:, : slots.n], tick.levels[: PW + 1]
+    kept = np.where(
+        read.sm_unknown,
+        ~(own[PW] < cfg.straggler_power_kept_ratio * level[PW]),
+        ~(own[SM] < cfg.straggler_sm_kept_ratio * level[SM]),
+    )
+    steps = find_steps(tick, state.steps, slots.group_of, judged, read.sm_unknown, kept)
     return (
         replace(
             culprits,

@@ -81,16 +81,22 @@ class Steps:
     fall: np.ndarray
 
 
-def find_steps(tick: Tick, trail: StepTrail, group_of: np.ndarray, judged: np.ndarray, sm_unknown: np.ndarray) -> Steps:
+def find_steps(
+    tick: Tick, trail: StepTrail, group_of: np.ndarray, judged: np.ndarray, sm_unknown: np.ndarray, kept: np.ndarray
+) -> Steps:
     """Record this tick's bin and test every judged GPU (judged: in a job group, busy, warm, its peers
-    spinning) for a step; keep those found while they stand above their level before."""
+    spinning) for a step; keep those found while they stand above their level before (kept: it keeps
+    its own usual activity, as a culprit does)."""
     cfg = tick.config
     n, a, gap = len(group_of), cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
-    trail.fit(n, 2 * a + gap)
+    trail.fit(n, a + gap + a)
     _record(tick, trail, group_of, judged, sm_unknown)
     after, level_after = trail.stretch(tick.k, 0, a)
     before, level_before = trail.stretch(tick.k, a + gap, a)
-    enough = (np.sum(~np.isnan(after), axis=0) * 3 >= 2 * a) & (np.sum(~np.isnan(before), axis=0) * 3 >= 2 * a)
+    # Each stretch needs a reading in every straggler_newest_bins bins at least (at 10 s sampling every
+    # other 5 s bin is empty).
+    known = [np.sum(~np.isnan(x), axis=0) * cfg.straggler_newest_bins >= a for x in (after, before)]
+    enough = known[0] & known[1]
     mean_after, mean_before = _mean(after), _mean(before)
     rise = mean_after - mean_before
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -102,6 +108,7 @@ def find_steps(tick: Tick, trail: StepTrail, group_of: np.ndarray, judged: np.nd
         "step_spread": _spread(tick, rise, group_of),
         "job_fall": fall,
         "ramp_share": np.where(rise > 0, ramp, np.inf),
+        "kept": kept,
     }
     held = evaluate(STEP, arrays, cfg)
     found = np.logical_and.reduce([held[r.name] for r in STEP]) & judged
