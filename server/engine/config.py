@@ -148,11 +148,9 @@ class EngineConfig:
     # A GPU whose activity against its job's median rose this much from one flat stretch to the next, at
     # one moment, while the job's median fell (detectors/straggler/steps.py): a 3 % job slowdown is a 5-10 % rise.
     straggler_step_excess: float = 0.03
-    # ... beyond this many robust standard deviations of its group's rises (tested on every GPU each tick).
-    straggler_step_sigmas: float = 5.0
     # ... while its job's median activity fell this much over the same stretches (a 3 % slowdown: 2.9 %).
     straggler_step_min_slowdown: float = 0.015
-    # ... with a slope within the stretches under this share of the rise (a ramp's is the whole rise).
+    # ... and the slope within the stretches explains under this share of the rise (a ramp's explains all).
     straggler_step_ramp_ratio: float = 0.5
     # Each stretch is this long: 24 bins, or 120 readings at 1 s sampling.
     straggler_step_window_seconds: float = 120.0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpufleet.server.engine.detectors.straggler import policy
 from gpufleet.server.replay import run_replay
 from tests.server.engine_samples import T0, cluster_lines
 
@@ -52,7 +51,7 @@ def test_a_gpu_that_slows_its_job_3_percent_at_once_is_named_by_its_step():
     assert s.evidence["estimated_job_slowdown_ratio"] >= s.evidence["step_job_fall"]
     assert "at once" in s.summary
     # Without the step rules the margins alone name nobody: the step is what finds it.
-    assert _stragglers(slowed, config={"disabled_rules": [r.name for r in policy.STEP]}) == []
+    assert _stragglers(slowed, config={"disabled_rules": ["straggler_step"]}) == []
 
 
 def test_the_same_rise_as_a_drift_is_not_named():

@@ -174,32 +174,18 @@ STANDING_NOW: tuple[Rule, ...] = (
     ),
 )
 
-# A GPU whose deviation from its job's median stepped up at one moment (steps.py; arrays per GPU: the rise
-# between two stretches, its group's spread of rises, the job's median fall over the same stretches, the
-# slope within the stretches as a share of the rise). All three together name it.
+# A GPU whose standing against its job's median stepped up at one moment (steps.py; arrays per GPU: the
+# rise between two stretches, its group's robust spread of rises; gates: it keeps its own usual activity,
+# its job's median fell over the same stretches, the rise is a step and not a ramp).
 STEP: tuple[Rule, ...] = (
     Rule(
-        name="straggler_step_rise",
-        doc="activity against its job's median rose from one flat stretch to the next, beyond its group's "
-        "spread, while it keeps its own usual activity",
+        name="straggler_step",
+        doc="activity against its job's median rose from one flat stretch to the next while the job's fell",
         signal="step_rise",
         margin="straggler_step_excess",
         spread="step_spread",
-        sigmas="straggler_step_sigmas",
-        gates=("kept",),
-    ),
-    Rule(
-        name="straggler_step_job_fall",
-        doc="its job's median activity fell over the same stretches (the peers wait for it)",
-        signal="job_fall",
-        margin="straggler_step_min_slowdown",
-    ),
-    Rule(
-        name="straggler_step_flat",
-        doc="the rise is a step: the slope within the stretches is under this share of it (a drift is a ramp)",
-        signal="ramp_share",
-        margin="straggler_step_ramp_ratio",
-        op="<",
+        sigmas=_NOISE,
+        gates=("kept", "job_fell", "flat"),
     ),
 )
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.detectors.straggler.policy import STEP
-from gpufleet.server.engine.rules import MAD_TO_SIGMA, evaluate
+from gpufleet.server.engine.rules import MAD_TO_SIGMA, any_of, evaluate
 from gpufleet.server.engine.tick import Tick
 from gpufleet.server.engine.windows import B_POWER, B_SM
 
@@ -106,12 +106,13 @@ def find_steps(
     arrays = {
         "step_rise": rise,
         "step_spread": _spread(tick, rise, group_of),
-        "job_fall": fall,
-        "ramp_share": np.where(rise > 0, ramp, np.inf),
         "kept": kept,
+        # The peers wait for it: their median fell as it rose.
+        "job_fell": fall >= cfg.straggler_step_min_slowdown,
+        # A step: the slope within the stretches explains under this share of the rise (a ramp's, all).
+        "flat": (rise > 0) & (ramp < cfg.straggler_step_ramp_ratio),
     }
-    held = evaluate(STEP, arrays, cfg)
-    found = np.logical_and.reduce([held[r.name] for r in STEP]) & judged
+    found = any_of(evaluate(STEP, arrays, cfg), [r.name for r in STEP]) & judged
     found &= ~_many(tick, found, group_of)
     new = found & np.isnan(trail.before)
     trail.before[new], trail.size[new], trail.fall[new] = mean_before[new], rise[new], fall[new]
