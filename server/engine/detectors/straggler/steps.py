@@ -62,13 +62,44 @@ class StepTrail:
             self.level[:, slots] = np.nan
             self.before[slots] = self.size[slots] = self.fall[slots] = np.nan
 
-    def stretch(self, k: int, newest: int, bins: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows (deviation, level) of the `bins` ticks ending `newest` ticks before tick k, shape (bins, n);
-        NaN for ticks the ring does not hold."""
+    def stretch(self, k: int, newest: int, bins: int) -> Stretch:
+        """What the `bins` ticks ending `newest` ticks before tick k hold (ticks the ring lost count none)."""
         ticks = k - newest - np.arange(bins)
         rows = ticks % len(self.tick_of)
-        held = (self.tick_of[rows] == ticks)[:, None]
-        return np.where(held, self.dev[rows], np.nan), np.where(held, self.level[rows], np.nan)
+        kept = self.tick_of[rows] == ticks
+        return Stretch.of(self.dev[rows[kept]], self.level[rows[kept]], -np.arange(bins, dtype=float)[kept])
+
+    def newest(self, k: int, bins: int) -> np.ndarray:
+        """Per slot: the mean deviation over the `bins` ticks ending at tick k."""
+        ticks = k - np.arange(bins)
+        rows = ticks % len(self.tick_of)
+        return _mean(self.dev[rows[self.tick_of[rows] == ticks]])
+
+
+@dataclass(frozen=True, slots=True)
+class Stretch:
+    """Per slot, over a stretch of ticks: how many deviations it holds, their mean, their sums against
+    time (for the slope within), and the group's mean median level."""
+
+    count: np.ndarray
+    mean: np.ndarray
+    centred_tx: np.ndarray  # sum of (t - mean t)(x - mean x)
+    centred_tt: np.ndarray  # sum of (t - mean t)^2
+    level: np.ndarray
+
+    @staticmethod
+    def of(dev: np.ndarray, level: np.ndarray, t: np.ndarray) -> Stretch:
+        """From rows of deviations and levels (ticks, n) at times t (ticks, newest first: time runs down)."""
+        known = ~np.isnan(dev)
+        weight = known.astype(float)
+        x = np.where(known, dev, 0.0)
+        count = weight.sum(axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = x.sum(axis=0) / count
+            st = t @ weight
+            centred_tx = t @ x - st * mean
+            centred_tt = (t * t) @ weight - st * st / count
+        return Stretch(count, mean, centred_tx, centred_tt, _mean(level))
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,18 +122,17 @@ def find_steps(
     n, a, gap = len(group_of), cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
     trail.fit(n, a + gap + a)
     _record(tick, trail, group_of, judged, sm_unknown)
-    after, level_after = trail.stretch(tick.k, 0, a)
-    before, level_before = trail.stretch(tick.k, a + gap, a)
+    after, before = trail.stretch(tick.k, 0, a), trail.stretch(tick.k, a + gap, a)
     # Each stretch needs a reading in every straggler_newest_bins bins at least (at 10 s sampling every
     # other 5 s bin is empty).
-    known = [np.sum(~np.isnan(x), axis=0) * cfg.straggler_newest_bins >= a for x in (after, before)]
-    enough = known[0] & known[1]
-    mean_after, mean_before = _mean(after), _mean(before)
-    rise = mean_after - mean_before
+    enough = (after.count * cfg.straggler_newest_bins >= a) & (before.count * cfg.straggler_newest_bins >= a)
+    rise = np.where(enough & judged, after.mean - before.mean, np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
-        fall = 1.0 - _mean(level_after) / _mean(level_before)
-        ramp = _trend(after, before, a + gap) / rise
-    rise = np.where(enough & judged, rise, np.nan)
+        fall = 1.0 - after.level / before.level
+        # One slope within both stretches (each about its own mean), times the ticks between their centres:
+        # as large as the rise for a ramp, about nothing for a step.
+        slope = (after.centred_tx + before.centred_tx) / (after.centred_tt + before.centred_tt)
+        ramp = slope * (a + gap) / rise
     arrays = {
         "step_rise": rise,
         "step_spread": _spread(tick, rise, group_of),
@@ -115,10 +145,10 @@ def find_steps(
     found = any_of(evaluate(STEP, arrays, cfg), [r.name for r in STEP]) & judged
     found &= ~_many(tick, found, group_of)
     new = found & np.isnan(trail.before)
-    trail.before[new], trail.size[new], trail.fall[new] = mean_before[new], rise[new], fall[new]
+    trail.before[new], trail.size[new], trail.fall[new] = before.mean[new], rise[new], fall[new]
     # A step found holds while the GPU's newest smoothing window stands the weaker share of it above its
     # level before (the weak margins' share: a culprit hovering at its margin is not cleared and named again).
-    now = _mean(trail.stretch(tick.k, 0, cfg.bins(cfg.smooth_seconds))[0])
+    now = trail.newest(tick.k, cfg.bins(cfg.smooth_seconds))
     on = judged & (now - trail.before >= cfg.straggler_weak_margin_ratio * trail.size)
     trail.before[~on], trail.size[~on], trail.fall[~on] = np.nan, np.nan, np.nan
     return Steps(on, trail.size.copy(), trail.fall.copy())
@@ -136,21 +166,6 @@ def _record(tick: Tick, trail: StepTrail, group_of: np.ndarray, judged: np.ndarr
         trail.dev[row] = np.where(judged, act / level - 1.0, np.nan)
     trail.level[row] = np.where(judged, level, np.nan)
     trail.tick_of[row] = tick.k
-
-
-def _trend(after: np.ndarray, before: np.ndarray, apart: int) -> np.ndarray:
-    """Per slot: the slope within the two stretches (one slope, each stretch its own mean), times the
-    ticks between their centres: as large as the rise for a ramp, about nothing for a step."""
-    num = np.zeros(after.shape[1])
-    den = np.zeros(after.shape[1])
-    for x in (after, before):
-        t = -np.arange(x.shape[0], dtype=float)[:, None] * np.ones_like(x)  # newest first: time runs down
-        t = np.where(np.isnan(x), np.nan, t)
-        tc = t - _mean(t)
-        xc = x - _mean(x)
-        num += np.nansum(tc * xc, axis=0)
-        den += np.nansum(tc * tc, axis=0)
-    return num / den * apart
 
 
 def _spread(tick: Tick, rise: np.ndarray, group_of: np.ndarray) -> np.ndarray:
