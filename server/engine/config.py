@@ -148,6 +148,8 @@ class EngineConfig:
     # A GPU whose activity against its job's median rose this much from one flat stretch to the next, at
     # one moment, while the job's median fell (detectors/straggler/steps.py): a 3 % job slowdown is a 5-10 % rise.
     straggler_step_excess: float = 0.03
+    # ... beyond this many robust standard deviations of its group's rises (each GPU is tested every tick).
+    straggler_step_sigmas: float = 5.0
     # ... while its job's median activity fell this much over the same stretches (a 3 % slowdown: 2.9 %).
     straggler_step_min_slowdown: float = 0.015
     # ... and the slope within the stretches explains under this share of the rise (a ramp's explains all).

@@ -124,9 +124,7 @@ def test_margins_widen_with_the_groups_own_noise() -> None:
     # Quiet readings: the fixed margin decides, and the GPU 13 % busier is named.
     assert _kinds(_noisy_group(0.05), None) == [("straggler", "n1", 3)]
     # Readings so noisy that 13 % lies within 3 robust standard deviations of the group's excesses: no GPU
-    # is named. With the spread switched off (0 sigmas) the fixed margin alone names it (the step rule,
-    # whose 3 % floor lies within this noise without its spread, off too).
+    # is named. With the spread switched off (0 sigmas) the fixed margin alone names it.
     noisy = _noisy_group(0.15)
     assert [k for k in _kinds(noisy, None) if k[0] == "straggler"] == []
-    unspread = {"straggler_noise_sigmas": 0, "disabled_rules": ["straggler_step"]}
-    assert _kinds(noisy, unspread) == [("straggler", "n1", 3)]
+    assert _kinds(noisy, {"straggler_noise_sigmas": 0}) == [("straggler", "n1", 3)]

@@ -184,7 +184,7 @@ STEP: tuple[Rule, ...] = (
         signal="step_rise",
         margin="straggler_step_excess",
         spread="step_spread",
-        sigmas=_NOISE,
+        sigmas="straggler_step_sigmas",
         gates=("kept", "job_fell", "flat"),
     ),
 )

@@ -209,10 +209,13 @@ def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Reading
 def add_steps(
     tick: Tick, state: StragglerState, slots: Slots, read: Readings, culprits: Culprits
 ) -> tuple[Culprits, Steps]:
-    """The culprits plus the GPUs of job groups whose standing against their peers stepped up (steps.py),
-    judged where their peers spin; a GPU named so learns no offset meanwhile (it counts as waited for)."""
+    """The culprits plus the GPUs of attributed jobs whose standing against their peers stepped up
+    (steps.py), judged where their peers spin; a GPU named so learns no offset meanwhile (it counts as
+    waited for). Not in inferred jobs: one that holds two jobs' GPUs sees one job's change of phase as a
+    step of its GPUs while the median falls, and a step is all this test asks."""
     cfg, cond = tick.config, read.conditions
-    judged = read.busy & read.was_warm & cond.judgeable & cond.one_job & cond.peers_spinning
+    attributed = tick.registry.is_job[: tick.groups.n_groups][slots.group_of] & slots.in_group
+    judged = read.busy & read.was_warm & cond.judgeable & attributed & cond.peers_spinning
     # A culprit keeps working (as gpus.signals asks): a job hung in its collective falls on every GPU.
     level, own = state.level[:, : slots.n], tick.levels[: PW + 1]
     kept = np.where(
