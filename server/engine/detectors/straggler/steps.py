@@ -8,11 +8,11 @@ takes longer, and its job's median activity falls at the same moment by what its
 whose share of the work drifts (mixture-of-experts routing) moves as a ramp instead: its deviation
 changes within each stretch as much as between them, and the job need not fall with it.
 
-Each tick every GPU of a job group keeps its newest bin's activity (SM activity, power where SM activity
-is not reported) against its group's median of the same bin, and the group's median: STEP_RULES compare
-a stretch of straggler_step_window_seconds ending now with one of the same length ending
-smooth_seconds earlier (the gap holds the moment of the step, wherever in it). Bins are used raw, not
-the 30 s medians, so that each is an independent reading: 300 readings in five minutes at 1 s sampling.
+Each tick every judged GPU of an attributed job keeps its newest bin's activity (SM activity, power where
+SM activity is not reported) against its group's median of the same bin, and that median. The STEP rule
+compares the stretch of straggler_step_window_seconds ending now with the one as long before it, the two
+smooth_seconds apart (the gap holds the moment of the step, wherever in it). Bins are used raw, not the
+30 s medians, so that each is an independent reading: 120 a stretch at 1 s sampling.
 """
 
 from __future__ import annotations
@@ -170,7 +170,9 @@ def _record(tick: Tick, trail: StepTrail, group_of: np.ndarray, judged: np.ndarr
 
 def _spread(tick: Tick, rise: np.ndarray, group_of: np.ndarray) -> np.ndarray:
     """Per slot: the robust standard deviation of its group's rises (one straggler does not widen it)."""
-    layout = tick.groups.members.layout
+    members = tick.groups.members
+    assert members is not None  # Engine.advance builds them with every tick's groups
+    layout = members.layout
     center = layout.medians(rise[None, :])[0][group_of]
     return MAD_TO_SIGMA * layout.medians(np.abs(rise - center)[None, :])[0][group_of]
 
