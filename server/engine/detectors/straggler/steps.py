@@ -38,6 +38,7 @@ class StepTrail:
         self.dev = np.full((0, 0), np.nan)
         self.level = np.full((0, 0), np.nan)
         self.tick_of = np.full(0, -1, dtype=np.int64)  # the tick each ring row holds
+        self.since = np.full(0, np.nan)  # per slot: the tick since which it has been judged without a break
         self.before = np.full(0, np.nan)
         self.size = np.full(0, np.nan)
         self.fall = np.full(0, np.nan)
@@ -51,6 +52,7 @@ class StepTrail:
             self.dev = np.concatenate([self.dev, np.full((ring, n - self.dev.shape[1]), np.nan)], axis=1)
             self.level = np.concatenate([self.level, np.full((ring, n - self.level.shape[1]), np.nan)], axis=1)
         self.before = grown(self.before, n, np.nan)
+        self.since = grown(self.since, n, np.nan)
         self.size = grown(self.size, n, np.nan)
         self.fall = grown(self.fall, n, np.nan)
 
@@ -60,7 +62,7 @@ class StepTrail:
             slots = slots[slots < self.dev.shape[1]]
             self.dev[:, slots] = np.nan
             self.level[:, slots] = np.nan
-            self.before[slots] = self.size[slots] = self.fall[slots] = np.nan
+            self.before[slots] = self.size[slots] = self.fall[slots] = self.since[slots] = np.nan
 
     def stretch(self, k: int, newest: int, bins: int) -> Stretch:
         """What the `bins` ticks ending `newest` ticks before tick k hold (ticks the ring lost count none)."""
@@ -124,8 +126,10 @@ def find_steps(
     _record(tick, trail, group_of, judged, sm_unknown)
     after, before = trail.stretch(tick.k, 0, a), trail.stretch(tick.k, a + gap, a)
     # Each stretch needs a reading in every straggler_newest_bins bins at least (at 10 s sampling every
-    # other 5 s bin is empty).
+    # other 5 s bin is empty), and the GPU judged throughout: a stretch that began in its job's settling
+    # after the warm-up compares the settling with the job.
     enough = (after.count * cfg.straggler_newest_bins >= a) & (before.count * cfg.straggler_newest_bins >= a)
+    enough &= tick.k - trail.since >= a + gap + a - 1
     rise = np.where(enough & judged, after.mean - before.mean, np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
         fall = 1.0 - after.level / before.level
@@ -166,6 +170,7 @@ def _record(tick: Tick, trail: StepTrail, group_of: np.ndarray, judged: np.ndarr
         trail.dev[row] = np.where(judged, act / level - 1.0, np.nan)
     trail.level[row] = np.where(judged, level, np.nan)
     trail.tick_of[row] = tick.k
+    trail.since[: len(judged)] = np.where(judged, np.fmin(trail.since[: len(judged)], tick.k), np.nan)
 
 
 def _spread(tick: Tick, rise: np.ndarray, group_of: np.ndarray) -> np.ndarray:
