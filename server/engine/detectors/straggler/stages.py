@@ -215,7 +215,8 @@ def add_steps(
     step of its GPUs while the median falls, and a step is all this test asks."""
     cfg, cond = tick.config, read.conditions
     attributed = tick.registry.is_job[: tick.groups.n_groups][slots.group_of] & slots.in_group
-    judged = read.busy & read.was_warm & cond.judgeable & attributed & cond.peers_spinning
+    # Not a victim: beside GPUs whose clocks are cut, its peers' median falls with them and it spins on.
+    judged = read.busy & read.was_warm & cond.judgeable & attributed & cond.peers_spinning & ~read.victim
     # A culprit keeps working (as gpus.signals asks): a job hung in its collective falls on every GPU.
     level, own = state.level[:, : slots.n], tick.levels[: PW + 1]
     kept = np.where(
