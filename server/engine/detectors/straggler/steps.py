@@ -151,10 +151,13 @@ def find_steps(
     new = found & np.isnan(trail.before)
     trail.before[new], trail.size[new], trail.fall[new] = before.mean[new], rise[new], fall[new]
     # A step found holds while the GPU's newest smoothing window stands the weaker share of it above its
-    # level before (the weak margins' share: a culprit hovering at its margin is not cleared and named again).
-    now = trail.newest(tick.k, cfg.bins(cfg.smooth_seconds))
-    on = judged & (now - trail.before >= cfg.straggler_weak_margin_ratio * trail.size)
-    trail.before[~on], trail.size[~on], trail.fall[~on] = np.nan, np.nan, np.nan
+    # level before (the weak margins' share: a culprit hovering at its margin is not cleared and named again);
+    # it is forgotten once the GPU reads below that, not while it goes unjudged for a while.
+    above = trail.newest(tick.k, cfg.bins(cfg.smooth_seconds)) - trail.before
+    held = cfg.straggler_weak_margin_ratio * trail.size
+    back = above < held
+    trail.before[back], trail.size[back], trail.fall[back] = np.nan, np.nan, np.nan
+    on = judged & (above >= held)
     return Steps(on, trail.size.copy(), trail.fall.copy())
 
 
