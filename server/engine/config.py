@@ -148,13 +148,16 @@ class EngineConfig:
     # A GPU whose activity against its job's median rose this much from one flat stretch to the next, at
     # one moment, while the job's median fell (detectors/straggler/steps.py): a 3 % job slowdown is a 5-10 % rise.
     straggler_step_excess: float = 0.03
-    # ... beyond this many robust standard deviations of its group's rises (each GPU is tested every tick).
+    # A step's rise must also pass this many robust standard deviations of its group's rises (every GPU
+    # is tested every tick: at 3 a 1,024-GPU job would see chance rises).
     straggler_step_sigmas: float = 5.0
-    # ... while its job's median activity fell this much over the same stretches (a 3 % slowdown: 2.9 %).
+    # A step names a GPU only where its job's median activity fell this much over the same stretches (its
+    # peers wait for it: a 3 % job slowdown is a 2.9 % fall).
     straggler_step_min_slowdown: float = 0.015
-    # ... and the slope within the stretches explains under this share of the rise (a ramp's explains all).
+    # A rise is a step where the slope within its two stretches explains under this share of it (a rank's
+    # drifting load is a ramp, whose slope explains all of it).
     straggler_step_ramp_ratio: float = 0.5
-    # Each stretch is this long: 24 bins, or 120 readings at 1 s sampling.
+    # Each of the two stretches a step is measured between is this long: 24 bins, 120 readings at 1 s sampling.
     straggler_step_window_seconds: float = 120.0
 
     # comm_bound / input_bound: the job's SM activity this far under its baseline is a drop.
