@@ -145,6 +145,20 @@ class EngineConfig:
     # of that excess (0.3 % of normal noise lies beyond 3): at the generator's noise (SM and power spread
     # ~1.3 %) the fixed margins decide; with 4x the noise (4-5 %) they widen to 12-15 %.
     straggler_noise_sigmas: float = 3.0
+    # A GPU whose activity against its job's median rose this much from one flat stretch to the next, at
+    # one moment, while the job's median fell (detectors/straggler/steps.py): a 3 % job slowdown is a 5-10 % rise.
+    straggler_step_excess: float = 0.03
+    # A step's rise must also pass this many robust standard deviations of its group's rises (every GPU
+    # is tested every tick: at 3 a 1,024-GPU job would see chance rises).
+    straggler_step_sigmas: float = 5.0
+    # A step names a GPU only where its job's median activity fell this much over the same stretches (its
+    # peers wait for it: a 3 % job slowdown is a 2.9 % fall).
+    straggler_step_min_slowdown: float = 0.015
+    # A rise is a step where the slope within its two stretches explains under this share of it (a rank's
+    # drifting load is a ramp, whose slope explains all of it).
+    straggler_step_ramp_ratio: float = 0.5
+    # Each of the two stretches a step is measured between is this long: 24 bins, 120 readings at 1 s sampling.
+    straggler_step_window_seconds: float = 120.0
 
     # comm_bound / input_bound: the job's SM activity this far under its baseline is a drop.
     workload_drop: float = 0.15

@@ -74,7 +74,7 @@ def _stragglers(config: dict | None) -> list[tuple[str, int | None]]:
 
 def test_switching_off_the_rules_that_name_a_gpu_leaves_it_unnamed() -> None:
     assert _stragglers(None) == [("n1", 3)]
-    gpu_rules = policy.ACTIVITY + policy.HARDWARE + policy.CROSS_SECTION + policy.GPU_CLOCK_CUT
+    gpu_rules = policy.ACTIVITY + policy.HARDWARE + policy.CROSS_SECTION + policy.GPU_CLOCK_CUT + policy.STEP
     assert _stragglers({"disabled_rules": sorted(r.name for r in gpu_rules)}) == []
     # The clock rules alone off: its SM activity, 0.80 against its waiting peers' 0.62, still names it.
     clocks = policy.HARDWARE + policy.GPU_CLOCK_CUT

@@ -25,6 +25,7 @@ from gpufleet.server.engine.detectors.straggler.stages import (
     Readings,
     Sighting,
     add_shared_node,
+    add_steps,
     find_culprits,
     find_nodes,
     find_shared_node,
@@ -37,6 +38,7 @@ from gpufleet.server.engine.detectors.straggler.stages import (
 )
 from gpufleet.server.engine.detectors.straggler.gpus import SharedNode
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
+from gpufleet.server.engine.detectors.straggler.steps import Steps
 from gpufleet.server.engine.tick import Tick
 
 __all__ = ["RULES", "Result", "StragglerState", "detect"]
@@ -69,7 +71,7 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     slots = place_gpus(tick, state)
     read = read_gpus(tick, state, slots, context.halted)
     judged = judge(tick, state, slots, read)
-    culprits = find_culprits(tick, state, slots, read, judged)
+    culprits, steps = add_steps(tick, state, slots, read, find_culprits(tick, state, slots, read, judged))
     shared = find_shared_node(tick, state, slots, read)
     learn_offsets(tick, state, slots, read, culprits.waiting | shared.waiting)
     seen = Sighting(tick, state, slots, read, judged, add_shared_node(tick, slots, judged, culprits, shared))
@@ -77,7 +79,7 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     still_waiting = peers_still_waiting(read, judged, seen.culprits)
     nodes = find_nodes(seen, still_waiting, context.halted)
     out = Outcome()
-    for finding in _gpu_findings(tick, state, read, judged, nodes, shared):
+    for finding in _gpu_findings(tick, state, read, judged, nodes, shared, steps):
         out.add(finding)
     for finding in nodes.findings:
         out.add(finding)
@@ -88,7 +90,13 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
 
 
 def _gpu_findings(
-    tick: Tick, state: StragglerState, read: Readings, judged: Judged, nodes: NodeCulprits, shared: SharedNode
+    tick: Tick,
+    state: StragglerState,
+    read: Readings,
+    judged: Judged,
+    nodes: NodeCulprits,
+    shared: SharedNode,
+    steps: Steps,
 ) -> list[Finding]:
     """A finding for each GPU named on its own."""
     return [
@@ -101,6 +109,7 @@ def _gpu_findings(
             bool(judged.cross[slot]),
             bool(judged.idle[0, slot]),
             shared if shared.on[0, slot] else None,
+            (float(steps.size[slot]), float(steps.fall[slot])) if steps.on[slot] else None,
         )
         for slot in nodes.gpus_named.nonzero()[0].tolist()
     ]

@@ -29,16 +29,21 @@ def gpu_finding(
     cross: bool = False,
     idle: bool = False,
     shared: SharedNode | None = None,
+    step: tuple[float, float] | None = None,
 ) -> Finding:
     """The finding for one culprit GPU (ex, dev: its excess and deviation per row; cross: it stands out
     with no baseline needed; idle: it idles on its host while its peers wait; shared: found by
-    gpus.shared_node, against the GPUs of its node that sank)."""
+    gpus.shared_node, against the GPUs of its node that sank; step: its rise and its job's fall where
+    steps.py found its standing stepped up)."""
     cfg, w = tick.config, tick.windows
     gid = int(tick.groups.gid[slot])
     job = tick.registry.job(gid)
     waiting_peers = _waiting_peers(tick, slot, gid, shared)
     clocks_cut = tick.med["slow"][slot] >= cfg.straggler_slow_bits_share and -dev[CLK] > 0.0
     slowdown = _slowdown(tick, slot, gid, ex, dev, cross, idle, clocks_cut, shared)
+    if step is not None:
+        # The job's fall as it stepped is its peers' wait, where the baseline (a high percentile) hides it.
+        slowdown = max(slowdown if slowdown == slowdown else 0.0, step[1])
     fp = subject_fingerprint(AlertKind.STRAGGLER, w.slot_node[slot], w.slot_index[slot], job)
     cost = _cost_gpu_hours(tick, gid, slowdown, waiting_peers)
     lost = state.add_cost(fp, tick.t, cost)
@@ -57,6 +62,12 @@ def gpu_finding(
         evidence["note"] = "no hpc_job attribution: compared with busy GPUs of the same model on this node"
     inferred_peers(tick.registry, gid, evidence)
     reasons = _reasons(tick, slot, gid, ex, causes, idle, waiting_peers)
+    if step is not None:
+        evidence["step_rise_vs_peers"], evidence["step_job_fall"] = r3(step[0]), r3(step[1])
+        reasons.append(
+            f"its {'SM activity' if sm_known else 'power'} against its peers' rose {percent(step[0])} at once "
+            f"while theirs fell {percent(step[1])}"
+        )
     retries = state.link_retry_counts(slot)
     if retries:
         evidence["link_retries"] = retries

@@ -174,6 +174,21 @@ STANDING_NOW: tuple[Rule, ...] = (
     ),
 )
 
+# A GPU whose standing against its job's median stepped up at one moment (steps.py; arrays per GPU: the
+# rise between two stretches, its group's robust spread of rises; gates: it keeps its own usual activity,
+# its job's median fell over the same stretches, the rise is a step and not a ramp).
+STEP: tuple[Rule, ...] = (
+    Rule(
+        name="straggler_step",
+        doc="activity against its job's median rose from one flat stretch to the next while the job's fell",
+        signal="step_rise",
+        margin="straggler_step_excess",
+        spread="step_spread",
+        sigmas="straggler_step_sigmas",
+        gates=("kept", "job_fell", "flat"),
+    ),
+)
+
 
 def _clock_cut(prefix: str, subject: str) -> tuple[Rule, ...]:
     """Clocks cut below the peers' with slowdown bits the peers lack (either alone where the other is
@@ -337,4 +352,5 @@ RULES: tuple[Rule, ...] = (
     + NODE
     + NODE_CROSS
     + NODE_CLOCK_CUT
+    + STEP
 )

@@ -27,6 +27,7 @@ from gpufleet.server.engine.detectors.straggler.gpus import (
 from gpufleet.server.engine.detectors.straggler.nodes import node_level, whole_node
 from gpufleet.server.engine.detectors.straggler.policy import BEYOND_NOISE, CROSS_SECTION, RANK_IDLE
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
+from gpufleet.server.engine.detectors.straggler.steps import Steps, find_steps
 from gpufleet.server.engine.reduce import nan_to_zero
 from gpufleet.server.engine.rules import any_of, evaluate
 from gpufleet.server.engine.tick import Tick
@@ -232,6 +233,36 @@ def _below_peers(read: Readings, by_activity: np.ndarray, cfg) -> np.ndarray:
     act_dev = np.where(read.sm_unknown, read.deviation[PW], read.deviation[SM])
     margin = np.where(read.sm_unknown, cfg.straggler_power_excess, cfg.straggler_sm_excess)
     return by_activity & ~(act_dev >= cfg.straggler_weak_margin_ratio * margin)
+
+
+def add_steps(
+    tick: Tick, state: StragglerState, slots: Slots, read: Readings, culprits: Culprits
+) -> tuple[Culprits, Steps]:
+    """The culprits plus the GPUs of attributed jobs whose standing against their peers stepped up
+    (steps.py), judged where their peers spin; a GPU named so learns no offset meanwhile (it counts as
+    waited for). Not in inferred jobs: one that holds two jobs' GPUs sees one job's change of phase as a
+    step of its GPUs while the median falls, and a step is all this test asks."""
+    cfg, cond = tick.config, read.conditions
+    attributed = tick.registry.is_job[: tick.groups.n_groups][slots.group_of] & slots.in_group
+    # Not a victim: beside GPUs whose clocks are cut, its peers' median falls with them and it spins on.
+    judged = read.busy & read.was_warm & cond.judgeable & attributed & cond.peers_spinning & ~read.victim
+    # A culprit keeps working (as gpus.signals asks): a job hung in its collective falls on every GPU.
+    level, own = state.level[:, : slots.n], tick.levels[: PW + 1]
+    kept = np.where(
+        read.sm_unknown,
+        ~(own[PW] < cfg.straggler_power_kept_ratio * level[PW]),
+        ~(own[SM] < cfg.straggler_sm_kept_ratio * level[SM]),
+    )
+    steps = find_steps(tick, state.steps, slots.group_of, judged, read.sm_unknown, kept)
+    return (
+        replace(
+            culprits,
+            named=culprits.named | steps.on,
+            weak=culprits.weak | steps.on,
+            waiting=culprits.waiting | steps.on,
+        ),
+        steps,
+    )
 
 
 def find_shared_node(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> SharedNode:

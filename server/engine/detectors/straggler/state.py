@@ -10,6 +10,7 @@ from gpufleet.server.alerts import AlertKind
 from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.detectors import FingerprintIndex
 from gpufleet.server.engine.detectors.straggler.node_pairs import NodeOffsets
+from gpufleet.server.engine.detectors.straggler.steps import StepTrail
 from gpufleet.server.engine.groups import LEVELS
 from gpufleet.server.engine.tick import Tick
 from gpufleet.server.engine.windows import CounterEvent
@@ -36,6 +37,7 @@ class StragglerState:
         self.cost: dict[str, tuple[float, float]] = {}
         self._steady = np.full(0, np.nan)
         self.nodes = NodeOffsets()
+        self.steps = StepTrail()  # recent bins against the peers, and steps found (steps.py)
         self.index = FingerprintIndex(AlertKind.STRAGGLER)
         # Per GPU: its links' recent retries, (time, event kind, count), oldest first.
         self.link_retries: dict[int, list[tuple[float, str, int]]] = {}
@@ -66,6 +68,7 @@ class StragglerState:
             self.learned[slots] = 0
             self.spread[slots] = np.nan
             self.noise[:, slots] = np.nan
+            self.steps.forget(slots)
             for slot in slots.tolist():
                 self.link_retries.pop(int(slot), None)
 

@@ -1,0 +1,200 @@
+"""A GPU whose standing against its job's peers stepped up at one moment while the peers' activity fell:
+a straggler too small for the activity margins.
+
+A GPU that slows its job by a few percent stands out from its peers by a few percent of SM activity:
+under straggler_sm_excess, and within what its learned offset absorbs over minutes. But a fault starts at
+a moment: the GPU's deviation from its job's median is flat before and flat after, higher by what it now
+takes longer, and its job's median activity falls at the same moment by what its peers now wait. A rank
+whose share of the work drifts (mixture-of-experts routing) moves as a ramp instead: its deviation
+changes within each stretch as much as between them, and the job need not fall with it.
+
+Each tick every judged GPU of an attributed job keeps its newest bin's activity (SM activity, power where
+SM activity is not reported) against its group's median of the same bin, and that median. The STEP rule
+compares the stretch of straggler_step_window_seconds ending now with the one as long before it, the two
+smooth_seconds apart (the gap holds the moment of the step, wherever in it). Bins are used raw, not the
+30 s medians, so that each is an independent reading: 120 a stretch at 1 s sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpufleet.server.engine.arrays import grown
+from gpufleet.server.engine.detectors.straggler.policy import STEP
+from gpufleet.server.engine.rules import MAD_TO_SIGMA, any_of, evaluate
+from gpufleet.server.engine.tick import Tick
+from gpufleet.server.engine.windows import B_POWER, B_SM
+
+_ROWS = np.array([B_SM, B_POWER])
+
+
+class StepTrail:
+    """Per GPU: its recent bins' deviation from its group's median and the group's median level (a ring
+    of ticks), and a step found (its deviation before, its size and its job's fall; NaN: none)."""
+
+    def __init__(self) -> None:
+        self.dev = np.full((0, 0), np.nan)
+        self.level = np.full((0, 0), np.nan)
+        self.tick_of = np.full(0, -1, dtype=np.int64)  # the tick each ring row holds
+        self.since = np.full(0, np.nan)  # per slot: the tick since which it has been judged without a break
+        self.before = np.full(0, np.nan)
+        self.size = np.full(0, np.nan)
+        self.fall = np.full(0, np.nan)
+
+    def fit(self, n: int, ring: int) -> None:
+        """Grow to n slots and a ring of `ring` ticks (a new ring length starts it afresh)."""
+        if self.dev.shape[0] != ring:
+            self.dev, self.level = np.full((ring, n), np.nan), np.full((ring, n), np.nan)
+            self.tick_of = np.full(ring, -1, dtype=np.int64)
+        if self.dev.shape[1] < n:
+            self.dev = np.concatenate([self.dev, np.full((ring, n - self.dev.shape[1]), np.nan)], axis=1)
+            self.level = np.concatenate([self.level, np.full((ring, n - self.level.shape[1]), np.nan)], axis=1)
+        self.before = grown(self.before, n, np.nan)
+        self.since = grown(self.since, n, np.nan)
+        self.size = grown(self.size, n, np.nan)
+        self.fall = grown(self.fall, n, np.nan)
+
+    def forget(self, slots: np.ndarray) -> None:
+        """These GPUs' trails start afresh (their group's work changed)."""
+        if len(slots) and self.dev.shape[1]:
+            slots = slots[slots < self.dev.shape[1]]
+            self.dev[:, slots] = np.nan
+            self.level[:, slots] = np.nan
+            self.before[slots] = self.size[slots] = self.fall[slots] = self.since[slots] = np.nan
+
+    def stretch(self, k: int, newest: int, bins: int) -> Stretch:
+        """What the `bins` ticks ending `newest` ticks before tick k hold (ticks the ring lost count none)."""
+        ticks = k - newest - np.arange(bins)
+        rows = ticks % len(self.tick_of)
+        kept = self.tick_of[rows] == ticks
+        return Stretch.of(self.dev[rows[kept]], self.level[rows[kept]], -np.arange(bins, dtype=float)[kept])
+
+    def newest(self, k: int, bins: int) -> np.ndarray:
+        """Per slot: the mean deviation over the `bins` ticks ending at tick k."""
+        ticks = k - np.arange(bins)
+        rows = ticks % len(self.tick_of)
+        return _mean(self.dev[rows[self.tick_of[rows] == ticks]])
+
+
+@dataclass(frozen=True, slots=True)
+class Stretch:
+    """Per slot, over a stretch of ticks: how many deviations it holds, their mean, their sums against
+    time (for the slope within), and the group's mean median level."""
+
+    count: np.ndarray
+    mean: np.ndarray
+    centred_tx: np.ndarray  # sum of (t - mean t)(x - mean x)
+    centred_tt: np.ndarray  # sum of (t - mean t)^2
+    level: np.ndarray
+
+    @staticmethod
+    def of(dev: np.ndarray, level: np.ndarray, t: np.ndarray) -> Stretch:
+        """From rows of deviations and levels (ticks, n) at times t (ticks, newest first: time runs down)."""
+        known = ~np.isnan(dev)
+        weight = known.astype(float)
+        x = np.where(known, dev, 0.0)
+        count = weight.sum(axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = x.sum(axis=0) / count
+            st = t @ weight
+            centred_tx = t @ x - st * mean
+            centred_tt = (t * t) @ weight - st * st / count
+        return Stretch(count, mean, centred_tx, centred_tt, _mean(level))
+
+
+@dataclass(frozen=True, slots=True)
+class Steps:
+    """Per slot: a step holds (found now or before, and the GPU still stands that much above its level
+    before), its size, and its job's fall at the step (NaN: none)."""
+
+    on: np.ndarray
+    size: np.ndarray
+    fall: np.ndarray
+
+
+def find_steps(
+    tick: Tick, trail: StepTrail, group_of: np.ndarray, judged: np.ndarray, sm_unknown: np.ndarray, kept: np.ndarray
+) -> Steps:
+    """Record this tick's bin and test every judged GPU (judged: in a job group, busy, warm, its peers
+    spinning) for a step; keep those found while they stand above their level before (kept: it keeps
+    its own usual activity, as a culprit does)."""
+    cfg = tick.config
+    n, a, gap = len(group_of), cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
+    trail.fit(n, a + gap + a)
+    _record(tick, trail, group_of, judged, sm_unknown)
+    after, before = trail.stretch(tick.k, 0, a), trail.stretch(tick.k, a + gap, a)
+    # Each stretch needs a reading in every straggler_newest_bins bins at least (at 10 s sampling every
+    # other 5 s bin is empty), and the GPU judged throughout: a stretch that began in its job's settling
+    # after the warm-up compares the settling with the job.
+    enough = (after.count * cfg.straggler_newest_bins >= a) & (before.count * cfg.straggler_newest_bins >= a)
+    enough &= tick.k - trail.since >= a + gap + a - 1
+    rise = np.where(enough & judged, after.mean - before.mean, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fall = 1.0 - after.level / before.level
+        # One slope within both stretches (each about its own mean), times the ticks between their centres:
+        # as large as the rise for a ramp, about nothing for a step.
+        slope = (after.centred_tx + before.centred_tx) / (after.centred_tt + before.centred_tt)
+        ramp = slope * (a + gap) / rise
+    arrays = {
+        "step_rise": rise,
+        "step_spread": _spread(tick, rise, group_of),
+        "kept": kept,
+        # The peers wait for it: their median fell as it rose.
+        "job_fell": fall >= cfg.straggler_step_min_slowdown,
+        # A step: the slope within the stretches explains under this share of the rise (a ramp's, all).
+        "flat": (rise > 0) & (ramp < cfg.straggler_step_ramp_ratio),
+    }
+    found = any_of(evaluate(STEP, arrays, cfg), [r.name for r in STEP]) & judged
+    found &= ~_many(tick, found, group_of)
+    new = found & np.isnan(trail.before)
+    trail.before[new], trail.size[new], trail.fall[new] = before.mean[new], rise[new], fall[new]
+    # A step found holds while the GPU's newest smoothing window stands the weaker share of it above its
+    # level before (the weak margins' share: a culprit hovering at its margin is not cleared and named again);
+    # it is forgotten once the GPU reads below that, not while it goes unjudged for a while.
+    above = trail.newest(tick.k, cfg.bins(cfg.smooth_seconds)) - trail.before
+    held = cfg.straggler_weak_margin_ratio * trail.size
+    back = above < held
+    trail.before[back], trail.size[back], trail.fall[back] = np.nan, np.nan, np.nan
+    on = judged & (above >= held)
+    return Steps(on, trail.size.copy(), trail.fall.copy())
+
+
+def _record(tick: Tick, trail: StepTrail, group_of: np.ndarray, judged: np.ndarray, sm_unknown: np.ndarray) -> None:
+    """Keep this tick's newest bin: each judged GPU's activity against its group's median of that bin."""
+    now = tick.windows.recent(tick.k, 1, _ROWS, tick.held[:1] if len(tick.held) else None)[0]
+    members = tick.groups.members
+    assert members is not None  # Engine.advance builds them with every tick's groups
+    act = np.where(sm_unknown, now[1], now[0])
+    level = members.layout.medians(np.where(judged, act, np.nan)[None, :])[0][group_of]
+    row = tick.k % len(trail.tick_of)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        trail.dev[row] = np.where(judged, act / level - 1.0, np.nan)
+    trail.level[row] = np.where(judged, level, np.nan)
+    trail.tick_of[row] = tick.k
+    trail.since[: len(judged)] = np.where(judged, np.fmin(trail.since[: len(judged)], tick.k), np.nan)
+
+
+def _spread(tick: Tick, rise: np.ndarray, group_of: np.ndarray) -> np.ndarray:
+    """Per slot: the robust standard deviation of its group's rises (one straggler does not widen it)."""
+    members = tick.groups.members
+    assert members is not None  # Engine.advance builds them with every tick's groups
+    layout = members.layout
+    center = layout.medians(rise[None, :])[0][group_of]
+    return MAD_TO_SIGMA * layout.medians(np.abs(rise - center)[None, :])[0][group_of]
+
+
+def _many(tick: Tick, found: np.ndarray, group_of: np.ndarray) -> np.ndarray:
+    """Per slot: more of its group stepped at once than a straggler's share (straggler_mixed_standout_share):
+    a change of the job's work, not a fault."""
+    grp = tick.groups
+    counts = np.bincount(group_of[found], minlength=grp.n_groups)
+    too_many = counts > np.maximum(1, np.floor(grp.size * tick.config.straggler_mixed_standout_share))
+    return too_many[group_of]
+
+
+def _mean(x: np.ndarray) -> np.ndarray:
+    """Per column: the mean of its known values (NaN where none)."""
+    count = np.sum(~np.isnan(x), axis=0)
+    return np.where(count > 0, np.nansum(x, axis=0) / np.maximum(count, 1), np.nan)

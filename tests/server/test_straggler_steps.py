@@ -1,0 +1,81 @@
+"""A straggler too small for the activity margins, named by its step (detectors/straggler/steps.py): its
+standing against its peers rises at one moment while theirs falls; a rank whose load drifts is not."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpufleet.server.replay import run_replay
+from tests.server.engine_samples import T0, cluster_lines
+
+ONSET_S = 400.0
+CULPRIT = ("n1", 3)
+PEER_FALL = 0.03  # the job slows 3 %: its waiting peers lose that share of their SM activity
+
+
+def _noisy(level: float, t: float, node: str, gpu: int) -> float:
+    """SM activity with 0.5 % sensor noise, the same for the same sample in every run."""
+    return level * (1.0 + 0.005 * np.random.default_rng([int(t), int(node[1:]), gpu]).standard_normal())
+
+
+def _slowed(culprit_rise: float, peer_fall: float):
+    """From ONSET_S the culprit's SM activity is culprit_rise(t) above 0.80 and its peers' peer_fall(t)
+    below (shares, 0 before the onset)."""
+
+    def override(t: float, node: str, gpu: int) -> dict[str, float]:
+        if (node, gpu) == CULPRIT:
+            return {"sm_active_ratio": _noisy(0.80 * (1.0 + culprit_rise(t)), t, node, gpu)}
+        return {"sm_active_ratio": _noisy(0.80 * (1.0 - peer_fall(t)), t, node, gpu)}
+
+    return override
+
+
+def _stragglers(override, seconds: float = 1000.0, config=None):
+    alerts = run_replay(cluster_lines(seconds, override=override), config)
+    return [a for a in alerts if a.kind.value == "straggler"]
+
+
+def _at_once(share: float):
+    return lambda t: share if t >= ONSET_S else 0.0
+
+
+def test_a_gpu_that_slows_its_job_3_percent_at_once_is_named_by_its_step():
+    # It computes 2.5 % longer per step while its 15 peers wait 3 % longer: it stands 5.7 % above them,
+    # under the 10 % SM-activity margin, and the job's 3 % fall is under the 4 % slowdown margin.
+    slowed = _slowed(_at_once(0.025), _at_once(PEER_FALL))
+    (s,) = _stragglers(slowed)
+    assert (s.node, s.gpu, s.hpc_job) == (*CULPRIT, "j1")
+    assert T0 + ONSET_S < s.started <= T0 + ONSET_S + 300
+    assert 0.04 < s.evidence["step_rise_vs_peers"] < 0.08
+    assert 0.02 < s.evidence["step_job_fall"] < 0.04
+    assert s.evidence["estimated_job_slowdown_ratio"] >= s.evidence["step_job_fall"]
+    assert "at once" in s.summary
+    # Without the step rules the margins alone name nobody: the step is what finds it.
+    assert _stragglers(slowed, config={"disabled_rules": ["straggler_step"]}) == []
+
+
+def test_the_same_rise_as_a_drift_is_not_named():
+    # The same rise and fall, reached over four minutes (a mixture-of-experts rank taking on more load):
+    # within each stretch the GPU moves as much as between them. No step, no straggler.
+    def ramp(share: float):
+        return lambda t: share * min(max((t - ONSET_S) / 240.0, 0.0), 1.0)
+
+    drift = _slowed(ramp(0.025), ramp(PEER_FALL))
+    assert _stragglers(drift) == []
+    # Its rise and its job's fall are as large as the step's: only the ramp within the stretches tells it.
+    assert len(_stragglers(drift, config={"straggler_step_ramp_ratio": 100.0})) == 1
+
+
+def test_a_gpu_stepping_up_while_its_job_does_not_fall_is_not_named():
+    # A rank whose share of the work changed at once, with the job's pace unchanged: nobody waits for it.
+    changed = _slowed(_at_once(0.06), _at_once(0.0))
+    assert _stragglers(changed) == []
+    assert len(_stragglers(changed, config={"straggler_step_min_slowdown": 0.0})) == 1
+
+
+def test_a_named_step_clears_once_the_gpu_is_back():
+    def back(share: float):
+        return lambda t: share if ONSET_S <= t < 800.0 else 0.0
+
+    (s,) = _stragglers(_slowed(back(0.025), back(PEER_FALL)), seconds=1100.0)
+    assert s.resolved is not None and T0 + 800 <= s.resolved <= T0 + 800 + 120
