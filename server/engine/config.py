@@ -262,12 +262,13 @@ class EngineConfig:
     inferred_clip_sigmas: float = 3.0
     # Inferred jobs are re-inferred this often: membership changes at the pace of jobs, not of ticks.
     inferred_refresh_seconds: float = 60.0
-    # A GPU that falls out of its inferred job into no cluster stays in it this long (see
-    # inference.JobInference._keep_fallen_out): a straggler stops moving with its peers as it slows them.
+    # A GPU that falls out of its inferred job while the job still holds most of its node stays in the job
+    # this long: a straggler stops moving with its peers as it slows them, and alone has none to be named
+    # against. By then its slowed peers hold the labels (an inferred job in trouble is not re-inferred).
     inferred_keep_seconds: float = 600.0
-    # A GPU in no cluster, on a node most of whose GPUs are in one inferred job, joins it where it moves with
-    # that job this much on average (inference._join_node_mates): a GPU of another job reads about 0
-    # (±0.13 over a window at 5 s); a rank of the job 0.13-0.23 where it fell out, 0.25-0.45 in it.
+    # A GPU in no inferred job, on a node most of whose GPUs are in one, joins it where its readings' changes
+    # correlate with the job's this much on average: a GPU of another job reads about 0 (±0.13 over a
+    # window at 5 s), a rank whose wobble is weaker than its node's 0.13-0.23 (they 0.25-0.45).
     inferred_node_join_min_correlation: float = 0.1
 
     # Rules (gpufleet.server.engine.rules) switched off by name: never hold. For ablation and for a fleet

@@ -193,25 +193,28 @@ def _sure(corr: np.ndarray, members: np.ndarray, node: np.ndarray, min_share: fl
     return bool(corr[np.ix_(members, members)][across].mean() >= min_across)
 
 
+def _held_node(on_node: np.ndarray, label: int, cfg: EngineConfig) -> bool:
+    """Whether `label` holds most of a node's GPUs (on_node: their labels): at least
+    straggler_min_group, and inferred_min_node_share of them all (a job less a straggler or two, as in
+    _sure)."""
+    inside = np.count_nonzero(on_node == label)
+    return inside >= cfg.straggler_min_group and inside >= cfg.inferred_min_node_share * len(on_node)
+
+
 def _join_node_mates(
     fresh: np.ndarray, corr: np.ndarray, node: np.ndarray, model: np.ndarray, cfg: EngineConfig
 ) -> np.ndarray:
-    """Clusters (fresh, NONE: in none) with each GPU in none joined to the cluster holding every other
-    clustered GPU of its model on its node, where that cluster holds at least inferred_min_node_share of
-    them all (a job less a straggler or two, as in _sure) and the GPU moves with it by
-    inferred_node_join_min_correlation on average. One rank's wobble can correlate with its job's less
-    than average linkage asks (0.13-0.23 against 0.25-0.45 for its node's other GPUs, in a step-level
-    model), and a straggler's stops doing so from its first slowed step: left in no job it has no peers,
-    and is never named."""
+    """Clusters (fresh, NONE: in none) with each GPU in none joined to the one cluster among the other
+    GPUs of its model on its node, where that cluster holds most of them (_held_node) and the GPU moves
+    with it by inferred_node_join_min_correlation on average. One rank's wobble can correlate with its
+    job's less than average linkage asks (0.13-0.23 against 0.25-0.45 for its node's other GPUs, in a
+    step-level model), and a straggler's stops doing so from its first slowed step: left in no job it
+    has no peers, and is never named."""
     out = fresh.copy()
     for i in np.flatnonzero(fresh == NONE).tolist():
-        mates = (node == node[i]) & (model == model[i])
-        held = fresh[mates]
-        jobs = np.unique(held[held != NONE])
-        if len(jobs) != 1:
-            continue
-        inside = np.count_nonzero(held == jobs[0])
-        if inside < cfg.straggler_min_group or inside < cfg.inferred_min_node_share * len(held):
+        mates = model == model[i]
+        jobs = np.unique(fresh[mates & (node == node[i]) & (fresh != NONE)])
+        if len(jobs) != 1 or not _held_node(fresh[mates & (node == node[i])], int(jobs[0]), cfg):
             continue
         if corr[i, fresh == jobs[0]].mean() >= cfg.inferred_node_join_min_correlation:
             out[i] = jobs[0]
@@ -321,20 +324,23 @@ class JobInference:
         fresh = _join_node_mates(fresh, np.nan_to_num(corr, nan=0.0), node, model[slots], cfg)
         old = self.labels[slots].copy()
         self._relabel(slots, fresh, reserved)
-        self._keep_fallen_out(k, slots, old)
+        self._keep_fallen_out(k, slots, old, node)
 
-    def _keep_fallen_out(self, k: int, slots: np.ndarray, old: np.ndarray) -> None:
+    def _keep_fallen_out(self, k: int, slots: np.ndarray, old: np.ndarray, node: np.ndarray) -> None:
         """A GPU that fell out of its inferred job into no cluster, while the job lives on under its
-        label, stays in it for up to inferred_keep_seconds. A straggler computes through the all-reduce
-        its peers wait in: from its first slowed step it wobbles against them, not with them, and the
-        next inference left it alone, with no peers to be named against, just before they slowed enough
-        to hold the labels (JobInference.update's hold). A GPU that moved to another job joins that
-        job's cluster and is not kept."""
+        label and holds most of the GPUs of its node (_held_node), stays in it for up to
+        inferred_keep_seconds. A straggler computes through the all-reduce its peers wait in: from its
+        first slowed step it wobbles against them, not with them, and the next inference left it alone,
+        with no peers to be named against, just before they slowed enough to hold the labels
+        (JobInference.update's hold). A GPU that moved to another job joins that job's cluster, and the
+        GPUs of another job that moved with this one for a while leave it with their nodes."""
         if len(self._apart_since) < len(self.labels):
             grow = np.full(len(self.labels) - len(self._apart_since), -1, dtype=np.int64)
             self._apart_since = np.concatenate([self._apart_since, grow])
         new = self.labels[slots]
-        fell = (new == NONE) & (old != NONE) & np.isin(old, new[new != NONE])
+        fell = (new == NONE) & (old != NONE)
+        for i in np.flatnonzero(fell).tolist():
+            fell[i] = _held_node(new[node == node[i]], int(old[i]), self.config)
         since = np.where(fell & (self._apart_since[slots] < 0), k, self._apart_since[slots])
         since[~fell] = -1
         self._apart_since[slots] = since
