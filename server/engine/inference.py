@@ -198,7 +198,7 @@ def _held_node(on_node: np.ndarray, label: int, cfg: EngineConfig) -> bool:
     straggler_min_group, and inferred_min_node_share of them all (a job less a straggler or two, as in
     _sure)."""
     inside = np.count_nonzero(on_node == label)
-    return inside >= cfg.straggler_min_group and inside >= cfg.inferred_min_node_share * len(on_node)
+    return bool(inside >= cfg.straggler_min_group and inside >= cfg.inferred_min_node_share * len(on_node))
 
 
 def _join_node_mates(
