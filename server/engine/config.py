@@ -266,9 +266,9 @@ class EngineConfig:
     # this long: a straggler stops moving with its peers as it slows them, and alone has none to be named
     # against. By then its slowed peers hold the labels (an inferred job in trouble is not re-inferred).
     inferred_keep_seconds: float = 600.0
-    # A GPU in no inferred job, on a node most of whose GPUs are in one, joins it where its readings' changes
-    # correlate with the job's this much on average: a GPU of another job reads about 0 (±0.13 over a
-    # window at 5 s), a rank whose wobble is weaker than its node's 0.13-0.23 (they 0.25-0.45).
+    # The one GPU of a node left in no inferred job, where one holds the node's others, joins it when its
+    # readings' changes correlate with the job's GPUs on other nodes this much on average: a rank whose
+    # own wobble drowns the job's reads 0.13-0.23 (the others 0.25-0.45); two GPUs left out may be another job's.
     inferred_node_join_min_correlation: float = 0.1
 
     # Rules (gpufleet.server.engine.rules) switched off by name: never hold. For ablation and for a fleet

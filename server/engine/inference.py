@@ -204,19 +204,24 @@ def _held_node(on_node: np.ndarray, label: int, cfg: EngineConfig) -> bool:
 def _join_node_mates(
     fresh: np.ndarray, corr: np.ndarray, node: np.ndarray, model: np.ndarray, cfg: EngineConfig
 ) -> np.ndarray:
-    """Clusters (fresh, NONE: in none) with each GPU in none joined to the one cluster among the other
-    GPUs of its model on its node, where that cluster holds most of them (_held_node) and the GPU moves
-    with it by inferred_node_join_min_correlation on average. One rank's wobble can correlate with its
-    job's less than average linkage asks (0.13-0.23 against 0.25-0.45 for its node's other GPUs, in a
-    step-level model), and a straggler's stops doing so from its first slowed step: left in no job it
-    has no peers, and is never named."""
+    """Clusters (fresh, NONE: in none) with each GPU in none joined to the cluster holding every other GPU
+    of its model on its node (at least inferred_min_node_share of them, see _held_node), where it moves
+    with that cluster's GPUs on other nodes by inferred_node_join_min_correlation on average. One rank's
+    wobble can correlate with its job's less than average linkage asks (0.13-0.23 against 0.25-0.45 for
+    its node's other GPUs, in a step-level model), and a straggler's stops doing so from its first
+    slowed step: left in no job it has no peers, and is never named. Only the one GPU left out of its
+    node: two or more are as likely another job's, whose wobble reads 0.18-0.23 against a cluster that
+    took some of their node-mates."""
     out = fresh.copy()
     for i in np.flatnonzero(fresh == NONE).tolist():
-        mates = model == model[i]
-        jobs = np.unique(fresh[mates & (node == node[i]) & (fresh != NONE)])
-        if len(jobs) != 1 or not _held_node(fresh[mates & (node == node[i])], int(jobs[0]), cfg):
+        mates = (model == model[i]) & (node == node[i])
+        jobs = np.unique(fresh[mates & (fresh != NONE)])
+        if len(jobs) != 1 or np.count_nonzero(fresh[mates] == NONE) > 1:
             continue
-        if corr[i, fresh == jobs[0]].mean() >= cfg.inferred_node_join_min_correlation:
+        if not _held_node(fresh[mates], int(jobs[0]), cfg):
+            continue
+        away = (fresh == jobs[0]) & (node != node[i])
+        if away.any() and corr[i, away].mean() >= cfg.inferred_node_join_min_correlation:
             out[i] = jobs[0]
     return out
 
