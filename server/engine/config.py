@@ -279,6 +279,14 @@ class EngineConfig:
     inferred_clip_sigmas: float = 3.0
     # Inferred jobs are re-inferred this often: membership changes at the pace of jobs, not of ticks.
     inferred_refresh_seconds: float = 60.0
+    # A GPU that falls out of its inferred job while the job still holds most of its node stays in the job
+    # this long: a straggler stops moving with its peers as it slows them, and alone has none to be named
+    # against. By then its slowed peers hold the labels (an inferred job in trouble is not re-inferred).
+    inferred_keep_seconds: float = 600.0
+    # The one GPU of a node left in no inferred job, where one holds the node's others, joins it when its
+    # readings' changes correlate with the job's GPUs on other nodes this much on average: a rank whose
+    # own wobble drowns the job's reads 0.13-0.23 (the others 0.25-0.45); two GPUs left out may be another job's.
+    inferred_node_join_min_correlation: float = 0.1
 
     # Rules (gpufleet.server.engine.rules) switched off by name: never hold. For ablation and for a fleet
     # where one rule misfires; the engine refuses a name no detector declares.

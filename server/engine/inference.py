@@ -224,6 +224,39 @@ def _level_parts(level: np.ndarray, node: np.ndarray, cfg: EngineConfig) -> list
     return [low, high]
 
 
+def _held_node(on_node: np.ndarray, label: int, cfg: EngineConfig) -> bool:
+    """Whether `label` holds most of a node's GPUs (on_node: their labels): at least
+    straggler_min_group, and inferred_min_node_share of them all (a job less a straggler or two, as in
+    _sure)."""
+    inside = np.count_nonzero(on_node == label)
+    return bool(inside >= cfg.straggler_min_group and inside >= cfg.inferred_min_node_share * len(on_node))
+
+
+def _join_node_mates(
+    fresh: np.ndarray, corr: np.ndarray, node: np.ndarray, model: np.ndarray, cfg: EngineConfig
+) -> np.ndarray:
+    """Clusters (fresh, NONE: in none) with each GPU in none joined to the cluster holding every other GPU
+    of its model on its node (at least inferred_min_node_share of them, see _held_node), where it moves
+    with that cluster's GPUs on other nodes by inferred_node_join_min_correlation on average. One rank's
+    wobble can correlate with its job's less than average linkage asks (0.13-0.23 against 0.25-0.45 for
+    its node's other GPUs, in a step-level model), and a straggler's stops doing so from its first
+    slowed step: left in no job it has no peers, and is never named. Only the one GPU left out of its
+    node: two or more are as likely another job's, whose wobble reads 0.18-0.23 against a cluster that
+    took some of their node-mates."""
+    out = fresh.copy()
+    for i in np.flatnonzero(fresh == NONE).tolist():
+        mates = (model == model[i]) & (node == node[i])
+        jobs = np.unique(fresh[mates & (fresh != NONE)])
+        if len(jobs) != 1 or np.count_nonzero(fresh[mates] == NONE) > 1:
+            continue
+        if not _held_node(fresh[mates], int(jobs[0]), cfg):
+            continue
+        away = (fresh == jobs[0]) & (node != node[i])
+        if away.any() and corr[i, away].mean() >= cfg.inferred_node_join_min_correlation:
+            out[i] = jobs[0]
+    return out
+
+
 def _fill(held: np.ndarray) -> float:
     """Median over GPUs (columns; rows newest first) of the share of bins holding a sample, from each
     GPU's first sample on: bins before it (a trace or a node just begun) say nothing of its interval."""
@@ -251,6 +284,7 @@ class JobInference:
         self.labels = np.full(0, NONE, dtype=np.int64)
         self._next_label = 0
         self._last_k: int | None = None
+        self._apart_since = np.full(0, -1, dtype=np.int64)  # per slot: the tick it fell out of its job
 
     def update(
         self, k: int, w: Windows, candidates: np.ndarray, model: np.ndarray, hold: np.ndarray | None = None
@@ -328,7 +362,31 @@ class JobInference:
                     for part in _level_parts(level[members], node[members], cfg):
                         fresh[members[part]] = n_found
                         n_found += 1
+        fresh = _join_node_mates(fresh, np.nan_to_num(corr, nan=0.0), node, model[slots], cfg)
+        old = self.labels[slots].copy()
         self._relabel(slots, fresh, reserved)
+        self._keep_fallen_out(k, slots, old, node)
+
+    def _keep_fallen_out(self, k: int, slots: np.ndarray, old: np.ndarray, node: np.ndarray) -> None:
+        """A GPU that fell out of its inferred job into no cluster, while the job lives on under its
+        label and holds most of the GPUs of its node (_held_node), stays in it for up to
+        inferred_keep_seconds. A straggler computes through the all-reduce its peers wait in: from its
+        first slowed step it wobbles against them, not with them, and the next inference left it alone,
+        with no peers to be named against, just before they slowed enough to hold the labels
+        (JobInference.update's hold). A GPU that moved to another job joins that job's cluster, and the
+        GPUs of another job that moved with this one for a while leave it with their nodes."""
+        if len(self._apart_since) < len(self.labels):
+            grow = np.full(len(self.labels) - len(self._apart_since), -1, dtype=np.int64)
+            self._apart_since = np.concatenate([self._apart_since, grow])
+        new = self.labels[slots]
+        fell = (new == NONE) & (old != NONE)
+        for i in np.flatnonzero(fell).tolist():
+            fell[i] = _held_node(new[node == node[i]], int(old[i]), self.config)
+        since = np.where(fell & (self._apart_since[slots] < 0), k, self._apart_since[slots])
+        since[~fell] = -1
+        self._apart_since[slots] = since
+        keep = fell & (k - since < self.config.bins(self.config.inferred_keep_seconds))
+        self.labels[slots[keep]] = old[keep]
 
     def _relabel(self, slots: np.ndarray, fresh: np.ndarray, reserved: set[int]) -> None:
         """Give each new cluster the label of the old inferred job holding most of its members (when

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from gpufleet.server.engine.config import EngineConfig
@@ -128,3 +130,75 @@ def test_sampling_interval_is_read_from_each_gpus_own_span():
     held[1:21:2] = True  # a sample every other bin (10 s agents, 5 s ticks)
     assert _fill(held) == 0.5
     assert _fill(np.zeros((60, 4), dtype=bool)) == 0.0
+
+
+class _Nodes(_Window):
+    """_Window with each GPU on the node `nodes` gives it."""
+
+    def __init__(self, sm: np.ndarray, nodes: list[int]) -> None:
+        super().__init__(sm)
+        self.ring = 60
+        self.slot_node_id = np.asarray(nodes, dtype=np.int64)
+
+
+def _infer_until(inf: JobInference, w: _Window, k_end: int, k_start: int = 0) -> np.ndarray:
+    n = w.sm.shape[1]
+    running, model = np.ones(n, dtype=bool), np.zeros(n, dtype=np.int64)
+    labels = np.full(n, NONE)
+    for k in range(k_start, k_end):
+        labels = inf.update(k, w, running, model)
+    return labels
+
+
+def test_a_gpu_that_stops_moving_with_its_job_stays_in_it_while_the_job_holds_its_node():
+    # A straggler computes through the steps its peers wait in: its wobble leaves theirs. Re-inferred
+    # alone, it had no peers to be named against.
+    cfg = replace(EngineConfig(), inferred_node_join_min_correlation=1.0)  # the keep alone
+    nodes = [0] * 8 + [1] * 8
+    series = _jobs(400, [0] * 16, np.random.default_rng(5))
+    series[120:, 3] = 0.6 + 0.02 * np.random.default_rng(6).standard_normal(280)  # GPU 3 moves alone
+    inf = JobInference(cfg)
+    job = _infer_until(inf, _Nodes(series, nodes), 120)
+    assert (job == job[0]).all() and job[0] != NONE
+    refresh = cfg.bins(cfg.inferred_refresh_seconds)
+    later = _infer_until(inf, _Nodes(series, nodes), 120 + 2 * refresh, 120)
+    assert (later == job[0]).all()
+    # Once its window no longer holds its moving with the job, and the keep ran out: no job.
+    end = 120 + 60 + cfg.bins(cfg.inferred_keep_seconds) + 2 * refresh
+    gone = _infer_until(inf, _Nodes(series, nodes), end, 120 + 2 * refresh)
+    assert gone[3] == NONE and (np.delete(gone, 3) == job[0]).all()
+
+
+def test_a_gpu_of_a_node_its_job_left_is_not_kept_in_the_job():
+    # Another job's GPUs (node 1) moved with this one for a while, then apart: they leave with their node.
+    cfg = EngineConfig()
+    nodes = [0] * 8 + [1] * 4
+    series = _jobs(300, [0] * 12, np.random.default_rng(5))
+    series[120:, 8:] = _jobs(180, [1] * 4, np.random.default_rng(8))[:, :4] + 0.1
+    inf = JobInference(cfg)
+    first = _infer_until(inf, _Nodes(series, nodes), 120)
+    assert (first == first[0]).all()
+    later = _infer_until(inf, _Nodes(series, nodes), 300, 120)
+    assert (later[:8] == first[0]).all() and (later[8:] != first[0]).all()
+
+
+def test_a_gpu_that_moves_with_its_job_only_weakly_joins_it_where_the_job_holds_its_node():
+    # Its wobble correlates with its job's about 0.2, too little for average linkage. On node 0 the job
+    # holds its seven other GPUs; on node 2 four of them, the other three another job's GPUs, each on
+    # its own: there the weak GPU is not taken for the job's.
+    cfg = EngineConfig()
+    rng = np.random.default_rng(12)
+    nodes = [0] * 8 + [1] * 8 + [2] * 8
+    shared = rng.standard_normal((60, 1))
+    series = 0.6 + 0.02 * (shared + 0.5 * rng.standard_normal((60, 24)))
+    for weak in (7, 23):
+        series[:, weak] = 0.6 + 0.02 * (0.23 * shared[:, 0] + rng.standard_normal(60))
+    series[:, 16:19] = 0.6 + 0.02 * rng.standard_normal((60, 3))
+    w = _Nodes(series, nodes)
+    labels = _infer_until(JobInference(cfg), w, 60)
+    job = labels[0]
+    assert job != NONE and (labels[:16] == job).all() and (labels[19:23] == job).all()
+    assert labels[23] == NONE and (labels[16:19] != job).all()
+    # Without the node's prior, GPU 7 stays out too.
+    alone = JobInference(replace(cfg, inferred_node_join_min_correlation=1.0))
+    assert _infer_until(alone, w, 60)[7] == NONE

@@ -119,3 +119,29 @@ def test_a_named_gpu_is_not_left_alone_by_an_inference_while_it_is_named():
     alerts = [a for a in run_replay(trace.lines) if a.kind == AlertKind.STRAGGLER]
     assert [(a.node, a.gpu) for a in alerts] == [(truth.node, truth.gpu)]
     assert alerts[0].resolved >= truth.end
+
+
+@pytest.mark.parametrize(
+    "slowdown, seed",
+    [
+        # The straggler wobbled against its peers from its first slowed step: the next re-inference, just
+        # before they slowed enough to hold the labels, left it out of the job, alone and unjudged.
+        (0.10, 1),
+        # The job was first inferred just after the straggler slowed, without it; its node's other GPUs in it.
+        (0.25, 1),
+        (0.0, 0),  # healthy: nobody named
+    ],
+)
+def test_an_unattributed_straggler_of_a_step_level_job_is_named_within_five_minutes(slowdown, seed):
+    # bench/evaluation/steplevel.py: a synchronous job of 16 GPUs simulated step by step, sampled every
+    # 5 s, no hpc_job; the straggler slows the whole job by `slowdown`.
+    from bench.evaluation import scenarios, steplevel
+    from gpufleet.server.replay import run_replay
+
+    trace = steplevel.generate(steplevel.Cell(16, 5.0, steplevel.QUIET, slowdown, False).spec(seed))
+    alerts = run_replay(trace.lines)
+    score = scenarios.score(alerts, trace.truths, trace_end=trace.spec.t0 + trace.spec.duration_s)
+    straggler = score.kinds["straggler"]
+    assert straggler.fp == 0
+    assert straggler.detected == straggler.required == (1 if slowdown else 0)
+    assert all(t <= steplevel.WITHIN_S for t in straggler.ttf_s)
