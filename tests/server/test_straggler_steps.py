@@ -79,3 +79,23 @@ def test_a_named_step_clears_once_the_gpu_is_back():
 
     (s,) = _stragglers(_slowed(back(0.025), back(PEER_FALL)), seconds=1100.0)
     assert s.resolved is not None and T0 + 800 <= s.resolved <= T0 + 800 + 120
+
+
+def test_a_3_percent_straggler_in_an_inferred_job_is_named_by_its_step():
+    # The step-level model's job of 16 GPUs without hpc_job, at 5 s sampling: its ranks move together,
+    # so inference groups them, and one GPU slows the job 3 % (seed 0: GPU 7 of the first node).
+    from bench.evaluation import steplevel
+
+    cell = steplevel.Cell(16, 5.0, steplevel.QUIET, 0.03, attributed=False)
+    trace = steplevel.generate(cell.spec(0))
+    (truth,) = [t for t in trace.truths if t.required]
+
+    def stragglers(config=None):
+        return [a for a in run_replay(trace.lines, config) if a.kind.value == "straggler"]
+
+    (s,) = stragglers()
+    assert (s.node, s.gpu, s.hpc_job) == (truth.node, truth.gpu, None)
+    assert s.evidence["peer_group_inferred"] and "step_rise_vs_peers" in s.evidence
+    assert truth.start < s.started <= truth.start + steplevel.WITHIN_S
+    # The margins alone name nobody in a job this slowed.
+    assert stragglers({"disabled_rules": ["straggler_step"]}) == []

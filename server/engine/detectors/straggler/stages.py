@@ -238,14 +238,17 @@ def _below_peers(read: Readings, by_activity: np.ndarray, cfg) -> np.ndarray:
 def add_steps(
     tick: Tick, state: StragglerState, slots: Slots, read: Readings, culprits: Culprits
 ) -> tuple[Culprits, Steps]:
-    """The culprits plus the GPUs of attributed jobs whose standing against their peers stepped up
-    (steps.py), judged where their peers spin; a GPU named so learns no offset meanwhile (it counts as
-    waited for). Not in inferred jobs: one that holds two jobs' GPUs sees one job's change of phase as a
-    step of its GPUs while the median falls, and a step is all this test asks."""
+    """The culprits plus the GPUs of jobs whose standing against their peers stepped up (steps.py), judged
+    where their peers spin; a GPU named so learns no offset meanwhile (it counts as waited for). In an
+    inferred job only where SM activity is reported: power also moves with the collective's share of the
+    step, and a change of a job's communication can step one noisy GPU's power up as the job's falls
+    (inference keeps two jobs' levels apart, and _many refuses a change of phase that moves many GPUs)."""
     cfg, cond = tick.config, read.conditions
-    attributed = tick.registry.is_job[: tick.groups.n_groups][slots.group_of] & slots.in_group
+    reg, group_of = tick.registry, slots.group_of
+    attributed = reg.is_job[: tick.groups.n_groups][group_of]
+    in_job = (attributed | reg.one_job[: tick.groups.n_groups][group_of] & ~read.sm_unknown) & slots.in_group
     # Not a victim: beside GPUs whose clocks are cut, its peers' median falls with them and it spins on.
-    judged = read.busy & read.was_warm & cond.judgeable & attributed & cond.peers_spinning & ~read.victim
+    judged = read.busy & read.was_warm & cond.judgeable & in_job & cond.peers_spinning & ~read.victim
     # A culprit keeps working (as gpus.signals asks): a job hung in its collective falls on every GPU.
     level, own = state.level[:, : slots.n], tick.levels[: PW + 1]
     kept = np.where(

@@ -8,7 +8,7 @@ takes longer, and its job's median activity falls at the same moment by what its
 whose share of the work drifts (mixture-of-experts routing) moves as a ramp instead: its deviation
 changes within each stretch as much as between them, and the job need not fall with it.
 
-Each tick every judged GPU of an attributed job keeps its newest bin's activity (SM activity, power where
+Each tick every judged GPU of a job keeps its newest bin's activity (SM activity, power where
 SM activity is not reported) against its group's median of the same bin, and that median. The STEP rule
 compares the stretch of straggler_step_window_seconds ending now with the one as long before it, the two
 smooth_seconds apart (the gap holds the moment of the step, wherever in it). Bins are used raw, not the
