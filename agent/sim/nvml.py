@@ -28,6 +28,7 @@ from gpufleet.agent.sim.tool_calls import ToolCalls
 log = logging.getLogger(__name__)
 
 _UINT_MAX = 0xFFFFFFFF
+_INJECTED_CLOCK_POLL_S = 0.005
 _NOT_AVAILABLE = 0xFFFFFFFF
 _HGX_BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
 _INIT_ERRORS = {
@@ -770,9 +771,7 @@ class SimNvml(ToolCalls):
             upcoming = self._upcoming_time(es)
             if upcoming is not None:
                 wait_s = min(wait_s, max(0.0, upcoming - self.scenario_time()))
-            es.wake.wait(wait_s)
-            self._require_init()
-            event = self._next_event(self._event_set(eventSet))
+            event = self._wait_event(eventSet, es, wait_s)
         if event is None:
             raise _error(pynvml.NVML_ERROR_TIMEOUT)
         data = pynvml.c_nvmlEventData_t()
@@ -782,6 +781,19 @@ class SimNvml(ToolCalls):
         data.gpuInstanceId = _NOT_AVAILABLE
         data.computeInstanceId = _NOT_AVAILABLE
         return data
+
+    def _wait_event(self, eventSet: Any, es: _EventSet, wait_s: float) -> XidEvent | None:
+        """The next due event after waiting up to wait_s of real time. An injected clock can pass the next
+        event's time while this thread waits (a test runs minutes of scenario in a second), so it is looked
+        at again every _INJECTED_CLOCK_POLL_S; on the wall clock one wait suffices."""
+        deadline = time.monotonic() + wait_s
+        step_s = wait_s if self._clock is time.time else _INJECTED_CLOCK_POLL_S
+        while True:
+            woken = es.wake.wait(max(0.0, min(step_s, deadline - time.monotonic())))
+            self._require_init()
+            event = self._next_event(self._event_set(eventSet))
+            if woken or event is not None or time.monotonic() >= deadline:
+                return event
 
     def _next_event(self, es: _EventSet) -> XidEvent | None:
         now = self.scenario_time()
