@@ -181,7 +181,7 @@ def test_an_operator_style_scrape_keeps_the_training_pods_join_with_kube_state_m
             f"--web.listen-address=127.0.0.1:{port}",
             "--log.level=warn",
         ]
-        with _daemon("Prometheus", cmd, port, tmp_path / "prometheus.log", "http", None) as (prom, log_path):
+        with _daemon(cmd, port, tmp_path / "prometheus.log", "http", None) as (prom, log_path):
             api = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=10)
             join = "gpufleet_gpu_pod_info * on(namespace, pod) group_left(label_team) kube_pod_labels"
             waiter = threading.Event()

@@ -14,9 +14,10 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
-import httpx
 import orjson
 import pytest
+
+from bench.evaluation.processes import running
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,7 +169,7 @@ def prometheus_process(
     ]
     if web_config is not None:
         cmd.append(f"--web.config.file={web_config}")
-    with _daemon("Prometheus", cmd, port, tmp_path / "prometheus.log", "https" if web_config else "http", client) as (
+    with _daemon(cmd, port, tmp_path / "prometheus.log", "https" if web_config else "http", client) as (
         proc,
         log_path,
     ):
@@ -177,45 +178,13 @@ def prometheus_process(
 
 @contextlib.contextmanager
 def _daemon(
-    what: str, cmd: list[str], port: int, log_path: Path, scheme: str, client: dict | None
+    cmd: list[str], port: int, log_path: Path, scheme: str, client: dict | None
 ) -> Iterator[tuple[subprocess.Popen, Path]]:
-    """Run a Prometheus-family binary logging to log_path until it is ready; stop it on the way out."""
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file)
-        try:
-            _wait_ready(proc, port, log_path, what=what, scheme=scheme, client=client)
-            yield proc, log_path
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_ready(
-    proc: subprocess.Popen,
-    port: int,
-    log_path: Path,
-    timeout: float = 60.0,
-    *,
-    what: str,
-    scheme: str,
-    client: dict | None,
-) -> None:
-    """Until it answers /-/ready with 200 (`client`: httpx options, for one behind a web config). Prometheus
-    listens before it has opened its TSDB and answers 503 "Service Unavailable" meanwhile; a query in that
-    gap failed a test on a loaded CI machine."""
-    waiter = threading.Event()
-    for _ in range(int(timeout / 0.2)):
-        if proc.poll() is not None:
-            break
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{scheme}://127.0.0.1:{port}/-/ready", timeout=2, **(client or {})).status_code == 200:
-                return
-        waiter.wait(0.2)
-    raise AssertionError(f"{what} never became ready: " + log_path.read_text(errors="replace")[-2000:])
+    """Run a Prometheus-family binary logging to log_path until it answers /-/ready with 200; stop it on
+    the way out. Prometheus listens before it has opened its TSDB and answers 503 meanwhile; a query in
+    that gap failed a test on a loaded CI machine."""
+    with running(cmd, f"{scheme}://127.0.0.1:{port}/-/ready", log_path, client=client) as proc:
+        yield proc, log_path
 
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
@@ -245,9 +214,10 @@ def alertmanager_process(
     ]
     if web_config is not None:
         cmd.append(f"--web.config.file={web_config}")
-    with _daemon(
-        "Alertmanager", cmd, port, tmp_path / "alertmanager.log", "https" if web_config else "http", client
-    ) as (proc, log_path):
+    with _daemon(cmd, port, tmp_path / "alertmanager.log", "https" if web_config else "http", client) as (
+        proc,
+        log_path,
+    ):
         yield proc, port, log_path
 
 
@@ -280,5 +250,5 @@ def victoria_metrics_process(tmp_path: Path, targets: list[int]) -> Iterator[tup
         "-search.latencyOffset=1s",
         "-loggerLevel=WARN",
     ]
-    with _daemon("VictoriaMetrics", cmd, port, tmp_path / "victoria-metrics.log", "http", None) as (proc, log_path):
+    with _daemon(cmd, port, tmp_path / "victoria-metrics.log", "http", None) as (proc, log_path):
         yield proc, port, log_path
