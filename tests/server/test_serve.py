@@ -143,6 +143,7 @@ def test_bad_engine_section_exits_2(capsys, tmp_path) -> None:
     config = tmp_path / "s.yaml"
     config.write_text("engine: {no_such_engine_key: 1}\n")
     argv = ["--config.file", str(config), "--targets", "127.0.0.1:1", "--storage.path", str(tmp_path / "x.db")]
+    argv += ["--web.listen-address", "127.0.0.1:0"]  # not the default port, which another server may hold
     assert main(argv) == 2
     assert "no_such_engine_key" in capsys.readouterr().err
 
