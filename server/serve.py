@@ -26,6 +26,7 @@ from gpufleet.server.connections import (
 )
 from gpufleet.server.ingest.base import SampleSource, SourceKind, Wiring
 from gpufleet.server.ingest.owned import ShardedSource
+from gpufleet.server.published import Publication, PublishedEngine
 from gpufleet.server.ingest.targets import TargetError, parse_file_sd
 from gpufleet.server.notify import Notifier
 from gpufleet.server.outbound import Outbound, for_peer
@@ -118,6 +119,8 @@ def build_runtime(
         on_corruption=settings.storage_on_corruption,
         retention_seconds=settings.storage_retention_seconds,
     )
+    if isinstance(source, ShardedSource) and settings.shard.reads_every_jobless:
+        engine = PublishedEngine(engine, Publication(settings.shard, lambda: source.parts))
     return Runtime(
         engine=engine,
         source=source,
