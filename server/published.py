@@ -108,6 +108,12 @@ class PublishedEngine:
             out.append(replace(node, gpus=node.gpus - guests, open_alerts=sum(1 for a in shown if a.node == node.node)))
         return out
 
+    def guest_nodes(self) -> list[Any]:
+        """The nodes read for their guests alone, left out of nodes(): the runtime forgets those gone silent
+        past its grace as it forgets its own, so that a guest node that left the fleet does not stay here."""
+        parts = self.publication.parts()
+        return [n for n in self.inner.nodes() if (p := parts.get(n.node)) is not None and not p.own]
+
     def stats(self) -> Any:
         """The engine's counts of GPUs, nodes and alerts as the shard shows them (nodes())."""
         nodes = self.nodes()

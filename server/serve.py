@@ -241,6 +241,7 @@ def check_config(argv: Sequence[str] | None = None) -> int:
         f"{len(settings.alertmanager_urls)} Alertmanager(s), webhook {'on' if settings.webhook_url else 'off'}, "
         f"TLS {'on' if settings.web_config_file else 'off'} for the API"
         + ("" if settings.shard.whole else f", shard {settings.shard} with {len(settings.shard_peers)} peer URL(s)")
+        + (", every GPU of no job read" if settings.shard.reads_every_jobless else "")
     )
     return 0
 
@@ -348,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "storage": settings.storage_path,
             "url": settings.public_url(),
             "shard": str(settings.shard),
+            "shard_jobless": settings.shard.jobless,
         },
     )
     with sock:

@@ -360,3 +360,35 @@ def test_the_shard_replay_flag_reads_the_mode() -> None:
     with pytest.raises(SystemExit) as exited:
         parser.parse_args([*argv, "--shard.jobless", "all"])
     assert exited.value.code == 2
+
+
+def test_a_guest_node_gone_silent_is_forgotten_past_the_grace_as_an_own_one_is(tmp_path) -> None:
+    from gpufleet.server.runtime import REMOVED_REASON, Runtime
+    from gpufleet.server.store import AlertStore
+
+    shard = fleet(0, 2)
+    guest = next(n for n in NODES if not shard.owns_node(n))
+    inner = Listed()
+    source = ShardedSource(inner, shard)  # type: ignore[arg-type]
+    inner.samples = [snapshot(guest, [None, None], 1000.0)]
+    engine = Engine(node_health=[node_health(guest, 2)])  # its last sample at 1000 s
+    forgotten: list[tuple[str, str]] = []
+    engine.forget_node = lambda node, t, reason: forgotten.append((node, reason)) or []  # type: ignore[method-assign]
+    now = [1000.0]
+    runtime = Runtime(
+        engine=PublishedEngine(engine, Publication(shard, lambda: source.parts)),
+        source=source,  # type: ignore[arg-type]
+        store=AlertStore(str(tmp_path / "s.db")),
+        clock=lambda: now[0],
+        shard=shard,
+        removed_grace_seconds=300.0,
+    )
+    for t in (1000.0, 1200.0, 1400.0):
+        now[0] = t
+        asyncio.run(runtime.cycle())
+        inner.samples = []
+    assert forgotten == [] and runtime.view.nodes == ()  # not shown, still read
+    now[0] = 1700.0
+    asyncio.run(runtime.cycle())
+    assert forgotten == [(guest, REMOVED_REASON)]
+    runtime.store.close()
