@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from gpufleet.server.alerts import Alert, AlertState, Transition
+from gpufleet.server.history import Charts, FleetCell
 from gpufleet.server.ingest.owned import NodePart
 from gpufleet.server.shard import Shard
 
@@ -113,6 +114,19 @@ class PublishedEngine:
         past its grace as it forgets its own, so that a guest node that left the fleet does not stay here."""
         parts = self.publication.parts()
         return [n for n in self.inner.nodes() if (p := parts.get(n.node)) is not None and not p.own]
+
+    def published_charts(self, charts: Charts) -> Charts:
+        """The status page's fleet cells without the guests: a GPU's cell where it is a guest, a node's cell
+        (past the page's GPU cells) where the shard reads none of its GPUs as its own."""
+        parts = self.publication.parts()
+
+        def shown(cell: FleetCell) -> bool:
+            part = parts.get(cell.node)
+            if part is None:
+                return True
+            return part.own if charts.fleet_per_node or cell.gpu is None else cell.gpu not in part.guests
+
+        return replace(charts, fleet=tuple(c for c in charts.fleet if shown(c)))
 
     def stats(self) -> Any:
         """The engine's counts of GPUs, nodes and alerts as the shard shows them (nodes())."""

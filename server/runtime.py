@@ -268,7 +268,9 @@ class Runtime:
     def _charts(self, view: FleetView) -> Charts:
         """The pages' pictures for this cycle; a failure to draw them must not stop detection."""
         try:
-            return self.charts.observe(self.engine, view.alerts)
+            charts = self.charts.observe(self.engine, view.alerts)
+            shown = getattr(self.engine, "published_charts", None)  # a shard's guests left out (server/published.py)
+            return shown(charts) if shown is not None else charts
         except Exception:  # noqa: BLE001 - the pictures are an aid, the alerts are the product
             log.exception("chart history not updated this cycle")
             return self.view.charts

@@ -19,6 +19,7 @@ import pytest
 from gpufleet.server.alerts import Alert, AlertKind, Transition
 from gpufleet.server.cli import main as cli
 from gpufleet.server.engine.views import EngineStats, NodeHealth
+from gpufleet.server.history import Charts, FleetCell
 from gpufleet.server.ingest.owned import NodePart, Ownership, ShardedSource, owned_part
 from gpufleet.server.ingest.prometheus import PrometheusSource
 from gpufleet.server.published import Publication, PublishedEngine, published_alerts, publishes
@@ -231,6 +232,15 @@ def test_a_fleet_shard_shows_its_own_part_and_an_alert_stays_with_the_shard_it_o
     engine.open = [restored]
     assert shown.alerts() == [restored]
     assert shown.jobs() == [] and shown.restored == [restored]  # anything else is the engine's own
+    # The status page's fleet cells: per GPU, the guests left out; per node, the nodes of guests alone.
+    cells = [FleetCell(node, gpu, 1, None, 60.0, 1.0) for node, gpu in (("n", 0), ("n", 1), ("guest", 0), ("x", 0))]
+    per_gpu = shown.published_charts(Charts(fleet=tuple(cells)))
+    assert [(c.node, c.gpu) for c in per_gpu.fleet] == [("n", 1), ("x", 0)]
+    per_node = [FleetCell(node, None, 4, None, 60.0, 1.0) for node in ("n", "guest", "x")]
+    assert [c.node for c in shown.published_charts(Charts(fleet=tuple(per_node), fleet_per_node=True)).fleet] == [
+        "n",
+        "x",
+    ]
 
 
 def test_a_fleet_shard_reads_its_guests_without_speaking_for_their_nodes() -> None:
