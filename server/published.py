@@ -70,6 +70,7 @@ class PublishedEngine:
     def __init__(self, engine: Any, publication: Publication) -> None:
         self.inner = engine
         self.publication = publication
+        self.guest_gpus = 0  # at the latest advance, for /metrics (an int: read from other threads whole)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -85,6 +86,7 @@ class PublishedEngine:
     def advance(self, now: float) -> list[Transition]:
         out = self._published(self.inner.advance(now))
         self.publication.retain(a.id for a in self.inner.alerts())
+        self.guest_gpus = sum(len(p.guests) for p in self.publication.parts().values())
         return out
 
     def forget_node(self, node: str, t: float, reason: str) -> list[Transition]:
