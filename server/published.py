@@ -3,7 +3,8 @@
 Such a shard reads every GPU of no job in the fleet, so its engine infers jobs among them as one unsharded
 server does (ingest/owned.py, Ownership). Its engine then holds alerts about the guests too, which other
 shards own: every shard would raise them. Here they are left out of what the shard publishes (transitions,
-so the store, Alertmanager and /metrics; the alerts, nodes and counts the API and the status page read),
+so the store, Alertmanager and /metrics; the alerts, nodes, counts and fleet cells the API and the status
+page read),
 while the engine itself stays a pure function of its samples.
 
 An alert is the shard's when, at the time it is first seen, it names one of the shard's jobs, a GPU the shard
@@ -33,9 +34,8 @@ def publishes(alert: Alert, shard: Shard, part: NodePart | None) -> bool:
         return shard.owns_node("")  # about no job and no node: one shard, the same one everywhere
     if part is None:
         return shard.owns_node(alert.node)
-    if alert.gpu is None:
-        return part.own
-    return alert.gpu not in part.guests
+    # A GPU missing from the node's sample (gone off the bus) is the shard's where the node has a GPU of its own.
+    return part.own and (alert.gpu is None or alert.gpu not in part.guests)
 
 
 class Publication:

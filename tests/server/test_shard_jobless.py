@@ -85,6 +85,7 @@ def test_each_alert_is_published_by_exactly_one_shard() -> None:
         make_alert(4, kind=AlertKind.NODE_UNREACHABLE, node=node, gpu=None, hpc_job=None),
         make_alert(5, kind=AlertKind.COMM_BOUND, node=None, gpu=None, hpc_job=second),
         make_alert(6, node="never-read", gpu=0, hpc_job=None),
+        make_alert(7, kind=AlertKind.GPU_LOST, node=node, gpu=9, hpc_job=None),  # gone from the node's sample
     ]
     owner = shard_of(first, count)
     for alert in alerts:
