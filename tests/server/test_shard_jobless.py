@@ -331,7 +331,7 @@ def test_shard_jobless_is_a_flag_a_file_key_and_an_environment_variable(tmp_path
     assert load_settings(["--config.file", str(config)], env={}).shard == fleet(2, 8)
 
 
-def test_a_bad_shard_jobless_is_a_one_line_error_and_exit_2(capsys) -> None:
+def test_a_bad_shard_jobless_is_a_one_line_error_and_exit_2(tmp_path, capsys) -> None:
     for bad in ("everywhere", "", "Fleet"):
         with pytest.raises(ConfigError, match="shard.jobless"):
             load_settings(["--shard", "1/4", "--shard.jobless", bad], env={})
@@ -340,6 +340,9 @@ def test_a_bad_shard_jobless_is_a_one_line_error_and_exit_2(capsys) -> None:
         assert err.count("\n") == 1 and "shard.jobless" in err and "node, fleet" in err
     with pytest.raises(ValueError, match="node or fleet"):
         Shard(0, 2, "all")
+    storage = ["--storage.path", str(tmp_path / "s.db")]
+    assert cli(["check-config", "--targets", "a:9471", "--shard", "1/4", "--shard.jobless", "fleet", *storage]) == 0
+    assert "shard 1/4 with 0 peer URL(s), every GPU of no job read" in capsys.readouterr().out
 
 
 def test_only_a_fleet_shards_engine_is_shown_through_its_publication(tmp_path) -> None:
