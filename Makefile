@@ -55,7 +55,7 @@ bench-shards: $(STAMP)
 
 # The shards' alerts together against one unsharded server's, the scenario suite replayed from VictoriaMetrics.
 eval-shards: $(STAMP)
-	$(BIN)/python -m bench.evaluation.shard_union --counts 2,4
+	$(BIN)/python -m bench.evaluation.shard_union --counts 2,4 --jobless node,fleet
 
 # Precision, recall and time to fire over the scenario suite; rewrites its section of docs/evaluation.md.
 eval: $(STAMP)

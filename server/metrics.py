@@ -102,6 +102,13 @@ class ServerCollector(Collector):
         )
         shard.add_metric([str(self.runtime.shard.index), str(self.runtime.shard.count)], 1)
         yield shard
+        if self.runtime.shard.reads_every_jobless:
+            yield GaugeMetricFamily(
+                "gpufleet_server_shard_guest_gpus",
+                "GPUs of no job this shard reads only to infer jobs over the whole fleet (--shard.jobless fleet); "
+                "another shard publishes what is about them.",
+                value=getattr(self.runtime.engine, "guest_gpus", 0),
+            )
         yield from self._alerts()
         yield from self._jobs()
         yield from self._nodes()

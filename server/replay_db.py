@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable
 
 from gpufleet.server.contract import NodeSample
 from gpufleet.server.engine import EngineConfig
-from gpufleet.server.shard import Shard
+from gpufleet.server.shard import JOBLESS_MODES, Shard
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ class History:
     queries: int
     snapshots: int  # rebuilt snapshots before the shard took its part
     rejected: int  # rebuilt snapshots the contract refused
+    # --shard.jobless fleet: each node's parts (ingest/owned.py, NodePart) in time order, where they changed
+    parts: dict[str, list[Any]] = field(default_factory=dict)
 
 
 async def read_history(
@@ -107,7 +109,8 @@ async def read_history(
     samples: list[NodeSample] = []
     handovers: list[tuple[float, str]] = []
     ownership = Ownership(shard)
-    ours: dict[str, bool] = {}  # node -> whether its latest sample held a GPU the shard owns
+    ours: dict[str, bool] = {}  # node -> whether its latest sample held a GPU the shard reads
+    parts: dict[str, list[Any]] = {}
     queries = snapshots = rejected = 0
     try:
         # The first query asks for the source's whole lookback, chunk and overlap: (start, start + chunk].
@@ -129,6 +132,7 @@ async def read_history(
                 ours[sample.node] = part is not None
                 if part is not None:
                     samples.append(part)
+                _note_part(parts, sample.node, ownership.parts.get(sample.node))
             if progress is not None:
                 progress(now[0])
             if now[0] >= end:
@@ -136,7 +140,16 @@ async def read_history(
             now[0] = min(end, now[0] + chunk)
     finally:
         await source.aclose()
-    return History(samples, handovers, queries, snapshots, rejected)
+    return History(samples, handovers, queries, snapshots, rejected, parts)
+
+
+def _note_part(parts: dict[str, list[Any]], node: str, part: Any) -> None:
+    """Append a node's part where its guests or ownership changed (samples come in time order per node)."""
+    if part is None:
+        return
+    seen = parts.setdefault(node, [])
+    if not seen or (seen[-1].guests, seen[-1].own) != (part.guests, part.own):
+        seen.append(part)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,6 +165,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--start", metavar="T", help="range start: RFC 3339 (2026-11-27T23:00:00Z) or unix seconds")
     group.add_argument("--end", metavar="T", help="range end: RFC 3339 or unix seconds")
     group.add_argument("--shard", metavar="INDEX/COUNT", help="judge only what shard INDEX of COUNT owns (0/1)")
+    group.add_argument(
+        "--shard.jobless",
+        dest="shard_jobless",
+        choices=JOBLESS_MODES,
+        default="node",
+        help="GPUs of no job: read those of the shard's nodes (node), or every one, to infer jobs as one "
+        "server does, printing only the shard's own (fleet)",
+    )
     group.add_argument(
         "--chunk",
         metavar="SECONDS",
@@ -201,6 +222,7 @@ def checked(args: argparse.Namespace) -> Range:
     if not (math.isfinite(args.query_timeout) and args.query_timeout > 0):
         raise ValueError(f"--query.timeout must be positive, not {args.query_timeout}")
     shard = Shard.parse(args.shard) if args.shard else Shard()
+    shard = Shard(shard.index, shard.count, getattr(args, "shard_jobless", "node"))
     return Range(args.prometheus_url, start, end, shard, args.chunk, args.schema, args.query_timeout)
 
 
@@ -210,6 +232,7 @@ def replay(request: Range, config: EngineConfig) -> tuple[list, History]:
     # ingest sources would be a third of its start-up.
     import asyncio
 
+    from gpufleet.server.published import published_alerts
     from gpufleet.server.replay import run_samples
 
     history = asyncio.run(
@@ -235,4 +258,7 @@ def replay(request: Range, config: EngineConfig) -> tuple[list, History]:
         },
     )
     history.samples.sort(key=lambda s: (s.time, s.node))
-    return run_samples(history.samples, config, history.handovers), history
+    alerts = run_samples(history.samples, config, history.handovers)
+    if request.shard.reads_every_jobless:
+        alerts = published_alerts(alerts, request.shard, history.parts)
+    return alerts, history

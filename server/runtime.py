@@ -268,7 +268,9 @@ class Runtime:
     def _charts(self, view: FleetView) -> Charts:
         """The pages' pictures for this cycle; a failure to draw them must not stop detection."""
         try:
-            return self.charts.observe(self.engine, view.alerts)
+            charts = self.charts.observe(self.engine, view.alerts)
+            shown = getattr(self.engine, "published_charts", None)  # a shard's guests left out (server/published.py)
+            return shown(charts) if shown is not None else charts
         except Exception:  # noqa: BLE001 - the pictures are an aid, the alerts are the product
             log.exception("chart history not updated this cycle")
             return self.view.charts
@@ -282,6 +284,9 @@ class Runtime:
         the alerts restored for the nodes no longer there resolve the same way, instead of firing forever."""
         claimed = {h.node or self.agent_alerts.nodes.get(h.target) for h in health}
         nodes: dict[str, float | None] = {n["node"]: n.get("last_sample_time") for n in view.nodes if n.get("node")}
+        # A shard's guest nodes (--shard.jobless fleet, server/published.py) are no target's here: only their
+        # samples keep them.
+        nodes.update((n.node, n.last_sample_time) for n in getattr(self.engine, "guest_nodes", list)())
         for a in view.alerts:
             if a.node is not None and not is_ours(a):
                 nodes.setdefault(a.node, None)

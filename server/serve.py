@@ -26,6 +26,7 @@ from gpufleet.server.connections import (
 )
 from gpufleet.server.ingest.base import SampleSource, SourceKind, Wiring
 from gpufleet.server.ingest.owned import ShardedSource
+from gpufleet.server.published import Publication, PublishedEngine
 from gpufleet.server.ingest.targets import TargetError, parse_file_sd
 from gpufleet.server.notify import Notifier
 from gpufleet.server.outbound import Outbound, for_peer
@@ -118,6 +119,8 @@ def build_runtime(
         on_corruption=settings.storage_on_corruption,
         retention_seconds=settings.storage_retention_seconds,
     )
+    if isinstance(source, ShardedSource) and settings.shard.reads_every_jobless:
+        engine = PublishedEngine(engine, Publication(settings.shard, lambda: source.parts))
     return Runtime(
         engine=engine,
         source=source,
@@ -238,6 +241,7 @@ def check_config(argv: Sequence[str] | None = None) -> int:
         f"{len(settings.alertmanager_urls)} Alertmanager(s), webhook {'on' if settings.webhook_url else 'off'}, "
         f"TLS {'on' if settings.web_config_file else 'off'} for the API"
         + ("" if settings.shard.whole else f", shard {settings.shard} with {len(settings.shard_peers)} peer URL(s)")
+        + (", every GPU of no job read" if settings.shard.reads_every_jobless else "")
     )
     return 0
 
@@ -345,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "storage": settings.storage_path,
             "url": settings.public_url(),
             "shard": str(settings.shard),
+            "shard_jobless": settings.shard.jobless,
         },
     )
     with sock:

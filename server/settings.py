@@ -28,7 +28,7 @@ from gpufleet.config import (
     read_config_file,
 )
 
-from gpufleet.server.shard import Shard
+from gpufleet.server.shard import JOBLESS_MODES, Shard
 
 if TYPE_CHECKING:
     from gpufleet.server.ingest.base import SourceKind
@@ -304,6 +304,7 @@ class ServerSettings:
     shard: Shard = Shard()
     shard_peers: tuple[str, ...] = ()
     shard_peer_timeout_seconds: float = 2.0
+    shard_jobless: str = "node"
     engine: Mapping[str, Any] = field(default_factory=dict)
 
     def public_url(self) -> str:
@@ -510,6 +511,12 @@ FLAGS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         parse_duration,
         "how long a fleet view waits for each peer shard's answer (default 2s)",
     ),
+    "shard.jobless": (
+        "shard_jobless",
+        _choice(*JOBLESS_MODES),
+        "node|fleet: GPUs of no job read by a shard: its nodes' (node, the default: the read follows its share), "
+        "or the whole fleet's, so that jobs inferred among them are judged whole (fleet)",
+    ),
     "log.level": ("log_level", _choice("debug", "info", "warning", "error"), "debug|info|warning|error"),
     "log.format": ("log_format", _choice("json", "text"), "json|text"),
 }
@@ -577,6 +584,8 @@ def load_settings(
             f"({settings.web_max_connections})"
         )
     _check_clients(settings)
+    # The shard carries how it reads GPUs of no job, so every part that reads or filters for it agrees.
+    settings = replace(settings, shard=replace(settings.shard, jobless=settings.shard_jobless))
     if settings.prometheus_url and (settings.targets or settings.targets_file_sd or settings.targets_dns):
         # Two sources for the same agents would feed the engine every sample twice, under two timestamps.
         raise ConfigError(

@@ -9,6 +9,13 @@ processes, Python versions and machines (Python's own `hash` of a str is salted 
 from N to M moves a job unless its hash gives the same index under both, so about 1 - 1/M of the jobs move
 (modulo hashing, not a consistent-hash ring: a restart of every shard with warm-up from the database's history
 costs less than a ring's bookkeeping, and COUNT changes rarely).
+
+GPUs of no job are read in one of two ways (`--shard.jobless`). `node`: a shard reads and judges the ones of its
+nodes only, so its read follows its share; jobs the engine infers among them are inferred per shard, and one
+that spans nodes of several shards is judged in parts. `fleet`: every shard reads every GPU of no job and
+infers jobs among all of them as one server does (ingest/owned.py marks the ones not its own as guests), then
+publishes only what is about its own (server/published.py): each inferred job is judged whole, at the cost of
+every shard reading the whole job-less part of the fleet.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import re
 from dataclasses import dataclass
 
 _SHARD = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
+# How a shard reads the GPUs of no job (--shard.jobless): those of its own nodes, or every one in the fleet.
+JOBLESS_MODES = ("node", "fleet")
 
 
 def shard_of(label: str, count: int) -> int:
@@ -32,8 +41,11 @@ class Shard:
 
     index: int = 0
     count: int = 1
+    jobless: str = "node"  # JOBLESS_MODES
 
     def __post_init__(self) -> None:
+        if self.jobless not in JOBLESS_MODES:
+            raise ValueError(f"jobless GPUs are read by {' or '.join(JOBLESS_MODES)}, not {self.jobless!r}")
         if self.count < 1:
             raise ValueError(f"a shard count must be at least 1, not {self.count}")
         if not 0 <= self.index < self.count:
@@ -51,6 +63,11 @@ class Shard:
     def whole(self) -> bool:
         """True when this server owns the whole fleet (the default, unsharded)."""
         return self.count == 1
+
+    @property
+    def reads_every_jobless(self) -> bool:
+        """True for a shard of `--shard.jobless fleet`: it reads and infers over every GPU of no job."""
+        return self.jobless == "fleet" and self.count > 1
 
     def owns_job(self, job: str) -> bool:
         return self.count == 1 or shard_of(job, self.count) == self.index

@@ -10,9 +10,13 @@ the shards' and every shard's alert a twin among the unsharded. An alert raised 
 apart; it is right only about a whole node whose GPUs two shards own (each raises `node_unreachable` for
 its part), never about one GPU or one job, which belong to one shard each.
 
-    python -m bench.evaluation.shard_union [--counts 2,4] [--seeds 1] [--scenarios a,b]
+Each count runs in every mode of reading GPUs of no job asked for (`--shard.jobless`, server/shard.py): `node`,
+where a shard infers jobs among its own nodes' job-less GPUs only, and `fleet`, where every shard infers among
+all of them and prints only its own part (server/published.py).
 
-prints one row per scenario and count, and a total line; exit 1 when any scenario's union differs.
+    python -m bench.evaluation.shard_union [--counts 2,4] [--jobless node,fleet] [--seeds 1] [--scenarios a,b]
+
+prints one row per scenario, mode and count, and a total line per mode; exit 1 when any scenario's union differs.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from gpufleet.server.alerts import Alert
 from gpufleet.server.engine import EngineConfig
 from gpufleet.server.replay import run_samples
 from gpufleet.server.replay_db import read_history
-from gpufleet.server.shard import Shard
+from gpufleet.server.published import published_alerts
+from gpufleet.server.shard import JOBLESS_MODES, Shard
 
 Key = tuple[str, str | None, int | None, str | None]
 
@@ -51,6 +56,7 @@ class Union:
     whole: list[Alert]
     shards: list[list[Alert]]
     tick_seconds: float
+    jobless: str = "node"
     unmatched_whole: list[Key] = field(default_factory=list)  # unsharded alerts no shard raised
     unmatched_shards: list[Key] = field(default_factory=list)  # shard alerts the unsharded server did not raise
     twice: list[Key] = field(default_factory=list)  # alerts raised by more than one shard
@@ -76,17 +82,28 @@ def _twin(alert: Alert, others: Iterable[Alert], tick_seconds: float) -> bool:
 
 
 def replay(url: str, start: float, end: float, shard: Shard, config: EngineConfig) -> list[Alert]:
-    """replay --prometheus-url over (start, end] for one shard, in process."""
+    """replay --prometheus-url over (start, end] for one shard, in process: what the shard prints."""
     history = asyncio.run(read_history(url, start, end, shard=shard))
-    return run_samples(sorted(history.samples, key=lambda s: (s.time, s.node)), config, history.handovers)
+    alerts = run_samples(sorted(history.samples, key=lambda s: (s.time, s.node)), config, history.handovers)
+    return published_alerts(alerts, shard, history.parts) if shard.reads_every_jobless else alerts
 
 
-def compare(url: str, start: float, end: float, counts: Iterable[int], scenario: str = "") -> list[Union]:
-    """The unsharded replay of the database's range against its replay in each count of shards."""
+def compare(
+    url: str, start: float, end: float, counts: Iterable[int], scenario: str = "", jobless: Iterable[str] = ("node",)
+) -> list[Union]:
+    """The unsharded replay of the database's range against its replay in each mode and count of shards."""
     config = EngineConfig()
     whole = replay(url, start, end, Shard(), config)
     return [
-        Union(scenario, n, whole, [replay(url, start, end, Shard(i, n), config) for i in range(n)], config.tick_seconds)
+        Union(
+            scenario,
+            n,
+            whole,
+            [replay(url, start, end, Shard(i, n, mode), config) for i in range(n)],
+            config.tick_seconds,
+            mode,
+        )
+        for mode in jobless
         for n in counts
     ]
 
@@ -99,14 +116,14 @@ def load_scenario(url: str, name: str, seed: int) -> tuple[float, float]:
     return min(times) - 1.0, max(times)
 
 
-def run(names: list[str], seeds: range, counts: list[int]) -> list[Union]:
-    """Every (scenario, seed) in a fresh database of its own, compared at each count."""
+def run(names: list[str], seeds: range, counts: list[int], jobless: Iterable[str] = ("node",)) -> list[Union]:
+    """Every (scenario, seed) in a fresh database of its own, compared in each mode at each count."""
     out = []
     for name in names:
         for seed in seeds:
             with victoria.victoria_metrics() as url:
                 start, end = load_scenario(url, name, seed)
-                for result in compare(url, start, end, counts, f"{name}/{seed}"):
+                for result in compare(url, start, end, counts, f"{name}/{seed}", jobless):
                     out.append(result)
                     print(_row(result), flush=True)
     return out
@@ -121,12 +138,15 @@ def _row(u: Union) -> str:
         f"one GPU's or job's by 2+ shards {u.misowned}"
     )
     twice = f"; raised by 2+ shards: {u.twice}" if u.twice else ""
-    return f"{u.scenario:36s} shards={u.count} unsharded={len(u.whole):3d} union={union:3d} {verdict}{twice}"
+    return f"{u.scenario:36s} jobless={u.jobless:5s} shards={u.count} unsharded={len(u.whole):3d} union={union:3d} {verdict}{twice}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--counts", default="2,4", help="shard counts, comma-separated")
+    parser.add_argument(
+        "--jobless", default="node,fleet", help="modes of reading GPUs of no job (--shard.jobless), comma-separated"
+    )
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--scenarios", default="", help="names, comma-separated (default: the whole catalog)")
     args = parser.parse_args(argv)
@@ -134,11 +154,23 @@ def main(argv: list[str] | None = None) -> int:
         print(victoria.WHY_MISSING, file=sys.stderr)
         return 2
     names = [n for n in args.scenarios.split(",") if n] or [s.name for s in scenarios.CATALOG]
-    results = run(names, range(args.seeds), [int(c) for c in args.counts.split(",")])
-    equal = sum(u.equal for u in results)
-    alerts = sum(len(u.whole) for u in results)
-    print(f"total: {equal}/{len(results)} (scenario, count) pairs equal; {alerts} unsharded alerts compared")
-    return 0 if equal == len(results) else 1
+    modes = [m for m in args.jobless.split(",") if m]
+    unknown = [m for m in modes if m not in JOBLESS_MODES]
+    if unknown or not modes:
+        print(
+            f"--jobless takes {' and/or '.join(JOBLESS_MODES)}, comma-separated, not {args.jobless!r}", file=sys.stderr
+        )
+        return 2
+    results = run(names, range(args.seeds), [int(c) for c in args.counts.split(",")], modes)
+    for mode in modes:
+        mine = [u for u in results if u.jobless == mode]
+        equal = sum(u.equal for u in mine)
+        alerts = sum(len(u.whole) for u in mine)
+        print(
+            f"total, jobless={mode}: {equal}/{len(mine)} (scenario, count) pairs equal; "
+            f"{alerts} unsharded alerts compared"
+        )
+    return 0 if all(u.equal for u in results) else 1
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ and the job's shard keeps reading a node with a GPU down (ingest/prometheus.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -41,32 +42,52 @@ def any_down(sample: Any) -> bool:
     return bool(np.any(sample.values[:, _UP] == 0.0)) if len(sample.jobs) else False
 
 
-def owned_part(sample: Any, shard: Shard, held_job: str | None = None) -> Any | None:
-    """The sample with only the shard's GPUs (the same object when it owns them all); None when it owns none.
-    held_job: the job of a GPU of the node that is down (Ownership), where its GPUs of no job go."""
+def owned_rows(sample: Any, shard: Shard, held_job: str | None = None) -> list[int]:
+    """The rows of the sample's GPUs that the shard owns. held_job: the job of a GPU of the node that is
+    down (Ownership), where its GPUs of no job go."""
     jobs, node = sample.jobs, sample.node
     # A GPU of no job on a node that runs one goes with the node's job: a GPU that falls off the bus, or
     # whose processes die first, loses its job label while its job still runs, and must stay with the
     # shard that holds its history (its XIDs, its peers) rather than turn up new on another.
     host_job_ = held_job or host_job(sample)
-    keep = [row for row, job in enumerate(jobs) if shard.owns(job or host_job_, node)]
-    if len(keep) == len(jobs):
+    return [row for row, job in enumerate(jobs) if shard.owns(job or host_job_, node)]
+
+
+def picked(sample: Any, keep: list[int]) -> Any | None:
+    """The sample with only the rows `keep` (the same object when that is all of them); None for none."""
+    if len(keep) == len(sample.jobs):
         return sample
     if not keep:
         return None
     pick = keep.__getitem__
     rows = range(len(keep))
     return type(sample)(
-        node,
+        sample.node,
         sample.time,
         tuple(sample.indices[pick(i)] for i in rows),
         tuple(sample.uuids[pick(i)] for i in rows),
         tuple(sample.models[pick(i)] for i in rows),
-        tuple(jobs[pick(i)] for i in rows),
+        tuple(sample.jobs[pick(i)] for i in rows),
         sample.values[keep],
         None if sample.xid_by_code is None else tuple(sample.xid_by_code[pick(i)] for i in rows),
         None if sample.pods is None else tuple(sample.pods[pick(i)] for i in rows),
     )
+
+
+def owned_part(sample: Any, shard: Shard, held_job: str | None = None) -> Any | None:
+    """The sample with only the shard's GPUs (the same object when it owns them all); None when it owns none."""
+    return picked(sample, owned_rows(sample, shard, held_job))
+
+
+@dataclass(frozen=True, slots=True)
+class NodePart:
+    """What a shard of `--shard.jobless fleet` read of a node at one sample: the GPUs (indices) of no job it
+    reads only so that it infers jobs over the whole fleet (guests: another shard's to publish), and whether
+    any GPU of the node is its own."""
+
+    time: float
+    guests: frozenset[int]
+    own: bool
 
 
 class Ownership:
@@ -75,10 +96,15 @@ class Ownership:
     holds its history keeps the node's lost GPU whether its job ends or other jobs run beside it.
 
     Feed each node's samples in time order (an older sample again, as overlapping reads bring, is harmless:
-    the newer ones that follow decide)."""
+    the newer ones that follow decide).
+
+    With `--shard.jobless fleet` the part also holds every other GPU of no job of the node, as guests: the
+    engine infers jobs among them as one server does, and what it says about them is another shard's to
+    publish (server/published.py). `parts` holds each node's latest NodePart."""
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
+        self.parts: dict[str, NodePart] = {}
         self._jobs: dict[str, tuple[tuple[str, ...], tuple[str | None, ...]]] = {}  # node -> latest uuids, jobs
         self._held: dict[str, dict[str, str]] = {}  # node -> {uuid: job} of its GPUs down since they had one
 
@@ -90,7 +116,18 @@ class Ownership:
         else:
             self._held.pop(node, None)
         self._jobs[node] = (sample.uuids, sample.jobs)
-        return owned_part(sample, self.shard, min(held.values(), default=None))
+        rows = owned_rows(sample, self.shard, min(held.values(), default=None))
+        if self.shard.reads_every_jobless:
+            own = set(rows)
+            guests = [row for row, job in enumerate(sample.jobs) if not job and row not in own]
+            self.parts[node] = NodePart(sample.time, frozenset(sample.indices[r] for r in guests), bool(rows))
+            rows = sorted(own.union(guests))
+        return picked(sample, rows)
+
+    def own(self, node: str) -> bool:
+        """Whether the node's latest sample held a GPU of the shard's own (not a guest's only)."""
+        part = self.parts.get(node)
+        return part is None or part.own
 
     def _down_jobs(self, sample: Any) -> dict[str, str]:
         if not any_down(sample):
@@ -115,6 +152,12 @@ class ShardedSource:
         # node -> whether its latest sample held a GPU this shard owns: a node whose GPUs all belong to other
         # shards' jobs is theirs to speak for, even where its name hashes here.
         self._ours: dict[str, bool] = {}
+        self._read: dict[str, bool] = {}  # node -> whether its latest sample held a GPU read here, guests too
+
+    @property
+    def parts(self) -> Mapping[str, NodePart]:
+        """Each node's latest NodePart (`--shard.jobless fleet`; empty otherwise)."""
+        return self._ownership.parts
 
     async def pull_once(self) -> PullResult:
         result = await self.inner.pull_once()
@@ -122,9 +165,10 @@ class ShardedSource:
         handed_over = set()
         for sample in result.samples:
             part = self._ownership.part(sample)
-            if part is None and self._ours.get(sample.node):
+            if part is None and self._read.get(sample.node):
                 handed_over.add(sample.node)
-            self._ours[sample.node] = part is not None
+            self._read[sample.node] = part is not None
+            self._ours[sample.node] = part is not None and self._ownership.own(sample.node)
             if part is not None:
                 samples.append(part)
                 handed_over.discard(sample.node)  # an older sample of the range, before its GPUs went
@@ -136,7 +180,7 @@ class ShardedSource:
             failed_targets=result.failed_targets,
             rejected_snapshots=result.rejected_snapshots,
             pins=result.pins,
-            handed_over=tuple(sorted(n for n in handed_over if not self._ours[n])),
+            handed_over=tuple(sorted(n for n in handed_over if not self._read[n])),
         )
 
     def speaks_for(self, health: TargetHealth) -> bool:

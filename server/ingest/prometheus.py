@@ -87,6 +87,7 @@ _BOOLS = frozenset(r.name for r in READINGS if r.kind is Kind.FLAG)
 _JOB_INFO = "gpufleet_gpu_job_info"
 _XID = "gpufleet_gpu_xid_errors_total"
 _AGE = "gpufleet_agent_sample_age_seconds"
+_UP_SERIES = "gpufleet_gpu_up"  # one series per GPU in every agent's answer
 # A sample's time is the scrape's less the age the agent read while answering it, so it comes out early
 # by however long the answer took. The same sample scraped again then reads up to that much newer (on a
 # busy host, tenths of a second); a new one is a sampling period or more newer.
@@ -364,6 +365,8 @@ class PrometheusSource(IngestAccounting):
             every = await self._label_values("node", _AGE, window)
             self._fleet_listed |= bool(every)
             nodes = {n for n in every if self.shard.owns_node(n)} | (self._down_nodes & set(every))
+            if self.shard.reads_every_jobless:
+                nodes.update(await self._jobless_nodes(lookback, now))
             for jobs_ in _chunks(owned_jobs):
                 info = self._matrix(*await self._fetch(f"{_JOB_INFO}{{hpc_job=~{_regex(jobs_)}}}{range_}", now))
                 nodes.update(n for s in info if isinstance(n := s.metric.get("node"), str))
@@ -391,7 +394,10 @@ class PrometheusSource(IngestAccounting):
             hosts = [
                 h
                 for h in every
-                if (self.shard.owns_node(h) and h not in busy) or h in job_hosts or h in self._down_nodes
+                if (self.shard.owns_node(h) and h not in busy)
+                or h in job_hosts
+                or h in self._down_nodes
+                or self.shard.reads_every_jobless
             ]
             for part in _chunks(sorted(hosts)):
                 out += self._matrix(
@@ -401,6 +407,32 @@ class PrometheusSource(IngestAccounting):
                     )
                 )
         return out
+
+    async def _jobless_nodes(self, lookback: float, now: float) -> list[str]:
+        """`--shard.jobless fleet`: the nodes with a GPU of no job in the range, whatever shard their name
+        hashes to. The agents name a GPU's job on its info series only, so a GPU is job-less where it was
+        sampled more often than its job was named (never, for a GPU that ran none): one instant query over
+        one series per GPU, whose answer is one label value per such node."""
+        range_ = f"[{lookback:.0f}s]"
+        recorded = f'{RECORDED_LABEL}=""'
+        sampled = f"sum by (node, uuid) (count_over_time({_UP_SERIES}{{{recorded}}}{range_}))"
+        named = f'sum by (node, uuid) (count_over_time({_JOB_INFO}{{{recorded}, hpc_job!=""}}{range_}))'
+        query = f"group by (node) (({sampled} unless on (node, uuid) {named}) or ({sampled} > on (node, uuid) {named}))"
+        buf, status = await self._fetch(query, now)
+        try:
+            doc = orjson.loads(buf)
+        except orjson.JSONDecodeError:
+            raise PullError("malformed_json", f"HTTP {status}") from None
+        if not isinstance(doc, dict) or doc.get("status") != "success" or not isinstance(doc.get("data"), dict):
+            raise PullError("query_failed", f"HTTP {status}: {str(doc)[:200]}")
+        result = doc["data"].get("result")
+        return [
+            node
+            for item in (result if isinstance(result, list) else [])
+            if isinstance(item, dict)
+            and isinstance(item.get("metric"), dict)
+            and isinstance(node := item["metric"].get("node"), str)
+        ]
 
     async def _read_owned_pods(self, names: str, window: Mapping[str, str], range_: str, now: float) -> list[_Series]:
         """dcgm-exporter series of the owned jobs that only Kubernetes pod labels name (no hpc_job): the job is
