@@ -27,7 +27,7 @@ from gpufleet.server.engine.detectors.straggler.gpus import (
 from gpufleet.server.engine.detectors.straggler.nodes import node_level, whole_node
 from gpufleet.server.engine.detectors.straggler.policy import BEYOND_NOISE, CROSS_SECTION, RANK_IDLE
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
-from gpufleet.server.engine.detectors.straggler.steps import Steps, find_steps
+from gpufleet.server.engine.detectors.straggler.steps import Steps, find_steps, job_peers, node_peers
 from gpufleet.server.engine.reduce import nan_to_zero
 from gpufleet.server.engine.rules import any_of, evaluate
 from gpufleet.server.engine.tick import Tick
@@ -256,7 +256,8 @@ def add_steps(
         ~(own[PW] < cfg.straggler_power_kept_ratio * level[PW]),
         ~(own[SM] < cfg.straggler_sm_kept_ratio * level[SM]),
     )
-    steps = find_steps(tick, state.steps, slots.group_of, judged, read.sm_unknown, kept)
+    steps = find_steps(tick, state.steps, job_peers(tick, slots.group_of), judged, read.sm_unknown, kept)
+    steps = _node_steps(tick, state, slots, read, kept, steps)
     return (
         replace(
             culprits,
@@ -266,6 +267,32 @@ def add_steps(
         ),
         steps,
     )
+
+
+def _node_steps(
+    tick: Tick, state: StragglerState, slots: Slots, read: Readings, kept: np.ndarray, steps: Steps
+) -> Steps:
+    """The steps with those of GPUs no job holds (unattributed, in no inferred job: inference can leave a
+    job in pieces it is not sure of, or hold it only since a moment ago), each judged against its node's busy unattributed GPUs of its model
+    with SM activity: at least straggler_min_group of them, their median at the waiting level. Its own
+    trail, which a group's restart does not forget: a node group restarts whenever inference moves some
+    of its GPUs into or out of a piece, and the rule's warm-up (both stretches judged) is its own."""
+    cfg = tick.config
+    reg, group_of = tick.registry, slots.group_of
+    unattributed = slots.in_group & ~reg.is_job[: tick.groups.n_groups][group_of]
+    loose = read.busy & unattributed & ~read.sm_unknown & ~np.isnan(tick.levels[SM])
+    peers = node_peers(tick, loose)
+    median_util = peers.medians(np.where(loose, read.utilization, np.nan)[None, :])[0][peers.of]
+    in_job = reg.one_job[: tick.groups.n_groups][group_of]
+    # Also a GPU of an inferred job until its job's trail can find a step (inference can take minutes to
+    # hold it), and while a step found here holds.
+    job_ready = state.steps.ready(tick.k, cfg)[: slots.n]
+    held = ~np.isnan(state.node_steps.before[: slots.n]) if len(state.node_steps.before) >= slots.n else False
+    judged = loose & (~in_job | ~job_ready | held) & ~read.victim & (peers.size[peers.of] >= cfg.straggler_min_group)
+    judged &= median_util >= cfg.straggler_waiting_utilization
+    node = find_steps(tick, state.node_steps, peers, judged, read.sm_unknown, kept)
+    use = node.on & ~steps.on
+    return Steps(steps.on | node.on, np.where(use, node.size, steps.size), np.where(use, node.fall, steps.fall))
 
 
 def find_shared_node(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> SharedNode:
