@@ -292,7 +292,7 @@ def _node_steps(
     judged &= median_util >= cfg.straggler_waiting_utilization
     node = find_steps(tick, state.node_steps, peers, judged, read.sm_unknown, kept)
     use = node.on & ~steps.on
-    return Steps(steps.on | node.on, np.where(use, node.size, steps.size), np.where(use, node.fall, steps.fall))
+    return Steps(steps.on | node.on, np.where(use, node.size, steps.size), np.where(use, node.fall, steps.fall), use)
 
 
 def find_shared_node(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> SharedNode:

@@ -155,6 +155,7 @@ class Steps:
     on: np.ndarray
     size: np.ndarray
     fall: np.ndarray
+    by_node: np.ndarray | None = None  # found against its node's GPUs (stages._node_steps), not its group
 
 
 def find_steps(
