@@ -71,7 +71,9 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     slots = place_gpus(tick, state)
     read = read_gpus(tick, state, slots, context.halted)
     judged = judge(tick, state, slots, read)
-    culprits, steps = add_steps(tick, state, slots, read, find_culprits(tick, state, slots, read, judged))
+    culprits, steps = add_steps(
+        tick, state, slots, read, find_culprits(tick, state, slots, read, judged), context.halted
+    )
     shared = find_shared_node(tick, state, slots, read)
     learn_offsets(tick, state, slots, read, culprits.waiting | shared.waiting)
     seen = Sighting(tick, state, slots, read, judged, add_shared_node(tick, slots, judged, culprits, shared))

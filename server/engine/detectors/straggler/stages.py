@@ -236,7 +236,12 @@ def _below_peers(read: Readings, by_activity: np.ndarray, cfg) -> np.ndarray:
 
 
 def add_steps(
-    tick: Tick, state: StragglerState, slots: Slots, read: Readings, culprits: Culprits
+    tick: Tick,
+    state: StragglerState,
+    slots: Slots,
+    read: Readings,
+    culprits: Culprits,
+    halted: AbstractSet[int] = frozenset(),
 ) -> tuple[Culprits, Steps]:
     """The culprits plus the GPUs of jobs whose standing against their peers stepped up (steps.py), judged
     where their peers spin; a GPU named so learns no offset meanwhile (it counts as waited for). In an
@@ -257,7 +262,7 @@ def add_steps(
         ~(own[SM] < cfg.straggler_sm_kept_ratio * level[SM]),
     )
     steps = find_steps(tick, state.steps, job_peers(tick, slots.group_of), judged, read.sm_unknown, kept)
-    steps = _node_steps(tick, state, slots, read, kept, steps)
+    steps = _node_steps(tick, state, slots, read, kept, steps, halted)
     return (
         replace(
             culprits,
@@ -270,17 +275,26 @@ def add_steps(
 
 
 def _node_steps(
-    tick: Tick, state: StragglerState, slots: Slots, read: Readings, kept: np.ndarray, steps: Steps
+    tick: Tick,
+    state: StragglerState,
+    slots: Slots,
+    read: Readings,
+    kept: np.ndarray,
+    steps: Steps,
+    halted: AbstractSet[int],
 ) -> Steps:
     """The steps with those of GPUs no job holds (unattributed, in no inferred job: inference can leave a
-    job in pieces it is not sure of, or hold it only since a moment ago), each judged against its node's busy unattributed GPUs of its model
-    with SM activity: at least straggler_min_group of them, their median at the waiting level. Its own
-    trail, which a group's restart does not forget: a node group restarts whenever inference moves some
-    of its GPUs into or out of a piece, and the rule's warm-up (both stretches judged) is its own."""
+    job in pieces it is not sure of, or hold a GPU only since a moment ago), each judged against its
+    node's busy unattributed GPUs of its model with SM activity: at least straggler_min_group of them,
+    their median at the waiting level, none in a halted group. Its own trail, which a group's restart
+    does not forget: a node group restarts whenever inference moves some of its GPUs into or out of a
+    piece, and the rule's warm-up (both stretches judged) is its own."""
     cfg = tick.config
     reg, group_of = tick.registry, slots.group_of
     unattributed = slots.in_group & ~reg.is_job[: tick.groups.n_groups][group_of]
     loose = read.busy & unattributed & ~read.sm_unknown & ~np.isnan(tick.levels[SM])
+    if halted:  # a GPU lost while busy hangs its job, and without attribution every group of its model
+        loose &= ~np.isin(slots.gid, list(halted))
     peers = node_peers(tick, loose)
     median_util = peers.medians(np.where(loose, read.utilization, np.nan)[None, :])[0][peers.of]
     in_job = reg.one_job[: tick.groups.n_groups][group_of]
