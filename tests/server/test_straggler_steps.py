@@ -147,3 +147,17 @@ def test_a_gpu_of_an_inferred_job_is_judged_against_its_node_until_its_job_can_j
     assert (s.node, s.gpu, s.hpc_job) == (truth.node, truth.gpu, None)
     assert s.evidence["step_peers"] == "node" and s.evidence["peer_group"] == "inferred_job"
     assert truth.start < s.started <= truth.start + steplevel.WITHIN_S
+
+
+def test_a_gpu_of_an_inferred_job_sharing_its_node_with_another_job_is_not_judged_against_the_node():
+    # Two unattributed jobs share every node (the uneven scenario, seed 0). A GPU's node-mates of the
+    # other job change their work on their own schedule: set against the node's median, one of this
+    # job's GPUs stepped 3 % up as the node fell 4 %, a false straggler. Its job holds only part of the
+    # node, so its job alone judges it.
+    from bench.evaluation import scenarios
+    from bench.evaluation.tracegen import generate, without_fields
+
+    trace = generate(scenarios.BY_NAME["uneven_shared_nodes_straggler_unattributed"].build(0))
+    alerts = run_replay(without_fields(list(trace.lines), ("hpc_job",)))
+    stragglers = [a for a in alerts if a.kind.value == "straggler"]
+    assert stragglers and not any(a.evidence.get("step_peers") == "node" for a in stragglers)
