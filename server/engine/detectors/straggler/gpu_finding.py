@@ -63,12 +63,13 @@ def gpu_finding(
     inferred_peers(tick.registry, gid, evidence)
     reasons = _reasons(tick, slot, gid, ex, causes, idle, waiting_peers)
     if step is not None:
-        evidence["step_rise_vs_peers"], evidence["step_job_fall"] = r3(step[0]), r3(step[1])
-        if step[2]:
+        rise, fall, by_node = step
+        evidence["step_rise_vs_peers"], evidence["step_job_fall"] = r3(rise), r3(fall)
+        if by_node:
             evidence["step_peers"] = "node"  # its node's busy unattributed GPUs, not its group
         reasons.append(
-            f"its {'SM activity' if sm_known else 'power'} against its peers' rose {percent(step[0])} at once "
-            f"while theirs fell {percent(step[1])}"
+            f"its {'SM activity' if sm_known else 'power'} against its peers' rose {percent(rise)} at once "
+            f"while theirs fell {percent(fall)}"
         )
     retries = state.link_retry_counts(slot)
     if retries:

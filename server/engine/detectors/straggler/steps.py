@@ -69,9 +69,9 @@ class StepTrail:
     def ready(self, k: int, cfg) -> np.ndarray:
         """Per slot: judged without a break for both stretches and the gap between them (its steps can be
         found), or holding a step found."""
-        span = cfg.bins(cfg.straggler_step_window_seconds) * 2 + cfg.bins(cfg.smooth_seconds)
+        a, gap = cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
         with np.errstate(invalid="ignore"):
-            return (k - self.since >= span - 1) | ~np.isnan(self.before)
+            return (k - self.since >= a + gap + a - 1) | ~np.isnan(self.before)
 
     def stretch(self, k: int, newest: int, bins: int) -> Stretch:
         """What the `bins` ticks ending `newest` ticks before tick k hold (ticks the ring lost count none)."""
