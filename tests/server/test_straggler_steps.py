@@ -99,3 +99,65 @@ def test_a_3_percent_straggler_in_an_inferred_job_is_named_by_its_step():
     assert truth.start < s.started <= truth.start + steplevel.WITHIN_S
     # The margins alone name nobody in a job this slowed.
     assert stragglers({"disabled_rules": ["straggler_step"]}) == []
+
+
+def _unattributed(override, seconds: float = 1000.0):
+    alerts = run_replay(cluster_lines(seconds, override=override, job=None))
+    return [a for a in alerts if a.kind.value == "straggler"]
+
+
+def test_a_3_percent_straggler_in_no_inferred_job_is_named_against_its_node():
+    # No hpc_job, and each GPU's noise its own: nothing moves together, inference finds no job, and each
+    # GPU's peers are its node's busy GPUs. The straggler's 7 node-mates wait for it as every rank does.
+    slowed = _slowed(_at_once(0.025), _at_once(PEER_FALL))
+    (s,) = _unattributed(slowed)
+    assert (s.node, s.gpu, s.hpc_job) == (*CULPRIT, None)
+    assert T0 + ONSET_S < s.started <= T0 + ONSET_S + 300
+    assert s.evidence["peer_group"] == "node_model" and s.evidence["peer_group_inferred"] is True
+    assert s.evidence["step_peers"] == "node" and 0.04 < s.evidence["step_rise_vs_peers"] < 0.08
+
+
+def test_a_job_ending_on_half_a_node_is_no_step_of_the_other_half():
+    # Two unattributed jobs share node n1: GPUs 0-3 at 60 % SM activity, 4-7 at 90 %. The busier job
+    # ends: the node's busy median falls to the first job's level, and each of its four GPUs stands 25 %
+    # higher against it than before, flat, as the median fell. Four GPUs stepping at once are a change
+    # of work, not a straggler (straggler_mixed_standout_share).
+    def two_jobs(t: float, node: str, gpu: int) -> dict[str, float]:
+        if node != "n1":
+            return {"sm_active_ratio": _noisy(0.80, t, node, gpu)}
+        if gpu >= 4 and t >= ONSET_S:
+            return {"sm_active_ratio": 0.0, "utilization_ratio": 0.0, "power_watts": 80.0}
+        return {"sm_active_ratio": _noisy(0.60 if gpu < 4 else 0.90, t, node, gpu)}
+
+    assert _unattributed(two_jobs) == []
+    named = run_replay(cluster_lines(1000, override=two_jobs, job=None), {"straggler_mixed_standout_share": 1.0})
+    assert {(a.node, a.gpu) for a in named if a.kind.value == "straggler"} == {("n1", g) for g in range(4)}
+
+
+def test_a_gpu_of_an_inferred_job_is_judged_against_its_node_until_its_job_can_judge_it():
+    # The step-level model's 64-GPU job at 1 s sampling, seed 2: inference holds the job only from a
+    # minute before the straggler starts, too late for the job's two stretches; against its node's GPUs
+    # the straggler is named within the five minutes.
+    from bench.evaluation import steplevel
+
+    cell = steplevel.Cell(64, 1.0, steplevel.QUIET, 0.03, attributed=False)
+    trace = steplevel.generate(cell.spec(2))
+    (truth,) = [t for t in trace.truths if t.required]
+    (s,) = [a for a in run_replay(trace.lines) if a.kind.value == "straggler"]
+    assert (s.node, s.gpu, s.hpc_job) == (truth.node, truth.gpu, None)
+    assert s.evidence["step_peers"] == "node" and s.evidence["peer_group"] == "inferred_job"
+    assert truth.start < s.started <= truth.start + steplevel.WITHIN_S
+
+
+def test_a_gpu_of_an_inferred_job_sharing_its_node_with_another_job_is_not_judged_against_the_node():
+    # Two unattributed jobs share every node (the uneven scenario, seed 0). A GPU's node-mates of the
+    # other job change their work on their own schedule: set against the node's median, one of this
+    # job's GPUs stepped 3 % up as the node fell 4 %, a false straggler. Its job holds only part of the
+    # node, so its job alone judges it.
+    from bench.evaluation import scenarios
+    from bench.evaluation.tracegen import generate, without_fields
+
+    trace = generate(scenarios.BY_NAME["uneven_shared_nodes_straggler_unattributed"].build(0))
+    alerts = run_replay(without_fields(list(trace.lines), ("hpc_job",)))
+    stragglers = [a for a in alerts if a.kind.value == "straggler"]
+    assert stragglers and not any(a.evidence.get("step_peers") == "node" for a in stragglers)

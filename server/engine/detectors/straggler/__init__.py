@@ -71,7 +71,9 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
     slots = place_gpus(tick, state)
     read = read_gpus(tick, state, slots, context.halted)
     judged = judge(tick, state, slots, read)
-    culprits, steps = add_steps(tick, state, slots, read, find_culprits(tick, state, slots, read, judged))
+    culprits, steps = add_steps(
+        tick, state, slots, read, find_culprits(tick, state, slots, read, judged), context.halted
+    )
     shared = find_shared_node(tick, state, slots, read)
     learn_offsets(tick, state, slots, read, culprits.waiting | shared.waiting)
     seen = Sighting(tick, state, slots, read, judged, add_shared_node(tick, slots, judged, culprits, shared))
@@ -109,10 +111,18 @@ def _gpu_findings(
             bool(judged.cross[slot]),
             bool(judged.idle[0, slot]),
             shared if shared.on[0, slot] else None,
-            (float(steps.size[slot]), float(steps.fall[slot])) if steps.on[slot] else None,
+            _step(steps, slot),
         )
         for slot in nodes.gpus_named.nonzero()[0].tolist()
     ]
+
+
+def _step(steps: Steps, slot: int) -> tuple[float, float, bool] | None:
+    """A GPU's step found (its rise, its peers' fall, whether against its node's GPUs), None: none."""
+    if not steps.on[slot]:
+        return None
+    by_node = steps.by_node is not None and bool(steps.by_node[slot])
+    return float(steps.size[slot]), float(steps.fall[slot]), by_node
 
 
 def _clear_test(seen: Sighting, still_waiting: np.ndarray, nodes: NodeCulprits):

@@ -29,12 +29,12 @@ def gpu_finding(
     cross: bool = False,
     idle: bool = False,
     shared: SharedNode | None = None,
-    step: tuple[float, float] | None = None,
+    step: tuple[float, float, bool] | None = None,
 ) -> Finding:
     """The finding for one culprit GPU (ex, dev: its excess and deviation per row; cross: it stands out
     with no baseline needed; idle: it idles on its host while its peers wait; shared: found by
     gpus.shared_node, against the GPUs of its node that sank; step: its rise and its job's fall where
-    steps.py found its standing stepped up)."""
+    steps.py found its standing stepped up, and whether against its node's GPUs rather than its group)."""
     cfg, w = tick.config, tick.windows
     gid = int(tick.groups.gid[slot])
     job = tick.registry.job(gid)
@@ -63,10 +63,13 @@ def gpu_finding(
     inferred_peers(tick.registry, gid, evidence)
     reasons = _reasons(tick, slot, gid, ex, causes, idle, waiting_peers)
     if step is not None:
-        evidence["step_rise_vs_peers"], evidence["step_job_fall"] = r3(step[0]), r3(step[1])
+        rise, fall, by_node = step
+        evidence["step_rise_vs_peers"], evidence["step_job_fall"] = r3(rise), r3(fall)
+        if by_node:
+            evidence["step_peers"] = "node"  # its node's busy unattributed GPUs, not its group
         reasons.append(
-            f"its {'SM activity' if sm_known else 'power'} against its peers' rose {percent(step[0])} at once "
-            f"while theirs fell {percent(step[1])}"
+            f"its {'SM activity' if sm_known else 'power'} against its peers' rose {percent(rise)} at once "
+            f"while theirs fell {percent(fall)}"
         )
     retries = state.link_retry_counts(slot)
     if retries:

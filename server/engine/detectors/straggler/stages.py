@@ -27,7 +27,8 @@ from gpufleet.server.engine.detectors.straggler.gpus import (
 from gpufleet.server.engine.detectors.straggler.nodes import node_level, whole_node
 from gpufleet.server.engine.detectors.straggler.policy import BEYOND_NOISE, CROSS_SECTION, RANK_IDLE
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
-from gpufleet.server.engine.detectors.straggler.steps import Steps, find_steps
+from gpufleet.server.engine.detectors.straggler.steps import Steps, find_steps, job_peers, node_peers
+from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.reduce import nan_to_zero
 from gpufleet.server.engine.rules import any_of, evaluate
 from gpufleet.server.engine.tick import Tick
@@ -236,7 +237,12 @@ def _below_peers(read: Readings, by_activity: np.ndarray, cfg) -> np.ndarray:
 
 
 def add_steps(
-    tick: Tick, state: StragglerState, slots: Slots, read: Readings, culprits: Culprits
+    tick: Tick,
+    state: StragglerState,
+    slots: Slots,
+    read: Readings,
+    culprits: Culprits,
+    halted: AbstractSet[int] = frozenset(),
 ) -> tuple[Culprits, Steps]:
     """The culprits plus the GPUs of jobs whose standing against their peers stepped up (steps.py), judged
     where their peers spin; a GPU named so learns no offset meanwhile (it counts as waited for). In an
@@ -256,7 +262,9 @@ def add_steps(
         ~(own[PW] < cfg.straggler_power_kept_ratio * level[PW]),
         ~(own[SM] < cfg.straggler_sm_kept_ratio * level[SM]),
     )
-    steps = find_steps(tick, state.steps, slots.group_of, judged, read.sm_unknown, kept)
+    steps = find_steps(tick, state.steps, job_peers(tick, slots.group_of), judged, read.sm_unknown, kept)
+    named = culprits.named | steps.on
+    steps = _node_steps(tick, state, slots, read, kept, steps, halted, named)
     return (
         replace(
             culprits,
@@ -266,6 +274,55 @@ def add_steps(
         ),
         steps,
     )
+
+
+def _node_of_one_group(node_of: np.ndarray, gid: np.ndarray, loose: np.ndarray) -> np.ndarray:
+    """Per slot: every `loose` GPU of its node group (node_of) is in the same peer group (gid)."""
+    pairs = np.unique(np.stack([node_of[loose], gid[loose]]), axis=1)
+    groups = np.bincount(pairs[0], minlength=int(node_of.max(initial=0)) + 1)
+    return groups[node_of] == 1
+
+
+def _node_steps(
+    tick: Tick,
+    state: StragglerState,
+    slots: Slots,
+    read: Readings,
+    kept: np.ndarray,
+    steps: Steps,
+    halted: AbstractSet[int],
+    named: np.ndarray,
+) -> Steps:
+    """The steps with those of GPUs no job holds (unattributed, in no inferred job: inference can leave a
+    job in pieces it is not sure of, or hold a GPU only since a moment ago), each judged against its
+    node's busy unattributed GPUs of its model with SM activity: at least straggler_min_group of them,
+    their median at the waiting level, none in a halted group. Its own trail, which a group's restart
+    does not forget: a node group restarts whenever inference moves some of its GPUs into or out of a
+    piece, and the rule's warm-up (both stretches judged) is its own."""
+    cfg = tick.config
+    reg, group_of = tick.registry, slots.group_of
+    unattributed = slots.in_group & ~reg.is_job[: tick.groups.n_groups][group_of]
+    loose = read.busy & unattributed & ~read.sm_unknown & ~np.isnan(tick.levels[SM])
+    if halted:  # a GPU lost while busy hangs its job, and without attribution every group of its model
+        loose &= ~np.isin(slots.gid, list(halted))
+    peers = node_peers(tick, loose)
+    median_util = peers.medians(np.where(loose, read.utilization, np.nan)[None, :])[0][peers.of]
+    in_job = reg.one_job[: tick.groups.n_groups][group_of]
+    # Also a GPU of an inferred job until its job's trail first can find a step (inference can take
+    # minutes to hold it; once it could, a later regrouping is the job's to judge), where its job holds every busy GPU of its node (a node shared with another job mixes the
+    # two jobs' changes of work) and names no straggler already (its peers' fall is that one's), and
+    # while a step found here holds.
+    settled = grown(state.job_steps_settled, slots.n, False)[: slots.n]
+    settled = loose & in_job & (settled | state.steps.ready(tick.k, cfg)[: slots.n])
+    state.job_steps_settled = settled
+    explained = np.bincount(slots.gid[named & slots.in_group], minlength=tick.groups.n_groups)[group_of] > 0
+    job_ready = settled | ~_node_of_one_group(peers.of, slots.gid, loose) | explained
+    held = ~np.isnan(state.node_steps.before[: slots.n]) if len(state.node_steps.before) >= slots.n else False
+    judged = loose & (~in_job | ~job_ready | held) & ~read.victim & (peers.size[peers.of] >= cfg.straggler_min_group)
+    judged &= median_util >= cfg.straggler_waiting_utilization
+    node = find_steps(tick, state.node_steps, peers, judged, read.sm_unknown, kept)
+    use = node.on & ~steps.on
+    return Steps(steps.on | node.on, np.where(use, node.size, steps.size), np.where(use, node.fall, steps.fall), use)
 
 
 def find_shared_node(tick: Tick, state: StragglerState, slots: Slots, read: Readings) -> SharedNode:

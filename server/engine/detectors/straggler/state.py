@@ -38,6 +38,11 @@ class StragglerState:
         self._steady = np.full(0, np.nan)
         self.nodes = NodeOffsets()
         self.steps = StepTrail()  # recent bins against the peers, and steps found (steps.py)
+        # The same against a node's busy GPUs, for GPUs in no job (stages._node_steps): kept across restarts.
+        self.node_steps = StepTrail()
+        # Per GPU: its inferred job's trail could find its steps since it was last out of work (then the
+        # job judges it, not its node).
+        self.job_steps_settled = np.zeros(0, dtype=bool)
         self.index = FingerprintIndex(AlertKind.STRAGGLER)
         # Per GPU: its links' recent retries, (time, event kind, count), oldest first.
         self.link_retries: dict[int, list[tuple[float, str, int]]] = {}

@@ -18,11 +18,13 @@ smooth_seconds apart (the gap holds the moment of the step, wherever in it). Bin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.detectors.straggler.policy import STEP
+from gpufleet.server.engine.groups import group_medians
 from gpufleet.server.engine.rules import MAD_TO_SIGMA, any_of, evaluate
 from gpufleet.server.engine.tick import Tick
 from gpufleet.server.engine.windows import B_POWER, B_SM
@@ -63,6 +65,13 @@ class StepTrail:
             self.dev[:, slots] = np.nan
             self.level[:, slots] = np.nan
             self.before[slots] = self.size[slots] = self.fall[slots] = self.since[slots] = np.nan
+
+    def ready(self, k: int, cfg) -> np.ndarray:
+        """Per slot: judged without a break for both stretches and the gap between them (its steps can be
+        found), or holding a step found."""
+        a, gap = cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
+        with np.errstate(invalid="ignore"):
+            return (k - self.since >= a + gap + a - 1) | ~np.isnan(self.before)
 
     def stretch(self, k: int, newest: int, bins: int) -> Stretch:
         """What the `bins` ticks ending `newest` ticks before tick k hold (ticks the ring lost count none)."""
@@ -105,6 +114,40 @@ class Stretch:
 
 
 @dataclass(frozen=True, slots=True)
+class Peers:
+    """Whom each GPU's step is judged against: per slot its peer group (an index; any value where it is
+    not judged), each group's size, the grouped medians of a (1, n) row, and per slot whether it counts
+    in its group's median level (default: the GPUs judged)."""
+
+    of: np.ndarray
+    size: np.ndarray
+    medians: Callable[[np.ndarray], np.ndarray]
+    counted: np.ndarray | None = None
+
+
+def job_peers(tick: Tick, group_of: np.ndarray) -> Peers:
+    """Each GPU's own group this tick (its job's GPUs, attributed or inferred)."""
+    members = tick.groups.members
+    assert members is not None  # Engine.advance builds them with every tick's groups
+    return Peers(group_of, tick.groups.size, members.layout.medians)
+
+
+def node_peers(tick: Tick, loose: np.ndarray) -> Peers:
+    """Per node and GPU model, its `loose` GPUs (unattributed and busy, with SM activity): the peers of
+    a GPU that no inferred job holds. Whatever inference made of them, a node's GPUs of one job wait
+    for its straggler as every rank does; a node's GPUs of two jobs have their steps refused by _many
+    or by the median that the other job holds still."""
+    w = tick.windows
+    n = len(loose)
+    key = np.where(loose, w.slot_node_id[:n] * (int(w.slot_model_id[:n].max(initial=0)) + 1) + w.slot_model_id[:n], -1)
+    ids, of = np.unique(key, return_inverse=True)
+    of = np.where(loose, of, 0).astype(np.int64)
+    size = np.bincount(of[loose], minlength=len(ids))
+    n_groups = len(ids)
+    return Peers(of, size, lambda row: group_medians(row, np.where(loose, of, -1), n_groups), loose)
+
+
+@dataclass(frozen=True, slots=True)
 class Steps:
     """Per slot: a step holds (found now or before, and the GPU still stands that much above its level
     before), its size, and its job's fall at the step (NaN: none)."""
@@ -112,18 +155,19 @@ class Steps:
     on: np.ndarray
     size: np.ndarray
     fall: np.ndarray
+    by_node: np.ndarray | None = None  # found against its node's GPUs (stages._node_steps), not its group
 
 
 def find_steps(
-    tick: Tick, trail: StepTrail, group_of: np.ndarray, judged: np.ndarray, sm_unknown: np.ndarray, kept: np.ndarray
+    tick: Tick, trail: StepTrail, peers: Peers, judged: np.ndarray, sm_unknown: np.ndarray, kept: np.ndarray
 ) -> Steps:
     """Record this tick's bin and test every judged GPU (judged: in a job group, busy, warm, its peers
     spinning) for a step; keep those found while they stand above their level before (kept: it keeps
     its own usual activity, as a culprit does)."""
     cfg = tick.config
-    n, a, gap = len(group_of), cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
+    n, a, gap = len(peers.of), cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
     trail.fit(n, a + gap + a)
-    _record(tick, trail, group_of, judged, sm_unknown)
+    _record(tick, trail, peers, judged, sm_unknown)
     after, before = trail.stretch(tick.k, 0, a), trail.stretch(tick.k, a + gap, a)
     # Each stretch needs a reading in every straggler_newest_bins bins at least (at 10 s sampling every
     # other 5 s bin is empty), and the GPU judged throughout: a stretch that began in its job's settling
@@ -139,7 +183,7 @@ def find_steps(
         ramp = slope * (a + gap) / rise
     arrays = {
         "step_rise": rise,
-        "step_spread": _spread(tick, rise, group_of),
+        "step_spread": _spread(rise, peers),
         "kept": kept,
         # The peers wait for it: their median fell as it rose.
         "job_fell": fall >= cfg.straggler_step_min_slowdown,
@@ -147,7 +191,7 @@ def find_steps(
         "flat": (rise > 0) & (ramp < cfg.straggler_step_ramp_ratio),
     }
     found = any_of(evaluate(STEP, arrays, cfg), [r.name for r in STEP]) & judged
-    found &= ~_many(tick, found, group_of)
+    found &= ~_many(tick, found, peers)
     new = found & np.isnan(trail.before)
     trail.before[new], trail.size[new], trail.fall[new] = before.mean[new], rise[new], fall[new]
     # A step found holds while the GPU's newest smoothing window stands the weaker share of it above its
@@ -161,13 +205,12 @@ def find_steps(
     return Steps(on, trail.size.copy(), trail.fall.copy())
 
 
-def _record(tick: Tick, trail: StepTrail, group_of: np.ndarray, judged: np.ndarray, sm_unknown: np.ndarray) -> None:
+def _record(tick: Tick, trail: StepTrail, peers: Peers, judged: np.ndarray, sm_unknown: np.ndarray) -> None:
     """Keep this tick's newest bin: each judged GPU's activity against its group's median of that bin."""
     now = tick.windows.recent(tick.k, 1, _ROWS, tick.held[:1] if len(tick.held) else None)[0]
-    members = tick.groups.members
-    assert members is not None  # Engine.advance builds them with every tick's groups
     act = np.where(sm_unknown, now[1], now[0])
-    level = members.layout.medians(np.where(judged, act, np.nan)[None, :])[0][group_of]
+    counted = judged if peers.counted is None else peers.counted
+    level = peers.medians(np.where(counted, act, np.nan)[None, :])[0][peers.of]
     row = tick.k % len(trail.tick_of)
     with np.errstate(invalid="ignore", divide="ignore"):
         trail.dev[row] = np.where(judged, act / level - 1.0, np.nan)
@@ -176,22 +219,18 @@ def _record(tick: Tick, trail: StepTrail, group_of: np.ndarray, judged: np.ndarr
     trail.since[: len(judged)] = np.where(judged, np.fmin(trail.since[: len(judged)], tick.k), np.nan)
 
 
-def _spread(tick: Tick, rise: np.ndarray, group_of: np.ndarray) -> np.ndarray:
+def _spread(rise: np.ndarray, peers: Peers) -> np.ndarray:
     """Per slot: the robust standard deviation of its group's rises (one straggler does not widen it)."""
-    members = tick.groups.members
-    assert members is not None  # Engine.advance builds them with every tick's groups
-    layout = members.layout
-    center = layout.medians(rise[None, :])[0][group_of]
-    return MAD_TO_SIGMA * layout.medians(np.abs(rise - center)[None, :])[0][group_of]
+    center = peers.medians(rise[None, :])[0][peers.of]
+    return MAD_TO_SIGMA * peers.medians(np.abs(rise - center)[None, :])[0][peers.of]
 
 
-def _many(tick: Tick, found: np.ndarray, group_of: np.ndarray) -> np.ndarray:
+def _many(tick: Tick, found: np.ndarray, peers: Peers) -> np.ndarray:
     """Per slot: more of its group stepped at once than a straggler's share (straggler_mixed_standout_share):
     a change of the job's work, not a fault."""
-    grp = tick.groups
-    counts = np.bincount(group_of[found], minlength=grp.n_groups)
-    too_many = counts > np.maximum(1, np.floor(grp.size * tick.config.straggler_mixed_standout_share))
-    return too_many[group_of]
+    counts = np.bincount(peers.of[found], minlength=len(peers.size))
+    too_many = counts > np.maximum(1, np.floor(peers.size * tick.config.straggler_mixed_standout_share))
+    return too_many[peers.of]
 
 
 def _mean(x: np.ndarray) -> np.ndarray:
