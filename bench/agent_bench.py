@@ -124,7 +124,9 @@ def bench_cycles(
     costs = CostedNvml(sim) if costed else None
     nvml = TimedNvml(costs or sim)
     store = SnapshotStore(300)
-    reader = NvmlReader(nvml, per_link_nvlink=per_link, interval_s=1.0, clock=clock)
+    # Probes time what the real calls cost, as the agent does on the costed simulator (agent.cli).
+    cpu_clock_ns = costs.thread_time_ns if costs else time.thread_time_ns
+    reader = NvmlReader(nvml, per_link_nvlink=per_link, interval_s=1.0, clock=clock, cpu_clock_ns=cpu_clock_ns)
     sampler = Sampler(reader, store, node=node, attributor=JobAttributor(procfs), clock=clock, monotonic=clock)
     for _ in range(5):  # open, probe, GPM warm-up
         sampler.run_once()
