@@ -339,6 +339,7 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
         stop=stop,
         families=runtime.families,
         processes=runtime.processes,
+        rendered_ahead=server.prepare,
     )
     hangup = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import email.utils
 import logging
 import math
 import socket
@@ -68,8 +69,16 @@ class AgentHttpServer:
         self.busy_answers = 0  # large answers refused for want of a slot
         self._listener = _listen(host, port)
         self.gate = ConnectionGate(
-            self._listener, self._serve_one, self.limits, tls=web.tls, monotonic=monotonic, pause=pause
+            self._listener,
+            self._serve_one,
+            self.limits,
+            tls=web.tls,
+            monotonic=monotonic,
+            pause=pause,
+            # Behind basic auth a scrape's check may cost a bcrypt round: a worker's job, not the gate's.
+            answer_now=self.answer_now if self.auth is None else None,
         )
+        self._date = (0, b"")  # the Date header's second and text
         self._started = False
 
     @property
@@ -101,10 +110,62 @@ class AgentHttpServer:
         handler = _Handler(sock, address, self, data, deadline)
         return None if handler.close_connection else handler.reader.rest()
 
+    def answer_now(self, request: bytes) -> tuple[tuple[bytes, ...], Callable[[], None]] | None:
+        """The whole answer to a plain keep-alive `GET /metrics` whose text is rendered (and compressed, where
+        gzip is asked) ahead, and what to call once it is sent; None for any other request, or when the
+        answer needs work (a render, a compression, a wait for a lock), which a worker does. The same bytes
+        a worker would send (tests/agent/test_webserver.py compares them)."""
+        headers = plain_get(request, b"/metrics")
+        if headers is None:
+            return None
+        pub = self.store.latest()
+        text = None if pub is None else pub.ready_metrics()
+        if pub is None or text is None:
+            return None
+        age = exposition.render_age(self.clock(), pub.snapshot if pub.health.nvml_up else None, pub.health.node)
+        gzip = _accepts_gzip([v.decode("latin-1") for v in headers.get(b"accept-encoding", ())])
+        parts = (text, age)
+        if gzip:
+            ready = self.gzip.ready(text, age)
+            if ready is None:
+                return None
+            parts = ready
+        if not self.large_answers.acquire(blocking=False):
+            return None
+        head = self._ok_head(sum(map(len, parts)), gzip)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug('http "GET /metrics HTTP/1.1" 200 -', extra={"answered_by": "gate"})
+        return (head, *parts), self.large_answers.release
+
+    def _ok_head(self, length: int, gzip: bool) -> bytes:
+        """A 200 /metrics head as _Handler._send writes it."""
+        now = int(time.time())
+        if self._date[0] != now:
+            self._date = (now, email.utils.formatdate(now, usegmt=True).encode())
+        lines = [
+            b"HTTP/1.1 200 OK",
+            b"Server: " + _Handler.server_version.encode() + b" " + _Handler.sys_version.encode(),
+            b"Date: " + self._date[1],
+            b"Content-Type: " + exposition.CONTENT_TYPE.encode(),
+            b"Content-Length: %d" % length,
+            b"Cache-Control: no-store",
+            b"Vary: Accept-Encoding",
+        ]
+        if gzip:
+            lines.append(b"Content-Encoding: gzip")
+        lines += [f"{k}: {v}".encode("latin-1", "strict") for k, v in self.headers.items()]
+        return b"\r\n".join(lines) + b"\r\n\r\n"
+
+    def prepare(self, text: bytes) -> None:
+        """A /metrics text rendered ahead of its scrape: compressed now where scrapes ask for gzip, so that
+        the scrape's answer is ready for the gate thread to send (answer_now)."""
+        self.gzip.prepare(text)
+
     # --- responses: (status, content type, body) --------------------------------------------------------
 
     def metrics(self, gzip: bool = False) -> tuple[int, str, bytes]:
         """Pre-rendered exposition plus the per-scrape age family; gzipped on request."""
+        self.gzip.wanted = gzip
         pub = self.store.latest()
         if pub is None:
             return _error(HTTPStatus.SERVICE_UNAVAILABLE, "starting", "no sample published yet")
@@ -448,6 +509,33 @@ def _send_all(sock: socket.socket, head: bytes, body: bytes) -> None:
         sock.sendall(memoryview(body)[sent - len(head) :])
 
 
+# Fields that would make a request more than a plain GET: a worker judges those (a body, 100-continue, ...).
+_NOT_PLAIN = frozenset((b"content-length", b"transfer-encoding", b"expect", b"upgrade"))
+_MAX_HEADERS = 100  # http.client's bound, past which a worker answers 431
+
+
+def plain_get(request: bytes, path: bytes) -> dict[bytes, list[bytes]] | None:
+    """Header name (lower case) -> values of a request that is exactly `GET path HTTP/1.1`, CRLF-framed, with
+    nothing to read after its head and no wish to close; None for any other request, or any doubt."""
+    if not request.endswith(b"\r\n\r\n"):
+        return None
+    lines = request[:-4].split(b"\r\n")
+    if lines[0] != b"GET " + path + b" HTTP/1.1" or len(lines) > _MAX_HEADERS:
+        return None
+    headers: dict[bytes, list[bytes]] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or b"\n" in line or b"\r" in line or name != name.strip() or b" " in name:
+            return None
+        name = name.lower()
+        if name in _NOT_PLAIN:
+            return None
+        headers.setdefault(name, []).append(value.strip())
+    if any(v.lower() != b"keep-alive" for v in headers.get(b"connection", ())):
+        return None
+    return headers
+
+
 def _accepts_gzip(values: list[str]) -> bool:
     """Whether Accept-Encoding lists gzip (or *) with a non-zero q."""
     for value in values:
@@ -479,15 +567,42 @@ class GzipCache:
         self._head = b""
         self._compressor = zlib.compressobj(level, zlib.DEFLATED, 31)
         self.compressions = 0
+        self.wanted = False  # whether the last /metrics answer was asked gzipped
+
+    def prepare(self, body: bytes) -> None:
+        """Compress a body rendered ahead of its scrape, where scrapes ask for gzip: the scrape finds its
+        answer ready. The same compression the scrape would pay, on the sampler's thread."""
+        if self.wanted:
+            with self._lock:
+                self._take(body)
+
+    def ready(self, body: bytes, tail: bytes = b"") -> tuple[bytes, bytes] | None:
+        """compress(body, tail) as two parts, when the body is compressed already and nobody is compressing;
+        None rather than a wait."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._source is not body and self._source != body:
+                return None
+            self.wanted = True
+            head, compressor = self._head, self._compressor.copy()
+        finally:
+            self._lock.release()
+        return head, compressor.compress(tail) + compressor.flush()
+
+    def _take(self, body: bytes) -> None:
+        """Under the lock: the compressor holds `body`."""
+        if self._source is not body and self._source != body:
+            compressor = zlib.compressobj(self._level, zlib.DEFLATED, 31)
+            self._head = compressor.compress(body)
+            self._source, self._compressor = body, compressor
+            self.compressions += 1
 
     def compress(self, body: bytes, tail: bytes = b"") -> bytes:
         """One gzip member holding body + tail."""
         with self._lock:
-            if self._source is not body and self._source != body:
-                compressor = zlib.compressobj(self._level, zlib.DEFLATED, 31)
-                self._head = compressor.compress(body)
-                self._source, self._compressor = body, compressor
-                self.compressions += 1
+            self.wanted = True
+            self._take(body)
             head, compressor = self._head, self._compressor.copy()
         return head + compressor.compress(tail) + compressor.flush()
 
