@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import socket
+import zlib
 
 import orjson
 import pytest
@@ -179,3 +180,13 @@ def test_the_gzip_cache_compresses_ahead_only_for_gzip_scrapers_and_never_waits(
     assert gzip.decompress(first) == text + b"tail\n"
     with cache._lock:  # a compression under way: the caller hands the scrape to a worker
         assert cache.ready(text + b"more\n") is None
+
+
+@pytest.mark.parametrize("tail", [b"", b"gpufleet_agent_sample_age_seconds 0.5\n", b"z" * 65535, b"q" * 70000])
+def test_each_scrapes_own_lines_close_the_kept_stream_as_one_valid_gzip_member(tail):
+    cache = GzipCache()
+    text = b"# HELP a A.\n" * 10000
+    answer = cache.compress(text, tail)
+    inflater = zlib.decompressobj(31)  # one member, checked to its trailer (CRC-32 and length)
+    assert inflater.decompress(answer) == text + tail and inflater.eof and not inflater.unused_data
+    assert len(answer) < len(text) // 10 + len(tail) + 100  # the text compressed once, the tail stored
