@@ -383,9 +383,9 @@ def bench_process(duration: float, per_link: bool, costed: bool) -> dict[str, fl
         # Scrapes of the live agent, spread over many sampling cycles: a scrape that lands mid-cycle
         # waits for the GIL, which in-process loopback numbers do not show. Plain, then gzipped as
         # Prometheus asks (each scrape of a new text compresses it, unless the sampler did so ahead).
-        # Each gzipped scrape is followed by one of the floor: a bare one-thread Python server in a process
-        # of its own answering the same number of bytes, so each run shows what this machine's load alone
-        # does to a Python server's latency at the same moments.
+        # Halfway between gzipped scrapes, one of the floor: a bare one-thread Python server in a process of
+        # its own answering the same number of bytes, so each run shows what this machine's load alone does
+        # to a Python server's latency over the same seconds.
         floor = _Floor(len(_gzip_scrape(port)))
         try:
             for name, headers in (("live_metrics", {}), ("live_metrics_gzip", GZIP)):
@@ -397,8 +397,11 @@ def bench_process(duration: float, per_link: bool, costed: bool) -> dict[str, fl
                     conn.getresponse().read()
                     lat.append(time.perf_counter() - begin)
                     if headers:
+                        waiter.wait(LIVE_SCRAPE_GAP_S / 2)
                         floor_lat.append(floor.scrape())
-                    waiter.wait(LIVE_SCRAPE_GAP_S)
+                        waiter.wait(LIVE_SCRAPE_GAP_S / 2)
+                    else:
+                        waiter.wait(LIVE_SCRAPE_GAP_S)
                 conn.close()
                 out[f"{name}_p50_ms"] = pct(lat, 0.50) * 1e3
                 out[f"{name}_p99_ms"] = pct(lat, 0.99) * 1e3
