@@ -115,7 +115,7 @@ class AgentHttpServer:
         """The whole answer to a plain keep-alive `GET /metrics` whose text is rendered (and compressed, where
         gzip is asked) ahead, and what to call once it is sent; None for any other request, or when the
         answer needs work (a render, a compression, a wait for a lock), which a worker does. The same bytes
-        a worker would send (tests/agent/test_webserver.py compares them)."""
+        a worker would send (tests/agent/test_scrape_at_once.py compares them)."""
         headers = plain_get(request, b"/metrics")
         if headers is None:
             return None
