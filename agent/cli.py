@@ -158,6 +158,8 @@ def build_runtime(config: AgentConfig) -> Runtime:
         cpu_budget=_cpu_budget(config),
         interval_s=config.sample_interval,
         clock=clock,
+        # A costed simulator's probes time what the real calls cost, not its own Python on top.
+        cpu_clock_ns=nvml.thread_time_ns if config.simulate and config.simulate_nvml_costs else time.thread_time_ns,
     )
     procfs_attributor = JobAttributor(
         procfs,
@@ -337,6 +339,7 @@ def serve(config: AgentConfig, runtime: Runtime) -> int:
         stop=stop,
         families=runtime.families,
         processes=runtime.processes,
+        rendered_ahead=server.prepare,
     )
     hangup = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

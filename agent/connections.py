@@ -4,7 +4,10 @@ One thread accepts connections and reads every request head (and its small body,
 as nginx and Go's net/http do: a client that trickles its request (slowloris), or that connects and sends
 nothing, costs a file descriptor and a buffer until the head deadline, never a worker thread. Only a
 request that has arrived whole is handed to a worker, so the workers answer, they do not wait. A keep-alive
-connection comes back here to wait for its next request.
+connection comes back here to wait for its next request. A request whose answer is ready as it is (a
+Prometheus scrape of text already rendered and compressed) is answered here, in one send, without waking
+a worker: on a busy node each hand-off between threads is a wait for a core. What the socket does not
+take at once a worker sends.
 
 The connections held are bounded in all and per client address; a new connection beyond either bound takes
 the place of the oldest one still waiting for its request (from that address, for the per-address bound),
@@ -119,9 +122,9 @@ def _declared_length(head: bytes) -> int:
 
 
 class _Waiting:
-    """A connection waiting for its next request."""
+    """A connection waiting for its next request (or, with `unsent`, for a worker to finish an answer)."""
 
-    __slots__ = ("sock", "address", "data", "deadline", "first_byte_by", "handshaking")
+    __slots__ = ("sock", "address", "data", "deadline", "first_byte_by", "handshaking", "unsent", "sent")
 
     def __init__(self, sock: socket.socket, address: tuple, data: bytes, deadline: float, handshaking: bool) -> None:
         self.sock = sock
@@ -130,11 +133,16 @@ class _Waiting:
         self.deadline = deadline
         self.first_byte_by = deadline
         self.handshaking = handshaking
+        self.unsent: memoryview | None = None
+        self.sent: Callable[[], None] | None = None
 
 
 # serve(sock, address, request_bytes, deadline) answers one request on a blocking socket; it returns the
 # bytes read beyond that request when the connection is to be kept, None when it is to be closed.
 Serve = Callable[[socket.socket, tuple, bytes, float], "bytes | None"]
+# answer_now(request_bytes) -> the whole answer (head and body parts) to a request that needs no work, and
+# what to call once it is sent, the connection kept; None for any other request, which a worker serves.
+AnswerNow = Callable[[bytes], "tuple[tuple[bytes, ...], Callable[[], None]] | None"]
 
 
 class ConnectionGate:
@@ -150,10 +158,12 @@ class ConnectionGate:
         tls: ssl.SSLContext | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         pause: Callable[[float], None] = time.sleep,
+        answer_now: AnswerNow | None = None,
     ) -> None:
         self.listener = listener
         self.limits = limits
         self._serve = serve
+        self._answer_now = answer_now if tls is None else None  # no sendmsg over TLS
         self._tls = tls
         self.monotonic = monotonic
         self._pause = pause
@@ -172,6 +182,7 @@ class ConnectionGate:
         self.evicted = 0  # connections closed to make room for a newer one
         self.refused = 0  # new connections closed for want of room
         self.expired = 0  # connections closed at their deadline
+        self.answered_here = 0  # requests answered by this thread, no worker woken
 
     # --- lifecycle --------------------------------------------------------------------------------------
 
@@ -361,8 +372,45 @@ class ConnectionGate:
         return True
 
     def _dispatch(self, waiting: _Waiting) -> None:
+        while self._answer_now is not None:
+            end = request_end(waiting.data)
+            answer = None if end is None else self._answer_now(bytes(waiting.data[:end]))
+            if answer is None:
+                break
+            del waiting.data[:end]
+            if not self._send_now(waiting, *answer):
+                return
+            if request_end(waiting.data) is None:  # the usual case: wait for the next request
+                return
         self._unwait(waiting.sock)
         self._ready.put(waiting)
+
+    def _send_now(self, waiting: _Waiting, parts: tuple[bytes, ...], sent: Callable[[], None]) -> bool:
+        """Send a ready answer without blocking; True when it all went and the connection waits for its next
+        request here. What the socket did not take goes to a worker to send under the write timeout."""
+        sock, total = waiting.sock, sum(map(len, parts))
+        self.answered_here += 1
+        try:
+            done = sock.sendmsg(parts)
+        except (BlockingIOError, InterruptedError):
+            done = 0
+        except OSError as exc:
+            sent()
+            log.debug("http client connection lost", extra={"client": waiting.address[0], "error": type(exc).__name__})
+            self._drop(sock, waiting.address)
+            return False
+        if done == total:
+            sent()
+            now = self.monotonic()
+            limits = self.limits
+            waiting.deadline = now + (
+                limits.read_header_timeout_seconds if waiting.data else limits.keep_alive_timeout_seconds
+            )
+            return True
+        waiting.unsent, waiting.sent = memoryview(b"".join(parts))[done:], sent
+        self._unwait(sock)
+        self._ready.put(waiting)
+        return False
 
     def _expire(self, now: float) -> None:
         for waiting in [w for w in self._waiting.values() if w.deadline <= now]:
@@ -445,7 +493,10 @@ class ConnectionGate:
                 # Blocking, but never for longer than an answer may take: an error answered before the request's
                 # own timeouts are set goes out under this one too.
                 sock.settimeout(self.limits.write_timeout_seconds)
-                rest = self._serve(sock, waiting.address, bytes(waiting.data), waiting.deadline)
+                if waiting.unsent is not None:
+                    rest = self._finish(waiting)
+                else:
+                    rest = self._serve(sock, waiting.address, bytes(waiting.data), waiting.deadline)
             except Exception:  # a bug must cost one connection, not a worker
                 log.exception("http connection failed", extra={"client": waiting.address[0]})
             finally:
@@ -453,6 +504,19 @@ class ConnectionGate:
                     self._busy.discard(sock)
                 self._back.put((sock, waiting.address, rest))
                 self._wake()
+
+    @staticmethod
+    def _finish(waiting: _Waiting) -> bytes | None:
+        """The rest of an answer the gate thread began; the bytes read beyond its request, None to close."""
+        try:
+            waiting.sock.sendall(waiting.unsent)  # type: ignore[arg-type]
+        except OSError as exc:  # a timeout included: the client did not take its answer in time
+            log.debug("http client connection lost", extra={"client": waiting.address[0], "error": type(exc).__name__})
+            return None
+        finally:
+            if waiting.sent is not None:
+                waiting.sent()
+        return bytes(waiting.data)
 
 
 _OUT_OF_RESOURCES = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))

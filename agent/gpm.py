@@ -10,7 +10,7 @@ allocation, and the metric covers exactly the sampling interval).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pynvml
 
@@ -72,7 +72,7 @@ class GpmSampler:
         self._apart = [(r, m) for r, m in self._apart if r not in readings]
         self._prepare()
 
-    def time_apart(self) -> float:
+    def time_apart(self, cpu_clock_ns: Callable[[], int] = time.thread_time_ns) -> float:
         """Thread CPU seconds of one call for the metrics asked apart, on two samples taken now into both
         buffers (the first poll's sample overwrites them and has no previous one to compare with). Only
         timing: a failed call costs what it cost, and the polls handle every failure."""
@@ -84,12 +84,12 @@ class GpmSampler:
             for buffer in self._buffers:
                 self._nvml.nvmlGpmSampleGet(self._handle, buffer)
             self._apart_request.sample1, self._apart_request.sample2 = self._buffers[0], self._buffers[1]
-            started = time.thread_time_ns()
+            started = cpu_clock_ns()
             self._nvml.nvmlGpmMetricsGet(self._apart_request)
         except Exception:  # noqa: BLE001 - timing only
             pass
         finally:
-            spent = time.thread_time_ns() - started if started else 0
+            spent = cpu_clock_ns() - started if started else 0
         return spent / 1e9
 
     def touch(self) -> None:

@@ -95,6 +95,25 @@ class LazyBody:
         """True once the text exists."""
         return self._bytes is not None
 
+    @property
+    def text(self) -> bytes | None:
+        """The text if it exists, without counting as a read (for whoever prepares its answer ahead)."""
+        return self._bytes
+
+    def ready(self) -> bytes | None:
+        """get(), where that needs neither a render nor a wait for the render lock; None otherwise."""
+        if self._read:
+            return self._bytes
+        if self._bytes is None or not self._owner._lock.acquire(blocking=False):
+            return None
+        try:
+            if not self._read:
+                self._owner._first_read(self)
+                self._read = True
+            return self._bytes
+        finally:
+            self._owner._lock.release()
+
     def get(self) -> bytes:
         """The text, rendering it now if it was neither read nor rendered ahead before."""
         if self._read:

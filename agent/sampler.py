@@ -112,8 +112,11 @@ class Sampler:
         version: str = __version__,
         families: FamiliesFn | None = None,
         processes: ProcessTable | None = None,
+        rendered_ahead: Callable[[bytes], None] | None = None,
     ) -> None:
         self._reader = reader
+        # Told each text rendered ahead of its scrape (the web server compresses it, agent.webserver).
+        self._rendered_ahead = rendered_ahead
         self._processes = processes  # per-process memory in the samples; None: off
         self._store = store
         self._node = node
@@ -290,7 +293,8 @@ class Sampler:
         health = self.health()
         body = self._bodies.body(self._last, health, self._activity_totals)
         self._store.publish(Publication(self._last, health, body, self._last_json, self._activity_totals))
-        self._bodies.render_ahead(body, self._interval)
+        if self._bodies.render_ahead(body, self._interval) and self._rendered_ahead is not None and body.text:
+            self._rendered_ahead(body.text)
 
     def _render_failed(self, exc: Exception) -> None:
         """Called on the scrape thread that asked for the body; counted for the next publication."""

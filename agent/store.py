@@ -38,6 +38,11 @@ class Publication:
         body = self.rendered
         return body if isinstance(body, bytes) else body.get()
 
+    def ready_metrics(self) -> bytes | None:
+        """The Prometheus text if it needs no render and no wait for one; None otherwise."""
+        body = self.rendered
+        return body if isinstance(body, bytes) else body.ready()
+
 
 class SnapshotStore:
     """Latest publication plus recent snapshot JSON for /snapshots?since=; a read costs a lock and a copy.

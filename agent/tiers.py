@@ -5,7 +5,10 @@ about 3 ms a read, the instant power 3 us. Which ones are slow depends on the dr
 reader times every read while probing and this module spreads them over the cycles: each read unit gets
 a period (every Nth cycle), the readings the detectors act on at most `fast_max_age_s` apart, the rest
 at most `max_age_s`, doubled from 1, costliest first (the rest before the detectors' readings), until
-the node's reads fit the budget. A
+the node's reads fit the budget. Where that is not enough, the costliest of the rest stretch to
+`stretched_max_age_s`, one at a time, only as far as the budget needs: a cheap reading stays at
+`max_age_s`, and the defaults fit their own budget on an 8-GPU H100 (the energy counter alone costs
+a fifth of it once a minute). A
 cumulative throttle-duration counter that does not fit every cycle is not read at all: its reason's bit
 in the clocks-event mask, read every cycle, integrated over time gives the same duration for free.
 """
@@ -26,6 +29,9 @@ from gpufleet.agent.readings import READINGS
 DEFAULT_CPU_BUDGET = 0.002
 FAST_MAX_AGE_S = 2.0
 MAX_AGE_S = 60.0
+# How far the costliest readings no detector uses may stretch (the energy counter, GPM's GRAPHICS_UTIL)
+# where the budget is not met at MAX_AGE_S: a counter read every 2 minutes still counts every joule.
+STRETCHED_MAX_AGE_S = 120.0
 INTEGRATED = 0  # period of a throttle counter replaced by integrating its mask bit
 
 # Readings the detectors use (the reading table's fast ones): never older than FAST_MAX_AGE_S.
@@ -78,8 +84,11 @@ def fit(
     interval_s: float,
     fast_max_age_s: float = FAST_MAX_AGE_S,
     max_age_s: float = MAX_AGE_S,
+    stretched_max_age_s: float = STRETCHED_MAX_AGE_S,
 ) -> Plan:
-    """Periods that bring the node's NVML reads within `budget` (CPU seconds per second), costliest first.
+    """Periods that bring the node's NVML reads within `budget` (CPU seconds per second), costliest first:
+    the rest to `max_age_s`, then the detectors' readings to `fast_max_age_s`, then the rest, costliest
+    first, on to `stretched_max_age_s`.
 
     Where even the longest periods do not fit, every unit stays at its longest period (no reading ever
     gets older than its bound) and the plan says it does not fit.
@@ -87,6 +96,7 @@ def fit(
     units = list(units)
     periods = {u.key: 1 for u in units}
     limits = {u.key: max_period(fast_max_age_s if u.fast else max_age_s, interval_s) for u in units}
+    stretched = {u.key: max_period(max(stretched_max_age_s, max_age_s), interval_s) for u in units if not u.fast}
 
     def rate(u: Unit) -> float:
         p = periods[u.key]
@@ -100,7 +110,10 @@ def fit(
             if periods[u.key] != INTEGRATED and (periods[u.key] < limits[u.key] or (u.integrable and not u.fast))
         ]
         if not movable:
-            break
+            if all(limits[k] >= limit for k, limit in stretched.items()):
+                break
+            limits.update(stretched)
+            continue
         # The detectors' readings slow down only once everything else is at its longest period.
         slow_first = [u for u in movable if not u.fast] or movable
         worst = max(slow_first, key=lambda u: (rate(u), u.key))

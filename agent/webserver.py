@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import email.utils
 import logging
 import math
 import socket
 import socketserver
 import ssl
+import struct
 import threading
 import time
 import zlib
@@ -68,8 +70,16 @@ class AgentHttpServer:
         self.busy_answers = 0  # large answers refused for want of a slot
         self._listener = _listen(host, port)
         self.gate = ConnectionGate(
-            self._listener, self._serve_one, self.limits, tls=web.tls, monotonic=monotonic, pause=pause
+            self._listener,
+            self._serve_one,
+            self.limits,
+            tls=web.tls,
+            monotonic=monotonic,
+            pause=pause,
+            # Behind basic auth a scrape's check may cost a bcrypt round: a worker's job, not the gate's.
+            answer_now=self.answer_now if self.auth is None else None,
         )
+        self._date = (0, b"")  # the Date header's second and text
         self._started = False
 
     @property
@@ -101,10 +111,62 @@ class AgentHttpServer:
         handler = _Handler(sock, address, self, data, deadline)
         return None if handler.close_connection else handler.reader.rest()
 
+    def answer_now(self, request: bytes) -> tuple[tuple[bytes, ...], Callable[[], None]] | None:
+        """The whole answer to a plain keep-alive `GET /metrics` whose text is rendered (and compressed, where
+        gzip is asked) ahead, and what to call once it is sent; None for any other request, or when the
+        answer needs work (a render, a compression, a wait for a lock), which a worker does. The same bytes
+        a worker would send (tests/agent/test_scrape_at_once.py compares them)."""
+        headers = plain_get(request, b"/metrics")
+        if headers is None:
+            return None
+        pub = self.store.latest()
+        text = None if pub is None else pub.ready_metrics()
+        if pub is None or text is None:
+            return None
+        age = exposition.render_age(self.clock(), pub.snapshot if pub.health.nvml_up else None, pub.health.node)
+        gzip = _accepts_gzip([v.decode("latin-1") for v in headers.get(b"accept-encoding", ())])
+        parts = (text, age)
+        if gzip:
+            ready = self.gzip.ready(text, age)
+            if ready is None:
+                return None
+            parts = ready
+        if not self.large_answers.acquire(blocking=False):
+            return None
+        head = self._ok_head(sum(map(len, parts)), gzip)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug('http "GET /metrics HTTP/1.1" 200 -', extra={"answered_by": "gate"})
+        return (head, *parts), self.large_answers.release
+
+    def _ok_head(self, length: int, gzip: bool) -> bytes:
+        """A 200 /metrics head as _Handler._send writes it."""
+        now = int(time.time())
+        if self._date[0] != now:
+            self._date = (now, email.utils.formatdate(now, usegmt=True).encode())
+        lines = [
+            b"HTTP/1.1 200 OK",
+            b"Server: " + _Handler.server_version.encode() + b" " + _Handler.sys_version.encode(),
+            b"Date: " + self._date[1],
+            b"Content-Type: " + exposition.CONTENT_TYPE.encode(),
+            b"Content-Length: %d" % length,
+            b"Cache-Control: no-store",
+            b"Vary: Accept-Encoding",
+        ]
+        if gzip:
+            lines.append(b"Content-Encoding: gzip")
+        lines += [f"{k}: {v}".encode("latin-1", "strict") for k, v in self.headers.items()]
+        return b"\r\n".join(lines) + b"\r\n\r\n"
+
+    def prepare(self, text: bytes) -> None:
+        """A /metrics text rendered ahead of its scrape: compressed now where scrapes ask for gzip, so that
+        the scrape's answer is ready for the gate thread to send (answer_now)."""
+        self.gzip.prepare(text)
+
     # --- responses: (status, content type, body) --------------------------------------------------------
 
     def metrics(self, gzip: bool = False) -> tuple[int, str, bytes]:
         """Pre-rendered exposition plus the per-scrape age family; gzipped on request."""
+        self.gzip.wanted = gzip
         pub = self.store.latest()
         if pub is None:
             return _error(HTTPStatus.SERVICE_UNAVAILABLE, "starting", "no sample published yet")
@@ -448,6 +510,33 @@ def _send_all(sock: socket.socket, head: bytes, body: bytes) -> None:
         sock.sendall(memoryview(body)[sent - len(head) :])
 
 
+# Fields that would make a request more than a plain GET: a worker judges those (a body, 100-continue, ...).
+_NOT_PLAIN = frozenset((b"content-length", b"transfer-encoding", b"expect", b"upgrade"))
+_MAX_HEADERS = 100  # http.client's bound, past which a worker answers 431
+
+
+def plain_get(request: bytes, path: bytes) -> dict[bytes, list[bytes]] | None:
+    """Header name (lower case) -> values of a request that is exactly `GET path HTTP/1.1`, CRLF-framed, with
+    nothing to read after its head and no wish to close; None for any other request, or any doubt."""
+    if not request.endswith(b"\r\n\r\n"):
+        return None
+    lines = request[:-4].split(b"\r\n")
+    if lines[0] != b"GET " + path + b" HTTP/1.1" or len(lines) > _MAX_HEADERS:
+        return None
+    headers: dict[bytes, list[bytes]] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or b"\n" in line or b"\r" in line or name != name.strip() or b" " in name:
+            return None
+        name = name.lower()
+        if name in _NOT_PLAIN:
+            return None
+        headers.setdefault(name, []).append(value.strip())
+    if any(v.lower() != b"keep-alive" for v in headers.get(b"connection", ())):
+        return None
+    return headers
+
+
 def _accepts_gzip(values: list[str]) -> bool:
     """Whether Accept-Encoding lists gzip (or *) with a non-zero q."""
     for value in values:
@@ -469,27 +558,71 @@ def _accepts_gzip(values: list[str]) -> bool:
 
 
 class GzipCache:
-    """gzip of the current /metrics body, compressed once however often it is scraped: the compressor that
-    has taken the body is kept, and each scrape copies it to add only its own lines (the sample age)."""
+    """gzip of the current /metrics body, compressed once however often it is scraped. The body's deflate
+    stream is flushed to a byte boundary and kept; each scrape appends only its own lines (the sample age)
+    as a final stored block, and the gzip trailer from the body's CRC-32 extended over them: a few
+    microseconds, where copying a compressor's state to go on compressing costs a quarter of a megabyte."""
 
     def __init__(self, level: int = GZIP_LEVEL) -> None:
         self._level = level
         self._lock = threading.Lock()
         self._source: bytes | None = None
-        self._head = b""
-        self._compressor = zlib.compressobj(level, zlib.DEFLATED, 31)
+        self._head = b""  # gzip header and the body's deflate blocks, ending on a byte boundary
+        self._crc = 0  # CRC-32 of the body
         self.compressions = 0
+        self.wanted = False  # whether the last /metrics answer was asked gzipped
+
+    def prepare(self, body: bytes) -> None:
+        """Compress a body rendered ahead of its scrape, where scrapes ask for gzip: the scrape finds its
+        answer ready. The same compression the scrape would pay, on the sampler's thread."""
+        if self.wanted:
+            with self._lock:
+                self._take(body)
+
+    def ready(self, body: bytes, tail: bytes = b"") -> tuple[bytes, bytes] | None:
+        """compress(body, tail) as two parts, when the body is compressed already and nobody is compressing;
+        None rather than a wait."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._source is not body and self._source != body:
+                return None
+            self.wanted = True
+            head, crc = self._head, self._crc
+        finally:
+            self._lock.release()
+        return head, _final_stored(tail, crc, len(body))
+
+    def _take(self, body: bytes) -> None:
+        """Under the lock: the kept stream is `body`'s."""
+        if self._source is not body and self._source != body:
+            compressor = zlib.compressobj(self._level, zlib.DEFLATED, 31)
+            self._head = compressor.compress(body) + compressor.flush(zlib.Z_SYNC_FLUSH)
+            self._source, self._crc = body, zlib.crc32(body)
+            self.compressions += 1
 
     def compress(self, body: bytes, tail: bytes = b"") -> bytes:
         """One gzip member holding body + tail."""
         with self._lock:
-            if self._source is not body and self._source != body:
-                compressor = zlib.compressobj(self._level, zlib.DEFLATED, 31)
-                self._head = compressor.compress(body)
-                self._source, self._compressor = body, compressor
-                self.compressions += 1
-            head, compressor = self._head, self._compressor.copy()
-        return head + compressor.compress(tail) + compressor.flush()
+            self.wanted = True
+            self._take(body)
+            head, crc = self._head, self._crc
+        return head + _final_stored(tail, crc, len(body))
+
+
+_STORED_MAX = 0xFFFF
+
+
+def _final_stored(tail: bytes, crc: int, size: int) -> bytes:
+    """`tail` as stored deflate blocks, the last one final (RFC 1951 3.2.4), after a stream flushed to a byte
+    boundary; then the gzip trailer (RFC 1952: CRC-32 and length of everything, modulo 2**32)."""
+    out = []
+    for start in range(0, max(len(tail), 1), _STORED_MAX):
+        chunk = tail[start : start + _STORED_MAX]
+        final = start + _STORED_MAX >= len(tail)
+        out.append(struct.pack("<BHH", 1 if final else 0, len(chunk), len(chunk) ^ 0xFFFF) + chunk)
+    out.append(struct.pack("<II", zlib.crc32(tail, crc) & 0xFFFFFFFF, (size + len(tail)) & 0xFFFFFFFF))
+    return b"".join(out)
 
 
 def _query_number(params: dict[str, list[str]], name: str) -> float | None:

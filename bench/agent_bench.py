@@ -59,6 +59,7 @@ GPUS = 8
 # waits and the process's idle wakeups, which the in-process cycle timings do not see.
 BACKGROUND_CPU_PERCENT = 0.100
 STEADY_SCRAPES = 60
+GZIP = {"Accept-Encoding": "gzip"}  # what Prometheus sends
 
 
 class Clock:
@@ -124,7 +125,9 @@ def bench_cycles(
     costs = CostedNvml(sim) if costed else None
     nvml = TimedNvml(costs or sim)
     store = SnapshotStore(300)
-    reader = NvmlReader(nvml, per_link_nvlink=per_link, interval_s=1.0, clock=clock)
+    # Probes time what the real calls cost, as the agent does on the costed simulator (agent.cli).
+    cpu_clock_ns = costs.thread_time_ns if costs else time.thread_time_ns
+    reader = NvmlReader(nvml, per_link_nvlink=per_link, interval_s=1.0, clock=clock, cpu_clock_ns=cpu_clock_ns)
     sampler = Sampler(reader, store, node=node, attributor=JobAttributor(procfs), clock=clock, monotonic=clock)
     for _ in range(5):  # open, probe, GPM warm-up
         sampler.run_once()
@@ -178,20 +181,25 @@ def bench_cycles(
 
 def bench_http(sampler: Sampler, store: SnapshotStore, clock: Clock, requests: int) -> dict[str, float]:
     server = AgentHttpServer(store, host="127.0.0.1", port=0, clock=clock)
+    sampler._rendered_ahead = server.prepare  # as agent.cli wires them: a text rendered ahead is compressed ahead
     server.start()
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
     since = store.latest().snapshot.time - PULL_EVERY_S
     out: dict[str, float] = {}
     try:
-        for name, path in (("metrics", "/metrics"), ("pull", f"/snapshots?since={since}")):
+        for name, path, headers in (
+            ("metrics", "/metrics", {}),
+            ("metrics_gzip", "/metrics", GZIP),
+            ("pull", f"/snapshots?since={since}", {}),
+        ):
             lat = []
             for _ in range(50):  # warm-up
-                conn.request("GET", path)
+                conn.request("GET", path, headers=headers)
                 conn.getresponse().read()
             process_cpu, client_cpu = time.process_time(), time.thread_time()
             for _ in range(requests):
                 start = time.perf_counter()
-                conn.request("GET", path)
+                conn.request("GET", path, headers=headers)
                 body = conn.getresponse().read()
                 lat.append(time.perf_counter() - start)
             # CPU the server threads spent (the whole process minus this client thread): immune to how
@@ -223,7 +231,7 @@ def bench_http(sampler: Sampler, store: SnapshotStore, clock: Clock, requests: i
             pub = store.latest()
             rendered += pub.rendered.rendered
             start = time.perf_counter()
-            conn.request("GET", "/metrics")
+            conn.request("GET", "/metrics", headers=GZIP)
             conn.getresponse().read()
             steady.append(time.perf_counter() - start)
             clock.now += 0.5
@@ -373,22 +381,85 @@ def bench_process(duration: float, per_link: bool, costed: bool) -> dict[str, fl
             if spent > 0:
                 out[f"thread_{name}_cpu_percent"] = 100 * spent / elapsed
         # Scrapes of the live agent, spread over many sampling cycles: a scrape that lands mid-cycle
-        # waits for the GIL, which in-process loopback numbers do not show.
-        lat = []
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        for _ in range(LIVE_SCRAPES):
-            begin = time.perf_counter()
-            conn.request("GET", "/metrics")
-            conn.getresponse().read()
-            lat.append(time.perf_counter() - begin)
-            waiter.wait(LIVE_SCRAPE_GAP_S)
-        conn.close()
-        out["live_metrics_p50_ms"] = pct(lat, 0.50) * 1e3
-        out["live_metrics_p99_ms"] = pct(lat, 0.99) * 1e3
+        # waits for the GIL, which in-process loopback numbers do not show. Plain, then gzipped as
+        # Prometheus asks (each scrape of a new text compresses it, unless the sampler did so ahead).
+        # Halfway between gzipped scrapes, one of the floor: a bare one-thread Python server in a process of
+        # its own answering the same number of bytes, so each run shows what this machine's load alone does
+        # to a Python server's latency over the same seconds.
+        floor = _Floor(len(_gzip_scrape(port)))
+        try:
+            for name, headers in (("live_metrics", {}), ("live_metrics_gzip", GZIP)):
+                lat, floor_lat = [], []
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                for _ in range(LIVE_SCRAPES):
+                    begin = time.perf_counter()
+                    conn.request("GET", "/metrics", headers=headers)
+                    conn.getresponse().read()
+                    lat.append(time.perf_counter() - begin)
+                    if headers:
+                        waiter.wait(LIVE_SCRAPE_GAP_S / 2)
+                        floor_lat.append(floor.scrape())
+                        waiter.wait(LIVE_SCRAPE_GAP_S / 2)
+                    else:
+                        waiter.wait(LIVE_SCRAPE_GAP_S)
+                conn.close()
+                out[f"{name}_p50_ms"] = pct(lat, 0.50) * 1e3
+                out[f"{name}_p99_ms"] = pct(lat, 0.99) * 1e3
+                if floor_lat:
+                    out["live_floor_p50_ms"] = pct(floor_lat, 0.50) * 1e3
+                    out["live_floor_p99_ms"] = pct(floor_lat, 0.99) * 1e3
+        finally:
+            floor.close()
         return out
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def _gzip_scrape(port: int) -> bytes:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics", headers=GZIP)
+        return conn.getresponse().read()
+    finally:
+        conn.close()
+
+
+# The floor: answers every request on its one connection with a fixed 200 of argv[1] bytes.
+_FLOOR_SERVER = """
+import socket, sys
+body = b"x" * int(sys.argv[1])
+answer = b"HTTP/1.1 200 OK\\r\\nContent-Type: text/plain\\r\\nContent-Length: %d\\r\\n\\r\\n" % len(body) + body
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+sock, _ = listener.accept()
+sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+data = b""
+while chunk := sock.recv(65536):
+    data += chunk
+    while b"\\r\\n\\r\\n" in data:
+        data = data.split(b"\\r\\n\\r\\n", 1)[1]
+        sock.sendall(answer)
+"""
+
+
+class _Floor:
+    """A bare Python HTTP responder in its own process, scraped as the agent is."""
+
+    def __init__(self, size: int) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-c", _FLOOR_SERVER, str(size)], stdout=subprocess.PIPE)
+        assert self._proc.stdout is not None
+        self._conn = http.client.HTTPConnection("127.0.0.1", int(self._proc.stdout.readline()), timeout=10)
+
+    def scrape(self) -> float:
+        begin = time.perf_counter()
+        self._conn.request("GET", "/metrics", headers=GZIP)
+        self._conn.getresponse().read()
+        return time.perf_counter() - begin
+
+    def close(self) -> None:
+        self._conn.close()
+        self._proc.wait(timeout=10)
 
 
 def main(argv: list[str] | None = None) -> int:

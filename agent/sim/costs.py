@@ -150,10 +150,16 @@ class CostedNvml:
         # Seconds the simulator's own work ran past the real call's cost (all threads): what a benchmark of
         # the whole process subtracts, so a call costs there exactly what the real one does.
         self.excess = 0.0
+        self._excess_ns: defaultdict[int, int] = defaultdict(int)  # the same, per thread
 
     def burned_by_this_thread(self) -> float:
         """Seconds of simulated NVML cost burned on the calling thread so far."""
         return self.burned.get(threading.get_ident(), 0.0)
+
+    def thread_time_ns(self) -> int:
+        """The calling thread's CPU clock less the simulator's own work past the real calls' cost: what
+        the agent's probes would measure on the GPU, so its tiers fit as they would there."""
+        return time.thread_time_ns() - self._excess_ns.get(threading.get_ident(), 0)
 
     def call_cost(self, name: str, args: Sequence[Any]) -> float:
         """Seconds one call costs on the real driver."""
@@ -198,6 +204,7 @@ class CostedNvml:
                 if over > 0:
                     with self._lock:
                         self.excess += over
+                        self._excess_ns[threading.get_ident()] += int(over * 1e9)
 
         call.__name__ = name
         return call

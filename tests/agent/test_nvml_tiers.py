@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
+import threading
+from typing import Any
 
 import pynvml
 import pytest
 
 from gpufleet.agent.model import ThrottleReason
 from gpufleet.agent.nvml_reader import NvmlReader
+from gpufleet.agent.sim import SimNvml, load_scenario
 from gpufleet.agent.sim.costs import CostedNvml
+from gpufleet.agent.tiers import DEFAULT_CPU_BUDGET, FAST_READINGS, INTEGRATED
 from tests.agent.fake_nvml import FakeNvml, h100
 
 ENERGY = (pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, 0)
@@ -124,13 +128,13 @@ def test_an_unreachable_budget_is_logged_and_ages_stay_bounded(caplog):
         reader.open()
     try:
         assert any("exceed the cpu budget" in r.getMessage() for r in caplog.records)
-        assert reader.plan.periods["utilization_ratio"] == 2 and reader.plan.periods["energy_joules_total"] == 60
+        assert reader.plan.periods["utilization_ratio"] == 2 and reader.plan.periods["energy_joules_total"] == 120
         oldest = 0.0
         for _ in range(130):
             ages = cycle(reader, clock)[0].slow_readings_age_seconds
             assert ages.get("utilization_ratio", 0.0) <= 1.0
             oldest = max([oldest, *ages.values()])
-        assert oldest == 59.0
+        assert oldest == 119.0
     finally:
         reader.close()
 
@@ -184,5 +188,57 @@ def test_a_gpm_metric_asked_apart_is_read_at_its_own_slower_period():
         assert max(ages) == period - 1 and ages.count(0.0) == 2
         shared = sum(1 for gpus in nodes for g in gpus if "sm_active_ratio" not in g.slow_readings_age_seconds)
         assert fake.called("nvmlGpmMetricsGet") - before == shared + 2 * 2  # two reads apart on each GPU
+    finally:
+        reader.close()
+
+
+class TableCosts:
+    """Forwards to an NVML object; each nvml* call advances the calling thread's CPU clock by what the cost
+    table (agent.sim.costs, an H100 on driver 580) says the real call costs, and by nothing else: the
+    reader's probes measure the table exactly, whatever this machine's speed or load."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._table = CostedNvml(inner)  # for its call_cost only: nothing is burned
+        self._ns: dict[int, int] = {}
+
+    def thread_time_ns(self) -> int:
+        return self._ns.get(threading.get_ident(), 0)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        if not name.startswith("nvml") or isinstance(value, type) or not callable(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return value(*args, **kwargs)
+            finally:
+                thread = threading.get_ident()
+                self._ns[thread] = self._ns.get(thread, 0) + int(self._table.call_cost(name, args) * 1e9)
+
+        return call
+
+
+def test_the_default_tiers_fit_the_default_budget_on_an_8_gpu_h100_at_its_call_costs(caplog):
+    """Every reading the simulated HGX H100 has, at the cost table's per-call figures: the detectors' readings
+    at most 2 s apart, the rest within 120 s, and no over-budget warning at the defaults."""
+    scenario = load_scenario("hgx-h100")
+    clock = Clock()
+    sim = SimNvml(scenario, node=scenario.nodes[0], clock=clock, epoch=clock.now - 300, block_on_events=True)
+    table = TableCosts(sim)
+    reader = NvmlReader(table, xid_wait_ms=20, interval_s=1.0, clock=clock, cpu_clock_ns=table.thread_time_ns)
+    with caplog.at_level(logging.INFO, logger="gpufleet.agent.nvml_reader"):
+        reader.open()
+    try:
+        plan = reader.plan
+        assert len(reader.read()) == 8 and len(plan.periods) > 25
+        assert plan.fits and plan.cost_per_second <= DEFAULT_CPU_BUDGET
+        messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+        assert "sampling tiers" in messages and not any("exceed the cpu budget" in m for m in messages)
+        assert all(p in (1, 2) for k, p in plan.periods.items() if k in FAST_READINGS)
+        assert all(p == INTEGRATED or p <= 120 for p in plan.periods.values())
+        # A minute is not enough for the energy counter (3.2 ms a read on each GPU): it alone stretches.
+        assert plan.periods["energy_joules_total"] == 120 and plan.periods["pcie_tx_bytes_total"] == 60
     finally:
         reader.close()

@@ -87,3 +87,31 @@ def test_the_new_calls_cost_what_an_h200_measured_and_gpm_costs_by_its_metrics()
     assert nvml.call_cost("nvmlGpmMetricsGet", (shared,)) * 1e6 == pytest.approx(13.4)  # the H100's measured call
     graphics = nvml.call_cost("nvmlGpmMetricsGet", (request(pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL),))
     assert 1.2e-3 <= graphics <= 1.5e-3
+
+
+class _Slow:
+    """An NVML stand-in whose one call does 2 ms of the simulator's own work."""
+
+    def nvmlDeviceGetCount(self) -> int:
+        burn_for(0.002)
+        return 1
+
+
+def burn_for(seconds: float) -> None:
+    end = time.thread_time_ns() + int(seconds * 1e9)
+    while time.thread_time_ns() < end:
+        pass
+
+
+def test_the_agents_probe_clock_leaves_out_the_simulators_own_work():
+    costed = CostedNvml(_Slow(), call_cost_us={"nvmlDeviceGetCount": 10.0})
+    raw, probed = time.thread_time_ns(), costed.thread_time_ns()
+    assert costed.nvmlDeviceGetCount() == 1
+    assert time.thread_time_ns() - raw >= 2_000_000
+    # What the real call costs (10 us) and the wrapper's few microseconds, not the 2 ms of simulator work.
+    assert costed.thread_time_ns() - probed < 1_000_000
+    other = threading.Thread(target=costed.nvmlDeviceGetCount)
+    other.start()
+    other.join()
+    assert costed.excess >= 2 * 0.00199  # both threads' excess counted, each on its own thread's clock
+    assert costed.thread_time_ns() - probed < 1_000_000

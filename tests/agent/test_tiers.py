@@ -51,7 +51,16 @@ def test_an_unreachable_budget_keeps_every_reading_within_its_age_bound():
     plan = fit(units(), budget=1e-6, interval_s=1.0)
     assert not plan.fits
     assert plan.periods["utilization_ratio"] == plan.periods["sm_active_ratio"] == 2
-    assert plan.periods["energy_joules_total"] == 60
+    assert plan.periods["energy_joules_total"] == plan.periods["memory_used_bytes"] == 120
+
+
+def test_only_the_costliest_readings_stretch_past_a_minute_and_only_once_the_detectors_are_at_2s():
+    # The detectors' readings at 2 s and the rest at 60 s cost 1.605 ms/s: energy alone at 120 s fits 1.6.
+    plan = fit(units(), budget=0.0016, interval_s=1.0)
+    assert plan.fits
+    assert plan.periods["energy_joules_total"] == 120
+    assert plan.periods["pcie_tx_bytes_total"] == plan.periods["memory_used_bytes"] == 60
+    assert plan.periods["utilization_ratio"] == plan.periods["sm_active_ratio"] == 2
 
 
 def test_a_throttle_counter_without_a_mask_to_stand_in_is_slowed_not_integrated():
