@@ -334,7 +334,23 @@ def _note_newest(tick: Tick, state: WorkloadState, history: GroupHistory, arrays
     )
     raw.update(evaluate(GATE_RULES, raw, cfg))
     comm, inp = _kinds(evaluate(FIRE_RULES, raw, cfg))
-    state.note(tick.t, cfg.tick_seconds, {True: comm, False: inp}, np.isnan(newest.util) | np.isnan(drop))
+    # A job some of whose GPUs did not report lately is not judged from the others' newest bins: ranks
+    # hung by a node that stopped answering read as comm_bound before node_unreachable can say why.
+    partial = _partly_reported(tick)
+    unknown = (np.isnan(newest.util) | np.isnan(drop)) & ~partial
+    state.note(tick.t, cfg.tick_seconds, {True: comm & ~partial, False: inp & ~partial}, unknown)
+
+
+def _partly_reported(tick: Tick) -> np.ndarray:
+    """Per group: some of its GPUs with data have a sample in the newest straggler_newest_bins bins, and
+    some have none (at 10 s sampling every other bin is empty for all of them alike)."""
+    grp, k = tick.groups, tick.config.straggler_newest_bins
+    gid = grp.gid
+    member = (gid >= 0) & tick.has_data[: len(gid)]
+    recent = tick.held[:k].any(axis=0)[: len(gid)] if len(tick.held) >= k else np.zeros(len(gid), dtype=bool)
+    n_member = np.bincount(gid[member], minlength=grp.n_groups)
+    n_recent = np.bincount(gid[member & recent], minlength=grp.n_groups)
+    return (n_recent > 0) & (n_recent < n_member)
 
 
 def _against_evidence(
