@@ -83,12 +83,13 @@ class _Record:
 
 def _held(t: float, rec: _Record, f: Finding, for_s: float, onset_lead: float) -> bool:
     """Whether a pending alert's condition has held for `for_s`: as the finding (its pending time, less
-    the ticks it was off), or unsmoothed in every newest bin since its held_since, counted from no more
-    than `onset_lead` before the finding's first tick (how late the smoothing confirms a change: a
-    subject that stood out long before, unjudged, was not this change)."""
+    the ticks it was off), or unsmoothed in every newest bin since its held_since where that lies no
+    more than `onset_lead` before the finding's first tick (how late the smoothing confirms a change: a
+    subject standing out long before its finding, a pipeline's busier last stage, shows no change)."""
     if t - rec.pending_since - rec.off_seconds >= for_s:
         return True
-    return f.held_since is not None and t - max(f.held_since, rec.pending_since - onset_lead) >= for_s
+    since = f.held_since
+    return since is not None and since >= rec.pending_since - onset_lead and t - since >= for_s
 
 
 class Lifecycle:

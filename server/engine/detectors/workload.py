@@ -211,11 +211,11 @@ class WorkloadState:
 
     def note(self, t: float, bin_seconds: float, holds: Mapping[bool, np.ndarray], unknown: np.ndarray) -> None:
         """One tick's unsmoothed conditions per kind: a run starts at its first bin's start, and a bin
-        without a reading (every other bin at 10 s sampling) neither extends nor breaks it."""
+        without a reading (every other bin at 10 s sampling) neither breaks it nor counts towards it."""
         for is_comm, now in holds.items():
             since = grown(self.since[is_comm], len(now), np.nan)
             started = np.where(np.isnan(since), t - bin_seconds, since)
-            self.since[is_comm] = np.where(now, started, np.where(unknown, since, np.nan))
+            self.since[is_comm] = np.where(now, started, np.where(unknown, since + bin_seconds, np.nan))
 
     def fingerprints(self, reg, is_job: np.ndarray) -> dict[str, tuple[int, bool]]:
         """comm/input fingerprint -> (group, is_comm), extended as new job groups appear."""

@@ -67,7 +67,7 @@ def standing_now(
     scales = np.array([[cfg.straggler_weak_margin_ratio], [1.0]])
     weak, full = any_of(evaluate(STANDING_NOW, arrays, cfg, scales), _names(STANDING_NOW))
     unknown = np.isnan(now[UTIL])
-    state.note_standing(tick.t - cfg.tick_seconds, full, unknown)
+    state.note_standing(tick.t - cfg.tick_seconds, cfg.tick_seconds, full, tick.held[0, : len(on)])
     return weak | unknown
 
 
