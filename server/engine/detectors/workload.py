@@ -347,7 +347,9 @@ def _partly_reported(tick: Tick) -> np.ndarray:
     grp, k = tick.groups, tick.config.straggler_newest_bins
     gid = grp.gid
     member = (gid >= 0) & tick.has_data[: len(gid)]
-    recent = tick.held[:k].any(axis=0)[: len(gid)] if len(tick.held) >= k else np.zeros(len(gid), dtype=bool)
+    recent = np.zeros(len(gid), dtype=bool)
+    if len(tick.held) >= k:
+        recent = np.asarray(tick.held[:k].any(axis=0))[: len(gid)]
     n_member = np.bincount(gid[member], minlength=grp.n_groups)
     n_recent = np.bincount(gid[member & recent], minlength=grp.n_groups)
     return (n_recent > 0) & (n_recent < n_member)
