@@ -38,19 +38,12 @@ _CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
 
 
 def standing_now(
-    tick: Tick,
-    cfg,
-    state: StragglerState,
-    group_of: np.ndarray,
-    sm_unknown: np.ndarray,
-    on: np.ndarray,
-    peer_slow: np.ndarray,
+    tick: Tick, cfg, state: StragglerState, group_of: np.ndarray, sm_unknown: np.ndarray, on: np.ndarray
 ) -> np.ndarray:
     """Per slot: whether a GPU found standing out over the smoothing window still does in its newest
     readings (its newest bin, or the one before where that is empty), at the weaker margins; True where
-    it has neither (no evidence against). Also notes in the state since when each GPU's newest readings
-    have met the culprit signals (signals(), margins widened by its group's noise) or idled at the full
-    margin (StragglerState.note_standing).
+    it has neither (no evidence against). Also notes in the state since when each GPU has stood out in
+    its newest readings at the full margins (StragglerState.note_standing).
 
     The smoothing window's median lags by up to half its length: a GPU that recovered would stand on
     against its peers' lagging medians, and brief jitters back to back would add up to one alert.
@@ -71,10 +64,8 @@ def standing_now(
         "slow_share": now[UTIL + 1],
         "sm_unsupported": sm_unknown,
     }
-    held = evaluate(STANDING_NOW, arrays, cfg, np.array([[cfg.straggler_weak_margin_ratio], [1.0]]))
-    weak = any_of(held, _names(STANDING_NOW))[0]
-    culprit, _ = signals(cfg, ex, now[: PW + 1], state, sm_unknown, now[UTIL + 1], peer_slow)
-    full = culprit[0] | held["straggler_now_idle"][1]
+    scales = np.array([[cfg.straggler_weak_margin_ratio], [1.0]])
+    weak, full = any_of(evaluate(STANDING_NOW, arrays, cfg, scales), _names(STANDING_NOW))
     unknown = np.isnan(now[UTIL])
     state.note_standing(tick.t - cfg.tick_seconds, cfg.tick_seconds, full, tick.held[0, : len(on)])
     return weak | unknown

@@ -220,7 +220,7 @@ def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     )
     full, weak = ((culprit | read.clocks_cut) & ~read.victim) | judged.idle
     named = (judged.by_baseline | judged.by_cross_section) & waiting & full
-    named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named, read.peer_slow_share)
+    named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named)
     by_activity = named & ~(hardware[0] | read.clocks_cut | judged.idle[0])
     named &= ~_below_peers(read, by_activity, cfg)
     return Culprits(named, weak, hardware, waiting)
