@@ -63,7 +63,7 @@ class EngineConfig:
     # throttles there, and an HBM-heavy job or blocked airflow over the stacks can heat it alone.
     thermal_memory_margin_celsius: float = 0.0
 
-    # How long a straggler finding must hold; with the 30 s medians, anything under ~45 s is ignored.
+    # How long a straggler must stand out: as a finding, or in every newest bin since it began (lifecycle).
     straggler_for_seconds: float = 30.0
     # How long a straggler must not stand out, even at 0.6x the margins, before it resolves.
     straggler_clear_seconds: float = 60.0
@@ -170,7 +170,7 @@ class EngineConfig:
     # How long a comm_bound finding must hold before it fires.
     comm_for_seconds: float = 30.0
     # How long an input_bound finding must hold: a 10-20 s checkpoint pause shows in the 30 s medians for
-    # under 25 s and is not starvation; 35 s fires at a median 55 s at 5 s sampling (45 s: 65 s), no less precise.
+    # under 25 s, in the newest bins for under 25 s, and is not starvation.
     input_for_seconds: float = 35.0
     # How long a job must be back near its usual level before comm_bound / input_bound resolves.
     workload_clear_seconds: float = 60.0

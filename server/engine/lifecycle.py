@@ -1,7 +1,8 @@
 """Alert lifecycle: pending -> firing -> resolved, one open alert per fingerprint.
 
 A finding opens a pending alert; it fires once the condition has held for the kind's `for` duration
-(`started` is that sample time). A pending alert whose condition stops holding is dropped, unless it
+(`started` is that sample time), as the finding, or unsmoothed in every newest bin since the finding's
+held_since (a detector that tracks it: its smoothed finding confirms what the newest bins show). A pending alert whose condition stops holding is dropped, unless it
 returns within the pending grace; the ticks it was off do not count towards `for`. A firing
 alert resolves only after its detector's clear condition (stricter than "not on": hysteresis) has held
 for the kind's clear duration; "no data" neither advances nor resets that clock.
@@ -80,6 +81,17 @@ class _Record:
         )
 
 
+def _held(t: float, rec: _Record, f: Finding, for_s: float, onset_lead: float) -> bool:
+    """Whether a pending alert's condition has held for `for_s`: as the finding (its pending time, less
+    the ticks it was off), or unsmoothed in every newest bin since its held_since where that lies no
+    more than `onset_lead` before the finding's first tick (how late the smoothing confirms a change: a
+    subject standing out long before its finding, a pipeline's busier last stage, shows no change)."""
+    if t - rec.pending_since - rec.off_seconds >= for_s:
+        return True
+    since = f.held_since
+    return since is not None and since >= rec.pending_since - onset_lead and t - since >= for_s
+
+
 class Lifecycle:
     """Open alerts keyed by fingerprint, stepped once per tick."""
 
@@ -88,9 +100,11 @@ class Lifecycle:
         durations: Mapping[AlertKind, tuple[float, float]],
         pending_grace: float = 0.0,
         advice: Mapping[AlertKind, str] | None = None,
+        onset_lead: float = 0.0,
     ) -> None:
         self.durations = dict(durations)
         self.pending_grace = pending_grace
+        self.onset_lead = onset_lead  # see _held
         self.advice = dict(advice or {})  # kind -> what to look at, carried by its alerts
         self.records: dict[str, _Record] = {}
 
@@ -150,7 +164,7 @@ class Lifecycle:
                 rec.summary = f.summary
         if escalated:
             rec.severity = f.severity
-        if rec.state is AlertState.PENDING and t - rec.pending_since - rec.off_seconds >= for_s:
+        if rec.state is AlertState.PENDING and _held(t, rec, f, for_s, self.onset_lead):
             previous = AlertState.PENDING if for_s > 0 else None
             rec.state, rec.started = AlertState.FIRING, t
             out.append(Transition(rec.alert(), previous))

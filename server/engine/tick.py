@@ -77,6 +77,11 @@ def read_windows(w: Windows, k: int, n_bins: int, held: np.ndarray) -> tuple[np.
     return latest, nan_median_first_axis(window[:, :n_levels]), nan_mean_first_axis(window[:, n_levels:])
 
 
+def newest_levels(tick: Tick) -> np.ndarray:
+    """(4, n) the newest bin's readings, rows as groups.LEVELS: what a condition reads before smoothing."""
+    return tick.latest[_ROWS[: len(LEVELS)]]
+
+
 def smoothed(levels: np.ndarray, fractions: np.ndarray) -> dict[str, np.ndarray]:
     """The smoothed readings by name (views of the arrays read_windows returns)."""
     out = dict(zip(LEVELS, levels))

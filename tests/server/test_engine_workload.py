@@ -138,11 +138,32 @@ def test_comm_bound_on_power_where_sm_activity_is_unsupported():
     assert _kinds(cluster_lines(800, override=comm)) == [("comm_bound", "j1", None, None)]
 
 
-def test_short_checkpoint_pause_is_not_an_alert():
+@pytest.mark.parametrize("interval", [1.0, 5.0])
+@pytest.mark.parametrize("pause_s", [15, 20])
+def test_short_checkpoint_pause_is_not_an_alert(interval, pause_s):
+    # Its newest bins hold the drop for at most pause_s plus a bin cut in two: under input_for_seconds.
     def pause(t, node, gpu):
-        return {"utilization_ratio": 0.1, "sm_active_ratio": 0.05, "power_watts": 150.0} if 400 <= t < 415 else {}
+        return (
+            {"utilization_ratio": 0.1, "sm_active_ratio": 0.05, "power_watts": 150.0}
+            if 402 <= t < 402 + pause_s
+            else {}
+        )
 
-    assert _kinds(cluster_lines(800, override=pause)) == []
+    assert _kinds(cluster_lines(800, interval=interval, override=pause)) == []
+
+
+def test_job_wide_drops_fire_their_for_after_they_began_not_after_the_medians_saw_them():
+    # At 5 s sampling a 30 s median crosses 15-20 s after the drop began; for counts from the newest bins.
+    def comm(t, node, gpu):
+        return {"sm_active_ratio": 0.55, "power_watts": 400.0} if t >= 400 else {}
+
+    def starved(t, node, gpu):
+        return {"utilization_ratio": 0.6, "sm_active_ratio": 0.5, "power_watts": 350.0} if t >= 400 else {}
+
+    (c,) = run_replay(cluster_lines(700, override=comm))
+    (i,) = run_replay(cluster_lines(700, override=starved))
+    assert (c.kind.value, i.kind.value) == ("comm_bound", "input_bound")
+    assert T0 + 425 <= c.started <= T0 + 440 and T0 + 430 <= i.started <= T0 + 445
 
 
 def test_a_mild_power_cap_without_sm_activity_is_not_comm_bound():

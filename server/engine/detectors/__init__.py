@@ -81,6 +81,10 @@ class Finding:
     # The summary quotes only running tallies (the evidence's live keys), so a firing alert takes each new
     # one with them: a summary kept from when it fired would contradict the evidence beside it.
     live_summary: bool = False
+    # Sample time from which the condition has held in every newest bin, unsmoothed (None: not tracked).
+    # The smoothing median confirms a change only once half its window holds it; the hold counted from
+    # here measures how long the condition itself has lasted (lifecycle).
+    held_since: float | None = None
 
     @property
     def fingerprint(self) -> str:

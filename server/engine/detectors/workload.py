@@ -15,17 +15,19 @@ another 4 % over its peers most ticks and held a 40 % input-bound drop back for 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import AbstractSet, Any, Mapping
 
 import numpy as np
 
 from gpufleet.server.alerts import AlertKind, Severity
+from gpufleet.server.engine.arrays import grown
 from gpufleet.server.engine.detectors import Context, Finding, Outcome, r3, subject_fingerprint
 from gpufleet.server.engine.detectors.spec import Detection, Detector, KindSpec
 from gpufleet.server.engine.groups import JOB, GroupHistory, GroupRegistry, Groups
 from gpufleet.server.engine.config import EngineConfig
 from gpufleet.server.engine.rules import Rule, any_of, evaluate
-from gpufleet.server.engine.tick import SlowdownSource, Tick
+from gpufleet.server.engine.tick import SlowdownSource, Tick, newest_levels
 from gpufleet.server.engine.units import PERCENT, SECONDS_PER_HOUR, VIEW_DIGITS
 from gpufleet.server.engine.windows import Windows
 
@@ -198,12 +200,22 @@ def noise(history: GroupHistory, source: np.ndarray, sigmas: float, threshold: n
 
 
 class WorkloadState:
-    """GPU-hours tallies for open job-level findings."""
+    """GPU-hours tallies for open job-level findings, and per group since when each kind's condition has
+    held in every newest bin (NaN: not holding)."""
 
     def __init__(self) -> None:
         self.cost: dict[str, float] = {}
         self._fps: dict[str, tuple[int, bool]] = {}
         self._known = 0
+        self.since = {True: np.zeros(0), False: np.zeros(0)}  # is_comm -> per group bin start, seconds
+
+    def note(self, t: float, bin_seconds: float, holds: Mapping[bool, np.ndarray], unknown: np.ndarray) -> None:
+        """One tick's unsmoothed conditions per kind: a run starts at its first bin's start, and a bin
+        without a reading (every other bin at 10 s sampling) neither breaks it nor counts towards it."""
+        for is_comm, now in holds.items():
+            since = grown(self.since[is_comm], len(now), np.nan)
+            started = np.where(np.isnan(since), t - bin_seconds, since)
+            self.since[is_comm] = np.where(now, started, np.where(unknown, since + bin_seconds, np.nan))
 
     def fingerprints(self, reg, is_job: np.ndarray) -> dict[str, tuple[int, bool]]:
         """comm/input fingerprint -> (group, is_comm), extended as new job groups appear."""
@@ -224,6 +236,9 @@ class WorkloadState:
                 self._fps.pop(fp, None)
                 self.cost.pop(fp, None)
         self._known = min(self._known, gid)
+        for since in self.since.values():
+            if gid < len(since):
+                since[gid] = np.nan
 
 
 def detect(tick: Tick, state: WorkloadState, context: Context) -> Outcome:
@@ -256,10 +271,9 @@ def detect(tick: Tick, state: WorkloadState, context: Context) -> Outcome:
         "standout": _groups(G, context.standout),
         "idling": _groups(G, context.idling),
     }
+    _note_newest(tick, state, history, arrays)
     arrays.update(evaluate(GATE_RULES, arrays, cfg))
-    held = evaluate(FIRE_RULES, arrays, cfg)
-    comm = any_of(held, ("comm_bound_sm_drop", "comm_bound_power_drop"))
-    inp = any_of(held, ("input_bound_sm_drop", "input_bound_power_drop"))
+    comm, inp = _kinds(evaluate(FIRE_RULES, arrays, cfg))
     by_fp = state.fingerprints(reg, is_job)
     taken_over = {by_fp[fp][0]: ev for fp in by_fp if (ev := context.alerts.restored_evidence(fp)) is not None}
     arrays.update(_against_evidence(grp, taken_over, arrays))
@@ -290,6 +304,55 @@ def detect(tick: Tick, state: WorkloadState, context: Context) -> Outcome:
 
     out.clear = clear_test
     return out
+
+
+def _kinds(held: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per group: whether comm_bound, and whether input_bound holds, from FIRE_RULES' results."""
+    comm = any_of(held, ("comm_bound_sm_drop", "comm_bound_power_drop"))
+    return comm, any_of(held, ("input_bound_sm_drop", "input_bound_power_drop"))
+
+
+def _note_newest(tick: Tick, state: WorkloadState, history: GroupHistory, arrays: Mapping[str, np.ndarray]) -> None:
+    """The same rules on the job's medians of its GPUs' newest bin instead of their smoothed readings,
+    noted in the state: a job-wide drop shows in every newest bin from its start, and in the 30 s medians
+    only once half the window holds it."""
+    grp, cfg = tick.groups, tick.config
+    if grp.members is None:
+        return
+    newest = dataclasses.replace(grp, levels=grp.members.layout.medians(newest_levels(tick)))
+    drop, source = job_drop(newest, history, cfg)
+    by_sm, by_power = source == SlowdownSource.SM_ACTIVITY, source == SlowdownSource.POWER
+    fall = sag(newest, history, drop, source)
+    raw = dict(arrays)
+    raw.update(
+        utilization=newest.util,
+        utilization_fall=history.baseline("util") - newest.util,
+        drop_sm=np.where(by_sm, drop, np.nan),
+        drop_power=np.where(by_power, drop, np.nan),
+        sag_sm=np.where(by_sm, fall, np.nan),
+        sag_power=np.where(by_power, fall, np.nan),
+    )
+    raw.update(evaluate(GATE_RULES, raw, cfg))
+    comm, inp = _kinds(evaluate(FIRE_RULES, raw, cfg))
+    # A job some of whose GPUs did not report lately is not judged from the others' newest bins: ranks
+    # hung by a node that stopped answering read as comm_bound before node_unreachable can say why.
+    partial = _partly_reported(tick)
+    unknown = (np.isnan(newest.util) | np.isnan(drop)) & ~partial
+    state.note(tick.t, cfg.tick_seconds, {True: comm & ~partial, False: inp & ~partial}, unknown)
+
+
+def _partly_reported(tick: Tick) -> np.ndarray:
+    """Per group: some of its GPUs with data have a sample in the newest straggler_newest_bins bins, and
+    some have none (at 10 s sampling every other bin is empty for all of them alike)."""
+    grp, k = tick.groups, tick.config.straggler_newest_bins
+    gid = grp.gid
+    member = (gid >= 0) & tick.has_data[: len(gid)]
+    recent = np.zeros(len(gid), dtype=bool)
+    if len(tick.held) >= k:
+        recent = np.asarray(tick.held[:k].any(axis=0))[: len(gid)]
+    n_member = np.bincount(gid[member], minlength=grp.n_groups)
+    n_recent = np.bincount(gid[member & recent], minlength=grp.n_groups)
+    return (n_recent > 0) & (n_recent < n_member)
 
 
 def _against_evidence(
@@ -372,7 +435,19 @@ def _finding(
         )
     # What it costs decides whether it is critical (engine/severity.py): nothing is lost or corrupted.
     sev = Severity.WARNING
-    return Finding(kind, None, None, None, job, sev, summary, evidence, cost_gpu_hours=cost)
+    since = float(state.since[kind == AlertKind.COMM_BOUND][gid])
+    return Finding(
+        kind,
+        None,
+        None,
+        None,
+        job,
+        sev,
+        summary,
+        evidence,
+        cost_gpu_hours=cost,
+        held_since=None if np.isnan(since) else since,
+    )
 
 
 def _detect(tick: Tick, state: WorkloadState, context: Context) -> Detection:

@@ -14,6 +14,9 @@ whole is active and measurably slowed (which also rules out jitter, wind-down an
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import numpy as np
 
 from gpufleet.server.engine.detectors import Context, Finding, Outcome
@@ -100,18 +103,22 @@ def _gpu_findings(
     shared: SharedNode,
     steps: Steps,
 ) -> list[Finding]:
-    """A finding for each GPU named on its own."""
+    """A finding for each GPU named on its own, held since it stood out in every newest reading."""
+    since = state.standing_since
     return [
-        gpu_finding(
-            tick,
-            state,
-            slot,
-            read.excess[:, slot],
-            read.deviation[:, slot],
-            bool(judged.cross[slot]),
-            bool(judged.idle[0, slot]),
-            shared if shared.on[0, slot] else None,
-            _step(steps, slot),
+        _held_since(
+            gpu_finding(
+                tick,
+                state,
+                slot,
+                read.excess[:, slot],
+                read.deviation[:, slot],
+                bool(judged.cross[slot]),
+                bool(judged.idle[0, slot]),
+                shared if shared.on[0, slot] else None,
+                _step(steps, slot),
+            ),
+            float(since[slot]) if slot < len(since) else math.nan,
         )
         for slot in nodes.gpus_named.nonzero()[0].tolist()
     ]
@@ -123,6 +130,11 @@ def _step(steps: Steps, slot: int) -> tuple[float, float, bool] | None:
         return None
     by_node = steps.by_node is not None and bool(steps.by_node[slot])
     return float(steps.size[slot]), float(steps.fall[slot]), by_node
+
+
+def _held_since(finding: Finding, since: float) -> Finding:
+    """The finding with its held_since (none where the GPU does not stand out in its newest reading)."""
+    return finding if math.isnan(since) else dataclasses.replace(finding, held_since=since)
 
 
 def _clear_test(seen: Sighting, still_waiting: np.ndarray, nodes: NodeCulprits):

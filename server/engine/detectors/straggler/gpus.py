@@ -42,13 +42,12 @@ def standing_now(
 ) -> np.ndarray:
     """Per slot: whether a GPU found standing out over the smoothing window still does in its newest
     readings (its newest bin, or the one before where that is empty), at the weaker margins; True where
-    it has neither (no evidence against).
+    it has neither (no evidence against). Also notes in the state since when each GPU has stood out in
+    its newest readings at the full margins (StragglerState.note_standing).
 
     The smoothing window's median lags by up to half its length: a GPU that recovered would stand on
     against its peers' lagging medians, and brief jitters back to back would add up to one alert.
     """
-    if not on.any():
-        return on
     now = newest(tick, NOW_ROWS)
     if now is None:
         return np.ones_like(on)
@@ -65,8 +64,11 @@ def standing_now(
         "slow_share": now[UTIL + 1],
         "sm_unsupported": sm_unknown,
     }
-    standing = any_of(evaluate(STANDING_NOW, arrays, cfg, cfg.straggler_weak_margin_ratio), _names(STANDING_NOW))
-    return standing | np.isnan(now[UTIL])
+    scales = np.array([[cfg.straggler_weak_margin_ratio], [1.0]])
+    weak, full = any_of(evaluate(STANDING_NOW, arrays, cfg, scales), _names(STANDING_NOW))
+    unknown = np.isnan(now[UTIL])
+    state.note_standing(tick.t - cfg.tick_seconds, cfg.tick_seconds, full, tick.held[0, : len(on)])
+    return weak | unknown
 
 
 def _names(rules) -> list[str]:

@@ -46,6 +46,15 @@ class StragglerState:
         self.index = FingerprintIndex(AlertKind.STRAGGLER)
         # Per GPU: its links' recent retries, (time, event kind, count), oldest first.
         self.link_retries: dict[int, list[tuple[float, str, int]]] = {}
+        # Per GPU: the start of the bin from which it has stood out in every newest reading (NaN: not now).
+        self.standing_since = np.full(0, np.nan)
+
+    def note_standing(self, bin_start: float, bin_seconds: float, standing: np.ndarray, fresh: np.ndarray) -> None:
+        """One tick's standing in the newest readings (gpus.standing_now): a run starts at its first bin,
+        and a bin without a sample of the GPU (`fresh` False) neither breaks it nor counts towards it."""
+        since = grown(self.standing_since, len(standing), np.nan)[: len(standing)]
+        started = np.where(np.isnan(since), bin_start, since)
+        self.standing_since = np.where(fresh, np.where(standing, started, np.nan), since + bin_seconds)
 
     def note_link_retries(self, events: Iterable[CounterEvent], t: float, keep_seconds: float) -> None:
         """Keep the link-retry events of this tick and drop those older than keep_seconds."""
@@ -73,6 +82,7 @@ class StragglerState:
             self.learned[slots] = 0
             self.spread[slots] = np.nan
             self.noise[:, slots] = np.nan
+            self.standing_since[slots[slots < len(self.standing_since)]] = np.nan
             self.steps.forget(slots)
             for slot in slots.tolist():
                 self.link_retries.pop(int(slot), None)
