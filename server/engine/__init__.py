@@ -63,8 +63,8 @@ class Engine:
             detectors_registry.durations(self.detectors, cfg),
             cfg.pending_grace_seconds,
             detectors_registry.advice(self.detectors),
-            # A rolling median crosses a threshold once half its window does.
-            onset_lead=cfg.smooth_seconds / 2,
+            # A rolling median crosses a threshold once half its window does (see KindSpec.onset_lead).
+            onset_lead=detectors_registry.onset_leads(self.detectors, cfg),
         )
         self._costing = detectors_registry.costing(self.detectors)
         self._states = tuple(detector.state() for detector in self.detectors)

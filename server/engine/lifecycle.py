@@ -100,11 +100,11 @@ class Lifecycle:
         durations: Mapping[AlertKind, tuple[float, float]],
         pending_grace: float = 0.0,
         advice: Mapping[AlertKind, str] | None = None,
-        onset_lead: float = 0.0,
+        onset_lead: Mapping[AlertKind, float] | None = None,
     ) -> None:
         self.durations = dict(durations)
         self.pending_grace = pending_grace
-        self.onset_lead = onset_lead  # see _held
+        self.onset_lead = dict(onset_lead or {})  # kind -> seconds, see _held
         self.advice = dict(advice or {})  # kind -> what to look at, carried by its alerts
         self.records: dict[str, _Record] = {}
 
@@ -164,7 +164,7 @@ class Lifecycle:
                 rec.summary = f.summary
         if escalated:
             rec.severity = f.severity
-        if rec.state is AlertState.PENDING and _held(t, rec, f, for_s, self.onset_lead):
+        if rec.state is AlertState.PENDING and _held(t, rec, f, for_s, self.onset_lead.get(f.kind, 0.0)):
             previous = AlertState.PENDING if for_s > 0 else None
             rec.state, rec.started = AlertState.FIRING, t
             out.append(Transition(rec.alert(), previous))

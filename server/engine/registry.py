@@ -59,6 +59,11 @@ def durations(detectors: Detectors, config: EngineConfig) -> dict[AlertKind, tup
     return {spec.kind: spec.durations(config) for spec in kind_specs(detectors)}
 
 
+def onset_leads(detectors: Detectors, config: EngineConfig) -> dict[AlertKind, float]:
+    """Kind -> how long before its finding's first tick a newest-bin run may have begun (Lifecycle._held)."""
+    return {spec.kind: spec.onset_lead(config) for spec in kind_specs(detectors)}
+
+
 def advice(detectors: Detectors) -> dict[AlertKind, str]:
     """Kind -> what to look at."""
     return {spec.kind: spec.advice for spec in kind_specs(detectors)}

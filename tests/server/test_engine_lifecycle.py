@@ -117,7 +117,7 @@ def _held(since):
 
 def test_a_finding_held_unsmoothed_since_its_onset_fires_for_after_the_onset():
     # The smoothed finding first holds at 15 s; the newest bins showed it from 0 s: for counts from there.
-    lc = Lifecycle({K: (30.0, 0.0)}, onset_lead=15.0)
+    lc = Lifecycle({K: (30.0, 0.0)}, onset_lead={K: 15.0})
     for t in (15, 20, 25):
         assert all(tr.alert.state is AlertState.PENDING for tr in lc.step(t, {K: Outcome({"x": _held(0.0)})}))
     (tr,) = lc.step(30, {K: Outcome({"x": _held(0.0)})})
@@ -127,7 +127,7 @@ def test_a_finding_held_unsmoothed_since_its_onset_fires_for_after_the_onset():
 def test_a_subject_standing_out_long_before_its_finding_waits_the_whole_for():
     # Unsmoothed since 0 s, but the finding first holds at 40 s: more than the lead later, so no change
     # began at 0 s that the finding confirms (a pipeline's busier last stage), and for counts from 40 s.
-    lc = Lifecycle({K: (30.0, 0.0)}, onset_lead=15.0)
+    lc = Lifecycle({K: (30.0, 0.0)}, onset_lead={K: 15.0})
     for t in range(40, 70, 5):
         assert all(tr.alert.state is AlertState.PENDING for tr in lc.step(t, {K: Outcome({"x": _held(0.0)})}))
     (tr,) = lc.step(70, {K: Outcome({"x": _held(0.0)})})

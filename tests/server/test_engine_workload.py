@@ -166,6 +166,21 @@ def test_job_wide_drops_fire_their_for_after_they_began_not_after_the_medians_sa
     assert T0 + 425 <= c.started <= T0 + 440 and T0 + 430 <= i.started <= T0 + 445
 
 
+def test_a_milder_drop_the_medians_see_a_bin_after_half_their_window_fires_its_for_after_it_began():
+    # A fall of utilization under twice its margin: three low bins of six put the 30 s median halfway,
+    # under the margin, and only the fourth crosses it, 20 s after the run's first bin began.
+    def comm(t, node, gpu):
+        return {"sm_active_ratio": 0.58, "power_watts": 420.0} if t >= 400 else {}
+
+    def starved(t, node, gpu):
+        return {"utilization_ratio": 0.72, "sm_active_ratio": 0.58, "power_watts": 420.0} if t >= 400 else {}
+
+    (c,) = run_replay(cluster_lines(700, override=comm))
+    (i,) = run_replay(cluster_lines(700, override=starved))
+    assert (c.kind.value, i.kind.value) == ("comm_bound", "input_bound")
+    assert T0 + 425 <= c.started <= T0 + 440 and T0 + 430 <= i.started <= T0 + 445
+
+
 def test_a_mild_power_cap_without_sm_activity_is_not_comm_bound():
     # Seen on the agent's own simulator: an A100 job drawing 300 W capped at 280 W lost 6 % of its
     # clock and 8-9 % of its power, with the power-cap bit set on every GPU. Too small a clock cut to

@@ -39,6 +39,15 @@ class KindSpec:
     costs: bool = False  # its findings estimate what they cost their job (Finding.cost_gpu_hours)
     # (reading, what the kind cannot do where no GPU reports it): readings by their contract names.
     without: tuple[tuple[str, str], ...] = ()
+    # Whether its newest-bin run must wait out a rolling median of an even count of bins: that median
+    # crosses a threshold one bin after half its window holds a step, and the run is dated from its
+    # first bin's start, so a clean job-wide step is confirmed half a window and one bin after its run
+    # began (20 s at 30 s smoothing over 5 s bins).
+    onset_after_median: bool = False
+
+    def onset_lead(self, config: EngineConfig) -> float:
+        """How long before its finding's first tick a newest-bin run may have begun and still count."""
+        return config.smooth_seconds / 2 + (config.tick_seconds if self.onset_after_median else 0.0)
 
     def durations(self, config: EngineConfig) -> tuple[float, float]:
         """(for, clear) seconds under a config."""

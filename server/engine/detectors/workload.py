@@ -476,6 +476,7 @@ DETECTOR: Detector[WorkloadState] = Detector(
             clear_setting="workload_clear_seconds",
             costs=True,
             without=(("sm_active_ratio", "measures the job's drop by power, and only while clocks hold"),),
+            onset_after_median=True,
         ),
         KindSpec(
             kind=AlertKind.INPUT_BOUND,
@@ -483,6 +484,7 @@ DETECTOR: Detector[WorkloadState] = Detector(
             for_setting="input_for_seconds",
             clear_setting="workload_clear_seconds",
             costs=True,
+            onset_after_median=True,
         ),
     ),
     rules=RULES,
