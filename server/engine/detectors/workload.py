@@ -476,7 +476,6 @@ DETECTOR: Detector[WorkloadState] = Detector(
             clear_setting="workload_clear_seconds",
             costs=True,
             without=(("sm_active_ratio", "measures the job's drop by power, and only while clocks hold"),),
-            onset_after_median=True,
         ),
         KindSpec(
             kind=AlertKind.INPUT_BOUND,
@@ -484,6 +483,9 @@ DETECTOR: Detector[WorkloadState] = Detector(
             for_setting="input_for_seconds",
             clear_setting="workload_clear_seconds",
             costs=True,
+            # Not comm_bound: at quadruple noise a power-only job's newest-bin median held its drop from
+            # 15 s before one GPU's power brake, and with that bin's more lead fired before the straggler
+            # explained it. input_bound's newest bins must also show a utilization fall, noise does not.
             onset_after_median=True,
         ),
     ),
