@@ -116,7 +116,7 @@ class Stretch:
             st = t @ weight
             centred_tx = t @ x - st * mean
             centred_tt = (t * t) @ weight - st * st / count
-            centred_xx = np.sum(np.where(known, dev - mean, 0.0) ** 2, axis=0)
+            centred_xx = np.sum(np.square(np.where(known, dev - mean, 0.0)), axis=0)
         return Stretch(count, mean, centred_tx, centred_tt, centred_xx, _mean(level))
 
 
