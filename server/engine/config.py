@@ -157,6 +157,10 @@ class EngineConfig:
     # A rise is a step where the slope within its two stretches explains under this share of it (a rank's
     # drifting load is a ramp, whose slope explains all of it).
     straggler_step_ramp_ratio: float = 0.5
+    # A step's rise must also pass this many standard errors of itself, from the spread of the GPU's own
+    # readings within its two stretches (a 3 % straggler's rise passes about 6 at noisy telemetry; chance
+    # rises of noisy or swinging ranks under 4).
+    straggler_step_noise_sigmas: float = 4.5
     # Each of the two stretches a step is measured between is this long: 24 bins, 120 readings at 1 s sampling.
     straggler_step_window_seconds: float = 120.0
 

@@ -161,3 +161,20 @@ def test_a_gpu_of_an_inferred_job_sharing_its_node_with_another_job_is_not_judge
     alerts = run_replay(without_fields(list(trace.lines), ("hpc_job",)))
     stragglers = [a for a in alerts if a.kind.value == "straggler"]
     assert stragglers and not any(a.evidence.get("step_peers") == "node" for a in stragglers)
+
+
+def test_a_step_within_the_gpus_own_noise_is_not_named():
+    # The same 3 % step, on a GPU whose own readings swing 12 % from sample to sample (a noisy sensor, or a
+    # rank whose load swings within each step): its two stretches' means are that uncertain, and a rise
+    # of a few standard errors is what such a GPU shows by chance. Its quiet peers do not widen the spread
+    # of the group's rises, so only its own noise tells it.
+    def swinging(t: float, node: str, gpu: int) -> dict[str, float]:
+        share = 0.025 if t >= ONSET_S else 0.0
+        if (node, gpu) == CULPRIT:
+            swing = 0.12 * np.random.default_rng([int(t), 7]).standard_normal()
+            return {"sm_active_ratio": 0.80 * (1.0 + share) * (1.0 + swing)}
+        return {"sm_active_ratio": _noisy(0.80 * (1.0 - (PEER_FALL if t >= ONSET_S else 0.0)), t, node, gpu)}
+
+    assert _stragglers(swinging) == []
+    named = _stragglers(swinging, config={"straggler_step_noise_sigmas": 0.0})
+    assert [(s.node, s.gpu) for s in named] == [CULPRIT]

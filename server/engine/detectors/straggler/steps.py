@@ -96,7 +96,13 @@ class Stretch:
     mean: np.ndarray
     centred_tx: np.ndarray  # sum of (t - mean t)(x - mean x)
     centred_tt: np.ndarray  # sum of (t - mean t)^2
+    centred_xx: np.ndarray  # sum of (x - mean x)^2
     level: np.ndarray
+
+    def variance_of_mean(self) -> np.ndarray:
+        """Per slot: the variance of its mean deviation, its readings' spread over their count."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.centred_xx / np.maximum(self.count - 1.0, 1.0) / self.count
 
     @staticmethod
     def of(dev: np.ndarray, level: np.ndarray, t: np.ndarray) -> Stretch:
@@ -110,7 +116,8 @@ class Stretch:
             st = t @ weight
             centred_tx = t @ x - st * mean
             centred_tt = (t * t) @ weight - st * st / count
-        return Stretch(count, mean, centred_tx, centred_tt, _mean(level))
+            centred_xx = np.sum(np.square(np.where(known, dev - mean, 0.0)), axis=0)
+        return Stretch(count, mean, centred_tx, centred_tt, centred_xx, _mean(level))
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +188,10 @@ def find_steps(
         # as large as the rise for a ramp, about nothing for a step.
         slope = (after.centred_tx + before.centred_tx) / (after.centred_tt + before.centred_tt)
         ramp = slope * (a + gap) / rise
+        # The rise against what the GPU's own readings leave of either stretch's mean uncertain: noisy
+        # telemetry, or a rank whose load swings within its stretches, moves the difference of two means by
+        # chance more than the group's rises show where the group is small or its GPUs share the swing.
+        rise_error = np.sqrt(after.variance_of_mean() + before.variance_of_mean())
     arrays = {
         "step_rise": rise,
         "step_spread": _spread(rise, peers),
@@ -189,6 +200,8 @@ def find_steps(
         "job_fell": fall >= cfg.straggler_step_min_slowdown,
         # A step: the slope within the stretches explains under this share of the rise (a ramp's, all).
         "flat": (rise > 0) & (ramp < cfg.straggler_step_ramp_ratio),
+        # A step stands clear of the GPU's own noise: this many standard errors of the rise.
+        "clear": rise >= cfg.straggler_step_noise_sigmas * rise_error,
     }
     found = any_of(evaluate(STEP, arrays, cfg), [r.name for r in STEP]) & judged
     found &= ~_many(tick, found, peers)
