@@ -63,7 +63,7 @@ class Engine:
             detectors_registry.durations(self.detectors, cfg),
             cfg.pending_grace_seconds,
             detectors_registry.advice(self.detectors),
-            # A rolling median crosses a threshold once half its window does (see KindSpec.onset_lead).
+            # A rolling median crosses a threshold once half its window does (see registry.onset_lead).
             onset_lead=detectors_registry.onset_leads(self.detectors, cfg),
         )
         self._costing = detectors_registry.costing(self.detectors)

@@ -61,7 +61,14 @@ def durations(detectors: Detectors, config: EngineConfig) -> dict[AlertKind, tup
 
 def onset_leads(detectors: Detectors, config: EngineConfig) -> dict[AlertKind, float]:
     """Kind -> how long before its finding's first tick a newest-bin run may have begun (Lifecycle._held)."""
-    return {spec.kind: spec.onset_lead(config) for spec in kind_specs(detectors)}
+    return {spec.kind: onset_lead(spec, config) for spec in kind_specs(detectors)}
+
+
+def onset_lead(spec: KindSpec, config: EngineConfig) -> float:
+    """How long before its finding's first tick a kind's newest-bin run may have begun and still count: a
+    rolling median crosses a threshold once half its window holds a change (a bin more for an even count
+    of bins, where the kind asks for it: KindSpec.onset_after_median)."""
+    return config.smooth_seconds / 2 + (config.tick_seconds if spec.onset_after_median else 0.0)
 
 
 def advice(detectors: Detectors) -> dict[AlertKind, str]:

@@ -45,10 +45,6 @@ class KindSpec:
     # began (20 s at 30 s smoothing over 5 s bins).
     onset_after_median: bool = False
 
-    def onset_lead(self, config: EngineConfig) -> float:
-        """How long before its finding's first tick a newest-bin run may have begun and still count."""
-        return config.smooth_seconds / 2 + (config.tick_seconds if self.onset_after_median else 0.0)
-
     def durations(self, config: EngineConfig) -> tuple[float, float]:
         """(for, clear) seconds under a config."""
         return (
