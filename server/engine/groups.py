@@ -107,7 +107,8 @@ class GroupLayout:
             self._scratch = np.full((k, n + 1), np.nan)
             self._first = np.arange(k * G) * width
         self._scratch[:, :n] = values
-        rows = np.sort(self._scratch[:, self.table], axis=2)  # NaN last in each row
+        # take: the same gather as [:, table] at half its cost where k > 1.
+        rows = np.sort(np.take(self._scratch, self.table, axis=1), axis=2)  # NaN last in each row
         cnt = width - np.isnan(rows).sum(axis=2).ravel()
         # cnt // 2 < width always; an empty group's middle is padding, i.e. NaN.
         flat = rows.ravel()

@@ -303,6 +303,12 @@ def _node_steps(
     reg, group_of = tick.registry, slots.group_of
     unattributed = slots.in_group & ~reg.is_job[: tick.groups.n_groups][group_of]
     loose = read.busy & unattributed & ~read.sm_unknown & ~np.isnan(tick.levels[SM])
+    if not loose.any() and state.node_steps.holds_none():
+        # No GPU to judge and no step to keep or clear (a fleet whose jobs are all attributed): the
+        # trail only records the tick.
+        state.job_steps_settled = np.zeros(slots.n, dtype=bool)
+        state.node_steps.pass_tick(tick.k, slots.n, cfg)
+        return Steps(steps.on, steps.size, steps.fall, np.zeros(slots.n, dtype=bool))
     if halted:  # a GPU lost while busy hangs its job, and without attribution every group of its model
         loose &= ~np.isin(slots.gid, list(halted))
     peers = node_peers(tick, loose)

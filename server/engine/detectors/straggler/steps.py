@@ -44,9 +44,14 @@ class StepTrail:
         self.before = np.full(0, np.nan)
         self.size = np.full(0, np.nan)
         self.fall = np.full(0, np.nan)
+        # The newest stretch of each recent tick, by tick: the stretch ending a gap and a stretch before a
+        # later tick holds the same rows, unchanged while no slot is forgotten or added.
+        self._stretches: dict[int, Stretch] = {}
 
     def fit(self, n: int, ring: int) -> None:
         """Grow to n slots and a ring of `ring` ticks (a new ring length starts it afresh)."""
+        if self.dev.shape != (ring, n):
+            self._stretches.clear()
         if self.dev.shape[0] != ring:
             self.dev, self.level = np.full((ring, n), np.nan), np.full((ring, n), np.nan)
             self.tick_of = np.full(ring, -1, dtype=np.int64)
@@ -62,9 +67,25 @@ class StepTrail:
         """These GPUs' trails start afresh (their group's work changed)."""
         if len(slots) and self.dev.shape[1]:
             slots = slots[slots < self.dev.shape[1]]
+            self._stretches.clear()
             self.dev[:, slots] = np.nan
             self.level[:, slots] = np.nan
             self.before[slots] = self.size[slots] = self.fall[slots] = self.since[slots] = np.nan
+
+    def holds_none(self) -> bool:
+        """No GPU holds a step found."""
+        return bool(np.isnan(self.before).all())
+
+    def pass_tick(self, k: int, n: int, cfg) -> None:
+        """Record tick k with none of n slots judged, as find_steps does: an empty row, every slot's run
+        of judged ticks broken."""
+        self.fit(n, _ring_bins(cfg))
+        row = k % len(self.tick_of)
+        self.dev[row] = np.nan
+        self.level[row] = np.nan
+        self.tick_of[row] = k
+        self.since[:n] = np.nan
+        self._stretches.clear()
 
     def ready(self, k: int, cfg) -> np.ndarray:
         """Per slot: judged without a break for both stretches and the gap between them (its steps can be
@@ -79,6 +100,19 @@ class StepTrail:
         rows = ticks % len(self.tick_of)
         kept = self.tick_of[rows] == ticks
         return Stretch.of(self.dev[rows[kept]], self.level[rows[kept]], -np.arange(bins, dtype=float)[kept])
+
+    def stretches(self, k: int, bins: int, gap: int) -> tuple[Stretch, Stretch]:
+        """stretch(k, 0, bins) and stretch(k, bins + gap, bins); the latter is the former of tick
+        k - bins - gap where this trail worked it out then, its rows unchanged since."""
+        after = self.stretch(k, 0, bins)
+        then = k - bins - gap
+        before = self._stretches.get(then)
+        for old in [t for t in self._stretches if t <= then]:
+            del self._stretches[old]
+        if before is None:
+            before = self.stretch(k, bins + gap, bins)
+        self._stretches[k] = after
+        return after, before
 
     def newest(self, k: int, bins: int) -> np.ndarray:
         """Per slot: the mean deviation over the `bins` ticks ending at tick k."""
@@ -173,9 +207,9 @@ def find_steps(
     its own usual activity, as a culprit does)."""
     cfg = tick.config
     n, a, gap = len(peers.of), cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
-    trail.fit(n, a + gap + a)
+    trail.fit(n, _ring_bins(cfg))
     _record(tick, trail, peers, judged, sm_unknown)
-    after, before = trail.stretch(tick.k, 0, a), trail.stretch(tick.k, a + gap, a)
+    after, before = trail.stretches(tick.k, a, gap)
     # Each stretch needs a reading in every straggler_newest_bins bins at least (at 10 s sampling every
     # other 5 s bin is empty), and the GPU judged throughout: a stretch that began in its job's settling
     # after the warm-up compares the settling with the job.
@@ -210,12 +244,20 @@ def find_steps(
     # A step found holds while the GPU's newest smoothing window stands the weaker share of it above its
     # level before (the weak margins' share: a culprit hovering at its margin is not cleared and named again);
     # it is forgotten once the GPU reads below that, not while it goes unjudged for a while.
+    if trail.holds_none():
+        return Steps(np.zeros(n, dtype=bool), trail.size.copy(), trail.fall.copy())
     above = trail.newest(tick.k, cfg.bins(cfg.smooth_seconds)) - trail.before
     held = cfg.straggler_weak_margin_ratio * trail.size
     back = above < held
     trail.before[back], trail.size[back], trail.fall[back] = np.nan, np.nan, np.nan
     on = judged & (above >= held)
     return Steps(on, trail.size.copy(), trail.fall.copy())
+
+
+def _ring_bins(cfg) -> int:
+    """The ticks a trail keeps: both stretches and the gap between them."""
+    a, gap = cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
+    return a + gap + a
 
 
 def _record(tick: Tick, trail: StepTrail, peers: Peers, judged: np.ndarray, sm_unknown: np.ndarray) -> None:
