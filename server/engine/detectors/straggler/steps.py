@@ -209,12 +209,16 @@ def find_steps(
     n, a, gap = len(peers.of), cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
     trail.fit(n, _ring_bins(cfg))
     _record(tick, trail, peers, judged, sm_unknown)
+    # The GPU judged throughout both stretches: a stretch that began in its job's settling after the
+    # warm-up compares the settling with the job.
+    throughout = tick.k - trail.since >= a + gap + a - 1
+    if not (throughout & judged).any() and trail.holds_none():
+        return Steps(np.zeros(n, dtype=bool), trail.size.copy(), trail.fall.copy())  # nothing to test or keep
     after, before = trail.stretches(tick.k, a, gap)
     # Each stretch needs a reading in every straggler_newest_bins bins at least (at 10 s sampling every
-    # other 5 s bin is empty), and the GPU judged throughout: a stretch that began in its job's settling
-    # after the warm-up compares the settling with the job.
+    # other 5 s bin is empty).
     enough = (after.count * cfg.straggler_newest_bins >= a) & (before.count * cfg.straggler_newest_bins >= a)
-    enough &= tick.k - trail.since >= a + gap + a - 1
+    enough &= throughout
     rise = np.where(enough & judged, after.mean - before.mean, np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
         fall = 1.0 - after.level / before.level
