@@ -140,24 +140,10 @@ def _holds(
     if noisy is not None:
         holds = holds & ~noisy
     for gate in rule.gates:
-        holds = _and(holds, arrays[gate])
+        holds = holds & arrays[gate]
     for gate in rule.unless:
-        holds = _and(holds, ~arrays[gate])
+        holds = holds & ~arrays[gate]
     return np.asarray(holds)
-
-
-def _and(holds: np.ndarray, gate: np.ndarray) -> np.ndarray:
-    """holds & gate, in place where that gives the same array (holds is the rule's own)."""
-    if (
-        isinstance(holds, np.ndarray)
-        and isinstance(gate, np.ndarray)
-        and holds.dtype == bool
-        and gate.dtype == bool
-        and gate.shape == holds.shape
-    ):
-        holds &= gate
-        return holds
-    return holds & gate
 
 
 def any_of(results: Mapping[str, np.ndarray], names: Sequence[str]) -> np.ndarray:
