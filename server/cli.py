@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 PROG = "gpufleet-server"
@@ -67,6 +68,9 @@ def _dispatch(argv: list[str] | None) -> int:
     command = args[0] if args and not args[0].startswith("-") else "serve"
     rest = args[1:] if args and args[0] == command else args
     if command == "replay":
+        # Set before numpy loads OpenBLAS: the engine's matrix products are a tick's few dozen values
+        # long, and the thread per core that OpenBLAS starts would only cost replay CPU time.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         from gpufleet.server.replay import main as run
     elif command == "demo":
         from gpufleet.server.demo import main as run
