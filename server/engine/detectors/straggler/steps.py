@@ -266,7 +266,7 @@ def _ring_bins(cfg) -> int:
 
 def _record(tick: Tick, trail: StepTrail, peers: Peers, judged: np.ndarray, sm_unknown: np.ndarray) -> None:
     """Keep this tick's newest bin: each judged GPU's activity against its group's median of that bin."""
-    now = tick.windows.recent(tick.k, 1, _ROWS, tick.held[:1] if len(tick.held) else None)[0]
+    now = tick.latest[_ROWS]
     act = np.where(sm_unknown, now[1], now[0])
     counted = judged if peers.counted is None else peers.counted
     level = peers.medians(np.where(counted, act, np.nan)[None, :])[0][peers.of]
