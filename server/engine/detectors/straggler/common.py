@@ -86,10 +86,10 @@ def newest(tick: Tick, rows: np.ndarray) -> np.ndarray | None:
     if len(tick.held) < k:
         return None
     # The newest bin is the tick's own (Tick.latest); only the bins before it are read from the windows.
-    out = tick.latest[rows]
-    if k == 1:
-        return out
-    older = tick.windows.recent(tick.k - 1, k - 1, rows, tick.held[1:k])  # (k - 1, rows, n), newest first
-    for i in range(k - 2, 0, -1):
-        older[i - 1] = np.where(tick.held[i], older[i - 1], older[i])
-    return np.where(tick.held[0], out, older[0])
+    bins = [tick.latest[rows]]
+    if k > 1:
+        bins += list(tick.windows.recent(tick.k - 1, k - 1, rows, tick.held[1:k]))  # newest first
+    out = bins[-1]
+    for i in reversed(range(k - 1)):
+        out = np.where(tick.held[i], bins[i], out)
+    return out
