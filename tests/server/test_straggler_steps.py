@@ -3,8 +3,13 @@ standing against its peers rises at one moment while theirs falls; a rank whose 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
+from gpufleet.server.engine.config import EngineConfig
+from gpufleet.server.engine.detectors.straggler.steps import Peers, StepTrail, Stretch, _ring_bins, find_steps
+from gpufleet.server.engine.windows import N_BINNED
 from gpufleet.server.replay import run_replay
 from tests.server.engine_samples import T0, cluster_lines
 
@@ -178,3 +183,65 @@ def test_a_step_within_the_gpus_own_noise_is_not_named():
     assert _stragglers(swinging) == []
     named = _stragglers(swinging, config={"straggler_step_noise_sigmas": 0.0})
     assert [(s.node, s.gpu) for s in named] == [CULPRIT]
+
+
+def _filled_trail(n: int, ticks: range, cfg) -> StepTrail:
+    """A trail holding a bin of deviations and levels (some missing) for each of `ticks`, as _record
+    leaves them."""
+    trail = StepTrail()
+    trail.fit(n, _ring_bins(cfg))
+    rng = np.random.default_rng(5)
+    for k in ticks:
+        row = k % len(trail.tick_of)
+        trail.dev[row] = np.where(rng.random(n) < 0.1, np.nan, rng.normal(0.0, 0.02, n))
+        trail.level[row] = np.where(rng.random(n) < 0.1, np.nan, rng.uniform(0.5, 0.9, n))
+        trail.tick_of[row] = k
+    return trail
+
+
+def _same(a: Stretch, b: Stretch) -> bool:
+    """Every field of two stretches holds the same bits."""
+    return all(getattr(a, f).tobytes() == getattr(b, f).tobytes() for f in Stretch.__slots__)
+
+
+def test_the_older_stretch_kept_from_a_gap_and_a_stretch_ago_is_the_one_worked_out_afresh():
+    cfg = EngineConfig()
+    a, gap = cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
+    trail = _filled_trail(64, range(0), cfg)
+    rng = np.random.default_rng(6)
+    for k in range(200):
+        if k % 37 == 36 or 120 <= k < 125:
+            continue  # ticks not evaluated (a silence the engine skips): their rows hold older ticks
+        row = k % len(trail.tick_of)
+        trail.dev[row] = np.where(rng.random(64) < 0.1, np.nan, rng.normal(0.0, 0.02, 64))
+        trail.level[row] = rng.uniform(0.5, 0.9, 64)
+        trail.tick_of[row] = k
+        after, before = trail.stretches(k, a, gap)
+        assert _same(after, trail.stretch(k, 0, a))
+        assert _same(before, trail.stretch(k, a + gap, a))
+
+
+def test_a_forgotten_gpu_is_not_read_from_a_kept_stretch():
+    cfg = EngineConfig()
+    a, gap = cfg.bins(cfg.straggler_step_window_seconds), cfg.bins(cfg.smooth_seconds)
+    trail = _filled_trail(16, range(100), cfg)
+    for k in range(100 - a - gap, 100):
+        trail.stretches(k, a, gap)  # keeps each tick's newer stretch
+    trail.forget(np.array([3]))
+    _, before = trail.stretches(100, a, gap)
+    assert before.count[3] == 0
+    assert _same(before, trail.stretch(100, a + gap, a))
+
+
+def test_a_tick_with_nothing_judged_is_recorded_as_find_steps_records_it():
+    cfg = EngineConfig()
+    n, k = 16, 130
+    skipped, tested = _filled_trail(n, range(k), cfg), _filled_trail(n, range(k), cfg)
+    skipped.pass_tick(k, n, cfg)
+    tick = SimpleNamespace(k=k, config=cfg, latest=np.full((N_BINNED, n), 0.7), held=np.ones((1, n), dtype=bool))
+    peers = Peers(np.zeros(n, dtype=np.int64), np.array([n]), lambda row: np.full((len(row), 1), np.nan))
+    nothing = np.zeros(n, dtype=bool)
+    steps = find_steps(tick, tested, peers, nothing, nothing, nothing)  # type: ignore[arg-type]
+    assert not steps.on.any()
+    for name in ("dev", "level", "tick_of", "since", "before", "size", "fall"):
+        assert getattr(skipped, name).tobytes() == getattr(tested, name).tobytes(), name
