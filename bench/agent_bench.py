@@ -242,6 +242,7 @@ def bench_http(sampler: Sampler, store: SnapshotStore, clock: Clock, requests: i
         out["render_cpu_per_scrape_ms"] = sum(render_cpu) / STEADY_SCRAPES * 1e3
         conn.request("GET", "/snapshots")
         out["snapshots_full_bytes"] = len(conn.getresponse().read())
+        out["http_load_average_1m"] = os.getloadavg()[0]
     finally:
         conn.close()
         server.close()
@@ -410,6 +411,8 @@ def bench_process(duration: float, per_link: bool, costed: bool) -> dict[str, fl
                     out["live_floor_p99_ms"] = pct(floor_lat, 0.99) * 1e3
         finally:
             floor.close()
+        # Tails follow the machine's load more than the agent's work: each run says what its load was.
+        out["live_load_average_1m"] = os.getloadavg()[0]
         return out
     finally:
         proc.terminate()
