@@ -17,7 +17,9 @@ repeats it with a fresh agent and shows median [min - max] and every run.
 Before that, in this process: CPU per sampling cycle split three ways (the agent's own code; the
 simulated NVML cost burned; the simulator's own bookkeeping, timed through a wrapper around every
 SimNvml call), the render a scrape pays once per snapshot, how old the readings in a snapshot are, and
-/metrics and /snapshots latency over real HTTP on loopback (--process-only skips these).
+/metrics and /snapshots latency over real HTTP on loopback, each gzipped scrape followed by one of the
+floor, a bare one-thread Python server in a process of its own answering as many bytes, which shows what
+the machine's load alone does to a Python server's latency (--process-only skips these).
 """
 
 from __future__ import annotations
