@@ -17,7 +17,9 @@ repeats it with a fresh agent and shows median [min - max] and every run.
 Before that, in this process: CPU per sampling cycle split three ways (the agent's own code; the
 simulated NVML cost burned; the simulator's own bookkeeping, timed through a wrapper around every
 SimNvml call), the render a scrape pays once per snapshot, how old the readings in a snapshot are, and
-/metrics and /snapshots latency over real HTTP on loopback (--process-only skips these).
+/metrics and /snapshots latency over real HTTP on loopback, each gzipped scrape followed by one of the
+floor, a bare one-thread Python server in a process of its own answering as many bytes, which shows what
+the machine's load alone does to a Python server's latency (--process-only skips these).
 """
 
 from __future__ import annotations
@@ -192,16 +194,20 @@ def bench_http(sampler: Sampler, store: SnapshotStore, clock: Clock, requests: i
             ("metrics_gzip", "/metrics", GZIP),
             ("pull", f"/snapshots?since={since}", {}),
         ):
-            lat = []
+            lat, floor_lat = [], []
             for _ in range(50):  # warm-up
                 conn.request("GET", path, headers=headers)
-                conn.getresponse().read()
+                body = conn.getresponse().read()
+            # Between gzipped scrapes, one of the floor (as on the live process): the machine's own tail.
+            floor = _Floor(len(body)) if name == "metrics_gzip" else None
             process_cpu, client_cpu = time.process_time(), time.thread_time()
             for _ in range(requests):
                 start = time.perf_counter()
                 conn.request("GET", path, headers=headers)
                 body = conn.getresponse().read()
                 lat.append(time.perf_counter() - start)
+                if floor is not None:
+                    floor_lat.append(floor.scrape())
             # CPU the server threads spent (the whole process minus this client thread): immune to how
             # long the scheduler kept the server waiting for a core on a busy machine.
             server_cpu = (time.process_time() - process_cpu) - (time.thread_time() - client_cpu)
@@ -209,6 +215,10 @@ def bench_http(sampler: Sampler, store: SnapshotStore, clock: Clock, requests: i
             out[f"{name}_p50_ms"] = pct(lat, 0.50) * 1e3
             out[f"{name}_p99_ms"] = pct(lat, 0.99) * 1e3
             out[f"{name}_bytes"] = len(body)
+            if floor is not None:
+                floor.close()
+                out["metrics_gzip_floor_p50_ms"] = pct(floor_lat, 0.50) * 1e3
+                out["metrics_gzip_floor_p99_ms"] = pct(floor_lat, 0.99) * 1e3
         # As Prometheus scrapes: every 15 s, 0.5 s after a sample, each scrape the first reader of its
         # snapshot. The sampler renders ahead once the period is known; a scrape that finds no text renders.
         steady, rendered, render_cpu = [], 0, []
@@ -242,6 +252,7 @@ def bench_http(sampler: Sampler, store: SnapshotStore, clock: Clock, requests: i
         out["render_cpu_per_scrape_ms"] = sum(render_cpu) / STEADY_SCRAPES * 1e3
         conn.request("GET", "/snapshots")
         out["snapshots_full_bytes"] = len(conn.getresponse().read())
+        out["http_load_average_1m"] = os.getloadavg()[0]
     finally:
         conn.close()
         server.close()
@@ -410,6 +421,8 @@ def bench_process(duration: float, per_link: bool, costed: bool) -> dict[str, fl
                     out["live_floor_p99_ms"] = pct(floor_lat, 0.99) * 1e3
         finally:
             floor.close()
+        # Tails follow the machine's load more than the agent's work: each run says what its load was.
+        out["live_load_average_1m"] = os.getloadavg()[0]
         return out
     finally:
         proc.terminate()

@@ -28,7 +28,6 @@ from gpufleet.agent.sim.tool_calls import ToolCalls
 log = logging.getLogger(__name__)
 
 _UINT_MAX = 0xFFFFFFFF
-_INJECTED_CLOCK_POLL_S = 0.005
 _NOT_AVAILABLE = 0xFFFFFFFF
 _HGX_BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
 _INIT_ERRORS = {
@@ -129,7 +128,6 @@ class _EventSet:
     def __init__(self) -> None:
         self.registered: dict[int, float] = {}
         self.cursor = 0
-        self.wake = threading.Event()
         self.freed = False
 
 
@@ -156,6 +154,7 @@ class SimNvml(ToolCalls):
         seed: int = 0,
         *,
         block_on_events: bool | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ):
         self.scenario = scenario
         self.node = node
@@ -166,7 +165,14 @@ class SimNvml(ToolCalls):
         self.epoch = clock() if epoch is None else float(epoch)
         # A real clock makes nvmlEventSetWait_v2 wait like the driver does; a fake one never blocks.
         self._block = (clock is time.time) if block_on_events is None else block_on_events
+        self._monotonic = monotonic  # what nvmlEventSetWait_v2's timeout is measured on, as the driver's
         self._lock = threading.RLock()
+        # Event waiters sleep on this until an event is due, their set is freed or NVML shut down; never in
+        # slices, which would take the GIL from a thread answering a scrape every few milliseconds.
+        self._events_changed = threading.Condition(self._lock)
+        # The scenario time at which a waiter wants waking (an event of its set falls due); an injected
+        # clock tells no one when it moves, so the calls that read it look (math.inf: no one waits).
+        self._wake_at_s = math.inf
         self._timeline = Timeline(build_world(scenario, node, seed))
         self._init_count = 0
         count = self._spec.gpu_count
@@ -261,8 +267,16 @@ class SimNvml(ToolCalls):
     # --- helpers -------------------------------------------------------------------------------------
 
     def scenario_time(self) -> float:
-        """Seconds since the scenario epoch by the injected clock."""
-        return self._clock() - self.epoch
+        """Seconds since the scenario epoch by the injected clock; wakes an event waiter whose event is due."""
+        t = self._clock() - self.epoch
+        if t >= self._wake_at_s:
+            self._wake_waiters()
+        return t
+
+    def _wake_waiters(self) -> None:
+        with self._events_changed:
+            self._wake_at_s = math.inf  # each waiter woken says again when it next wants waking
+            self._events_changed.notify_all()
 
     def _require_init(self) -> None:
         if self._init_count <= 0:
@@ -315,8 +329,7 @@ class SimNvml(ToolCalls):
             self._require_init()
             self._init_count -= 1
             if self._init_count == 0:
-                for es in self._event_sets.values():
-                    es.wake.set()
+                self._events_changed.notify_all()
         return None
 
     def nvmlSystemGetDriverVersion(self) -> str:
@@ -762,16 +775,12 @@ class SimNvml(ToolCalls):
         return None
 
     def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> pynvml.c_nvmlEventData_t:
-        """Return the next due XID event, each exactly once; NVMLError_Timeout when none is due."""
+        """Return the next due XID event, each exactly once; NVMLError_Timeout when none is due. Blocking, it
+        waits up to timeoutms (real time, as the driver does) for one to fall due."""
         self._require_init()
-        es = self._event_set(eventSet)
-        event = self._next_event(es)
+        event = self._next_event(self._event_set(eventSet))
         if event is None and self._block and timeoutms > 0:
-            wait_s = timeoutms / 1000.0
-            upcoming = self._upcoming_time(es)
-            if upcoming is not None:
-                wait_s = min(wait_s, max(0.0, upcoming - self.scenario_time()))
-            event = self._wait_event(eventSet, es, wait_s)
+            event = self._wait_event(eventSet, timeoutms / 1000.0)
         if event is None:
             raise _error(pynvml.NVML_ERROR_TIMEOUT)
         data = pynvml.c_nvmlEventData_t()
@@ -782,18 +791,29 @@ class SimNvml(ToolCalls):
         data.computeInstanceId = _NOT_AVAILABLE
         return data
 
-    def _wait_event(self, eventSet: Any, es: _EventSet, wait_s: float) -> XidEvent | None:
-        """The next due event after waiting up to wait_s of real time. An injected clock can pass the next
-        event's time while this thread waits (a test runs minutes of scenario in a second), so it is looked
-        at again every _INJECTED_CLOCK_POLL_S; on the wall clock one wait suffices."""
-        deadline = time.monotonic() + wait_s
-        step_s = wait_s if self._clock is time.time else _INJECTED_CLOCK_POLL_S
-        while True:
-            woken = es.wake.wait(max(0.0, min(step_s, deadline - time.monotonic())))
-            self._require_init()
-            event = self._next_event(self._event_set(eventSet))
-            if woken or event is not None or time.monotonic() >= deadline:
-                return event
+    def _wait_event(self, eventSet: Any, timeout_s: float) -> XidEvent | None:
+        """The next event to fall due within timeout_s, waking only when one does (or the set is freed, or NVML
+        shut down). The wall clock is waited on until the event's time; an injected clock moves unseen, so the
+        waiter is woken by the first call that reads it past the event's time (the sampler's, every cycle)."""
+        deadline = self._monotonic() + timeout_s
+        with self._events_changed:
+            while True:
+                self._require_init()
+                es = self._event_set(eventSet)
+                event = self._next_event(es)
+                left = deadline - self._monotonic()
+                if event is not None or left <= 0:
+                    return event
+                upcoming = self._upcoming_time(es)
+                if upcoming is not None:
+                    self._wake_at_s = min(self._wake_at_s, upcoming)
+                    # Read again after saying when: a clock moved past it in between is seen here, not missed.
+                    due_in_s = upcoming - self.scenario_time()
+                    if due_in_s <= 0:
+                        continue
+                    if self._clock is time.time:
+                        left = min(left, due_in_s)
+                self._events_changed.wait(left)
 
     def _next_event(self, es: _EventSet) -> XidEvent | None:
         now = self.scenario_time()
@@ -820,7 +840,7 @@ class SimNvml(ToolCalls):
         with self._lock:
             es = self._event_set(eventSet)
             es.freed = True
-            es.wake.set()
+            self._events_changed.notify_all()
             del self._event_sets[_address(eventSet) or -1]
         return None
 

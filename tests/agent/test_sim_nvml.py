@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
+import threading
+import time
 
 import pynvml
 import pytest
@@ -529,8 +532,6 @@ def test_pids_are_deterministic_across_agents():
 
 def test_blocking_wait_is_woken_by_shutdown():
     """With blocking enabled a waiter sleeps up to its timeout; nvmlShutdown releases it at once."""
-    import threading
-
     clock = FakeClock(0)
     nvml = SimNvml(load_scenario("hgx-h100"), node="hgx-h100-01", clock=clock, epoch=clock.epoch, block_on_events=True)
     nvml.nvmlInit()
@@ -550,6 +551,100 @@ def test_blocking_wait_is_woken_by_shutdown():
     waiter.join(timeout=10)
     assert not waiter.is_alive()
     assert outcome == [pynvml.NVMLError_Uninitialized]
+
+
+class _WaiterClock(FakeClock):
+    """FakeClock that counts the reads made off the main thread: the event waiter's."""
+
+    def __init__(self, t: float = 0.0):
+        super().__init__(t)
+        self.waiter_reads = 0
+        self.read_by_waiter = threading.Event()
+
+    def __call__(self) -> float:
+        if threading.current_thread() is not threading.main_thread():
+            self.waiter_reads += 1
+            self.read_by_waiter.set()
+        return self.now
+
+
+def _blocking_on_gpu6(clock: FakeClock, monotonic=time.monotonic) -> tuple[SimNvml, object]:
+    """cluster-incidents' node-a, blocking waits, GPU 6 (XID 79 at 120, 123.3 and 126.7 s) registered."""
+    nvml = SimNvml(
+        load_scenario("cluster-incidents"),
+        node="node-a",
+        clock=clock,
+        epoch=clock.epoch,
+        block_on_events=True,
+        monotonic=monotonic,
+    )
+    nvml.nvmlInit()
+    es = nvml.nvmlEventSetCreate()
+    nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(6), pynvml.nvmlEventTypeXidCriticalError, es)
+    return nvml, es
+
+
+def _waiting(nvml: SimNvml, es: object, timeoutms: int) -> tuple[threading.Thread, list]:
+    """A thread inside nvmlEventSetWait_v2; what it returned or raised lands in the list."""
+    outcome: list = []
+
+    def wait() -> None:
+        try:
+            outcome.append(nvml.nvmlEventSetWait_v2(es, timeoutms))
+        except pynvml.NVMLError as exc:
+            outcome.append(type(exc))
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    return waiter, outcome
+
+
+def test_blocking_wait_sleeps_until_a_call_reads_the_clock_past_its_event():
+    """Under an injected clock the waiter does not look for events in slices: calls before the event's time
+    leave it asleep, and the first call that reads the clock past it wakes it with the event."""
+    clock = _WaiterClock(100)
+    nvml, es = _blocking_on_gpu6(clock)
+    handle = nvml.nvmlDeviceGetHandleByIndex(6)
+    waiter, outcome = _waiting(nvml, es, 600_000)
+    assert clock.read_by_waiter.wait(10)
+    nvml.nvmlEventSetCreate()  # takes the lock that the waiter holds until it sleeps
+    reads = clock.waiter_reads
+    for _ in range(50):
+        nvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+    clock.at(119.9)
+    nvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+    assert clock.waiter_reads == reads and not outcome  # not woken: nothing due yet
+    clock.at(121)
+    nvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    (data,) = outcome
+    assert data.eventData == 79
+    assert ctypes.cast(data.device, ctypes.c_void_p).value == ctypes.cast(handle, ctypes.c_void_p).value
+    with pytest.raises(pynvml.NVMLError_Timeout):  # delivered once
+        nvml.nvmlEventSetWait_v2(es, 0)
+
+
+def test_blocking_wait_times_out_after_its_timeout_leaving_later_events_due():
+    """NVML_ERROR_TIMEOUT once timeoutms of (injected) monotonic time pass with nothing due; the event that
+    falls due later is still delivered to the next wait."""
+    clock = FakeClock(100)
+    nvml, es = _blocking_on_gpu6(clock, monotonic=itertools.count(0.0, 2.0).__next__)
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        nvml.nvmlEventSetWait_v2(es, 2000)
+    clock.at(121)
+    assert nvml.nvmlEventSetWait_v2(es, 2000).eventData == 79
+
+
+def test_blocking_wait_is_woken_by_freeing_its_set():
+    clock = _WaiterClock(100)
+    nvml, es = _blocking_on_gpu6(clock)
+    waiter, outcome = _waiting(nvml, es, 600_000)
+    assert clock.read_by_waiter.wait(10)
+    nvml.nvmlEventSetFree(es)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert outcome == [pynvml.NVMLError_InvalidArgument]
 
 
 # --- the readings dcgm-exporter also serves --------------------------------------------------------
