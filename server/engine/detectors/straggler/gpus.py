@@ -55,7 +55,7 @@ def standing_now(
     assert members is not None  # Engine.advance builds them with every tick's groups
     peers = members.layout.medians(now[: UTIL + 1])[:, group_of]
     dev = deviation(now[: UTIL + 1], peers)
-    ex = dev - nan_to_zero(state.offset[:, : len(on)])
+    ex = beyond_role(state, cfg, dev, dev - nan_to_zero(state.offset[:, : len(on)]))
     arrays = {
         "sm_excess": ex[SM],
         "power_excess": ex[PW],
@@ -318,9 +318,40 @@ def learn(
     # culprit direction needs no cap, since a GPU idling a whole margin below its peers learns nothing.
     state.offset[UTIL] = np.where(in_job, np.minimum(state.offset[UTIL], 0.0), state.offset[UTIL])
     state.level = follow(state.level, own, learn, alpha)
+    _learn_role(state, cfg, dev, learn & ~warming)
     if spread is not None:
         # Fast while warming up, as the offsets, so the ramp-up's wide spread is forgotten by the time it counts.
         state.noise = follow(
             state.noise, spread, learn, np.where(warming, cfg.straggler_fast_learning_ratio, spread_rate(cfg))
         )
     state.learned[:n] += learn
+
+
+def _learn_role(state: StragglerState, cfg, dev: np.ndarray, settled: np.ndarray) -> None:
+    """Each GPU's stable offset from its peers' SM activity and power, uncapped: the running mean of its
+    deviations over its healthy running after the warm-up, then following as slowly as the offsets. Not
+    from the warm-up: a ramp-up's spread is no role."""
+    n = len(settled)
+    slow = 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
+    rate = np.maximum(1.0 / (state.role_learned[:n] + 1.0), slow)
+    state.role[:, :n] = follow(state.role[:, :n], dev[: PW + 1], settled, rate)
+    state.role_learned[:n] += settled
+
+
+def beyond_role(state: StragglerState, cfg, dev: np.ndarray, ex: np.ndarray) -> np.ndarray:
+    """The excesses (rows as groups.LEVELS) with SM activity's and power's taken beyond the GPU's role
+    (its uncapped stable offset, _learn_role) where that was learned long enough and stands further in the
+    culprit direction than its capped offset.
+
+    In a job an offset in the culprit direction is capped to the structural range, so a GPU slow from
+    the job's start is not absorbed; but a pipeline's last stage or an expert-heavy rank is steadily
+    10-20 % busier than its peers, and whenever the job waits (on a real straggler, or a noisy dip of
+    its baseline) that role stood out as a culprit. A stable difference of role is no fault; a change
+    from the GPU's own normal still is. The role learns only while its group runs unslowed, so a
+    culprit is never absorbed while its peers wait.
+    """
+    n = ex.shape[1]
+    ready = state.role_learned[:n] >= cfg.bins(cfg.role_offset_seconds)
+    out = ex.copy()
+    out[: PW + 1] = np.where(ready, np.fmin(ex[: PW + 1], dev[: PW + 1] - state.role[:, :n]), ex[: PW + 1])
+    return out

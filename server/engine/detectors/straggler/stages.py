@@ -12,6 +12,7 @@ from gpufleet.server.engine.detectors.straggler.common import PW, SM, UTIL, scal
 from gpufleet.server.engine.detectors.straggler.conditions import GroupConditions, group_conditions
 from gpufleet.server.engine.detectors.straggler.gpus import (
     SharedNode,
+    beyond_role,
     cuts,
     deviation,
     excess_in_noise,
@@ -108,7 +109,7 @@ def read_gpus(tick: Tick, state: StragglerState, slots: Slots, halted: AbstractS
     cut, victim = cuts(tick, cfg, dev, peer_slow_share, group_of, in_group)  # sets dev's clock row for a cut GPU
     return Readings(
         deviation=dev,
-        excess=dev - nan_to_zero(state.offset),
+        excess=beyond_role(state, cfg, dev, dev - nan_to_zero(state.offset)),
         sm_unknown=np.isnan(peers[SM]),
         utilization=utilization,
         busy=(utilization >= cfg.busy_utilization) & in_group,
@@ -339,7 +340,8 @@ def learn_offsets(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     # peers: what it reads then is no structural offset, and the recovered GPU would stand out.
     idling = read.deviation[UTIL] <= -cfg.node_idle_gap
     steady = read.busy & read.conditions.peers_spinning & ~read.clocks_cut & ~read.victim & ~idling
-    spread = group_spread(tick.groups, read.excess, slots.group_of)[1]
+    # The group's noise is its spread beyond the capped offsets, as it was before any role was learned.
+    spread = group_spread(tick.groups, read.deviation - nan_to_zero(state.offset), slots.group_of)[1]
     learn(state, cfg, read.deviation, tick.levels[: PW + 1], steady, waiting, read.conditions.one_job, spread)
 
 
