@@ -221,6 +221,11 @@ def signals(
     """
     level = state.level[:, : own.shape[1]]
     noise = learned_noise(state, cfg, own.shape[1])
+    # The activity reading's margin widens with its group's recent spread too, where that is wider than the
+    # spread learned unslowed: waiting peers' readings fall, and the same noise weighs more against them.
+    recent = np.where(np.isnan(noise), noise, np.fmax(noise, state.spread[: own.shape[1]]))
+    noise[SM] = np.where(sm_unknown, noise[SM], recent[SM])
+    noise[PW] = np.where(sm_unknown, recent[PW], noise[PW])
     peer_bits = peer_slow >= cfg.straggler_peer_slow_bits_share
     arrays = {
         "sm_excess": ex[SM],
