@@ -30,7 +30,7 @@ from gpufleet.server.engine.detectors.straggler.policy import (
 )
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 from gpufleet.server.engine.reduce import nan_to_zero
-from gpufleet.server.engine.rules import MAD_TO_SIGMA, any_of, evaluate
+from gpufleet.server.engine.rules import MAD_TO_SIGMA, MEAN_ABS_TO_SIGMA, any_of, evaluate
 from gpufleet.server.engine.tick import Tick
 
 # Sign of the culprit direction of the SM, power and clock offsets (a culprit's clock is lower).
@@ -135,6 +135,7 @@ def shared_node(
         own = tick.levels[: PW + 1] / state.level[:, :n] - 1.0
         rel = np.where(sm_unknown, own[PW], own[SM])
     arrays = {"own_drop": -rel, "own_rise": rel, "fallback": fallback, "sm_supported": ~sm_unknown}
+    arrays["own_spread"] = np.where(sm_unknown, state.wander[PW, :n], state.wander[SM, :n])
     arrays["sm_unsupported"] = sm_unknown
     sunk = arrays["sunk"] = any_of(evaluate(SHARED_SUNK, arrays, cfg), _names(SHARED_SUNK))
     rise = any_of(evaluate(SHARED_RISE, arrays, cfg, both), _names(SHARED_RISE))
@@ -322,6 +323,7 @@ def learn(
     # Likewise for utilization, whose victim direction is up (spinning above a host-starved node); its
     # culprit direction needs no cap, since a GPU idling a whole margin below its peers learns nothing.
     state.offset[UTIL] = np.where(in_job, np.minimum(state.offset[UTIL], 0.0), state.offset[UTIL])
+    _learn_wander(state, cfg, own, learn & ~warming)
     state.level = follow(state.level, own, learn, alpha)
     _learn_role(state, cfg, dev, learn & ~warming)
     if spread is not None:
@@ -341,6 +343,18 @@ def _learn_role(state: StragglerState, cfg, dev: np.ndarray, settled: np.ndarray
     rate = np.maximum(1.0 / (state.role_learned[:n] + 1.0), slow)
     state.role[:, :n] = follow(state.role[:, :n], dev[: PW + 1], settled, rate)
     state.role_learned[:n] += settled
+
+
+def _learn_wander(state: StragglerState, cfg, own: np.ndarray, settled: np.ndarray) -> None:
+    """How far each GPU's SM activity and power wander from its usual level while it runs unslowed
+    after its warm-up (mean absolute deviation, as a standard deviation), following as slowly as the
+    offsets: a drifting expert's wander is its drift, which moves it within minutes."""
+    n = len(settled)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.abs(own / state.level[:, :n] - 1.0) * MEAN_ABS_TO_SIGMA
+    slow = 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
+    rate = np.maximum(1.0 / (state.role_learned[:n] + 1.0), slow)
+    state.wander[:, :n] = follow(state.wander[:, :n], rel, settled, rate)
 
 
 def beyond_role(state: StragglerState, cfg, dev: np.ndarray, ex: np.ndarray) -> np.ndarray:

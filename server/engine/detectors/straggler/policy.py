@@ -261,7 +261,8 @@ SHARED_SUNK: tuple[Rule, ...] = (
         gates=("fallback", "sm_unsupported"),
     ),
 )
-# ... while one GPU rose above its own: the shared-node culprit.
+# ... while one GPU rose above its own: the shared-node culprit, beyond how far its level usually wanders
+# (an expert whose load drifts rises above a level frozen while its job waits on a straggler elsewhere).
 SHARED_RISE: tuple[Rule, ...] = (
     Rule(
         name="straggler_shared_rise_sm",
@@ -271,6 +272,9 @@ SHARED_RISE: tuple[Rule, ...] = (
         factor="straggler_shared_rise_ratio",
         gates=("fallback", "sm_supported"),
         unless=("sunk",),
+        spread="own_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
     Rule(
         name="straggler_shared_rise_power",
@@ -280,6 +284,9 @@ SHARED_RISE: tuple[Rule, ...] = (
         factor="straggler_shared_rise_ratio",
         gates=("fallback", "sm_unsupported"),
         unless=("sunk",),
+        spread="own_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
 )
 # A node against the group's other nodes, beyond its learned offsets (arrays per (group, node) pair;
