@@ -155,6 +155,9 @@ def reset_moved(state: StragglerState, cfg, gid: np.ndarray, carried: np.ndarray
         keep = moved & carried[: len(gid)]
         state.forget(np.flatnonzero(moved & ~keep))
         if keep.any():
+            # A role is against its peers: the new group's are others (stages._rebase_roles).
+            state.role[:, keep] = np.nan
+            state.role_learned[keep] = 0
             cap = cfg.structural_max_offset
             offset = state.offset[:, : len(gid)]
             culprit = _CULPRIT_SIGN * np.clip(_CULPRIT_SIGN * offset[:UTIL], 0.0, cap)

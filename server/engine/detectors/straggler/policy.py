@@ -290,7 +290,7 @@ SHARED_RISE: tuple[Rule, ...] = (
     ),
 )
 # A node against the group's other nodes, beyond its learned offsets (arrays per (group, node) pair;
-# node_busier is NaN where the node is not judged busy).
+# node_busier is NaN where the node is not judged busy); "busier" widens with the pair's usual wander.
 NODE: tuple[Rule, ...] = (
     Rule(
         name="straggler_node_idle",
@@ -304,6 +304,9 @@ NODE: tuple[Rule, ...] = (
         signal="node_busier",
         margin="straggler_sm_excess",
         gates=("by_sm",),
+        spread="node_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
     Rule(
         name="straggler_node_power_excess",
@@ -311,6 +314,9 @@ NODE: tuple[Rule, ...] = (
         signal="node_busier",
         margin="node_power_excess",
         gates=("by_power",),
+        spread="node_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
 )
 # Without a baseline (a node idle or slow from the job's start): twice the margins, as for a GPU.
