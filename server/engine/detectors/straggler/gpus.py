@@ -55,7 +55,7 @@ def standing_now(
     assert members is not None  # Engine.advance builds them with every tick's groups
     peers = members.layout.medians(now[: UTIL + 1])[:, group_of]
     dev = deviation(now[: UTIL + 1], peers)
-    ex = beyond_role(state, cfg, dev, dev - nan_to_zero(state.offset[:, : len(on)]))
+    ex = beyond_role(state, cfg, dev, dev - nan_to_zero(state.offset[:, : len(on)]), tick.groups.gid)
     arrays = {
         "sm_excess": ex[SM],
         "power_excess": ex[PW],
@@ -360,20 +360,35 @@ def _learn_wander(state: StragglerState, cfg, own: np.ndarray, settled: np.ndarr
     state.wander[:, :n] = follow(state.wander[:, :n], rel, settled, rate)
 
 
-def beyond_role(state: StragglerState, cfg, dev: np.ndarray, ex: np.ndarray) -> np.ndarray:
+def beyond_role(state: StragglerState, cfg, dev: np.ndarray, ex: np.ndarray, gid: np.ndarray) -> np.ndarray:
     """The excesses (rows as groups.LEVELS) with SM activity's and power's taken beyond the GPU's role
-    (its uncapped stable offset, _learn_role) where that was learned long enough and stands further in the
-    culprit direction than its capped offset.
+    (its uncapped stable offset, _learn_role) where that was learned long enough, is shared by another GPU
+    of its group (role_mates), and stands further in the culprit direction than its capped offset.
 
     In a job an offset in the culprit direction is capped to the structural range, so a GPU slow from
     the job's start is not absorbed; but a pipeline's last stage or an expert-heavy rank is steadily
     10-20 % busier than its peers, and whenever the job waits (on a real straggler, or a noisy dip of
     its baseline) that role stood out as a culprit. A stable difference of role is no fault; a change
-    from the GPU's own normal still is. The role learns only while its group runs unslowed, so a
-    culprit is never absorbed while its peers wait.
+    from the GPU's own normal still is. A role is a kind of rank (a stage holds several), so a GPU
+    alone in its difference from the job's start is still judged against the cap. The role learns only
+    while its group runs unslowed, so a culprit is never absorbed while its peers wait.
     """
     n = ex.shape[1]
+    role = state.role[:, :n]
     ready = state.role_learned[:n] >= cfg.bins(cfg.role_offset_seconds)
     out = ex.copy()
-    out[: PW + 1] = np.where(ready, np.fmin(ex[: PW + 1], dev[: PW + 1] - state.role[:, :n]), ex[: PW + 1])
+    for row in (SM, PW):
+        use = ready & role_mates(np.where(ready, role[row], np.nan), gid[:n], cfg.structural_max_offset)
+        out[row] = np.where(use, np.fmin(ex[row], dev[row] - role[row]), ex[row])
     return out
+
+
+def role_mates(role: np.ndarray, gid: np.ndarray, within: float) -> np.ndarray:
+    """Per slot: another GPU of its group (gid, -1: none) has a role (NaN: none) within `within` of its own."""
+    known = np.flatnonzero(~np.isnan(role) & (gid >= 0))
+    order = known[np.lexsort((role[known], gid[known]))]
+    close = (gid[order][1:] == gid[order][:-1]) & (np.diff(role[order]) <= within)
+    mate = np.zeros(len(role), dtype=bool)
+    mate[order[1:]] |= close
+    mate[order[:-1]] |= close
+    return mate

@@ -250,33 +250,24 @@ def _learn_pairs(
     cap = cfg.structural_max_offset
     off = nodes.pair_offset[:, idx] = np.where(tick.registry.one_job[lay.gids], np.clip(off, 0.0, cap), off)
     nodes.pair_learned[idx] = n_learned + learn
-    return _beyond_role(cfg, nodes, idx, r.act, learn & ~warming, off, tick.registry.one_job[lay.gids]), warming
+    _learn_wander(cfg, nodes, idx, r.act, learn & ~warming, off)
+    return off, warming
 
 
-def _beyond_role(
-    cfg,
-    nodes: NodeOffsets,
-    idx: np.ndarray | slice,
-    act: np.ndarray,
-    settled: np.ndarray,
-    off: np.ndarray,
-    one_job: np.ndarray,
-) -> np.ndarray:
-    """The offsets with the activity's taken as the pair's role where that was learned long enough and
-    stands above the capped offset, in a job (outside jobs the offsets are free already; as gpus.beyond_role for a GPU: a node holding a pipeline's last stage
-    is steadily busier than the others, and stood out whenever its job waited)."""
-    role_learned = nodes.pair_role_learned[idx]
+def _learn_wander(
+    cfg, nodes: NodeOffsets, idx: np.ndarray | slice, act: np.ndarray, settled: np.ndarray, off: np.ndarray
+) -> None:
+    """Follow each pair's mean activity against the other nodes and its wander about it while it runs
+    unslowed after its warm-up (the running mean, then as slowly as the offsets). A node's median over
+    a few GPUs against one other node's is noisy, more so at slow sampling and on power, and a fixed
+    margin names either node by turns; the margin widens to the wander (policy.NODE)."""
+    learned = nodes.pair_mean_learned[idx]
     slow = 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
-    rate = np.maximum(1.0 / (role_learned + 1.0), slow)
-    role = nodes.pair_role[idx] = follow(nodes.pair_role[idx], act, settled, rate)
-    # Its wander about its own stable level: the role where known (its mean), else the offset.
-    wander = np.abs(act - np.where(np.isnan(role), off[1], role)) * MEAN_ABS_TO_SIGMA
+    rate = np.maximum(1.0 / (learned + 1.0), slow)
+    mean = nodes.pair_mean[idx] = follow(nodes.pair_mean[idx], act, settled, rate)
+    wander = np.abs(act - np.where(np.isnan(mean), off[1], mean)) * MEAN_ABS_TO_SIGMA
     nodes.pair_noise[idx] = follow(nodes.pair_noise[idx], wander, settled, rate)
-    nodes.pair_role_learned[idx] = role_learned + settled
-    ready = (nodes.pair_role_learned[idx] >= cfg.bins(cfg.role_offset_seconds)) & one_job
-    out = off.copy()
-    out[1] = np.where(ready, np.fmax(off[1], role), off[1])
-    return out
+    nodes.pair_mean_learned[idx] = learned + settled
 
 
 def _pair_finding(tick: Tick, state: StragglerState, lay: NodePairs, r: _PairReadings, i: int) -> Finding | None:

@@ -129,7 +129,7 @@ def read_gpus(tick: Tick, state: StragglerState, slots: Slots, halted: AbstractS
     cut, victim = cuts(tick, cfg, dev, peer_slow_share, group_of, in_group)  # sets dev's clock row for a cut GPU
     return Readings(
         deviation=dev,
-        excess=beyond_role(state, cfg, dev, dev - nan_to_zero(state.offset)),
+        excess=beyond_role(state, cfg, dev, dev - nan_to_zero(state.offset), slots.gid),
         sm_unknown=np.isnan(peers[SM]),
         utilization=utilization,
         busy=(utilization >= cfg.busy_utilization) & in_group,
