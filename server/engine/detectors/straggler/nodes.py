@@ -70,7 +70,13 @@ def node_level(
     r.busier = np.where(r.node_busy & alike, r.act - nan_to_zero(off[1]), np.nan)
     results = _node_rules(cfg, r.idle, r.busier, r.by_power, r.act_spread, scales(cfg))
     held = any_of(results, _names(NODE))  # (2, pairs)
-    stands = (ready & waiting & held[1]) | r.cut
+    # Standing out at the weaker margins holds the workload alerts back and keeps an alert open: that
+    # stays within the node's wander (a node that may be the culprit is reason enough to hold back);
+    # naming one takes a node beyond it.
+    within = any_of(
+        _node_rules(cfg, r.idle, r.busier, r.by_power, np.full_like(r.busier, np.nan), scales(cfg)), _names(NODE)
+    )
+    stands = (ready & waiting & within[1]) | r.cut
     # A node idling on its host explains its group's waiting: the other nodes of its group spin in
     # collectives for it, and one reading "busy while the others wait" beside it is a victim, never named.
     idle_stands = stands & results["straggler_node_idle"][1]
