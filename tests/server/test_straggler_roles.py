@@ -78,3 +78,28 @@ def test_the_role_is_not_learned_while_the_job_waits():
     alerts = _stragglers(cluster_lines(1200, override=_noisy(_pipeline(("n0", 2)))))
     (a,) = alerts
     assert a.resolved is not None and a.resolved >= T0 + WAIT_END_S
+
+
+def _two_noisy_nodes(slow_node: str | None, seed: int):
+    """Two nodes of 4 GPUs that report no SM activity, sampled every 10 s, each GPU's power off by its
+    own 10 % noise each sample (a node's median over 4 such is noisy); from WAIT_S to WAIT_END_S the job
+    waits, for `slow_node` where given (it keeps its power while the other node's falls by a fifth)."""
+    rng = np.random.default_rng(seed)
+    draws: dict[tuple[float, str, int], float] = {}
+
+    def override(t, node, gpu):
+        share = 0.80 if WAIT_S <= t < WAIT_END_S and node != slow_node else 1.0
+        noise = draws.setdefault((t, node, gpu), float(1.0 + rng.normal(0.0, 0.10)))
+        return {"sm_active_ratio": None, "power_watts": 400.0 * share * noise}
+
+    return override
+
+
+def test_a_node_within_its_usual_wander_is_not_named_while_a_slow_node_is():
+    # With a fixed 5 % power margin either node's noisy median stood out by turns whenever the job was
+    # judged waiting; the margin widens to the pair's own wander against the other node.
+    for seed in (1, 2, 3):
+        assert _stragglers(cluster_lines(1200, interval=10.0, gpus=4, override=_two_noisy_nodes(None, seed))) == []
+        alerts = _stragglers(cluster_lines(1200, interval=10.0, gpus=4, override=_two_noisy_nodes("n1", seed)))
+        assert [(a.node, a.gpu) for a in alerts] == [("n1", None)]
+        assert T0 + WAIT_S < alerts[0].started <= T0 + WAIT_S + 90
