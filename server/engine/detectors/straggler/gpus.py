@@ -225,11 +225,12 @@ def signals(
     """
     level = state.level[:, : own.shape[1]]
     noise = learned_noise(state, cfg, own.shape[1])
-    # The activity reading's margin widens with its group's recent spread too, where that is wider than the
-    # spread learned unslowed: waiting peers' readings fall, and the same noise weighs more against them.
-    recent = np.where(np.isnan(noise), noise, np.fmax(noise, state.spread[: own.shape[1]]))
-    noise[SM] = np.where(sm_unknown, noise[SM], recent[SM])
-    noise[PW] = np.where(sm_unknown, recent[PW], noise[PW])
+    # Where power is the activity reading its margin widens with the group's recent spread too, where that
+    # is wider than the spread learned unslowed: a power reading's noise is watts whatever the GPU draws,
+    # so as waiting peers' power falls the same noise weighs more against it (SM activity's is a share
+    # of the work, and does not).
+    recent = np.where(np.isnan(noise[PW]), noise[PW], np.fmax(noise[PW], state.spread[: own.shape[1]]))
+    noise[PW] = np.where(sm_unknown, recent, noise[PW])
     peer_bits = peer_slow >= cfg.straggler_peer_slow_bits_share
     arrays = {
         "sm_excess": ex[SM],
