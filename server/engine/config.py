@@ -36,6 +36,10 @@ class EngineConfig:
     offset_time_constant_seconds: float = 600.0
     # GPUs of one job do the same work: a learned offset in the culprit direction is capped here.
     structural_max_offset: float = 0.05
+    # A GPU's stable difference of role from its job's peers (a pipeline's last stage, an expert-heavy
+    # rank: 10-20 % busier), shared with another GPU of its job within that cap, counts as its offset
+    # beyond the cap once learned over this much unslowed running after its warm-up.
+    role_offset_seconds: float = 120.0
     # Learning time before a GPU or group is judged; it also forgets a job's ramp-up.
     startup_grace_seconds: float = 90.0
     # A GPU at or above this utilization is busy (a straggler must be; unattributed peers are).

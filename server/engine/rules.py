@@ -21,6 +21,8 @@ EngineConfig.disabled_rules never holds: that is how the evaluation's ablation t
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -29,6 +31,8 @@ import numpy as np
 # 1.4826 x the median absolute deviation estimates the standard deviation of normal noise (1 / the 75th
 # percentile of the standard normal distribution): a robust spread that one outlier does not widen.
 MAD_TO_SIGMA = 1.4826
+# sqrt(pi / 2) x the mean absolute deviation estimates the standard deviation of normal noise.
+MEAN_ABS_TO_SIGMA = math.sqrt(math.pi / 2.0)
 # The k-th of n sorted readings stands for the quantile (k + 0.5) / n (the midpoint plotting position), so
 # that two samples of different sizes are compared rank for rank without favouring either end.
 MIDPOINT_RANK = 0.5

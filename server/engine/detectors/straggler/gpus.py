@@ -30,7 +30,7 @@ from gpufleet.server.engine.detectors.straggler.policy import (
 )
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 from gpufleet.server.engine.reduce import nan_to_zero
-from gpufleet.server.engine.rules import MAD_TO_SIGMA, any_of, evaluate
+from gpufleet.server.engine.rules import MAD_TO_SIGMA, MEAN_ABS_TO_SIGMA, any_of, evaluate
 from gpufleet.server.engine.tick import Tick
 
 # Sign of the culprit direction of the SM, power and clock offsets (a culprit's clock is lower).
@@ -55,7 +55,7 @@ def standing_now(
     assert members is not None  # Engine.advance builds them with every tick's groups
     peers = members.layout.medians(now[: UTIL + 1])[:, group_of]
     dev = deviation(now[: UTIL + 1], peers)
-    ex = dev - nan_to_zero(state.offset[:, : len(on)])
+    ex = beyond_role(state, cfg, dev, dev - nan_to_zero(state.offset[:, : len(on)]), tick.groups.gid)
     arrays = {
         "sm_excess": ex[SM],
         "power_excess": ex[PW],
@@ -135,6 +135,7 @@ def shared_node(
         own = tick.levels[: PW + 1] / state.level[:, :n] - 1.0
         rel = np.where(sm_unknown, own[PW], own[SM])
     arrays = {"own_drop": -rel, "own_rise": rel, "fallback": fallback, "sm_supported": ~sm_unknown}
+    arrays["own_spread"] = np.where(sm_unknown, state.wander[PW, :n], state.wander[SM, :n])
     arrays["sm_unsupported"] = sm_unknown
     sunk = arrays["sunk"] = any_of(evaluate(SHARED_SUNK, arrays, cfg), _names(SHARED_SUNK))
     rise = any_of(evaluate(SHARED_RISE, arrays, cfg, both), _names(SHARED_RISE))
@@ -154,6 +155,9 @@ def reset_moved(state: StragglerState, cfg, gid: np.ndarray, carried: np.ndarray
         keep = moved & carried[: len(gid)]
         state.forget(np.flatnonzero(moved & ~keep))
         if keep.any():
+            # A role is against its peers: the new group's are others (stages._rebase_roles).
+            state.role[:, keep] = np.nan
+            state.role_learned[keep] = 0
             cap = cfg.structural_max_offset
             offset = state.offset[:, : len(gid)]
             culprit = _CULPRIT_SIGN * np.clip(_CULPRIT_SIGN * offset[:UTIL], 0.0, cap)
@@ -221,6 +225,12 @@ def signals(
     """
     level = state.level[:, : own.shape[1]]
     noise = learned_noise(state, cfg, own.shape[1])
+    # Where power is the activity reading its margin widens with the group's recent spread too, where that
+    # is wider than the spread learned unslowed: a power reading's noise is watts whatever the GPU draws,
+    # so as waiting peers' power falls the same noise weighs more against it (SM activity's is a share
+    # of the work, and does not).
+    recent = np.where(np.isnan(noise[PW]), noise[PW], np.fmax(noise[PW], state.spread[: own.shape[1]]))
+    noise[PW] = np.where(sm_unknown, recent, noise[PW])
     peer_bits = peer_slow >= cfg.straggler_peer_slow_bits_share
     arrays = {
         "sm_excess": ex[SM],
@@ -317,10 +327,69 @@ def learn(
     # Likewise for utilization, whose victim direction is up (spinning above a host-starved node); its
     # culprit direction needs no cap, since a GPU idling a whole margin below its peers learns nothing.
     state.offset[UTIL] = np.where(in_job, np.minimum(state.offset[UTIL], 0.0), state.offset[UTIL])
+    _learn_wander(state, cfg, own, learn & ~warming)
     state.level = follow(state.level, own, learn, alpha)
+    _learn_role(state, cfg, dev, learn & ~warming)
     if spread is not None:
         # Fast while warming up, as the offsets, so the ramp-up's wide spread is forgotten by the time it counts.
         state.noise = follow(
             state.noise, spread, learn, np.where(warming, cfg.straggler_fast_learning_ratio, spread_rate(cfg))
         )
     state.learned[:n] += learn
+
+
+def _learn_role(state: StragglerState, cfg, dev: np.ndarray, settled: np.ndarray) -> None:
+    """Each GPU's stable offset from its peers' SM activity and power, uncapped: the running mean of its
+    deviations over its healthy running after the warm-up, then following as slowly as the offsets. Not
+    from the warm-up: a ramp-up's spread is no role."""
+    n = len(settled)
+    slow = 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
+    rate = np.maximum(1.0 / (state.role_learned[:n] + 1.0), slow)
+    state.role[:, :n] = follow(state.role[:, :n], dev[: PW + 1], settled, rate)
+    state.role_learned[:n] += settled
+
+
+def _learn_wander(state: StragglerState, cfg, own: np.ndarray, settled: np.ndarray) -> None:
+    """How far each GPU's SM activity and power wander from its usual level while it runs unslowed
+    after its warm-up (mean absolute deviation, as a standard deviation), following as slowly as the
+    offsets: a drifting expert's wander is its drift, which moves it within minutes."""
+    n = len(settled)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.abs(own / state.level[:, :n] - 1.0) * MEAN_ABS_TO_SIGMA
+    slow = 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
+    rate = np.maximum(1.0 / (state.role_learned[:n] + 1.0), slow)
+    state.wander[:, :n] = follow(state.wander[:, :n], rel, settled, rate)
+
+
+def beyond_role(state: StragglerState, cfg, dev: np.ndarray, ex: np.ndarray, gid: np.ndarray) -> np.ndarray:
+    """The excesses (rows as groups.LEVELS) with SM activity's and power's taken beyond the GPU's role
+    (its uncapped stable offset, _learn_role) where that was learned long enough, is shared by another GPU
+    of its group (role_mates), and stands further in the culprit direction than its capped offset.
+
+    In a job an offset in the culprit direction is capped to the structural range, so a GPU slow from
+    the job's start is not absorbed; but a pipeline's last stage or an expert-heavy rank is steadily
+    10-20 % busier than its peers, and whenever the job waits (on a real straggler, or a noisy dip of
+    its baseline) that role stood out as a culprit. A stable difference of role is no fault; a change
+    from the GPU's own normal still is. A role is a kind of rank (a stage holds several), so a GPU
+    alone in its difference from the job's start is still judged against the cap. The role learns only
+    while its group runs unslowed, so a culprit is never absorbed while its peers wait.
+    """
+    n = ex.shape[1]
+    role = state.role[:, :n]
+    ready = state.role_learned[:n] >= cfg.bins(cfg.role_offset_seconds)
+    out = ex.copy()
+    for row in (SM, PW):
+        use = ready & role_mates(np.where(ready, role[row], np.nan), gid[:n], cfg.structural_max_offset)
+        out[row] = np.where(use, np.fmin(ex[row], dev[row] - role[row]), ex[row])
+    return out
+
+
+def role_mates(role: np.ndarray, gid: np.ndarray, within: float) -> np.ndarray:
+    """Per slot: another GPU of its group (gid, -1: none) has a role (NaN: none) within `within` of its own."""
+    known = np.flatnonzero(~np.isnan(role) & (gid >= 0))
+    order = known[np.lexsort((role[known], gid[known]))]
+    close = (gid[order][1:] == gid[order][:-1]) & (np.diff(role[order]) <= within)
+    mate = np.zeros(len(role), dtype=bool)
+    mate[order[1:]] |= close
+    mate[order[:-1]] |= close
+    return mate

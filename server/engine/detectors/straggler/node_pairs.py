@@ -29,6 +29,13 @@ class NodeOffsets:
         self.pair_fps: list[str] = []
         self.pair_offset = np.full((len(_PAIR_ROWS), 0), np.nan)
         self.pair_learned = np.zeros(0, dtype=np.int64)
+        # Each pair's mean activity against the other nodes, uncapped, and how many ticks of unslowed
+        # running after its warm-up it was learned over (nodes._learn_wander).
+        self.pair_mean = np.full(0, np.nan)
+        self.pair_mean_learned = np.zeros(0, dtype=np.int64)
+        # Each pair's usual wander of its activity about its offset while unslowed (a robust standard
+        # deviation): few GPUs a node, and few nodes, make a noisy median.
+        self.pair_noise = np.full(0, np.nan)
         self._all_keys: list[int] = []
         self._pair_keys = np.zeros(0, dtype=np.int64)
         self._pair_vals = np.zeros(0, dtype=np.int64)
@@ -81,6 +88,9 @@ class NodeOffsets:
             self.pair_fps.append(self.node_fingerprint(tick, gid, nid))
             self.pair_offset = grown(self.pair_offset, i + 1, np.nan)
             self.pair_learned = grown(self.pair_learned, i + 1, 0)
+            self.pair_mean = grown(self.pair_mean, i + 1, np.nan)
+            self.pair_mean_learned = grown(self.pair_mean_learned, i + 1, 0)
+            self.pair_noise = grown(self.pair_noise, i + 1, np.nan)
         return i
 
     def recycle(self, gid: int, job: str | None, node_names: list[str]) -> None:
@@ -90,6 +100,9 @@ class NodeOffsets:
             if g == gid:
                 self.pair_offset[:, i] = np.nan
                 self.pair_learned[i] = 0
+                self.pair_mean[i] = np.nan
+                self.pair_mean_learned[i] = 0
+                self.pair_noise[i] = np.nan
                 fp = subject_fingerprint(AlertKind.STRAGGLER, node_names[nid], None, job)
                 self.pair_fps[i] = self._node_fps[(g, nid)] = fp
         self._node_layout = None

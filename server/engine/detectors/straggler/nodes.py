@@ -4,6 +4,8 @@ node standing out together (the node is named, not each GPU)."""
 
 from __future__ import annotations
 
+import math
+
 from typing import AbstractSet, Any
 
 import numpy as np
@@ -28,7 +30,7 @@ from gpufleet.server.engine.detectors.straggler.policy import NODE, NODE_CLOCK_C
 from gpufleet.server.engine.groups import JOB
 from gpufleet.server.engine.inference import inferred_peers, inferred_suffix
 from gpufleet.server.engine.reduce import nan_median_first_axis, nan_to_zero
-from gpufleet.server.engine.rules import MIDPOINT_RANK, any_of, evaluate
+from gpufleet.server.engine.rules import MEAN_ABS_TO_SIGMA, MIDPOINT_RANK, any_of, evaluate
 from gpufleet.server.engine.tick import THROTTLE_CAUSES, SlowdownSource, Tick, throttle_causes
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 
@@ -57,6 +59,7 @@ def node_level(
     if fallback.any():
         waiting = np.where(fallback, _fallback_waiting(tick, lay) | r.cut, waiting)
     off, warming = _learn_pairs(tick, state.nodes, lay, r, waiting)
+    r.act_spread = np.where(warming, np.nan, state.nodes.pair_noise[lay.idx])
     ready = ~warming & ~np.isnan(off[0]) & aged
     r.idle = r.gap - off[0]
     # Unattributed nodes are not known to run one job: a node "busier while the others wait" may just run
@@ -65,9 +68,15 @@ def node_level(
     # nodes of one job do; two jobs that happen to run alike cannot be told apart.
     alike = tick.registry.one_job[gids] | (np.abs(off[1]) <= cfg.structural_max_offset)
     r.busier = np.where(r.node_busy & alike, r.act - nan_to_zero(off[1]), np.nan)
-    results = _node_rules(cfg, r.idle, r.busier, r.by_power, scales(cfg))
+    results = _node_rules(cfg, r.idle, r.busier, r.by_power, r.act_spread, scales(cfg))
     held = any_of(results, _names(NODE))  # (2, pairs)
-    stands = (ready & waiting & held[1]) | r.cut
+    # Standing out at the weaker margins holds the workload alerts back and keeps an alert open: that
+    # stays within the node's wander (a node that may be the culprit is reason enough to hold back);
+    # naming one takes a node beyond it.
+    within = any_of(
+        _node_rules(cfg, r.idle, r.busier, r.by_power, np.full_like(r.busier, np.nan), scales(cfg)), _names(NODE)
+    )
+    stands = (ready & waiting & within[1]) | r.cut
     # A node idling on its host explains its group's waiting: the other nodes of its group spin in
     # collectives for it, and one reading "busy while the others wait" beside it is a victim, never named.
     idle_stands = stands & results["straggler_node_idle"][1]
@@ -120,7 +129,7 @@ def _named_pairs(
     `idle_named`: a fallback group's node idling on its host, see _fallback_waiting)."""
     on = standing
     if on.any():
-        on &= _pair_standing_now(tick, lay, off, r.node_busy & alike, r.by_power)
+        on &= _pair_standing_now(tick, lay, off, r.node_busy & alike, r.by_power, r.act_spread)
     on |= r.cut
     return on & (_one_job(tick, lay.gids, lay.nids) | idle_named)
 
@@ -174,6 +183,7 @@ class _PairReadings:
         "cross",
         "idle",
         "busier",
+        "act_spread",
     )
     waiting_drop: np.ndarray
     min_drop: np.ndarray
@@ -189,6 +199,7 @@ class _PairReadings:
     cross: np.ndarray
     idle: np.ndarray
     busier: np.ndarray
+    act_spread: np.ndarray  # the pair's usual wander of its activity (NodeOffsets.pair_noise)
 
 
 def _pair_readings(tick: Tick, lay: NodePairs) -> _PairReadings:
@@ -245,7 +256,24 @@ def _learn_pairs(
     cap = cfg.structural_max_offset
     off = nodes.pair_offset[:, idx] = np.where(tick.registry.one_job[lay.gids], np.clip(off, 0.0, cap), off)
     nodes.pair_learned[idx] = n_learned + learn
+    _learn_wander(cfg, nodes, idx, r.act, learn & ~warming, off)
     return off, warming
+
+
+def _learn_wander(
+    cfg, nodes: NodeOffsets, idx: np.ndarray | slice, act: np.ndarray, settled: np.ndarray, off: np.ndarray
+) -> None:
+    """Follow each pair's mean activity against the other nodes and its wander about it while it runs
+    unslowed after its warm-up (the running mean, then as slowly as the offsets). A node's median over
+    a few GPUs against one other node's is noisy, more so at slow sampling and on power, and a fixed
+    margin names either node by turns; the margin widens to the wander (policy.NODE)."""
+    learned = nodes.pair_mean_learned[idx]
+    slow = 1.0 - math.exp(-cfg.tick_seconds / cfg.offset_time_constant_seconds)
+    rate = np.maximum(1.0 / (learned + 1.0), slow)
+    mean = nodes.pair_mean[idx] = follow(nodes.pair_mean[idx], act, settled, rate)
+    wander = np.abs(act - np.where(np.isnan(mean), off[1], mean)) * MEAN_ABS_TO_SIGMA
+    nodes.pair_noise[idx] = follow(nodes.pair_noise[idx], wander, settled, rate)
+    nodes.pair_mean_learned[idx] = learned + settled
 
 
 def _pair_finding(tick: Tick, state: StragglerState, lay: NodePairs, r: _PairReadings, i: int) -> Finding | None:
@@ -295,10 +323,13 @@ def _one_job(tick: Tick, gids: np.ndarray, nids: np.ndarray) -> np.ndarray:
     return ok
 
 
-def _node_rules(cfg, idle: np.ndarray, busier: np.ndarray, by_power: np.ndarray, scale) -> dict[str, np.ndarray]:
+def _node_rules(
+    cfg, idle: np.ndarray, busier: np.ndarray, by_power: np.ndarray, spread: np.ndarray, scale
+) -> dict[str, np.ndarray]:
     """Per (group, node) pair at each scale: each node rule (idle gap, or activity excess where judged
-    busy, beyond the learned offsets)."""
+    busy, beyond the learned offsets and the pair's usual wander)."""
     arrays = {"node_idle": idle, "node_busier": busier, "by_sm": ~by_power, "by_power": by_power}
+    arrays["node_spread"] = spread
     return evaluate(NODE, arrays, cfg, scale)
 
 
@@ -307,7 +338,7 @@ def _names(rules) -> list[str]:
 
 
 def _pair_standing_now(
-    tick: Tick, lay: NodePairs, off: np.ndarray, judged_busy: np.ndarray, by_power: np.ndarray
+    tick: Tick, lay: NodePairs, off: np.ndarray, judged_busy: np.ndarray, by_power: np.ndarray, spread: np.ndarray
 ) -> np.ndarray:
     """Per (group, node) pair: whether node_level's rules still hold at the weaker margins on the newest
     readings (see gpus.standing_now); True where the node has none (no evidence against)."""
@@ -322,7 +353,7 @@ def _pair_standing_now(
     idle = o_u - node_u - off[0]
     busier = np.where(judged_busy, act - nan_to_zero(off[1]), np.nan)
     unknown = np.isnan(idle) & np.isnan(busier)
-    held = _node_rules(cfg, idle, busier, by_power, cfg.straggler_weak_margin_ratio)
+    held = _node_rules(cfg, idle, busier, by_power, spread, cfg.straggler_weak_margin_ratio)
     return any_of(held, _names(NODE)) | unknown
 
 

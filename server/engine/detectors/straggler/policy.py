@@ -261,7 +261,8 @@ SHARED_SUNK: tuple[Rule, ...] = (
         gates=("fallback", "sm_unsupported"),
     ),
 )
-# ... while one GPU rose above its own: the shared-node culprit.
+# ... while one GPU rose above its own: the shared-node culprit, beyond how far its level usually wanders
+# (an expert whose load drifts rises above a level frozen while its job waits on a straggler elsewhere).
 SHARED_RISE: tuple[Rule, ...] = (
     Rule(
         name="straggler_shared_rise_sm",
@@ -271,6 +272,9 @@ SHARED_RISE: tuple[Rule, ...] = (
         factor="straggler_shared_rise_ratio",
         gates=("fallback", "sm_supported"),
         unless=("sunk",),
+        spread="own_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
     Rule(
         name="straggler_shared_rise_power",
@@ -280,10 +284,13 @@ SHARED_RISE: tuple[Rule, ...] = (
         factor="straggler_shared_rise_ratio",
         gates=("fallback", "sm_unsupported"),
         unless=("sunk",),
+        spread="own_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
 )
 # A node against the group's other nodes, beyond its learned offsets (arrays per (group, node) pair;
-# node_busier is NaN where the node is not judged busy).
+# node_busier is NaN where the node is not judged busy); "busier" widens with the pair's usual wander.
 NODE: tuple[Rule, ...] = (
     Rule(
         name="straggler_node_idle",
@@ -297,6 +304,9 @@ NODE: tuple[Rule, ...] = (
         signal="node_busier",
         margin="straggler_sm_excess",
         gates=("by_sm",),
+        spread="node_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
     Rule(
         name="straggler_node_power_excess",
@@ -304,6 +314,9 @@ NODE: tuple[Rule, ...] = (
         signal="node_busier",
         margin="node_power_excess",
         gates=("by_power",),
+        spread="node_spread",
+        sigmas=_NOISE,
+        scale_spread=True,
     ),
 )
 # Without a baseline (a node idle or slow from the job's start): twice the margins, as for a GPU.

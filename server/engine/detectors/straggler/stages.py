@@ -12,6 +12,7 @@ from gpufleet.server.engine.detectors.straggler.common import PW, SM, UTIL, scal
 from gpufleet.server.engine.detectors.straggler.conditions import GroupConditions, group_conditions
 from gpufleet.server.engine.detectors.straggler.gpus import (
     SharedNode,
+    beyond_role,
     cuts,
     deviation,
     excess_in_noise,
@@ -29,7 +30,7 @@ from gpufleet.server.engine.detectors.straggler.policy import BEYOND_NOISE, CROS
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
 from gpufleet.server.engine.detectors.straggler.steps import Steps, find_steps, job_peers, node_peers
 from gpufleet.server.engine.arrays import grown
-from gpufleet.server.engine.reduce import nan_to_zero
+from gpufleet.server.engine.reduce import nan_median_first_axis, nan_to_zero
 from gpufleet.server.engine.rules import any_of, evaluate
 from gpufleet.server.engine.tick import Tick
 
@@ -58,14 +59,15 @@ def place_gpus(tick: Tick, state: StragglerState) -> Slots:
         carried = np.concatenate([carried, np.zeros(n - len(carried), dtype=bool)])
     in_job = in_group & tick.registry.one_job[np.maximum(gid, 0)]
     rebase = in_job & carried[:n] & (gid != state.learned_gid[:n])
+    before = state.learned_gid[:n].copy()
     reset_moved(state, tick.config, gid, carried, in_job)
     slots = Slots(n, gid, in_group, np.where(in_group, gid, 0))
     if rebase.any():
-        _rebase_carried(tick, state, slots, np.flatnonzero(rebase))
+        _rebase_carried(tick, state, slots, np.flatnonzero(rebase), before)
     return slots
 
 
-def _rebase_carried(tick: Tick, state: StragglerState, slots: Slots, moved: np.ndarray) -> None:
+def _rebase_carried(tick: Tick, state: StragglerState, slots: Slots, moved: np.ndarray, before: np.ndarray) -> None:
     """A GPU carried from a part of the inferred job it joined (a node's busy GPUs) learned its offsets
     against that part's peers; against the job's they are what it reads against them now, held to a job's
     structural range (as gpus.reset_moved holds them). A part of one role (a node that is the last
@@ -75,7 +77,26 @@ def _rebase_carried(tick: Tick, state: StragglerState, slots: Slots, moved: np.n
     dev = deviation(tick.levels[:, moved], peers)[:UTIL]
     sign = np.array([[1.0], [1.0], [-1.0]])  # culprit direction per row: busier, busier, clocks lower
     held = sign * np.clip(sign * dev, 0.0, cap)
+    _rebase_roles(tick, state, slots, moved, before, dev[: PW + 1])
     state.offset[:UTIL, moved] = np.where(np.isnan(dev), state.offset[:UTIL, moved], held)
+
+
+def _rebase_roles(
+    tick: Tick, state: StragglerState, slots: Slots, moved: np.ndarray, before: np.ndarray, dev: np.ndarray
+) -> None:
+    """The roles of GPUs carried into an inferred job, against the job: their part's median deviation
+    (a part of straggler_min_group or more GPUs, whose median one straggler does not move) plus each
+    one's offset within its part as held to the structural range. A part's role (a node holding the
+    last pipeline stage) is then known from the moment it joins, while a GPU slow from the start is not
+    absorbed; a smaller part learns its roles afresh (gpus.beyond_role waits for them)."""
+    cfg = tick.config
+    key = before[moved] * tick.groups.n_groups + slots.gid[moved]
+    _, part, size = np.unique(key, return_inverse=True, return_counts=True)
+    medians = np.array([nan_median_first_axis(dev[:, part == p].T) for p in range(len(size))]).T
+    within = nan_to_zero(state.offset[: PW + 1, moved])
+    big = size[part] >= cfg.straggler_min_group
+    state.role[:, moved] = np.where(big, medians[:, part] + within, np.nan)
+    state.role_learned[moved] = np.where(big, cfg.bins(cfg.role_offset_seconds), 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +129,7 @@ def read_gpus(tick: Tick, state: StragglerState, slots: Slots, halted: AbstractS
     cut, victim = cuts(tick, cfg, dev, peer_slow_share, group_of, in_group)  # sets dev's clock row for a cut GPU
     return Readings(
         deviation=dev,
-        excess=dev - nan_to_zero(state.offset),
+        excess=beyond_role(state, cfg, dev, dev - nan_to_zero(state.offset), slots.gid),
         sm_unknown=np.isnan(peers[SM]),
         utilization=utilization,
         busy=(utilization >= cfg.busy_utilization) & in_group,
@@ -345,7 +366,8 @@ def learn_offsets(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     # peers: what it reads then is no structural offset, and the recovered GPU would stand out.
     idling = read.deviation[UTIL] <= -cfg.node_idle_gap
     steady = read.busy & read.conditions.peers_spinning & ~read.clocks_cut & ~read.victim & ~idling
-    spread = group_spread(tick.groups, read.excess, slots.group_of)[1]
+    # The group's noise is its spread beyond the capped offsets, as it was before any role was learned.
+    spread = group_spread(tick.groups, read.deviation - nan_to_zero(state.offset), slots.group_of)[1]
     learn(state, cfg, read.deviation, tick.levels[: PW + 1], steady, waiting, read.conditions.one_job, spread)
 
 

@@ -32,6 +32,13 @@ class StragglerState:
         self.level = np.full((len(_OWN_LEVELS), 0), np.nan)  # usual SM activity and power
         self.learned_gid = np.full(0, -1, dtype=np.int64)
         self.learned = np.zeros(0, dtype=np.int64)
+        # Its stable offset from its peers' SM activity and power, uncapped (a difference of role), and
+        # how many ticks of healthy running after its warm-up it was learned over (gpus.learn).
+        self.role = np.full((len(_OWN_LEVELS), 0), np.nan)
+        self.role_learned = np.zeros(0, dtype=np.int64)
+        # How far its SM activity and power usually wander from its usual level while unslowed (a robust
+        # standard deviation): an expert whose load drifts wanders far, a steady rank by its noise.
+        self.wander = np.full((len(_OWN_LEVELS), 0), np.nan)
         self.spread = np.full(0, np.nan)  # its group's recent spread of activity excesses
         self.noise = np.full((len(LEVELS), 0), np.nan)  # its group's spread of each excess while unslowed
         self.cost: dict[str, tuple[float, float]] = {}
@@ -80,6 +87,9 @@ class StragglerState:
             self.offset[:, slots] = np.nan
             self.level[:, slots] = np.nan
             self.learned[slots] = 0
+            self.role[:, slots] = np.nan
+            self.role_learned[slots] = 0
+            self.wander[:, slots] = np.nan
             self.spread[slots] = np.nan
             self.noise[:, slots] = np.nan
             self.standing_since[slots[slots < len(self.standing_since)]] = np.nan
@@ -93,6 +103,9 @@ class StragglerState:
         self.level = grown(self.level, n, np.nan)
         self.learned_gid = grown(self.learned_gid, n, -1)
         self.learned = grown(self.learned, n, 0)
+        self.role = grown(self.role, n, np.nan)
+        self.role_learned = grown(self.role_learned, n, 0)
+        self.wander = grown(self.wander, n, np.nan)
         self.spread = grown(self.spread, n, np.nan)
         self.noise = grown(self.noise, n, np.nan)
 
