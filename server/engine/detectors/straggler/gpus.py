@@ -396,15 +396,17 @@ def role_mates(role: np.ndarray, gid: np.ndarray, within: float) -> np.ndarray:
     return mate
 
 
-def follow_path(state: StragglerState, cfg, dev: np.ndarray, follows: np.ndarray) -> None:
+def follow_path(state: StragglerState, cfg, dev: np.ndarray, normal: np.ndarray, follows: np.ndarray) -> None:
     """Each GPU's own path (straggler_path_time_constant_seconds): its SM activity's and power's deviation
-    from its peers, followed where `follows` (busy in its group and not named), also while its group waits:
-    an expert whose load drifts waits and is waited for in turn. Frozen while named, so a fault stays a
-    departure from the path it left; from its first reading where there was none."""
+    from its peers, followed where `follows` (busy in its group past its learning), also while its group
+    waits: an expert whose load drifts waits and is waited for in turn. Frozen while named, or standing
+    out before its peers wait (named the moment they do), so a fault stays a departure from the path it
+    left. It starts at the GPU's normal (`normal`:
+    the deviation its excess is measured from, its offset or role), not at its first reading: a GPU slow
+    since before it was first judged has left its normal already."""
     n = len(follows)
     rate = 1.0 - math.exp(-cfg.tick_seconds / cfg.straggler_path_time_constant_seconds)
     path = state.path[:, :n]
     row = dev[: PW + 1]
-    state.path[:, :n] = np.where(
-        follows & ~np.isnan(row), np.where(np.isnan(path), row, path + rate * (row - path)), path
-    )
+    moved = np.where(np.isnan(path), normal[: PW + 1], path + rate * (row - path))
+    state.path[:, :n] = np.where(follows & ~np.isnan(row), moved, path)

@@ -232,6 +232,9 @@ class Culprits:
     weak: np.ndarray  # stands out at the weaker margins
     hardware: np.ndarray  # (2, n) at scales(): stands out by clocks or slowdown bits, not activity alone
     waiting: np.ndarray  # its peers wait: slowed against their baseline, or it stands out cross-section
+    # Stands out at the full margins while its peers do not wait (yet): named the moment they do, so its
+    # path holds (gpus.follow_path).
+    unwaited: np.ndarray
 
 
 def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Readings, judged: Judged) -> Culprits:
@@ -247,7 +250,7 @@ def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     by_activity = named & ~(hardware[0] | read.clocks_cut | judged.idle[0])
     named &= ~_below_peers(read, by_activity, cfg)
     named &= ~_along_path(state, read, by_activity & ~judged.cross_plain[0], cfg)
-    return Culprits(named, weak, hardware, waiting)
+    return Culprits(named, weak, hardware, waiting, full & ~waiting)
 
 
 def _along_path(state: StragglerState, read: Readings, by_activity: np.ndarray, cfg) -> np.ndarray:
@@ -374,12 +377,13 @@ def find_shared_node(tick: Tick, state: StragglerState, slots: Slots, read: Read
 
 
 def learn_offsets(
-    tick: Tick, state: StragglerState, slots: Slots, read: Readings, waiting: np.ndarray, named: np.ndarray
+    tick: Tick, state: StragglerState, slots: Slots, read: Readings, waiting: np.ndarray, held: np.ndarray
 ) -> None:
     """Learn offsets, usual levels and noise from GPUs doing what their peers do (gpus.learn), and each
-    busy GPU's own path unless it is named (gpus.follow_path)."""
+    busy GPU's own path past its learning unless `held` (named, or named once its peers wait:
+    gpus.follow_path)."""
     cfg = tick.config
-    follow_path(state, cfg, read.deviation, read.busy & ~named)
+    follow_path(state, cfg, read.deviation, read.deviation - read.excess, read.busy & read.was_warm & ~held)
     # Not from a GPU with its clocks cut, its full-clock peers meanwhile, nor one idling well below its
     # peers: what it reads then is no structural offset, and the recovered GPU would stand out.
     idling = read.deviation[UTIL] <= -cfg.node_idle_gap
