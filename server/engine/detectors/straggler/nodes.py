@@ -85,7 +85,7 @@ def node_level(
     # In a fallback group only the host-idle pattern names a node: nodes of other jobs wait for none.
     idle_named = fallback & results["straggler_node_idle"][0]
     on = _named_pairs(tick, lay, r, off, ready & waiting & held[0], alike, idle_named) & ~victim
-    on &= ~_along_path(cfg, state.nodes, lay.idx, r, results["straggler_node_idle"][0])
+    on &= ~_along_path(state.nodes, lay.idx, r, results["straggler_node_idle"][0])
     _follow_path(cfg, state.nodes, lay.idx, r.act, r.node_busy & ~on)
     if halted:
         live = ~np.isin(gids, list(halted))
@@ -97,7 +97,7 @@ def node_level(
     return findings, standout, idling, dict(lay.pairs)
 
 
-def _along_path(cfg, nodes: NodeOffsets, idx: np.ndarray | slice, r: _PairReadings, idle: np.ndarray) -> np.ndarray:
+def _along_path(nodes: NodeOffsets, idx: np.ndarray | slice, r: _PairReadings, idle: np.ndarray) -> np.ndarray:
     """Per pair: named as busier alone (not idling, clocks not cut), under twice the margin cross-section,
     yet within the margin of its own path: the node's GPUs' load drifted up as a ramp its path followed
     (experts' routing), not by a fault's step. The full margin, not the weaker one a GPU's path is held
