@@ -40,6 +40,10 @@ class EngineConfig:
     # rank: 10-20 % busier), shared with another GPU of its job within that cap, counts as its offset
     # beyond the cap once learned over this much unslowed running after its warm-up.
     role_offset_seconds: float = 120.0
+    # Each GPU's (and node's) own path: its activity against its peers' followed with this time constant,
+    # also while its job waits, frozen while it is named. A rank whose load drifts (mixture-of-experts
+    # routing) moves along it; a fault leaves it at a moment.
+    straggler_path_time_constant_seconds: float = 60.0
     # Learning time before a GPU or group is judged; it also forgets a job's ramp-up.
     startup_grace_seconds: float = 90.0
     # A GPU at or above this utilization is busy (a straggler must be; unattributed peers are).

@@ -78,7 +78,8 @@ def detect(tick: Tick, state: StragglerState, context: Context) -> Result:
         tick, state, slots, read, find_culprits(tick, state, slots, read, judged), context.halted
     )
     shared = find_shared_node(tick, state, slots, read)
-    learn_offsets(tick, state, slots, read, culprits.waiting | shared.waiting)
+    held = culprits.named | culprits.unwaited | shared.on[0]
+    learn_offsets(tick, state, slots, read, culprits.waiting | shared.waiting, held)
     seen = Sighting(tick, state, slots, read, judged, add_shared_node(tick, slots, judged, culprits, shared))
     standout = standout_groups(seen, shared)
     still_waiting = peers_still_waiting(read, judged, seen.culprits)

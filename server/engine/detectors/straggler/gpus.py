@@ -158,6 +158,7 @@ def reset_moved(state: StragglerState, cfg, gid: np.ndarray, carried: np.ndarray
             # A role is against its peers: the new group's are others (stages._rebase_roles).
             state.role[:, keep] = np.nan
             state.role_learned[keep] = 0
+            state.path[:, keep] = np.nan
             cap = cfg.structural_max_offset
             offset = state.offset[:, : len(gid)]
             culprit = _CULPRIT_SIGN * np.clip(_CULPRIT_SIGN * offset[:UTIL], 0.0, cap)
@@ -393,3 +394,19 @@ def role_mates(role: np.ndarray, gid: np.ndarray, within: float) -> np.ndarray:
     mate[order[1:]] |= close
     mate[order[:-1]] |= close
     return mate
+
+
+def follow_path(state: StragglerState, cfg, dev: np.ndarray, normal: np.ndarray, follows: np.ndarray) -> None:
+    """Each GPU's own path (straggler_path_time_constant_seconds): its SM activity's and power's deviation
+    from its peers, followed where `follows` (busy in its group past its learning), also while its group
+    waits: an expert whose load drifts waits and is waited for in turn. Frozen while named, or standing
+    out before its peers wait (named the moment they do), so a fault stays a departure from the path it
+    left. It starts at the GPU's normal (`normal`:
+    the deviation its excess is measured from, its offset or role), not at its first reading: a GPU slow
+    since before it was first judged has left its normal already."""
+    n = len(follows)
+    rate = 1.0 - math.exp(-cfg.tick_seconds / cfg.straggler_path_time_constant_seconds)
+    path = state.path[:, :n]
+    row = dev[: PW + 1]
+    moved = np.where(np.isnan(path), normal[: PW + 1], path + rate * (row - path))
+    state.path[:, :n] = np.where(follows & ~np.isnan(row), moved, path)

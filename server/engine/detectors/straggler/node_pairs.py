@@ -36,6 +36,8 @@ class NodeOffsets:
         # Each pair's usual wander of its activity about its offset while unslowed (a robust standard
         # deviation): few GPUs a node, and few nodes, make a noisy median.
         self.pair_noise = np.full(0, np.nan)
+        # Each pair's own path: its activity against the other nodes followed fast (nodes._follow_path).
+        self.pair_path = np.full(0, np.nan)
         self._all_keys: list[int] = []
         self._pair_keys = np.zeros(0, dtype=np.int64)
         self._pair_vals = np.zeros(0, dtype=np.int64)
@@ -91,6 +93,7 @@ class NodeOffsets:
             self.pair_mean = grown(self.pair_mean, i + 1, np.nan)
             self.pair_mean_learned = grown(self.pair_mean_learned, i + 1, 0)
             self.pair_noise = grown(self.pair_noise, i + 1, np.nan)
+            self.pair_path = grown(self.pair_path, i + 1, np.nan)
         return i
 
     def recycle(self, gid: int, job: str | None, node_names: list[str]) -> None:
@@ -103,6 +106,7 @@ class NodeOffsets:
                 self.pair_mean[i] = np.nan
                 self.pair_mean_learned[i] = 0
                 self.pair_noise[i] = np.nan
+                self.pair_path[i] = np.nan
                 fp = subject_fingerprint(AlertKind.STRAGGLER, node_names[nid], None, job)
                 self.pair_fps[i] = self._node_fps[(g, nid)] = fp
         self._node_layout = None

@@ -85,6 +85,8 @@ def node_level(
     # In a fallback group only the host-idle pattern names a node: nodes of other jobs wait for none.
     idle_named = fallback & results["straggler_node_idle"][0]
     on = _named_pairs(tick, lay, r, off, ready & waiting & held[0], alike, idle_named) & ~victim
+    on &= ~_along_path(state.nodes, lay.idx, r, results["straggler_node_idle"][0])
+    _follow_path(cfg, state.nodes, lay.idx, r.act, r.node_busy & ~on)
     if halted:
         live = ~np.isin(gids, list(halted))
         stands &= live
@@ -93,6 +95,25 @@ def node_level(
     idling = set(gids[idle_stands].tolist())
     findings = [f for i in on.nonzero()[0].tolist() if (f := _pair_finding(tick, state, lay, r, i)) is not None]
     return findings, standout, idling, dict(lay.pairs)
+
+
+def _along_path(nodes: NodeOffsets, idx: np.ndarray | slice, r: _PairReadings, idle: np.ndarray) -> np.ndarray:
+    """Per pair: named as busier alone (not idling, clocks not cut), under twice the margin cross-section,
+    yet within the margin of its own path: the node's GPUs' load drifted up as a ramp its path followed
+    (experts' routing), not by a fault's step. The full margin, not the weaker one a GPU's path is held
+    to: a node's median of a few GPUs moves in jumps as its smoothing window turns over, and its margin is
+    half a GPU's. No path yet holds nothing back."""
+    rise = r.act - nodes.pair_path[idx]
+    return ~idle & ~r.cut & ~r.cross & (rise < r.act_margin)
+
+
+def _follow_path(cfg, nodes: NodeOffsets, idx: np.ndarray | slice, act: np.ndarray, follows: np.ndarray) -> None:
+    """Follow each pair's activity against the other nodes (straggler_path_time_constant_seconds) where
+    `follows` (its node busy, not named), also while its group waits; from its first reading."""
+    rate = 1.0 - math.exp(-cfg.tick_seconds / cfg.straggler_path_time_constant_seconds)
+    path = nodes.pair_path[idx]
+    use = follows & ~np.isnan(act)
+    nodes.pair_path[idx] = np.where(use, np.where(np.isnan(path), act, path + rate * (act - path)), path)
 
 
 def _pair_cross_section(tick: Tick, state: StragglerState, lay: NodePairs, r: _PairReadings) -> np.ndarray:

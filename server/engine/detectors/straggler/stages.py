@@ -16,6 +16,7 @@ from gpufleet.server.engine.detectors.straggler.gpus import (
     cuts,
     deviation,
     excess_in_noise,
+    follow_path,
     group_spread,
     learn,
     learned_noise,
@@ -231,6 +232,9 @@ class Culprits:
     weak: np.ndarray  # stands out at the weaker margins
     hardware: np.ndarray  # (2, n) at scales(): stands out by clocks or slowdown bits, not activity alone
     waiting: np.ndarray  # its peers wait: slowed against their baseline, or it stands out cross-section
+    # Stands out at the full margins while its peers do not wait (yet): named the moment they do, so its
+    # path holds (gpus.follow_path).
+    unwaited: np.ndarray
 
 
 def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Readings, judged: Judged) -> Culprits:
@@ -245,7 +249,20 @@ def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named)
     by_activity = named & ~(hardware[0] | read.clocks_cut | judged.idle[0])
     named &= ~_below_peers(read, by_activity, cfg)
-    return Culprits(named, weak, hardware, waiting)
+    named &= ~_along_path(state, read, by_activity & ~judged.cross_plain[0], cfg)
+    return Culprits(named, weak, hardware, waiting, full & ~waiting)
+
+
+def _along_path(state: StragglerState, read: Readings, by_activity: np.ndarray, cfg) -> np.ndarray:
+    """Per slot: named by its activity alone, under twice the margin cross-section, yet within the weaker
+    margin of its own path (gpus.follow_path): it got there as a ramp its path followed, as an expert's
+    drifting load does over minutes, not by a fault's step. A GPU with no path yet is not held back."""
+    unknown = read.sm_unknown
+    act_dev = np.where(unknown, read.deviation[PW], read.deviation[SM])
+    path = state.path[:, : len(unknown)]
+    margin = np.where(unknown, cfg.straggler_power_excess, cfg.straggler_sm_excess)
+    rise = act_dev - np.where(unknown, path[PW], path[SM])
+    return by_activity & (rise < cfg.straggler_weak_margin_ratio * margin)
 
 
 def _below_peers(read: Readings, by_activity: np.ndarray, cfg) -> np.ndarray:
@@ -359,9 +376,14 @@ def find_shared_node(tick: Tick, state: StragglerState, slots: Slots, read: Read
     return shared_node(tick, cfg, state, slots.group_of, judged & read.conditions.judgeable, read.sm_unknown)
 
 
-def learn_offsets(tick: Tick, state: StragglerState, slots: Slots, read: Readings, waiting: np.ndarray) -> None:
-    """Learn offsets, usual levels and noise from GPUs doing what their peers do (gpus.learn)."""
+def learn_offsets(
+    tick: Tick, state: StragglerState, slots: Slots, read: Readings, waiting: np.ndarray, held: np.ndarray
+) -> None:
+    """Learn offsets, usual levels and noise from GPUs doing what their peers do (gpus.learn), and each
+    busy GPU's own path past its learning unless `held` (named, or named once its peers wait:
+    gpus.follow_path)."""
     cfg = tick.config
+    follow_path(state, cfg, read.deviation, read.deviation - read.excess, read.busy & read.was_warm & ~held)
     # Not from a GPU with its clocks cut, its full-clock peers meanwhile, nor one idling well below its
     # peers: what it reads then is no structural offset, and the recovered GPU would stand out.
     idling = read.deviation[UTIL] <= -cfg.node_idle_gap

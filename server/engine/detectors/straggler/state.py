@@ -39,6 +39,8 @@ class StragglerState:
         # How far its SM activity and power usually wander from its usual level while unslowed (a robust
         # standard deviation): an expert whose load drifts wanders far, a steady rank by its noise.
         self.wander = np.full((len(_OWN_LEVELS), 0), np.nan)
+        # Its own path: its SM activity's and power's deviation from its peers, followed fast (gpus.follow_path).
+        self.path = np.full((len(_OWN_LEVELS), 0), np.nan)
         self.spread = np.full(0, np.nan)  # its group's recent spread of activity excesses
         self.noise = np.full((len(LEVELS), 0), np.nan)  # its group's spread of each excess while unslowed
         self.cost: dict[str, tuple[float, float]] = {}
@@ -90,6 +92,7 @@ class StragglerState:
             self.role[:, slots] = np.nan
             self.role_learned[slots] = 0
             self.wander[:, slots] = np.nan
+            self.path[:, slots] = np.nan
             self.spread[slots] = np.nan
             self.noise[:, slots] = np.nan
             self.standing_since[slots[slots < len(self.standing_since)]] = np.nan
@@ -106,6 +109,7 @@ class StragglerState:
         self.role = grown(self.role, n, np.nan)
         self.role_learned = grown(self.role_learned, n, 0)
         self.wander = grown(self.wander, n, np.nan)
+        self.path = grown(self.path, n, np.nan)
         self.spread = grown(self.spread, n, np.nan)
         self.noise = grown(self.noise, n, np.nan)
 
