@@ -231,7 +231,9 @@ def find_steps(
         # flat by chance as often as not.
         tt = after.centred_tt + before.centred_tt
         unexplained = after.centred_xx + before.centred_xx - slope * (after.centred_tx + before.centred_tx)
-        residual = np.maximum(unexplained, 0.0) / np.maximum(after.count + before.count - 3.0, 1.0)
+        # Degrees of freedom: each stretch's readings less its mean, less the one slope.
+        dof = (after.count - 1.0) + (before.count - 1.0) - 1.0
+        residual = np.maximum(unexplained, 0.0) / np.maximum(dof, 1.0)
         ramp_error = np.sqrt(residual / tt) * (a + gap) / rise
         # The rise against what the GPU's own readings leave of either stretch's mean uncertain: noisy
         # telemetry, or a rank whose load swings within its stretches, moves the difference of two means by
