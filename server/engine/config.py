@@ -165,6 +165,9 @@ class EngineConfig:
     # A rise is a step where the slope within its two stretches explains under this share of it (a rank's
     # drifting load is a ramp, whose slope explains all of it).
     straggler_step_ramp_ratio: float = 0.5
+    # A rise is a step only where a ramp whose slope explains all of it lies this many standard errors of
+    # the slope within the stretches away (noisy bins read a drifting rank's ramp as flat by chance).
+    straggler_step_ramp_sigmas: float = 2.0
     # A step's rise must also pass this many standard errors of itself, from the spread of the GPU's own
     # readings within its two stretches (a 3 % straggler's rise passes about 6 at noisy telemetry; chance
     # rises of noisy or swinging ranks under 4).

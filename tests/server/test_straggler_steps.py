@@ -3,13 +3,14 @@ standing against its peers rises at one moment while theirs falls; a rank whose 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 
 from gpufleet.server.engine.config import EngineConfig
 from gpufleet.server.engine.detectors.straggler.steps import Peers, StepTrail, Stretch, _ring_bins, find_steps
-from gpufleet.server.engine.windows import N_BINNED
+from gpufleet.server.engine.windows import B_SM, N_BINNED
 from gpufleet.server.replay import run_replay
 from tests.server.engine_samples import T0, cluster_lines
 
@@ -181,7 +182,8 @@ def test_a_step_within_the_gpus_own_noise_is_not_named():
         return {"sm_active_ratio": _noisy(0.80 * (1.0 - (PEER_FALL if t >= ONSET_S else 0.0)), t, node, gpu)}
 
     assert _stragglers(swinging) == []
-    named = _stragglers(swinging, config={"straggler_step_noise_sigmas": 0.0})
+    # Its noisy stretches leave the slope within them as uncertain: that gate is lifted too.
+    named = _stragglers(swinging, config={"straggler_step_noise_sigmas": 0.0, "straggler_step_ramp_sigmas": 0.0})
     assert [(s.node, s.gpu) for s in named] == [CULPRIT]
 
 
@@ -245,3 +247,30 @@ def test_a_tick_with_nothing_judged_is_recorded_as_find_steps_records_it():
     assert not steps.on.any()
     for name in ("dev", "level", "tick_of", "since", "before", "size", "fall"):
         assert getattr(skipped, name).tobytes() == getattr(tested, name).tobytes(), name
+
+
+def _first_step_of_a_noisy_ramp(cfg, seed: int, n: int = 16) -> int | None:
+    """The first tick at which find_steps holds a step for GPU 0, whose SM activity climbs 12 % over 120
+    ticks (a drifting expert) while its peers fall 6 %, every bin off by 3 % noise: a ramp whose slope
+    within 24-bin stretches is itself uncertain."""
+    rng = np.random.default_rng(seed)
+    trail = StepTrail()
+    peers = Peers(np.zeros(n, dtype=np.int64), np.array([n]), lambda row: np.nanmedian(row, axis=1)[:, None])
+    every = np.ones(n, dtype=bool)
+    for k in range(200):
+        share = min(max((k - 60) / 120, 0.0), 1.0)
+        latest = np.full((N_BINNED, n), 0.7)
+        latest[B_SM] = 0.8 * (1.0 - 0.06 * share) * (1.0 + 0.03 * rng.standard_normal(n))
+        latest[B_SM, 0] = 0.8 * (1.0 + 0.12 * share) * (1.0 + 0.03 * rng.standard_normal())
+        tick = SimpleNamespace(k=k, config=cfg, latest=latest)
+        if find_steps(tick, trail, peers, every, ~every, every).on[0]:  # type: ignore[arg-type]
+            return k
+    return None
+
+
+def test_a_noisy_ramp_whose_slope_reads_flat_by_chance_is_not_named():
+    # Mid-ramp its stretches' slope, read from noisy bins, explains under half the rise on some tick: the
+    # flat gate alone takes it for a step. The slope's own standard error keeps a ramp in the running.
+    cfg = EngineConfig()
+    assert _first_step_of_a_noisy_ramp(cfg, seed=3) is None
+    assert _first_step_of_a_noisy_ramp(replace(cfg, straggler_step_ramp_sigmas=0.0), seed=3) is not None

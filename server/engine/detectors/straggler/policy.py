@@ -185,7 +185,7 @@ STEP: tuple[Rule, ...] = (
         margin="straggler_step_excess",
         spread="step_spread",
         sigmas="straggler_step_sigmas",
-        gates=("kept", "job_fell", "flat", "clear"),
+        gates=("kept", "job_fell", "flat", "not_ramp", "clear"),
     ),
 )
 

@@ -226,6 +226,15 @@ def find_steps(
         # as large as the rise for a ramp, about nothing for a step.
         slope = (after.centred_tx + before.centred_tx) / (after.centred_tt + before.centred_tt)
         ramp = slope * (a + gap) / rise
+        # What the readings leave of that slope uncertain (its standard error, from what the slope leaves
+        # unexplained within the stretches), as a share of the rise: noisy stretches show a ramp's slope as
+        # flat by chance as often as not.
+        tt = after.centred_tt + before.centred_tt
+        unexplained = after.centred_xx + before.centred_xx - slope * (after.centred_tx + before.centred_tx)
+        # Degrees of freedom: each stretch's readings less its mean, less the one slope.
+        dof = (after.count - 1.0) + (before.count - 1.0) - 1.0
+        residual = np.maximum(unexplained, 0.0) / np.maximum(dof, 1.0)
+        ramp_error = np.sqrt(residual / tt) * (a + gap) / rise
         # The rise against what the GPU's own readings leave of either stretch's mean uncertain: noisy
         # telemetry, or a rank whose load swings within its stretches, moves the difference of two means by
         # chance more than the group's rises show where the group is small or its GPUs share the swing.
@@ -238,6 +247,8 @@ def find_steps(
         "job_fell": fall >= cfg.straggler_step_min_slowdown,
         # A step: the slope within the stretches explains under this share of the rise (a ramp's, all).
         "flat": (rise > 0) & (ramp < cfg.straggler_step_ramp_ratio),
+        # ... and a ramp that explains the whole rise is ruled out by this many standard errors of its slope.
+        "not_ramp": 1.0 - ramp >= cfg.straggler_step_ramp_sigmas * ramp_error,
         # A step stands clear of the GPU's own noise: this many standard errors of the rise.
         "clear": rise >= cfg.straggler_step_noise_sigmas * rise_error,
     }
