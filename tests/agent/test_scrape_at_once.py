@@ -40,21 +40,20 @@ def agent():
 
 
 def read_answer(sock: socket.socket) -> tuple[bytes, bytes]:
-    """One HTTP answer framed by its Content-Length: (head, body)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed before the head"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(
-        next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")).split(b":")[1]
-    )
+    """One HTTP answer framed by its Content-Length: (head, body). Read unbuffered, a byte at a time up to
+    the body, so that nothing of a pipelined answer after it is taken from the socket."""
+    raw = sock.makefile("rb", buffering=0)
+    lines = []
+    while (line := raw.readline()) not in (b"\r\n", b""):
+        lines.append(line.rstrip(b"\r\n"))
+    assert line, "connection closed before the end of the head"
+    head = b"\r\n".join(lines)
+    length = int(next(x for x in lines if x.lower().startswith(b"content-length:")).split(b":")[1])
+    body = b""
     while len(body) < length:
-        chunk = sock.recv(1 << 20)
+        chunk = raw.read(length - len(body))
         assert chunk, "connection closed inside the body"
         body += chunk
-    assert len(body) == length
     return head, body
 
 
