@@ -38,11 +38,18 @@ _CULPRIT_SIGN = np.array([[1.0], [1.0], [-1.0]])
 
 
 def standing_now(
-    tick: Tick, cfg, state: StragglerState, group_of: np.ndarray, sm_unknown: np.ndarray, on: np.ndarray
+    tick: Tick,
+    cfg,
+    state: StragglerState,
+    group_of: np.ndarray,
+    sm_unknown: np.ndarray,
+    on: np.ndarray,
+    shared: np.ndarray,
 ) -> np.ndarray:
     """Per slot: whether a GPU found standing out over the smoothing window still does in its newest
     readings (its newest bin, or the one before where that is empty), at the weaker margins; True where
-    it has neither (no evidence against). Also notes in the state since when each GPU has stood out in
+    it has neither (no evidence against); shared: per slot, the roles its excesses are taken beyond
+    (shared_roles). Also notes in the state since when each GPU has stood out in
     its newest readings at the full margins (StragglerState.note_standing).
 
     The smoothing window's median lags by up to half its length: a GPU that recovered would stand on
@@ -55,7 +62,7 @@ def standing_now(
     assert members is not None  # Engine.advance builds them with every tick's groups
     peers = members.layout.medians(now[: UTIL + 1])[:, group_of]
     dev = deviation(now[: UTIL + 1], peers)
-    ex = beyond_role(state, cfg, dev, dev - nan_to_zero(state.offset[:, : len(on)]), tick.groups.gid)
+    ex = beyond_role(state, dev, dev - nan_to_zero(state.offset[:, : len(on)]), shared)
     arrays = {
         "sm_excess": ex[SM],
         "power_excess": ex[PW],
@@ -362,27 +369,38 @@ def _learn_wander(state: StragglerState, cfg, own: np.ndarray, settled: np.ndarr
     state.wander[:, :n] = follow(state.wander[:, :n], rel, settled, rate)
 
 
-def beyond_role(state: StragglerState, cfg, dev: np.ndarray, ex: np.ndarray, gid: np.ndarray) -> np.ndarray:
+def beyond_role(state: StragglerState, dev: np.ndarray, ex: np.ndarray, shared: np.ndarray) -> np.ndarray:
     """The excesses (rows as groups.LEVELS) with SM activity's and power's taken beyond the GPU's role
-    (its uncapped stable offset, _learn_role) where that was learned long enough, is shared by another GPU
-    of its group (role_mates), and stands further in the culprit direction than its capped offset.
+    (its uncapped stable offset, _learn_role) where that role is shared (shared_roles) and stands further
+    in the culprit direction than its capped offset.
 
     In a job an offset in the culprit direction is capped to the structural range, so a GPU slow from
     the job's start is not absorbed; but a pipeline's last stage or an expert-heavy rank is steadily
     10-20 % busier than its peers, and whenever the job waits (on a real straggler, or a noisy dip of
     its baseline) that role stood out as a culprit. A stable difference of role is no fault; a change
-    from the GPU's own normal still is. A role is a kind of rank (a stage holds several), so a GPU
-    alone in its difference from the job's start is still judged against the cap. The role learns only
-    while its group runs unslowed, so a culprit is never absorbed while its peers wait.
+    from the GPU's own normal still is.
     """
     n = ex.shape[1]
+    out = ex.copy()
+    act = slice(SM, PW + 1)
+    out[act] = np.where(shared, np.fmin(ex[act], dev[act] - state.role[:, :n]), ex[act])
+    return out
+
+
+def shared_roles(state: StragglerState, cfg, gid: np.ndarray) -> np.ndarray:
+    """Per slot, rows SM activity and power: the GPU's role (_learn_role) was learned long enough and
+    another GPU of its group (gid, -1: none) has one within the structural range of it (role_mates).
+
+    A role is a kind of rank (a stage holds several), so a GPU alone in its difference from the job's
+    start is still judged against the cap. The role learns only while its group runs unslowed, so a
+    culprit is never absorbed while its peers wait. Read once per tick: beyond_role takes every
+    excess of the tick beyond the same roles.
+    """
+    n = len(gid)
     role = state.role[:, :n]
     ready = state.role_learned[:n] >= cfg.bins(cfg.role_offset_seconds)
-    out = ex.copy()
-    for row in (SM, PW):
-        use = ready & role_mates(np.where(ready, role[row], np.nan), gid[:n], cfg.structural_max_offset)
-        out[row] = np.where(use, np.fmin(ex[row], dev[row] - role[row]), ex[row])
-    return out
+    within = cfg.structural_max_offset
+    return np.array([ready & role_mates(np.where(ready, role[row], np.nan), gid, within) for row in (SM, PW)])
 
 
 def role_mates(role: np.ndarray, gid: np.ndarray, within: float) -> np.ndarray:

@@ -23,6 +23,7 @@ from gpufleet.server.engine.detectors.straggler.gpus import (
     mixed_fallback,
     reset_moved,
     shared_node,
+    shared_roles,
     signals,
     standing_now,
 )
@@ -89,7 +90,7 @@ def _rebase_roles(
     (a part of straggler_min_group or more GPUs, whose median one straggler does not move) plus each
     one's offset within its part as held to the structural range. A part's role (a node holding the
     last pipeline stage) is then known from the moment it joins, while a GPU slow from the start is not
-    absorbed; a smaller part learns its roles afresh (gpus.beyond_role waits for them)."""
+    absorbed; a smaller part learns its roles afresh (gpus.shared_roles waits for them)."""
     cfg = tick.config
     key = before[moved] * tick.groups.n_groups + slots.gid[moved]
     _, part, size = np.unique(key, return_inverse=True, return_counts=True)
@@ -105,7 +106,8 @@ class Readings:
     """Per slot: each GPU against its group's medians and its own learned offsets."""
 
     deviation: np.ndarray  # rows as groups.LEVELS, against the group's medians (gpus.deviation)
-    excess: np.ndarray  # the deviation less the GPU's learned offset
+    excess: np.ndarray  # the deviation less the GPU's learned offset (beyond a shared role: gpus.beyond_role)
+    shared_roles: np.ndarray  # rows SM activity and power: its excesses are taken beyond its role (gpus.shared_roles)
     sm_unknown: np.ndarray  # its group reports no SM activity
     utilization: np.ndarray
     busy: np.ndarray
@@ -128,9 +130,11 @@ def read_gpus(tick: Tick, state: StragglerState, slots: Slots, halted: AbstractS
     utilization = tick.med["util"]
     peer_slow_share = tick.groups.slow[group_of]
     cut, victim = cuts(tick, cfg, dev, peer_slow_share, group_of, in_group)  # sets dev's clock row for a cut GPU
+    shared = shared_roles(state, cfg, slots.gid)
     return Readings(
         deviation=dev,
-        excess=beyond_role(state, cfg, dev, dev - nan_to_zero(state.offset), slots.gid),
+        excess=beyond_role(state, dev, dev - nan_to_zero(state.offset), shared),
+        shared_roles=shared,
         sm_unknown=np.isnan(peers[SM]),
         utilization=utilization,
         busy=(utilization >= cfg.busy_utilization) & in_group,
@@ -246,7 +250,7 @@ def find_culprits(tick: Tick, state: StragglerState, slots: Slots, read: Reading
     )
     full, weak = ((culprit | read.clocks_cut) & ~read.victim) | judged.idle
     named = (judged.by_baseline | judged.by_cross_section) & waiting & full
-    named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named)
+    named &= standing_now(tick, cfg, state, slots.group_of, read.sm_unknown, named, read.shared_roles)
     by_activity = named & ~(hardware[0] | read.clocks_cut | judged.idle[0])
     named &= ~_below_peers(read, by_activity, cfg)
     named &= ~_along_path(state, read, by_activity & ~judged.cross_plain[0], cfg)
