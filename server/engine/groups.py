@@ -46,7 +46,7 @@ def group_medians(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndar
     x = values[ok]
     out = np.full(k * n_groups, np.nan)
     if len(ids):
-        xs = x[_group_sorted(x, ids, k * n_groups)]
+        xs = x[group_order(x, ids, k * n_groups)]
         counts = np.bincount(ids, minlength=k * n_groups)
         starts = np.cumsum(counts) - counts
         has = counts > 0
@@ -56,7 +56,7 @@ def group_medians(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndar
     return out.reshape(k, n_groups)
 
 
-def _group_sorted(x: np.ndarray, ids: np.ndarray, n_ids: int) -> np.ndarray:
+def group_order(x: np.ndarray, ids: np.ndarray, n_ids: int) -> np.ndarray:
     """Order that makes ids contiguous and ascending, x ascending within each id.
 
     Same result as np.lexsort((x, ids)) up to the order of equal x, at half the cost: sort x, then

@@ -29,6 +29,7 @@ from gpufleet.server.engine.detectors.straggler.policy import (
     STANDING_NOW,
 )
 from gpufleet.server.engine.detectors.straggler.state import StragglerState
+from gpufleet.server.engine.groups import group_order
 from gpufleet.server.engine.reduce import nan_to_zero
 from gpufleet.server.engine.rules import MAD_TO_SIGMA, MEAN_ABS_TO_SIGMA, any_of, evaluate
 from gpufleet.server.engine.tick import Tick
@@ -397,21 +398,25 @@ def shared_roles(state: StragglerState, cfg, gid: np.ndarray) -> np.ndarray:
     excess of the tick beyond the same roles.
     """
     n = len(gid)
-    role = state.role[:, :n]
     ready = state.role_learned[:n] >= cfg.bins(cfg.role_offset_seconds)
-    within = cfg.structural_max_offset
-    return np.array([ready & role_mates(np.where(ready, role[row], np.nan), gid, within) for row in (SM, PW)])
+    return ready & role_mates(np.where(ready, state.role[:, :n], np.nan), gid, cfg.structural_max_offset)
 
 
 def role_mates(role: np.ndarray, gid: np.ndarray, within: float) -> np.ndarray:
-    """Per slot: another GPU of its group (gid, -1: none) has a role (NaN: none) within `within` of its own."""
-    known = np.flatnonzero(~np.isnan(role) & (gid >= 0))
-    order = known[np.lexsort((role[known], gid[known]))]
-    close = (gid[order][1:] == gid[order][:-1]) & (np.diff(role[order]) <= within)
-    mate = np.zeros(len(role), dtype=bool)
+    """Per row of role (rows, n) and slot: another GPU of its group (gid, -1: none) has a role (NaN: none)
+    within `within` of its own in that row. Row r's group g is sorted as the id r x n_groups + g, so one
+    sort serves every row."""
+    rows, n = role.shape
+    n_groups = int(gid.max(initial=-1)) + 1
+    ids = (gid + np.arange(rows)[:, None] * n_groups).ravel()
+    flat = role.ravel()
+    known = np.flatnonzero(~np.isnan(flat) & np.tile(gid >= 0, rows))
+    order = known[group_order(flat[known], ids[known], rows * n_groups)]
+    close = (ids[order][1:] == ids[order][:-1]) & (np.diff(flat[order]) <= within)
+    mate = np.zeros(rows * n, dtype=bool)
     mate[order[1:]] |= close
     mate[order[:-1]] |= close
-    return mate
+    return mate.reshape(rows, n)
 
 
 def follow_path(state: StragglerState, cfg, dev: np.ndarray, normal: np.ndarray, follows: np.ndarray) -> None:
