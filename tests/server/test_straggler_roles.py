@@ -103,3 +103,23 @@ def test_a_node_within_its_usual_wander_is_not_named_while_a_slow_node_is():
         alerts = _stragglers(cluster_lines(1200, interval=10.0, gpus=4, override=_two_noisy_nodes("n1", seed)))
         assert [(a.node, a.gpu) for a in alerts] == [("n1", None)]
         assert T0 + WAIT_S < alerts[0].started <= T0 + WAIT_S + 90
+
+
+def test_role_mates_pairs_roles_within_the_range_inside_each_group_and_row():
+    from gpufleet.server.engine.detectors.straggler.gpus import role_mates
+
+    nan = np.nan
+    gid = np.array([0, 0, 0, 1, 1, -1, -1, 1])
+    role = np.array(
+        [
+            [0.00, 0.05, 0.30, 0.10, 0.10, 0.00, 0.00, nan],  # SM: 0 and 1 close, 2 alone; 3 and 4 tie
+            [0.20, 0.00, 0.21, 0.10, 0.50, 0.20, 0.20, 0.45],  # power: 0 and 2 close; 4 and 7; no group: none
+        ]
+    )
+    mates = role_mates(role, gid, 0.06)
+    assert mates.tolist() == [
+        [True, True, False, True, True, False, False, False],
+        [True, False, True, False, True, False, False, True],
+    ]
+    # Rows are apart: a GPU of no group in the power row is no mate of the last group's GPU in the SM row.
+    assert not role_mates(np.array([[0.0, nan], [nan, 0.0]]), np.array([1, -1]), 1.0).any()

@@ -405,7 +405,7 @@ def shared_roles(state: StragglerState, cfg, gid: np.ndarray) -> np.ndarray:
 def role_mates(role: np.ndarray, gid: np.ndarray, within: float) -> np.ndarray:
     """Per row of role (rows, n) and slot: another GPU of its group (gid, -1: none) has a role (NaN: none)
     within `within` of its own in that row. Row r's group g is sorted as the id r x n_groups + g, so one
-    sort serves every row."""
+    sort serves every row (equal roles are mates in any order, so the order of ties does not matter)."""
     rows, n = role.shape
     n_groups = int(gid.max(initial=-1)) + 1
     ids = (gid + np.arange(rows)[:, None] * n_groups).ravel()
