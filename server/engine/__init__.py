@@ -65,6 +65,7 @@ class Engine:
             detectors_registry.advice(self.detectors),
             # A rolling median crosses a threshold once half its window does (see registry.onset_lead).
             onset_lead=detectors_registry.onset_leads(self.detectors, cfg),
+            early_run=detectors_registry.early_runs(self.detectors, cfg),
         )
         self._costing = detectors_registry.costing(self.detectors)
         self._states = tuple(detector.state() for detector in self.detectors)

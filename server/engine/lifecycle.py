@@ -81,15 +81,20 @@ class _Record:
         )
 
 
-def _held(t: float, rec: _Record, f: Finding, for_s: float, onset_lead: float) -> bool:
+def _held(t: float, rec: _Record, f: Finding, for_s: float, onset_lead: float, early: float) -> bool:
     """Whether a pending alert's condition has held for `for_s`: as the finding (its pending time, less
     the ticks it was off), or unsmoothed in every newest bin since its held_since where that lies no
     more than `onset_lead` before the finding's first tick (how late the smoothing confirms a change: a
-    subject standing out long before its finding, a pipeline's busier last stage, shows no change)."""
+    subject standing out long before its finding, a pipeline's busier last stage, shows no change).
+
+    A run that began up to `early` seconds before that is counted from the lead: noise can make a subject
+    stand out in a few newest bins before its change, and that should not cost it the lead."""
     if t - rec.pending_since - rec.off_seconds >= for_s:
         return True
     since = f.held_since
-    return since is not None and since >= rec.pending_since - onset_lead and t - since >= for_s
+    if since is None or since < rec.pending_since - onset_lead - early:
+        return False
+    return t - max(since, rec.pending_since - onset_lead) >= for_s
 
 
 class Lifecycle:
@@ -101,10 +106,12 @@ class Lifecycle:
         pending_grace: float = 0.0,
         advice: Mapping[AlertKind, str] | None = None,
         onset_lead: Mapping[AlertKind, float] | None = None,
+        early_run: Mapping[AlertKind, float] | None = None,
     ) -> None:
         self.durations = dict(durations)
         self.pending_grace = pending_grace
         self.onset_lead = dict(onset_lead or {})  # kind -> seconds, see _held
+        self.early_run = dict(early_run or {})  # kind -> seconds, see _held
         self.advice = dict(advice or {})  # kind -> what to look at, carried by its alerts
         self.records: dict[str, _Record] = {}
 
@@ -164,7 +171,9 @@ class Lifecycle:
                 rec.summary = f.summary
         if escalated:
             rec.severity = f.severity
-        if rec.state is AlertState.PENDING and _held(t, rec, f, for_s, self.onset_lead.get(f.kind, 0.0)):
+        if rec.state is AlertState.PENDING and _held(
+            t, rec, f, for_s, self.onset_lead.get(f.kind, 0.0), self.early_run.get(f.kind, 0.0)
+        ):
             previous = AlertState.PENDING if for_s > 0 else None
             rec.state, rec.started = AlertState.FIRING, t
             out.append(Transition(rec.alert(), previous))

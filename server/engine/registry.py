@@ -71,6 +71,12 @@ def onset_lead(spec: KindSpec, config: EngineConfig) -> float:
     return config.smooth_seconds / 2 + (config.tick_seconds if spec.onset_after_median else 0.0)
 
 
+def early_runs(detectors: Detectors, config: EngineConfig) -> dict[AlertKind, float]:
+    """Kind -> how much earlier still a newest-bin run may have begun and count from its onset lead
+    (Lifecycle._held): half the smoothing window where the kind asks for it (KindSpec.early_run_counts)."""
+    return {spec.kind: config.smooth_seconds / 2 if spec.early_run_counts else 0.0 for spec in kind_specs(detectors)}
+
+
 def advice(detectors: Detectors) -> dict[AlertKind, str]:
     """Kind -> what to look at."""
     return {spec.kind: spec.advice for spec in kind_specs(detectors)}

@@ -132,3 +132,28 @@ def test_a_subject_standing_out_long_before_its_finding_waits_the_whole_for():
         assert all(tr.alert.state is AlertState.PENDING for tr in lc.step(t, {K: Outcome({"x": _held(0.0)})}))
     (tr,) = lc.step(70, {K: Outcome({"x": _held(0.0)})})
     assert tr.alert.state is AlertState.FIRING and tr.alert.started == 70
+
+
+def test_a_run_begun_a_little_before_the_lead_counts_from_the_lead_where_the_kind_allows():
+    # Pending at 30 s, lead 15 s: a run from 5 s began 10 s before the lead. Where the kind allows runs
+    # that early (noise lit a bin or two before the change), for counts from 15 s and it fires at 45 s.
+    lenient = Lifecycle({K: (30.0, 0.0)}, onset_lead={K: 15.0}, early_run={K: 15.0})
+    strict = Lifecycle({K: (30.0, 0.0)}, onset_lead={K: 15.0})
+    fired = {}
+    for t in range(30, 65, 5):
+        for name, lc in (("lenient", lenient), ("strict", strict)):
+            for tr in lc.step(t, {K: Outcome({"x": _held(5.0)})}):
+                if tr.alert.state is AlertState.FIRING:
+                    fired[name] = tr.alert.started
+    assert fired == {"lenient": 45, "strict": 60}
+
+
+def test_a_run_begun_more_than_the_early_allowance_before_the_lead_waits_the_whole_for():
+    lc = Lifecycle({K: (30.0, 0.0)}, onset_lead={K: 15.0}, early_run={K: 15.0})
+    started = [
+        tr.alert.started
+        for t in range(40, 75, 5)
+        for tr in lc.step(t, {K: Outcome({"x": _held(5.0)})})  # 20 s before the lead (25 s)
+        if tr.alert.state is AlertState.FIRING
+    ]
+    assert started == [70]

@@ -44,6 +44,10 @@ class KindSpec:
     # first bin's start, so a clean job-wide step is confirmed half a window and one bin after its run
     # began (20 s at 30 s smoothing over 5 s bins).
     onset_after_median: bool = False
+    # Whether a newest-bin run that began up to half a smoothing window before its onset lead still
+    # counts, from the lead: under noisy readings a subject often stands out in a bin or two before its
+    # change. Not for kinds a later finding must be able to pre-empt (comm_bound waits for a straggler).
+    early_run_counts: bool = False
 
     def durations(self, config: EngineConfig) -> tuple[float, float]:
         """(for, clear) seconds under a config."""

@@ -54,6 +54,7 @@ DETECTOR: Detector[StragglerState] = Detector(
             for_setting="straggler_for_seconds",
             clear_setting="straggler_clear_seconds",
             costs=True,
+            early_run_counts=True,
             without=(
                 ("throttle_reasons", "cannot say what cut a GPU's clocks (heat, power brake, power cap)"),
                 ("sm_clock_max_hertz", "cannot see a GPU's clocks cut below its peers'"),
