@@ -294,7 +294,7 @@ def test_a_text_rendered_ahead_is_published_only_once_it_is_ready():
             assert store.latest().ready_metrics() is text
             return
         if second % 15 == 0:
-            store.latest().metrics
+            _ = store.latest().metrics  # a scrape reads it
         clock.advance(1.0)
     raise AssertionError("the steady scraper never made the sampler render ahead")
 
@@ -303,7 +303,7 @@ def test_a_rendered_text_is_read_while_the_next_one_renders():
     sampler, _, store, clock = make()
     sampler.run_once()
     pub = store.latest()
-    pub.metrics  # rendered and read once: a scrape found it
+    _ = pub.metrics  # rendered and read once: a scrape found it
     sampler.run_once()
     newer = store.latest()
     newer.rendered._render_locked()  # rendered, as ahead of its scrape, and not read yet
