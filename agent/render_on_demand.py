@@ -25,8 +25,8 @@ class RenderOnDemand:
     """One Renderer shared by the publications of one sampler, and when their scrapes come.
 
     Scrape threads may ask at once, so renders are serialised (the Renderer's cache is not thread-safe).
-    Should a render fail, the last good text is served and `on_error` hears of it. When the reads are
-    counted has a lock of its own, held for microseconds: a scrape of a rendered text never waits for a
+    Should a render fail, the last good text is served and `on_error` hears of it. The record of first
+    reads has a lock of its own, held for microseconds: a scrape of a rendered text never waits for the
     render of the next one.
     """
 
