@@ -25,7 +25,9 @@ class RenderOnDemand:
     """One Renderer shared by the publications of one sampler, and when their scrapes come.
 
     Scrape threads may ask at once, so renders are serialised (the Renderer's cache is not thread-safe).
-    Should a render fail, the last good text is served and `on_error` hears of it.
+    Should a render fail, the last good text is served and `on_error` hears of it. The record of first
+    reads has a lock of its own, held for microseconds: a scrape of a rendered text never waits for the
+    render of the next one.
     """
 
     def __init__(
@@ -36,7 +38,8 @@ class RenderOnDemand:
         families: FamiliesFn | None = None,
     ) -> None:
         self._renderer = Renderer(process_metrics=process_metrics, families=families)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # renders
+        self._reads_lock = threading.Lock()  # _first_reads and _ahead
         self._last_good = b""
         self._on_error = on_error
         self._monotonic = monotonic
@@ -51,7 +54,7 @@ class RenderOnDemand:
 
     def render_ahead(self, body: LazyBody, interval_s: float) -> bool:
         """Render `body` now when a scrape is due before the next publication; True when it did."""
-        with self._lock:
+        with self._reads_lock:
             reads = self._first_reads
             if len(reads) < 2 or self._ahead is not None or body._bytes is not None:
                 return False
@@ -59,11 +62,12 @@ class RenderOnDemand:
             if period <= 0 or self._monotonic() + interval_s < reads[-1] + period:
                 return False
             self._ahead = body
+        with self._lock:
             body._render_locked()
-            return True
+        return True
 
     def _first_read(self, body: LazyBody) -> None:
-        """Called under the lock the first time a scrape reads `body`."""
+        """Called under the reads lock the first time a scrape reads `body`."""
         self._first_reads = [*self._first_reads[-1:], self._monotonic()]
         if self._ahead is not None:
             self._ahead = None  # the scrape came: whether it found this body or a newer one, guess again
@@ -101,29 +105,26 @@ class LazyBody:
         return self._bytes
 
     def ready(self) -> bytes | None:
-        """get(), where that needs neither a render nor a wait for the render lock; None otherwise."""
-        if self._read:
+        """get(), where that needs no render (nor a wait for one); None otherwise."""
+        if self._read or self._bytes is None:
             return self._bytes
-        if self._bytes is None or not self._owner._lock.acquire(blocking=False):
-            return None
-        try:
-            if not self._read:
-                self._owner._first_read(self)
-                self._read = True
-            return self._bytes
-        finally:
-            self._owner._lock.release()
+        self._mark_read()
+        return self._bytes
 
     def get(self) -> bytes:
         """The text, rendering it now if it was neither read nor rendered ahead before."""
         if self._read:
             return self._bytes  # type: ignore[return-value]
         with self._owner._lock:
+            self._render_locked()
+        self._mark_read()
+        return self._bytes  # type: ignore[return-value]
+
+    def _mark_read(self) -> None:
+        with self._owner._reads_lock:
             if not self._read:
-                self._render_locked()
                 self._owner._first_read(self)
                 self._read = True
-            return self._bytes  # type: ignore[return-value]
 
     def _render_locked(self) -> None:
         if self._bytes is None:

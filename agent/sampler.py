@@ -292,9 +292,11 @@ class Sampler:
                 self._errors[("record", "write_failed")] += 1
         health = self.health()
         body = self._bodies.body(self._last, health, self._activity_totals)
-        self._store.publish(Publication(self._last, health, body, self._last_json, self._activity_totals))
+        # Rendered (and compressed) ahead before it is published: a scrape meanwhile is answered at once from
+        # the publication before, instead of finding this one half ready and waiting on a worker for it.
         if self._bodies.render_ahead(body, self._interval) and self._rendered_ahead is not None and body.text:
             self._rendered_ahead(body.text)
+        self._store.publish(Publication(self._last, health, body, self._last_json, self._activity_totals))
 
     def _render_failed(self, exc: Exception) -> None:
         """Called on the scrape thread that asked for the body; counted for the next publication."""

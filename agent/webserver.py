@@ -15,7 +15,7 @@ import time
 import zlib
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
@@ -557,18 +557,31 @@ def _accepts_gzip(values: list[str]) -> bool:
     return False
 
 
+class _Compressed(NamedTuple):
+    """A body's gzip header and deflate blocks, ending on a byte boundary, and the body's CRC-32."""
+
+    source: bytes
+    head: bytes
+    crc: int
+
+
+# The text being published and the one served until it is: a scrape between the two finds its own.
+KEPT_COMPRESSIONS = 2
+
+
 class GzipCache:
     """gzip of the current /metrics body, compressed once however often it is scraped. The body's deflate
     stream is flushed to a byte boundary and kept; each scrape appends only its own lines (the sample age)
     as a final stored block, and the gzip trailer from the body's CRC-32 extended over them: a few
-    microseconds, where copying a compressor's state to go on compressing costs a quarter of a megabyte."""
+    microseconds, where copying a compressor's state to go on compressing costs a quarter of a megabyte.
+
+    Compressions are serialised; a reader takes what is kept without a lock (it is replaced whole, never
+    changed), so a scrape never waits for the sampler compressing the next text."""
 
     def __init__(self, level: int = GZIP_LEVEL) -> None:
         self._level = level
-        self._lock = threading.Lock()
-        self._source: bytes | None = None
-        self._head = b""  # gzip header and the body's deflate blocks, ending on a byte boundary
-        self._crc = 0  # CRC-32 of the body
+        self._lock = threading.Lock()  # one compression at a time
+        self._kept: tuple[_Compressed, ...] = ()  # newest first
         self.compressions = 0
         self.wanted = False  # whether the last /metrics answer was asked gzipped
 
@@ -580,34 +593,38 @@ class GzipCache:
                 self._take(body)
 
     def ready(self, body: bytes, tail: bytes = b"") -> tuple[bytes, bytes] | None:
-        """compress(body, tail) as two parts, when the body is compressed already and nobody is compressing;
-        None rather than a wait."""
-        if not self._lock.acquire(blocking=False):
+        """compress(body, tail) as two parts, when the body is compressed already; None rather than a
+        compression."""
+        found = self._find(body)
+        if found is None:
             return None
-        try:
-            if self._source is not body and self._source != body:
-                return None
-            self.wanted = True
-            head, crc = self._head, self._crc
-        finally:
-            self._lock.release()
-        return head, _final_stored(tail, crc, len(body))
+        self.wanted = True
+        return found.head, _final_stored(tail, found.crc, len(body))
 
-    def _take(self, body: bytes) -> None:
-        """Under the lock: the kept stream is `body`'s."""
-        if self._source is not body and self._source != body:
+    def _find(self, body: bytes) -> _Compressed | None:
+        kept = self._kept
+        for entry in kept:
+            if entry.source is body:
+                return entry
+        return next((entry for entry in kept if entry.source == body), None)
+
+    def _take(self, body: bytes) -> _Compressed:
+        """Under the lock: `body`'s compression, made now if it is not kept."""
+        found = self._find(body)
+        if found is None:
             compressor = zlib.compressobj(self._level, zlib.DEFLATED, 31)
-            self._head = compressor.compress(body) + compressor.flush(zlib.Z_SYNC_FLUSH)
-            self._source, self._crc = body, zlib.crc32(body)
+            head = compressor.compress(body) + compressor.flush(zlib.Z_SYNC_FLUSH)
+            found = _Compressed(body, head, zlib.crc32(body))
+            self._kept = (found, *self._kept[: KEPT_COMPRESSIONS - 1])
             self.compressions += 1
+        return found
 
     def compress(self, body: bytes, tail: bytes = b"") -> bytes:
         """One gzip member holding body + tail."""
         with self._lock:
             self.wanted = True
-            self._take(body)
-            head, crc = self._head, self._crc
-        return head + _final_stored(tail, crc, len(body))
+            found = self._take(body)
+        return found.head + _final_stored(tail, found.crc, len(body))
 
 
 _STORED_MAX = 0xFFFF

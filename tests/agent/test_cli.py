@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import ctypes.util
+import gc
 import http.client
 import math
+import os
 import signal
+import sys
 import threading
 
 import orjson
@@ -201,3 +204,26 @@ def test_serving_without_a_driver_answers_with_health_only():
         status, health = get(port, "/healthz")
         assert status == 503 and orjson.loads(health)["status"] == "nvml_down"
         assert proc.poll() is None  # still running, retrying with backoff
+
+
+def test_the_agent_serves_with_the_gil_handed_over_quickly_and_start_up_frozen(monkeypatch):
+    """A full collection of what start-up built holds the GIL for milliseconds, and Python's 5 ms switch
+    interval would keep a scrape waiting behind a sampling cycle as long: both are set before sampling."""
+    from gpufleet.agent.cli import SWITCH_INTERVAL_SECONDS
+    from gpufleet.agent.sampler import Sampler
+
+    seen = {}
+
+    def start(self):
+        seen.update(interval=sys.getswitchinterval(), frozen=gc.get_freeze_count())
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent's own handler stops it
+
+    monkeypatch.setattr(Sampler, "start", start)
+    interval = sys.getswitchinterval()
+    try:
+        assert main(["--simulate", "hgx-h100", "--web.listen-address", "127.0.0.1:0", "--log.level", "error"]) == 0
+    finally:
+        gc.unfreeze()
+        sys.setswitchinterval(interval)
+    assert seen["interval"] == pytest.approx(SWITCH_INTERVAL_SECONDS) and SWITCH_INTERVAL_SECONDS <= 0.0001
+    assert seen["frozen"] > 1000  # the modules, configuration and simulator start-up made

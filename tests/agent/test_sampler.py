@@ -281,6 +281,36 @@ def test_steady_scrapes_find_their_snapshot_rendered_ahead_by_the_sampler():
     assert renderer.renders == 6
 
 
+def test_a_text_rendered_ahead_is_published_only_once_it_is_ready():
+    prepared = []
+    sampler, _, store, clock = make(rendered_ahead=lambda text: prepared.append((text, store.latest().rendered.text)))
+    for second in range(1, 46):  # 1 s samples, a scrape every 15 s
+        sampler.run_once()
+        if prepared:
+            text, served_meanwhile = prepared[0]
+            # Compressed (rendered_ahead) while the publication before was still the one served; published
+            # with its text ready for the scrape.
+            assert served_meanwhile is not text
+            assert store.latest().ready_metrics() is text
+            return
+        if second % 15 == 0:
+            _ = store.latest().metrics  # a scrape reads it
+        clock.advance(1.0)
+    raise AssertionError("the steady scraper never made the sampler render ahead")
+
+
+def test_a_rendered_text_is_read_while_the_next_one_renders():
+    sampler, _, store, clock = make()
+    sampler.run_once()
+    pub = store.latest()
+    _ = pub.metrics  # rendered and read once: a scrape found it
+    sampler.run_once()
+    newer = store.latest()
+    newer.rendered._render_locked()  # rendered, as ahead of its scrape, and not read yet
+    with sampler._bodies._lock:  # the sampler rendering a further text
+        assert newer.ready_metrics() == newer.rendered.text is not None
+
+
 def test_a_missed_guess_costs_one_render_and_the_scrape_renders_as_before():
     sampler, _, store, clock = make()
     renderer = sampler._bodies._renderer = CountingRenderer()

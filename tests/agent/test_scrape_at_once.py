@@ -177,8 +177,11 @@ def test_the_gzip_cache_compresses_ahead_only_for_gzip_scrapers_and_never_waits(
     parts = cache.ready(text + b"more\n", b"tail\n")
     assert parts is not None and gzip.decompress(b"".join(parts)) == text + b"more\ntail\n"
     assert gzip.decompress(first) == text + b"tail\n"
-    with cache._lock:  # a compression under way: the caller hands the scrape to a worker
-        assert cache.ready(text + b"more\n") is None
+    with cache._lock:  # a compression of the next text under way: the texts kept are still answered at once
+        older = cache.ready(text, b"tail\n")
+        assert older is not None and gzip.decompress(b"".join(older)) == text + b"tail\n"
+    cache.prepare(text + b"third\n")
+    assert cache.ready(text) is None and cache.ready(text + b"more\n") is not None  # the newest two are kept
 
 
 @pytest.mark.parametrize("tail", [b"", b"gpufleet_agent_sample_age_seconds 0.5\n", b"z" * 65535, b"q" * 70000])
