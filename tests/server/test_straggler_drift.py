@@ -20,22 +20,28 @@ STEP_S, STEP_RISE = 780.0, 0.30
 NODE_RISE, NODE_RAMP_SECONDS = 0.08, 600.0
 
 
-def _expert(step: bool):
-    """The job: each step lasts as long as its slowest rank's work, so while the expert has more work its
-    peers wait for it (their activity falls to their share of the step) and it computes throughout. Every
-    GPU's readings carry their own 1 % noise."""
-    rng = np.random.default_rng(11)
+def _drifting(step: bool, busier, rise: float, ramp_s: float, with_sm: bool, seed: int):
+    """Readings of a job whose busier GPUs (busier(node, gpu)) take on `rise` more work over `ramp_s` from
+    RAMP_S, and with `step` STEP_RISE more at STEP_S: each step lasts as long as the busier ranks' work, so
+    the others wait (their activity and power fall to their share of the step) while the busier compute
+    throughout. Every GPU's readings carry their own 1 % noise."""
+    rng = np.random.default_rng(seed)
     draws: dict[tuple[float, str, int], float] = {}
 
     def override(t, node, gpu):
-        work = 1.0 + RAMP_RISE * float(np.clip((t - RAMP_S) / RAMP_SECONDS, 0.0, 1.0))
+        work = 1.0 + rise * float(np.clip((t - RAMP_S) / ramp_s, 0.0, 1.0))
         if step and t >= STEP_S:
             work += STEP_RISE
-        share = 1.0 if (node, gpu) == EXPERT else 1.0 / work
+        share = 1.0 if busier(node, gpu) else 1.0 / work
         noise = draws.setdefault((t, node, gpu), float(1.0 + rng.normal(0.0, 0.01)))
-        return {"sm_active_ratio": SM * share * noise, "power_watts": POWER * share * noise}
+        return {"sm_active_ratio": SM * share * noise if with_sm else None, "power_watts": POWER * share * noise}
 
     return override
+
+
+def _expert(step: bool):
+    """The job: one expert (EXPERT) whose load drifts up by RAMP_RISE over RAMP_SECONDS."""
+    return _drifting(step, lambda node, gpu: (node, gpu) == EXPERT, RAMP_RISE, RAMP_SECONDS, True, 11)
 
 
 def _stragglers(lines):
@@ -59,20 +65,9 @@ def test_an_expert_leaving_its_path_at_a_moment_is_named():
 
 def _expert_node(step: bool):
     """Two nodes of 4 GPUs that report no SM activity, sampled every 10 s: the experts on n0 take on load
-    together (their median drifts up by NODE_RISE over NODE_RAMP_SECONDS), so n1's GPUs wait for them, their power falling to their share of each
-    step; with `step`, n0's work jumps by STEP_RISE at STEP_S."""
-    rng = np.random.default_rng(5)
-    draws: dict[tuple[float, str, int], float] = {}
-
-    def override(t, node, gpu):
-        work = 1.0 + NODE_RISE * float(np.clip((t - RAMP_S) / NODE_RAMP_SECONDS, 0.0, 1.0))
-        if step and t >= STEP_S:
-            work += STEP_RISE
-        share = 1.0 if node == "n0" else 1.0 / work
-        noise = draws.setdefault((t, node, gpu), float(1.0 + rng.normal(0.0, 0.01)))
-        return {"sm_active_ratio": None, "power_watts": POWER * share * noise}
-
-    return override
+    together (their median drifts up by NODE_RISE over NODE_RAMP_SECONDS), so n1's GPUs wait for them,
+    their power falling to their share of each step; with `step`, n0's work jumps by STEP_RISE at STEP_S."""
+    return _drifting(step, lambda node, gpu: node == "n0", NODE_RISE, NODE_RAMP_SECONDS, False, 5)
 
 
 def test_a_node_whose_experts_load_drifts_up_is_not_named():
